@@ -1,0 +1,5 @@
+import sys
+
+from meshlearn.cli import main
+
+sys.exit(main())

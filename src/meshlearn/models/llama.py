@@ -1,0 +1,190 @@
+"""A Llama-style decoder that reads top to bottom, and that can be cut into pipeline stages.
+
+Reference: the Llama architecture (RMSNorm pre-norm, rotary position embeddings, SwiGLU MLP, untied
+output head), written in the manner of nanoGPT's ``model.py``.
+
+A pipeline stage is this same model with parts removed (torchtitan's approach): the first stage keeps
+the token embedding, the last keeps the final norm and head, and every stage keeps only its own
+layers, keyed by their index in the full model. Parameter names of a stage are therefore the full
+model's names, so the unsplit model is an exact oracle: load every stage's state into one model and
+compare.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Shape of the decoder. Every field is also a config key under ``model.``."""
+
+    vocab_size: int = 0
+    """Tokens in the vocabulary; 0 means "take it from the tokenizer" (256 for bytes)."""
+    n_layer: int = 4
+    """Transformer blocks in the whole model (split evenly across pipeline stages)."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_head: int = 4
+    """Attention heads; must divide ``d_model``."""
+    seq_len: int = 128
+    """Tokens per training sequence (the context length)."""
+    ffn_hidden: int = 0
+    """Hidden width of the SwiGLU MLP; 0 means Llama's rule: 8/3 · d_model rounded up to 32."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon inside RMSNorm."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight init; residual writers are scaled by 1/sqrt(2·n_layer)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def ffn_width(self) -> int:
+        if self.ffn_hidden > 0:
+            return self.ffn_hidden
+        return 32 * math.ceil(8 * self.d_model / 3 / 32)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosine and sine tables of shape (seq_len, head_dim // 2)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (x[2i], x[2i+1]) of x (B, H, T, hd) by position-dependent angles."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)  # residual writer
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        heads = (B, T, self.n_head, C // self.n_head)
+        q = self.q(x).view(heads).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k(x).view(heads).transpose(1, 2)
+        v = self.v(x).view(heads).transpose(1, 2)
+        q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, cfg.ffn_width, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.ffn_width, bias=False)
+        self.down = nn.Linear(cfg.ffn_width, cfg.d_model, bias=False)  # residual writer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """The whole model, or one pipeline stage of it.
+
+    ``layer_ids`` selects the blocks this module holds (default: all); ``embed`` and ``head`` say
+    whether it holds the token embedding (first stage) and the final norm + output head (last stage).
+    A stage without the embedding takes the residual stream (B, T, d) as input; a stage without the
+    head returns it.
+    """
+
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        layer_ids: range | None = None,
+        embed: bool = True,
+        head: bool = True,
+    ):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("DecoderConfig.vocab_size must be set (the trainer takes it from the tokenizer)")
+        self.cfg = cfg
+        layer_ids = range(cfg.n_layer) if layer_ids is None else layer_ids
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model) if embed else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in layer_ids})
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if head else None
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if head else None
+        cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+        for name in ("o", "down"):  # GPT-2's scaled init of residual writers keeps depth stable
+            writer = getattr(module, name, None)
+            if isinstance(writer, nn.Linear):
+                nn.init.normal_(writer.weight, std=self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) → residual (B, T, d) → ... → logits (B, T, V), depending on the parts held."""
+        if self.tok_emb is not None:
+            x = self.tok_emb(x)  # (B, T, d)
+        for block in self.layers.values():
+            x = block(x, self.rope_cos, self.rope_sin)
+        if self.head is not None:
+            x = self.head(self.norm(x))  # (B, T, V)
+        return x
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy in nats per token."""
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample continuations of ``idx`` (B, T); needs the whole model (embedding and head)."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.cfg.seq_len:]
+            logits = self(context)[:, -1, :] / max(temperature, 1e-6)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return idx

@@ -1,0 +1,188 @@
+"""A one-line console progress display fed with the same records as metrics.jsonl.
+
+On a terminal the line is rewritten in place; in CI logs and pipes, where ``\\r`` turns
+into noise, a full line is printed every ``every`` steps plus the first and last.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, TextIO
+
+from meshlearn.report.units import as_number, format_count, format_duration
+
+_CLEAR_TO_EOL = "\x1b[K"
+
+
+def format_progress(
+    step: int,
+    total_steps: int,
+    *,
+    train_loss: float | None = None,
+    val_loss: float | None = None,
+    wall_tokens_per_s: float | None = None,
+    sim_tokens_per_s: float | None = None,
+    eta_s: float | None = None,
+) -> str:
+    """The progress line, e.g.
+    ``step 120/300 | loss 2.031 | val 2.104 | 5.3k tok/s wall | 41.2k tok/s sim | ETA 1m12s``.
+
+    Fields not known yet (no eval so far, no timing) are left out rather than shown as 0.
+    """
+    parts = [f"step {step}/{total_steps}"]
+    if train_loss is not None:
+        parts.append(f"loss {train_loss:.3f}")
+    if val_loss is not None:
+        parts.append(f"val {val_loss:.3f}")
+    if wall_tokens_per_s is not None:
+        parts.append(f"{format_count(wall_tokens_per_s)} tok/s wall")
+    if sim_tokens_per_s is not None:
+        parts.append(f"{format_count(sim_tokens_per_s)} tok/s sim")
+    if eta_s is not None:
+        parts.append(f"ETA {format_duration(eta_s)}")
+    return " | ".join(parts)
+
+
+def _rate(amount: float | None, seconds: float | None) -> float | None:
+    if amount is None or seconds is None or seconds <= 0:
+        return None
+    return amount / seconds
+
+
+def _is_tty(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def _terminal_width(stream: TextIO) -> int | None:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+class ProgressLine:
+    """Console progress for a training loop: call ``update(record)`` for each record.
+
+    ``total_steps`` is the planned number of optimizer steps. ``stream`` defaults to the
+    current ``sys.stdout`` (looked up at construction, so redirections are honoured).
+    Throughput is the cumulative average (tokens / cumulative time); the ETA uses the wall
+    time per step measured since the first record this object saw, which skips start-up
+    cost and stays right for resumed runs.
+    """
+
+    def __init__(self, total_steps: int, stream: TextIO | None = None, every: int = 10) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.total_steps = total_steps
+        self.stream = stream if stream is not None else sys.stdout
+        self.every = every
+        self.tty = _is_tty(self.stream)
+        self._step: int | None = None
+        self._train_loss: float | None = None
+        self._val_loss: float | None = None
+        self._wall_tok_s: float | None = None
+        self._sim_tok_s: float | None = None
+        self._eta_s: float | None = None
+        self._first_step: int | None = None
+        self._anchor: tuple[int, float] | None = None  # (step, wall_time_s) of first timing
+        self._line_open = False  # TTY: a line without newline is on screen
+        self._dirty = False  # non-TTY: state changed since the last printed line
+
+    def update(self, record: dict[str, Any]) -> None:
+        """Take one metrics record; records of other kinds than train/eval are ignored."""
+        kind = record.get("kind")
+        if kind == "train":
+            self._take_train(record)
+        elif kind == "eval":
+            val = as_number(record.get("val_loss"))
+            if val is not None:
+                self._val_loss = val
+        else:
+            return
+        if self._step is None:
+            return
+        self._dirty = True
+        if self.tty:
+            self._redraw()
+        elif kind == "train" and self._due():
+            self._print_line()
+
+    def _take_train(self, record: dict[str, Any]) -> None:
+        step = as_number(record.get("step"))
+        if step is None:
+            return
+        self._step = int(step)
+        if self._first_step is None:
+            self._first_step = self._step
+        loss = as_number(record.get("train_loss"))
+        if loss is not None:
+            self._train_loss = loss
+        tokens = as_number(record.get("tokens"))
+        wall = as_number(record.get("wall_time_s"))
+        self._wall_tok_s = _rate(tokens, wall)
+        self._sim_tok_s = _rate(tokens, as_number(record.get("sim_time_s")))
+        if wall is None:
+            return
+        if self._anchor is None:
+            self._anchor = (self._step, wall)
+        anchor_step, anchor_wall = self._anchor
+        if self._step > anchor_step:
+            per_step = (wall - anchor_wall) / (self._step - anchor_step)
+        elif self._step > 0:  # one record so far: cumulative average is all we have
+            per_step = wall / self._step
+        else:
+            return
+        self._eta_s = max(0, self.total_steps - self._step) * per_step
+
+    def _due(self) -> bool:
+        step = self._step or 0
+        return step == self._first_step or step % self.every == 0 or step >= self.total_steps
+
+    def line(self) -> str:
+        """The current progress line (empty before the first train record)."""
+        if self._step is None:
+            return ""
+        return format_progress(
+            self._step,
+            self.total_steps,
+            train_loss=self._train_loss,
+            val_loss=self._val_loss,
+            wall_tokens_per_s=self._wall_tok_s,
+            sim_tokens_per_s=self._sim_tok_s,
+            eta_s=self._eta_s,
+        )
+
+    def _redraw(self) -> None:
+        text = self.line()
+        width = _terminal_width(self.stream)
+        if width is not None and len(text) >= width:
+            text = text[: max(1, width - 1)]  # a wrapped line cannot be rewritten with \r
+        self.stream.write(f"\r{text}{_CLEAR_TO_EOL}")
+        self.stream.flush()
+        self._line_open = True
+        self._dirty = False
+
+    def _print_line(self) -> None:
+        self.stream.write(self.line() + "\n")
+        self.stream.flush()
+        self._dirty = False
+
+    def close(self) -> None:
+        """End the line: newline on a TTY; in logs, print the final state if not yet shown."""
+        if self.tty:
+            if self._line_open:
+                self.stream.write("\n")
+                self.stream.flush()
+                self._line_open = False
+        elif self._dirty and self._step is not None:
+            self._print_line()
+
+    def __enter__(self) -> ProgressLine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,89 @@
+"""Turn a validated RunConfig into the pieces a run needs: tokens, tokenizer, workers, driver."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshlearn.compress.registry import build_codec
+from meshlearn.config import RunConfig
+from meshlearn.data import (
+    ByteTokenizer,
+    Tokenizer,
+    TokenSplits,
+    build_tokenizer,
+    check_split_length,
+    encode_corpus,
+    is_token_file,
+    load_text,
+    load_tokens_bin,
+    split_tokens,
+)
+from meshlearn.mesh.compute import ComputeModel
+from meshlearn.mesh.network import Network
+from meshlearn.mesh.sim import SimDriver
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.mesh.worker import Worker
+from meshlearn.models.split import init_model, split_model
+from meshlearn.optim.factory import build_optimizer
+
+
+@dataclass
+class Corpus:
+    splits: TokenSplits
+    tokenizer: Tokenizer | None  # None for a pre-tokenized .bin without a known tokenizer
+    vocab_size: int
+
+
+def load_corpus(cfg: RunConfig, run_dir: Path | None) -> Corpus:
+    """Read and tokenize the corpus; the BPE tokenizer is trained once and cached in the run."""
+    data = cfg.data
+    if is_token_file(data.corpus):
+        tokens = load_tokens_bin(data.corpus)
+        vocab = cfg.model.vocab_size or int(tokens.max()) + 1
+        tokenizer = ByteTokenizer() if vocab <= 256 else None
+    else:
+        text = load_text(data.corpus)
+        cache = run_dir / "tokenizer.json" if run_dir is not None else None
+        tokenizer = build_tokenizer(data.tokenizer, text, cache, data.bpe_vocab_size)
+        tokens = encode_corpus(text, tokenizer)
+        vocab = tokenizer.vocab_size
+    splits = split_tokens(tokens, data.val_fraction)
+    check_split_length(splits, cfg.model.seq_len)
+    return Corpus(splits, tokenizer, vocab)
+
+
+def load_tokenizer(cfg: RunConfig, run_dir: Path) -> Tokenizer | None:
+    """The tokenizer of a finished run, without re-reading the corpus (BPE comes from its cache)."""
+    if is_token_file(cfg.data.corpus):
+        return ByteTokenizer() if cfg.model.vocab_size <= 256 else None
+    return build_tokenizer(cfg.data.tokenizer, None, run_dir / "tokenizer.json",
+                           cfg.data.bpe_vocab_size)
+
+
+def resolve(cfg: RunConfig, vocab_size: int) -> RunConfig:
+    """The one place derived values are filled in: the vocabulary comes from the tokenizer."""
+    if cfg.model.vocab_size not in (0, vocab_size):
+        raise ValueError(f"model.vocab_size = {cfg.model.vocab_size} but the tokenizer has "
+                         f"{vocab_size} tokens; leave it at 0 to take the tokenizer's")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+
+
+def build_workers(cfg: RunConfig) -> dict[WorkerId, Worker]:
+    """Every replica of every stage starts from the same seeded unsplit model."""
+    mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+    stages = split_model(init_model(cfg.model, cfg.seed), cfg.mesh.stages)
+    workers = {}
+    for wid in mesh.workers():
+        module = copy.deepcopy(stages[wid.stage])
+        optimizer = build_optimizer(module, cfg.optim, cfg.train.lr)
+        workers[wid] = Worker(wid, mesh, module, optimizer, build_codec(cfg.codec))
+    return workers
+
+
+def build_sim_driver(cfg: RunConfig, workers: dict[WorkerId, Worker]) -> SimDriver:
+    mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+    network = Network(cfg.link, seed=cfg.seed)
+    return SimDriver(mesh, workers, network, ComputeModel(cfg.sim, cfg.model))

@@ -1,0 +1,213 @@
+"""Trainer: the loop that reads in order — lr → batch → pipeline step → log → eval → checkpoint.
+
+The pipeline's internal order (which microbatch runs where, when) belongs to the schedule and the
+driver; the trainer only hands each worker its work for the step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from meshlearn.compress.codecs import Codec
+from meshlearn.config import RunConfig, save_config, to_dict
+from meshlearn.data import global_batch, shard_batch, validation_batches
+from meshlearn.mesh.schedule import schedule_table
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.mesh.worker import StepWork
+from meshlearn.models.llama import Decoder
+from meshlearn.report.progress import ProgressLine
+from meshlearn.train.assemble import build_sim_driver, build_workers, load_corpus, resolve
+from meshlearn.train.files import MetricsLog, atomic_torch_save, atomic_write_json, read_records
+from meshlearn.train.provenance import describe_run
+from meshlearn.train.schedule_lr import lr_factor
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass
+class Totals:
+    """Cumulative counters that a resumed run continues from."""
+
+    step: int = 0
+    tokens: int = 0
+    wall_s: float = 0.0
+    bytes_pp: int = 0
+    bytes_dp: int = 0
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.corpus = load_corpus(cfg, self.run_dir)
+        self.cfg = resolve(cfg, self.corpus.vocab_size)
+        self.mesh = MeshShape(self.cfg.mesh.replicas, self.cfg.mesh.stages)
+        self.workers = build_workers(self.cfg)
+        self.driver = build_sim_driver(self.cfg, self.workers)
+        self.table = schedule_table(self.cfg.mesh.schedule, self.mesh.stages, self.cfg.mesh.microbatches)
+        self.val_batches = validation_batches(self.corpus.splits.val, self.cfg.train.eval_batches,
+                                              self.cfg.train.batch_size, self.cfg.model.seq_len)
+        self.totals = Totals()
+        self.last_val_loss: float | None = None
+        if resume:
+            self._load_checkpoint()
+        save_config(self.cfg, self.run_dir / "config.toml")
+        atomic_write_json(self.run_dir / "run.json", describe_run())
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl",
+                                  keep_until_step=self.totals.step if resume else None)
+        self.progress = ProgressLine(self.cfg.train.steps) if progress else None
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        train = self.cfg.train
+        stops_early = self.totals.step < train.stop_at_step < train.steps
+        last = train.stop_at_step if stops_early else train.steps
+        try:
+            while self.totals.step < last:
+                self.step()
+                done = self.totals.step
+                if done % train.eval_every == 0 or done == train.steps:
+                    self.evaluate()
+                if train.checkpoint_every and done % train.checkpoint_every == 0 or done == last:
+                    self.save_checkpoint()
+        finally:
+            self.metrics.close()
+            if self.progress:
+                self.progress.close()
+        summary = self.summary()
+        atomic_write_json(self.run_dir / "summary.json", summary)
+        return summary
+
+    def step(self) -> float:
+        cfg, t = self.cfg, self.totals.step
+        factor = lr_factor(t, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
+        x, y = global_batch(self.corpus.splits.train, t, cfg.train.batch_size, cfg.model.seq_len,
+                            cfg.seed)
+        started = time.perf_counter()
+        report = self.driver.run_step(self.step_work(t, x, y), factor, cfg.train.grad_clip)
+        wall = time.perf_counter() - started
+        loss = sum(report.losses) / len(report.losses)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"step {t + 1}: train loss is {loss}; lower train.lr")
+        totals = self.totals
+        totals.step += 1
+        totals.tokens += x.numel()
+        totals.wall_s += wall
+        totals.bytes_pp += report.bytes_pp
+        totals.bytes_dp += report.bytes_dp
+        self._log({"kind": "train", "step": totals.step, "train_loss": loss,
+                   "lr": cfg.train.lr * factor, "grad_norm": report.grad_norm,
+                   "step_sim_s": report.sim_s, "step_wall_s": wall})
+        return loss
+
+    def step_work(self, step: int, x: torch.Tensor, y: torch.Tensor) -> dict[WorkerId, StepWork]:
+        """Replica r takes slice r of the global batch, cut into microbatches."""
+        shards = shard_batch(x, y, self.mesh.replicas, self.cfg.mesh.microbatches)
+        works = {}
+        for wid in self.mesh.workers():
+            micro = shards[wid.replica]
+            works[wid] = StepWork(
+                step=step,
+                plan=self.table[wid.stage],
+                microbatch_size=micro[0][0].shape[0],
+                tokens=[mx for mx, _ in micro] if wid.stage == 0 else None,
+                targets=[my for _, my in micro] if wid.stage == self.mesh.stages - 1 else None,
+            )
+        return works
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Validation loss through replica 0's stages, with the boundary codec applied as in training."""
+        stages = [self.workers[WorkerId(0, s)] for s in range(self.mesh.stages)]
+        losses = [pipeline_loss([w.module for w in stages], stages[0].codec, x, y)
+                  for x, y in self.val_batches]
+        self.last_val_loss = sum(losses) / len(losses)
+        self._log({"kind": "eval", "step": self.totals.step, "val_loss": self.last_val_loss})
+        return self.last_val_loss
+
+    # --- records -----------------------------------------------------------------------------
+
+    def _log(self, record: dict) -> None:
+        totals = self.totals
+        record |= {"tokens": totals.tokens, "sim_time_s": self.driver.clock.step_end,
+                   "wall_time_s": totals.wall_s, "bytes_pp": totals.bytes_pp,
+                   "bytes_dp": totals.bytes_dp}
+        self.metrics.write(record)
+        if self.progress:
+            self.progress.update(record)
+
+    def summary(self) -> dict:
+        totals, clock = self.totals, self.driver.clock
+        sim_s = clock.step_end
+        busy = sum(clock.busy_s.values())
+        links = [{"src": str(link.src), "dst": str(link.dst), "axis": link.axis,
+                  "bytes": link.bytes_sent, "busy_s": link.busy_s,
+                  "utilization": link.busy_s / sim_s if sim_s else 0.0}
+                 for link in sorted(self.driver.network.links.values(),
+                                    key=lambda link: (link.axis, link.src, link.dst))]
+        recent = [r["train_loss"] for r in _recent_train(self.run_dir, 10)]
+        return {
+            "name": self.cfg.name or self.run_dir.name,
+            "steps": totals.step,
+            "tokens": totals.tokens,
+            "final_val_loss": self.last_val_loss,
+            "final_train_loss": sum(recent) / len(recent) if recent else None,
+            "sim_time_s": sim_s,
+            "wall_time_s": totals.wall_s,
+            "sim_tokens_per_s": totals.tokens / sim_s if sim_s else None,
+            "wall_tokens_per_s": totals.tokens / totals.wall_s if totals.wall_s else None,
+            "bytes_per_token_pp": totals.bytes_pp / totals.tokens if totals.tokens else 0.0,
+            "bytes_per_token_dp": totals.bytes_dp / totals.tokens if totals.tokens else 0.0,
+            "bubble_fraction": 1.0 - busy / (len(clock.busy_s) * sim_s) if sim_s else None,
+            "compute_model": self.cfg.sim.describe(),
+            "links": links,
+        }
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        path = self.run_dir / CHECKPOINT
+        atomic_torch_save(path, {
+            "config": to_dict(self.cfg),
+            "totals": vars(self.totals).copy(),
+            "last_val_loss": self.last_val_loss,
+            "workers": {str(w): worker.state_dict() for w, worker in self.workers.items()},
+            "clock": self.driver.clock.state(),
+            "network": self.driver.network.state(),
+            "torch_rng": torch.random.get_rng_state(),
+        })
+        return path
+
+    def _load_checkpoint(self) -> None:
+        path = self.run_dir / CHECKPOINT
+        if not path.is_file():
+            raise FileNotFoundError(f"--resume {self.run_dir}: no {CHECKPOINT} in the run folder")
+        state = torch.load(path, weights_only=False)
+        self.totals = Totals(**state["totals"])
+        self.last_val_loss = state["last_val_loss"]
+        for w, worker_state in state["workers"].items():
+            self.workers[WorkerId.parse(w)].load_state_dict(worker_state)
+        self.driver.clock.load_state(state["clock"])
+        self.driver.network.load_state(state["network"])
+        torch.random.set_rng_state(state["torch_rng"])
+
+
+def pipeline_loss(stages: list[Decoder], codec: Codec, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Forward through the stages in order, each boundary crossing the codec."""
+    h = x
+    for i, stage in enumerate(stages):
+        if i > 0:
+            h = codec.decode(codec.encode(h))
+        h = stage(h)
+    return Decoder.loss(h, y).item()
+
+
+def _recent_train(run_dir: Path, n: int) -> list[dict]:
+    records = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
+    return records[-n:]

@@ -1,0 +1,62 @@
+"""Link arithmetic: serialization, latency, FIFO queueing, ring all-reduce cost."""
+
+import math
+
+import pytest
+
+from meshlearn.mesh.network import (
+    LinkProfile,
+    Network,
+    ring_allreduce_bytes_per_member,
+    ring_allreduce_s,
+)
+from meshlearn.mesh.topology import MeshShape, WorkerId
+
+A, B, C = WorkerId(0, 0), WorkerId(0, 1), WorkerId(1, 0)
+
+
+def test_one_message_costs_serialization_plus_latency():
+    net = Network(LinkProfile(bandwidth_mbit=100, latency_ms=20))
+    arrival = net.link(A, B).transmit(1.0, 1_250_000)  # 10 Mbit at 100 Mbit/s = 0.1 s
+    assert arrival == pytest.approx(1.0 + 0.1 + 0.02)
+
+
+def test_messages_on_one_link_queue_behind_each_other():
+    link = Network(LinkProfile(bandwidth_mbit=100, latency_ms=20)).link(A, B)
+    first = link.transmit(0.0, 1_250_000)
+    second = link.transmit(0.0, 1_250_000)
+    assert second - first == pytest.approx(0.1)
+    assert link.busy_s == pytest.approx(0.2) and link.bytes_sent == 2_500_000
+
+
+def test_unlimited_link_only_adds_latency_and_axes_are_named():
+    net = Network(LinkProfile(bandwidth_mbit=math.inf, latency_ms=5))
+    assert net.link(A, B).transmit(0.0, 10**9) == pytest.approx(0.005)
+    assert net.link(A, B).axis == "pp" and net.link(A, C).axis == "dp"
+
+
+def test_jitter_and_loss_are_seeded_and_keep_order():
+    def arrivals(seed):
+        link = Network(LinkProfile(100, 10, jitter_ms=30, loss_rate=0.3), seed=seed).link(A, B)
+        return [link.transmit(0.001 * i, 1000) for i in range(50)]
+
+    assert arrivals(1) == arrivals(1) and arrivals(1) != arrivals(2)
+    assert arrivals(1) == sorted(arrivals(1))
+
+
+def test_ring_allreduce_cost_model():
+    profile = LinkProfile(bandwidth_mbit=80, latency_ms=10)
+    nbytes = 4_000_000
+    # D=4: 6 rounds of a 1 MB chunk (0.1 s at 80 Mbit/s) plus one latency each.
+    assert ring_allreduce_s(nbytes, 4, profile) == pytest.approx(6 * (0.1 + 0.01))
+    assert ring_allreduce_bytes_per_member(nbytes, 4) == 6_000_000
+    assert ring_allreduce_s(nbytes, 1, profile) == 0.0
+
+
+def test_mesh_shape_ranks_round_trip():
+    mesh = MeshShape(replicas=2, stages=3)
+    assert [mesh.worker(mesh.rank(w)) for w in mesh.workers()] == mesh.workers()
+    assert mesh.next_stage(WorkerId(1, 2)) is None and mesh.prev_stage(WorkerId(1, 0)) is None
+    assert WorkerId.parse("r1s2") == WorkerId(1, 2) and str(WorkerId(1, 2)) == "r1s2"
+    with pytest.raises(ValueError, match="r<replica>s<stage>"):
+        WorkerId.parse("worker3")

@@ -1,0 +1,151 @@
+"""Progress line formatting and its TTY / log behaviour."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from meshlearn.report.progress import ProgressLine, format_progress
+from meshlearn.report.units import format_count, format_duration
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _train(step: int, *, tokens_per_step: int = 1024, wall_per_step: float = 0.2) -> dict:
+    return {
+        "kind": "train",
+        "step": step,
+        "train_loss": 3.0 - 0.01 * step,
+        "lr": 1e-3,
+        "tokens": tokens_per_step * step,
+        "sim_time_s": 0.025 * step,
+        "wall_time_s": wall_per_step * step,
+        "bytes_pp": 0,
+        "bytes_dp": 0,
+        "step_sim_s": 0.025,
+        "step_wall_s": wall_per_step,
+    }
+
+
+def test_format_progress_full_line():
+    line = format_progress(
+        120,
+        300,
+        train_loss=2.0312,
+        val_loss=2.1044,
+        wall_tokens_per_s=5321.0,
+        sim_tokens_per_s=41_200.0,
+        eta_s=72.4,
+    )
+    assert line == (
+        "step 120/300 | loss 2.031 | val 2.104 | 5.3k tok/s wall | 41.2k tok/s sim | ETA 1m12s"
+    )
+
+
+def test_format_progress_omits_unknown_fields():
+    assert format_progress(1, 10, train_loss=9.5) == "step 1/10 | loss 9.500"
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (0, "0"),
+        (950.4, "950"),
+        (999.7, "1.0k"),
+        (5321, "5.3k"),
+        (41_200, "41.2k"),
+        (999_960, "1.0M"),
+        (2_500_000, "2.5M"),
+        (3.2e9, "3.2G"),
+        (float("nan"), "?"),
+    ],
+)
+def test_format_count(value, text):
+    assert format_count(value) == text
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0, "0s"),
+        (42.4, "42s"),
+        (72, "1m12s"),
+        (605, "10m05s"),
+        (7380, "2h03m"),
+        (93_600, "1d02h"),
+        (None, "?"),
+        (-1, "?"),
+        (float("inf"), "?"),
+    ],
+)
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def test_progress_line_values_and_eta():
+    out = io.StringIO()
+    progress = ProgressLine(100, stream=out, every=10)
+    for step in range(1, 11):
+        progress.update(_train(step))
+    progress.update({"kind": "eval", "step": 10, "val_loss": 2.5, "tokens": 10240})
+    # 1024 tok / 0.2 s wall = 5.1k; / 0.025 s sim = 41.0k; 90 steps left * 0.2 s = 18 s.
+    assert progress.line() == (
+        "step 10/100 | loss 2.900 | val 2.500 | 5.1k tok/s wall | 41.0k tok/s sim | ETA 18s"
+    )
+
+
+def test_non_tty_prints_first_every_n_and_last():
+    out = io.StringIO()
+    with ProgressLine(25, stream=out, every=10) as progress:
+        progress.update({"kind": "event", "what": "ignored"})
+        for step in range(1, 26):
+            progress.update(_train(step))
+    lines = out.getvalue().splitlines()
+    assert [line.split(" |")[0] for line in lines] == [
+        "step 1/25",
+        "step 10/25",
+        "step 20/25",
+        "step 25/25",
+    ]
+    assert "\r" not in out.getvalue()
+    assert lines[-1].endswith("ETA 0s")
+
+
+def test_non_tty_close_flushes_unprinted_state():
+    out = io.StringIO()
+    progress = ProgressLine(300, stream=out, every=10)
+    for step in range(1, 14):  # crash/stop at step 13
+        progress.update(_train(step))
+    progress.update({"kind": "eval", "step": 13, "val_loss": 2.75})
+    progress.close()
+    lines = out.getvalue().splitlines()
+    assert [line.split(" |")[0] for line in lines] == ["step 1/300", "step 10/300", "step 13/300"]
+    assert "val 2.750" in lines[-1]
+
+
+def test_tty_rewrites_in_place():
+    out = FakeTTY()
+    progress = ProgressLine(3, stream=out)
+    for step in range(1, 4):
+        progress.update(_train(step))
+    progress.close()
+    text = out.getvalue()
+    assert text.count("\r") == 3 and text.count("\x1b[K") == 3
+    assert text.endswith(
+        "step 3/3 | loss 2.970 | 5.1k tok/s wall | 41.0k tok/s sim | ETA 0s\x1b[K\n"
+    )
+
+
+def test_every_must_be_positive():
+    with pytest.raises(ValueError, match="every"):
+        ProgressLine(10, stream=io.StringIO(), every=0)
+
+
+def test_format_amount_keeps_small_values_exact():
+    from meshlearn.report.units import format_amount
+
+    assert [format_amount(v) for v in (512, 2048, 3.2e6)] == ["512.0", "2,048", "3.2M"]
