@@ -260,6 +260,10 @@ def validate(cfg: RunConfig) -> None:
     _require(cfg.codec.name in CODECS, "codec.name", cfg.codec.name, f"allowed: {sorted(CODECS)}")
     _require(cfg.optim.name in OPTIMIZERS, "optim.name", cfg.optim.name,
              f"allowed: {sorted(OPTIMIZERS)}")
+    _require(cfg.optim.muon_adjust_lr in ("match_rms_adamw", "original"), "optim.muon_adjust_lr",
+             cfg.optim.muon_adjust_lr, "allowed: ['match_rms_adamw', 'original']")
+    _require(0 < cfg.optim.numuon_rank_fraction <= 1, "optim.numuon_rank_fraction",
+             cfg.optim.numuon_rank_fraction, "in (0, 1]")
     _require(train.lr > 0, "train.lr", train.lr, "must be > 0")
     _require(train.warmup_steps >= 0, "train.warmup_steps", train.warmup_steps, "must be >= 0")
     _require(0 <= train.min_lr_ratio <= 1, "train.min_lr_ratio", train.min_lr_ratio, "in [0, 1]")

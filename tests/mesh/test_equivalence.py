@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
+from tiny import tiny_config
 
 from meshlearn.data import global_batch
 from meshlearn.mesh.topology import WorkerId
@@ -28,7 +28,7 @@ def reference_run(trainer: Trainer, steps: int) -> tuple[list[float], Decoder]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip, foreach=False)
         factor = lr_factor(t, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
         for group in optimizer.param_groups:
-            group["lr"] = cfg.train.lr * factor
+            group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -52,6 +52,20 @@ def test_mesh_matches_unsplit_model(tiny_corpus, tmp_path, stages, replicas, sch
         merged = merge_stages(trainer.cfg.model, states).state_dict()
         worst = max((merged[k] - reference[k]).abs().max().item() for k in reference)
         assert worst <= 1e-5, f"replica {r}: parameters differ by {worst}"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "muon", "numuon"])
+def test_mesh_matches_unsplit_model_for_every_optimizer(tiny_corpus, tmp_path, optimizer):
+    """Every registered optimizer acts per parameter, so splitting the model changes nothing."""
+    cfg = tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=2", f"optim.name={optimizer}")
+    trainer = Trainer(cfg, tmp_path, progress=False)
+    mesh_losses = [trainer.step() for _ in range(3)]
+    ref_losses, ref_model = reference_run(trainer, 3)
+    assert max(abs(a - b) for a, b in zip(mesh_losses, ref_losses, strict=True)) <= 1e-5
+    states = [trainer.workers[WorkerId(0, s)].module.state_dict() for s in range(2)]
+    merged = merge_stages(trainer.cfg.model, states).state_dict()
+    reference = ref_model.state_dict()
+    assert max((merged[k] - reference[k]).abs().max().item() for k in reference) <= 1e-5
 
 
 def test_lossy_codec_is_detected_by_the_oracle(tiny_corpus, tmp_path):

@@ -2,7 +2,7 @@
 
 import json
 
-from conftest import tiny_config
+from tiny import tiny_config
 
 from meshlearn.train import Trainer
 

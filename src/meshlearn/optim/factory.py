@@ -12,13 +12,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshlearn.optim.muon import Muon
+from meshlearn.optim.numuon import NuMuon
+
 
 @dataclass(frozen=True)
 class OptimConfig:
     """The per-worker optimizer. Config keys under ``optim.``; the learning rate is ``train.lr``."""
 
     name: str = "adamw"
-    """Registry name: adamw or sgd."""
+    """Registry name: adamw, sgd, muon or numuon (Muon/NuMuon route embeddings, head and 1-D
+    parameters to an internal AdamW group)."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to 2-D weights only (not to norms)."""
     beta1: float = 0.9
@@ -27,6 +31,13 @@ class OptimConfig:
     """Second-moment decay (AdamW)."""
     eps: float = 1e-8
     """AdamW's denominator epsilon."""
+    momentum: float = 0.95
+    """Muon/NuMuon momentum (EMA form)."""
+    muon_adjust_lr: str = "match_rms_adamw"
+    """Muon's per-matrix lr scale: ``match_rms_adamw`` (reuse AdamW's lr) or ``original`` (lr in
+    spectral-norm units, ~0.02)."""
+    numuon_rank_fraction: float = 0.25
+    """NuMuon's update rank as a fraction of min(m, n) of each matrix."""
 
 
 def decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
@@ -50,9 +61,23 @@ def _sgd(module: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.Optimize
                            foreach=False)
 
 
+def _muon(module: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
+    return Muon(module, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                adjust_lr_fn=cfg.muon_adjust_lr, adamw_lr=lr, adamw_betas=(cfg.beta1, cfg.beta2),
+                adamw_eps=cfg.eps)
+
+
+def _numuon(module: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
+    return NuMuon(module, lr=lr, rank_fraction=cfg.numuon_rank_fraction, momentum=cfg.momentum,
+                  weight_decay=cfg.weight_decay, adjust_lr_fn=cfg.muon_adjust_lr, adamw_lr=lr,
+                  adamw_betas=(cfg.beta1, cfg.beta2), adamw_eps=cfg.eps)
+
+
 OPTIMIZERS: dict[str, Callable[[nn.Module, OptimConfig, float], torch.optim.Optimizer]] = {
     "adamw": _adamw,
     "sgd": _sgd,
+    "muon": _muon,
+    "numuon": _numuon,
 }
 
 
