@@ -18,7 +18,7 @@ from typing import Any
 
 import tomli_w
 
-from meshlearn.compress.registry import CODECS, CodecConfig
+from meshlearn.compress.registry import CODECS, WIRE_DTYPES, CodecConfig
 from meshlearn.mesh.compute import DEVICES, ComputeConfig
 from meshlearn.mesh.network import LinkProfile
 from meshlearn.mesh.schedule import SCHEDULES
@@ -228,6 +228,24 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _validate_codec(cfg: RunConfig) -> None:
+    codec, m = cfg.codec, cfg.model
+    _require(codec.name in CODECS, "codec.name", codec.name, f"allowed: {sorted(CODECS)}")
+    _require(codec.wire_dtype in WIRE_DTYPES, "codec.wire_dtype", codec.wire_dtype,
+             f"allowed: {sorted(WIRE_DTYPES)}")
+    _require(1 <= codec.topk <= m.d_model, "codec.topk", codec.topk, f"in [1, {m.d_model}]")
+    _require(1 <= codec.lowrank <= m.d_model, "codec.lowrank", codec.lowrank, f"in [1, {m.d_model}]")
+    _require(0 <= m.subspace_rank <= m.d_model, "model.subspace_rank", m.subspace_rank,
+             f"0 (dense) or in [1, {m.d_model}]")
+    last_stage_layers = m.n_layer // cfg.mesh.stages if m.n_layer % cfg.mesh.stages == 0 else 0
+    _require(0 <= m.subspace_dense_tail <= last_stage_layers, "model.subspace_dense_tail",
+             m.subspace_dense_tail, f"in [0, {last_stage_layers}]: dense layers must all sit in the "
+             "last stage, after every boundary")
+    if codec.name == "subspace":
+        _require(m.subspace_rank > 0, "codec.name", codec.name,
+                 "the subspace codec needs a constrained model: set model.subspace_rank > 0")
+
+
 def validate(cfg: RunConfig) -> None:
     """Every check that can fail before training starts."""
     m, mesh, link, train, data = cfg.model, cfg.mesh, cfg.link, cfg.train, cfg.data
@@ -257,7 +275,7 @@ def validate(cfg: RunConfig) -> None:
     for key, value in [("link.latency_ms", link.latency_ms), ("link.jitter_ms", link.jitter_ms)]:
         _require(value >= 0 and math.isfinite(value), key, value, "must be a finite number >= 0")
     _require(0 <= link.loss_rate < 1, "link.loss_rate", link.loss_rate, "must be in [0, 1)")
-    _require(cfg.codec.name in CODECS, "codec.name", cfg.codec.name, f"allowed: {sorted(CODECS)}")
+    _validate_codec(cfg)
     _require(cfg.optim.name in OPTIMIZERS, "optim.name", cfg.optim.name,
              f"allowed: {sorted(OPTIMIZERS)}")
     _require(cfg.optim.muon_adjust_lr in ("match_rms_adamw", "original"), "optim.muon_adjust_lr",

@@ -3,36 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from tiny import tiny_config
+from tiny import reference_run, tiny_config
 
-from meshlearn.data import global_batch
 from meshlearn.mesh.topology import WorkerId
-from meshlearn.models import Decoder, init_model, merge_stages
-from meshlearn.optim import build_optimizer
+from meshlearn.models import merge_stages
 from meshlearn.train import Trainer
-from meshlearn.train.schedule_lr import lr_factor
-
-
-def reference_run(trainer: Trainer, steps: int) -> tuple[list[float], Decoder]:
-    """Plain single-process training on the same global batches."""
-    cfg = trainer.cfg
-    model = init_model(cfg.model, cfg.seed)
-    optimizer = build_optimizer(model, cfg.optim, cfg.train.lr)
-    losses = []
-    for t in range(steps):
-        x, y = global_batch(trainer.corpus.splits.train, t, cfg.train.batch_size,
-                            cfg.model.seq_len, cfg.seed)
-        loss = Decoder.loss(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip, foreach=False)
-        factor = lr_factor(t, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, model
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -9,9 +9,11 @@ Message headers (step, microbatch, shape) are a few dozen bytes per message and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
+
+Kind = Literal["act", "grad"]
 
 
 @dataclass
@@ -29,13 +31,18 @@ class Encoded:
 
 
 class Codec(Protocol):
-    """Encode on the sender, decode on the receiver; both directions of a boundary use one codec."""
+    """Encode on the sender, decode on the receiver; both directions of a boundary use one codec.
+
+    ``kind`` says which direction: ``act`` (forward activations) or ``grad`` (their gradients).
+    ``ids`` are the microbatch's token ids (B, T); a codec that needs them downstream (the subspace
+    codec re-adds the fixed token table) puts them in the message and pays for their bytes.
+    """
 
     name: str
 
-    def encode(self, x: torch.Tensor) -> Encoded: ...
+    def encode(self, x: torch.Tensor, kind: Kind = "act", ids: torch.Tensor | None = None) -> Encoded: ...
 
-    def decode(self, message: Encoded) -> torch.Tensor: ...
+    def decode(self, message: Encoded, kind: Kind = "act") -> torch.Tensor: ...
 
 
 class IdentityCodec:
@@ -43,10 +50,10 @@ class IdentityCodec:
 
     name = "identity"
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def encode(self, x: torch.Tensor, kind: Kind = "act", ids: torch.Tensor | None = None) -> Encoded:
         return Encoded({"values": x.detach().clone()}, tuple(x.shape), x.dtype)
 
-    def decode(self, message: Encoded) -> torch.Tensor:
+    def decode(self, message: Encoded, kind: Kind = "act") -> torch.Tensor:
         return message.tensors["values"].clone()
 
 
@@ -57,10 +64,10 @@ class CastCodec:
         self.wire_dtype = wire_dtype
         self.name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[wire_dtype]
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def encode(self, x: torch.Tensor, kind: Kind = "act", ids: torch.Tensor | None = None) -> Encoded:
         return Encoded({"values": x.detach().to(self.wire_dtype)}, tuple(x.shape), x.dtype)
 
-    def decode(self, message: Encoded) -> torch.Tensor:
+    def decode(self, message: Encoded, kind: Kind = "act") -> torch.Tensor:
         return message.tensors["values"].to(message.dtype)
 
 
@@ -73,13 +80,13 @@ class Int8RowCodec:
 
     name = "int8"
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def encode(self, x: torch.Tensor, kind: Kind = "act", ids: torch.Tensor | None = None) -> Encoded:
         rows = x.detach().reshape(-1, x.shape[-1]).float()
         scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / 127.0
         q = torch.round(rows / scale).clamp_(-127, 127).to(torch.int8)
         return Encoded({"q": q, "scale": scale.squeeze(1)}, tuple(x.shape), x.dtype)
 
-    def decode(self, message: Encoded) -> torch.Tensor:
+    def decode(self, message: Encoded, kind: Kind = "act") -> torch.Tensor:
         q, scale = message.tensors["q"], message.tensors["scale"]
         rows = q.float() * scale.unsqueeze(1)
         return rows.reshape(message.shape).to(message.dtype)

@@ -30,6 +30,7 @@ class StepWork:
     targets: list[torch.Tensor] | None = None  # last stage: next-token ids per microbatch
     position: int = 0
     inbox: dict[tuple[str, int], Encoded] = field(default_factory=dict)
+    ids: dict[int, torch.Tensor | None] = field(default_factory=dict)  # token ids, for id-aware codecs
     saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
     losses: dict[int, float] = field(default_factory=dict)
 
@@ -91,9 +92,12 @@ class Worker:
         work = self.work
         if self.is_first:
             inputs = None
+            work.ids[m] = work.tokens[m]
             out = self.module(work.tokens[m])
         else:
-            inputs = self.codec.decode(work.inbox.pop(("act", m))).requires_grad_(True)
+            message = work.inbox.pop(("act", m))
+            work.ids[m] = message.tensors.get("ids")
+            inputs = self.codec.decode(message, "act").requires_grad_(True)
             out = self.module(inputs)
         if self.is_last:
             loss = Decoder.loss(out, work.targets[m])
@@ -103,7 +107,7 @@ class Worker:
             return []
         work.saved[m] = (inputs, out)
         dst = self.mesh.next_stage(self.id)
-        return [Message("act", work.step, m, self.id, dst, self.codec.encode(out))]
+        return [Message("act", work.step, m, self.id, dst, self.codec.encode(out, "act", work.ids[m]))]
 
     def _backward(self, m: int) -> list[Message]:
         work = self.work
@@ -111,11 +115,12 @@ class Worker:
         if self.is_last:
             out.backward()
         else:
-            out.backward(self.codec.decode(work.inbox.pop(("grad", m))))
+            out.backward(self.codec.decode(work.inbox.pop(("grad", m)), "grad"))
+        ids = work.ids.pop(m)
         if self.is_first:
             return []
         dst = self.mesh.prev_stage(self.id)
-        return [Message("grad", work.step, m, self.id, dst, self.codec.encode(inputs.grad))]
+        return [Message("grad", work.step, m, self.id, dst, self.codec.encode(inputs.grad, "grad", ids))]
 
     def end_step(self) -> dict[int, float]:
         """Close the step; return the last stage's microbatch losses (empty on other stages)."""

@@ -19,6 +19,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from meshlearn.models.subspace import (
+    SubspaceEmbedding,
+    SubspaceLinear,
+    fixed_token_table,
+    subspace_basis,
+)
+
 
 @dataclass(frozen=True)
 class DecoderConfig:
@@ -42,10 +49,22 @@ class DecoderConfig:
     """Epsilon inside RMSNorm."""
     init_std: float = 0.02
     """Standard deviation of the normal weight init; residual writers are scaled by 1/sqrt(2·n_layer)."""
+    subspace_rank: int = 0
+    """k > 0 confines the residual stream to a fixed k-dim subspace (subspace networks); 0 = dense."""
+    subspace_seed: int = 1337
+    """Seed of the shared basis U and the fixed token table (identical on every stage)."""
+    subspace_dense_tail: int = 0
+    """Final layers left unconstrained; they must all sit in the last stage (after every boundary)."""
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    def writer_std(self) -> float:
+        return self.init_std / math.sqrt(2 * self.n_layer)
+
+    def is_constrained(self, layer: int) -> bool:
+        return self.subspace_rank > 0 and layer < self.n_layer - self.subspace_dense_tail
 
     @property
     def ffn_width(self) -> int:
@@ -78,14 +97,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2)
 
 
+def residual_writer(in_features: int, cfg: DecoderConfig, basis: torch.Tensor | None) -> nn.Module:
+    """A projection into the residual stream: dense, or U·Z when the layer is subspace-constrained."""
+    if basis is None:
+        return nn.Linear(in_features, cfg.d_model, bias=False)
+    return SubspaceLinear(in_features, basis, cfg.writer_std())
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, basis: torch.Tensor | None = None):
         super().__init__()
         self.n_head = cfg.n_head
         self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)  # residual writer
+        self.o = residual_writer(cfg.d_model, cfg, basis)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -99,23 +125,26 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, basis: torch.Tensor | None = None):
         super().__init__()
         self.gate = nn.Linear(cfg.d_model, cfg.ffn_width, bias=False)
         self.up = nn.Linear(cfg.d_model, cfg.ffn_width, bias=False)
-        self.down = nn.Linear(cfg.ffn_width, cfg.d_model, bias=False)  # residual writer
+        self.down = residual_writer(cfg.ffn_width, cfg, basis)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    """Pre-norm block. With a subspace basis, both branches end in a U·Z writer, so what the block
+    adds to the residual stream stays in span(U) (the norms and their gains act inside the branches)."""
+
+    def __init__(self, cfg: DecoderConfig, basis: torch.Tensor | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, basis)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = SwiGLU(cfg, basis)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -143,8 +172,12 @@ class Decoder(nn.Module):
             raise ValueError("DecoderConfig.vocab_size must be set (the trainer takes it from the tokenizer)")
         self.cfg = cfg
         layer_ids = range(cfg.n_layer) if layer_ids is None else layer_ids
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model) if embed else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in layer_ids})
+        basis = None
+        if cfg.subspace_rank > 0:
+            basis = subspace_basis(cfg.d_model, cfg.subspace_rank, cfg.subspace_seed)
+        self.tok_emb = self._token_embedding(cfg, basis) if embed else None
+        self.layers = nn.ModuleDict(
+            {str(i): Block(cfg, basis if cfg.is_constrained(i) else None) for i in layer_ids})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if head else None
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if head else None
         cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
@@ -152,13 +185,20 @@ class Decoder(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
 
+    @staticmethod
+    def _token_embedding(cfg: DecoderConfig, basis: torch.Tensor | None) -> nn.Module:
+        if basis is None:
+            return nn.Embedding(cfg.vocab_size, cfg.d_model)
+        table = fixed_token_table(cfg.vocab_size, cfg.d_model, cfg.init_std, cfg.subspace_seed)
+        return SubspaceEmbedding(cfg.vocab_size, basis, table, cfg.init_std)
+
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
         for name in ("o", "down"):  # GPT-2's scaled init of residual writers keeps depth stable
             writer = getattr(module, name, None)
             if isinstance(writer, nn.Linear):
-                nn.init.normal_(writer.weight, std=self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer))
+                nn.init.normal_(writer.weight, std=self.cfg.writer_std())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) → residual (B, T, d) → ... → logits (B, T, V), depending on the parts held."""

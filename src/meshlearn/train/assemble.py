@@ -79,7 +79,7 @@ def build_workers(cfg: RunConfig) -> dict[WorkerId, Worker]:
     for wid in mesh.workers():
         module = copy.deepcopy(stages[wid.stage])
         optimizer = build_optimizer(module, cfg.optim, cfg.train.lr)
-        workers[wid] = Worker(wid, mesh, module, optimizer, build_codec(cfg.codec))
+        workers[wid] = Worker(wid, mesh, module, optimizer, build_codec(cfg.codec, cfg.model))
     return workers
 
 

@@ -203,7 +203,7 @@ def pipeline_loss(stages: list[Decoder], codec: Codec, x: torch.Tensor, y: torch
     h = x
     for i, stage in enumerate(stages):
         if i > 0:
-            h = codec.decode(codec.encode(h))
+            h = codec.decode(codec.encode(h, "act", x), "act")
         h = stage(h)
     return Decoder.loss(h, y).item()
 
