@@ -19,6 +19,7 @@ from typing import Any
 import tomli_w
 
 from meshlearn.compress.registry import CODECS, WIRE_DTYPES, CodecConfig
+from meshlearn.mesh.basis_updates import BasisUpdateConfig
 from meshlearn.mesh.compute import DEVICES, ComputeConfig
 from meshlearn.mesh.network import LinkProfile
 from meshlearn.mesh.schedule import SCHEDULES
@@ -99,6 +100,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sim: ComputeConfig = field(default_factory=ComputeConfig)
+    subspace_update: BasisUpdateConfig = field(default_factory=BasisUpdateConfig)
 
 
 # --- building the tree -----------------------------------------------------------------------
@@ -241,6 +243,12 @@ def _validate_codec(cfg: RunConfig) -> None:
     _require(0 <= m.subspace_dense_tail <= last_stage_layers, "model.subspace_dense_tail",
              m.subspace_dense_tail, f"in [0, {last_stage_layers}]: dense layers must all sit in the "
              "last stage, after every boundary")
+    update = cfg.subspace_update
+    _require(update.every >= 0, "subspace_update.every", update.every, "must be >= 0 (0 = frozen U)")
+    _require(update.lr > 0, "subspace_update.lr", update.lr, "must be > 0")
+    if update.every:
+        _require(m.subspace_rank > 0, "subspace_update.every", update.every,
+                 "basis updates need a constrained model: set model.subspace_rank > 0")
     if codec.name == "subspace":
         _require(m.subspace_rank > 0, "codec.name", codec.name,
                  "the subspace codec needs a constrained model: set model.subspace_rank > 0")

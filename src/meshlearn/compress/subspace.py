@@ -30,11 +30,15 @@ class SubspaceCodec:
     name = "subspace"
 
     def __init__(self, basis: torch.Tensor, table: torch.Tensor, wire_dtype: torch.dtype):
-        self.basis = basis  # (d, k), orthonormal columns
         self.table = table  # (V, d), the frozen token table
         self.wire_dtype = wire_dtype
         self.ids_dtype = id_dtype(table.shape[0])
-        self.version = tensor_hash(basis) + tensor_hash(table)  # what both ends must agree on
+        self.set_basis(basis)
+
+    def set_basis(self, basis: torch.Tensor) -> None:
+        """Switch to a new U (after a Grassmann update); the version tag changes with it."""
+        self.basis = basis  # (d, k), orthonormal columns
+        self.version = tensor_hash(basis) + tensor_hash(self.table)  # what both ends must agree on
 
     def encode(self, x: torch.Tensor, kind: Kind = "act", ids: torch.Tensor | None = None) -> Encoded:
         x = x.detach().float()

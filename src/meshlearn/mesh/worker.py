@@ -7,6 +7,7 @@ returns the messages to send. What the simulator tests is therefore exactly what
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,9 @@ class Worker:
         self.shape = StageShape(len(module.layers), module.tok_emb is not None, module.head is not None)
         self.n_params = sum(p.numel() for p in module.parameters())
         self.work: StepWork | None = None
+        # Sees the full-width gradient at this stage's input before it is encoded (for statistics
+        # such as the subspace basis update); None when nobody listens.
+        self.input_grad_observer: Callable[[torch.Tensor], None] | None = None
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
 
@@ -119,6 +123,8 @@ class Worker:
         ids = work.ids.pop(m)
         if self.is_first:
             return []
+        if self.input_grad_observer is not None:
+            self.input_grad_observer(inputs.grad)
         dst = self.mesh.prev_stage(self.id)
         return [Message("grad", work.step, m, self.id, dst, self.codec.encode(inputs.grad, "grad", ids))]
 

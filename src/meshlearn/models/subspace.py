@@ -27,7 +27,13 @@ def subspace_basis(d_model: int, rank: int, seed: int) -> torch.Tensor:
     """
     gen = torch.Generator().manual_seed(seed)
     q, r = torch.linalg.qr(torch.randn(d_model, rank, generator=gen, dtype=torch.float32))
-    return q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(rank))
+    return fixed_basis_signs(q, r)
+
+
+def fixed_basis_signs(q: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Make a QR factorization unique: flip columns of Q so that diag(R) > 0."""
+    diag = torch.diagonal(r)
+    return q * torch.where(diag < 0, -1.0, 1.0)
 
 
 def fixed_token_table(vocab_size: int, d_model: int, std: float, seed: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 from meshlearn.compress.codecs import Codec
 from meshlearn.config import RunConfig, save_config, to_dict
 from meshlearn.data import global_batch, shard_batch, validation_batches
+from meshlearn.mesh.basis_updates import BasisUpdater
 from meshlearn.mesh.schedule import schedule_table
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepWork
@@ -52,6 +53,11 @@ class Trainer:
         self.table = schedule_table(self.cfg.mesh.schedule, self.mesh.stages, self.cfg.mesh.microbatches)
         self.val_batches = validation_batches(self.corpus.splits.val, self.cfg.train.eval_batches,
                                               self.cfg.train.batch_size, self.cfg.model.seq_len)
+        self.basis_updater = None
+        if self.cfg.subspace_update.every:
+            m = self.cfg.model
+            self.basis_updater = BasisUpdater(self.cfg.subspace_update, self.workers, m.d_model,
+                                              m.subspace_rank, m.subspace_seed)
         self.totals = Totals()
         self.last_val_loss: float | None = None
         if resume:
@@ -72,6 +78,9 @@ class Trainer:
             while self.totals.step < last:
                 self.step()
                 done = self.totals.step
+                if self.basis_updater and self.basis_updater.after_step(done):
+                    self._log({"kind": "event", "step": done, "event": "subspace_basis_update",
+                               "updates": self.basis_updater.updates})
                 if done % train.eval_every == 0 or done == train.steps:
                     self.evaluate()
                 if train.checkpoint_every and done % train.checkpoint_every == 0 or done == last:
@@ -181,6 +190,7 @@ class Trainer:
             "clock": self.driver.clock.state(),
             "network": self.driver.network.state(),
             "torch_rng": torch.random.get_rng_state(),
+            "subspace_update": self.basis_updater.state() if self.basis_updater else None,
         })
         return path
 
@@ -196,6 +206,8 @@ class Trainer:
         self.driver.clock.load_state(state["clock"])
         self.driver.network.load_state(state["network"])
         torch.random.set_rng_state(state["torch_rng"])
+        if self.basis_updater:
+            self.basis_updater.load_state(state["subspace_update"])
 
 
 def pipeline_loss(stages: list[Decoder], codec: Codec, x: torch.Tensor, y: torch.Tensor) -> float:
