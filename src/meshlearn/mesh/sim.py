@@ -140,7 +140,7 @@ class SimDriver:
             sent = ring_allreduce_bytes_per_member(nbytes, len(group_ids))
             for src, dst in ring:
                 link = self.network.link(src, dst)
-                link.occupy(start, sent * 8 / (profile.bandwidth_mbit * 1e6), sent)
+                link.occupy(start, profile.serialization_s(sent), sent)
             for w in group_ids:
                 self.clock.now[w] = start + seconds
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import quote
 
-from meshlearn.report._atomic import atomic_write_text
+from meshlearn.atomic import atomic_write_text
 from meshlearn.report.markdown import render_markdown
 from meshlearn.report.records import RunData
 from meshlearn.report.table import Table, comparison_table, run_notes, trust_table

@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from meshlearn.report._atomic import atomic_path
+from meshlearn.atomic import atomic_path
 from meshlearn.report.records import RunData
 from meshlearn.report.stats import run_stats
 from meshlearn.report.units import as_number, format_amount, time_axis_unit

@@ -1,35 +1,14 @@
-"""Crash-safe files: write to a temporary name in the same folder, then rename over the target."""
+"""The metrics log of a run: append-only JSON lines that survive crashes and resumes."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-import torch
+from meshlearn.atomic import atomic_torch_save, atomic_write_json, atomic_write_text
 
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def atomic_torch_save(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+__all__ = ["MetricsLog", "atomic_torch_save", "atomic_write_json", "atomic_write_text", "read_records"]
 
 
 class MetricsLog:
