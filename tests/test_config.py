@@ -1,5 +1,7 @@
 """Bad input fails before any work, naming the field, the value and what is allowed."""
 
+from pathlib import Path
+
 import pytest
 
 from meshlearn.config import ConfigError, load_config, valid_keys
@@ -12,8 +14,9 @@ def test_defaults_and_overrides_parse_into_field_types():
     assert cfg.link.bandwidth_mbit == float("inf") and cfg.train.lr == 1e-3
 
 
-def test_demo_config_loads():
-    cfg = load_config("configs/demo.toml")
+@pytest.mark.parametrize("path", sorted(Path("configs").glob("*.toml")))
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
     assert (cfg.mesh.stages, cfg.mesh.replicas) == (4, 2)
 
 
