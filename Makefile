@@ -31,6 +31,8 @@ test-all: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/sim_overhead.py
 	$(PY) bench/bandwidth_gap.py
+	$(PY) bench/sim_fidelity.py
+	$(PY) bench/peer_pipelining.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -13,12 +13,16 @@ fraction of it each codec keeps at 200 Mbit/s, on the demo model and on a wider 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
+import tomllib
 from pathlib import Path
 
+import tomli_w
 from common import RESULTS, ROOT, demo_config, markdown_table, scratch_trainer, write_results
 
+from meshlearn.config import RunConfig, to_dict
 from meshlearn.report import render_report
 from meshlearn.train import Trainer
 
@@ -47,14 +51,34 @@ THROUGHPUT = {  # (scenario base, codec overrides)
 UNLIMITED = ["link.bandwidth_mbit=inf"]
 
 
-def train_runs(steps: int, out: Path) -> list[dict]:
+def finished_run(run_dir: Path, cfg: RunConfig) -> dict | None:
+    """A run this script already finished with this config: every key of its resolved config.toml
+    agrees (keys added to meshlearn after that run was written have no effect on it)."""
+    summary, config = run_dir / "summary.json", run_dir / "config.toml"
+    if not (summary.is_file() and config.is_file()):
+        return None
+    resolved = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=256))
+    current = tomllib.loads(tomli_w.dumps(to_dict(resolved)))
+    if not _agrees(tomllib.loads(config.read_text()), current):
+        return None
+    return json.loads(summary.read_text())
+
+
+def _agrees(saved: dict, current: dict) -> bool:
+    return all(key in current and (_agrees(value, current[key]) if isinstance(value, dict)
+                                   else value == current[key]) for key, value in saved.items())
+
+
+def train_runs(steps: int, out: Path, reuse: bool) -> list[dict]:
     rows = []
     for name, overrides in RUNS.items():
         run_dir = out / name
-        shutil.rmtree(run_dir, ignore_errors=True)
         cfg = demo_config(*overrides, f"train.steps={steps}", f"name={name}",
                           "train.checkpoint_every=0")
-        summary = Trainer(cfg, run_dir, progress=False).train()
+        summary = finished_run(run_dir, cfg) if reuse else None
+        if summary is None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            summary = Trainer(cfg, run_dir, progress=False).train()
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         rows.append({"run": name, "summary": summary, "records": records})
         print(f"{name}: val {summary['final_val_loss']:.4f}, {summary['sim_tokens_per_s']:.0f} tok/s")
@@ -93,9 +117,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--throughput-steps", type=int, default=2)
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep runs in bench/out/subspace/ that finished with the same config")
     args = parser.parse_args()
     out = ROOT / "bench" / "out" / "subspace"
-    runs = train_runs(args.steps, out)
+    runs = train_runs(args.steps, out, args.reuse)
     budget = min(r["summary"]["sim_time_s"] for r in runs)
     dense = next(r for r in runs if r["run"] == "dense-fp32")["summary"]
     table_rows = []

@@ -19,12 +19,17 @@ from typing import Any
 import tomli_w
 
 from meshlearn.compress.registry import CODECS, WIRE_DTYPES, CodecConfig
+from meshlearn.dist.settings import DistConfig, validate_dist
 from meshlearn.mesh.basis_updates import BasisUpdateConfig
 from meshlearn.mesh.compute import DEVICES, ComputeConfig
 from meshlearn.mesh.network import LinkProfile
 from meshlearn.mesh.schedule import SCHEDULES
+from meshlearn.mesh.topology import WorkerId
 from meshlearn.models.llama import DecoderConfig
 from meshlearn.optim.factory import OPTIMIZERS, OptimConfig
+from meshlearn.verify.attacks import ATTACKS, TARGETS, AttackConfig
+from meshlearn.verify.distances import DISTANCES, STATISTICS
+from meshlearn.verify.sentinel import DECISION_LOGS, GRAD_ACTIONS, MONITORS, VIEWS, VerifyConfig
 
 
 class ConfigError(ValueError):
@@ -92,6 +97,9 @@ class RunConfig:
     """A label for reports; defaults to the run folder's name."""
     seed: int = 1337
     """Seeds model init, data order and link randomness."""
+    backend: str = "sim"
+    """``sim``: every worker in one process on a virtual clock. ``dist``: one process per worker over
+    torch.distributed (``meshlearn train --backend dist``; see ``dist.*`` and docs/distributed.md)."""
     model: DecoderConfig = field(default_factory=DecoderConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     link: LinkProfile = field(default_factory=LinkProfile)
@@ -101,6 +109,9 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     sim: ComputeConfig = field(default_factory=ComputeConfig)
     subspace_update: BasisUpdateConfig = field(default_factory=BasisUpdateConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
 
 # --- building the tree -----------------------------------------------------------------------
@@ -254,6 +265,73 @@ def _validate_codec(cfg: RunConfig) -> None:
                  "the subspace codec needs a constrained model: set model.subspace_rank > 0")
 
 
+def _validate_verify(cfg: RunConfig) -> None:
+    v = cfg.verify
+    _require(v.name in MONITORS, "verify.name", v.name, f"allowed: {list(MONITORS)}")
+    _require(v.warmup_steps >= 0, "verify.warmup_steps", v.warmup_steps, "must be >= 0")
+    for key, beta in [("verify.beta_act", v.beta_act), ("verify.beta_grad", v.beta_grad)]:
+        _require(0 <= beta < 1, key, beta, "in [0, 1)")
+    _require(v.statistic in STATISTICS, "verify.statistic", v.statistic, f"allowed: {sorted(STATISTICS)}")
+    metrics = v.metric_names()
+    _require(bool(metrics) and set(metrics) <= set(DISTANCES) and len(set(metrics)) == len(metrics),
+             "verify.metrics", v.metrics, f"comma-separated, distinct, from {sorted(DISTANCES)}")
+    _require(1 <= v.min_metrics <= len(metrics), "verify.min_metrics", v.min_metrics,
+             f"in [1, {len(metrics)}] (the number of verify.metrics)")
+    _require(v.fence_k > 0, "verify.fence_k", v.fence_k, "must be > 0")
+    _require(v.window >= 8, "verify.window", v.window, "must be >= 8 (quartiles need values)")
+    _require(v.strikes >= 1, "verify.strikes", v.strikes, "must be >= 1")
+    _require(v.strike_history >= v.strikes, "verify.strike_history", v.strike_history,
+             f"must be >= verify.strikes = {v.strikes}")
+    for key, value in [("verify.swd_directions", v.swd_directions),
+                       ("verify.swd_quantiles", v.swd_quantiles)]:
+        _require(value >= 1, key, value, "must be a positive integer")
+    _require(v.norm_ratio > 1, "verify.norm_ratio", v.norm_ratio, "must be > 1")
+    _require(v.grad_action in GRAD_ACTIONS, "verify.grad_action", v.grad_action,
+             f"allowed: {list(GRAD_ACTIONS)}")
+    _require(v.view in VIEWS, "verify.view", v.view, f"allowed: {list(VIEWS)}")
+    _require(v.decision_log in DECISION_LOGS, "verify.decision_log", v.decision_log,
+             f"allowed: {list(DECISION_LOGS)}")
+    if v.name != "none":
+        _require(cfg.subspace_update.every == 0, "verify.name", v.name,
+                 "SENTINEL's references assume a fixed basis, and subspace_update changes it (method "
+                 "note, open detail 7: re-warming after a basis change is not implemented); set "
+                 "subspace_update.every = 0 or verify.name = none")
+
+
+def _validate_attack(cfg: RunConfig) -> None:
+    a, mesh = cfg.attack, cfg.mesh
+    _require(a.kind == "none" or a.kind in ATTACKS, "attack.kind", a.kind,
+             f"allowed: {['none', *sorted(ATTACKS)]}")
+    _require(a.target in TARGETS, "attack.target", a.target, f"allowed: {list(TARGETS)}")
+    _require(a.start_step >= 0, "attack.start_step", a.start_step, "must be >= 0")
+    _require(a.replay_delay >= 1, "attack.replay_delay", a.replay_delay, "must be >= 1")
+    _require(a.mixed_period >= 1, "attack.mixed_period", a.mixed_period, "must be >= 1")
+    _require(0 <= a.sign_fraction <= 1, "attack.sign_fraction", a.sign_fraction, "in [0, 1]")
+    _require(0 < a.adaptive_margin <= 1, "attack.adaptive_margin", a.adaptive_margin, "in (0, 1]")
+    _require(a.adaptive_max > 0, "attack.adaptive_max", a.adaptive_max, "must be > 0")
+    mixable = sorted(set(ATTACKS) - {"mixed", "adaptive"})
+    kinds = [k.strip() for k in a.mixed_kinds.split(",") if k.strip()]
+    _require(bool(kinds) and set(kinds) <= set(mixable), "attack.mixed_kinds", a.mixed_kinds,
+             f"comma-separated, from {mixable}")
+    if a.kind == "none":
+        return
+    ids = [w.strip() for w in a.workers.split(",") if w.strip()]
+    _require(bool(ids), "attack.workers", a.workers,
+             "name the attackers, e.g. attack.workers=r1s2 (replica 1, stage 2)")
+    middle = (f"stages 1..{mesh.stages - 2}" if mesh.stages > 2
+              else "none: the mesh needs at least 3 stages to have an attackable one")
+    for text in ids:
+        try:
+            wid = WorkerId.parse(text)
+        except ValueError as err:
+            raise ConfigError("attack.workers", a.workers, str(err)) from None
+        _require(wid.replica < mesh.replicas and wid.stage < mesh.stages, "attack.workers", a.workers,
+                 f"{text} is not in the mesh of {mesh.replicas} replicas × {mesh.stages} stages")
+        _require(0 < wid.stage < mesh.stages - 1, "attack.workers", a.workers,
+                 f"{text}: the first and last stages are honest in SENTINEL's threat model; "
+                 f"attackers may sit on {middle}")
+
+
 def validate(cfg: RunConfig) -> None:
     """Every check that can fail before training starts."""
     m, mesh, link, train, data = cfg.model, cfg.mesh, cfg.link, cfg.train, cfg.data
@@ -313,3 +391,6 @@ def validate(cfg: RunConfig) -> None:
     _require(0 < cfg.sim.utilization <= 1, "sim.utilization", cfg.sim.utilization, "in (0, 1]")
     _require(cfg.sim.peak_tflops >= 0, "sim.peak_tflops", cfg.sim.peak_tflops,
              "must be >= 0 (0 = the device table's value)")
+    _validate_verify(cfg)
+    _validate_attack(cfg)
+    validate_dist(cfg, _require)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from meshlearn.compress.codecs import Encoded
 from meshlearn.mesh.topology import WorkerId
@@ -19,7 +19,18 @@ class Message:
     src: WorkerId
     dst: WorkerId
     payload: Encoded
+    skip: bool = False  # the microbatch was quarantined upstream: not scored, zero loss weight
 
     @property
     def wire_bytes(self) -> int:
         return self.payload.wire_bytes
+
+
+class MessageMonitor(Protocol):
+    """Sees every message on arrival, before the receiving worker does (e.g. SENTINEL's verifiers).
+
+    ``inspect`` returns the message to deliver: the same one, one with a replaced payload, or one
+    marked ``skip``. A driver calls it in arrival order and never drops what it returns.
+    """
+
+    def inspect(self, message: Message) -> Message: ...

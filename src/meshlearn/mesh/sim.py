@@ -13,12 +13,16 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import torch
+
+from meshlearn.compress.codecs import Codec
 from meshlearn.mesh.compute import ComputeModel
-from meshlearn.mesh.messages import Message
+from meshlearn.mesh.messages import Message, MessageMonitor
 from meshlearn.mesh.network import Network, ring_allreduce_bytes_per_member, ring_allreduce_s
 from meshlearn.mesh.sync import average_gradients, clip_coefficient
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepWork, Worker
+from meshlearn.models.llama import Decoder
 
 
 @dataclass
@@ -26,7 +30,7 @@ class StepReport:
     """What one synchronous optimizer step did, for metrics."""
 
     losses: list[float]  # every microbatch loss of every replica (last stages)
-    sim_s: float  # virtual seconds from the end of the previous step to the end of this one
+    sim_s: float | None  # virtual seconds since the previous step's end (None: a real run, no clock)
     bytes_pp: int
     bytes_dp: int
     grad_norm: float
@@ -51,6 +55,9 @@ class SimClock:
 
 
 class SimDriver:
+    writes_records = True  # one process holds every worker: it writes the records and the summary
+    shard = None  # checkpoints are one file (a DistDriver names its shard; see train/checkpoint.py)
+
     def __init__(self, mesh: MeshShape, workers: dict[WorkerId, Worker], network: Network,
                  compute: ComputeModel):
         self.mesh = mesh
@@ -59,6 +66,14 @@ class SimDriver:
         self.compute = compute
         self.clock = SimClock({w: 0.0 for w in workers}, {w: 0.0 for w in workers})
         self._seq = itertools.count()
+        self.monitor: MessageMonitor | None = None
+        self.charge_monitor_time = True
+
+    def attach_monitor(self, monitor: MessageMonitor | None, charge_time: bool = True) -> None:
+        """Inspect every message on arrival; ``charge_time`` adds the inspection's measured wall time
+        to the delivery on the virtual clock (False keeps the virtual clock bit-reproducible)."""
+        self.monitor = monitor
+        self.charge_monitor_time = charge_time
 
     def run_step(self, works: dict[WorkerId, StepWork], lr_factor: float,
                  grad_clip: float) -> StepReport:
@@ -117,6 +132,12 @@ class SimDriver:
                     arrival = self.network.link(message.src, message.dst).transmit(now, message.wire_bytes)
                     heapq.heappush(events, (arrival, next(self._seq), "arrive", message))
                 try_start(wid, now)
+            elif kind == "arrive" and self.monitor is not None:
+                started = time.perf_counter()
+                message = self.monitor.inspect(payload)
+                # The verifier sits on the path: the receiver gets the message once it is inspected.
+                delay = time.perf_counter() - started if self.charge_monitor_time else 0.0
+                heapq.heappush(events, (now + delay, next(self._seq), "deliver", message))
             else:
                 message: Message = payload
                 self.workers[message.dst].receive(message)
@@ -160,3 +181,51 @@ class SimDriver:
             self.clock.now[wid] += seconds
             self.clock.busy_s[wid] += seconds
         return sq_norm**0.5
+
+    # --- what the Trainer asks of any driver (the DistDriver answers the same questions) ------
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Validation loss through replica 0's stages; no virtual time is charged for it."""
+        stages = [self.workers[WorkerId(0, s)] for s in range(self.mesh.stages)]
+        losses = [pipeline_loss([w.module for w in stages], stages[0].codec, x, y) for x, y in batches]
+        return sum(losses) / len(losses)
+
+    def record_fields(self) -> dict:
+        return {"sim_time_s": self.clock.step_end}
+
+    def summary_fields(self, tokens: int, wall_s: float) -> dict:
+        sim_s = self.clock.step_end
+        busy = sum(self.clock.busy_s.values())
+        links = [{"src": str(link.src), "dst": str(link.dst), "axis": link.axis,
+                  "bytes": link.bytes_sent, "busy_s": link.busy_s,
+                  "utilization": link.busy_s / sim_s if sim_s else 0.0}
+                 for link in sorted(self.network.links.values(),
+                                    key=lambda link: (link.axis, link.src, link.dst))]
+        return {
+            "sim_time_s": sim_s,
+            "sim_tokens_per_s": tokens / sim_s if sim_s else None,
+            "bubble_fraction": 1.0 - busy / (len(self.clock.busy_s) * sim_s) if sim_s else None,
+            "compute_model": self.compute.cfg.describe(),
+            "links": links,
+        }
+
+    def state(self) -> dict:
+        return {"clock": self.clock.state(), "network": self.network.state()}
+
+    def load_state(self, state: dict) -> None:
+        self.clock.load_state(state["clock"])
+        self.network.load_state(state["network"])
+
+    def barrier(self, what: str) -> None:
+        """Nothing to wait for: every worker lives in this process."""
+
+
+def pipeline_loss(stages: list[Decoder], codec: Codec, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Forward through the stages in order, each boundary crossing the codec."""
+    h = x
+    for i, stage in enumerate(stages):
+        if i > 0:
+            h = codec.decode(codec.encode(h, "act", x), "act")
+        h = stage(h)
+    return Decoder.loss(h, y).item()

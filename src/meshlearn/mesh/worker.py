@@ -12,12 +12,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshlearn.compress.codecs import Codec, Encoded
+from meshlearn.compress.codecs import Codec, Encoded, Kind
 from meshlearn.mesh.compute import StageShape
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.schedule import Action
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.models.llama import Decoder
+
+Tamper = Callable[[Kind, int, int, torch.Tensor], torch.Tensor]
+"""(kind, step, microbatch, tensor) → the tensor actually sent; see ``meshlearn.verify.attacks``."""
 
 
 @dataclass
@@ -34,6 +37,7 @@ class StepWork:
     ids: dict[int, torch.Tensor | None] = field(default_factory=dict)  # token ids, for id-aware codecs
     saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
     losses: dict[int, float] = field(default_factory=dict)
+    skipped: set[int] = field(default_factory=set)  # microbatches a verifier quarantined upstream
 
 
 class Worker:
@@ -52,6 +56,9 @@ class Worker:
         # Sees the full-width gradient at this stage's input before it is encoded (for statistics
         # such as the subspace basis update); None when nobody listens.
         self.input_grad_observer: Callable[[torch.Tensor], None] | None = None
+        # An adversarial worker: rewrites each tensor it is about to send (before encoding), while
+        # its own forward/backward stay honest. None for an honest worker.
+        self.tamper: Tamper | None = None
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
 
@@ -83,6 +90,8 @@ class Worker:
         if self.work is None or message.step != self.work.step:
             raise RuntimeError(f"worker {self.id}: message for step {message.step} outside that step")
         self.work.inbox[(message.kind, message.microbatch)] = message.payload
+        if message.skip:  # propagate: every later message of this microbatch carries the flag
+            self.work.skipped.add(message.microbatch)
 
     def run(self, action: Action) -> list[Message]:
         """Perform ``action`` (must be the one ``next_action`` returned) and return what to send."""
@@ -105,13 +114,20 @@ class Worker:
             out = self.module(inputs)
         if self.is_last:
             loss = Decoder.loss(out, work.targets[m])
+            if m in work.skipped:
+                # Quarantined upstream: zero weight, so the microbatch moves no weight anywhere, and
+                # its loss stays out of the train loss.
+                work.saved[m] = (inputs, loss * 0.0)
+                return []
             work.losses[m] = loss.item()
             # Each microbatch's mean loss counts 1/M: the step's gradient is the batch mean.
             work.saved[m] = (inputs, loss / len(work.targets))
             return []
         work.saved[m] = (inputs, out)
         dst = self.mesh.next_stage(self.id)
-        return [Message("act", work.step, m, self.id, dst, self.codec.encode(out, "act", work.ids[m]))]
+        sent = self._tampered("act", m, out.detach())
+        return [Message("act", work.step, m, self.id, dst, self.codec.encode(sent, "act", work.ids[m]),
+                        skip=m in work.skipped)]
 
     def _backward(self, m: int) -> list[Message]:
         work = self.work
@@ -126,7 +142,12 @@ class Worker:
         if self.input_grad_observer is not None:
             self.input_grad_observer(inputs.grad)
         dst = self.mesh.prev_stage(self.id)
-        return [Message("grad", work.step, m, self.id, dst, self.codec.encode(inputs.grad, "grad", ids))]
+        sent = self._tampered("grad", m, inputs.grad)
+        return [Message("grad", work.step, m, self.id, dst, self.codec.encode(sent, "grad", ids),
+                        skip=m in work.skipped)]
+
+    def _tampered(self, kind: Kind, m: int, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tamper is None else self.tamper(kind, self.work.step, m, x)
 
     def end_step(self) -> dict[int, float]:
         """Close the step; return the last stage's microbatch losses (empty on other stages)."""

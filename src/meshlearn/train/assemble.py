@@ -26,6 +26,7 @@ from meshlearn.mesh.network import Network
 from meshlearn.mesh.sim import SimDriver
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
+from meshlearn.models.llama import Decoder
 from meshlearn.models.split import init_model, split_model
 from meshlearn.optim.factory import build_optimizer
 
@@ -75,12 +76,14 @@ def build_workers(cfg: RunConfig) -> dict[WorkerId, Worker]:
     """Every replica of every stage starts from the same seeded unsplit model."""
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
     stages = split_model(init_model(cfg.model, cfg.seed), cfg.mesh.stages)
-    workers = {}
-    for wid in mesh.workers():
-        module = copy.deepcopy(stages[wid.stage])
-        optimizer = build_optimizer(module, cfg.optim, cfg.train.lr)
-        workers[wid] = Worker(wid, mesh, module, optimizer, build_codec(cfg.codec, cfg.model))
-    return workers
+    return {wid: build_worker(cfg, wid, copy.deepcopy(stages[wid.stage])) for wid in mesh.workers()}
+
+
+def build_worker(cfg: RunConfig, wid: WorkerId, module: Decoder) -> Worker:
+    """One worker around its stage module (the dist runtime builds just its own)."""
+    mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+    optimizer = build_optimizer(module, cfg.optim, cfg.train.lr)
+    return Worker(wid, mesh, module, optimizer, build_codec(cfg.codec, cfg.model))
 
 
 def build_sim_driver(cfg: RunConfig, workers: dict[WorkerId, Worker]) -> SimDriver:

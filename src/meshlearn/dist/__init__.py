@@ -1,0 +1,14 @@
+"""The distributed runtime: one OS process per worker (r, s) over torch.distributed.
+
+Only this package imports torch.distributed, and this ``__init__`` imports none of it, so the
+config tree can use ``meshlearn.dist.settings`` without pulling in the runtime.
+
+- ``settings``  DistConfig (``dist.*`` keys) and the deadlines derived from the link profile
+- ``wire``      a Message as two tensors (a length prefix and one byte buffer)
+- ``shaping``   paces a sender to its LinkProfile with the simulator's own link arithmetic
+- ``health``    heartbeats through the rendezvous store; one abort message naming the worker
+- ``transport`` background senders/receivers over one process group per directed link
+- ``driver``    DistDriver: the same Worker objects, driven by real messages
+- ``worker``    the per-process entry point (what torchrun runs: ``meshlearn worker``)
+- ``launch``    ``meshlearn train --backend dist``: starts the local processes itself
+"""

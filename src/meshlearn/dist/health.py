@@ -1,0 +1,173 @@
+"""Liveness through the rendezvous store, and the run's one abort message.
+
+Every process bumps its counter ``hb/<rank>`` every ``heartbeat_s`` from a background thread and
+reads everyone else's in the same round trip. A worker whose counter stops moving for
+``dead_after_s`` — killed, frozen, its host gone — is declared dead. The first process to notice
+(or to fail itself) writes the ``abort`` key with compare-and-set, so every process reports the
+same message, naming the same worker, whichever noticed first.
+
+Waits in the main thread poll ``check()``; a main thread stuck in a C++ call is covered by the
+monitor itself, which ends the process ``grace_s`` after a failure if the main thread has not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from meshlearn.mesh.topology import MeshShape
+
+ABORT_KEY = "abort"
+EXIT_PEER_FAILURE = 3
+
+
+class WorkerFailure(RuntimeError):
+    """The run cannot go on: a worker died, went silent, failed, or missed a deadline."""
+
+
+class Health:
+    """Heartbeats of every rank and the shared abort message, over a store client of our own."""
+
+    def __init__(self, store: dist.Store, mesh: MeshShape, rank: int, heartbeat_s: float,
+                 dead_after_s: float, store_owner: str, grace_s: float = 5.0):
+        self.store = store
+        self.mesh = mesh
+        self.rank = rank
+        self.name = str(mesh.worker(rank))
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self.store_owner = store_owner
+        self.grace_s = grace_s
+        self.failure: str | None = None
+        self.on_exit: Callable[[], None] | None = None  # flushes logs before a forced exit
+        self._stop = threading.Event()
+        self._keys = [f"hb/{r}" for r in range(mesh.world_size)]
+        self._thread = threading.Thread(target=self._run, name=f"health-{self.name}", daemon=True)
+
+    def start(self) -> None:
+        """Call once every rank has joined the process group (so all of them are running)."""
+        for key in self._keys:
+            self.store.add(key, 0)  # create every counter, so multi_get never waits for a key
+        self.store.add(self._keys[self.rank], 1)
+        self.store.compare_set(ABORT_KEY, "", "")  # create it empty, so one multi_get reads all
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.heartbeat_s + 5.0)
+
+    def check(self) -> None:
+        """Raise WorkerFailure if the run is over; called between the steps of every wait."""
+        if self.failure is not None:
+            raise WorkerFailure(self.failure)
+
+    def wait_work(self, work, what: str, deadline_s: float) -> None:
+        """Wait for an async collective, checking liveness; ``what`` names it in errors."""
+        end = time.monotonic() + deadline_s
+        pause = 1e-4
+        while not work.is_completed():
+            self.check()
+            if time.monotonic() >= end:
+                raise WorkerFailure(self.explain(f"{what} did not complete within {deadline_s:.1f} s"))
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)  # a millisecond at most: a step's end waits on this
+        try:
+            work.wait()
+        except Exception as err:  # noqa: BLE001 — a collective's error never says which peer broke
+            raise WorkerFailure(self.explain(f"{what} failed ({gist(err)})")) from None
+
+    def explain(self, message: str) -> str:
+        """A collective failed or timed out without naming anyone: give the heartbeats the time to
+        name the worker that is gone, and fall back to ``message`` if every worker still beats."""
+        end = time.monotonic() + self.dead_after_s + 2 * self.heartbeat_s
+        while self.failure is None and time.monotonic() < end:
+            time.sleep(self.heartbeat_s / 4)
+        return self.failure or self.abort(f"{message} (noticed by {self.name})")
+
+    def finish(self) -> None:
+        """Clean shutdown: say so first, so a rank exiting a little earlier is not declared dead."""
+        with contextlib.suppress(Exception):  # the store's host may already have exited
+            self.store.set(f"done/{self.rank}", "1")
+        self.stop()
+
+    def abort(self, message: str) -> str:
+        """Publish ``message`` unless another process already did; return the message that won."""
+        try:
+            won = self.store.compare_set(ABORT_KEY, "", message)
+            won = won.decode() if isinstance(won, bytes) else str(won)
+            message = won or message
+        except Exception:  # noqa: BLE001 — the store may be gone with its host; keep our message
+            pass
+        if self.failure is None:
+            self.failure = message
+        return message
+
+    # --- the monitor thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        last_value = [-1] * self.mesh.world_size
+        last_change = [time.monotonic()] * self.mesh.world_size
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self.store.add(self._keys[self.rank], 1)
+                values = self.store.multi_get([*self._keys, ABORT_KEY])
+            except Exception as err:  # noqa: BLE001 — any store error means we lost the rendezvous
+                self._fail(f"lost the rendezvous store ({self.store_owner}) — {gist(err)} "
+                           f"(noticed by {self.name})")
+                return
+            aborted = values[-1].decode()
+            if aborted:
+                self._fail(aborted)
+                return
+            now = time.monotonic()
+            for rank, raw in enumerate(values[:-1]):
+                value = int(raw.decode() or 0)
+                if value != last_value[rank]:
+                    last_value[rank], last_change[rank] = value, now
+                elif now - last_change[rank] > self.dead_after_s and not self._finished(rank):
+                    dead = self.mesh.worker(rank)
+                    self._fail(self.abort(f"worker {dead} stopped answering: no heartbeat for "
+                                          f"{now - last_change[rank]:.1f} s (rank {rank}; noticed by "
+                                          f"{self.name}; limit {self.dead_after_s:.1f} s = "
+                                          f"dist.dead_after_s + a round trip)"))
+                    return
+
+    def _finished(self, rank: int) -> bool:
+        try:
+            return self.store.check([f"done/{rank}"])
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _fail(self, message: str) -> None:
+        """Record the failure; if the main thread has not exited after ``grace_s``, exit for it."""
+        if self.failure is None:
+            self.failure = message
+        if self._stop.wait(self.grace_s):
+            return  # the main thread stopped us on its way out
+        print(f"meshlearn worker {self.name}: error: {self.failure}", file=sys.stderr, flush=True)
+        if self.on_exit is not None:
+            self.on_exit()
+        os._exit(EXIT_PEER_FAILURE)
+
+
+def gist(err: BaseException) -> str:
+    """The gist of a gloo/NCCL/store error: its first sentence, without the C++ source location."""
+    text = str(err).strip().splitlines()
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text[0]) if text else ""
+    return f"{type(err).__name__}: {first.split('. ')[0][:240]}"
+
+
+def store_client(host: str, port: int, timeout_s: float) -> dist.Store:
+    """A TCPStore client of our own (the process group's is not for a second thread), namespaced
+    by torchelastic's restart count so a restarted group never reads an old abort."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"meshlearn/{restart}/", store)

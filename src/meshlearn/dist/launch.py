@@ -1,0 +1,184 @@
+"""``meshlearn train --backend dist``: start the D × P worker processes on this machine, watch them.
+
+The launcher plays torchrun's agent: it hosts the rendezvous store (on an OS-chosen port of
+127.0.0.1) and gives each worker torchrun's environment, so a worker cannot tell the two apart
+and a cluster needs no code change. Workers are forked from a forkserver that has imported torch
+once (eight fresh interpreters would spend longer importing than a small run trains). Each worker
+writes ``logs/<worker>.log`` in the run folder; rank 0's log is echoed here.
+
+When a worker fails, the others notice by themselves (heartbeat, deadline or closed connection)
+and exit naming it; the launcher gives them that long plus a margin, then kills what is left, and
+prints one report: the agreed error, every worker's exit status, and how to resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import TextIO
+
+import torch.distributed as dist
+
+from meshlearn.config import RunConfig
+from meshlearn.dist.health import ABORT_KEY, EXIT_PEER_FAILURE
+from meshlearn.dist.settings import derive_deadlines
+from meshlearn.mesh.topology import MeshShape
+from meshlearn.train.checkpoint import latest_complete
+from meshlearn.train.files import atomic_write_json
+
+WORKERS_FILE = "workers.json"  # worker → rank, pid: for operators (and the kill test)
+
+
+def _child(argv: list[str], env: dict[str, str], log_path: str) -> None:
+    """Runs in the forked worker: torchrun's environment, output to the log, then the entry point."""
+    os.environ.update(env)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    from meshlearn.dist.worker import main
+
+    code = main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: TextIO | None = None) -> int:
+    """Run ``meshlearn worker <worker_argv>`` as D × P local processes; return the exit code.
+
+    Called from a script, call it under ``if __name__ == "__main__":`` — forkserver children import
+    the main module, as with any multiprocessing start method but fork.
+    """
+    out = out or sys.stdout
+    mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+    run_dir = Path(run_dir)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    store = dist.TCPStore("127.0.0.1", 0, world_size=mesh.world_size, is_master=True,
+                          timeout=timedelta(seconds=cfg.dist.init_timeout_s), wait_for_workers=False)
+    ctx = mp.get_context("forkserver")
+    # torch._dynamo is what building an optimizer imports lazily: ~1.5 s of CPU once, not per worker.
+    ctx.set_forkserver_preload(["meshlearn.dist.worker", "torch._dynamo"])
+    procs = []
+    for rank, wid in enumerate(mesh.workers()):
+        assert mesh.rank(wid) == rank
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(mesh.world_size),
+               "LOCAL_WORLD_SIZE": str(mesh.world_size), "GROUP_RANK": "0",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+               "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+               "MESHLEARN_STORE_OWNER": f"the launcher's store at 127.0.0.1:{store.port}"}
+        log = logs / f"{wid}.log"
+        with log.open("a") as f:
+            f.write(f"--- meshlearn worker {wid} (rank {rank}) {' '.join(worker_argv)}\n")
+        proc = ctx.Process(target=_child, args=(worker_argv, env, str(log)), name=str(wid))
+        proc.start()
+        procs.append(proc)
+    atomic_write_json(run_dir / WORKERS_FILE,
+                      {p.name: {"rank": rank, "pid": p.pid} for rank, p in enumerate(procs)})
+    try:
+        codes = _watch(procs, cfg, logs / f"{mesh.worker(0)}.log", out)
+    except BaseException as err:  # Ctrl-C, or a caller's timeout: never leave workers behind
+        _stop(procs, signal.SIGTERM, wait_s=5.0)
+        _stop(procs, signal.SIGKILL, wait_s=5.0)
+        if isinstance(err, KeyboardInterrupt):
+            print("meshlearn: interrupted; workers stopped", file=sys.stderr)
+            return 130
+        raise
+    if all(code == 0 for code in codes.values()):
+        return 0
+    print(_failure_report(codes, _abort_message(store), run_dir), file=sys.stderr)
+    return 1
+
+
+def _watch(procs: list, cfg: RunConfig, echo_log: Path, out: TextIO) -> dict[str, int | str]:
+    """Wait for every worker; after a first failure, allow the others the time the failure
+    detection needs, then kill the rest. Rank 0's log is echoed as it grows."""
+    deadlines = derive_deadlines(cfg.dist, cfg.link, 0, 0, 0, 1)
+    grace_s = deadlines.dead_after_s + 3 * cfg.dist.heartbeat_s + 10.0
+    failed_at: float | None = None
+    killed: set[str] = set()
+    position = 0
+    while True:
+        position = _echo(echo_log, position, out)
+        alive = [p for p in procs if p.exitcode is None]
+        if not alive:
+            break
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            for p in alive:
+                killed.add(p.name)
+            _stop(alive, signal.SIGKILL, wait_s=5.0)
+        multiprocessing.connection.wait([p.sentinel for p in alive], timeout=0.2)
+    _echo(echo_log, position, out)
+    return {p.name: ("killed by the launcher" if p.name in killed else p.exitcode) for p in procs}
+
+
+def _echo(path: Path, position: int, out: TextIO) -> int:
+    try:
+        with path.open("rb") as f:
+            f.seek(position)
+            data = f.read()
+    except FileNotFoundError:
+        return position
+    if data:
+        out.write(data.decode(errors="replace"))
+        out.flush()
+    return position + len(data)
+
+
+def _stop(procs: list, sig: int, wait_s: float) -> None:
+    for p in procs:
+        if p.exitcode is None and p.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, sig)
+    end = time.monotonic() + wait_s
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+
+
+def _abort_message(store: dist.Store) -> str | None:
+    try:
+        prefixed = dist.PrefixStore("meshlearn/0/", store)
+        if not prefixed.check([ABORT_KEY]):
+            return None
+        return prefixed.get(ABORT_KEY).decode() or None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _describe_exit(code: int | str) -> str:
+    if isinstance(code, str):
+        return code
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    if code == EXIT_PEER_FAILURE:
+        return "stopped: a peer failed"
+    return f"exit code {code}"
+
+
+def _failure_report(codes: dict[str, int | str], abort: str | None, run_dir: Path) -> str:
+    lines = [f"meshlearn: error: {abort or 'a worker failed without publishing an error'}"]
+    statuses = {}
+    for name, code in codes.items():
+        statuses.setdefault(_describe_exit(code), []).append(name)
+    lines.append("  workers: " + "; ".join(f"{', '.join(names)}: {status}"
+                                           for status, names in statuses.items()))
+    lines.append(f"  logs: {run_dir / 'logs'}")
+    checkpoint = latest_complete(run_dir)
+    if checkpoint is not None:
+        lines.append(f"  last complete checkpoint: {checkpoint} — continue with: "
+                     f"meshlearn train --resume {run_dir}")
+    else:
+        lines.append("  no complete checkpoint yet: start the run again")
+    return "\n".join(lines)

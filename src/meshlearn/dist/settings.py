@@ -1,0 +1,101 @@
+"""Settings of real multi-process runs, and the deadlines derived from them and the link profile.
+
+Kept free of torch.distributed so the config tree can import it. Every wait on another process
+in ``meshlearn.dist`` uses one of these deadlines; none is a guessed constant: each is the time the
+link model says the traffic needs, plus a compute slack the user sets (and can tune from the error
+message that names it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshlearn.mesh.network import LinkProfile, ring_allreduce_s
+
+BACKENDS = ("sim", "dist")
+COMMS = ("auto", "gloo", "nccl")
+SHAPINGS = ("sender", "none")
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """The distributed runtime (``backend = "dist"``). Config keys under ``dist.``."""
+
+    comm: str = "auto"
+    """Process-group backend: gloo (CPU tensors), nccl (one GPU per process), or auto (nccl when
+    CUDA is available, else gloo)."""
+    shaping: str = "sender"
+    """``sender``: every sender paces its messages to its link's profile (token bucket for the
+    bandwidth, delivery held back by the latency), so one machine emulates the WAN of ``link.*``.
+    ``none``: send at the speed of the real network (a real WAN, or namespaces shaped by tc)."""
+    timeout_s: float = 60.0
+    """Compute slack in every deadline, in seconds: the longest a worker may compute before it
+    sends what a peer waits for. The links' transfer time is added automatically. If a run stops
+    with "no activation ... within", raise it (large models, slow devices)."""
+    heartbeat_s: float = 1.0
+    """Seconds between the liveness beats every process writes to the rendezvous store."""
+    dead_after_s: float = 10.0
+    """A worker whose beats stop for this long (plus a round trip of the link) is declared dead,
+    and every process stops with its name. Lower it to fail faster; raise it if healthy workers
+    are declared dead (an overloaded host, a store far away)."""
+    init_timeout_s: float = 300.0
+    """Seconds for all processes to join at start-up (imports, corpus and model building)."""
+    threads: int = 0
+    """torch threads per worker process; 0 = this machine's cores shared by its local workers."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept in ``checkpoints/`` (older ones are deleted); at least 1."""
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds each kind of wait may last before the run stops with an error naming the peer."""
+
+    message_s: float  # from the moment a worker needs a pipeline message until it arrives
+    collective_s: float  # a data-parallel all-reduce, or the per-step gather of losses and norms
+    dead_after_s: float  # silence of a worker's heartbeat that declares it dead
+    init_s: float  # joining the process group, building groups
+
+
+def derive_deadlines(dist: DistConfig, link: LinkProfile, message_bytes: int, messages_per_step: int,
+                     grad_bytes: int, replicas: int) -> Deadlines:
+    """Deadlines from the link profile: the traffic's modelled time, doubled, plus the compute slack.
+
+    ``message_bytes`` is the size of one boundary message in fp32 (codecs only shrink it). A
+    message may queue behind a whole step of traffic on its link, so the wait allows for all of it.
+    """
+    per_message = link.serialization_s(message_bytes) / (1.0 - link.loss_rate)
+    per_message += link.latency_s + link.jitter_ms / 1000.0
+    transfer = messages_per_step * per_message
+    allreduce = ring_allreduce_s(grad_bytes, replicas, link) / (1.0 - link.loss_rate)
+    round_trip = 2.0 * (link.latency_s + link.jitter_ms / 1000.0)
+    return Deadlines(
+        message_s=dist.timeout_s + 2.0 * transfer,
+        collective_s=dist.timeout_s + 2.0 * (transfer + allreduce),
+        dead_after_s=dist.dead_after_s + round_trip,
+        init_s=dist.init_timeout_s,
+    )
+
+
+def validate_dist(cfg, require) -> None:
+    """Checks of ``backend`` and ``dist.*`` run by ``config.validate`` (``cfg`` is the RunConfig;
+    ``require(ok, key, value, allowed)`` raises the ConfigError)."""
+    dist = cfg.dist
+    require(cfg.backend in BACKENDS, "backend", cfg.backend, f"allowed: {list(BACKENDS)}")
+    if cfg.backend == "dist":
+        # These act across workers inside one process; the real runtime does not carry them yet.
+        for key, value, off in [("verify.name", cfg.verify.name, "none"),
+                                ("attack.kind", cfg.attack.kind, "none"),
+                                ("subspace_update.every", cfg.subspace_update.every, 0)]:
+            require(value == off, key, value, f"must be {off!r} with backend = 'dist' (only the simulator "
+                                              "runs it so far)")
+    require(dist.comm in COMMS, "dist.comm", dist.comm, f"allowed: {list(COMMS)}")
+    require(dist.shaping in SHAPINGS, "dist.shaping", dist.shaping, f"allowed: {list(SHAPINGS)}")
+    for key, value in [("dist.timeout_s", dist.timeout_s), ("dist.heartbeat_s", dist.heartbeat_s),
+                       ("dist.dead_after_s", dist.dead_after_s),
+                       ("dist.init_timeout_s", dist.init_timeout_s)]:
+        require(value > 0 and math.isfinite(value), key, value, "must be a finite number of seconds > 0")
+    require(dist.dead_after_s >= 2 * dist.heartbeat_s, "dist.dead_after_s", dist.dead_after_s,
+            f"must be at least two heartbeats (2 × dist.heartbeat_s = {2 * dist.heartbeat_s})")
+    require(dist.threads >= 0, "dist.threads", dist.threads, "must be >= 0 (0 = automatic)")
+    require(dist.keep_checkpoints >= 1, "dist.keep_checkpoints", dist.keep_checkpoints, "must be >= 1")

@@ -1,0 +1,190 @@
+"""Pipeline messages between processes: background senders and receivers, one group per link.
+
+Each directed pipeline link (r, s) → (r, s±1) gets its own two-rank process group, used by one
+sender thread at the source and one receiver thread at the destination. Separate groups keep the
+two directions of a boundary independent (NCCL orders the operations of one communicator; two
+threads sharing one could deadlock), and the threads let communication overlap compute: the
+main thread hands a message to its link's sender and goes on computing, while receives for the
+whole step are posted as soon as it starts.
+
+A sender holds each message until its pacer's delivery time (in-process shaping), then sends it
+as one buffer. A receiver keeps up to ``WINDOW`` receives posted ahead, each with a capacity both
+ends derive from the config, so the peer's "ready to receive" is already there when a message
+leaves (see wire.py); a larger message goes as a notice plus a buffer on ``OVERSIZE_TAG``.
+The main thread waits for messages through ``next_message``, which checks liveness and a deadline
+derived from the link profile, and names the peer if either fails.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from meshlearn.dist.health import Health, WorkerFailure, gist
+from meshlearn.dist.shaping import Pacer, hold_until
+from meshlearn.dist.wire import PREFIX_BYTES, pack, prefix, read_prefix, unpack
+from meshlearn.mesh.messages import Message
+from meshlearn.mesh.topology import MeshShape, WorkerId
+
+POLL_S = 0.05  # how often a waiting main thread looks at liveness; arrivals wake it at once
+WINDOW = 4  # receives posted ahead per link (memory: WINDOW × capacity bytes)
+MESSAGE_TAG, OVERSIZE_TAG = 0, 1
+
+
+@dataclass
+class _Broken:
+    """A receiver thread's failure, delivered through the inbox so the main thread raises it."""
+
+    message: str
+
+
+class Transport:
+    def __init__(self, me: WorkerId, mesh: MeshShape, groups: dict[tuple[WorkerId, WorkerId], object],
+                 pacers: dict[WorkerId, Pacer], device: torch.device, health: Health, message_s: float):
+        self.me = me
+        self.mesh = mesh
+        self.device = device
+        self.health = health
+        self.message_s = message_s
+        self.inbox: queue.Queue = queue.Queue()
+        self.pacers = pacers
+        self._errors: list[str] = []
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._send_q: dict[WorkerId, queue.Queue] = {}
+        self._recv_q: dict[WorkerId, queue.Queue] = {}
+        self._threads: list[threading.Thread] = []
+        for (src, dst), group in groups.items():
+            if src == me:
+                self._send_q[dst] = q = queue.Queue()
+                self._spawn(f"send-{me}->{dst}", self._send_loop, dst, group, q)
+            elif dst == me:
+                self._recv_q[src] = q = queue.Queue()
+                self._spawn(f"recv-{src}->{me}", self._recv_loop, src, group, q)
+
+    def _spawn(self, name: str, target, *args) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    # --- the main thread's side --------------------------------------------------------------
+
+    def send(self, message: Message, capacity: int, shaped: bool = True) -> None:
+        """Queue ``message`` on its link; returns at once. ``capacity`` is the receiver's buffer size
+        for it (the same number ``expect`` got there). Unshaped messages (evaluation) are neither
+        held nor counted in the link's bytes."""
+        self._raise_send_errors()
+        release = self.pacers[message.dst].release_at(message.wire_bytes) if shaped else 0.0
+        with self._idle:
+            self._pending += 1
+        self._send_q[message.dst].put((message, release, capacity))
+
+    def expect(self, src: WorkerId, count: int, capacity: int) -> None:
+        """Receive ``count`` messages, in order, on the link from ``src``, into buffers of
+        ``capacity`` bytes (larger messages arrive by the oversize path)."""
+        if count:
+            self._recv_q[src].put((count, capacity))
+
+    def next_message(self, waiting_for: str, peer: WorkerId) -> Message:
+        """The next message to arrive on any link; ``waiting_for`` and ``peer`` name what the
+        worker needs, for the error if nothing comes within the deadline."""
+        deadline = time.monotonic() + self.message_s
+        while True:
+            self.health.check()
+            self._raise_send_errors()
+            try:
+                item = self.inbox.get(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    raise WorkerFailure(self.health.abort(
+                        f"worker {peer} sent no {waiting_for} within {self.message_s:.1f} s "
+                        f"(noticed by {self.me}; its heartbeat is alive, so it is stuck or too slow: "
+                        f"raise dist.timeout_s if its compute takes that long)")) from None
+                continue
+            if isinstance(item, _Broken):
+                raise WorkerFailure(self.health.abort(item.message))
+            return item
+
+    def drain(self, deadline_s: float) -> None:
+        """Wait until every queued message has been handed over (before shutting down)."""
+        end = time.monotonic() + deadline_s
+        with self._idle:
+            while self._pending:
+                self.health.check()
+                self._raise_send_errors()
+                if time.monotonic() >= end:
+                    raise WorkerFailure(self.health.abort(
+                        f"{self.me} could not deliver {self._pending} message(s) within {deadline_s:.1f} s"))
+                self._idle.wait(POLL_S)
+
+    def close(self) -> None:
+        for q in [*self._send_q.values(), *self._recv_q.values()]:
+            q.put(None)
+        for thread in self._threads:
+            thread.join(timeout=1.0)
+
+    def _raise_send_errors(self) -> None:
+        if self._errors:
+            raise WorkerFailure(self.health.abort(self._errors[0]))
+
+    # --- background threads ------------------------------------------------------------------
+
+    def _send_loop(self, peer: WorkerId, group, q: queue.Queue) -> None:
+        dst = self.mesh.rank(peer)
+        timeout = timedelta(seconds=3 * self.message_s)
+        while (item := q.get()) is not None:
+            message, release, capacity = item
+            try:
+                buffer = pack(message, self.device)  # while the link still "carries" it
+                hold_until(release)  # the link model says the message arrives now
+                if buffer.numel() <= capacity:
+                    works = [dist.isend(buffer, dst, group=group, tag=MESSAGE_TAG)]
+                else:  # a notice that fits, then the buffer where no posted receive can catch it
+                    notice = prefix(-1, buffer.numel(), self.device)
+                    works = [dist.isend(notice, dst, group=group, tag=MESSAGE_TAG),
+                             dist.isend(buffer, dst, group=group, tag=OVERSIZE_TAG)]
+                for work in works:
+                    work.wait(timeout)
+            except Exception as err:  # noqa: BLE001 — reported to the main thread, which raises
+                self._errors.append(f"lost the connection to worker {peer} while sending it "
+                                    f"{message.kind} {message.microbatch} of step {message.step} "
+                                    f"({gist(err)}; noticed by {self.me})")
+                return
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _recv_loop(self, peer: WorkerId, group, q: queue.Queue) -> None:
+        src = self.mesh.rank(peer)
+        # A backstop only: the main thread's own deadline (message_s) normally fires first.
+        timeout = timedelta(seconds=3 * self.message_s)
+        while (job := q.get()) is not None:
+            count, capacity = job
+            capacity = max(capacity, PREFIX_BYTES)
+            posted: deque = deque()
+            try:
+                for received in range(count):
+                    while len(posted) < WINDOW and received + len(posted) < count:
+                        buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+                        posted.append((buffer, dist.irecv(buffer, src, group=group, tag=MESSAGE_TAG)))
+                    buffer, work = posted.popleft()
+                    work.wait(timeout)
+                    header_len, size = read_prefix(buffer)
+                    if header_len < 0:  # oversize notice: the message follows on its own tag
+                        buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+                        dist.irecv(buffer, src, group=group, tag=OVERSIZE_TAG).wait(timeout)
+                    if self.device.type == "cuda":
+                        torch.cuda.current_stream(self.device).synchronize()
+                    self.inbox.put(unpack(buffer, peer))
+            except Exception as err:  # noqa: BLE001 — delivered to the main thread as an error
+                self.inbox.put(_Broken(f"lost the connection to worker {peer} while receiving "
+                                       f"from it ({gist(err)}; noticed by {self.me})"))
+                return

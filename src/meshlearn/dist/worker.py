@@ -1,0 +1,200 @@
+"""The per-process entry point: what torchrun (or ``meshlearn train --backend dist``) runs.
+
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+        -m meshlearn.dist.worker --config run.toml --out runs/x        # or: meshlearn worker ...
+
+It reads the rank and the rendezvous from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), joins the process group, starts its heartbeat, and
+runs the ordinary Trainer with a DistDriver for its one worker: rank = replica · P + stage.
+Any failure ends the process with one line naming the worker at fault — its own, or the one all
+processes agreed on through the store — and a non-zero exit code; nothing is left half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshlearn.config import ConfigError, RunConfig, load_config
+from meshlearn.dist.driver import DistDriver
+from meshlearn.dist.health import EXIT_PEER_FAILURE, Health, WorkerFailure, store_client
+from meshlearn.dist.settings import derive_deadlines
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.models.split import init_model, split_model
+from meshlearn.train.assemble import build_worker, load_corpus
+from meshlearn.train.trainer import Trainer
+
+
+@dataclass
+class Session:
+    """This process's place in the run, and its liveness monitor."""
+
+    rank: int
+    world: int
+    local_world: int
+    mesh: MeshShape
+    me: WorkerId
+    device: torch.device
+    comm: str
+    health: Health
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise ConfigError(name, None, "not set: start workers with torchrun or `meshlearn train "
+                                          "--backend dist`, which set RANK, WORLD_SIZE, MASTER_ADDR/PORT")
+        return default
+    return int(value)
+
+
+def start_session(cfg: RunConfig) -> Session:
+    """Join the process group (deadline: dist.init_timeout_s) and start the heartbeat."""
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
+    mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+    if world != mesh.world_size:
+        raise ConfigError("mesh", f"{mesh.replicas}×{mesh.stages}",
+                          f"needs {mesh.world_size} processes (mesh.replicas × mesh.stages) but "
+                          f"WORLD_SIZE = {world}")
+    comm = cfg.dist.comm if cfg.dist.comm != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", local_rank) if comm == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    threads = cfg.dist.threads or max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(threads)
+    dist.init_process_group(comm, timeout=timedelta(seconds=cfg.dist.init_timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    deadlines = derive_deadlines(cfg.dist, cfg.link, 0, 0, 0, 1)
+    store = store_client(host, port, deadlines.dead_after_s)
+    owner = os.environ.get("MESHLEARN_STORE_OWNER", f"rendezvous store at {host}:{port}")
+    health = Health(store, mesh, rank, cfg.dist.heartbeat_s, deadlines.dead_after_s, owner)
+    health.start()
+    return Session(rank, world, local_world, mesh, mesh.worker(rank), device, comm, health)
+
+
+def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
+    """This process's worker and its groups. Group creation is collective: same order everywhere."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh, me = session.mesh, session.me
+    device_mesh = init_device_mesh(session.device.type, (mesh.replicas, mesh.stages),
+                                   mesh_dim_names=("dp", "pp"))
+    links = {}
+    for r in range(mesh.replicas):
+        for s in range(mesh.stages - 1):
+            a, b = WorkerId(r, s), WorkerId(r, s + 1)
+            ranks = [mesh.rank(a), mesh.rank(b)]
+            forward, backward = dist.new_group(ranks), dist.new_group(ranks)  # one per direction
+            if me in (a, b):
+                links[(a, b)], links[(b, a)] = forward, backward
+    # Every process builds the same seeded unsplit model and keeps its stage: identical replicas.
+    module = split_model(init_model(cfg.model, cfg.seed), mesh.stages)[me.stage].to(session.device)
+    worker = build_worker(cfg, me, module)
+    return DistDriver(cfg, worker, session.health, session.device, session.comm,
+                      device_mesh.get_group("dp"), links)
+
+
+def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
+    """Train this process's worker; returns the exit code (never hangs: every wait has a deadline)."""
+    cfg = dataclasses.replace(cfg, backend="dist")  # recorded in config.toml: --resume stays dist
+    try:
+        session = start_session(cfg)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 — e.g. a peer that never came up
+        rank = os.environ.get("RANK", "?")
+        name = str(MeshShape(cfg.mesh.replicas, cfg.mesh.stages).worker(int(rank))) if rank.isdigit() else "?"
+        print(f"meshlearn worker {name} (rank {rank}): error: could not join the run within "
+              f"dist.init_timeout_s = {cfg.dist.init_timeout_s:g} s: {type(err).__name__}: "
+              f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}", file=sys.stderr)
+        return 1
+    name = str(session.me)
+    trainer = None
+
+    def flush() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+    session.health.on_exit = flush
+    try:
+        if cfg.data.tokenizer == "bpe" and not resume:
+            _train_tokenizer_once(cfg, run_dir, session)
+        trainer = Trainer(cfg, run_dir, resume=resume, progress=session.rank == 0,
+                          driver=lambda resolved: build_driver(resolved, session))
+        summary = trainer.train()
+        trainer.driver.close()
+        if session.rank == 0:
+            print(f"done: {summary['steps']} steps, val loss {summary['final_val_loss']:.4f}, "
+                  f"{summary['wall_tokens_per_s']:.0f} tok/s wall over {session.world} processes → {run_dir}")
+        flush()
+        dist.destroy_process_group()
+        return 0
+    except WorkerFailure as err:
+        message, code = str(err), EXIT_PEER_FAILURE
+    except BaseException as err:  # noqa: BLE001 — our own failure: publish it, naming ourselves
+        traceback.print_exc()
+        message, code = session.health.abort(f"worker {name} failed: {type(err).__name__}: {err}"), 1
+    print(f"meshlearn worker {name}: error: {message}", file=sys.stderr)
+    flush()
+    # Skip interpreter teardown: destroying groups with a dead peer can block, and the threads
+    # may sit in C++ receives. Files are safe: every write was atomic, metrics lines are flushed.
+    os._exit(code)
+
+
+def _train_tokenizer_once(cfg: RunConfig, run_dir: Path, session: Session) -> None:
+    """BPE is trained by rank 0 and cached in the run folder; the others wait, then load it."""
+    if session.rank == 0:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        load_corpus(cfg, Path(run_dir))
+    work = dist.barrier(async_op=True)
+    session.health.wait_work(work, "the wait for rank 0's tokenizer", cfg.dist.init_timeout_s)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshlearn worker",
+                                     description="one worker process of a dist run (torchrun runs this)")
+    add_run_arguments(parser)
+    return parser
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML config file (default: built-in defaults)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (repeatable; later wins)")
+    parser.add_argument("--out", default="runs/latest", help="run folder (default: runs/latest)")
+    parser.add_argument("--resume", metavar="RUN", help="continue RUN from its last complete checkpoint")
+
+
+def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path, bool]:
+    """The same (config, run folder, resume) resolution as ``meshlearn train``."""
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.toml").is_file():
+            raise ConfigError("--resume", str(run_dir), "not a run folder (no config.toml in it)")
+        return load_config(run_dir / "config.toml", args.set), run_dir, True
+    return load_config(args.config, args.set), Path(args.out), False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(*resolve_run(args))
+    except (ConfigError, FileNotFoundError) as err:  # before any training: nothing to clean up
+        print(f"meshlearn worker: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

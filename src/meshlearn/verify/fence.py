@@ -1,0 +1,50 @@
+"""An adaptive Tukey fence: flag a value above Q3 + k·IQR of the last W accepted values.
+
+The window slides, so the fence follows slow, honest drift (gradients shrink as the loss falls and
+the learning rate decays) while a sudden jump stands out. Only accepted values enter the window: a
+flagged message never moves the fence (flags are inert).
+
+Tuning: k = 1.5 is Tukey's "outside" fence, 3.0 his "far out" one. SENTINEL ORs four metrics, each
+with a right-skewed distribution, so k = 3 keeps the joint false-positive rate low; if a clean run
+flags more than ~1% of its messages, raise k (or the window, if the flags cluster right after
+warm-up). A larger window reacts more slowly to drift but estimates the quartiles better.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+MIN_VALUES = 8
+"""Below this many values the quartiles mean nothing and the fence stays open (threshold = inf)."""
+
+
+def tukey_threshold(values: list[float], k: float) -> float:
+    """Q3 + k·(Q3 − Q1) of ``values``; inf when there are too few to estimate quartiles."""
+    if len(values) < MIN_VALUES:
+        return float("inf")
+    q1, q3 = torch.quantile(torch.tensor(values, dtype=torch.float64),
+                            torch.tensor([0.25, 0.75], dtype=torch.float64)).tolist()
+    return q3 + k * (q3 - q1)
+
+
+class TukeyFence:
+    """The sliding window of one metric at one boundary and direction."""
+
+    def __init__(self, k: float, window: int):
+        self.k = k
+        self.values: deque[float] = deque(maxlen=window)
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    def threshold(self) -> float:
+        return tukey_threshold(list(self.values), self.k)
+
+    def state_dict(self) -> dict:
+        return {"values": list(self.values)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.values.clear()
+        self.values.extend(state["values"])

@@ -1,0 +1,229 @@
+"""A run's trust layer: attacks on workers, SENTINEL on the driver, bans carried out, and the scorecard.
+
+The trainer owns one ``TrustLayer``. It installs each attack as its worker's ``tamper`` hook and the
+``Sentinel`` as the driver's message monitor; after every step it collects the verifier's decisions,
+scores them against the ground truth only a simulation has (each attack records which messages it
+actually changed), and carries out bans.
+
+A ban is realized as in SWARM, where peers come and go: the banned slot is taken over by a fresh,
+honest peer that downloads the stage's weights and optimizer state from an honest replica of the
+same stage (the one with the cleanest recent record), and starts with a clean strike history. The
+banned worker's attack ends with it. The download is not charged to the virtual clock (a one-off cost
+per ban). Until the step ends, the banned worker's remaining messages are quarantined.
+
+Per-worker attacks from Python::
+
+    trainer = Trainer(cfg, run_dir)
+    trainer.trust.add_attack(WorkerId(1, 2), build_attack("zeros", AttackConfig(start_step=100), seed=1))
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from meshlearn.compress.registry import build_codec
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.mesh.worker import Worker
+from meshlearn.verify.attacks import Attack, build_attacks
+from meshlearn.verify.sentinel import Ban, Decision, Sentinel
+
+if TYPE_CHECKING:  # config.py imports this package's config dataclasses
+    from meshlearn.config import RunConfig
+    from meshlearn.mesh.sim import SimDriver
+
+
+@dataclass
+class Confusion:
+    """Message-level counts: a positive is a message its sender's attack actually changed."""
+
+    tp: int = 0
+    fp: int = 0
+    fn: int = 0
+    tn: int = 0
+
+    def add(self, flagged: bool, malicious: bool) -> None:
+        if flagged:
+            self.tp += malicious
+            self.fp += not malicious
+        else:
+            self.fn += malicious
+            self.tn += not malicious
+
+    def __add__(self, other: Confusion) -> Confusion:
+        return Confusion(self.tp + other.tp, self.fp + other.fp, self.fn + other.fn, self.tn + other.tn)
+
+    def report(self) -> dict:
+        """Counts plus precision, recall, F1 and false-positive rate (None where undefined)."""
+        precision = self.tp / (self.tp + self.fp) if self.tp + self.fp else None
+        recall = self.tp / (self.tp + self.fn) if self.tp + self.fn else None
+        f1 = (2 * precision * recall / (precision + recall)
+              if precision is not None and recall is not None and precision + recall else None)
+        fpr = self.fp / (self.fp + self.tn) if self.fp + self.tn else None
+        return {"tp": self.tp, "fp": self.fp, "fn": self.fn, "tn": self.tn, "precision": precision,
+                "recall": recall, "f1": f1, "fpr": fpr}
+
+
+@dataclass
+class WorkerTally:
+    scored: int = 0
+    flags: int = 0
+    malicious: int = 0  # messages its attack changed (scored or not)
+
+
+@dataclass
+class StepTrust:
+    """What one step's verification produced, for the trainer's logs."""
+
+    decisions: list[dict] = field(default_factory=list)  # verify.jsonl records (per verify.decision_log)
+    bans: list[dict] = field(default_factory=list)  # metrics.jsonl "ban" records
+    flags: int = 0
+    skipped: int = 0
+
+
+class TrustLayer:
+    def __init__(self, cfg: RunConfig, workers: dict[WorkerId, Worker]):
+        self.cfg = cfg
+        self.mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+        self.workers = workers
+        self.sentinel = (Sentinel(cfg.verify, self.mesh, build_codec(cfg.codec, cfg.model))
+                         if cfg.verify.name == "sentinel" else None)
+        self.attacks: dict[WorkerId, Attack] = {}
+        for wid, attack in build_attacks(cfg.attack, cfg.verify, self.mesh, cfg.seed).items():
+            self.add_attack(wid, attack)
+        self.messages = {"act": Confusion(), "grad": Confusion()}
+        self.warmup_messages = 0
+        self.skipped = {"malicious": 0, "honest": 0}
+        self.tallies: dict[WorkerId, WorkerTally] = {w: WorkerTally() for w in self.mesh.workers()}
+        self.banned: list[dict] = []
+
+    @property
+    def active(self) -> bool:
+        """Whether this run verifies or attacks anything (else it leaves no trace in the outputs)."""
+        return self.sentinel is not None or bool(self.attacks)
+
+    def attach(self, driver: SimDriver) -> None:
+        if self.sentinel is not None:
+            driver.attach_monitor(self.sentinel, self.cfg.verify.charge_time)
+
+    def add_attack(self, wid: WorkerId, attack: Attack) -> None:
+        """Make worker ``wid`` adversarial; the threat model keeps the first and last stages honest."""
+        if wid not in self.workers:
+            raise ValueError(f"worker {wid} is not in the {self.mesh.replicas}×{self.mesh.stages} mesh")
+        if wid.stage in (0, self.mesh.stages - 1):
+            raise ValueError(f"worker {wid}: the first and last stages are honest in SENTINEL's threat "
+                             f"model; attack a stage in 1..{self.mesh.stages - 2}")
+        self.attacks[wid] = attack
+        self.workers[wid].tamper = attack
+
+    # --- after each step ---------------------------------------------------------------------
+
+    def end_step(self) -> StepTrust:
+        """Score the step's decisions against the ground truth and carry out new bans."""
+        changed = {wid: attack.pop_changed() for wid, attack in self.attacks.items()}
+        for wid, keys in changed.items():
+            self.tallies[wid].malicious += len(keys)
+        out = StepTrust()
+        if self.sentinel is None:
+            return out
+        decisions, bans = self.sentinel.end_step()
+        for d in decisions:
+            self._score(d, (d.kind, d.step, d.microbatch) in changed.get(d.src, ()))
+        out.flags = sum(d.flagged for d in decisions)
+        out.skipped = sum(d.action == "skip" for d in decisions)
+        level = self.cfg.verify.decision_log
+        out.decisions = [d.record() for d in decisions if level == "all" or level == "flags" and d.flagged]
+        out.bans = [self._carry_out(ban) for ban in bans]
+        return out
+
+    def _score(self, d: Decision, malicious: bool) -> None:
+        if d.action == "skip":
+            self.skipped["malicious" if malicious else "honest"] += 1
+        elif d.action == "warmup":
+            self.warmup_messages += 1
+        else:
+            self.messages[d.kind].add(d.flagged, malicious)
+            tally = self.tallies[d.src]
+            tally.scored += 1
+            tally.flags += d.flagged
+
+    def _carry_out(self, ban: Ban) -> dict:
+        """A fresh honest peer takes the banned slot, with an honest replica's weights and optimizer."""
+        wid = ban.worker
+        donor = self._donor(wid)
+        state = copy.deepcopy(self.workers[donor].state_dict())  # no tensor may be shared between peers
+        self.workers[wid].load_state_dict(state)
+        self.workers[wid].tamper = None
+        if wid in self.attacks:
+            self.attacks[wid].stop(ban.step)
+        self.sentinel.readmit(wid)
+        entry = ban.record() | {"replaced_from": str(donor)}
+        self.banned.append(entry)
+        return {"kind": "ban"} | entry
+
+    def _donor(self, wid: WorkerId) -> WorkerId:
+        """The replica of the same stage with the fewest recent strikes (itself if it has no peer)."""
+        peers = [w for w in self.mesh.stage_replicas(wid.stage) if w != wid and w not in self.sentinel.banned]
+        if not peers:
+            return wid
+        return min(peers, key=lambda w: (sum(self.sentinel.history.get(w, ())), w.replica))
+
+    # --- reporting ---------------------------------------------------------------------------
+
+    def summary(self) -> dict:
+        """``banned_workers`` (the verifier's evidence) and ``trust`` (scored against ground truth)."""
+        if not self.active:
+            return {}
+        total = self.messages["act"] + self.messages["grad"]
+        attackers = []
+        for wid, attack in sorted(self.attacks.items()):
+            ban = next((b for b in self.banned if b["worker"] == str(wid)), None)
+            attackers.append({
+                "worker": str(wid), "attack": attack.name, "start_step": attack.start_step,
+                "ban_step": None if ban is None else ban["step"] - 1,
+                "steps_to_ban": None if ban is None else ban["step"] - 1 - attack.start_step,
+                "changed_messages": self.tallies[wid].malicious})
+        banned = {b["worker"] for b in self.banned}
+        malicious = {str(w) for w in self.attacks}
+        trust = {
+            "verify": self.cfg.verify.name,
+            "messages": {"all": total.report()} | {k: c.report() for k, c in self.messages.items()},
+            "warmup_messages": self.warmup_messages,
+            "skipped_messages": dict(self.skipped),
+            "workers_banned": {"malicious": len(banned & malicious), "honest": len(banned - malicious),
+                               "malicious_not_banned": len(malicious - banned)},
+            "attackers": attackers,
+            "flags_per_worker": {str(w): {"scored": t.scored, "flags": t.flags,
+                                          "malicious": w in self.attacks}
+                                 for w, t in self.tallies.items() if t.scored or w in self.attacks},
+        }
+        summary = {"trust": trust}
+        if self.sentinel is not None:
+            summary["banned_workers"] = list(self.banned)
+        return summary
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"sentinel": None if self.sentinel is None else self.sentinel.state_dict(),
+                "attacks": {str(w): a.state_dict() for w, a in self.attacks.items()},
+                "messages": {k: vars(c).copy() for k, c in self.messages.items()},
+                "warmup_messages": self.warmup_messages, "skipped": dict(self.skipped),
+                "tallies": {str(w): vars(t).copy() for w, t in self.tallies.items()},
+                "banned": list(self.banned)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.sentinel is not None and state["sentinel"] is not None:
+            self.sentinel.load_state_dict(state["sentinel"])
+        for w, attack_state in state["attacks"].items():
+            wid = WorkerId.parse(w)
+            if wid in self.attacks:
+                self.attacks[wid].load_state_dict(attack_state)
+                if self.attacks[wid].stopped_at is not None:
+                    self.workers[wid].tamper = None
+        self.messages = {k: Confusion(**c) for k, c in state["messages"].items()}
+        self.warmup_messages = state["warmup_messages"]
+        self.skipped = dict(state["skipped"])
+        self.tallies = {WorkerId.parse(w): WorkerTally(**t) for w, t in state["tallies"].items()}
+        self.banned = list(state["banned"])

@@ -1,0 +1,62 @@
+"""Helpers for the real-process tests: launch a dist run through the real launcher, read its records,
+and never leave a process behind (a per-test deadline, and a sweep of the run's recorded pids)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+from meshlearn.config import RunConfig, load_config, save_config
+from meshlearn.dist.launch import WORKERS_FILE, launch_local
+from meshlearn.train.files import read_records
+
+FAST = ["dist.threads=1", "dist.heartbeat_s=0.2"]  # one intra-op thread: 2 cores, up to 8 processes
+
+
+def launch(cfg: RunConfig, run_dir: Path, *sets: str, resume: bool = False) -> int:
+    """``meshlearn train --backend dist`` in this process (the forkserver stays warm between tests)."""
+    overrides = [*FAST, *sets, "backend=dist"]
+    if resume:
+        source = run_dir / "config.toml"
+        where = ["--resume", str(run_dir)]
+    else:
+        source = run_dir.with_name(run_dir.name + ".toml")
+        save_config(cfg, source)
+        where = ["--config", str(source), "--out", str(run_dir)]
+    argv = [*where, *(x for o in overrides for x in ("--set", o))]
+    return launch_local(argv, load_config(source, overrides), run_dir, out=io.StringIO())
+
+
+def records(run_dir: Path, kind: str = "train") -> list[dict]:
+    return [r for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == kind]
+
+
+def kill_leftovers(run_dir: Path) -> None:
+    """SIGKILL every worker pid the launcher recorded that is still alive (a failed test's debris)."""
+    path = run_dir / WORKERS_FILE
+    if not path.is_file():
+        return
+    for info in json.loads(path.read_text()).values():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(info["pid"], signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str) -> Iterator[None]:
+    """Fail (TimeoutError) instead of hanging: the launcher stops its workers on the way out."""
+
+    def expired(signum, frame):
+        raise TimeoutError(f"{what} did not finish within {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -1,0 +1,118 @@
+"""The dist package's pure parts, without processes: wire format, pacing, deadlines, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+import torch
+
+from meshlearn.compress.codecs import Encoded
+from meshlearn.config import ConfigError, load_config
+from meshlearn.dist.settings import DistConfig, derive_deadlines
+from meshlearn.dist.shaping import Pacer
+from meshlearn.dist.wire import WireError, pack, prefix, unpack
+from meshlearn.mesh.messages import Message
+from meshlearn.mesh.network import Link, LinkProfile
+from meshlearn.mesh.topology import WorkerId
+from meshlearn.train.checkpoint import ShardedCheckpoint, latest_complete, load_run_state
+
+CPU = torch.device("cpu")
+
+
+def test_a_message_survives_the_wire_bit_for_bit():
+    payload = Encoded({"values": torch.randn(2, 3, 4), "ids": torch.arange(6).reshape(2, 3),
+                       "q": torch.randint(-9, 9, (7,), dtype=torch.int8),
+                       "half": torch.randn(5).bfloat16(), "empty": torch.zeros(0)},
+                      (2, 3, 4), torch.float32, {"rank": 3, "name": "x"})
+    sent = Message("grad", 7, 1, WorkerId(1, 2), WorkerId(1, 1), payload, skip=True)
+    buffer = pack(sent, CPU)
+    padded = torch.cat([buffer, torch.full((100,), 7, dtype=torch.uint8)])  # a larger receive buffer
+    got = unpack(padded, peer=WorkerId(1, 2))
+    assert (got.kind, got.step, got.microbatch, got.src, got.dst, got.skip) == ("grad", 7, 1, WorkerId(1, 2),
+                                                                               WorkerId(1, 1), True)
+    assert got.payload.meta == payload.meta and got.payload.shape == (2, 3, 4)
+    for name, tensor in payload.tensors.items():
+        assert got.payload.tensors[name].dtype == tensor.dtype
+        assert torch.equal(got.payload.tensors[name], tensor), name
+
+
+def test_bad_bytes_name_the_peer_they_came_from():
+    message = Message("act", 0, 0, WorkerId(0, 0), WorkerId(0, 1), Encoded({"v": torch.ones(3)}, (3,),
+                                                                             torch.float32))
+    buffer = pack(message, CPU)
+    with pytest.raises(WireError, match="from r0s2 claims"):
+        unpack(buffer, peer=WorkerId(0, 2))  # a worker posing as another
+    with pytest.raises(WireError, match="malformed message from r0s0"):
+        unpack(buffer[:-5], peer=WorkerId(0, 0))  # truncated
+    garbage = torch.tensor(list(b'{"kind": 1}'), dtype=torch.uint8)
+    with pytest.raises(WireError, match="malformed message from r0s0"):
+        unpack(torch.cat([prefix(len(garbage), 0, CPU), garbage]), peer=WorkerId(0, 0))
+    lying = torch.cat([prefix(len(garbage), 0, CPU), garbage])  # a length past the buffer
+    lying[:8] = prefix(10**6, 0, CPU)[:8]
+    with pytest.raises(WireError, match="prefix claims"):
+        unpack(lying, peer=WorkerId(0, 0))
+
+
+def test_pacer_releases_each_message_when_the_simulator_says_it_arrives():
+    """The same Link arithmetic as the simulator: FIFO at the bandwidth, then the latency."""
+    profile = LinkProfile(bandwidth_mbit=8.0, latency_ms=50.0, jitter_ms=3.0)  # 1 MB/s
+    sim = Link(WorkerId(0, 0), WorkerId(0, 1), "pp", profile, random.Random("s"))
+    real = Link(WorkerId(0, 0), WorkerId(0, 1), "pp", profile, random.Random("s"))
+    epoch = time.monotonic()
+    pacer = Pacer(real, epoch, enabled=True)
+    # Two messages queued at (nearly) the same moment: the second waits for the first to leave.
+    first, second = pacer.release_at(100_000), pacer.release_at(100_000)
+    assert first - epoch == pytest.approx(sim.transmit(0.0, 100_000), abs=0.01)  # same jitter draws
+    assert second - epoch == pytest.approx(sim.transmit(0.0, 100_000), abs=0.01)
+    assert second - first == pytest.approx(0.1, abs=0.004)  # 100 kB at 1 MB/s, plus jitter
+    assert real.bytes_sent == 200_000 and real.busy_s == pytest.approx(0.2)
+    unshaped = Pacer(Link(WorkerId(0, 0), WorkerId(0, 1), "pp", profile, random.Random(1)), epoch, False)
+    assert unshaped.release_at(10**9) <= time.monotonic()  # unshaped: now, but still accounted
+    assert unshaped.link.bytes_sent == 10**9
+
+
+def test_deadlines_grow_with_what_the_link_needs():
+    dist = DistConfig(timeout_s=5.0, dead_after_s=2.0)
+    fast = derive_deadlines(dist, LinkProfile(float("inf"), 0.0), 10**6, 8, 10**7, 2)
+    slow = derive_deadlines(dist, LinkProfile(10.0, 100.0), 10**6, 8, 10**7, 2)
+    assert fast.message_s == 5.0 and fast.dead_after_s == 2.0
+    # 8 messages of 1 MB at 10 Mbit/s (0.8 s each) plus 100 ms each, doubled.
+    assert slow.message_s == pytest.approx(5.0 + 2 * 8 * 0.9)
+    assert slow.collective_s > slow.message_s and slow.dead_after_s == pytest.approx(2.2)
+
+
+def test_dist_settings_are_checked_up_front():
+    with pytest.raises(ConfigError, match="dist.dead_after_s"):
+        load_config(None, ["dist.heartbeat_s=5", "dist.dead_after_s=6"])
+    with pytest.raises(ConfigError, match="backend"):
+        load_config(None, ["backend=mpi"])
+    with pytest.raises(ConfigError, match="verify.name"):
+        load_config(None, ["backend=dist", "verify.name=sentinel"])
+
+
+def test_a_checkpoint_is_complete_only_once_its_manifest_is_written(tmp_path):
+    names = ["r0s0", "r0s1"]
+    barriers = []
+
+    def store(shard, writer):
+        return ShardedCheckpoint(tmp_path, shard, names, barriers.append, writer, keep=2)
+
+    common = {"config": {"seed": 1}, "totals": {"step": 0}, "last_val_loss": None}
+    for step in (2, 4, 6):
+        store("r0s1", False).save(step, common, {"workers": {"r0s1": {"w": step}}})
+        store("r0s0", True).save(step, common, {"workers": {"r0s0": {"w": step}}})
+    assert [f.name for f in (tmp_path / "checkpoints").iterdir()] == ["step-000004", "step-000006"]
+    # A crash after one shard of step 8: no manifest, so resume still reads step 6.
+    store("r0s1", False).save(8, common, {"workers": {"r0s1": {"w": 8}}})
+    assert latest_complete(tmp_path).name == "step-000006"
+    assert store("r0s1", False).load()[1]["workers"] == {"r0s1": {"w": 6}}
+    state = load_run_state(tmp_path)  # what `meshlearn sample` reads
+    assert state["config"] == {"seed": 1} and state["workers"] == {"r0s0": {"w": 6}, "r0s1": {"w": 6}}
+    # A manifest whose shard is missing does not count either.
+    (tmp_path / "checkpoints" / "step-000006" / "r0s0.pt").unlink()
+    assert latest_complete(tmp_path).name == "step-000004"
+    assert json.loads((tmp_path / "checkpoints" / "step-000004" / "manifest.json").read_text())["step"] == 4
+    assert len(barriers) == 7

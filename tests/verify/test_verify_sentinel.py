@@ -1,0 +1,180 @@
+"""SENTINEL's decisions on synthetic message streams: FPR, inert flags, bans, skips, replayability."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from meshlearn.compress.codecs import IdentityCodec
+from meshlearn.mesh.messages import Message
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.verify.sentinel import Sentinel, VerifyConfig
+
+MESH = MeshShape(replicas=2, stages=3)
+CODEC = IdentityCodec()
+SHAPE = (4, 16, 8)  # (b, n, c)
+
+
+class Stream:
+    """A stationary stream: a fixed per-position pattern plus per-sample noise."""
+
+    def __init__(self, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.pattern = torch.randn(SHAPE[1:], generator=self.gen)
+
+    def __call__(self) -> torch.Tensor:
+        return self.pattern + 0.5 * torch.randn(SHAPE, generator=self.gen)
+
+
+def message(kind: str, step: int, mb: int, src: WorkerId, x: torch.Tensor) -> Message:
+    dst = MESH.next_stage(src) if kind == "act" else MESH.prev_stage(src)
+    return Message(kind, step, mb, src, dst, CODEC.encode(x, kind))
+
+
+def sentinel(**overrides) -> Sentinel:
+    cfg = VerifyConfig(**({"name": "sentinel", "warmup_steps": 20, "window": 128} | overrides))
+    return Sentinel(cfg, MESH, CODEC)
+
+
+def run_step(s: Sentinel, step: int, messages: list[Message]) -> list[Message]:
+    delivered = [s.inspect(m) for m in messages]
+    s.end_step()
+    return delivered
+
+
+def honest_step(stream: Stream, step: int, stage: int = 0) -> list[Message]:
+    return [message("act", step, mb, WorkerId(r, stage), stream()) for mb in range(4) for r in range(2)]
+
+
+def test_false_positive_rate_on_a_stationary_stream_is_below_one_percent():
+    s, stream = sentinel(), Stream(0)
+    flags = scored = 0
+    for step in range(250):
+        for m in honest_step(stream, step):
+            s.inspect(m)
+        decisions, bans = s.end_step()
+        assert not bans
+        scored += sum(d.scored for d in decisions)
+        flags += sum(d.flagged for d in decisions)
+    assert scored == 230 * 8
+    assert flags / scored <= 0.01
+
+
+def test_decisions_do_not_depend_on_arrival_order():
+    """Replay: the same messages, delivered in another order within each step, give the same log."""
+    logs = []
+    for order_seed in (0, 1):
+        s, stream, shuffle = sentinel(), Stream(0), random.Random(order_seed)
+        log = []
+        for step in range(60):
+            batch = honest_step(stream, step)
+            if step >= 40:
+                batch[3] = message("act", step, 1, WorkerId(1, 0), 3.0 * batch[3].payload.tensors["values"])
+            shuffle.shuffle(batch)
+            for m in batch:
+                s.inspect(m)
+            decisions, _ = s.end_step()
+            log += sorted((d.step, d.microbatch, str(d.src), d.action, tuple(sorted(d.distances.items())))
+                          for d in decisions)
+        logs.append(log)
+    assert logs[0] == logs[1]
+    assert any(entry[3] == "flag" for entry in logs[0])
+
+
+def test_flagged_messages_leave_references_and_windows_untouched():
+    twins = [sentinel(), sentinel()]
+    streams = [Stream(0), Stream(0)]
+    for step in range(30):
+        for s, stream in zip(twins, streams, strict=True):
+            batch = honest_step(stream, step)
+            if s is twins[1] and step == 25:  # one extra, flagrantly bad message
+                batch.append(message("act", step, 5, WorkerId(1, 0), torch.full(SHAPE, -3.0)))
+            run_step(s, step, batch)
+    assert twins[1].bans == [] and twins[1].history[WorkerId(1, 0)].count(True) == 1
+    a, b = (t.verifiers[(0, "act")] for t in twins)
+    assert torch.equal(a.reference.mean, b.reference.mean)
+    assert torch.equal(a.reference.table, b.reference.table)
+    assert all(list(a.fences[m].values) == list(b.fences[m].values) for m in a.fences)
+    assert list(a.norms) == list(b.norms)
+
+
+def test_the_sender_is_banned_at_its_third_strike_and_then_quarantined():
+    s, stream = sentinel(), Stream(0)
+    for step in range(25):
+        run_step(s, step, honest_step(stream, step))
+    attacker = WorkerId(1, 0)
+    for mb in range(4):
+        s.inspect(message("act", 25, mb, attacker, torch.zeros(SHAPE)))
+    decisions, bans = s.end_step()
+    assert [d.action for d in decisions] == ["flag", "flag", "flag", "banned"]
+    assert len(bans) == 1 and bans[0].worker == attacker and bans[0].step == 25
+    assert bans[0].metric in ("sfr", "l2n", "l1", "swd", "norm") and bans[0].strikes == 3
+    assert bans[0].record()["step"] == 26  # 1-based, as in metrics.jsonl
+
+
+def test_no_ban_during_warmup_but_sanity_checks_still_quarantine():
+    s, stream = sentinel(warmup_steps=50), Stream(0)
+    for step in range(10):
+        run_step(s, step, honest_step(stream, step))
+    bad = torch.full(SHAPE, float("nan"))
+    delivered = [s.inspect(message("act", 10, mb, WorkerId(1, 0), bad)) for mb in range(4)]
+    decisions, bans = s.end_step()
+    assert bans == [] and [d.reason for d in decisions] == ["nonfinite"] * 4
+    assert all(m.skip and torch.isfinite(m.payload.tensors["values"]).all() for m in delivered)
+
+
+def test_a_dropped_microbatch_is_skipped_downstream_and_carries_nothing():
+    """Skip propagation: after an upstream flag, no downstream verifier scores (or flags) the batch."""
+    s, stream1, stream2 = sentinel(), Stream(0), Stream(1)
+    for step in range(25):
+        run_step(s, step, honest_step(stream1, step, 0) + honest_step(stream2, step, 1))
+    r1 = lambda stage: WorkerId(1, stage)  # noqa: E731
+    placeholder = s.verifiers[(1, "act")].reference.mean.expand(SHAPE).clone()
+    flagged = s.inspect(message("act", 25, 0, r1(0), -5 * stream1()))
+    downstream = s.inspect(message("act", 25, 0, r1(1), 50 * stream2()))  # would be flagged if scored
+    grad_back = s.inspect(message("grad", 25, 0, r1(2), torch.randn(SHAPE)))
+    grad_first = s.inspect(message("grad", 25, 0, r1(1), torch.randn(SHAPE)))
+    other = s.inspect(message("act", 25, 1, r1(1), stream2()))
+    decisions, _ = s.end_step()
+    assert [d.action for d in decisions] == ["flag", "skip", "skip", "skip", "accept"]
+    assert flagged.skip and downstream.skip and not other.skip
+    assert torch.equal(downstream.payload.tensors["values"], placeholder)
+    assert not grad_back.payload.tensors["values"].any() and not grad_first.payload.tensors["values"].any()
+    assert s.history[r1(1)].count(True) == 0  # honest downstream worker: no strike
+
+
+@pytest.mark.parametrize("grad_action", ["ema", "zero"])
+def test_a_flagged_gradient_is_replaced_and_its_upstream_gradients_pass_unscored(grad_action):
+    s, stream = sentinel(grad_action=grad_action), Stream(0)
+    for step in range(25):
+        run_step(s, step, [message("grad", step, mb, WorkerId(r, 2), stream())
+                           for mb in range(4) for r in range(2)])
+    reference = s.verifiers[(1, "grad")].reference.mean.clone()
+    replaced = s.inspect(message("grad", 25, 0, WorkerId(1, 2), -stream()))
+    upstream = s.inspect(message("grad", 25, 0, WorkerId(1, 1), 1e6 * stream()))
+    decisions, _ = s.end_step()
+    assert [d.action for d in decisions] == ["flag", "skip"]
+    expected = reference.expand(SHAPE) if grad_action == "ema" else torch.zeros(SHAPE)
+    assert torch.allclose(replaced.payload.tensors["values"], expected, atol=1e-5)
+    assert upstream.payload.tensors["values"].abs().max() > 1e5  # passed on, derived from the EMA
+
+
+def test_state_dict_round_trip_continues_identically():
+    a, stream_a = sentinel(), Stream(0)
+    for step in range(30):
+        run_step(a, step, honest_step(stream_a, step))
+    b = sentinel()
+    b.load_state_dict(a.state_dict())
+    stream_b = Stream(0)
+    for step in range(30):
+        honest_step(stream_b, step)  # advance the second stream to the same point
+    for step in range(30, 40):
+        batch_a, batch_b = honest_step(stream_a, step), honest_step(stream_b, step)
+        for ma, mb in zip(batch_a, batch_b, strict=True):
+            a.inspect(ma)
+            b.inspect(mb)
+        da, _ = a.end_step()
+        db, _ = b.end_step()
+        assert [(d.action, d.distances) for d in da] == [(d.action, d.distances) for d in db]
