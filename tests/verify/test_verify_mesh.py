@@ -48,6 +48,7 @@ def test_attack_is_detected_and_its_sender_banned_within_a_few_steps(tiny_corpus
     trust = summary["trust"]
     messages = trust["messages"]["all"]
     assert messages["tp"] >= 3 and messages["fn"] == 0 and messages["fp"] / messages["tn"] <= 0.02
+    assert trust["workers"] == {"tp": 1, "fp": 0, "fn": 0, "precision": 1.0, "recall": 1.0, "f1": 1.0}
     # No cascade: the honest workers downstream of the attacker are never flagged.
     downstream = [f"r1s{s}" for s in (2, 3)]
     assert all(trust["flags_per_worker"][w]["flags"] == 0 for w in downstream)

@@ -40,7 +40,7 @@ def sentinel(**overrides) -> Sentinel:
 
 def run_step(s: Sentinel, step: int, messages: list[Message]) -> list[Message]:
     delivered = [s.inspect(m) for m in messages]
-    s.end_step()
+    s.end_step(step)
     return delivered
 
 
@@ -54,10 +54,10 @@ def test_false_positive_rate_on_a_stationary_stream_is_below_one_percent():
     for step in range(250):
         for m in honest_step(stream, step):
             s.inspect(m)
-        decisions, bans = s.end_step()
-        assert not bans
-        scored += sum(d.scored for d in decisions)
-        flags += sum(d.flagged for d in decisions)
+        outcome = s.end_step(step)
+        assert not outcome.bans
+        scored += sum(d.scored for d in outcome.decisions)
+        flags += sum(d.flagged for d in outcome.decisions)
     assert scored == 230 * 8
     assert flags / scored <= 0.01
 
@@ -75,9 +75,8 @@ def test_decisions_do_not_depend_on_arrival_order():
             shuffle.shuffle(batch)
             for m in batch:
                 s.inspect(m)
-            decisions, _ = s.end_step()
             log += sorted((d.step, d.microbatch, str(d.src), d.action, tuple(sorted(d.distances.items())))
-                          for d in decisions)
+                          for d in s.end_step(step).decisions)
         logs.append(log)
     assert logs[0] == logs[1]
     assert any(entry[3] == "flag" for entry in logs[0])
@@ -105,13 +104,52 @@ def test_the_sender_is_banned_at_its_third_strike_and_then_quarantined():
     for step in range(25):
         run_step(s, step, honest_step(stream, step))
     attacker = WorkerId(1, 0)
-    for mb in range(4):
+    for mb in range(2):
         s.inspect(message("act", 25, mb, attacker, torch.zeros(SHAPE)))
-    decisions, bans = s.end_step()
-    assert [d.action for d in decisions] == ["flag", "flag", "flag", "banned"]
-    assert len(bans) == 1 and bans[0].worker == attacker and bans[0].step == 25
-    assert bans[0].metric in ("sfr", "l2n", "l1", "swd", "norm") and bans[0].strikes == 3
-    assert bans[0].record()["step"] == 26  # 1-based, as in metrics.jsonl
+    assert s.end_step(25).bans == []  # two strikes
+    s.inspect(message("act", 26, 0, attacker, torch.zeros(SHAPE)))
+    s.inspect(message("act", 26, 0, WorkerId(0, 0), Stream(0)()))
+    outcome = s.end_step(26)
+    assert [d.action for d in outcome.decisions] == ["flag", "accept"] and outcome.rebased == []
+    [ban] = outcome.bans
+    assert ban.worker == attacker and ban.step == 26 and ban.strikes == 3 and ban.metric == "norm"
+    assert ban.record()["step"] == 27  # 1-based, as in metrics.jsonl
+    delivered = s.inspect(message("act", 27, 0, attacker, Stream(0)()))  # not replaced: quarantined
+    assert delivered.skip and s.end_step(27).decisions[0].action == "banned"
+    s.readmit(attacker)  # a replacement took the slot
+    assert not s.inspect(message("act", 28, 0, attacker, Stream(0)())).skip
+
+
+def test_when_most_senders_are_flagged_the_reference_is_rebased_not_the_workers_banned():
+    """Honest majority: if every sender looks wrong, the reference is what went stale."""
+    s, stream = sentinel(), Stream(0)
+    for step in range(25):
+        run_step(s, step, honest_step(stream, step))
+    shifted = Stream(0)
+    shifted.pattern = -stream.pattern  # a regime change every honest worker shares
+    for step in range(25, 28):
+        for m in honest_step(shifted, step):
+            s.inspect(m)
+        outcome = s.end_step(step)
+        assert outcome.bans == []
+        if step == 25:
+            assert all(d.action == "flag" for d in outcome.decisions) and outcome.rebased == ["s0|s1 act"]
+    assert sum(d.flagged for d in outcome.decisions) <= 1  # recovered after one step
+    assert all(h.count(True) == 0 for h in s.history.values())  # the voided flags left no strikes
+
+
+def test_without_majority_rebase_a_stale_reference_bans_honest_workers():
+    s, stream = sentinel(majority_rebase=False), Stream(0)
+    for step in range(25):
+        run_step(s, step, honest_step(stream, step))
+    shifted = Stream(0)
+    shifted.pattern = -stream.pattern
+    bans = []
+    for step in range(25, 28):
+        for m in honest_step(shifted, step):
+            s.inspect(m)
+        bans += s.end_step(step).bans
+    assert {b.worker for b in bans} == {WorkerId(0, 0), WorkerId(1, 0)}
 
 
 def test_no_ban_during_warmup_but_sanity_checks_still_quarantine():
@@ -120,8 +158,8 @@ def test_no_ban_during_warmup_but_sanity_checks_still_quarantine():
         run_step(s, step, honest_step(stream, step))
     bad = torch.full(SHAPE, float("nan"))
     delivered = [s.inspect(message("act", 10, mb, WorkerId(1, 0), bad)) for mb in range(4)]
-    decisions, bans = s.end_step()
-    assert bans == [] and [d.reason for d in decisions] == ["nonfinite"] * 4
+    outcome = s.end_step(10)
+    assert outcome.bans == [] and [d.reason for d in outcome.decisions] == ["nonfinite"] * 4
     assert all(m.skip and torch.isfinite(m.payload.tensors["values"]).all() for m in delivered)
 
 
@@ -137,7 +175,7 @@ def test_a_dropped_microbatch_is_skipped_downstream_and_carries_nothing():
     grad_back = s.inspect(message("grad", 25, 0, r1(2), torch.randn(SHAPE)))
     grad_first = s.inspect(message("grad", 25, 0, r1(1), torch.randn(SHAPE)))
     other = s.inspect(message("act", 25, 1, r1(1), stream2()))
-    decisions, _ = s.end_step()
+    decisions = s.end_step(25).decisions
     assert [d.action for d in decisions] == ["flag", "skip", "skip", "skip", "accept"]
     assert flagged.skip and downstream.skip and not other.skip
     assert torch.equal(downstream.payload.tensors["values"], placeholder)
@@ -154,8 +192,7 @@ def test_a_flagged_gradient_is_replaced_and_its_upstream_gradients_pass_unscored
     reference = s.verifiers[(1, "grad")].reference.mean.clone()
     replaced = s.inspect(message("grad", 25, 0, WorkerId(1, 2), -stream()))
     upstream = s.inspect(message("grad", 25, 0, WorkerId(1, 1), 1e6 * stream()))
-    decisions, _ = s.end_step()
-    assert [d.action for d in decisions] == ["flag", "skip"]
+    assert [d.action for d in s.end_step(25).decisions] == ["flag", "skip"]
     expected = reference.expand(SHAPE) if grad_action == "ema" else torch.zeros(SHAPE)
     assert torch.allclose(replaced.payload.tensors["values"], expected, atol=1e-5)
     assert upstream.payload.tensors["values"].abs().max() > 1e5  # passed on, derived from the EMA
@@ -175,6 +212,5 @@ def test_state_dict_round_trip_continues_identically():
         for ma, mb in zip(batch_a, batch_b, strict=True):
             a.inspect(ma)
             b.inspect(mb)
-        da, _ = a.end_step()
-        db, _ = b.end_step()
+        da, db = a.end_step(step).decisions, b.end_step(step).decisions
         assert [(d.action, d.distances) for d in da] == [(d.action, d.distances) for d in db]

@@ -129,7 +129,7 @@ class Trainer:
         started = time.perf_counter()
         works = {w: work for w, work in self.step_work(t, x, y).items() if w in self.workers}
         report = self.driver.run_step(works, factor, cfg.train.grad_clip)
-        verified = self.trust.end_step()  # bans take effect here, between steps
+        verified = self.trust.end_step(t)  # bans take effect here, between steps
         wall = time.perf_counter() - started
         loss = sum(report.losses) / len(report.losses) if report.losses else None
         if loss is not None and not math.isfinite(loss):
@@ -146,8 +146,8 @@ class Trainer:
         if self.trust.sentinel is not None:
             record |= {"verify_flags": verified.flags, "verify_skipped": verified.skipped}
         self._log(record)
-        for ban in verified.bans:
-            self._log(ban)
+        for event in verified.events:
+            self._log(event)
         if self.decision_log:
             for decision in verified.decisions:
                 self.decision_log.write(decision)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
+import numpy as np
 
 MIN_VALUES = 8
 """Below this many values the quartiles mean nothing and the fence stays open (threshold = inf)."""
@@ -24,8 +24,7 @@ def tukey_threshold(values: list[float], k: float) -> float:
     """Q3 + k·(Q3 − Q1) of ``values``; inf when there are too few to estimate quartiles."""
     if len(values) < MIN_VALUES:
         return float("inf")
-    q1, q3 = torch.quantile(torch.tensor(values, dtype=torch.float64),
-                            torch.tensor([0.25, 0.75], dtype=torch.float64)).tolist()
+    q1, q3 = np.quantile(np.asarray(values, dtype=np.float64), [0.25, 0.75]).tolist()
     return q3 + k * (q3 - q1)
 
 

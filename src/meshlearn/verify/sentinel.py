@@ -11,6 +11,10 @@ Decisions do not depend on arrival order. During a step every message is scored 
 reference and fences as they stood at the start of the step; accepted messages update them at the
 step's end, in (microbatch, replica) order. Real verifiers see messages in whatever order the network
 delivers them, and the simulator's order can shift with timing, so this keeps runs replayable.
+Strikes are entered and bans decided at the step's end too, after one check the paper does not
+describe: if most of a boundary's senders were flagged in the same step, the honest-majority
+assumption says the reference went stale (drift, an adaptive attacker's mimicry), so those strikes are
+voided and the reference restarts from that step's messages (``verify.majority_rebase``).
 
 Quarantine (method note, "Algorithm"):
 
@@ -26,8 +30,8 @@ Usage::
 
     sentinel = Sentinel(VerifyConfig(name="sentinel"), mesh, codec)
     driver.attach_monitor(sentinel)
-    ...  # run a step
-    decisions, new_bans = sentinel.end_step()
+    ...  # run step t
+    outcome = sentinel.end_step(t)  # decisions, new bans, rebased references
 """
 
 from __future__ import annotations
@@ -45,9 +49,9 @@ from meshlearn.compress.codecs import Codec, Encoded, Kind
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.verify.distances import (
-    DISTANCES,
     Summary,
     ema,
+    message_distances,
     quantile_levels,
     summarize,
     swd_directions,
@@ -103,6 +107,11 @@ class VerifyConfig:
     norm_ratio: float = 100.0
     """Sanity check, also during warm-up: quarantine a message whose norm is more than this factor
     above or below the median norm of recently accepted messages."""
+    majority_rebase: bool = True
+    """When most of a boundary's senders are flagged in one step, blame the reference, not them (the
+    threat model gives every stage an honest majority): void those strikes and restart the reference
+    from that step's messages. Without it, a reference that drifted (an adaptive attacker, a regime
+    change) flags every honest replacement forever, since flagged messages never update it."""
     grad_action: str = "ema"
     """What replaces a flagged gradient: ``ema`` (the reference, broadcast over samples) or ``zero``."""
     view: str = "auto"
@@ -206,6 +215,15 @@ class Ban:
 
 
 @dataclass
+class StepOutcome:
+    """What ``Sentinel.end_step`` reports: the step's decisions, new bans and rebased references."""
+
+    decisions: list[Decision]
+    bans: list[Ban]
+    rebased: list[str]  # e.g. "s2|s3 act": a majority of senders flagged, strikes voided
+
+
+@dataclass
 class Verdict:
     distances: dict[str, float]
     fired: list[str]
@@ -247,6 +265,7 @@ class BoundaryVerifier:
         self.median_norm: float | None = None
         self.shape: tuple[int, ...] | None = None
         self.pending: list[tuple[tuple[int, int], Summary, dict[str, float], float]] = []
+        self.rejected: list[tuple[tuple[int, int], Summary]] = []  # flagged this step, for a rebase
 
     def summarize(self, values: torch.Tensor) -> Summary:
         if self.directions is None:
@@ -268,7 +287,7 @@ class BoundaryVerifier:
     def distances(self, summary: Summary) -> dict[str, float]:
         if self.reference is None:
             return {}
-        return {m: DISTANCES[m](summary, self.reference) for m in self.metrics}
+        return message_distances(summary, self.reference, self.metrics)
 
     def check(self, values: torch.Tensor, fences_on: bool) -> tuple[Verdict, Summary | None]:
         """Score a message; the summary is None when a sanity check failed before it was computed."""
@@ -287,6 +306,11 @@ class BoundaryVerifier:
             self.shape = shape
         self.pending.append((order, summary, distances, norm))
 
+    def reject(self, order: tuple[int, int], summary: Summary | None) -> None:
+        """A flagged message: kept aside only in case this step's reference turns out stale."""
+        if summary is not None:
+            self.rejected.append((order, summary))
+
     def commit(self) -> None:
         """Fold the step's accepted messages into the reference, windows and norm median."""
         for _, summary, distances, norm in sorted(self.pending, key=lambda p: p[0]):
@@ -294,7 +318,21 @@ class BoundaryVerifier:
                 self.fences[m].add(d)
             self.reference = ema(self.reference, summary, self.beta)
             self.norms.append(norm)
+        self._close_step()
+
+    def rebase(self) -> None:
+        """Restart the reference from all of this step's messages, accepted or flagged; the windows
+        keep their history (this step's distances were measured against a stale reference)."""
+        self.reference = None
+        steps = [(o, s) for o, s, _, _ in self.pending] + self.rejected
+        for _, summary in sorted(steps, key=lambda p: p[0]):
+            self.reference = ema(self.reference, summary, self.beta)
+        self.norms.extend(norm for _, _, _, norm in self.pending)
+        self._close_step()
+
+    def _close_step(self) -> None:
         self.pending.clear()
+        self.rejected.clear()
         self.thresholds = {m: f.threshold() for m, f in self.fences.items()}
         self.median_norm = statistics.median(self.norms) if self.norms else None
 
@@ -310,7 +348,8 @@ class BoundaryVerifier:
                 "fences": {m: f.state_dict() for m, f in self.fences.items()},
                 "norms": list(self.norms), "shape": self.shape,
                 "pending": [(order, dataclasses.asdict(summary), distances, norm)
-                            for order, summary, distances, norm in self.pending]}
+                            for order, summary, distances, norm in self.pending],
+                "rejected": [(order, dataclasses.asdict(summary)) for order, summary in self.rejected]}
 
     def load_state_dict(self, state: dict) -> None:
         ref = state["reference"]
@@ -324,6 +363,7 @@ class BoundaryVerifier:
         self.commit()  # recompute the frozen thresholds and median from the restored windows
         self.pending = [(tuple(order), Summary(**summary), distances, norm)
                         for order, summary, distances, norm in state["pending"]]
+        self.rejected = [(tuple(order), Summary(**summary)) for order, summary in state["rejected"]]
 
 
 # --- the whole mesh --------------------------------------------------------------------------
@@ -340,8 +380,10 @@ class Sentinel:
         self.history: dict[WorkerId, deque[bool]] = {}
         self.banned: dict[WorkerId, Ban] = {}  # banned and not yet replaced
         self.bans: list[Ban] = []
-        self.new_bans: list[Ban] = []
         self.decisions: list[Decision] = []
+        # This step's scored messages as (sender, (microbatch, kind), verifier key, flagged, reason):
+        # strikes enter the histories (and bans are decided) at the step's end, after the majority check.
+        self.scored: list[tuple[WorkerId, tuple[int, str], tuple[int, str], bool, str]] = []
         # (step, replica, microbatch) quarantined this step: dropped (activation flagged) or
         # patched (a gradient replaced); trusted state, never taken from a worker's skip flag.
         self.dropped: set[tuple[int, int, int]] = set()
@@ -369,22 +411,29 @@ class Sentinel:
         reason = verdict.reason(verifier.thresholds) if flagged else ""
         action: Action = "flag" if flagged else ("warmup" if warm else "accept")
         self._decide(message, action, reason, verdict.distances, verifier.thresholds)
-        self._strike(message, flagged, reason)
+        order = (message.microbatch, message.src.replica)
+        self.scored.append((message.src, (message.microbatch, message.kind), (boundary, message.kind),
+                            flagged, reason))
         if flagged:
+            verifier.reject(order, summary)
             return self._quarantine(message, verifier, values, key)
-        verifier.accept((message.microbatch, message.src.replica), tuple(values.shape), summary,
-                        verdict.distances, verdict.norm)
+        verifier.accept(order, tuple(values.shape), summary, verdict.distances, verdict.norm)
         return message
 
-    def end_step(self) -> tuple[list[Decision], list[Ban]]:
-        """Close the step: update references and fences; return its decisions and new bans."""
-        for verifier in self.verifiers.values():
-            verifier.commit()
-        decisions, self.decisions = self.decisions, []
-        new_bans, self.new_bans = self.new_bans, []
+    def end_step(self, step: int) -> StepOutcome:
+        """Close step ``step``: update references and fences, enter strikes, decide bans."""
+        stale = self._stale_references() if self.cfg.majority_rebase else set()
+        for key, verifier in self.verifiers.items():
+            if key in stale:
+                verifier.rebase()
+            else:
+                verifier.commit()
+        bans = self._enter_strikes(step, stale)
+        outcome = StepOutcome(self.decisions, bans, [f"s{b}|s{b + 1} {kind}" for b, kind in sorted(stale)])
+        self.decisions, self.scored = [], []
         self.dropped.clear()
         self.patched.clear()
-        return decisions, new_bans
+        return outcome
 
     def readmit(self, wid: WorkerId) -> None:
         """A replacement took over a banned slot: it starts with a clean record."""
@@ -401,18 +450,30 @@ class Sentinel:
         self.decisions.append(Decision(message.step, message.microbatch, message.kind, message.src,
                                        message.dst, action, reason, distances, thresholds))
 
-    def _strike(self, message: Message, flagged: bool, reason: str) -> None:
-        wid = message.src
-        history = self.history.setdefault(wid, deque(maxlen=self.cfg.strike_history))
-        history.append(flagged)
-        count = sum(history)
-        if flagged and count >= self.cfg.strikes and message.step >= self.cfg.warmup_steps:
-            boundary = min(message.src.stage, message.dst.stage)
-            ban = Ban(wid, message.step, reason.split(",")[0], f"s{boundary}|s{boundary + 1}",
-                      message.kind, count)
-            self.banned[wid] = ban
-            self.bans.append(ban)
-            self.new_bans.append(ban)
+    def _stale_references(self) -> set[tuple[int, str]]:
+        """Verifiers where a majority of (at least two) senders had a message flagged this step."""
+        senders: dict[tuple[int, str], dict[WorkerId, bool]] = {}
+        for wid, _, key, flagged, _ in self.scored:
+            by_sender = senders.setdefault(key, {})
+            by_sender[wid] = by_sender.get(wid, False) or flagged
+        return {key for key, by_sender in senders.items()
+                if len(by_sender) >= 2 and 2 * sum(by_sender.values()) > len(by_sender)}
+
+    def _enter_strikes(self, step: int, stale: set[tuple[int, str]]) -> list[Ban]:
+        """Append the step's results to each sender's history in a fixed order; ban at s strikes."""
+        bans = []
+        for wid, _, (boundary, kind), flagged, reason in sorted(self.scored, key=lambda e: (e[0], e[1])):
+            history = self.history.setdefault(wid, deque(maxlen=self.cfg.strike_history))
+            strike = flagged and (boundary, kind) not in stale
+            history.append(strike)
+            count = sum(history)
+            if strike and count >= self.cfg.strikes and step >= self.cfg.warmup_steps \
+                    and wid not in self.banned:
+                ban = Ban(wid, step, reason.split(",")[0], f"s{boundary}|s{boundary + 1}", kind, count)
+                self.banned[wid] = ban
+                bans.append(ban)
+        self.bans += bans
+        return bans
 
     def _quarantine(self, message: Message, verifier: BoundaryVerifier, values: torch.Tensor,
                     key: tuple[int, int, int]) -> Message:

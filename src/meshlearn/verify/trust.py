@@ -77,7 +77,7 @@ class StepTrust:
     """What one step's verification produced, for the trainer's logs."""
 
     decisions: list[dict] = field(default_factory=list)  # verify.jsonl records (per verify.decision_log)
-    bans: list[dict] = field(default_factory=list)  # metrics.jsonl "ban" records
+    events: list[dict] = field(default_factory=list)  # metrics.jsonl records: bans and rebased references
     flags: int = 0
     skipped: int = 0
 
@@ -97,6 +97,8 @@ class TrustLayer:
         self.skipped = {"malicious": 0, "honest": 0}
         self.tallies: dict[WorkerId, WorkerTally] = {w: WorkerTally() for w in self.mesh.workers()}
         self.banned: list[dict] = []
+        self.honest_bans = 0  # bans of a slot with no running attack (ground truth, not evidence)
+        self.rebases = 0
 
     @property
     def active(self) -> bool:
@@ -119,22 +121,25 @@ class TrustLayer:
 
     # --- after each step ---------------------------------------------------------------------
 
-    def end_step(self) -> StepTrust:
-        """Score the step's decisions against the ground truth and carry out new bans."""
+    def end_step(self, step: int) -> StepTrust:
+        """Score step ``step``'s decisions against the ground truth and carry out new bans."""
         changed = {wid: attack.pop_changed() for wid, attack in self.attacks.items()}
         for wid, keys in changed.items():
             self.tallies[wid].malicious += len(keys)
         out = StepTrust()
         if self.sentinel is None:
             return out
-        decisions, bans = self.sentinel.end_step()
+        outcome = self.sentinel.end_step(step)
+        decisions = outcome.decisions
         for d in decisions:
             self._score(d, (d.kind, d.step, d.microbatch) in changed.get(d.src, ()))
         out.flags = sum(d.flagged for d in decisions)
         out.skipped = sum(d.action == "skip" for d in decisions)
         level = self.cfg.verify.decision_log
         out.decisions = [d.record() for d in decisions if level == "all" or level == "flags" and d.flagged]
-        out.bans = [self._carry_out(ban) for ban in bans]
+        out.events = [self._carry_out(ban) for ban in outcome.bans]
+        out.events += [{"kind": "rebase", "step": step + 1, "verifier": v} for v in outcome.rebased]
+        self.rebases += len(outcome.rebased)
         return out
 
     def _score(self, d: Decision, malicious: bool) -> None:
@@ -155,8 +160,10 @@ class TrustLayer:
         state = copy.deepcopy(self.workers[donor].state_dict())  # no tensor may be shared between peers
         self.workers[wid].load_state_dict(state)
         self.workers[wid].tamper = None
-        if wid in self.attacks:
-            self.attacks[wid].stop(ban.step)
+        attack = self.attacks.get(wid)
+        self.honest_bans += attack is None or attack.stopped_at is not None
+        if attack is not None and attack.stopped_at is None:
+            attack.stop(ban.step)
         self.sentinel.readmit(wid)
         entry = ban.record() | {"replaced_from": str(donor)}
         self.banned.append(entry)
@@ -178,21 +185,23 @@ class TrustLayer:
         total = self.messages["act"] + self.messages["grad"]
         attackers = []
         for wid, attack in sorted(self.attacks.items()):
-            ban = next((b for b in self.banned if b["worker"] == str(wid)), None)
+            banned_at = attack.stopped_at
             attackers.append({
                 "worker": str(wid), "attack": attack.name, "start_step": attack.start_step,
-                "ban_step": None if ban is None else ban["step"] - 1,
-                "steps_to_ban": None if ban is None else ban["step"] - 1 - attack.start_step,
+                "ban_step": banned_at,
+                "steps_to_ban": None if banned_at is None else banned_at - attack.start_step,
                 "changed_messages": self.tallies[wid].malicious})
-        banned = {b["worker"] for b in self.banned}
-        malicious = {str(w) for w in self.attacks}
+        caught = sum(a.stopped_at is not None for a in self.attacks.values())
+        # Worker level: a ban of a running attacker is a true positive, any other ban a false one.
+        workers = Confusion(tp=caught, fp=self.honest_bans, fn=len(self.attacks) - caught)
         trust = {
             "verify": self.cfg.verify.name,
             "messages": {"all": total.report()} | {k: c.report() for k, c in self.messages.items()},
             "warmup_messages": self.warmup_messages,
             "skipped_messages": dict(self.skipped),
-            "workers_banned": {"malicious": len(banned & malicious), "honest": len(banned - malicious),
-                               "malicious_not_banned": len(malicious - banned)},
+            "workers": {k: v for k, v in workers.report().items() if k not in ("tn", "fpr")},
+            "bans": len(self.banned),
+            "rebased_references": self.rebases,
             "attackers": attackers,
             "flags_per_worker": {str(w): {"scored": t.scored, "flags": t.flags,
                                           "malicious": w in self.attacks}
@@ -211,7 +220,7 @@ class TrustLayer:
                 "messages": {k: vars(c).copy() for k, c in self.messages.items()},
                 "warmup_messages": self.warmup_messages, "skipped": dict(self.skipped),
                 "tallies": {str(w): vars(t).copy() for w, t in self.tallies.items()},
-                "banned": list(self.banned)}
+                "banned": list(self.banned), "honest_bans": self.honest_bans, "rebases": self.rebases}
 
     def load_state_dict(self, state: dict) -> None:
         if self.sentinel is not None and state["sentinel"] is not None:
@@ -227,3 +236,4 @@ class TrustLayer:
         self.skipped = dict(state["skipped"])
         self.tallies = {WorkerId.parse(w): WorkerTally(**t) for w, t in state["tallies"].items()}
         self.banned = list(state["banned"])
+        self.honest_bans, self.rebases = state["honest_bans"], state["rebases"]

@@ -1,0 +1,278 @@
+"""SENTINEL against adversarial workers on the demo mesh, side by side with no verification and a clean run.
+
+Every attack sits on worker r1s2 (replica 1, stage 2: a middle stage, as the threat model keeps the
+first and last stages honest) and starts halfway through the run; with the demo's two replicas that is
+50% of one stage's workers (``--replicas 4`` gives exactly 25%). For each attack the same run is
+trained with SENTINEL and without verification, next to clean runs with and without SENTINEL. Runs
+are independent processes (``--jobs``), one torch thread each.
+
+Also measured: false positives on a clean run of the full demo length (300 steps), and the verifiers'
+overhead — two trainers (with and without SENTINEL) stepped alternately in one process, so both see
+the same machine load; wall-clock and virtual-clock step times side by side.
+
+    python bench/sentinel.py [--steps 200] [--jobs 2] [--replicas 2] [--overhead-steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing
+import shutil
+import statistics
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+from common import demo_config, markdown_table, scratch_trainer, write_results
+
+from meshlearn.mesh.topology import WorkerId
+from meshlearn.train import Trainer
+from meshlearn.train.files import read_records
+from meshlearn.verify.attacks import AttackConfig
+from meshlearn.verify.sentinel import VerifyConfig
+
+ATTACKER = WorkerId(1, 2)
+DEFAULTS = AttackConfig()
+# (label, attack overrides, what the parameters are)
+ATTACKS: list[tuple[str, list[str], str]] = [
+    ("zeros", ["attack.kind=zeros"], ""),
+    ("random", ["attack.kind=random"], "N(0, σ²), σ = the message's std"),
+    ("scaling", ["attack.kind=scaling"], f"c = {DEFAULTS.scale:g}"),
+    ("sign_flip", ["attack.kind=sign_flip"], f"{DEFAULTS.sign_fraction:.0%} of channels"),
+    ("replay", ["attack.kind=replay"], f"delay {DEFAULTS.replay_delay} steps"),
+    ("bias", ["attack.kind=bias"], f"RMS {DEFAULTS.bias:g}σ per channel"),
+    ("invisible_noise", ["attack.kind=invisible_noise"], f"ρ = {DEFAULTS.noise_rho:g}"),
+    ("mixed", ["attack.kind=mixed"], f"switches every {DEFAULTS.mixed_period} steps among 7"),
+    ("adaptive", ["attack.kind=adaptive"],
+     f"bias ≤ {DEFAULTS.adaptive_max:g}σ, margin {DEFAULTS.adaptive_margin:g} of the fence above the median"),
+]
+EXTRAS: list[tuple[str, list[str], str]] = [
+    ("scaling ×10", ["attack.kind=scaling", "attack.scale=10"], "c = 10"),
+    ("scaling ×0.1", ["attack.kind=scaling", "attack.scale=0.1"], "c = 0.1"),
+    ("invisible_noise ρ=0.2", ["attack.kind=invisible_noise", "attack.noise_rho=0.2"], "ρ = 0.2"),
+    ("scaling, gradients only", ["attack.kind=scaling", "attack.target=gradients"],
+     f"c = {DEFAULTS.scale:g}"),
+    ("sign_flip, gradients only", ["attack.kind=sign_flip", "attack.target=gradients"],
+     f"{DEFAULTS.sign_fraction:.0%} of channels"),
+]
+
+
+def base_overrides(steps: int, replicas: int) -> list[str]:
+    return [f"train.steps={steps}", f"mesh.replicas={replicas}", "train.checkpoint_every=0",
+            f"train.eval_every={steps // 2}", "verify.decision_log=none"]
+
+
+def train_one(name: str, overrides: list[str]) -> dict:
+    """One run in a scratch folder (deleted afterwards: a replaying attacker's checkpoint is large)."""
+    torch.set_num_threads(1)
+    run_dir = Path(tempfile.mkdtemp(prefix="meshlearn-sentinel-"))
+    try:
+        started = time.perf_counter()
+        trainer = Trainer(demo_config(*overrides), run_dir, progress=False)
+        summary = trainer.train()
+        train = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
+        result = {"name": name, "overrides": overrides, "final_val_loss": summary["final_val_loss"],
+                  "banned_workers": summary.get("banned_workers"), "trust": summary.get("trust"),
+                  "step_sim_s": statistics.mean(r["step_sim_s"] for r in train),
+                  "step_wall_s": statistics.mean(r["step_wall_s"] for r in train),
+                  "run_wall_s": time.perf_counter() - started}
+        attack = trainer.trust.attacks.get(ATTACKER)
+        if attack is not None and attack.name == "adaptive":
+            alphas = attack.alphas
+            result["adaptive"] = {"messages": len(alphas), "alpha_max": max(alphas, default=0.0),
+                                  "alpha_mean": statistics.mean(alphas) if alphas else 0.0,
+                                  "alpha_zero": sum(a == 0 for a in alphas)}
+        print(f"  {name}: val {summary['final_val_loss']:.4f} in {result['run_wall_s']:.0f}s", flush=True)
+        return result
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def measure_overhead(steps: int, warmup: int, replicas: int) -> dict:
+    """Alternate steps of a verified and an unverified trainer; the order flips every step."""
+    torch.set_num_threads(1)
+    base = base_overrides(steps + warmup, replicas)
+    trainers = {v: scratch_trainer(demo_config(*base, f"verify.name={v}")) for v in ("sentinel", "none")}
+    wall = {v: [] for v in trainers}
+    sim = {v: [] for v in trainers}
+    for t in range(warmup + steps):
+        order = ["sentinel", "none"] if t % 2 == 0 else ["none", "sentinel"]
+        for v in order:
+            trainer = trainers[v]
+            sim_before = trainer.driver.clock.step_end
+            started = time.perf_counter()
+            trainer.step()
+            if t >= warmup:
+                wall[v].append(time.perf_counter() - started)
+                sim[v].append(trainer.driver.clock.step_end - sim_before)
+    out = {v: {"wall_s": statistics.mean(wall[v]), "sim_s": statistics.mean(sim[v])} for v in trainers}
+    out["wall_overhead"] = out["sentinel"]["wall_s"] / out["none"]["wall_s"] - 1
+    out["sim_overhead"] = out["sentinel"]["sim_s"] / out["none"]["sim_s"] - 1
+    out["steps"] = steps
+    return out
+
+
+def steps_to_ban(run: dict) -> int | None:
+    attackers = (run["trust"] or {}).get("attackers") or []
+    return attackers[0]["steps_to_ban"] if attackers else None
+
+
+def attack_row(label: str, params: str, target: str, verified: dict, unverified: dict, clean: dict) -> dict:
+    messages, workers = verified["trust"]["messages"]["all"], verified["trust"]["workers"]
+    return {"attack": label, "params": params, "target": target,
+            "precision": messages["precision"], "recall": messages["recall"], "f1": messages["f1"],
+            "tp": messages["tp"], "fp": messages["fp"], "fpr": messages["fpr"],
+            "worker_f1": workers["f1"], "steps_to_ban": steps_to_ban(verified),
+            "honest_banned": workers["fp"], "rebased": verified["trust"]["rebased_references"],
+            "val_sentinel": verified["final_val_loss"], "val_none": unverified["final_val_loss"],
+            "val_clean": clean["final_val_loss"],
+            "gap_sentinel": verified["final_val_loss"] - clean["final_val_loss"],
+            "gap_none": unverified["final_val_loss"] - clean["final_val_loss"]}
+
+
+def fmt(value: object, spec: str = ".3f") -> str:
+    return "—" if value is None else format(value, spec) if isinstance(value, float) else str(value)
+
+
+def attack_table(rows: list[dict]) -> str:
+    counts = ("steps_to_ban", "honest_banned", "tp", "fp", "rebased")
+    shown = [{k: fmt(v, "d") if k in counts else fmt(v) for k, v in r.items()} for r in rows]
+    for row, raw in zip(shown, rows, strict=True):
+        row["gap_sentinel"] = fmt(raw["gap_sentinel"], "+.3f")
+        row["gap_none"] = fmt(raw["gap_none"], "+.3f")
+        row["fpr"] = fmt(None if raw["fpr"] is None else 100 * raw["fpr"], ".2f") + "%"
+    return markdown_table(shown, [
+        ("attack", "attack", ""), ("params", "parameters", ""), ("target", "target", ""),
+        ("tp", "flagged attack msgs", ""), ("fp", "flagged honest msgs", ""),
+        ("precision", "msg precision", ""), ("recall", "msg recall", ""), ("f1", "msg F1", ""),
+        ("fpr", "msg FPR", ""), ("worker_f1", "worker F1", ""), ("steps_to_ban", "steps to ban", ""),
+        ("honest_banned", "honest bans", ""), ("rebased", "rebased refs", ""),
+        ("val_sentinel", "val loss SENTINEL", ""), ("val_none", "val loss no verification", ""),
+        ("val_clean", "val loss clean", ""), ("gap_sentinel", "SENTINEL − clean", ""),
+        ("gap_none", "none − clean", "")])
+
+
+def goals(rows: list[dict], clean_demo: dict | None) -> list[str]:
+    lines = []
+    for r in rows:
+        if r["attack"].startswith("adaptive"):
+            continue
+        checks = {"message F1 ≥ 0.95": r["f1"] is not None and r["f1"] >= 0.95,
+                  "worker F1 ≥ 0.95": r["worker_f1"] is not None and r["worker_f1"] >= 0.95,
+                  "ban ≤ 10 steps": r["steps_to_ban"] is not None and r["steps_to_ban"] <= 10,
+                  "|val − clean| ≤ 0.05": abs(r["gap_sentinel"]) <= 0.05}
+        missed = [k for k, ok in checks.items() if not ok]
+        verdict = "all met" if not missed else "missed " + ", ".join(missed)
+        lines.append(f"- {r['attack']} ({r['target']}): {verdict}")
+    if clean_demo is not None:
+        m = clean_demo["trust"]["messages"]["all"]
+        banned = len(clean_demo["banned_workers"])
+        fpr = m["fpr"] or 0.0
+        lines.append(f"- clean demo run ({clean_demo['steps']} steps): FPR {100 * fpr:.2f}% "
+                     f"({'met' if fpr <= 0.01 else 'missed'} ≤ 1%), {banned} honest worker(s) banned "
+                     f"({'met' if banned == 0 else 'missed'})")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=200, help="steps per run; attacks start halfway")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--jobs", type=int, default=2, help="runs trained in parallel")
+    parser.add_argument("--overhead-steps", type=int, default=30)
+    parser.add_argument("--demo-steps", type=int, default=300, help="clean FPR run length; 0 skips it")
+    parser.add_argument("--extras", action="store_true",
+                        help="instead: stronger/weaker variants and gradient-only attacks (sentinel_extras)")
+    args = parser.parse_args()
+    began = time.perf_counter()
+    start = args.steps // 2
+    base = base_overrides(args.steps, args.replicas)
+    specs = EXTRAS if args.extras else ATTACKS
+    jobs: dict[str, list[str]] = {"clean/sentinel": [*base, "verify.name=sentinel"],
+                                  "clean/none": [*base, "verify.name=none"]}
+    for label, overrides, _ in specs:
+        for v in ("sentinel", "none"):
+            jobs[f"{label}/{v}"] = [*base, f"attack.workers={ATTACKER}", f"attack.start_step={start}",
+                                    *overrides, f"verify.name={v}"]
+    if args.demo_steps and not args.extras:
+        jobs["clean-demo/sentinel"] = [*base_overrides(args.demo_steps, args.replicas),
+                                       "verify.name=sentinel"]
+    overhead = None
+    if not args.extras:
+        print("overhead: alternating steps with and without SENTINEL", flush=True)
+        overhead = measure_overhead(args.overhead_steps, 3, args.replicas)
+
+    print(f"{len(jobs)} runs of {args.steps} steps on {args.jobs} processes", flush=True)
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {name: pool.submit(train_one, name, overrides) for name, overrides in jobs.items()}
+        runs = {name: f.result() for name, f in futures.items()}
+
+    clean = runs["clean/none"]
+    rows = [attack_row(label, params, _target(overrides), runs[f"{label}/sentinel"], runs[f"{label}/none"],
+                       clean) for label, overrides, params in specs]
+    fpr_rows = [{"run": f"clean, {args.steps} steps", **_fp(runs["clean/sentinel"])}]
+    clean_demo = runs.get("clean-demo/sentinel")
+    if clean_demo is not None:
+        clean_demo["steps"] = args.demo_steps
+        fpr_rows.append({"run": f"clean, {args.demo_steps} steps (demo length)", **_fp(clean_demo)})
+    verify = VerifyConfig(name="sentinel")
+    command = f"python bench/sentinel.py --steps {args.steps} --replicas {args.replicas}" + (
+        " --extras" if args.extras else "")
+    parts = [
+        f"SENTINEL on the demo mesh (4 stages × {args.replicas} replicas), {args.steps} steps per run; the "
+        f"attacker is {ATTACKER} = 1 of {args.replicas} workers of stage 2 ({100 / args.replicas:.0f}%), "
+        f"attacking from step {start}. Message-level precision/recall count every scored message after "
+        f"warm-up ({verify.warmup_steps} steps); a positive is a message the attack changed. `{command}`",
+        attack_table(rows),
+        "False positives on clean runs (SENTINEL defaults):",
+        markdown_table(fpr_rows, [("run", "run", ""), ("messages", "scored messages", "d"),
+                                  ("fp", "flagged", "d"), ("fpr_pct", "FPR %", ".3f"),
+                                  ("banned", "honest workers banned", "d")]),
+    ]
+    if "adaptive/sentinel" in runs:
+        parts.append(_adaptive_line(runs["adaptive/sentinel"], clean))
+    if overhead is not None:
+        parts.append(_overhead_line(overhead, runs["clean/sentinel"], clean))
+    parts += ["Goals:\n" + "\n".join(goals(rows, clean_demo)),
+              f"Total bench time {(time.perf_counter() - began) / 60:.1f} min."]
+    payload = {"steps": args.steps, "replicas": args.replicas, "attacker": str(ATTACKER),
+               "attack_start": start, "verify": dataclasses.asdict(verify),
+               "attack_defaults": dataclasses.asdict(DEFAULTS), "rows": rows, "false_positives": fpr_rows,
+               "overhead": overhead, "runs": runs}
+    write_results("sentinel_extras" if args.extras else "sentinel", payload, "\n\n".join(parts))
+
+
+def _target(overrides: list[str]) -> str:
+    return next((o.split("=", 1)[1] for o in overrides if o.startswith("attack.target=")), DEFAULTS.target)
+
+
+def _adaptive_line(adaptive: dict, clean: dict) -> str:
+    a, changed = adaptive["adaptive"], adaptive["trust"]["attackers"][0]["changed_messages"]
+    return (f"Adaptive attacker: flagged {adaptive['trust']['messages']['all']['tp']} of its {changed} "
+            f"changed messages, steps to ban: {fmt(steps_to_ban(adaptive))}; mean bias α = "
+            f"{a['alpha_mean']:.3f}σ (max {a['alpha_max']:.3f}σ; α = 0 on {a['alpha_zero']} of "
+            f"{a['messages']} messages); val loss {adaptive['final_val_loss']:.4f} vs clean "
+            f"{clean['final_val_loss']:.4f} ({adaptive['final_val_loss'] - clean['final_val_loss']:+.4f}).")
+
+
+def _overhead_line(overhead: dict, verified: dict, clean: dict) -> str:
+    s, n = overhead["sentinel"], overhead["none"]
+    runs = verified["step_sim_s"] / clean["step_sim_s"] - 1
+    return (f"Overhead ({overhead['steps']} alternating steps in one process, 1 torch thread): wall "
+            f"{s['wall_s']:.3f} s/step with SENTINEL vs {n['wall_s']:.3f} s without "
+            f"({100 * overhead['wall_overhead']:+.1f}%); virtual clock {s['sim_s']:.4f} vs {n['sim_s']:.4f} "
+            f"s/step ({100 * overhead['sim_overhead']:+.1f}%). Whole clean runs, virtual clock: "
+            f"{verified['step_sim_s']:.4f} vs {clean['step_sim_s']:.4f} s/step ({100 * runs:+.1f}%).")
+
+
+def _fp(run: dict) -> dict:
+    m = run["trust"]["messages"]["all"]
+    return {"messages": m["fp"] + m["tn"], "fp": m["fp"], "fpr_pct": 100 * (m["fpr"] or 0.0),
+            "banned": run["trust"]["workers"]["fp"]}
+
+
+if __name__ == "__main__":
+    main()
