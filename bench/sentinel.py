@@ -11,6 +11,8 @@ overhead — two trainers (with and without SENTINEL) stepped alternately in one
 the same machine load; wall-clock and virtual-clock step times side by side.
 
     python bench/sentinel.py [--steps 200] [--jobs 2] [--replicas 2] [--overhead-steps 30]
+    python bench/sentinel.py --extras                     # variants and gradient-only attacks
+    python bench/sentinel.py --replicas 4 --only adaptive  # 25% malicious: inside the threat model
 """
 
 from __future__ import annotations
@@ -185,23 +187,25 @@ def main() -> None:
     parser.add_argument("--overhead-steps", type=int, default=30)
     parser.add_argument("--demo-steps", type=int, default=300, help="clean FPR run length; 0 skips it")
     parser.add_argument("--extras", action="store_true",
-                        help="instead: stronger/weaker variants and gradient-only attacks (sentinel_extras)")
+                        help="instead: stronger/weaker variants and gradient-only attacks")
+    parser.add_argument("--only", default="", help="comma-separated attack labels to run (and no overhead)")
     args = parser.parse_args()
+    only = [label.strip() for label in args.only.split(",") if label.strip()]
     began = time.perf_counter()
     start = args.steps // 2
     base = base_overrides(args.steps, args.replicas)
-    specs = EXTRAS if args.extras else ATTACKS
+    specs = [spec for spec in (EXTRAS if args.extras else ATTACKS) if not only or spec[0] in only]
     jobs: dict[str, list[str]] = {"clean/sentinel": [*base, "verify.name=sentinel"],
                                   "clean/none": [*base, "verify.name=none"]}
     for label, overrides, _ in specs:
         for v in ("sentinel", "none"):
             jobs[f"{label}/{v}"] = [*base, f"attack.workers={ATTACKER}", f"attack.start_step={start}",
                                     *overrides, f"verify.name={v}"]
-    if args.demo_steps and not args.extras:
+    if args.demo_steps and not args.extras and not only:
         jobs["clean-demo/sentinel"] = [*base_overrides(args.demo_steps, args.replicas),
                                        "verify.name=sentinel"]
     overhead = None
-    if not args.extras:
+    if not args.extras and not only:
         print("overhead: alternating steps with and without SENTINEL", flush=True)
         overhead = measure_overhead(args.overhead_steps, 3, args.replicas)
 
@@ -220,7 +224,7 @@ def main() -> None:
         fpr_rows.append({"run": f"clean, {args.demo_steps} steps (demo length)", **_fp(clean_demo)})
     verify = VerifyConfig(name="sentinel")
     command = f"python bench/sentinel.py --steps {args.steps} --replicas {args.replicas}" + (
-        " --extras" if args.extras else "")
+        " --extras" if args.extras else "") + (f" --only {args.only}" if only else "")
     parts = [
         f"SENTINEL on the demo mesh (4 stages × {args.replicas} replicas), {args.steps} steps per run; the "
         f"attacker is {ATTACKER} = 1 of {args.replicas} workers of stage 2 ({100 / args.replicas:.0f}%), "
@@ -242,7 +246,9 @@ def main() -> None:
                "attack_start": start, "verify": dataclasses.asdict(verify),
                "attack_defaults": dataclasses.asdict(DEFAULTS), "rows": rows, "false_positives": fpr_rows,
                "overhead": overhead, "runs": runs}
-    write_results("sentinel_extras" if args.extras else "sentinel", payload, "\n\n".join(parts))
+    name = "sentinel" + ("_extras" if args.extras else "")
+    name += f"_r{args.replicas}" if args.replicas != 2 else ""
+    write_results(name + ("_" + "_".join(only) if only else ""), payload, "\n\n".join(parts))
 
 
 def _target(overrides: list[str]) -> str:

@@ -33,9 +33,9 @@ def message(kind: str, step: int, mb: int, src: WorkerId, x: torch.Tensor) -> Me
     return Message(kind, step, mb, src, dst, CODEC.encode(x, kind))
 
 
-def sentinel(**overrides) -> Sentinel:
+def sentinel(mesh: MeshShape = MESH, **overrides) -> Sentinel:
     cfg = VerifyConfig(**({"name": "sentinel", "warmup_steps": 20, "window": 128} | overrides))
-    return Sentinel(cfg, MESH, CODEC)
+    return Sentinel(cfg, mesh, CODEC)
 
 
 def run_step(s: Sentinel, step: int, messages: list[Message]) -> list[Message]:
@@ -44,8 +44,9 @@ def run_step(s: Sentinel, step: int, messages: list[Message]) -> list[Message]:
     return delivered
 
 
-def honest_step(stream: Stream, step: int, stage: int = 0) -> list[Message]:
-    return [message("act", step, mb, WorkerId(r, stage), stream()) for mb in range(4) for r in range(2)]
+def honest_step(stream: Stream, step: int, stage: int = 0, replicas: int = 2) -> list[Message]:
+    return [message("act", step, mb, WorkerId(r, stage), stream())
+            for mb in range(4) for r in range(replicas)]
 
 
 def test_false_positive_rate_on_a_stationary_stream_is_below_one_percent():
@@ -120,36 +121,38 @@ def test_the_sender_is_banned_at_its_third_strike_and_then_quarantined():
     assert not s.inspect(message("act", 28, 0, attacker, Stream(0)())).skip
 
 
-def test_when_most_senders_are_flagged_the_reference_is_rebased_not_the_workers_banned():
-    """Honest majority: if every sender looks wrong, the reference is what went stale."""
-    s, stream = sentinel(), Stream(0)
+def regime_change(replicas: int, **overrides) -> tuple[Sentinel, list]:
+    """25 steps of one stream, then 3 steps in which every sender's traffic changes the same way."""
+    mesh = MeshShape(replicas=replicas, stages=3)
+    s, stream = sentinel(mesh, **overrides), Stream(0)
     for step in range(25):
-        run_step(s, step, honest_step(stream, step))
+        run_step(s, step, honest_step(stream, step, replicas=replicas))
     shifted = Stream(0)
-    shifted.pattern = -stream.pattern  # a regime change every honest worker shares
+    shifted.pattern = -stream.pattern
+    outcomes = []
     for step in range(25, 28):
-        for m in honest_step(shifted, step):
+        for m in honest_step(shifted, step, replicas=replicas):
             s.inspect(m)
-        outcome = s.end_step(step)
-        assert outcome.bans == []
-        if step == 25:
-            assert all(d.action == "flag" for d in outcome.decisions) and outcome.rebased == ["s0|s1 act"]
-    assert sum(d.flagged for d in outcome.decisions) <= 1  # recovered after one step
+        outcomes.append(s.end_step(step))
+    return s, outcomes
+
+
+def test_when_most_senders_are_flagged_the_reference_is_rebased_not_the_workers_banned():
+    """Honest majority: if (almost) every sender looks wrong, the reference is what went stale."""
+    s, outcomes = regime_change(replicas=3)
+    assert all(d.action == "flag" for d in outcomes[0].decisions) and outcomes[0].rebased == ["s0|s1 act"]
+    assert all(o.bans == [] for o in outcomes)
+    assert sum(d.flagged for d in outcomes[-1].decisions) <= 1  # recovered after one step
     assert all(h.count(True) == 0 for h in s.history.values())  # the voided flags left no strikes
 
 
-def test_without_majority_rebase_a_stale_reference_bans_honest_workers():
-    s, stream = sentinel(majority_rebase=False), Stream(0)
-    for step in range(25):
-        run_step(s, step, honest_step(stream, step))
-    shifted = Stream(0)
-    shifted.pattern = -stream.pattern
-    bans = []
-    for step in range(25, 28):
-        for m in honest_step(shifted, step):
-            s.inspect(m)
-        bans += s.end_step(step).bans
-    assert {b.worker for b in bans} == {WorkerId(0, 0), WorkerId(1, 0)}
+@pytest.mark.parametrize("replicas,rebase", [(3, False), (2, True)])
+def test_without_a_rebase_a_stale_reference_bans_honest_workers(replicas, rebase):
+    """Switched off — or with 2 replicas, where a flagged "majority" could be an attacker shielding
+    itself — the same regime change bans every (honest) sender."""
+    _, outcomes = regime_change(replicas=replicas, majority_rebase=rebase)
+    assert all(o.rebased == [] for o in outcomes)
+    assert {b.worker for o in outcomes for b in o.bans} == {WorkerId(r, 0) for r in range(replicas)}
 
 
 def test_no_ban_during_warmup_but_sanity_checks_still_quarantine():

@@ -12,9 +12,10 @@ reference and fences as they stood at the start of the step; accepted messages u
 step's end, in (microbatch, replica) order. Real verifiers see messages in whatever order the network
 delivers them, and the simulator's order can shift with timing, so this keeps runs replayable.
 Strikes are entered and bans decided at the step's end too, after one check the paper does not
-describe: if most of a boundary's senders were flagged in the same step, the honest-majority
-assumption says the reference went stale (drift, an adaptive attacker's mimicry), so those strikes are
-voided and the reference restarts from that step's messages (``verify.majority_rebase``).
+describe: if a strict majority of a boundary's senders (3 or more) were flagged in the same step, the
+honest-majority assumption says the reference went stale (drift, an adaptive attacker's mimicry), so
+those strikes are voided and the reference restarts from that step's messages
+(``verify.majority_rebase``).
 
 Quarantine (method note, "Algorithm"):
 
@@ -108,10 +109,12 @@ class VerifyConfig:
     """Sanity check, also during warm-up: quarantine a message whose norm is more than this factor
     above or below the median norm of recently accepted messages."""
     majority_rebase: bool = True
-    """When most of a boundary's senders are flagged in one step, blame the reference, not them (the
-    threat model gives every stage an honest majority): void those strikes and restart the reference
-    from that step's messages. Without it, a reference that drifted (an adaptive attacker, a regime
-    change) flags every honest replacement forever, since flagged messages never update it."""
+    """When a strict majority of a boundary's senders (at least 3 of them) are flagged in one step,
+    blame the reference, not them (the threat model gives every stage an honest majority): void those
+    strikes and restart the reference from that step's messages. Without it, a reference that drifted
+    (an adaptive attacker, a regime change) flags every honest replacement forever, since flagged
+    messages never update it. With 2 replicas a "majority" would include the attacker itself, which
+    could then shield itself, so the rule needs 3 or more senders."""
     grad_action: str = "ema"
     """What replaces a flagged gradient: ``ema`` (the reference, broadcast over samples) or ``zero``."""
     view: str = "auto"
@@ -451,13 +454,17 @@ class Sentinel:
                                        message.dst, action, reason, distances, thresholds))
 
     def _stale_references(self) -> set[tuple[int, str]]:
-        """Verifiers where a majority of (at least two) senders had a message flagged this step."""
+        """Verifiers where a strict majority of (at least 3) senders had a message flagged this step.
+
+        With 2 senders one attacker plus one honest false positive would be a "majority": measured,
+        an adaptive attacker then rebased the reference every step and was never banned.
+        """
         senders: dict[tuple[int, str], dict[WorkerId, bool]] = {}
         for wid, _, key, flagged, _ in self.scored:
             by_sender = senders.setdefault(key, {})
             by_sender[wid] = by_sender.get(wid, False) or flagged
         return {key for key, by_sender in senders.items()
-                if len(by_sender) >= 2 and 2 * sum(by_sender.values()) > len(by_sender)}
+                if len(by_sender) >= 3 and 2 * sum(by_sender.values()) > len(by_sender)}
 
     def _enter_strikes(self, step: int, stale: set[tuple[int, str]]) -> list[Ban]:
         """Append the step's results to each sender's history in a fixed order; ban at s strikes."""
