@@ -12,10 +12,9 @@ reference and fences as they stood at the start of the step; accepted messages u
 step's end, in (microbatch, replica) order. Real verifiers see messages in whatever order the network
 delivers them, and the simulator's order can shift with timing, so this keeps runs replayable.
 Strikes are entered and bans decided at the step's end too, after one check the paper does not
-describe: if a strict majority of a boundary's senders (3 or more) were flagged in the same step, the
-honest-majority assumption says the reference went stale (drift, an adaptive attacker's mimicry), so
-those strikes are voided and the reference restarts from that step's messages
-(``verify.majority_rebase``).
+describe: if a strict majority of a boundary's senders were flagged in the same step, the reference
+went stale (drift, an adaptive attacker's mimicry) and restarts from that step's messages; with 3 or
+more senders the honest-majority assumption also voids those strikes (``verify.majority_rebase``).
 
 Quarantine (method note, "Algorithm"):
 
@@ -109,12 +108,12 @@ class VerifyConfig:
     """Sanity check, also during warm-up: quarantine a message whose norm is more than this factor
     above or below the median norm of recently accepted messages."""
     majority_rebase: bool = True
-    """When a strict majority of a boundary's senders (at least 3 of them) are flagged in one step,
-    blame the reference, not them (the threat model gives every stage an honest majority): void those
-    strikes and restart the reference from that step's messages. Without it, a reference that drifted
-    (an adaptive attacker, a regime change) flags every honest replacement forever, since flagged
-    messages never update it. With 2 replicas a "majority" would include the attacker itself, which
-    could then shield itself, so the rule needs 3 or more senders."""
+    """When a strict majority of a boundary's senders are flagged in one step, the reference went
+    stale: restart it from that step's messages. Without it, a reference that drifted (an adaptive
+    attacker, a regime change) flags every honest replacement forever, since flagged messages never
+    update it. With 3 or more senders the honest majority of the threat model also voids those
+    strikes; with 2, a flagged "majority" may be the attacker plus one false positive, so the strikes
+    stand (otherwise the attacker could shield itself)."""
     grad_action: str = "ema"
     """What replaces a flagged gradient: ``ema`` (the reference, broadcast over samples) or ``zero``."""
     view: str = "auto"
@@ -324,12 +323,13 @@ class BoundaryVerifier:
         self._close_step()
 
     def rebase(self) -> None:
-        """Restart the reference from all of this step's messages, accepted or flagged; the windows
+        """Restart the reference as the plain mean of this step's messages, accepted or flagged (an
+        EMA started afresh would lean on the first one and flag the next step again); the windows
         keep their history (this step's distances were measured against a stale reference)."""
-        self.reference = None
-        steps = [(o, s) for o, s, _, _ in self.pending] + self.rejected
-        for _, summary in sorted(steps, key=lambda p: p[0]):
-            self.reference = ema(self.reference, summary, self.beta)
+        summaries = [s for _, s, _, _ in self.pending] + [s for _, s in self.rejected]
+        if summaries:
+            self.reference = Summary(torch.stack([s.mean for s in summaries]).mean(0),
+                                     torch.stack([s.table for s in summaries]).mean(0))
         self.norms.extend(norm for _, _, _, norm in self.pending)
         self._close_step()
 
@@ -425,13 +425,13 @@ class Sentinel:
 
     def end_step(self, step: int) -> StepOutcome:
         """Close step ``step``: update references and fences, enter strikes, decide bans."""
-        stale = self._stale_references() if self.cfg.majority_rebase else set()
+        stale, voided = self._stale_references() if self.cfg.majority_rebase else (set(), set())
         for key, verifier in self.verifiers.items():
             if key in stale:
                 verifier.rebase()
             else:
                 verifier.commit()
-        bans = self._enter_strikes(step, stale)
+        bans = self._enter_strikes(step, voided)
         outcome = StepOutcome(self.decisions, bans, [f"s{b}|s{b + 1} {kind}" for b, kind in sorted(stale)])
         self.decisions, self.scored = [], []
         self.dropped.clear()
@@ -453,25 +453,27 @@ class Sentinel:
         self.decisions.append(Decision(message.step, message.microbatch, message.kind, message.src,
                                        message.dst, action, reason, distances, thresholds))
 
-    def _stale_references(self) -> set[tuple[int, str]]:
-        """Verifiers where a strict majority of (at least 3) senders had a message flagged this step.
+    def _stale_references(self) -> tuple[set[tuple[int, str]], set[tuple[int, str]]]:
+        """Verifiers where a strict majority of (2 or more) senders had a message flagged this step,
+        and among them those with 3 or more senders, whose strikes are voided.
 
-        With 2 senders one attacker plus one honest false positive would be a "majority": measured,
-        an adaptive attacker then rebased the reference every step and was never banned.
+        With 2 senders, one attacker plus one honest false positive make such a "majority": voiding
+        then let an adaptive attacker rebase the reference every step and never be banned (measured).
         """
         senders: dict[tuple[int, str], dict[WorkerId, bool]] = {}
         for wid, _, key, flagged, _ in self.scored:
             by_sender = senders.setdefault(key, {})
             by_sender[wid] = by_sender.get(wid, False) or flagged
-        return {key for key, by_sender in senders.items()
-                if len(by_sender) >= 3 and 2 * sum(by_sender.values()) > len(by_sender)}
+        stale = {key for key, by_sender in senders.items()
+                 if len(by_sender) >= 2 and 2 * sum(by_sender.values()) > len(by_sender)}
+        return stale, {key for key in stale if len(senders[key]) >= 3}
 
-    def _enter_strikes(self, step: int, stale: set[tuple[int, str]]) -> list[Ban]:
+    def _enter_strikes(self, step: int, voided: set[tuple[int, str]]) -> list[Ban]:
         """Append the step's results to each sender's history in a fixed order; ban at s strikes."""
         bans = []
         for wid, _, (boundary, kind), flagged, reason in sorted(self.scored, key=lambda e: (e[0], e[1])):
             history = self.history.setdefault(wid, deque(maxlen=self.cfg.strike_history))
-            strike = flagged and (boundary, kind) not in stale
+            strike = flagged and (boundary, kind) not in voided
             history.append(strike)
             count = sum(history)
             if strike and count >= self.cfg.strikes and step >= self.cfg.warmup_steps \
