@@ -3,14 +3,17 @@
 Every attack sits on worker r1s2 (replica 1, stage 2: a middle stage, as the threat model keeps the
 first and last stages honest) and starts halfway through the run; with the demo's two replicas that is
 50% of one stage's workers (``--replicas 4`` gives exactly 25%). For each attack the same run is
-trained with SENTINEL and without verification, next to clean runs with and without SENTINEL. Runs
-are independent processes (``--jobs``), one torch thread each.
+trained three times: with SENTINEL, with SENTINEL that flags but never bans (``verify.ban=false``:
+the attacker keeps sending, so the detector is scored per message over a whole attack), and without
+verification; next to clean runs with and without SENTINEL. Runs are independent processes
+(``--jobs``), one torch thread each.
 
 Also measured: false positives on a clean run of the full demo length (300 steps), and the verifiers'
 overhead — two trainers (with and without SENTINEL) stepped alternately in one process, so both see
 the same machine load; wall-clock and virtual-clock step times side by side.
 
     python bench/sentinel.py [--steps 200] [--jobs 2] [--replicas 2] [--overhead-steps 30]
+    python bench/sentinel.py --replicas 4 --demo-steps 0 --overhead-steps 0  # 25% of stage 2
     python bench/sentinel.py --extras                     # variants and gradient-only attacks
     python bench/sentinel.py --replicas 4 --only adaptive  # 25% malicious: inside the threat model
 """
@@ -122,11 +125,18 @@ def steps_to_ban(run: dict) -> int | None:
     return attackers[0]["steps_to_ban"] if attackers else None
 
 
-def attack_row(label: str, params: str, target: str, verified: dict, unverified: dict, clean: dict) -> dict:
-    messages, workers = verified["trust"]["messages"]["all"], verified["trust"]["workers"]
+def attack_row(label: str, params: str, target: str, verified: dict, observed: dict, unverified: dict,
+               clean: dict) -> dict:
+    """Per-message scores from the run without bans; bans, damage and the with-ban scores from the other."""
+    detector, messages = observed["trust"]["messages"]["all"], verified["trust"]["messages"]["all"]
+    workers = verified["trust"]["workers"]
     return {"attack": label, "params": params, "target": target,
-            "precision": messages["precision"], "recall": messages["recall"], "f1": messages["f1"],
-            "tp": messages["tp"], "fp": messages["fp"], "fpr": messages["fpr"],
+            "precision": detector["precision"], "recall": detector["recall"], "f1": detector["f1"],
+            "tp": detector["tp"], "fp": detector["fp"], "fn": detector["fn"], "fpr": detector["fpr"],
+            "skipped_attack": observed["trust"]["skipped_messages"]["malicious"],
+            "val_observe": observed["final_val_loss"],
+            "ban_tp": messages["tp"], "ban_fp": messages["fp"], "ban_precision": messages["precision"],
+            "ban_recall": messages["recall"], "ban_f1": messages["f1"],
             "worker_f1": workers["f1"], "steps_to_ban": steps_to_ban(verified),
             "honest_banned": workers["fp"], "rebased": verified["trust"]["rebased_references"],
             "val_sentinel": verified["final_val_loss"], "val_none": unverified["final_val_loss"],
@@ -139,22 +149,30 @@ def fmt(value: object, spec: str = ".3f") -> str:
     return "—" if value is None else format(value, spec) if isinstance(value, float) else str(value)
 
 
-def attack_table(rows: list[dict]) -> str:
-    counts = ("steps_to_ban", "honest_banned", "tp", "fp", "rebased")
+def attack_tables(rows: list[dict]) -> tuple[str, str]:
+    """The detector per message (no bans), then the defence end to end (with bans)."""
+    counts = ("steps_to_ban", "honest_banned", "tp", "fp", "fn", "skipped_attack", "ban_tp", "ban_fp",
+              "rebased")
     shown = [{k: fmt(v, "d") if k in counts else fmt(v) for k, v in r.items()} for r in rows]
     for row, raw in zip(shown, rows, strict=True):
         row["gap_sentinel"] = fmt(raw["gap_sentinel"], "+.3f")
         row["gap_none"] = fmt(raw["gap_none"], "+.3f")
         row["fpr"] = fmt(None if raw["fpr"] is None else 100 * raw["fpr"], ".2f") + "%"
-    return markdown_table(shown, [
+    detector = markdown_table(shown, [
         ("attack", "attack", ""), ("params", "parameters", ""), ("target", "target", ""),
-        ("tp", "flagged attack msgs", ""), ("fp", "flagged honest msgs", ""),
-        ("precision", "msg precision", ""), ("recall", "msg recall", ""), ("f1", "msg F1", ""),
-        ("fpr", "msg FPR", ""), ("worker_f1", "worker F1", ""), ("steps_to_ban", "steps to ban", ""),
+        ("tp", "attack msgs flagged", ""), ("fn", "attack msgs missed", ""),
+        ("skipped_attack", "attack msgs skipped", ""), ("fp", "honest msgs flagged", ""),
+        ("precision", "precision", ""), ("recall", "recall", ""), ("f1", "F1", ""), ("fpr", "FPR", ""),
+        ("val_observe", "val loss (flag, no ban)", "")])
+    defence = markdown_table(shown, [
+        ("attack", "attack", ""), ("worker_f1", "worker F1", ""), ("steps_to_ban", "steps to ban", ""),
         ("honest_banned", "honest bans", ""), ("rebased", "rebased refs", ""),
+        ("ban_tp", "attack msgs flagged", ""), ("ban_fp", "honest msgs flagged", ""),
+        ("ban_precision", "msg precision", ""), ("ban_f1", "msg F1", ""),
         ("val_sentinel", "val loss SENTINEL", ""), ("val_none", "val loss no verification", ""),
         ("val_clean", "val loss clean", ""), ("gap_sentinel", "SENTINEL − clean", ""),
         ("gap_none", "none − clean", "")])
+    return detector, defence
 
 
 def goals(rows: list[dict], clean_demo: dict | None) -> list[str]:
@@ -162,7 +180,7 @@ def goals(rows: list[dict], clean_demo: dict | None) -> list[str]:
     for r in rows:
         if r["attack"].startswith("adaptive"):
             continue
-        checks = {"message F1 ≥ 0.95": r["f1"] is not None and r["f1"] >= 0.95,
+        checks = {"message F1 ≥ 0.95 (no bans)": r["f1"] is not None and r["f1"] >= 0.95,
                   "worker F1 ≥ 0.95": r["worker_f1"] is not None and r["worker_f1"] >= 0.95,
                   "ban ≤ 10 steps": r["steps_to_ban"] is not None and r["steps_to_ban"] <= 10,
                   "|val − clean| ≤ 0.05": abs(r["gap_sentinel"]) <= 0.05}
@@ -198,14 +216,15 @@ def main() -> None:
     jobs: dict[str, list[str]] = {"clean/sentinel": [*base, "verify.name=sentinel"],
                                   "clean/none": [*base, "verify.name=none"]}
     for label, overrides, _ in specs:
-        for v in ("sentinel", "none"):
-            jobs[f"{label}/{v}"] = [*base, f"attack.workers={ATTACKER}", f"attack.start_step={start}",
-                                    *overrides, f"verify.name={v}"]
+        attacked = [*base, f"attack.workers={ATTACKER}", f"attack.start_step={start}", *overrides]
+        jobs[f"{label}/sentinel"] = [*attacked, "verify.name=sentinel"]
+        jobs[f"{label}/observe"] = [*attacked, "verify.name=sentinel", "verify.ban=false"]
+        jobs[f"{label}/none"] = [*attacked, "verify.name=none"]
     if args.demo_steps and not args.extras and not only:
-        jobs["clean-demo/sentinel"] = [*base_overrides(args.demo_steps, args.replicas),
+        jobs["clean-demo/sentinel"] = [*base_overrides(args.demo_steps, demo_config().mesh.replicas),
                                        "verify.name=sentinel"]
     overhead = None
-    if not args.extras and not only:
+    if args.overhead_steps and not args.extras and not only:
         print("overhead: alternating steps with and without SENTINEL", flush=True)
         overhead = measure_overhead(args.overhead_steps, 3, args.replicas)
 
@@ -215,22 +234,31 @@ def main() -> None:
         runs = {name: f.result() for name, f in futures.items()}
 
     clean = runs["clean/none"]
-    rows = [attack_row(label, params, _target(overrides), runs[f"{label}/sentinel"], runs[f"{label}/none"],
-                       clean) for label, overrides, params in specs]
+    rows = [attack_row(label, params, _target(overrides), runs[f"{label}/sentinel"], runs[f"{label}/observe"],
+                       runs[f"{label}/none"], clean) for label, overrides, params in specs]
+    detector, defence = attack_tables(rows)
     fpr_rows = [{"run": f"clean, {args.steps} steps", **_fp(runs["clean/sentinel"])}]
     clean_demo = runs.get("clean-demo/sentinel")
     if clean_demo is not None:
         clean_demo["steps"] = args.demo_steps
-        fpr_rows.append({"run": f"clean, {args.demo_steps} steps (demo length)", **_fp(clean_demo)})
+        label = f"clean demo ({demo_config().mesh.replicas} replicas, {args.demo_steps} steps)"
+        fpr_rows.append({"run": label, **_fp(clean_demo)})
     verify = VerifyConfig(name="sentinel")
     command = f"python bench/sentinel.py --steps {args.steps} --replicas {args.replicas}" + (
         " --extras" if args.extras else "") + (f" --only {args.only}" if only else "")
     parts = [
         f"SENTINEL on the demo mesh (4 stages × {args.replicas} replicas), {args.steps} steps per run; the "
         f"attacker is {ATTACKER} = 1 of {args.replicas} workers of stage 2 ({100 / args.replicas:.0f}%), "
-        f"attacking from step {start}. Message-level precision/recall count every scored message after "
-        f"warm-up ({verify.warmup_steps} steps); a positive is a message the attack changed. `{command}`",
-        attack_table(rows),
+        f"attacking from step {start}. `{command}`",
+        f"**The detector, per message** (`verify.ban=false`: flagged messages are quarantined but nobody "
+        f"is banned, so the attacker sends for the whole second half). Every message scored after "
+        f"warm-up ({verify.warmup_steps} steps) counts; a positive is a message the attack changed. "
+        f"Messages of a microbatch that an earlier flag already quarantined are skipped, not scored.",
+        detector,
+        "**The defence, end to end** (SENTINEL defaults, bans on). A ban ends the attack, so the "
+        "per-message precision here is the few attacked messages before the ban against every false "
+        "flag of the run.",
+        defence,
         "False positives on clean runs (SENTINEL defaults):",
         markdown_table(fpr_rows, [("run", "run", ""), ("messages", "scored messages", "d"),
                                   ("fp", "flagged", "d"), ("fpr_pct", "FPR %", ".3f"),

@@ -278,6 +278,7 @@ def _validate_verify(cfg: RunConfig) -> None:
     _require(1 <= v.min_metrics <= len(metrics), "verify.min_metrics", v.min_metrics,
              f"in [1, {len(metrics)}] (the number of verify.metrics)")
     _require(v.fence_k > 0, "verify.fence_k", v.fence_k, "must be > 0")
+    _require(0 <= v.fpr_target < 1, "verify.fpr_target", v.fpr_target, "in [0, 1) (0: no calibration)")
     _require(v.window >= 8, "verify.window", v.window, "must be >= 8 (quartiles need values)")
     _require(v.strikes >= 1, "verify.strikes", v.strikes, "must be >= 1")
     _require(v.strike_history >= v.strikes, "verify.strike_history", v.strike_history,

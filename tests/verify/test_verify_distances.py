@@ -18,7 +18,7 @@ from meshlearn.verify.distances import (
     summarize,
     swd_directions,
 )
-from meshlearn.verify.fence import TukeyFence, tukey_threshold
+from meshlearn.verify.fence import TukeyFence, calibrated_k, tukey_threshold
 
 
 def message(seed: int = 0, shape: tuple[int, int, int] = (4, 16, 8)) -> torch.Tensor:
@@ -101,3 +101,21 @@ def test_fence_window_slides():
         fence.add(float(v))
     assert list(fence.values) == [float(v) for v in range(10)]
     assert fence.threshold() == pytest.approx(tukey_threshold([float(v) for v in range(10)], 3.0))
+
+
+def test_calibration_raises_k_until_no_window_value_lies_above_the_fence():
+    values = [float(v) for v in range(1, 10)] + [40.0]  # Q1 = 3.25, Q3 = 7.75 (numpy's linear rule)
+    k = calibrated_k(values, 3.0, exceedance=0.0)
+    assert tukey_threshold(values, k) == pytest.approx(40.0)
+    assert calibrated_k(values, 3.0, exceedance=0.1) == 3.0  # one value of ten may stay above
+    assert calibrated_k([float(v) for v in range(10)], 3.0, exceedance=0.0) == 3.0  # never lowered
+
+
+def test_a_calibrated_fence_keeps_its_k_through_a_checkpoint():
+    fence = TukeyFence(k=3.0, window=16)
+    for v in [*range(15), 100]:
+        fence.add(float(v))
+    fence.calibrate(0.0)
+    restored = TukeyFence(k=3.0, window=16)
+    restored.load_state_dict(fence.state_dict())
+    assert restored.k == fence.k > 3.0 and restored.threshold() == fence.threshold()

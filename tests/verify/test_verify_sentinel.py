@@ -63,6 +63,52 @@ def test_false_positive_rate_on_a_stationary_stream_is_below_one_percent():
     assert flags / scored <= 0.01
 
 
+class HeavyTailedStream(Stream):
+    """Noise whose scale varies from message to message: right-skewed distances, as on the demo."""
+
+    def __call__(self) -> torch.Tensor:
+        scale = 0.5 * torch.exp(0.5 * torch.randn((), generator=self.gen))
+        return self.pattern + scale * torch.randn(SHAPE, generator=self.gen)
+
+
+def test_calibration_at_the_end_of_warmup_lowers_false_positives_and_keeps_a_gross_attack():
+    """fpr_target raises each fence's k once, after the last warm-up step; zeros are still caught."""
+    results = {}
+    for target in (0.0, 0.01):
+        s, stream = sentinel(fpr_target=target, window=64), HeavyTailedStream(3)
+        flags = caught = 0
+        for step in range(200):
+            batch = honest_step(stream, step)
+            if step == 150:
+                batch[0] = message("act", step, 0, WorkerId(1, 0), torch.zeros(SHAPE))
+            for m in batch:
+                s.inspect(m)
+            decisions = s.end_step(step).decisions
+            flags += sum(d.flagged and d.step != 150 for d in decisions)
+            caught += sum(d.flagged and d.step == 150 and d.microbatch == 0 for d in decisions)
+        ks = [f.k for f in s.verifiers[(0, "act")].fences.values()]
+        results[target] = flags, caught, ks
+    assert results[0.0][2] == [3.0] * 4
+    assert all(k >= 3.0 for k in results[0.01][2]) and max(results[0.01][2]) > 3.0
+    assert results[0.01][0] < results[0.0][0]
+    assert results[0.0][1] >= 1 and results[0.01][1] >= 1
+
+
+def test_without_bans_an_attacker_keeps_being_flagged_and_is_never_banned():
+    s, stream = sentinel(ban=False), Stream(0)
+    flags = 0
+    for step in range(40):
+        batch = honest_step(stream, step)
+        if step >= 25:
+            batch[1] = message("act", step, 0, WorkerId(1, 0), torch.zeros(SHAPE))
+        for m in batch:
+            s.inspect(m)
+        outcome = s.end_step(step)
+        assert outcome.bans == []
+        flags += sum(d.flagged and d.src == WorkerId(1, 0) and d.microbatch == 0 for d in outcome.decisions)
+    assert flags == 15 and s.banned == {}
+
+
 def test_decisions_do_not_depend_on_arrival_order():
     """Replay: the same messages, delivered in another order within each step, give the same log."""
     logs = []

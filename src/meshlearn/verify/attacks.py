@@ -317,6 +317,8 @@ class Adaptive(Attack):
             margin = self.cfg.adaptive_margin
             for k, shadow in self.shadows.items():
                 shadow.commit()
+                if step == self.verify.warmup_steps and self.verify.fpr_target > 0:
+                    shadow.calibrate(self.verify.fpr_target)  # as the real verifier does
                 self.limits[k] = {}
                 for m, fence in shadow.fences.items():
                     median = statistics.median(fence.values) if fence.values else math.inf

@@ -8,6 +8,11 @@ Tuning: k = 1.5 is Tukey's "outside" fence, 3.0 his "far out" one. SENTINEL ORs 
 with a right-skewed distribution, so k = 3 keeps the joint false-positive rate low; if a clean run
 flags more than ~1% of its messages, raise k (or the window, if the flags cluster right after
 warm-up). A larger window reacts more slowly to drift but estimates the quartiles better.
+
+``calibrate`` is the method note's recipe for that (open detail 3): at the end of warm-up, raise k
+until the share of the window's own (clean) values above the fence is at most a target. With a
+window of 256 and a target of 1% shared by four metrics that means "no warm-up value above the
+fence": k = (max − Q3) / IQR when that exceeds the configured k.
 """
 
 from __future__ import annotations
@@ -28,6 +33,19 @@ def tukey_threshold(values: list[float], k: float) -> float:
     return q3 + k * (q3 - q1)
 
 
+def calibrated_k(values: list[float], k: float, exceedance: float) -> float:
+    """The smallest k' ≥ k with at most ``exceedance`` of ``values`` above Q3 + k'·IQR."""
+    if len(values) < MIN_VALUES:
+        return k
+    data = np.asarray(values, dtype=np.float64)
+    q1, q3 = np.quantile(data, [0.25, 0.75]).tolist()
+    if q3 <= q1:
+        return k
+    allowed = int(exceedance * len(data))  # values that may stay above the fence
+    kth_largest = np.sort(data)[len(data) - 1 - allowed]
+    return max(k, (kth_largest - q3) / (q3 - q1))
+
+
 class TukeyFence:
     """The sliding window of one metric at one boundary and direction."""
 
@@ -41,9 +59,14 @@ class TukeyFence:
     def threshold(self) -> float:
         return tukey_threshold(list(self.values), self.k)
 
+    def calibrate(self, exceedance: float) -> None:
+        """Raise k (never lower it) so that at most ``exceedance`` of the window lies above the fence."""
+        self.k = calibrated_k(list(self.values), self.k, exceedance)
+
     def state_dict(self) -> dict:
-        return {"values": list(self.values)}
+        return {"values": list(self.values), "k": self.k}
 
     def load_state_dict(self, state: dict) -> None:
         self.values.clear()
         self.values.extend(state["values"])
+        self.k = state.get("k", self.k)

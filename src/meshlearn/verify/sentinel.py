@@ -74,11 +74,13 @@ class VerifyConfig:
 
     name: str = "none"
     """``sentinel`` verifies every boundary message; ``none`` trusts them all."""
-    warmup_steps: int = 50
+    warmup_steps: int = 80
     """Steps that build the references and fill the windows before any fence or ban applies (the
     paper uses ~1000 on far longer runs). Only sanity checks quarantine messages meanwhile. Make it
     at least window / (replicas · microbatches) steps, so the early, fast-moving distances have left
-    the windows when fences start; attacks that begin earlier poison the reference."""
+    the windows when fences start; attacks that begin earlier poison the reference. Measured on the
+    demo with 50: most false flags of a clean run fell in the 30 steps after warm-up, while the
+    loss still falls fast."""
     beta_act: float = 0.9
     """EMA factor of the forward-activation reference, per accepted message (paper: 0.9)."""
     beta_grad: float = 0.8
@@ -93,13 +95,20 @@ class VerifyConfig:
     """A message is flagged when at least this many metrics exceed their fences (1 = any; the paper's
     ablation favours all four OR-ed; 2 halves false positives at some recall)."""
     fence_k: float = 3.0
-    """Tukey fence Q3 + k·IQR. Raise it if a clean run flags more than ~1% of messages."""
+    """Tukey fence Q3 + k·IQR: the smallest k any metric uses (see ``fpr_target``)."""
+    fpr_target: float = 0.01
+    """At the end of warm-up each fence raises its k until at most fpr_target / (number of metrics)
+    of its window's clean distances lie above it (the method note's calibration; 0 keeps
+    ``fence_k``). Measured on the demo: clean-run false positives sit just above a k = 3 fence."""
     window: int = 256
     """Accepted distances per metric kept for the fence (and message norms for the sanity check)."""
     strikes: int = 3
     """Flags within a worker's last ``strike_history`` scored messages that ban it (1 = ban at once)."""
     strike_history: int = 20
     """Length of the per-worker history the strikes are counted in."""
+    ban: bool = True
+    """False keeps flagging and quarantining messages but never bans: the attacker keeps sending, so
+    the detector is measured per message over a whole attack (the bench's message-level numbers)."""
     swd_directions: int = 64
     """Random unit directions L of the sliced Wasserstein distance."""
     swd_quantiles: int = 64
@@ -333,6 +342,12 @@ class BoundaryVerifier:
         self.norms.extend(norm for _, _, _, norm in self.pending)
         self._close_step()
 
+    def calibrate(self, fpr_target: float) -> None:
+        """End of warm-up: raise each fence's k so its metric's share of false flags fits the target."""
+        for fence in self.fences.values():
+            fence.calibrate(fpr_target / len(self.fences))
+        self.thresholds = {m: f.threshold() for m, f in self.fences.items()}
+
     def _close_step(self) -> None:
         self.pending.clear()
         self.rejected.clear()
@@ -431,6 +446,9 @@ class Sentinel:
                 verifier.rebase()
             else:
                 verifier.commit()
+        if step == self.cfg.warmup_steps - 1 and self.cfg.fpr_target > 0:
+            for verifier in self.verifiers.values():
+                verifier.calibrate(self.cfg.fpr_target)
         bans = self._enter_strikes(step, voided)
         outcome = StepOutcome(self.decisions, bans, [f"s{b}|s{b + 1} {kind}" for b, kind in sorted(stale)])
         self.decisions, self.scored = [], []
@@ -476,8 +494,8 @@ class Sentinel:
             strike = flagged and (boundary, kind) not in voided
             history.append(strike)
             count = sum(history)
-            if strike and count >= self.cfg.strikes and step >= self.cfg.warmup_steps \
-                    and wid not in self.banned:
+            if self.cfg.ban and strike and count >= self.cfg.strikes \
+                    and step >= self.cfg.warmup_steps and wid not in self.banned:
                 ban = Ban(wid, step, reason.split(",")[0], f"s{boundary}|s{boundary + 1}", kind, count)
                 self.banned[wid] = ban
                 bans.append(ban)
