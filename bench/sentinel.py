@@ -57,7 +57,8 @@ ATTACKS: list[tuple[str, list[str], str]] = [
 EXTRAS: list[tuple[str, list[str], str]] = [
     ("scaling ×10", ["attack.kind=scaling", "attack.scale=10"], "c = 10"),
     ("scaling ×0.1", ["attack.kind=scaling", "attack.scale=0.1"], "c = 0.1"),
-    ("invisible_noise ρ=0.2", ["attack.kind=invisible_noise", "attack.noise_rho=0.2"], "ρ = 0.2"),
+    ("invisible_noise ρ=1", ["attack.kind=invisible_noise", "attack.noise_rho=1"], "ρ = 1"),
+    ("invisible_noise ρ=2", ["attack.kind=invisible_noise", "attack.noise_rho=2"], "ρ = 2"),
     ("scaling, gradients only", ["attack.kind=scaling", "attack.target=gradients"],
      f"c = {DEFAULTS.scale:g}"),
     ("sign_flip, gradients only", ["attack.kind=sign_flip", "attack.target=gradients"],

@@ -29,7 +29,14 @@ from meshlearn.models.llama import DecoderConfig
 from meshlearn.optim.factory import OPTIMIZERS, OptimConfig
 from meshlearn.verify.attacks import ATTACKS, TARGETS, AttackConfig
 from meshlearn.verify.distances import DISTANCES, STATISTICS
-from meshlearn.verify.sentinel import DECISION_LOGS, GRAD_ACTIONS, MONITORS, VIEWS, VerifyConfig
+from meshlearn.verify.sentinel import (
+    DECISION_LOGS,
+    GRAD_ACTIONS,
+    MONITORS,
+    REFERENCE_UPDATES,
+    VIEWS,
+    VerifyConfig,
+)
 
 
 class ConfigError(ValueError):
@@ -287,6 +294,8 @@ def _validate_verify(cfg: RunConfig) -> None:
                        ("verify.swd_quantiles", v.swd_quantiles)]:
         _require(value >= 1, key, value, "must be a positive integer")
     _require(v.norm_ratio > 1, "verify.norm_ratio", v.norm_ratio, "must be > 1")
+    _require(v.reference_update in REFERENCE_UPDATES, "verify.reference_update", v.reference_update,
+             f"allowed: {list(REFERENCE_UPDATES)}")
     _require(v.grad_action in GRAD_ACTIONS, "verify.grad_action", v.grad_action,
              f"allowed: {list(GRAD_ACTIONS)}")
     _require(v.view in VIEWS, "verify.view", v.view, f"allowed: {list(VIEWS)}")

@@ -60,6 +60,9 @@ from meshlearn.verify.fence import TukeyFence
 
 MONITORS = ("none", "sentinel")
 GRAD_ACTIONS = ("ema", "zero")
+REFERENCE_UPDATES = ("mean", "median")
+ROBUST_GROUP = 3
+"""Summaries of one microbatch needed for the median: with fewer, one bad sender is a "majority"."""
 VIEWS = ("auto", "decoded")
 DECISION_LOGS = ("all", "flags", "none")
 
@@ -123,6 +126,12 @@ class VerifyConfig:
     update it. With 3 or more senders the honest majority of the threat model also voids those
     strikes; with 2, a flagged "majority" may be the attacker plus one false positive, so the strikes
     stand (otherwise the attacker could shield itself)."""
+    reference_update: str = "median"
+    """How a step's accepted messages enter the reference: ``median`` folds in, per microbatch, the
+    element-wise median of its replicas' summaries when there are 3 or more (one EMA step of weight
+    β^count), so a minority of senders cannot move the reference at all (the threat model's honest
+    majority); with fewer it falls back to ``mean``, one EMA step per message, in (microbatch,
+    replica) order."""
     grad_action: str = "ema"
     """What replaces a flagged gradient: ``ema`` (the reference, broadcast over samples) or ``zero``."""
     view: str = "auto"
@@ -164,6 +173,14 @@ def wire_payload(values: torch.Tensor, template: Encoded, kind: Kind, codec: Cod
         return Encoded(tensors, template.shape, template.dtype, dict(template.meta))
     return codec.encode(values.reshape(template.shape).to(template.dtype), kind,
                         template.tensors.get("ids"))
+
+
+def combine(summaries: list[Summary], how: str) -> Summary:
+    """The element-wise mean or median of several summaries (``median``: robust to a minority)."""
+    means, tables = torch.stack([s.mean for s in summaries]), torch.stack([s.table for s in summaries])
+    if how == "median":
+        return Summary(torch.quantile(means, 0.5, dim=0), torch.quantile(tables, 0.5, dim=0))
+    return Summary(means.mean(0), tables.mean(0))
 
 
 # --- decisions -------------------------------------------------------------------------------
@@ -324,21 +341,37 @@ class BoundaryVerifier:
 
     def commit(self) -> None:
         """Fold the step's accepted messages into the reference, windows and norm median."""
-        for _, summary, distances, norm in sorted(self.pending, key=lambda p: p[0]):
+        accepted = sorted(self.pending, key=lambda p: p[0])
+        for _, _, distances, norm in accepted:
             for m, d in distances.items():
                 self.fences[m].add(d)
-            self.reference = ema(self.reference, summary, self.beta)
             self.norms.append(norm)
+        by_microbatch: dict[int, list[Summary]] = {}
+        for (microbatch, _), summary, _, _ in accepted:
+            by_microbatch.setdefault(microbatch, []).append(summary)
+        for summaries in by_microbatch.values():
+            if self.cfg.reference_update == "median" and len(summaries) >= ROBUST_GROUP:
+                median = combine(summaries, "median")
+                self.reference = ema(self.reference, median, self.beta ** len(summaries))
+            else:
+                for summary in summaries:
+                    self.reference = ema(self.reference, summary, self.beta)
         self._close_step()
 
     def rebase(self) -> None:
-        """Restart the reference as the plain mean of this step's messages, accepted or flagged (an
-        EMA started afresh would lean on the first one and flag the next step again); the windows
-        keep their history (this step's distances were measured against a stale reference)."""
-        summaries = [s for _, s, _, _ in self.pending] + [s for _, s in self.rejected]
-        if summaries:
-            self.reference = Summary(torch.stack([s.mean for s in summaries]).mean(0),
-                                     torch.stack([s.table for s in summaries]).mean(0))
+        """Restart the reference from this step's messages, accepted or flagged, combined as in
+        ``reference_update`` (an EMA started afresh would lean on the first one and flag the next
+        step again); the windows keep their history (this step's distances were measured against a
+        stale reference)."""
+        groups: dict[int, list[Summary]] = {}
+        for (microbatch, _), summary in [(o, s) for o, s, _, _ in self.pending] + self.rejected:
+            groups.setdefault(microbatch, []).append(summary)
+        robust = any(len(g) >= ROBUST_GROUP for g in groups.values())
+        if self.cfg.reference_update == "median" and robust:  # per microbatch, then averaged
+            self.reference = combine([combine(g, "median" if len(g) >= ROBUST_GROUP else "mean")
+                                      for g in groups.values()], "mean")
+        elif groups:
+            self.reference = combine([s for g in groups.values() for s in g], "mean")
         self.norms.extend(norm for _, _, _, norm in self.pending)
         self._close_step()
 
