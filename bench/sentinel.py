@@ -16,6 +16,8 @@ the same machine load; wall-clock and virtual-clock step times side by side.
     python bench/sentinel.py --replicas 4 --demo-steps 0 --overhead-steps 0  # 25% of stage 2
     python bench/sentinel.py --extras                     # variants and gradient-only attacks
     python bench/sentinel.py --replicas 4 --only adaptive  # 25% malicious: inside the threat model
+    python bench/sentinel.py --only scaling,zeros --tag subspace \
+        --set codec.name=subspace --set model.subspace_rank=8  # verify the compressed wire form
 """
 
 from __future__ import annotations
@@ -97,10 +99,10 @@ def train_one(name: str, overrides: list[str]) -> dict:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def measure_overhead(steps: int, warmup: int, replicas: int) -> dict:
+def measure_overhead(steps: int, warmup: int, replicas: int, overrides: list[str]) -> dict:
     """Alternate steps of a verified and an unverified trainer; the order flips every step."""
     torch.set_num_threads(1)
-    base = base_overrides(steps + warmup, replicas)
+    base = [*base_overrides(steps + warmup, replicas), *overrides]
     trainers = {v: scratch_trainer(demo_config(*base, f"verify.name={v}")) for v in ("sentinel", "none")}
     wall = {v: [] for v in trainers}
     sim = {v: [] for v in trainers}
@@ -208,11 +210,14 @@ def main() -> None:
     parser.add_argument("--extras", action="store_true",
                         help="instead: stronger/weaker variants and gradient-only attacks")
     parser.add_argument("--only", default="", help="comma-separated attack labels to run (and no overhead)")
+    parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
+                        help="config override for every run (repeatable), e.g. codec.name=subspace")
+    parser.add_argument("--tag", default="", help="suffix of the results files")
     args = parser.parse_args()
     only = [label.strip() for label in args.only.split(",") if label.strip()]
     began = time.perf_counter()
     start = args.steps // 2
-    base = base_overrides(args.steps, args.replicas)
+    base = [*base_overrides(args.steps, args.replicas), *args.overrides]
     specs = [spec for spec in (EXTRAS if args.extras else ATTACKS) if not only or spec[0] in only]
     jobs: dict[str, list[str]] = {"clean/sentinel": [*base, "verify.name=sentinel"],
                                   "clean/none": [*base, "verify.name=none"]}
@@ -223,11 +228,11 @@ def main() -> None:
         jobs[f"{label}/none"] = [*attacked, "verify.name=none"]
     if args.demo_steps and not args.extras and not only:
         jobs["clean-demo/sentinel"] = [*base_overrides(args.demo_steps, demo_config().mesh.replicas),
-                                       "verify.name=sentinel"]
+                                       *args.overrides, "verify.name=sentinel"]
     overhead = None
     if args.overhead_steps and not args.extras and not only:
         print("overhead: alternating steps with and without SENTINEL", flush=True)
-        overhead = measure_overhead(args.overhead_steps, 3, args.replicas)
+        overhead = measure_overhead(args.overhead_steps, 3, args.replicas, args.overrides)
 
     print(f"{len(jobs)} runs of {args.steps} steps on {args.jobs} processes", flush=True)
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -246,7 +251,8 @@ def main() -> None:
         fpr_rows.append({"run": label, **_fp(clean_demo)})
     verify = VerifyConfig(name="sentinel")
     command = f"python bench/sentinel.py --steps {args.steps} --replicas {args.replicas}" + (
-        " --extras" if args.extras else "") + (f" --only {args.only}" if only else "")
+        " --extras" if args.extras else "") + (f" --only {args.only}" if only else "") + (
+        f" --tag {args.tag}" if args.tag else "") + "".join(f" --set {o}" for o in args.overrides)
     parts = [
         f"SENTINEL on the demo mesh (4 stages × {args.replicas} replicas), {args.steps} steps per run; the "
         f"attacker is {ATTACKER} = 1 of {args.replicas} workers of stage 2 ({100 / args.replicas:.0f}%), "
@@ -271,12 +277,14 @@ def main() -> None:
         parts.append(_overhead_line(overhead, runs["clean/sentinel"], clean))
     parts += ["Goals:\n" + "\n".join(goals(rows, clean_demo)),
               f"Total bench time {(time.perf_counter() - began) / 60:.1f} min."]
-    payload = {"steps": args.steps, "replicas": args.replicas, "attacker": str(ATTACKER),
+    payload = {"steps": args.steps, "replicas": args.replicas, "overrides": args.overrides,
+               "attacker": str(ATTACKER),
                "attack_start": start, "verify": dataclasses.asdict(verify),
                "attack_defaults": dataclasses.asdict(DEFAULTS), "rows": rows, "false_positives": fpr_rows,
                "overhead": overhead, "runs": runs}
     name = "sentinel" + ("_extras" if args.extras else "")
     name += f"_r{args.replicas}" if args.replicas != 2 else ""
+    name += f"_{args.tag}" if args.tag else ""
     write_results(name + ("_" + "_".join(only) if only else ""), payload, "\n\n".join(parts))
 
 
