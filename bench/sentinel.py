@@ -285,7 +285,7 @@ def main() -> None:
     name = "sentinel" + ("_extras" if args.extras else "")
     name += f"_r{args.replicas}" if args.replicas != 2 else ""
     name += f"_{args.tag}" if args.tag else ""
-    write_results(name + ("_" + "_".join(only) if only else ""), payload, "\n\n".join(parts))
+    write_results(name + ("_" + "_".join(only) if only and not args.tag else ""), payload, "\n\n".join(parts))
 
 
 def _target(overrides: list[str]) -> str:
