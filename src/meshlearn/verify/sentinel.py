@@ -129,9 +129,9 @@ class VerifyConfig:
     reference_update: str = "median"
     """How a step's accepted messages enter the reference: ``median`` folds in, per microbatch, the
     element-wise median of its replicas' summaries when there are 3 or more (one EMA step of weight
-    β^count), so a minority of senders cannot move the reference at all (the threat model's honest
-    majority); with fewer it falls back to ``mean``, one EMA step per message, in (microbatch,
-    replica) order."""
+    β^count), so a minority of senders pulls the reference no further than the honest spread (the
+    threat model's honest majority), however far off its accepted messages are; with fewer it falls
+    back to ``mean``, the paper's rule: one EMA step per message, in (microbatch, replica) order."""
     grad_action: str = "ema"
     """What replaces a flagged gradient: ``ema`` (the reference, broadcast over samples) or ``zero``."""
     view: str = "auto"
