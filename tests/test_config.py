@@ -33,6 +33,9 @@ def test_shipped_configs_load(path):
     ("train.batch_size=7", "train.batch_size", "mesh.replicas = 2"),
     ("model.n_head=3", "model.n_head", "must divide model.d_model = 128"),
     ("mesh.stages=two", "mesh.stages", "expected an integer"),
+    ("optim.numuon_rank_schedule=linear", "optim.numuon_rank_schedule", "allowed: ['fixed', 'cosine']"),
+    ("verify.fpr_target=1.5", "verify.fpr_target", "in [0, 1)"),
+    ("verify.reference_update=trimmed", "verify.reference_update", "allowed: ['mean', 'median']"),
 ])
 def test_bad_values_name_field_value_and_allowed(override, field, hint):
     with pytest.raises(ConfigError) as err:

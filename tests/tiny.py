@@ -30,7 +30,7 @@ def reference_run(trainer: Trainer, steps: int) -> tuple[list[float], Decoder]:
     """Plain single-process training on the same global batches."""
     cfg = trainer.cfg
     model = init_model(cfg.model, cfg.seed)
-    optimizer = build_optimizer(model, cfg.optim, cfg.train.lr)
+    optimizer = build_optimizer(model, cfg.optim, cfg.train.lr, cfg.train.steps)
     losses = []
     for t in range(steps):
         x, y = global_batch(trainer.corpus.splits.train, t, cfg.train.batch_size,

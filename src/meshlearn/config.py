@@ -378,6 +378,10 @@ def validate(cfg: RunConfig) -> None:
              cfg.optim.muon_adjust_lr, "allowed: ['match_rms_adamw', 'original']")
     _require(0 < cfg.optim.numuon_rank_fraction <= 1, "optim.numuon_rank_fraction",
              cfg.optim.numuon_rank_fraction, "in (0, 1]")
+    _require(cfg.optim.numuon_rank_schedule in ("fixed", "cosine"), "optim.numuon_rank_schedule",
+             cfg.optim.numuon_rank_schedule, "allowed: ['fixed', 'cosine']")
+    _require(0 < cfg.optim.numuon_start_fraction <= 1, "optim.numuon_start_fraction",
+             cfg.optim.numuon_start_fraction, "in (0, 1]")
     _require(train.lr > 0, "train.lr", train.lr, "must be > 0")
     _require(train.warmup_steps >= 0, "train.warmup_steps", train.warmup_steps, "must be >= 0")
     _require(0 <= train.min_lr_ratio <= 1, "train.min_lr_ratio", train.min_lr_ratio, "in [0, 1]")

@@ -230,3 +230,20 @@ def test_seed_determinism_and_name_keyed_draws(make_lm, lm_batches, loss_fn):
 def test_krylov_seed_is_a_63_bit_mix():
     seeds = {krylov_seed(s, k, t) for s in range(3) for k in range(3) for t in range(3)}
     assert len(seeds) == 27 and all(0 <= x < 2**63 for x in seeds)
+
+
+def test_the_config_cosine_schedule_holds_then_anneals_to_the_rank_fraction():
+    """optim.numuon_rank_schedule=cosine over train.steps=100: full rank for 10 steps, the target
+    fraction from step 80 on (the method note's recipe)."""
+    from torch import nn
+
+    from meshlearn.optim import OptimConfig, build_optimizer
+
+    model = nn.Sequential(nn.Linear(64, 32, bias=False))
+    cfg = OptimConfig(name="numuon", numuon_rank_fraction=0.25, numuon_rank_schedule="cosine")
+    opt = build_optimizer(model, cfg, lr=1e-2, total_steps=100)
+    group = next(g for g in opt.param_groups if "rank_schedule" in g)
+    ranks = [opt.rank_at(group, step, (32, 64)) for step in (0, 10, 45, 80, 99)]
+    assert ranks[0] == ranks[1] == 32 and 8 < ranks[2] < 32 and ranks[3] == ranks[4] == 8
+    fixed = build_optimizer(model, OptimConfig(name="numuon", numuon_rank_fraction=0.25), lr=1e-2)
+    assert fixed.rank_at(next(g for g in fixed.param_groups if "rank_schedule" in g), 0, (32, 64)) == 8

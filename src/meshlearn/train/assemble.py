@@ -82,7 +82,7 @@ def build_workers(cfg: RunConfig) -> dict[WorkerId, Worker]:
 def build_worker(cfg: RunConfig, wid: WorkerId, module: Decoder) -> Worker:
     """One worker around its stage module (the dist runtime builds just its own)."""
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
-    optimizer = build_optimizer(module, cfg.optim, cfg.train.lr)
+    optimizer = build_optimizer(module, cfg.optim, cfg.train.lr, cfg.train.steps)
     return Worker(wid, mesh, module, optimizer, build_codec(cfg.codec, cfg.model))
 
 
