@@ -56,12 +56,3 @@ def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
 def loss_fn() -> Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     return lm_loss
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests use small matrices, where intra-op threads only add overhead; on a busy 2-core
-    machine OpenMP spin-waiting made one 128×48 SVD take 0.8 s instead of 50 µs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
