@@ -26,7 +26,7 @@ def _train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.set)
         run_dir = Path(args.out)
     if cfg.backend == "dist":
-        from meshlearn.dist.launch import launch_local
+        from meshlearn.distributed.launch import launch_local
 
         where = ["--resume", str(run_dir)] if args.resume else [
             *(["--config", args.config] if args.config else []), "--out", str(run_dir)]
@@ -40,7 +40,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from meshlearn.dist.worker import resolve_run, run
+    from meshlearn.distributed.worker import resolve_run, run
 
     return run(*resolve_run(args))
 

@@ -19,7 +19,7 @@ from typing import Any
 import tomli_w
 
 from meshlearn.compress.registry import CODECS, WIRE_DTYPES, CodecConfig
-from meshlearn.dist.settings import DistConfig, validate_dist
+from meshlearn.distributed.settings import DistConfig, validate_dist
 from meshlearn.mesh.basis_updates import BasisUpdateConfig
 from meshlearn.mesh.compute import DEVICES, ComputeConfig
 from meshlearn.mesh.network import LinkProfile

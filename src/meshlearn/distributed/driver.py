@@ -16,11 +16,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from meshlearn.dist.health import Health, WorkerFailure
-from meshlearn.dist.settings import derive_deadlines
-from meshlearn.dist.shaping import Pacer, allreduce_release_at, hold_until
-from meshlearn.dist.transport import Transport
-from meshlearn.dist.wire import PREFIX_BYTES
+from meshlearn.distributed.health import Health, WorkerFailure
+from meshlearn.distributed.settings import derive_deadlines
+from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
+from meshlearn.distributed.transport import Transport
+from meshlearn.distributed.wire import PREFIX_BYTES
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import Network
 from meshlearn.mesh.sim import StepReport
@@ -94,7 +94,8 @@ class DistDriver:
         rows = self._gather(losses, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before)
         # Summed in stage order from 0, exactly as the simulator sums the stages' squared norms.
         stats = self.stats
-        sq_norm = sum(rows[self.mesh.rank(WorkerId(0, s)), stats + _SQ].item() for s in range(self.mesh.stages))
+        sq_norm = sum(rows[self.mesh.rank(WorkerId(0, s)), stats + _SQ].item()
+                      for s in range(self.mesh.stages))
         coef = clip_coefficient(sq_norm, grad_clip)
         if grad_clip > 0 and self.shaped:
             time.sleep(self.network.default.latency_s)  # the scalar exchange, as the simulator models it
@@ -205,7 +206,8 @@ class DistDriver:
                 if worker.is_last:
                     losses.append(Decoder.loss(out, y.to(self.device)).item())
                 else:
-                    message = Message("act", EVAL_STEP, i, self.me, self.next, worker.codec.encode(out, "act", ids))
+                    message = Message("act", EVAL_STEP, i, self.me, self.next,
+                                      worker.codec.encode(out, "act", ids))
                     self.transport.send(message, self.eval_capacity, shaped=False)
             loss = sum(losses) / len(losses) if worker.is_last else 0.0
         value = torch.tensor([loss], dtype=torch.float64, device=self.device)

@@ -27,9 +27,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshlearn.dist.health import Health, WorkerFailure, gist
-from meshlearn.dist.shaping import Pacer, hold_until
-from meshlearn.dist.wire import PREFIX_BYTES, pack, prefix, read_prefix, unpack
+from meshlearn.distributed.health import Health, WorkerFailure, gist
+from meshlearn.distributed.shaping import Pacer, hold_until
+from meshlearn.distributed.wire import PREFIX_BYTES, pack, prefix, read_prefix, unpack
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
 

@@ -11,9 +11,9 @@ import torch
 
 from meshlearn.compress.codecs import Encoded
 from meshlearn.config import ConfigError, load_config
-from meshlearn.dist.settings import DistConfig, derive_deadlines
-from meshlearn.dist.shaping import Pacer
-from meshlearn.dist.wire import WireError, pack, prefix, unpack
+from meshlearn.distributed.settings import DistConfig, derive_deadlines
+from meshlearn.distributed.shaping import Pacer
+from meshlearn.distributed.wire import WireError, pack, prefix, unpack
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import Link, LinkProfile
 from meshlearn.mesh.topology import WorkerId

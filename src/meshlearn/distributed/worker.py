@@ -1,7 +1,7 @@
 """The per-process entry point: what torchrun (or ``meshlearn train --backend dist``) runs.
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
-        -m meshlearn.dist.worker --config run.toml --out runs/x        # or: meshlearn worker ...
+        -m meshlearn.distributed.worker --config run.toml --out runs/x        # or: meshlearn worker ...
 
 It reads the rank and the rendezvous from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), joins the process group, starts its heartbeat, and
@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from meshlearn.config import ConfigError, RunConfig, load_config
-from meshlearn.dist.driver import DistDriver
-from meshlearn.dist.health import EXIT_PEER_FAILURE, Health, WorkerFailure, store_client
-from meshlearn.dist.settings import derive_deadlines
+from meshlearn.distributed.driver import DistDriver
+from meshlearn.distributed.health import EXIT_PEER_FAILURE, Health, WorkerFailure, store_client
+from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.models.split import init_model, split_model
 from meshlearn.train.assemble import build_worker, load_corpus

@@ -27,8 +27,8 @@ from typing import TextIO
 import torch.distributed as dist
 
 from meshlearn.config import RunConfig
-from meshlearn.dist.health import ABORT_KEY, EXIT_PEER_FAILURE
-from meshlearn.dist.settings import derive_deadlines
+from meshlearn.distributed.health import ABORT_KEY, EXIT_PEER_FAILURE
+from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.mesh.topology import MeshShape
 from meshlearn.train.checkpoint import latest_complete
 from meshlearn.train.files import atomic_write_json
@@ -45,7 +45,7 @@ def _child(argv: list[str], env: dict[str, str], log_path: str) -> None:
     os.close(fd)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
-    from meshlearn.dist.worker import main
+    from meshlearn.distributed.worker import main
 
     code = main(argv)
     sys.stdout.flush()
@@ -68,7 +68,7 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
                           timeout=timedelta(seconds=cfg.dist.init_timeout_s), wait_for_workers=False)
     ctx = mp.get_context("forkserver")
     # torch._dynamo is what building an optimizer imports lazily: ~1.5 s of CPU once, not per worker.
-    ctx.set_forkserver_preload(["meshlearn.dist.worker", "torch._dynamo"])
+    ctx.set_forkserver_preload(["meshlearn.distributed.worker", "torch._dynamo"])
     procs = []
     for rank, wid in enumerate(mesh.workers()):
         assert mesh.rank(wid) == rank

@@ -1,7 +1,7 @@
 """Settings of real multi-process runs, and the deadlines derived from them and the link profile.
 
 Kept free of torch.distributed so the config tree can import it. Every wait on another process
-in ``meshlearn.dist`` uses one of these deadlines; none is a guessed constant: each is the time the
+in ``meshlearn.distributed`` uses one of these deadlines; none is a guessed constant: each is the time the
 link model says the traffic needs, plus a compute slack the user sets (and can tune from the error
 message that names it).
 """

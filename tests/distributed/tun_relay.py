@@ -13,6 +13,7 @@ its devices vanish when it is killed.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import heapq
 import itertools
@@ -50,10 +51,8 @@ def relay(name_a: str, name_b: str, delay_s: float) -> None:
             heapq.heappush(held, (now + delay_s, next(seq), other[fd], packet))
         while held and held[0][0] <= time.monotonic():
             _, _, fd, packet = heapq.heappop(held)
-            try:
+            with contextlib.suppress(OSError):  # the far device is not up yet: the sender retransmits
                 os.write(fd, packet)
-            except OSError:  # the far device is not up yet: the sender retransmits
-                pass
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ import torch.distributed as dist
 from dist_helpers import deadline
 
 from meshlearn.compress.codecs import Encoded
-from meshlearn.dist.health import Health, store_client
-from meshlearn.dist.shaping import Pacer
-from meshlearn.dist.transport import Transport
+from meshlearn.distributed.health import Health, store_client
+from meshlearn.distributed.shaping import Pacer
+from meshlearn.distributed.transport import Transport
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import LinkProfile, Network
 from meshlearn.mesh.topology import MeshShape, WorkerId

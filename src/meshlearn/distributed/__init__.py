@@ -1,7 +1,7 @@
 """The distributed runtime: one OS process per worker (r, s) over torch.distributed.
 
 Only this package imports torch.distributed, and this ``__init__`` imports none of it, so the
-config tree can use ``meshlearn.dist.settings`` without pulling in the runtime.
+config tree can use ``meshlearn.distributed.settings`` without pulling in the runtime.
 
 - ``settings``  DistConfig (``dist.*`` keys) and the deadlines derived from the link profile
 - ``wire``      a Message as two tensors (a length prefix and one byte buffer)
