@@ -87,7 +87,7 @@ def train_one(name: str, overrides: list[str]) -> dict:
                   "step_sim_s": statistics.mean(r["step_sim_s"] for r in train),
                   "step_wall_s": statistics.mean(r["step_wall_s"] for r in train),
                   "run_wall_s": time.perf_counter() - started}
-        attack = trainer.trust.attacks.get(ATTACKER)
+        attack = trainer.plugins["trust"].trust.attacks.get(ATTACKER)
         if attack is not None and attack.name == "adaptive":
             alphas = attack.alphas
             result["adaptive"] = {"messages": len(alphas), "alpha_max": max(alphas, default=0.0),

@@ -23,7 +23,7 @@ from meshlearn.distributed.settings import DistConfig, validate_dist
 from meshlearn.mesh.basis_updates import BasisUpdateConfig
 from meshlearn.mesh.compute import DEVICES, ComputeConfig
 from meshlearn.mesh.network import LinkProfile
-from meshlearn.mesh.schedule import SCHEDULES
+from meshlearn.mesh.settings import MeshConfig, validate_mesh
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models.llama import DecoderConfig
 from meshlearn.optim.factory import OPTIMIZERS, OptimConfig
@@ -45,20 +45,6 @@ class ConfigError(ValueError):
     def __init__(self, key: str, value: Any, allowed: str):
         super().__init__(f"{key} = {value!r}: {allowed}")
         self.key = key
-
-
-@dataclass(frozen=True)
-class MeshConfig:
-    """The mesh: ``replicas`` × ``stages`` workers and the pipeline schedule."""
-
-    stages: int = 4
-    """Pipeline stages P; must divide model.n_layer."""
-    replicas: int = 2
-    """Data-parallel replicas D of every stage."""
-    schedule: str = "1f1b"
-    """Pipeline schedule: gpipe or 1f1b."""
-    microbatches: int = 4
-    """Microbatches per replica per step; must divide train.batch_size / mesh.replicas."""
 
 
 @dataclass(frozen=True)
@@ -302,6 +288,9 @@ def _validate_verify(cfg: RunConfig) -> None:
     _require(v.decision_log in DECISION_LOGS, "verify.decision_log", v.decision_log,
              f"allowed: {list(DECISION_LOGS)}")
     if v.name != "none":
+        _require(cfg.mesh.schedule != "async", "verify.name", v.name,
+                 "SENTINEL commits its decisions per step, and under mesh.schedule = async steps "
+                 "overlap (not supported yet); use mesh.schedule = 1f1b or gpipe, or verify.name = none")
         _require(cfg.subspace_update.every == 0, "verify.name", v.name,
                  "SENTINEL's references assume a fixed basis, and subspace_update changes it (method "
                  "note, open detail 7: re-warming after a basis change is not implemented); set "
@@ -358,8 +347,7 @@ def validate(cfg: RunConfig) -> None:
     _require(m.n_layer % mesh.stages == 0, "mesh.stages", mesh.stages,
              f"must divide model.n_layer = {m.n_layer} into equal stages "
              f"(allowed: {_divisors(m.n_layer)})")
-    _require(mesh.schedule in SCHEDULES, "mesh.schedule", mesh.schedule,
-             f"allowed: {sorted(SCHEDULES)}")
+    validate_mesh(cfg, _require)
     _require(train.batch_size % mesh.replicas == 0, "train.batch_size", train.batch_size,
              f"must split evenly over mesh.replicas = {mesh.replicas}")
     per_replica = train.batch_size // mesh.replicas

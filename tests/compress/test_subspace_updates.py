@@ -34,9 +34,9 @@ def test_step_keeps_the_basis_orthonormal_and_ascends_the_objective():
 def test_training_with_updates_keeps_boundaries_exact(tiny_corpus, tmp_path):
     trainer = Trainer(tiny_config(tiny_corpus, *UPDATES, "train.steps=4"), tmp_path, progress=False)
     trainer.train()
-    assert trainer.basis_updater.updates == 2
+    assert trainer.plugins["subspace_update"].updater.updates == 2
     worker = trainer.workers[WorkerId(1, 0)]
-    moved = trainer.basis_updater.basis
+    moved = trainer.plugins["subspace_update"].updater.basis
     assert not torch.allclose(moved, subspace_basis(32, 4, trainer.cfg.model.subspace_seed))
     assert torch.equal(worker.codec.basis, moved)
     x, _ = trainer.val_batches[0]
@@ -62,4 +62,5 @@ def test_resume_after_an_update_continues_exactly(tiny_corpus, tmp_path):
         return [r["train_loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
 
     assert max(abs(a - b) for a, b in zip(losses("a"), losses("b"), strict=True)) <= 1e-6
-    assert torch.equal(straight.basis_updater.basis, resumed.basis_updater.basis)
+    basis = [t.plugins["subspace_update"].updater.basis for t in (straight, resumed)]
+    assert torch.equal(*basis)

@@ -9,7 +9,6 @@ import pytest
 import torch
 from tiny import tiny_config
 
-from meshlearn.data import global_batch
 from meshlearn.mesh.schedule import Action
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
@@ -66,25 +65,25 @@ def test_skipped_microbatches_carry_no_loss_and_the_attack_stops_with_the_ban(ti
     assert record["verify_flags"] == 2 and record["verify_skipped"] == 2 * 4  # 1 act + 3 grads each
     trainer.step()  # the third strike: banned
     assert trainer.workers[ATTACKER].tamper is None  # replaced by an honest peer: the attack is over
-    assert trainer.trust.attacks[ATTACKER].stopped_at == START + 1
+    assert trainer.plugins["trust"].trust.attacks[ATTACKER].stopped_at == START + 1
     trainer.step()
-    assert trainer.trust.attacks[ATTACKER].pop_changed() == set()
+    assert trainer.plugins["trust"].trust.attacks[ATTACKER].pop_changed() == set()
 
 
 def test_the_last_stage_gives_a_skipped_microbatch_zero_weight_and_propagates_the_flag(tiny_corpus, tmp_path):
     trainer = Trainer(tiny_config(tiny_corpus, "mesh.stages=2"), tmp_path, progress=False)
     first, last = trainer.workers[WorkerId(0, 0)], trainer.workers[WorkerId(0, 1)]
-    x, y = global_batch(trainer.corpus.splits.train, 0, 8, 16, trainer.cfg.seed)
-    works = trainer.step_work(0, x, y)
-    first.begin_step(works[WorkerId(0, 0)])
-    last.begin_step(works[WorkerId(0, 1)])
+    works = trainer.work(0)
+    for worker in (first, last):
+        worker.feed(works[worker.id])
+        worker.horizon = trainer.cfg.mesh.microbatches
     [act] = first.run(Action("F", 0))
     last.receive(dataclasses.replace(act, skip=True))
     assert last.run(Action("F", 0)) == []
     [grad] = last.run(Action("B", 0))
     assert grad.skip and not grad.payload.tensors["values"].any()
     assert all(p.grad is None or not p.grad.any() for p in last.module.parameters())
-    assert last.work.losses == {}  # left out of the train loss
+    assert last.pop_stats(0).losses == {}  # left out of the train loss
 
 
 def test_a_clean_run_bans_nobody(tiny_corpus, tmp_path):
@@ -98,10 +97,11 @@ def test_a_clean_run_bans_nobody(tiny_corpus, tmp_path):
 def test_python_api_sets_a_different_attack_per_worker(tiny_corpus, tmp_path):
     cfg = tiny_config(tiny_corpus, *VERIFY, "train.steps=16")
     trainer = Trainer(cfg, tmp_path, progress=False)
-    trainer.trust.add_attack(WorkerId(0, 1), build_attack("zeros", AttackConfig(start_step=START), seed=1))
-    trainer.trust.add_attack(WorkerId(1, 2), build_attack("scaling", AttackConfig(start_step=START), seed=2))
+    trust = trainer.plugins["trust"].trust
+    trust.add_attack(WorkerId(0, 1), build_attack("zeros", AttackConfig(start_step=START), seed=1))
+    trust.add_attack(WorkerId(1, 2), build_attack("scaling", AttackConfig(start_step=START), seed=2))
     with pytest.raises(ValueError, match="first and last stages are honest"):
-        trainer.trust.add_attack(WorkerId(1, 3), build_attack("zeros", AttackConfig(), seed=3))
+        trust.add_attack(WorkerId(1, 3), build_attack("zeros", AttackConfig(), seed=3))
     summary = trainer.train()
     assert sorted(b["worker"] for b in summary["banned_workers"]) == ["r0s1", "r1s2"]
     assert {a["attack"] for a in summary["trust"]["attackers"]} == {"zeros", "scaling"}
@@ -114,7 +114,7 @@ def test_subspace_coded_boundaries_are_verified_on_their_coefficients(tiny_corpu
     trainer = Trainer(cfg, tmp_path, progress=False)
     summary = trainer.train()
     assert [b["worker"] for b in summary["banned_workers"]] == [str(ATTACKER)]
-    for verifier in trainer.trust.sentinel.verifiers.values():
+    for verifier in trainer.plugins["trust"].trust.sentinel.verifiers.values():
         assert verifier.directions.shape[0] == rank  # it read k coefficients, not d values
         assert verifier.reference.mean.shape[-1] == rank
 

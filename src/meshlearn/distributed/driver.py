@@ -11,6 +11,7 @@ norms and byte counters, so whichever process writes metrics logs real losses, n
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -23,17 +24,18 @@ from meshlearn.distributed.transport import Transport
 from meshlearn.distributed.wire import PREFIX_BYTES
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import Network
+from meshlearn.mesh.schedule import AsyncPlan
 from meshlearn.mesh.sim import StepReport
-from meshlearn.mesh.sync import clip_coefficient
+from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.mesh.worker import StepWork, Worker
+from meshlearn.mesh.worker import StepStats, Worker
 from meshlearn.models.llama import Decoder
 
 EVAL_STEP = -1  # the step number evaluation messages carry
 HEADER_ROOM = 64 * 1024  # bytes for a message's JSON header in the receive buffers
 # A row of the per-step gather: M losses, M flags (1 = loss present; a microbatch a verifier
 # quarantined has none), then these stats, then 3 link slots × (bytes sent, busy seconds).
-_SQ, _BUSY, _PP, _DP, _LINKS = 0, 1, 2, 3, 4
+_SQ, _BUSY, _PP, _DP, _STALE, _LINKS = 0, 1, 2, 3, 4, 5
 
 
 class DistDriver:
@@ -78,67 +80,106 @@ class DistDriver:
         self.eval_capacity = PREFIX_BYTES + HEADER_ROOM + cfg.train.batch_size * per_sequence
         self.busy_s = 0.0
         self.rows: torch.Tensor | None = None  # the last step's gather, for the summary
+        self.pending: list[torch.Tensor] = []  # async: this worker's rows of steps not yet gathered
+        self.fed = -1  # the last step whose work this worker has
+        in_flight = worker.plan.in_flight if isinstance(worker.plan, AsyncPlan) else 1
+        self.lookahead = math.ceil(max(in_flight, cfg.mesh.stages) / cfg.mesh.microbatches) + 1
         self.stats = 2 * cfg.mesh.microbatches  # where the stats start in a row
 
-    # --- one synchronous step ----------------------------------------------------------------
+    # --- one step ----------------------------------------------------------------------------
 
-    def run_step(self, works: dict[WorkerId, StepWork], lr_factor: float, grad_clip: float) -> StepReport:
-        work = works[self.me]
-        if self.device.type != "cpu":
-            work.tokens = [t.to(self.device) for t in work.tokens] if work.tokens else work.tokens
-            work.targets = [t.to(self.device) for t in work.targets] if work.targets else work.targets
+    def run_step(self, step: int, source) -> list[StepReport]:
+        """Run this worker until it has applied step ``step``'s updates (``source``: the trainer).
+
+        Flushing schedules end each step with the mesh-wide update, whose gather gives every
+        process the step's report. Under ``async`` nothing waits for the mesh: this worker's rows
+        (losses, norms, staleness, bytes) are kept and gathered at the next drain point, where
+        every pending step's report comes back at once.
+        """
+        worker = self.worker
+        self._feed(step, source)
         pp_before, dp_before = self._bytes("pp"), self._bytes("dp")
-        self._run_pipeline(work)
-        losses = self.worker.end_step()
-        self._sync_data_parallel()
-        rows = self._gather(losses, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before)
+        rows = None
+        while worker.steps_done <= step:
+            action = worker.next_action()
+            if action is None:  # its input has not arrived yet
+                self._receive_one()
+            elif action.kind == "U" and worker.plan.flushes:
+                rows = self._flush_update(action, pp_before, dp_before)
+            elif action.kind == "U":
+                self._async_update(action)
+            else:
+                started = time.perf_counter()
+                outgoing = worker.run(action)
+                self.busy_s += time.perf_counter() - started
+                for message in outgoing:
+                    self.transport.send(message, self.capacity)
+        stats = worker.pop_stats(step)
+        if worker.plan.flushes:
+            return [self._report(step, rows)]
+        self.pending.append(self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before))
+        if source.next_drain(step) != step:
+            return []
+        gathered = self._gather(torch.stack(self.pending))  # (world, steps, row)
+        first = step - len(self.pending) + 1
+        self.pending = []
+        return [self._report(first + i, gathered[:, i]) for i in range(gathered.shape[1])]
+
+    def _feed(self, step: int, source) -> None:
+        """The simulator's feeding rule, for this worker: data up to the next drain point (or a
+        lookahead that covers the first stage's in-flight depth); receives posted for all of it."""
+        last = min(source.next_drain(step), step + self.lookahead)
+        M = self.cfg.mesh.microbatches
+        while self.fed < last:
+            self.fed += 1
+            self.worker.feed(source.work(self.fed)[self.me])
+            if self.prev:  # post every receive of the step now: they complete in the background
+                self.transport.expect(self.prev, M, self.capacity)
+            if self.next:
+                self.transport.expect(self.next, M, self.capacity)
+        self.worker.horizon = (last + 1) * M
+
+    def _receive_one(self) -> None:
+        kind, j = self.worker.plan.peek(self.worker.horizon)
+        peer, what = (self.prev, "activation") if kind == "F" else (self.next, "gradient")
+        step, m = divmod(j, self.cfg.mesh.microbatches)
+        message = self.transport.next_message(f"{what} of microbatch {m} (step {step + 1})", peer)
+        if message.step < 0 or message.step > self.fed:
+            raise WorkerFailure(self.health.abort(
+                f"worker {message.src} sent a message of step {message.step + 1} to {self.me}, "
+                f"which has work up to step {self.fed + 1} only"))
+        self.worker.receive(message)
+
+    def _flush_update(self, action, pp_before: int, dp_before: int) -> torch.Tensor:
+        """The synchronous step's end, as the simulator's: all-reduce, gather, global clip, update."""
+        self._allreduce_gradients()
+        step = action.microbatch // self.cfg.mesh.microbatches
+        stats = self.worker.stats.get(step, StepStats())
+        row = self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before,
+                        sq_norm=self.worker.grad_sq_norm())
+        rows = self._gather(row[None])[:, 0]
         # Summed in stage order from 0, exactly as the simulator sums the stages' squared norms.
-        stats = self.stats
-        sq_norm = sum(rows[self.mesh.rank(WorkerId(0, s)), stats + _SQ].item()
+        sq_norm = sum(rows[self.mesh.rank(WorkerId(0, s)), self.stats + _SQ].item()
                       for s in range(self.mesh.stages))
-        coef = clip_coefficient(sq_norm, grad_clip)
+        grad_clip = self.cfg.train.grad_clip
         if grad_clip > 0 and self.shaped:
             time.sleep(self.network.default.latency_s)  # the scalar exchange, as the simulator models it
         started = time.perf_counter()
-        self.worker.apply_update(lr_factor, coef)
+        self.worker.apply_update(action, clip_coefficient(sq_norm, grad_clip), sq_norm)
         self.busy_s += time.perf_counter() - started
-        M = self.cfg.mesh.microbatches
-        last = [self.mesh.rank(WorkerId(r, self.mesh.stages - 1)) for r in range(self.mesh.replicas)]
-        return StepReport(
-            losses=[rows[rank, m].item() for rank in last for m in range(M) if rows[rank, M + m] > 0],
-            sim_s=None,
-            bytes_pp=int(rows[:, stats + _PP].sum().item()),
-            bytes_dp=int(rows[:, stats + _DP].sum().item()),
-            grad_norm=sq_norm**0.5,
-        )
+        return rows
 
-    def _run_pipeline(self, work: StepWork) -> None:
-        worker = self.worker
-        if self.prev:  # post every receive of the step now: they complete in the background
-            self.transport.expect(self.prev, sum(a.kind == "F" for a in work.plan), self.capacity)
-        if self.next:
-            self.transport.expect(self.next, sum(a.kind == "B" for a in work.plan), self.capacity)
-        worker.begin_step(work)
-        while not worker.finished:
-            action = worker.next_action()
-            if action is None:  # its input has not arrived yet
-                planned = work.plan[work.position]
-                peer, what = ((self.prev, "activation") if planned.kind == "F" else (self.next, "gradient"))
-                message = self.transport.next_message(
-                    f"{what} of microbatch {planned.microbatch} (step {work.step + 1})", peer)
-                if message.step != work.step:
-                    raise WorkerFailure(self.health.abort(
-                        f"worker {message.src} sent a message of step {message.step + 1} to {self.me} "
-                        f"during step {work.step + 1}"))
-                worker.receive(message)
-                continue
-            started = time.perf_counter()
-            outgoing = worker.run(action)
-            self.busy_s += time.perf_counter() - started
-            for message in outgoing:
-                self.transport.send(message, self.capacity)
+    def _async_update(self, action) -> None:
+        """An async update: the stage's all-reduce (a barrier of this stage's replicas only, D > 1),
+        then this stage's own clip (mesh/sync.stage_clip_norm) and step."""
+        self._allreduce_gradients()
+        sq_norm = self.worker.grad_sq_norm()
+        coef = clip_coefficient(sq_norm, stage_clip_norm(self.cfg.train.grad_clip, self.mesh.stages))
+        started = time.perf_counter()
+        self.worker.apply_update(action, coef, sq_norm)
+        self.busy_s += time.perf_counter() - started
 
-    def _sync_data_parallel(self) -> None:
+    def _allreduce_gradients(self) -> None:
         """Mean of the stage's gradients over its replicas: (Σ over replicas) / D, as the simulator."""
         replicas = self.mesh.replicas
         if replicas == 1:
@@ -160,26 +201,53 @@ class DistDriver:
         link = self.network.link(self.me, self.ring_next)
         hold_until(allreduce_release_at(link, self.epoch, joined, nbytes, replicas, self.shaped))
 
-    def _gather(self, losses: dict[int, float], bytes_pp: int, bytes_dp: int) -> torch.Tensor:
-        """Every process's row → every process: losses, squared norm, busy time, bytes, links."""
-        M, stats = self.cfg.mesh.microbatches, self.stats
-        row = torch.zeros(stats + _LINKS + 2 * len(self.slots), dtype=torch.float64)
-        for m, loss in losses.items():
+    def _row(self, stats: StepStats, bytes_pp: int, bytes_dp: int,
+             sq_norm: float | None = None) -> torch.Tensor:
+        """This process's numbers for one step: losses, squared norm, busy time, bytes, staleness, links."""
+        M, at = self.cfg.mesh.microbatches, self.stats
+        row = torch.zeros(at + _LINKS + 2 * len(self.slots), dtype=torch.float64)
+        for j, loss in stats.losses.items():
+            m = j % M
             row[m], row[M + m] = loss, 1.0
-        row[stats + _SQ] = self.worker.grad_sq_norm()
-        row[stats + _BUSY] = self.busy_s
-        row[stats + _PP] = bytes_pp
-        row[stats + _DP] = bytes_dp
+        norms = stats.update_sq_norms
+        row[at + _SQ] = sq_norm if sq_norm is not None else (sum(norms) / len(norms) if norms else 0.0)
+        row[at + _BUSY] = self.busy_s
+        row[at + _PP] = bytes_pp
+        row[at + _DP] = bytes_dp
+        row[at + _STALE] = sum(stats.staleness) / len(stats.staleness) if stats.staleness else 0.0
         for i, (src, dst) in enumerate(self.slots):
             if dst is not None:
                 link = self.network.link(src, dst)
-                row[stats + _LINKS + 2 * i], row[stats + _LINKS + 1 + 2 * i] = link.bytes_sent, link.busy_s
-        row = row.to(self.device)
-        rows = [torch.zeros_like(row) for _ in range(self.mesh.world_size)]
-        work = dist.all_gather(rows, row, async_op=True)
-        self.health.wait_work(work, "the end-of-step gather of losses and norms", self.deadlines.collective_s)
-        self.rows = torch.stack(rows).cpu()
-        return self.rows
+                row[at + _LINKS + 2 * i], row[at + _LINKS + 1 + 2 * i] = link.bytes_sent, link.busy_s
+        return row
+
+    def _gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every process's rows (steps × row) → every process: (world, steps, row)."""
+        rows = rows.to(self.device)
+        out = [torch.zeros_like(rows) for _ in range(self.mesh.world_size)]
+        work = dist.all_gather(out, rows, async_op=True)
+        self.health.wait_work(work, "the gather of losses and norms", self.deadlines.collective_s)
+        gathered = torch.stack(out).cpu()
+        self.rows = gathered[:, -1]
+        return gathered
+
+    def _report(self, step: int, rows: torch.Tensor) -> StepReport:
+        """One step's report from the gathered rows (world × row), the simulator's arithmetic."""
+        M, at, P = self.cfg.mesh.microbatches, self.stats, self.mesh.stages
+        last = [self.mesh.rank(WorkerId(r, P - 1)) for r in range(self.mesh.replicas)]
+        # Flushing: each stage's norm before the global clip; async: its mean over the step's updates.
+        sq = sum(rows[self.mesh.rank(WorkerId(0, s)), at + _SQ].item() for s in range(P))
+        staleness = [sum(rows[self.mesh.rank(w), at + _STALE].item() for w in self.mesh.stage_replicas(s))
+                     / self.mesh.replicas for s in range(P)]
+        return StepReport(
+            step=step,
+            losses=[rows[rank, m].item() for rank in last for m in range(M) if rows[rank, M + m] > 0],
+            sim_s=None,
+            bytes_pp=int(rows[:, at + _PP].sum().item()),
+            bytes_dp=int(rows[:, at + _DP].sum().item()),
+            grad_norm=sq**0.5,
+            staleness=staleness,
+        )
 
     def _bytes(self, axis: str) -> int:
         return self.network.bytes_on_axis(axis)

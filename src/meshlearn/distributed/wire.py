@@ -60,7 +60,8 @@ def pack(message: Message, device: torch.device) -> torch.Tensor:
         specs.append([name, _dtype_name(t.dtype), list(t.shape)])
     header = json.dumps({
         "kind": message.kind, "step": message.step, "microbatch": message.microbatch,
-        "src": str(message.src), "dst": str(message.dst), "skip": message.skip, "shape": list(payload.shape),
+        "src": str(message.src), "dst": str(message.dst), "skip": message.skip,
+        "version": message.version, "shape": list(payload.shape),
         "dtype": _dtype_name(payload.dtype), "meta": payload.meta, "tensors": specs,
     }).encode()
     head = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
@@ -97,7 +98,7 @@ def unpack(buffer: torch.Tensor, peer: WorkerId) -> Message:
         payload = Encoded(tensors, tuple(header["shape"]), _DTYPES[header["dtype"]], dict(header["meta"]))
         message = Message(header["kind"], int(header["step"]), int(header["microbatch"]),
                           WorkerId.parse(header["src"]), WorkerId.parse(header["dst"]), payload,
-                          skip=bool(header.get("skip", False)))
+                          skip=bool(header.get("skip", False)), version=int(header.get("version", 0)))
     except (KeyError, ValueError, TypeError, WireError) as err:
         raise WireError(f"malformed message from {peer}: {type(err).__name__}: {err}") from None
     if message.src != peer or message.kind not in ("act", "grad"):

@@ -3,15 +3,17 @@
 from meshlearn.mesh.compute import DEVICES, ComputeConfig, ComputeModel, StageShape, forward_flops
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import Link, LinkProfile, Network, ring_allreduce_s
-from meshlearn.mesh.schedule import SCHEDULES, Action, format_table, schedule_table
+from meshlearn.mesh.schedule import SCHEDULES, Action, AsyncPlan, FlushPlan, format_table, schedule_table
 from meshlearn.mesh.sim import SimDriver, StepReport
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepWork, Worker
 
 __all__ = [
     "DEVICES",
+    "FlushPlan",
     "SCHEDULES",
     "Action",
+    "AsyncPlan",
     "ComputeConfig",
     "ComputeModel",
     "Link",

@@ -1,7 +1,7 @@
-"""Drives the optional Grassmann updates of the subspace basis during a synchronous run.
+"""Drives the optional Grassmann updates of the subspace basis during a run (a trainer plugin).
 
 Receivers of boundary gradients see ∂L/∂X at full width before encoding it; they feed S = Σ g gᵀ to
-this updater. Every ``every`` steps — a drain point, since synchronous schedules flush the pipeline —
+this updater. Every ``every`` steps — at a drain point the plugin requests, so nothing is in flight —
 the coordinator takes one retraction step and every worker remaps its coefficients, first moments and
 codec to the new U together, so no message encoded with the old basis is ever decoded with the new.
 """
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from meshlearn.compress.subspace import SubspaceCodec
+from meshlearn.hooks import Callback, PluginContext
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.mesh.worker import Worker
 from meshlearn.models.grassmann import grassmann_step, remap_module, remap_optimizer_state, set_basis
@@ -72,3 +73,34 @@ class BasisUpdater:
             set_basis(worker.module, self.basis)
             if isinstance(worker.codec, SubspaceCodec):
                 worker.codec.set_basis(self.basis)
+
+
+class BasisUpdateCallback(Callback):
+    """Grassmann updates of U as a trainer plugin: each one at a drain point it asks for."""
+
+    def __init__(self, updater: BasisUpdater):
+        self.updater = updater
+
+    def drains_after(self, done: int) -> bool:
+        return done % self.updater.cfg.every == 0
+
+    def on_drain(self, done: int) -> list[dict]:
+        if not self.updater.after_step(done):
+            return []
+        return [{"kind": "event", "step": done, "event": "subspace_basis_update",
+                 "updates": self.updater.updates}]
+
+    def state_dict(self) -> dict:
+        return self.updater.state()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updater.load_state(state)
+
+
+def basis_update_plugin(ctx: PluginContext) -> BasisUpdateCallback | None:
+    cfg = ctx.cfg
+    if not cfg.subspace_update.every:
+        return None
+    m = cfg.model
+    return BasisUpdateCallback(BasisUpdater(cfg.subspace_update, ctx.workers, m.d_model,
+                                            m.subspace_rank, m.subspace_seed))

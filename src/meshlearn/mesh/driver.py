@@ -1,5 +1,9 @@
 """What the Trainer asks of a driver: SimDriver (every worker, virtual clock) and DistDriver (one
-worker per process, real messages) both answer it, so one training loop serves both."""
+worker per process, real messages) both answer it, so one training loop serves both.
+
+The step contract: a driver runs step t when asked, pulling data from its WorkSource up to the
+next drain point; under a flushing schedule every step is a drain point, under ``async`` work of
+later steps may already be in flight when step t's report comes back."""
 
 from __future__ import annotations
 
@@ -12,6 +16,19 @@ from meshlearn.mesh.topology import WorkerId
 from meshlearn.mesh.worker import StepWork, Worker
 
 
+class WorkSource(Protocol):
+    """Where a driver gets work: the trainer."""
+
+    def work(self, step: int) -> dict[WorkerId, StepWork]:
+        """Step ``step``'s data and learning-rate factor for this process's workers."""
+        ...
+
+    def next_drain(self, step: int) -> int:
+        """The first step ≥ ``step`` after which the pipeline must be empty (no forward of a later
+        step may start before it is)."""
+        ...
+
+
 class Driver(Protocol):
     workers: dict[WorkerId, Worker]
     """The workers of this process (all of them in the simulator, one in a dist process)."""
@@ -20,8 +37,16 @@ class Driver(Protocol):
     shard: str | None
     """This process's checkpoint shard name, or None when one file holds every worker."""
 
-    def run_step(self, works: dict[WorkerId, StepWork], lr_factor: float, grad_clip: float) -> StepReport:
-        """One synchronous step of the local workers; the report covers the whole mesh."""
+    def run_step(self, step: int, source: WorkSource) -> list[StepReport]:
+        """Run until this process's workers have applied step ``step``'s updates, pulling work from
+        ``source`` as far as its next drain point allows. Returns the reports that are complete
+        (each covers the whole mesh): step ``step``'s in the simulator; a real async run may hand
+        several steps' reports in at a drain point instead."""
+        ...
+
+    @property
+    def drained(self) -> bool:
+        """Nothing in flight: checkpoints and evaluation happen only here."""
         ...
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:

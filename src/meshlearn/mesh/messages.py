@@ -11,7 +11,10 @@ from meshlearn.mesh.topology import WorkerId
 
 @dataclass
 class Message:
-    """A forward activation (``act``) or a backward gradient (``grad``) of one microbatch."""
+    """A forward activation (``act``) or a backward gradient (``grad``) of one microbatch.
+
+    ``step`` and ``microbatch`` (0..M-1 within the step) name the microbatch; under the async
+    schedule messages of several steps are in flight at once, so receivers key them by both."""
 
     kind: Literal["act", "grad"]
     step: int
@@ -20,6 +23,7 @@ class Message:
     dst: WorkerId
     payload: Encoded
     skip: bool = False  # the microbatch was quarantined upstream: not scored, zero loss weight
+    version: int = 0  # the sender's weight version that produced it (its forward's, for a gradient)
 
     @property
     def wire_bytes(self) -> int:

@@ -1,26 +1,48 @@
-"""Pipeline schedules as data: for each stage, the ordered list of forward/backward actions.
+"""Pipeline schedules: which forward (F), backward (B) or update (U) a stage runs next.
 
-Both drivers execute these tables; a worker runs its list in order and waits only for the inputs an
-action needs (an activation for F on stages > 0, a gradient for B on stages < P-1). Reference
-tables for GPipe and 1F1B are kept in the tests.
+A schedule is a per-stage *plan* that the worker consults after every action. Both drivers execute
+the same plans; a worker runs its plan in order and waits only for the inputs an action needs (an
+activation for F on stages > 0, a gradient for B on stages < P-1, its peers for a collective U).
+
+- ``gpipe`` and ``1f1b`` flush: every step is a fixed table of F/B over the step's microbatches,
+  closed by one mesh-wide update U (the data-parallel all-reduce and the global-norm clip happen
+  there). They reproduce the unsplit model exactly.
+- ``async`` never flushes (PipeDream-style 1F1B): stage s keeps up to ``in_flight`` microbatches
+  between forward and backward and applies an update U as soon as the gradients of an update group
+  (``update_every`` microbatches) are in. Work flows across step boundaries; only a *drain point*
+  the trainer requests (evaluation, checkpoint) stops new forwards until the pipeline is empty.
+
+Microbatch ids are global: microbatch m of step t is ``t · M + m``, so an id names one microbatch of
+the whole run and the inbox, stashes and messages are keyed by it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
+
+Kind = Literal["F", "B", "U"]
 
 
 @dataclass(frozen=True)
 class Action:
-    """F = forward of a microbatch, B = backward of it."""
+    """F = forward of a microbatch, B = its backward, U = an optimizer update.
 
-    kind: Literal["F", "B"]
+    ``version`` is the weight version the action uses (F: the weights it runs with; B: those of its
+    forward, which weight stashing restores) or, for U, the version it creates.
+    """
+
+    kind: Kind
     microbatch: int
+    version: int = 0
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch}"
+
+
+# --- the synchronous tables ------------------------------------------------------------------
 
 
 def gpipe(stage: int, stages: int, microbatches: int) -> list[Action]:
@@ -47,19 +69,139 @@ def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Action]:
     return actions
 
 
-SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
+TABLES: dict[str, Callable[[int, int, int], list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
 }
 
 
 def schedule_table(name: str, stages: int, microbatches: int) -> list[list[Action]]:
-    """The per-stage action lists of a named schedule."""
-    if name not in SCHEDULES:
-        raise ValueError(f"mesh.schedule = {name!r} is unknown; registered schedules: {sorted(SCHEDULES)}")
-    return [SCHEDULES[name](s, stages, microbatches) for s in range(stages)]
+    """The per-stage F/B lists of one step of a flushing schedule."""
+    if name not in TABLES:
+        raise ValueError(f"mesh.schedule = {name!r} has no table; tables exist for {sorted(TABLES)}")
+    return [TABLES[name](s, stages, microbatches) for s in range(stages)]
 
 
 def format_table(table: list[list[Action]]) -> str:
     """One line per stage, e.g. ``F0 F1 B0 B1`` — handy in tests and docs."""
     return "\n".join(" ".join(str(a) for a in row) for row in table)
+
+
+# --- plans: what a worker consults -----------------------------------------------------------
+
+
+class StagePlan(Protocol):
+    """The order of one stage's actions. ``peek`` names the next one (kind, global microbatch id),
+    or None when nothing may run before more microbatches are allowed (``horizon``: the first id
+    this stage may not forward yet); ``advance`` records that it ran."""
+
+    flushes: bool
+    """Each step ends in a mesh-wide update (all-reduce, global clip): the pipeline drains per step."""
+    updates_per_step: int
+
+    def peek(self, horizon: int) -> tuple[Kind, int] | None: ...
+
+    def advance(self, kind: Kind) -> None: ...
+
+    def state(self) -> dict: ...
+
+    def load_state(self, state: dict) -> None: ...
+
+
+class FlushPlan:
+    """A synchronous table repeated every step, each step closed by one update."""
+
+    flushes = True
+    updates_per_step = 1
+
+    def __init__(self, row: list[Action], microbatches: int):
+        self.row = [*row, Action("U", microbatches - 1)]
+        self.microbatches = microbatches
+        self.step = 0  # steps whose update has been applied
+        self.position = 0
+
+    def peek(self, horizon: int) -> tuple[Kind, int] | None:
+        if (self.step + 1) * self.microbatches > horizon:
+            return None
+        action = self.row[self.position]
+        return action.kind, self.step * self.microbatches + action.microbatch
+
+    def advance(self, kind: Kind) -> None:
+        self.position += 1
+        if self.position == len(self.row):
+            self.position, self.step = 0, self.step + 1
+
+    def state(self) -> dict:
+        return {"step": self.step, "position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        self.step, self.position = state["step"], state["position"]
+
+
+class AsyncPlan:
+    """No-flush 1F1B: forward while fewer than ``in_flight`` microbatches are in flight (and the
+    horizon allows), else backward the oldest; update after every ``update_every`` backwards.
+
+    With ``in_flight = P - s`` this is 1F1B's order (P-s-1 warm-up forwards, then alternate) carried
+    across steps, so stage s applies gradients τ_s = P-1-s versions old in steady state.
+    """
+
+    flushes = False
+
+    def __init__(self, in_flight: int, update_every: int, microbatches: int):
+        self.in_flight = in_flight
+        self.update_every = update_every
+        self.updates_per_step = microbatches // update_every
+        self.forwarded = 0
+        self.backwarded = 0
+        self.updates = 0
+
+    def peek(self, horizon: int) -> tuple[Kind, int] | None:
+        if self.backwarded // self.update_every > self.updates:
+            return "U", self.backwarded - 1
+        if self.forwarded - self.backwarded < self.in_flight and self.forwarded < horizon:
+            return "F", self.forwarded
+        if self.backwarded < self.forwarded:
+            return "B", self.backwarded
+        return None
+
+    def advance(self, kind: Kind) -> None:
+        if kind == "F":
+            self.forwarded += 1
+        elif kind == "B":
+            self.backwarded += 1
+        else:
+            self.updates += 1
+
+    def state(self) -> dict:
+        return {"forwarded": self.forwarded, "backwarded": self.backwarded, "updates": self.updates}
+
+    def load_state(self, state: dict) -> None:
+        self.forwarded, self.backwarded, self.updates = (state["forwarded"], state["backwarded"],
+                                                         state["updates"])
+
+
+SCHEDULES = ("1f1b", "async", "gpipe")
+
+
+def round_trip_in_flight(stage: int, stages: int, compute_s: float, latency_s: float,
+                         transfer_s: float, cap: int) -> int:
+    """``mesh.in_flight = auto``: enough microbatches to keep stage s busy across its round trip.
+
+    The gradient of a microbatch comes back after the stages below finish it: 2(P-1-s) latencies
+    and transfers plus (P-1-s) forward+backward computes. Keeping ⌈round trip / own compute⌉ + 1 in
+    flight hides it; the cap bounds staleness and stash memory.
+    """
+    below = stages - 1 - stage
+    if below == 0:
+        return 1
+    round_trip = 2 * below * (latency_s + transfer_s) + below * compute_s
+    return max(below + 1, min(cap, math.ceil(round_trip / compute_s) + 1 if compute_s > 0 else cap))
+
+
+def build_plan(schedule: str, stage: int, stages: int, microbatches: int, in_flight: int,
+               update_every: int) -> StagePlan:
+    """The plan of one stage (``in_flight`` and ``update_every`` matter for ``async`` only)."""
+    if schedule == "async":
+        return AsyncPlan(in_flight, update_every, microbatches)
+    return FlushPlan(schedule_table(schedule, stages, microbatches)[stage], microbatches)

@@ -2,14 +2,17 @@
 
 Compute really happens (losses and weights are real); only time is virtual. Events are processed in
 time order: a compute finishing hands its messages to links, whose FIFO queues decide arrival times;
-an arrival wakes the receiving worker. Each worker keeps its own clock, so bubbles and link stalls
-show up exactly where a real pipeline would have them.
+an arrival wakes the receiving worker; an update waits for the peers its collective needs. Each
+worker keeps its own clock, so bubbles and link stalls show up exactly where a real pipeline would
+have them. The event queue persists across steps: under the async schedule a step ends while the
+next one's microbatches are already in flight, and only a drain point empties it.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -19,21 +22,24 @@ from meshlearn.compress.codecs import Codec
 from meshlearn.mesh.compute import ComputeModel
 from meshlearn.mesh.messages import Message, MessageMonitor
 from meshlearn.mesh.network import Network, ring_allreduce_bytes_per_member, ring_allreduce_s
-from meshlearn.mesh.sync import average_gradients, clip_coefficient
+from meshlearn.mesh.schedule import Action, AsyncPlan
+from meshlearn.mesh.sync import average_gradients, clip_coefficient, stage_clip_norm, step_grad_norm
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.mesh.worker import StepWork, Worker
+from meshlearn.mesh.worker import StepStats, Worker
 from meshlearn.models.llama import Decoder
 
 
 @dataclass
 class StepReport:
-    """What one synchronous optimizer step did, for metrics."""
+    """What one step (one global batch) did, for metrics."""
 
+    step: int
     losses: list[float]  # every microbatch loss of every replica (last stages)
     sim_s: float | None  # virtual seconds since the previous step's end (None: a real run, no clock)
     bytes_pp: int
     bytes_dp: int
     grad_norm: float
+    staleness: list[float] = field(default_factory=list)  # per stage: mean versions behind
 
 
 @dataclass
@@ -59,134 +65,182 @@ class SimDriver:
     shard = None  # checkpoints are one file (a DistDriver names its shard; see train/checkpoint.py)
 
     def __init__(self, mesh: MeshShape, workers: dict[WorkerId, Worker], network: Network,
-                 compute: ComputeModel):
+                 compute: ComputeModel, grad_clip: float):
         self.mesh = mesh
         self.workers = workers
         self.network = network
         self.compute = compute
+        self.grad_clip = grad_clip
         self.clock = SimClock({w: 0.0 for w in workers}, {w: 0.0 for w in workers})
         self._seq = itertools.count()
-        self.monitor: MessageMonitor | None = None
-        self.charge_monitor_time = True
+        self.monitors: list[tuple[MessageMonitor, bool]] = []
+        self.events: list[tuple[float, int, str, object]] = []
+        self.busy: set[WorkerId] = set()
+        self.waiting: dict[WorkerId, Action] = {}  # workers at an update whose collective is not complete
+        self.fed = -1  # the last step whose work the workers have
+        # Steps whose every update has finished on the virtual clock, per worker (a worker applies an
+        # update when its collective completes, but the update's compute ends later).
+        self.steps_done = {w: worker.steps_done for w, worker in workers.items()}
+        self.now = 0.0
+        self.flushes = next(iter(workers.values())).plan.flushes
+        in_flight = max((w.plan.in_flight for w in workers.values() if isinstance(w.plan, AsyncPlan)),
+                        default=1)
+        microbatches = next(iter(workers.values())).microbatches
+        # Steps fed ahead of the one being run: enough that the first stage (the deepest in flight)
+        # never waits for data before a drain point, so the action order is independent of it.
+        self.lookahead = math.ceil(in_flight / microbatches) + 1
 
-    def attach_monitor(self, monitor: MessageMonitor | None, charge_time: bool = True) -> None:
-        """Inspect every message on arrival; ``charge_time`` adds the inspection's measured wall time
-        to the delivery on the virtual clock (False keeps the virtual clock bit-reproducible)."""
-        self.monitor = monitor
-        self.charge_monitor_time = charge_time
+    def attach_monitor(self, monitor: MessageMonitor, charge_time: bool = True) -> None:
+        """Add a subscriber that inspects every message on arrival, in the order attached;
+        ``charge_time`` adds the inspection's measured wall time to the delivery on the virtual
+        clock (False keeps the virtual clock bit-reproducible)."""
+        self.monitors.append((monitor, charge_time))
 
-    def run_step(self, works: dict[WorkerId, StepWork], lr_factor: float,
-                 grad_clip: float) -> StepReport:
+    @property
+    def drained(self) -> bool:
+        """Nothing in flight anywhere: a point where checkpoints and evaluation see settled weights."""
+        return not self.events and not self.waiting and all(w.idle for w in self.workers.values())
+
+    def run_step(self, step: int, source) -> list[StepReport]:
+        """Run until every worker has applied step ``step``'s updates (``source``: a WorkSource)."""
         pp_before = self.network.bytes_on_axis("pp")
         dp_before = self.network.bytes_on_axis("dp")
-        for wid, work in works.items():
-            self.workers[wid].begin_step(work)
-        self._run_pipeline()
-        losses = [loss for w in self.mesh.workers()
-                  for _, loss in sorted(self.workers[w].end_step().items())]
-        self._sync_data_parallel()
-        grad_norm = self._update(lr_factor, grad_clip)
-        end = max(self.clock.now.values())
+        self._feed(step, source)
+        for wid in self.workers:
+            self._try_start(wid, self.clock.now[wid])
+        while min(self.steps_done.values()) <= step:
+            if not self.events:
+                stuck = [str(w) for w, done in self.steps_done.items() if done <= step]
+                raise RuntimeError(f"pipeline deadlock: workers {stuck} wait for messages that never come")
+            self._process(*heapq.heappop(self.events))
+        stats = {w: worker.pop_stats(step) for w, worker in self.workers.items()}
         report = StepReport(
-            losses=losses,
-            sim_s=end - self.clock.step_end,
+            step=step,
+            losses=[loss for w in self.mesh.workers() for _, loss in sorted(stats[w].losses.items())],
+            sim_s=self.now - self.clock.step_end,
             bytes_pp=self.network.bytes_on_axis("pp") - pp_before,
             bytes_dp=self.network.bytes_on_axis("dp") - dp_before,
-            grad_norm=grad_norm,
+            grad_norm=step_grad_norm(self.flushes, self.mesh, stats),
+            staleness=stage_staleness(self.mesh, stats),
         )
-        self.clock.step_end = end
-        return report
+        self.clock.step_end = self.now
+        return [report]
 
-    # --- the pipeline: a discrete-event loop -------------------------------------------------
+    def _feed(self, step: int, source) -> None:
+        last = min(source.next_drain(step), step + self.lookahead)
+        while self.fed < last:
+            self.fed += 1
+            for wid, work in source.work(self.fed).items():
+                self.workers[wid].feed(work)
+        horizon = (last + 1) * next(iter(self.workers.values())).microbatches
+        for worker in self.workers.values():
+            worker.horizon = horizon
 
-    def _run_pipeline(self) -> None:
-        events: list[tuple[float, int, str, object]] = []
-        busy: set[WorkerId] = set()
+    # --- the event loop ----------------------------------------------------------------------
 
-        def try_start(wid: WorkerId, now: float) -> None:
-            worker = self.workers[wid]
-            if wid in busy:
-                return
-            action = worker.next_action()
-            if action is None:
-                return
-            batch = worker.work.microbatch_size
-            started = time.perf_counter()
-            outgoing = worker.run(action)
-            measured = time.perf_counter() - started
-            duration = self.compute.compute_s(worker.shape, action.kind, batch, measured)
-            start = max(now, self.clock.now[wid])
-            self.clock.busy_s[wid] += duration
-            busy.add(wid)
-            heapq.heappush(events, (start + duration, next(self._seq), "done", (wid, outgoing)))
-
-        for wid in self.workers:
-            try_start(wid, self.clock.now[wid])
-        while events:
-            now, _, kind, payload = heapq.heappop(events)
-            if kind == "done":
-                wid, outgoing = payload
-                self.clock.now[wid] = now
-                busy.discard(wid)
-                for message in outgoing:
-                    arrival = self.network.link(message.src, message.dst).transmit(now, message.wire_bytes)
-                    heapq.heappush(events, (arrival, next(self._seq), "arrive", message))
-                try_start(wid, now)
-            elif kind == "arrive" and self.monitor is not None:
+    def _process(self, now: float, _seq: int, kind: str, payload: object) -> None:
+        self.now = now
+        if kind == "done":
+            wid, outgoing = payload
+            self.clock.now[wid] = now
+            self.busy.discard(wid)
+            self.steps_done[wid] = self.workers[wid].steps_done
+            for message in outgoing:
+                arrival = self.network.link(message.src, message.dst).transmit(now, message.wire_bytes)
+                self._push(arrival, "arrive" if self.monitors else "deliver", message)
+            self._try_start(wid, now)
+        elif kind == "arrive":
+            message: Message = payload
+            delay = 0.0
+            for monitor, charge_time in self.monitors:
                 started = time.perf_counter()
-                message = self.monitor.inspect(payload)
+                message = monitor.inspect(message)
                 # The verifier sits on the path: the receiver gets the message once it is inspected.
-                delay = time.perf_counter() - started if self.charge_monitor_time else 0.0
-                heapq.heappush(events, (now + delay, next(self._seq), "deliver", message))
-            else:
-                message: Message = payload
-                self.workers[message.dst].receive(message)
-                try_start(message.dst, now)
-        stuck = [str(w) for w, worker in self.workers.items() if not worker.finished]
-        if stuck:
-            raise RuntimeError(f"pipeline deadlock: workers {stuck} wait for messages that never come")
+                delay += time.perf_counter() - started if charge_time else 0.0
+            self._push(now + delay, "deliver", message)
+        else:
+            message = payload
+            self.workers[message.dst].receive(message)
+            self._try_start(message.dst, now)
 
-    # --- data-parallel sync and the optimizer step -------------------------------------------
+    def _push(self, at: float, kind: str, payload: object) -> None:
+        heapq.heappush(self.events, (at, next(self._seq), kind, payload))
 
-    def _sync_data_parallel(self) -> None:
-        for stage in range(self.mesh.stages):
-            group_ids = self.mesh.stage_replicas(stage)
-            nbytes = average_gradients([self.workers[w] for w in group_ids])
-            if len(group_ids) == 1:
-                continue
-            start = max(self.clock.now[w] for w in group_ids)
-            ring = list(zip(group_ids, group_ids[1:] + group_ids[:1], strict=True))
-            profile = self.network.link(*ring[0]).profile
-            seconds = ring_allreduce_s(nbytes, len(group_ids), profile)
-            sent = ring_allreduce_bytes_per_member(nbytes, len(group_ids))
-            for src, dst in ring:
-                link = self.network.link(src, dst)
-                link.occupy(start, profile.serialization_s(sent), sent)
-            for w in group_ids:
-                self.clock.now[w] = start + seconds
+    def _try_start(self, wid: WorkerId, now: float) -> None:
+        if wid in self.busy or wid in self.waiting:
+            return
+        worker = self.workers[wid]
+        action = worker.next_action()
+        if action is None:
+            return
+        if action.kind == "U":
+            self._arrive_at_update(wid, action)
+            return
+        batch = worker.microbatch_size(action.microbatch)
+        started = time.perf_counter()
+        outgoing = worker.run(action)
+        measured = time.perf_counter() - started
+        duration = self.compute.compute_s(worker.shape, action.kind, batch, measured)
+        start = max(now, self.clock.now[wid])
+        self.clock.busy_s[wid] += duration
+        self.busy.add(wid)
+        self._push(start + duration, "done", (wid, outgoing))
 
-    def _update(self, lr_factor: float, grad_clip: float) -> float:
-        """Global-norm clipping needs every stage's norm: a scalar exchange, modeled as one latency."""
-        sq_norm = sum(self.workers[w].grad_sq_norm() for w in self.mesh.workers() if w.replica == 0)
-        coef = clip_coefficient(sq_norm, grad_clip)
-        if grad_clip > 0:
-            barrier = max(self.clock.now.values()) + self.network.default.latency_s
-            for w in self.clock.now:
-                self.clock.now[w] = barrier
-        for wid, worker in self.workers.items():
+    # --- updates: the collectives they need --------------------------------------------------
+
+    def _arrive_at_update(self, wid: WorkerId, action: Action) -> None:
+        """A flushing schedule's update waits for the whole mesh (all-reduce, global clip); an async
+        update waits only for its stage's replicas (the all-reduce), or for nobody when D = 1."""
+        self.waiting[wid] = action
+        group = self.mesh.workers() if self.flushes else self.mesh.stage_replicas(wid.stage)
+        if all(self.waiting.get(w) == action for w in group):
+            self._update(group)
+
+    def _update(self, group: list[WorkerId]) -> None:
+        ready = {w: self.clock.now[w] for w in group}
+        for stage in sorted({w.stage for w in group}):
+            replicas = self.mesh.stage_replicas(stage)
+            nbytes = average_gradients([self.workers[w] for w in replicas])
+            if len(replicas) > 1:
+                start = max(ready[w] for w in replicas)
+                self._charge_allreduce(replicas, start, nbytes)
+                seconds = ring_allreduce_s(nbytes, len(replicas), self.network.link(*replicas[:2]).profile)
+                ready |= {w: start + seconds for w in replicas}
+        if self.flushes:
+            # Global-norm clipping needs every stage's norm: a scalar exchange, modeled as one latency.
+            sq_norm = sum(self.workers[WorkerId(0, s)].grad_sq_norm() for s in range(self.mesh.stages))
+            norms = {w: (sq_norm, clip_coefficient(sq_norm, self.grad_clip)) for w in group}
+            if self.grad_clip > 0:
+                barrier = max(ready.values()) + self.network.default.latency_s
+                ready = {w: barrier for w in group}
+        else:
+            limit = stage_clip_norm(self.grad_clip, self.mesh.stages)
+            norms = {}
+            for w in group:
+                sq = self.workers[w].grad_sq_norm()
+                norms[w] = (sq, clip_coefficient(sq, limit))
+        for wid in group:
+            worker, action = self.workers[wid], self.waiting.pop(wid)
             started = time.perf_counter()
-            worker.apply_update(lr_factor, coef)
-            measured = time.perf_counter() - started
-            seconds = self.compute.update_s(worker.n_params, measured)
-            self.clock.now[wid] += seconds
+            worker.apply_update(action, norms[wid][1], norms[wid][0])
+            seconds = self.compute.update_s(worker.n_params, time.perf_counter() - started)
             self.clock.busy_s[wid] += seconds
-        return sq_norm**0.5
+            self.busy.add(wid)
+            self._push(ready[wid] + seconds, "done", (wid, []))
+
+    def _charge_allreduce(self, replicas: list[WorkerId], start: float, nbytes: int) -> None:
+        ring = list(zip(replicas, replicas[1:] + replicas[:1], strict=True))
+        profile = self.network.link(*ring[0]).profile
+        sent = ring_allreduce_bytes_per_member(nbytes, len(replicas))
+        for src, dst in ring:
+            self.network.link(src, dst).occupy(start, profile.serialization_s(sent), sent)
 
     # --- what the Trainer asks of any driver (the DistDriver answers the same questions) ------
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Validation loss through replica 0's stages; no virtual time is charged for it."""
+        assert self.drained, "evaluation runs at a drain point"
         stages = [self.workers[WorkerId(0, s)] for s in range(self.mesh.stages)]
         losses = [pipeline_loss([w.module for w in stages], stages[0].codec, x, y) for x, y in batches]
         return sum(losses) / len(losses)
@@ -206,19 +260,34 @@ class SimDriver:
             "sim_time_s": sim_s,
             "sim_tokens_per_s": tokens / sim_s if sim_s else None,
             "bubble_fraction": 1.0 - busy / (len(self.clock.busy_s) * sim_s) if sim_s else None,
+            "worker_utilization": {str(w): b / sim_s if sim_s else None
+                                   for w, b in sorted(self.clock.busy_s.items())},
+            "stash_bytes_peak": max(w.stash_bytes for w in self.workers.values()),
             "compute_model": self.compute.cfg.describe(),
             "links": links,
         }
 
     def state(self) -> dict:
-        return {"clock": self.clock.state(), "network": self.network.state()}
+        assert self.drained, "driver state is saved at drain points only"
+        return {"clock": self.clock.state(), "network": self.network.state(), "fed": self.fed}
 
     def load_state(self, state: dict) -> None:
         self.clock.load_state(state["clock"])
         self.network.load_state(state["network"])
+        self.fed = state["fed"]
+        self.steps_done = {w: worker.steps_done for w, worker in self.workers.items()}
 
     def barrier(self, what: str) -> None:
         """Nothing to wait for: every worker lives in this process."""
+
+
+def stage_staleness(mesh: MeshShape, stats: dict[WorkerId, StepStats]) -> list[float]:
+    """Per stage, the mean versions behind of the gradients its replicas applied in the step."""
+    out = []
+    for s in range(mesh.stages):
+        values = [v for w in mesh.stage_replicas(s) for v in stats[w].staleness]
+        out.append(sum(values) / len(values) if values else 0.0)
+    return out
 
 
 def pipeline_loss(stages: list[Decoder], codec: Codec, x: torch.Tensor, y: torch.Tensor) -> float:

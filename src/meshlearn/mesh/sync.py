@@ -32,3 +32,29 @@ def clip_coefficient(sq_norm: float, max_norm: float) -> float:
     if max_norm <= 0:
         return 1.0
     return min(1.0, max_norm / (math.sqrt(sq_norm) + 1e-6))
+
+
+def stage_clip_norm(grad_clip: float, stages: int) -> float:
+    """The async schedule's per-stage clip threshold: ``grad_clip / √P``.
+
+    Without a flush there is no moment at which every stage's gradient is known, so each stage clips
+    its own update. With this threshold the norm of all P stages' updates together stays within
+    ``grad_clip`` (Σ_s (c/√P)² = c²), the global clip's guarantee, without a barrier.
+    """
+    return grad_clip / math.sqrt(stages) if grad_clip > 0 else 0.0
+
+
+def step_grad_norm(flushes: bool, mesh, stats: dict) -> float:
+    """The step's gradient norm for metrics (before clipping).
+
+    Flushing schedules: the one global norm of the step (every worker recorded it). Async: the norm
+    of replica 0's stages taken together, each stage's squared norm averaged over its updates.
+    """
+    if flushes:
+        norms = stats[mesh.worker(0)].update_sq_norms
+        return math.sqrt(norms[0]) if norms else 0.0
+    total = 0.0
+    for s in range(mesh.stages):
+        norms = stats[mesh.stage_replicas(s)[0]].update_sq_norms
+        total += sum(norms) / len(norms) if norms else 0.0
+    return math.sqrt(total)

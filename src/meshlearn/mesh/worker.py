@@ -1,8 +1,14 @@
 """Worker (r, s): one pipeline stage of one replica, written sans-IO.
 
-A worker never sleeps, opens a socket or reads a clock. A driver hands it events (``receive`` a
-message) and asks it for work (``next_action``); ``run`` performs the real forward or backward and
-returns the messages to send. What the simulator tests is therefore exactly what a real process runs.
+A worker never sleeps, opens a socket or reads a clock. A driver feeds it the data of each step
+(``feed``), hands it messages (``receive``), asks it for work (``next_action``), runs it (``run``,
+which returns the messages to send) and carries out updates (``apply_update``, after whatever
+collective the update needs). What the simulator tests is therefore exactly what a real process runs.
+
+Work is keyed by global microbatch id, not by step, so under the async schedule microbatches of
+several steps are in flight at once. Each forward records the weight version it ran with; under
+weight stashing its backward runs on exactly those weights (a snapshot kept until the last
+microbatch that uses it is backwarded), without stashing on the current ones.
 """
 
 from __future__ import annotations
@@ -11,11 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.func import functional_call
 
 from meshlearn.compress.codecs import Codec, Encoded, Kind
 from meshlearn.mesh.compute import StageShape
 from meshlearn.mesh.messages import Message
-from meshlearn.mesh.schedule import Action
+from meshlearn.mesh.schedule import Action, StagePlan
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.models.llama import Decoder
 
@@ -25,34 +32,63 @@ Tamper = Callable[[Kind, int, int, torch.Tensor], torch.Tensor]
 
 @dataclass
 class StepWork:
-    """What one worker does in one optimizer step."""
+    """What the trainer feeds a worker for one step: its data and the step's learning-rate factor."""
 
     step: int
-    plan: list[Action]
     microbatch_size: int  # sequences per microbatch, for FLOP counting on every stage
+    lr_factor: float = 1.0
     tokens: list[torch.Tensor] | None = None  # first stage: input ids per microbatch
     targets: list[torch.Tensor] | None = None  # last stage: next-token ids per microbatch
-    position: int = 0
-    inbox: dict[tuple[str, int], Encoded] = field(default_factory=dict)
-    ids: dict[int, torch.Tensor | None] = field(default_factory=dict)  # token ids, for id-aware codecs
-    saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
-    losses: dict[int, float] = field(default_factory=dict)
-    skipped: set[int] = field(default_factory=set)  # microbatches a verifier quarantined upstream
+
+
+@dataclass
+class InFlight:
+    """A microbatch between its forward and its backward on this stage."""
+
+    inputs: torch.Tensor | None  # the decoded stage input (requires grad), None on the first stage
+    out: torch.Tensor  # the stage output, or the scaled loss on the last stage
+    ids: torch.Tensor | None  # token ids, for id-aware codecs
+    version: int  # weight version of the forward
+    weights: dict[str, torch.Tensor] | None  # the leaves the forward ran on (None: the module's own)
+
+
+@dataclass
+class StepStats:
+    """Per-step counters a driver reports: losses (last stage), update norms and staleness."""
+
+    losses: dict[int, float] = field(default_factory=dict)  # global microbatch id → loss
+    update_sq_norms: list[float] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)  # versions behind, per applied gradient
 
 
 class Worker:
     def __init__(self, wid: WorkerId, mesh: MeshShape, module: Decoder,
-                 optimizer: torch.optim.Optimizer, codec: Codec):
+                 optimizer: torch.optim.Optimizer, codec: Codec, plan: StagePlan, microbatches: int,
+                 weight_stashing: bool = True):
         self.id = wid
         self.mesh = mesh
         self.module = module
         self.optimizer = optimizer
         self.codec = codec
+        self.plan = plan
+        self.microbatches = microbatches
+        self.weight_stashing = weight_stashing
         self.is_first = wid.stage == 0
         self.is_last = wid.stage == mesh.stages - 1
         self.shape = StageShape(len(module.layers), module.tok_emb is not None, module.head is not None)
         self.n_params = sum(p.numel() for p in module.parameters())
-        self.work: StepWork | None = None
+        self.param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        self.version = 0  # optimizer updates applied so far
+        self.horizon = 0  # the first microbatch id this stage may not forward yet (set by the driver)
+        self.work: dict[int, StepWork] = {}  # fed steps whose microbatches are not all done
+        self.inbox: dict[tuple[str, int], Encoded] = {}
+        self.in_flight: dict[int, InFlight] = {}
+        self.skipped: set[int] = set()  # microbatches a verifier quarantined upstream
+        self.stats: dict[int, StepStats] = {}
+        self._group_versions: list[int] = []  # forward versions of the gradients awaiting an update
+        self._stash: dict[int, dict[str, torch.Tensor]] = {}
+        self._stash_users: dict[int, int] = {}
+        self.stash_peak = 0  # most weight versions held at once (the live weights excluded)
         # Sees the full-width gradient at this stage's input before it is encoded (for statistics
         # such as the subspace basis update); None when nobody listens.
         self.input_grad_observer: Callable[[torch.Tensor], None] | None = None
@@ -62,98 +98,160 @@ class Worker:
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
 
-    # --- the pipeline step -------------------------------------------------------------------
+    # --- what the driver feeds and asks ------------------------------------------------------
 
-    def begin_step(self, work: StepWork) -> None:
+    def feed(self, work: StepWork) -> None:
         if self.is_first and work.tokens is None:
             raise ValueError(f"worker {self.id}: the first stage needs input tokens")
         if self.is_last and work.targets is None:
             raise ValueError(f"worker {self.id}: the last stage needs targets")
-        self.work = work
+        self.work[work.step] = work
 
     @property
-    def finished(self) -> bool:
-        return self.work is None or self.work.position >= len(self.work.plan)
+    def steps_done(self) -> int:
+        """Steps whose every update this worker has applied."""
+        return self.version // self.plan.updates_per_step
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight, nothing received and unused: a drain point for this worker."""
+        return not self.in_flight and not self.inbox and not self._group_versions
 
     def next_action(self) -> Action | None:
         """The next planned action if its input has arrived; None while waiting (or when done)."""
-        if self.finished:
+        planned = self.plan.peek(self.horizon)
+        if planned is None:
             return None
-        action = self.work.plan[self.work.position]
-        if action.kind == "F" and not self.is_first and ("act", action.microbatch) not in self.work.inbox:
-            return None
-        if action.kind == "B" and not self.is_last and ("grad", action.microbatch) not in self.work.inbox:
-            return None
-        return action
+        kind, j = planned
+        step = j // self.microbatches
+        if kind == "F":
+            if step not in self.work:
+                return None
+            if not self.is_first and ("act", j) not in self.inbox:
+                return None
+            return Action("F", j, self.version)
+        if kind == "B":
+            if not self.is_last and ("grad", j) not in self.inbox:
+                return None
+            return Action("B", j, self.in_flight[j].version)
+        return Action("U", j, self.version + 1)
 
     def receive(self, message: Message) -> None:
-        if self.work is None or message.step != self.work.step:
-            raise RuntimeError(f"worker {self.id}: message for step {message.step} outside that step")
-        self.work.inbox[(message.kind, message.microbatch)] = message.payload
+        j = message.step * self.microbatches + message.microbatch
+        self.inbox[(message.kind, j)] = message.payload
         if message.skip:  # propagate: every later message of this microbatch carries the flag
-            self.work.skipped.add(message.microbatch)
+            self.skipped.add(j)
 
     def run(self, action: Action) -> list[Message]:
-        """Perform ``action`` (must be the one ``next_action`` returned) and return what to send."""
-        assert self.work is not None and action == self.next_action(), f"{self.id}: {action} not ready"
-        self.work.position += 1
+        """Perform F or B ``action`` (the one ``next_action`` returned) and return what to send."""
+        assert action.kind != "U" and action == self.next_action(), f"{self.id}: {action} not ready"
+        self.plan.advance(action.kind)
         if action.kind == "F":
             return self._forward(action.microbatch)
         return self._backward(action.microbatch)
 
-    def _forward(self, m: int) -> list[Message]:
-        work = self.work
+    def microbatch_size(self, j: int) -> int:
+        return self.work[j // self.microbatches].microbatch_size
+
+    # --- forward and backward ----------------------------------------------------------------
+
+    def _forward(self, j: int) -> list[Message]:
+        step, m = divmod(j, self.microbatches)
+        work = self.work[step]
+        weights = self._forward_weights()
         if self.is_first:
-            inputs = None
-            work.ids[m] = work.tokens[m]
-            out = self.module(work.tokens[m])
+            inputs, ids = None, work.tokens[m]
+            out = self._call(weights, work.tokens[m])
         else:
-            message = work.inbox.pop(("act", m))
-            work.ids[m] = message.tensors.get("ids")
+            message = self.inbox.pop(("act", j))
+            ids = message.tensors.get("ids")
             inputs = self.codec.decode(message, "act").requires_grad_(True)
-            out = self.module(inputs)
+            out = self._call(weights, inputs)
+        record = InFlight(inputs, out, ids, self.version, weights)
+        self.in_flight[j] = record
         if self.is_last:
             loss = Decoder.loss(out, work.targets[m])
-            if m in work.skipped:
+            if j in self.skipped:
                 # Quarantined upstream: zero weight, so the microbatch moves no weight anywhere, and
                 # its loss stays out of the train loss.
-                work.saved[m] = (inputs, loss * 0.0)
+                record.out = loss * 0.0
                 return []
-            work.losses[m] = loss.item()
-            # Each microbatch's mean loss counts 1/M: the step's gradient is the batch mean.
-            work.saved[m] = (inputs, loss / len(work.targets))
+            self._stats(step).losses[j] = loss.item()
+            # Each microbatch's mean loss counts 1/(microbatches per update): the update's gradient
+            # is the mean over its group (the whole step's batch for the flushing schedules).
+            record.out = loss / self._group_size()
             return []
-        work.saved[m] = (inputs, out)
         dst = self.mesh.next_stage(self.id)
-        sent = self._tampered("act", m, out.detach())
-        return [Message("act", work.step, m, self.id, dst, self.codec.encode(sent, "act", work.ids[m]),
-                        skip=m in work.skipped)]
+        sent = self._tampered("act", step, m, out.detach())
+        return [Message("act", step, m, self.id, dst, self.codec.encode(sent, "act", ids),
+                        skip=j in self.skipped, version=self.version)]
 
-    def _backward(self, m: int) -> list[Message]:
-        work = self.work
-        inputs, out = work.saved.pop(m)
+    def _backward(self, j: int) -> list[Message]:
+        step, m = divmod(j, self.microbatches)
+        record = self.in_flight.pop(j)
         if self.is_last:
-            out.backward()
+            record.out.backward()
         else:
-            out.backward(self.codec.decode(work.inbox.pop(("grad", m)), "grad"))
-        ids = work.ids.pop(m)
+            record.out.backward(self.codec.decode(self.inbox.pop(("grad", j)), "grad"))
+        self._collect_grads(record)
+        self._group_versions.append(record.version)
+        skip = j in self.skipped
+        self.skipped.discard(j)
         if self.is_first:
             return []
         if self.input_grad_observer is not None:
-            self.input_grad_observer(inputs.grad)
+            self.input_grad_observer(record.inputs.grad)
         dst = self.mesh.prev_stage(self.id)
-        sent = self._tampered("grad", m, inputs.grad)
-        return [Message("grad", work.step, m, self.id, dst, self.codec.encode(sent, "grad", ids),
-                        skip=m in work.skipped)]
+        sent = self._tampered("grad", step, m, record.inputs.grad)
+        return [Message("grad", step, m, self.id, dst, self.codec.encode(sent, "grad", record.ids),
+                        skip=skip, version=record.version)]
 
-    def _tampered(self, kind: Kind, m: int, x: torch.Tensor) -> torch.Tensor:
-        return x if self.tamper is None else self.tamper(kind, self.work.step, m, x)
+    def _group_size(self) -> int:
+        return self.microbatches // self.plan.updates_per_step
 
-    def end_step(self) -> dict[int, float]:
-        """Close the step; return the last stage's microbatch losses (empty on other stages)."""
-        assert self.work is not None and self.finished, f"{self.id}: step not finished"
-        losses, self.work = self.work.losses, None
-        return losses
+    def _call(self, weights: dict[str, torch.Tensor] | None, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x) if weights is None else functional_call(self.module, weights, (x,))
+
+    def _forward_weights(self) -> dict[str, torch.Tensor] | None:
+        """The leaves a forward runs on. Flushing schedules use the module's parameters (no update
+        happens between a forward and its backward). Under async an update may: with stashing the
+        forward runs on a snapshot of the current version (one per version, shared by its
+        microbatches); without, on aliases of the live storage that the update rewrites in place,
+        so the backward sees the current weights (``.data`` aliases have their own version counter,
+        so autograd accepts the in-place change, which here is the point)."""
+        if self.plan.flushes:
+            return None
+        if not self.weight_stashing:
+            return {n: p.data.requires_grad_(True) for n, p in self.module.named_parameters()}
+        if self.version not in self._stash:
+            self._stash[self.version] = {n: p.detach().clone().requires_grad_(True)
+                                         for n, p in self.module.named_parameters()}
+            self.stash_peak = max(self.stash_peak, len(self._stash))
+        self._stash_users[self.version] = self._stash_users.get(self.version, 0) + 1
+        return self._stash[self.version]
+
+    def _collect_grads(self, record: InFlight) -> None:
+        """Move a backward's gradients from the forward's leaves onto the module's parameters, in
+        the order autograd itself would accumulate them (first assigned, later ones added)."""
+        if record.weights is None:
+            return
+        for name, param in self.module.named_parameters():
+            leaf = record.weights[name]
+            if leaf.grad is None:
+                continue
+            if param.grad is None:
+                param.grad = leaf.grad.clone()
+            else:
+                param.grad.add_(leaf.grad)
+            leaf.grad = None
+        if self.weight_stashing:
+            users = self._stash_users[record.version] - 1
+            self._stash_users[record.version] = users
+            if users == 0 and record.version != self.version:
+                del self._stash[record.version], self._stash_users[record.version]
+
+    def _tampered(self, kind: Kind, step: int, m: int, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tamper is None else self.tamper(kind, step, m, x)
 
     # --- the update --------------------------------------------------------------------------
 
@@ -163,19 +261,53 @@ class Worker:
     def grad_sq_norm(self) -> float:
         return float(sum(g.pow(2).sum() for g in self.grads()))
 
-    def apply_update(self, lr_factor: float, clip_coef: float) -> None:
-        """Scale gradients by the global clip coefficient, set the scheduled lr, step, zero."""
+    def apply_update(self, action: Action, clip_coef: float, sq_norm: float) -> None:
+        """Update U ``action``: scale gradients by the clip coefficient, set the lr of the step the
+        update belongs to, step, zero; record the staleness of every gradient it applies."""
+        assert action == self.next_action(), f"{self.id}: {action} not ready"
+        step = action.microbatch // self.microbatches
         if clip_coef < 1.0:
             for g in self.grads():
                 g.mul_(clip_coef)
+        lr_factor = self.work[step].lr_factor
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lr_factor
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        stats = self._stats(step)
+        stats.update_sq_norms.append(sq_norm)
+        stats.staleness += [self.version - v for v in self._group_versions]
+        self._group_versions = []
+        self.version += 1
+        self.plan.advance("U")
+        stale = [v for v, users in self._stash_users.items() if users == 0 and v != self.version]
+        for v in stale:
+            del self._stash[v], self._stash_users[v]
+        if (action.microbatch + 1) % self.microbatches == 0:
+            del self.work[step]
+
+    def _stats(self, step: int) -> StepStats:
+        return self.stats.setdefault(step, StepStats())
+
+    def pop_stats(self, step: int) -> StepStats:
+        """The counters of ``step`` (once its updates are applied), forgotten here."""
+        return self.stats.pop(step, StepStats())
+
+    @property
+    def stash_bytes(self) -> int:
+        """Peak memory of stashed weight versions (the live weights not counted)."""
+        return self.stash_peak * self.param_bytes
 
     def state_dict(self) -> dict:
-        return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """Taken at drain points only: nothing is in flight, no stash is held."""
+        assert self.idle, f"{self.id}: checkpoint outside a drain point"
+        return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "version": self.version, "plan": self.plan.state(), "stash_peak": self.stash_peak}
 
     def load_state_dict(self, state: dict) -> None:
         self.module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.version = state.get("version", 0)
+        if "plan" in state:
+            self.plan.load_state(state["plan"])
+        self.stash_peak = state.get("stash_peak", 0)

@@ -21,8 +21,9 @@ from meshlearn.data import (
     load_tokens_bin,
     split_tokens,
 )
-from meshlearn.mesh.compute import ComputeModel
+from meshlearn.mesh.compute import ComputeModel, StageShape
 from meshlearn.mesh.network import Network
+from meshlearn.mesh.schedule import build_plan, round_trip_in_flight
 from meshlearn.mesh.sim import SimDriver
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
@@ -83,10 +84,34 @@ def build_worker(cfg: RunConfig, wid: WorkerId, module: Decoder) -> Worker:
     """One worker around its stage module (the dist runtime builds just its own)."""
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
     optimizer = build_optimizer(module, cfg.optim, cfg.train.lr, cfg.train.steps)
-    return Worker(wid, mesh, module, optimizer, build_codec(cfg.codec, cfg.model))
+    plan = build_plan(cfg.mesh.schedule, wid.stage, mesh.stages, cfg.mesh.microbatches,
+                      stage_in_flight(cfg, wid.stage), cfg.mesh.update_every)
+    return Worker(wid, mesh, module, optimizer, build_codec(cfg.codec, cfg.model), plan,
+                  cfg.mesh.microbatches, cfg.mesh.weight_stashing)
+
+
+def stage_in_flight(cfg: RunConfig, stage: int) -> int:
+    """``mesh.in_flight`` for one stage of the async schedule (the last stage always holds one)."""
+    mesh, stages = cfg.mesh, cfg.mesh.stages
+    below = stages - 1 - stage
+    text = mesh.in_flight.strip()
+    if below == 0:
+        return 1
+    if text == "default":
+        return below + 1
+    if text.isdigit():
+        return int(text)
+    # auto: the stage's own forward+backward per microbatch against the round trip below it
+    compute = ComputeModel(cfg.sim, cfg.model)
+    micro = cfg.train.batch_size // mesh.replicas // mesh.microbatches
+    stage_shape = StageShape(cfg.model.n_layer // stages, stage == 0, stage == stages - 1)
+    own = sum(compute.compute_s(stage_shape, kind, micro, 0.0) for kind in ("F", "B"))
+    activation_bytes = micro * cfg.model.seq_len * cfg.model.d_model * 4
+    transfer = cfg.link.serialization_s(activation_bytes)
+    return round_trip_in_flight(stage, stages, own, cfg.link.latency_s, transfer, mesh.max_in_flight)
 
 
 def build_sim_driver(cfg: RunConfig, workers: dict[WorkerId, Worker]) -> SimDriver:
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
     network = Network(cfg.link, seed=cfg.seed)
-    return SimDriver(mesh, workers, network, ComputeModel(cfg.sim, cfg.model))
+    return SimDriver(mesh, workers, network, ComputeModel(cfg.sim, cfg.model), cfg.train.grad_clip)

@@ -16,10 +16,9 @@ import torch
 
 from meshlearn.config import RunConfig, save_config, to_dict
 from meshlearn.data import global_batch, shard_batch, validation_batches
-from meshlearn.mesh.basis_updates import BasisUpdater
+from meshlearn.hooks import PluginContext, build_callbacks
 from meshlearn.mesh.driver import Driver
-from meshlearn.mesh.schedule import schedule_table
-from meshlearn.mesh.sim import pipeline_loss
+from meshlearn.mesh.sim import StepReport, pipeline_loss
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepWork
 from meshlearn.report.progress import ProgressLine
@@ -28,7 +27,6 @@ from meshlearn.train.checkpoint import CHECKPOINT, ShardedCheckpoint, SingleFile
 from meshlearn.train.files import MetricsLog, atomic_write_json, read_records
 from meshlearn.train.provenance import describe_run
 from meshlearn.train.schedule_lr import lr_factor
-from meshlearn.verify.trust import TrustLayer
 
 __all__ = ["CHECKPOINT", "Trainer", "pipeline_loss"]
 
@@ -48,7 +46,9 @@ class Trainer:
     """The training loop of one process: every worker under the simulator, one under ``--backend dist``.
 
     ``driver`` builds the driver (``meshlearn.mesh.driver.Driver``) from the resolved config; the
-    default is a SimDriver over every worker.
+    default is a SimDriver over every worker. The trainer is the driver's ``WorkSource``: it hands
+    out each step's data (``work``) and says where the next drain point is (``next_drain``).
+    Methods join through plugins (``meshlearn.hooks``); the trainer names none of them.
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = True,
@@ -65,54 +65,52 @@ class Trainer:
                             ShardedCheckpoint(self.run_dir, self.driver.shard,
                                               [str(w) for w in self.mesh.workers()], self.driver.barrier,
                                               self.writer, self.cfg.dist.keep_checkpoints))
-        self.trust = TrustLayer(self.cfg, self.workers)  # attacks and SENTINEL (inactive by default)
-        self.trust.attach(self.driver)
-        self.table = schedule_table(self.cfg.mesh.schedule, self.mesh.stages, self.cfg.mesh.microbatches)
         self.val_batches = validation_batches(self.corpus.splits.val, self.cfg.train.eval_batches,
                                               self.cfg.train.batch_size, self.cfg.model.seq_len)
-        self.basis_updater = None
-        if self.cfg.subspace_update.every:
-            m = self.cfg.model
-            self.basis_updater = BasisUpdater(self.cfg.subspace_update, self.workers, m.d_model,
-                                              m.subspace_rank, m.subspace_seed)
         self.totals = Totals()
         self.last_val_loss: float | None = None
-        if resume:
-            self._load_checkpoint()
+        common, state = self.checkpoints.load() if resume else (None, None)
+        if common is not None:
+            self.totals = Totals(**common["totals"])
+            self.last_val_loss = common["last_val_loss"]
+        train = self.cfg.train
+        stops_early = self.totals.step < train.stop_at_step < train.steps
+        # The step this invocation trains to (train.stop_at_step, if it stops early, else train.steps).
+        self.last_step = train.stop_at_step if stops_early else train.steps
+        self.plugins = build_callbacks(PluginContext(self.cfg, self.run_dir, self.workers, self.driver,
+                                                     self.totals.step if resume else None, self.writer))
+        if state is not None:
+            self._load_state(state)
         self.metrics = None
         if self.writer:
             save_config(self.cfg, self.run_dir / "config.toml")
             atomic_write_json(self.run_dir / "run.json", describe_run())
             self.metrics = MetricsLog(self.run_dir / "metrics.jsonl",
                                       keep_until_step=self.totals.step if resume else None)
-        self.decision_log = None  # verify.jsonl: every verifier decision, for replay and audits
-        if self.trust.sentinel is not None and self.cfg.verify.decision_log != "none":
-            self.decision_log = MetricsLog(self.run_dir / "verify.jsonl",
-                                           keep_until_step=self.totals.step if resume else None)
         self.progress = ProgressLine(self.cfg.train.steps) if progress and self.writer else None
 
     # --- the loop ----------------------------------------------------------------------------
 
     def train(self) -> dict:
         train = self.cfg.train
-        stops_early = self.totals.step < train.stop_at_step < train.steps
-        last = train.stop_at_step if stops_early else train.steps
         try:
-            while self.totals.step < last:
+            while self.totals.step < self.last_step:
                 self.step()
                 done = self.totals.step
-                if self.basis_updater and self.basis_updater.after_step(done):
-                    self._log({"kind": "event", "step": done, "event": "subspace_basis_update",
-                               "updates": self.basis_updater.updates})
+                if not self.drains_after(done):
+                    continue
+                for callback in self.plugins.values():
+                    for record in callback.on_drain(done):
+                        self._log(record)
                 if done % train.eval_every == 0 or done == train.steps:
                     self.evaluate()
-                if train.checkpoint_every and done % train.checkpoint_every == 0 or done == last:
+                if train.checkpoint_every and done % train.checkpoint_every == 0 or done == self.last_step:
                     self.save_checkpoint()
         finally:
+            for callback in self.plugins.values():
+                callback.close()
             if self.metrics:
                 self.metrics.close()
-            if self.decision_log:
-                self.decision_log.close()
             if self.progress:
                 self.progress.close()
         summary = self.summary()
@@ -121,48 +119,78 @@ class Trainer:
         return summary
 
     def step(self) -> float | None:
-        """One optimizer step; returns the train loss (None if the verifier dropped every microbatch)."""
-        cfg, t = self.cfg, self.totals.step
-        factor = lr_factor(t, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
-        x, y = global_batch(self.corpus.splits.train, t, cfg.train.batch_size, cfg.model.seq_len,
-                            cfg.seed)
+        """One global batch; returns its train loss (None if the verifier dropped every microbatch,
+        or if the driver reports the step later, as a real async run does at log intervals)."""
+        t = self.totals.step
         started = time.perf_counter()
-        works = {w: work for w, work in self.step_work(t, x, y).items() if w in self.workers}
-        report = self.driver.run_step(works, factor, cfg.train.grad_clip)
-        verified = self.trust.end_step(t)  # bans take effect here, between steps
+        reports = self.driver.run_step(t, self)
         wall = time.perf_counter() - started
-        loss = sum(report.losses) / len(report.losses) if report.losses else None
-        if loss is not None and not math.isfinite(loss):
-            raise FloatingPointError(f"step {t + 1}: train loss is {loss}; lower train.lr")
         totals = self.totals
         totals.step += 1
-        totals.tokens += x.numel()
+        totals.tokens += self.cfg.train.batch_size * self.cfg.model.seq_len
         totals.wall_s += wall
-        totals.bytes_pp += report.bytes_pp
-        totals.bytes_dp += report.bytes_dp
-        record = {"kind": "train", "step": totals.step, "train_loss": loss,
-                  "lr": cfg.train.lr * factor, "grad_norm": report.grad_norm,
-                  "step_sim_s": report.sim_s, "step_wall_s": wall}
-        if self.trust.sentinel is not None:
-            record |= {"verify_flags": verified.flags, "verify_skipped": verified.skipped}
-        self._log(record)
-        for event in verified.events:
-            self._log(event)
-        if self.decision_log:
-            for decision in verified.decisions:
-                self.decision_log.write(decision)
+        loss = None
+        for report in reports:
+            report_loss = self._record(report, wall if report.step == t else None)
+            if report.step == t:
+                loss = report_loss
         return loss
 
-    def step_work(self, step: int, x: torch.Tensor, y: torch.Tensor) -> dict[WorkerId, StepWork]:
-        """Replica r takes slice r of the global batch, cut into microbatches."""
-        shards = shard_batch(x, y, self.mesh.replicas, self.cfg.mesh.microbatches)
+    def _record(self, report: StepReport, wall: float | None) -> float | None:
+        cfg, totals = self.cfg, self.totals
+        loss = sum(report.losses) / len(report.losses) if report.losses else None
+        if loss is not None and not math.isfinite(loss):
+            raise FloatingPointError(f"step {report.step + 1}: train loss is {loss}; lower train.lr")
+        totals.bytes_pp += report.bytes_pp
+        totals.bytes_dp += report.bytes_dp
+        factor = lr_factor(report.step, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
+        record = {"kind": "train", "step": report.step + 1, "train_loss": loss,
+                  "lr": cfg.train.lr * factor, "grad_norm": report.grad_norm,
+                  "step_sim_s": report.sim_s, "step_wall_s": wall}
+        if cfg.mesh.schedule == "async":
+            record["staleness"] = report.staleness
+        events = []
+        for callback in self.plugins.values():
+            out = callback.on_step_end(report.step, report)
+            record |= out.fields
+            events += out.records
+        self._log(record)
+        for event in events:
+            self._log(event)
+        return loss
+
+    # --- the driver's work source ------------------------------------------------------------
+
+    def drains_after(self, done: int) -> bool:
+        """Whether the pipeline must be empty after ``done`` steps: evaluation, a checkpoint, the
+        end of this invocation, or a plugin's request."""
+        train = self.cfg.train
+        return (done % train.eval_every == 0 or done >= self.last_step
+                or bool(train.checkpoint_every) and done % train.checkpoint_every == 0
+                or any(callback.drains_after(done) for callback in self.plugins.values()))
+
+    def next_drain(self, step: int) -> int:
+        """The first step ≥ ``step`` (0-based) after which the pipeline drains."""
+        t = step
+        while not self.drains_after(t + 1):
+            t += 1
+        return t
+
+    def work(self, step: int) -> dict[WorkerId, StepWork]:
+        """Step ``step``'s work for this process's workers: replica r takes slice r of the global
+        batch, cut into microbatches, with the step's learning-rate factor."""
+        cfg = self.cfg
+        x, y = global_batch(self.corpus.splits.train, step, cfg.train.batch_size, cfg.model.seq_len,
+                            cfg.seed)
+        factor = lr_factor(step, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
+        shards = shard_batch(x, y, self.mesh.replicas, cfg.mesh.microbatches)
         works = {}
-        for wid in self.mesh.workers():
+        for wid in self.workers:
             micro = shards[wid.replica]
             works[wid] = StepWork(
                 step=step,
-                plan=self.table[wid.stage],
                 microbatch_size=micro[0][0].shape[0],
+                lr_factor=factor,
                 tokens=[mx for mx, _ in micro] if wid.stage == 0 else None,
                 targets=[my for _, my in micro] if wid.stage == self.mesh.stages - 1 else None,
             )
@@ -170,7 +198,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Validation loss through replica 0's stages, with the boundary codec applied as in training."""
+        """Validation loss through replica 0's stages, with the boundary codec applied as in training
+        (at a drain point: the weights are settled)."""
         self.last_val_loss = self.driver.evaluate(self.val_batches)
         self._log({"kind": "eval", "step": self.totals.step, "val_loss": self.last_val_loss})
         return self.last_val_loss
@@ -191,7 +220,7 @@ class Trainer:
         totals = self.totals
         recent = ([r["train_loss"] for r in _recent_train(self.run_dir, 10) if r["train_loss"] is not None]
                   if self.writer else [])
-        return {
+        summary = {
             "name": self.cfg.name or self.run_dir.name,
             "steps": totals.step,
             "tokens": totals.tokens,
@@ -201,34 +230,31 @@ class Trainer:
             "wall_tokens_per_s": totals.tokens / totals.wall_s if totals.wall_s else None,
             "bytes_per_token_pp": totals.bytes_pp / totals.tokens if totals.tokens else 0.0,
             "bytes_per_token_dp": totals.bytes_dp / totals.tokens if totals.tokens else 0.0,
-        } | self.driver.summary_fields(totals.tokens, totals.wall_s) | self.trust.summary()
+        } | self.driver.summary_fields(totals.tokens, totals.wall_s)
+        for callback in self.plugins.values():
+            summary |= callback.summary()
+        return summary
 
     # --- checkpoints -------------------------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
-        """``common`` is the same in every process; the rest is this process's (its shard)."""
+        """At a drain point. ``common`` is the same in every process; the rest is this process's."""
         common = {"config": to_dict(self.cfg), "totals": vars(self.totals).copy(),
                   "last_val_loss": self.last_val_loss}
         return self.checkpoints.save(self.totals.step, common, {
             "workers": {str(w): worker.state_dict() for w, worker in self.workers.items()},
             **self.driver.state(),
             "torch_rng": torch.random.get_rng_state(),
-            "subspace_update": self.basis_updater.state() if self.basis_updater else None,
-            "trust": self.trust.state_dict() if self.trust.active else None,
+            "plugins": {name: callback.state_dict() for name, callback in self.plugins.items()},
         })
 
-    def _load_checkpoint(self) -> None:
-        common, state = self.checkpoints.load()
-        self.totals = Totals(**common["totals"])
-        self.last_val_loss = common["last_val_loss"]
+    def _load_state(self, state: dict) -> None:
         for w, worker_state in state["workers"].items():
             self.workers[WorkerId.parse(w)].load_state_dict(worker_state)
         self.driver.load_state(state)
         torch.random.set_rng_state(state["torch_rng"])
-        if self.basis_updater:
-            self.basis_updater.load_state(state["subspace_update"])
-        if self.trust.active and state.get("trust") is not None:
-            self.trust.load_state_dict(state["trust"])
+        for name, callback in self.plugins.items():
+            callback.load_state_dict(state["plugins"].get(name))
 
 
 def _recent_train(run_dir: Path, n: int) -> list[dict]:

@@ -1,0 +1,93 @@
+"""Trainer hooks: how a method plugs into the training loop without the trainer naming it.
+
+A method registers a *plugin factory* under a name (``register_plugin``); for each run the trainer
+asks every factory for a ``Callback`` (a factory returns None when its method is off in the config).
+The trainer then calls the callbacks at fixed points:
+
+- ``drains_after(done)``: does the method need a drain point after ``done`` steps? (The async
+  schedule keeps microbatches in flight across steps; a drain point empties the pipeline so that
+  weights are settled, e.g. for a basis change or a morph.)
+- ``on_step_end(step, report)``: after every step; returns fields for the step's train record and
+  extra records (events) for metrics.jsonl.
+- ``on_drain(done)``: at a drain point, before evaluation and checkpoint; returns event records.
+- ``state_dict`` / ``load_state_dict``: saved in checkpoints under the plugin's name.
+- ``summary``: fields merged into summary.json. ``close``: at the end of the loop.
+
+The built-in plugins are listed in ``meshlearn.plugins`` (imported on first use), so adding a
+method means one registration there, not an edit of the trainer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class PluginContext:
+    """What a plugin factory may use to build its callback."""
+
+    cfg: Any  # the resolved RunConfig
+    run_dir: Path
+    workers: dict  # this process's workers, by WorkerId
+    driver: Any  # the run's Driver (attach message monitors here)
+    resume_step: int | None  # the step a resumed run continues from; None for a fresh run
+    writer: bool  # whether this process writes the run's files
+
+
+@dataclass
+class StepOutput:
+    """A callback's contribution to one step's logs."""
+
+    fields: dict = field(default_factory=dict)  # merged into the step's train record
+    records: list[dict] = field(default_factory=list)  # extra metrics.jsonl records (events)
+
+
+class Callback:
+    """Base class with do-nothing defaults; a plugin overrides what it needs."""
+
+    def drains_after(self, done: int) -> bool:
+        return False
+
+    def on_step_end(self, step: int, report: Any) -> StepOutput:
+        return StepOutput()
+
+    def on_drain(self, done: int) -> list[dict]:
+        return []
+
+    def state_dict(self) -> Any:
+        return None
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore what ``state_dict`` returned."""
+
+    def summary(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        """Release files the callback holds."""
+
+
+PluginFactory = Callable[[PluginContext], Callback | None]
+_PLUGINS: dict[str, PluginFactory] = {}
+
+
+def register_plugin(name: str, factory: PluginFactory) -> None:
+    """Make ``factory`` part of every run (it returns None when its method is off)."""
+    if name in _PLUGINS and _PLUGINS[name] is not factory:
+        raise ValueError(f"plugin {name!r} is registered twice")
+    _PLUGINS[name] = factory
+
+
+def build_callbacks(ctx: PluginContext) -> dict[str, Callback]:
+    """The callbacks of this run, in registration order."""
+    importlib.import_module("meshlearn.plugins")  # the built-in methods register themselves
+    callbacks = {}
+    for name, factory in _PLUGINS.items():
+        callback = factory(ctx)
+        if callback is not None:
+            callbacks[name] = callback
+    return callbacks

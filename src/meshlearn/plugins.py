@@ -1,0 +1,9 @@
+"""The built-in methods that plug into the trainer (see ``meshlearn.hooks``), in the order their
+callbacks run. A new method adds one registration here."""
+
+from meshlearn.hooks import register_plugin
+from meshlearn.mesh.basis_updates import basis_update_plugin
+from meshlearn.verify.plugin import trust_plugin
+
+register_plugin("subspace_update", basis_update_plugin)
+register_plugin("trust", trust_plugin)
