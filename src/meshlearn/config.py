@@ -26,7 +26,7 @@ from meshlearn.mesh.network import LinkProfile
 from meshlearn.mesh.settings import MeshConfig, validate_mesh
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models.llama import DecoderConfig
-from meshlearn.optim.factory import OPTIMIZERS, OptimConfig
+from meshlearn.optim.factory import OptimConfig, validate_optim
 from meshlearn.verify.attacks import ATTACKS, TARGETS, AttackConfig
 from meshlearn.verify.distances import DISTANCES, STATISTICS
 from meshlearn.verify.sentinel import (
@@ -360,16 +360,7 @@ def validate(cfg: RunConfig) -> None:
         _require(value >= 0 and math.isfinite(value), key, value, "must be a finite number >= 0")
     _require(0 <= link.loss_rate < 1, "link.loss_rate", link.loss_rate, "must be in [0, 1)")
     _validate_codec(cfg)
-    _require(cfg.optim.name in OPTIMIZERS, "optim.name", cfg.optim.name,
-             f"allowed: {sorted(OPTIMIZERS)}")
-    _require(cfg.optim.muon_adjust_lr in ("match_rms_adamw", "original"), "optim.muon_adjust_lr",
-             cfg.optim.muon_adjust_lr, "allowed: ['match_rms_adamw', 'original']")
-    _require(0 < cfg.optim.numuon_rank_fraction <= 1, "optim.numuon_rank_fraction",
-             cfg.optim.numuon_rank_fraction, "in (0, 1]")
-    _require(cfg.optim.numuon_rank_schedule in ("fixed", "cosine"), "optim.numuon_rank_schedule",
-             cfg.optim.numuon_rank_schedule, "allowed: ['fixed', 'cosine']")
-    _require(0 < cfg.optim.numuon_start_fraction <= 1, "optim.numuon_start_fraction",
-             cfg.optim.numuon_start_fraction, "in (0, 1]")
+    validate_optim(cfg.optim, _require)
     _require(train.lr > 0, "train.lr", train.lr, "must be > 0")
     _require(train.warmup_steps >= 0, "train.warmup_steps", train.warmup_steps, "must be >= 0")
     _require(0 <= train.min_lr_ratio <= 1, "train.min_lr_ratio", train.min_lr_ratio, "in [0, 1]")

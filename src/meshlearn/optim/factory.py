@@ -6,14 +6,24 @@ exactly what the same optimizer over the unsplit model does to that stage's para
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from meshlearn.optim.muon import Muon
+from meshlearn.optim.nadamw import NAdamW
 from meshlearn.optim.numuon import NuMuon
+
+OWN_DEFAULT = 0.0
+"""Value of ``optim.beta1`` / ``optim.beta2`` meaning "the chosen optimizer's own default"."""
+ADAMW_BETAS = (0.9, 0.95)
+"""AdamW's (β1, β2), also the AdamW part of Muon/NuMuon; β1 is SGD's momentum."""
+NADAMW_BETAS = (0.99, 0.999)
+"""NAdamW's (β1, β2), the official AsyncPP code's: β1 = 0.99 is the look-ahead's delay correction."""
 
 
 @dataclass(frozen=True)
@@ -21,16 +31,19 @@ class OptimConfig:
     """The per-worker optimizer. Config keys under ``optim.``; the learning rate is ``train.lr``."""
 
     name: str = "adamw"
-    """Registry name: adamw, sgd, muon or numuon (Muon/NuMuon route embeddings, head and 1-D
-    parameters to an internal AdamW group)."""
+    """Registry name: adamw, nadamw, sgd, muon or numuon (Muon/NuMuon route embeddings, head and
+    1-D parameters to an internal AdamW group). nadamw is NAdam with decoupled weight decay, the
+    look-ahead optimizer of asynchronous pipelines."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to 2-D weights only (not to norms)."""
-    beta1: float = 0.9
-    """First-moment decay (AdamW), or momentum (SGD)."""
-    beta2: float = 0.95
-    """Second-moment decay (AdamW)."""
+    beta1: float = OWN_DEFAULT
+    """First-moment decay (AdamW, NAdamW, the AdamW part of Muon/NuMuon), or momentum (SGD), in
+    (0, 1). 0 = the optimizer's own default: 0.9 (AdamW, SGD, Muon/NuMuon), 0.99 (NAdamW)."""
+    beta2: float = OWN_DEFAULT
+    """Second-moment decay, in (0, 1). 0 = the optimizer's own default: 0.95 (AdamW, Muon/NuMuon),
+    0.999 (NAdamW). Unused by SGD."""
     eps: float = 1e-8
-    """AdamW's denominator epsilon."""
+    """AdamW's and NAdamW's denominator epsilon."""
     momentum: float = 0.95
     """Muon/NuMuon momentum (EMA form)."""
     muon_adjust_lr: str = "match_rms_adamw"
@@ -47,6 +60,37 @@ class OptimConfig:
     numuon_match_muon_rms: bool = False
     """Scale each step by √(min(m, n)/k) so its RMS equals Muon's (the note's ``rms_match``; off by
     default: it enlarges each singular direction of the step)."""
+    no_ws_lr_anneal: float = 0.12
+    """No-WS asynchronous pipelines (no weight stashing): E, the fraction of ``train.steps`` over
+    which an earlier stage's reduced lr, lr / max(τ_s, 1)^(1 − min(progress/E, 1)), returns to the
+    full lr (see :func:`~meshlearn.optim.no_ws.no_ws_stage_hparams`). 0 = no reduction. 0.12 is the
+    (commented-out) setting of the AsyncPP run script, 6 of 50 epochs; raise it if the first stages
+    diverge early, lower it if they lag the last stage's loss long after warm-up."""
+
+
+def resolve_betas(cfg: OptimConfig, own: tuple[float, float]) -> tuple[float, float]:
+    """``(optim.beta1, optim.beta2)``, each replaced by the optimizer's ``own`` default where unset."""
+    return (own[0] if cfg.beta1 == OWN_DEFAULT else cfg.beta1,
+            own[1] if cfg.beta2 == OWN_DEFAULT else cfg.beta2)
+
+
+def validate_optim(cfg: OptimConfig, require: Callable[[bool, str, Any, str], None]) -> None:
+    """Checks of ``optim.*`` run by ``config.validate``; ``require(ok, key, value, allowed)`` raises
+    the ConfigError naming the field, the value and what is allowed."""
+    require(cfg.name in OPTIMIZERS, "optim.name", cfg.name, f"allowed: {sorted(OPTIMIZERS)}")
+    for key, value in [("optim.beta1", cfg.beta1), ("optim.beta2", cfg.beta2)]:
+        require(value == OWN_DEFAULT or 0 < value < 1, key, value,
+                "in (0, 1), or 0 for the optimizer's own default")
+    require(cfg.muon_adjust_lr in ("match_rms_adamw", "original"), "optim.muon_adjust_lr",
+            cfg.muon_adjust_lr, "allowed: ['match_rms_adamw', 'original']")
+    require(0 < cfg.numuon_rank_fraction <= 1, "optim.numuon_rank_fraction",
+            cfg.numuon_rank_fraction, "in (0, 1]")
+    require(cfg.numuon_rank_schedule in ("fixed", "cosine"), "optim.numuon_rank_schedule",
+            cfg.numuon_rank_schedule, "allowed: ['fixed', 'cosine']")
+    require(0 < cfg.numuon_start_fraction <= 1, "optim.numuon_start_fraction",
+            cfg.numuon_start_fraction, "in (0, 1]")
+    require(cfg.no_ws_lr_anneal >= 0 and math.isfinite(cfg.no_ws_lr_anneal), "optim.no_ws_lr_anneal",
+            cfg.no_ws_lr_anneal, "a finite fraction of train.steps >= 0 (0 = no lr reduction)")
 
 
 def decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:
@@ -62,18 +106,26 @@ def _adamw(module: nn.Module, cfg: OptimConfig, lr: float, total_steps: int) -> 
     # foreach=False: the per-tensor path gives bit-identical results whether a tensor sits in a
     # stage's optimizer or the unsplit model's (foreach kernels group tensors differently).
     return torch.optim.AdamW(decay_groups(module, cfg.weight_decay), lr=lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+                             betas=resolve_betas(cfg, ADAMW_BETAS), eps=cfg.eps, foreach=False)
+
+
+def _nadamw(module: nn.Module, cfg: OptimConfig, lr: float, total_steps: int) -> torch.optim.Optimizer:
+    # Elementwise like AdamW, so routed like AdamW: decay on matrices (embedding and head
+    # included), none on gains.
+    return NAdamW(decay_groups(module, cfg.weight_decay), lr=lr,
+                  betas=resolve_betas(cfg, NADAMW_BETAS), eps=cfg.eps)
 
 
 def _sgd(module: nn.Module, cfg: OptimConfig, lr: float, total_steps: int) -> torch.optim.Optimizer:
-    return torch.optim.SGD(decay_groups(module, cfg.weight_decay), lr=lr, momentum=cfg.beta1,
+    momentum = resolve_betas(cfg, ADAMW_BETAS)[0]
+    return torch.optim.SGD(decay_groups(module, cfg.weight_decay), lr=lr, momentum=momentum,
                            foreach=False)
 
 
 def _muon(module: nn.Module, cfg: OptimConfig, lr: float, total_steps: int) -> torch.optim.Optimizer:
     return Muon(module, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                adjust_lr_fn=cfg.muon_adjust_lr, adamw_lr=lr, adamw_betas=(cfg.beta1, cfg.beta2),
-                adamw_eps=cfg.eps)
+                adjust_lr_fn=cfg.muon_adjust_lr, adamw_lr=lr,
+                adamw_betas=resolve_betas(cfg, ADAMW_BETAS), adamw_eps=cfg.eps)
 
 
 def numuon_schedule(cfg: OptimConfig, total_steps: int) -> tuple[float, str, dict]:
@@ -91,11 +143,12 @@ def _numuon(module: nn.Module, cfg: OptimConfig, lr: float, total_steps: int) ->
     return NuMuon(module, lr=lr, rank_fraction=fraction, rank_schedule=schedule,
                   rank_schedule_kwargs=kwargs, match_muon_rms=cfg.numuon_match_muon_rms,
                   momentum=cfg.momentum, weight_decay=cfg.weight_decay, adjust_lr_fn=cfg.muon_adjust_lr,
-                  adamw_lr=lr, adamw_betas=(cfg.beta1, cfg.beta2), adamw_eps=cfg.eps)
+                  adamw_lr=lr, adamw_betas=resolve_betas(cfg, ADAMW_BETAS), adamw_eps=cfg.eps)
 
 
 OPTIMIZERS: dict[str, Callable[[nn.Module, OptimConfig, float, int], torch.optim.Optimizer]] = {
     "adamw": _adamw,
+    "nadamw": _nadamw,
     "sgd": _sgd,
     "muon": _muon,
     "numuon": _numuon,
