@@ -92,6 +92,8 @@ class Worker:
         # Sees the full-width gradient at this stage's input before it is encoded (for statistics
         # such as the subspace basis update); None when nobody listens.
         self.input_grad_observer: Callable[[torch.Tensor], None] | None = None
+        # The No-WS variant's per-stage learning-rate scale at a step (None: 1).
+        self.stage_lr_scale: Callable[[int], float] | None = None
         # An adversarial worker: rewrites each tensor it is about to send (before encoding), while
         # its own forward/backward stay honest. None for an honest worker.
         self.tamper: Tamper | None = None
@@ -270,6 +272,8 @@ class Worker:
             for g in self.grads():
                 g.mul_(clip_coef)
         lr_factor = self.work[step].lr_factor
+        if self.stage_lr_scale is not None:
+            lr_factor *= self.stage_lr_scale(step)
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lr_factor
         self.optimizer.step()

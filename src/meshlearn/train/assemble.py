@@ -30,6 +30,7 @@ from meshlearn.mesh.worker import Worker
 from meshlearn.models.llama import Decoder
 from meshlearn.models.split import init_model, split_model
 from meshlearn.optim.factory import build_optimizer
+from meshlearn.optim.no_ws import no_ws_stage_hparams
 
 
 @dataclass
@@ -86,8 +87,24 @@ def build_worker(cfg: RunConfig, wid: WorkerId, module: Decoder) -> Worker:
     optimizer = build_optimizer(module, cfg.optim, cfg.train.lr, cfg.train.steps)
     plan = build_plan(cfg.mesh.schedule, wid.stage, mesh.stages, cfg.mesh.microbatches,
                       stage_in_flight(cfg, wid.stage), cfg.mesh.update_every)
-    return Worker(wid, mesh, module, optimizer, build_codec(cfg.codec, cfg.model), plan,
-                  cfg.mesh.microbatches, cfg.mesh.weight_stashing)
+    worker = Worker(wid, mesh, module, optimizer, build_codec(cfg.codec, cfg.model), plan,
+                    cfg.mesh.microbatches, cfg.mesh.weight_stashing)
+    if cfg.mesh.schedule == "async" and not cfg.mesh.weight_stashing:
+        use_no_ws_hparams(worker, cfg)
+    return worker
+
+
+def use_no_ws_hparams(worker: Worker, cfg: RunConfig) -> None:
+    """No-WS (method note): β1 grows with the stage's delay and early stages start at a smaller
+    learning rate. β1 applies to every Adam-style group (those with ``betas``); Muon's own
+    momentum is left as configured."""
+    stage, stages, steps = worker.id.stage, cfg.mesh.stages, cfg.train.steps
+    beta1 = no_ws_stage_hparams(stage, stages, 0.0, cfg.optim.no_ws_lr_anneal).beta1
+    for group in worker.optimizer.param_groups:
+        if "betas" in group:
+            group["betas"] = (beta1, group["betas"][1])
+    worker.stage_lr_scale = lambda step: no_ws_stage_hparams(
+        stage, stages, (step + 1) / steps, cfg.optim.no_ws_lr_anneal).lr_scale
 
 
 def stage_in_flight(cfg: RunConfig, stage: int) -> int:

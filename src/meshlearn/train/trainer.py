@@ -144,7 +144,8 @@ class Trainer:
         totals.bytes_pp += report.bytes_pp
         totals.bytes_dp += report.bytes_dp
         factor = lr_factor(report.step, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
-        record = {"kind": "train", "step": report.step + 1, "train_loss": loss,
+        record = {"kind": "train", "step": report.step + 1,
+                  "tokens": (report.step + 1) * cfg.train.batch_size * cfg.model.seq_len, "train_loss": loss,
                   "lr": cfg.train.lr * factor, "grad_norm": report.grad_norm,
                   "step_sim_s": report.sim_s, "step_wall_s": wall}
         if cfg.mesh.schedule == "async":
@@ -208,7 +209,7 @@ class Trainer:
 
     def _log(self, record: dict) -> None:
         totals = self.totals
-        record |= {"tokens": totals.tokens, **self.driver.record_fields(),
+        record = {"tokens": totals.tokens} | record | {**self.driver.record_fields(),
                    "wall_time_s": totals.wall_s, "bytes_pp": totals.bytes_pp,
                    "bytes_dp": totals.bytes_dp}
         if self.metrics:
