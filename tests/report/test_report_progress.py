@@ -149,3 +149,9 @@ def test_format_amount_keeps_small_values_exact():
     from meshlearn.report.units import format_amount
 
     assert [format_amount(v) for v in (512, 2048, 3.2e6)] == ["512.0", "2,048", "3.2M"]
+
+
+def test_async_staleness_per_stage_is_shown():
+    line = format_progress(5, 10, train_loss=2.0, staleness=[3.0, 2.0, 1.0, 0.0])
+    assert "stale 3/2/1/0" in line
+    assert "stale" not in format_progress(5, 10, train_loss=2.0)

@@ -23,6 +23,7 @@ def format_progress(
     val_loss: float | None = None,
     wall_tokens_per_s: float | None = None,
     sim_tokens_per_s: float | None = None,
+    staleness: list[float] | None = None,
     eta_s: float | None = None,
 ) -> str:
     """The progress line, e.g.
@@ -39,6 +40,8 @@ def format_progress(
         parts.append(f"{format_count(wall_tokens_per_s)} tok/s wall")
     if sim_tokens_per_s is not None:
         parts.append(f"{format_count(sim_tokens_per_s)} tok/s sim")
+    if staleness:  # async schedule: versions behind per stage
+        parts.append("stale " + "/".join(f"{v:.3g}" for v in staleness))
     if eta_s is not None:
         parts.append(f"ETA {format_duration(eta_s)}")
     return " | ".join(parts)
@@ -86,6 +89,7 @@ class ProgressLine:
         self._val_loss: float | None = None
         self._wall_tok_s: float | None = None
         self._sim_tok_s: float | None = None
+        self._staleness: list[float] | None = None
         self._eta_s: float | None = None
         self._first_step: int | None = None
         self._anchor: tuple[int, float] | None = None  # (step, wall_time_s) of first timing
@@ -121,6 +125,8 @@ class ProgressLine:
         loss = as_number(record.get("train_loss"))
         if loss is not None:
             self._train_loss = loss
+        staleness = record.get("staleness")
+        self._staleness = staleness if isinstance(staleness, list) else None
         tokens = as_number(record.get("tokens"))
         wall = as_number(record.get("wall_time_s"))
         self._wall_tok_s = _rate(tokens, wall)
@@ -153,6 +159,7 @@ class ProgressLine:
             val_loss=self._val_loss,
             wall_tokens_per_s=self._wall_tok_s,
             sim_tokens_per_s=self._sim_tok_s,
+            staleness=self._staleness,
             eta_s=self._eta_s,
         )
 

@@ -27,6 +27,8 @@ class RunStats:
     bytes_per_token_pp: float | None
     bytes_per_token_dp: float | None
     bubble_fraction: float | None
+    min_worker_utilization: float | None  # the least busy worker's share of virtual time
+    staleness: list[float] | None  # async: versions behind per stage, last train record
     compute_model: str | None
     has_summary: bool
 
@@ -35,6 +37,12 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     if num is None or den is None or den <= 0:
         return None
     return num / den
+
+
+def _least(utilization: Any) -> float | None:
+    values = [as_number(v) for v in utilization.values()] if isinstance(utilization, dict) else []
+    values = [v for v in values if v is not None]
+    return min(values) if values else None
 
 
 def _from_metrics(run: RunData) -> dict[str, Any]:
@@ -77,6 +85,8 @@ def run_stats(run: RunData) -> RunStats:
         bytes_per_token_pp=pick("bytes_per_token_pp"),
         bytes_per_token_dp=pick("bytes_per_token_dp"),
         bubble_fraction=pick("bubble_fraction"),
+        min_worker_utilization=_least(summary.get("worker_utilization")),
+        staleness=run.train_records[-1].get("staleness") if run.train_records else None,
         compute_model=str(compute_model) if compute_model is not None else None,
         has_summary=run.summary is not None,
     )

@@ -56,6 +56,9 @@ _COLUMNS: list[tuple[str, bool, Callable[[RunStats], str]]] = [
     ("bytes/token pp", True, lambda s: _amount(s.bytes_per_token_pp)),
     ("bytes/token dp", True, lambda s: _amount(s.bytes_per_token_dp)),
     ("bubble fraction", True, lambda s: _fraction(s.bubble_fraction)),
+    ("least busy worker", True, lambda s: _fraction(s.min_worker_utilization)),
+    ("staleness per stage", False,
+     lambda s: "/".join(f"{v:.3g}" for v in s.staleness) if s.staleness else MISSING),
     ("compute model", False, lambda s: s.compute_model or MISSING),
 ]
 
