@@ -467,9 +467,9 @@ class Forgery(Attack):
         raise NotImplementedError
 
 
-def _with_tensors(payload: Encoded, tensors: dict[str, torch.Tensor],
-                  shape: tuple[int, ...] | None = None) -> Encoded:
-    return Encoded(tensors, payload.shape if shape is None else shape, payload.dtype, dict(payload.meta))
+def _with_tensors(payload: Encoded, tensors: dict[str, torch.Tensor]) -> Encoded:
+    """The payload's header (shape, dtype, meta) over other tensors: the original stays untouched."""
+    return Encoded(tensors, payload.shape, payload.dtype, dict(payload.meta))
 
 
 class ForgeIds(Forgery):
