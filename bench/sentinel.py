@@ -15,9 +15,10 @@ the same machine load; wall-clock and virtual-clock step times side by side.
     python bench/sentinel.py [--steps 200] [--jobs 2] [--replicas 2] [--overhead-steps 30]
     python bench/sentinel.py --replicas 4 --demo-steps 0 --overhead-steps 0  # 25% of stage 2
     python bench/sentinel.py --extras                     # variants and gradient-only attacks
+    python bench/sentinel.py --grown --replicas 4         # the grown harness (issue 17), see GROWN
     python bench/sentinel.py --replicas 4 --only adaptive  # 25% malicious: inside the threat model
-    python bench/sentinel.py --only scaling,zeros --tag subspace \
-        --set codec.name=subspace --set model.subspace_rank=8  # verify the compressed wire form
+    python bench/sentinel.py --only scaling,zeros --tag subspace --set codec.name=subspace
+        --set model.subspace_rank=8  # (one line) verify the compressed wire form
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from pathlib import Path
 import torch
 from common import demo_config, markdown_table, scratch_trainer, write_results
 
+from meshlearn.config import ConfigError
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
 from meshlearn.train.files import read_records
-from meshlearn.verify.attacks import AttackConfig
+from meshlearn.verify.attacks import FORGERIES, AttackConfig, attach_wire
 from meshlearn.verify.sentinel import VerifyConfig
 
 ATTACKER = WorkerId(1, 2)
@@ -67,6 +69,29 @@ EXTRAS: list[tuple[str, list[str], str]] = [
      f"{DEFAULTS.sign_fraction:.0%} of channels"),
 ]
 
+COLLUDERS = f"{WorkerId(1, 1)},{WorkerId(0, 2)}"  # two middle stages, two replicas
+RAMP = 50
+WARMUP = VerifyConfig().warmup_steps
+# The harness grown for issue 17: symmetric corruptions, slow drift, attacks that begin inside the
+# verifier's warm-up, intermittent and colluding attackers, and wire-level forgeries (receivers check
+# every payload; a refused message is quarantined and counted under "wire rejects").
+GROWN: list[tuple[str, list[str], str]] = [
+    ("permute", ["attack.kind=permute"], "sequences of each microbatch deranged"),
+    ("permute, gradients only", ["attack.kind=permute", "attack.target=gradients"],
+     "sequences of each microbatch deranged"),
+    ("drift bias", ["attack.kind=bias", f"attack.ramp_steps={RAMP}"],
+     f"bias {DEFAULTS.bias:g}σ reached over {RAMP} steps"),
+    ("drift noise", ["attack.kind=invisible_noise", "attack.noise_rho=2", f"attack.ramp_steps={RAMP}"],
+     f"ρ = 2 reached over {RAMP} steps"),
+    ("bias from warm-up", ["attack.kind=bias", f"attack.start_step={WARMUP // 2}"],
+     f"starts at step {WARMUP // 2}, inside the {WARMUP}-step warm-up"),
+    ("intermittent scaling", ["attack.kind=scaling", "attack.period=10", "attack.duty=2"],
+     f"c = {DEFAULTS.scale:g}, on 2 of every 10 steps"),
+    ("colluding bias", ["attack.kind=bias", f"attack.workers={COLLUDERS}"], f"{COLLUDERS}, RMS 1σ"),
+    *[(kind, [f"attack.kind={kind}", "attack.replay_delay=1"], "wire forgery") for kind in FORGERIES],
+]
+HARNESSES = {"main": ATTACKS, "extras": EXTRAS, "grown": GROWN}
+
 
 def base_overrides(steps: int, replicas: int) -> list[str]:
     return [f"train.steps={steps}", f"mesh.replicas={replicas}", "train.checkpoint_every=0",
@@ -80,13 +105,16 @@ def train_one(name: str, overrides: list[str]) -> dict:
     try:
         started = time.perf_counter()
         trainer = Trainer(demo_config(*overrides), run_dir, progress=False)
+        guards = attach_wire(trainer) if trainer.cfg.attack.kind in FORGERIES else None
         summary = trainer.train()
+        rejections = None if guards is None else sum(len(g.pop_rejections()) for g in guards.values())
         train = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
         result = {"name": name, "overrides": overrides, "final_val_loss": summary["final_val_loss"],
                   "banned_workers": summary.get("banned_workers"), "trust": summary.get("trust"),
                   "step_sim_s": statistics.mean(r["step_sim_s"] for r in train),
                   "step_wall_s": statistics.mean(r["step_wall_s"] for r in train),
-                  "run_wall_s": time.perf_counter() - started}
+                  "run_wall_s": time.perf_counter() - started,
+                  "wire_rejections": rejections}
         attack = trainer.plugins["trust"].trust.attacks.get(ATTACKER)
         if attack is not None and attack.name == "adaptive":
             alphas = attack.alphas
@@ -124,8 +152,9 @@ def measure_overhead(steps: int, warmup: int, replicas: int, overrides: list[str
 
 
 def steps_to_ban(run: dict) -> int | None:
-    attackers = (run["trust"] or {}).get("attackers") or []
-    return attackers[0]["steps_to_ban"] if attackers else None
+    """Steps until the last attacker's ban (None while any of them is still unbanned)."""
+    steps = [a["steps_to_ban"] for a in (run["trust"] or {}).get("attackers") or []]
+    return None if not steps or None in steps else max(steps)
 
 
 def attack_row(label: str, params: str, target: str, verified: dict, observed: dict, unverified: dict,
@@ -145,7 +174,8 @@ def attack_row(label: str, params: str, target: str, verified: dict, observed: d
             "val_sentinel": verified["final_val_loss"], "val_none": unverified["final_val_loss"],
             "val_clean": clean["final_val_loss"],
             "gap_sentinel": verified["final_val_loss"] - clean["final_val_loss"],
-            "gap_none": unverified["final_val_loss"] - clean["final_val_loss"]}
+            "gap_none": unverified["final_val_loss"] - clean["final_val_loss"],
+            "wire_rejects": verified["wire_rejections"]}
 
 
 def fmt(value: object, spec: str = ".3f") -> str:
@@ -155,7 +185,7 @@ def fmt(value: object, spec: str = ".3f") -> str:
 def attack_tables(rows: list[dict]) -> tuple[str, str]:
     """The detector per message (no bans), then the defence end to end (with bans)."""
     counts = ("steps_to_ban", "honest_banned", "tp", "fp", "fn", "skipped_attack", "ban_tp", "ban_fp",
-              "rebased")
+              "rebased", "wire_rejects")
     shown = [{k: fmt(v, "d") if k in counts else fmt(v) for k, v in r.items()} for r in rows]
     for row, raw in zip(shown, rows, strict=True):
         row["gap_sentinel"] = fmt(raw["gap_sentinel"], "+.3f")
@@ -167,6 +197,7 @@ def attack_tables(rows: list[dict]) -> tuple[str, str]:
         ("skipped_attack", "attack msgs skipped", ""), ("fp", "honest msgs flagged", ""),
         ("precision", "precision", ""), ("recall", "recall", ""), ("f1", "F1", ""), ("fpr", "FPR", ""),
         ("val_observe", "val loss (flag, no ban)", "")])
+    wire = [("wire_rejects", "wire rejects", "")] if any(r["wire_rejects"] is not None for r in rows) else []
     defence = markdown_table(shown, [
         ("attack", "attack", ""), ("worker_f1", "worker F1", ""), ("steps_to_ban", "steps to ban", ""),
         ("honest_banned", "honest bans", ""), ("rebased", "rebased refs", ""),
@@ -174,7 +205,7 @@ def attack_tables(rows: list[dict]) -> tuple[str, str]:
         ("ban_precision", "msg precision", ""), ("ban_f1", "msg F1", ""),
         ("val_sentinel", "val loss SENTINEL", ""), ("val_none", "val loss no verification", ""),
         ("val_clean", "val loss clean", ""), ("gap_sentinel", "SENTINEL − clean", ""),
-        ("gap_none", "none − clean", "")])
+        ("gap_none", "none − clean", ""), *wire])
     return detector, defence
 
 
@@ -201,14 +232,23 @@ def goals(rows: list[dict], clean_demo: dict | None) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="attack sets (labels for --only):\n" + "\n".join(
+            f"  {name}: " + "; ".join(label for label, _, _ in specs) for name, specs in HARNESSES.items()))
     parser.add_argument("--steps", type=int, default=200, help="steps per run; attacks start halfway")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--jobs", type=int, default=2, help="runs trained in parallel")
     parser.add_argument("--overhead-steps", type=int, default=30)
     parser.add_argument("--demo-steps", type=int, default=300, help="clean FPR run length; 0 skips it")
-    parser.add_argument("--extras", action="store_true",
-                        help="instead: stronger/weaker variants and gradient-only attacks")
+    harness = parser.add_mutually_exclusive_group()
+    harness.add_argument("--extras", action="store_true",
+                         help="instead: stronger/weaker variants and gradient-only attacks")
+    harness.add_argument("--grown", action="store_true",
+                         help="instead: the grown harness — permute, slow drift (attack.ramp_steps), a "
+                              "start inside the warm-up, intermittent (attack.period/duty), colluding "
+                              f"attackers {COLLUDERS}, and the wire forgeries {', '.join(FORGERIES)} "
+                              "(forge_ids needs --set codec.name=subspace or topk; skipped otherwise)")
     parser.add_argument("--only", default="", help="comma-separated attack labels to run (and no overhead)")
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
                         help="config override for every run (repeatable), e.g. codec.name=subspace")
@@ -218,7 +258,17 @@ def main() -> None:
     began = time.perf_counter()
     start = args.steps // 2
     base = [*base_overrides(args.steps, args.replicas), *args.overrides]
-    specs = [spec for spec in (EXTRAS if args.extras else ATTACKS) if not only or spec[0] in only]
+    chosen = "extras" if args.extras else "grown" if args.grown else "main"
+    specs = []
+    for spec in HARNESSES[chosen]:
+        if only and spec[0] not in only:
+            continue
+        try:
+            demo_config(*base, f"attack.workers={ATTACKER}", *spec[1])
+        except ConfigError as err:  # e.g. forge_ids on a codec without index fields
+            print(f"skipped {spec[0]}: {err}", flush=True)
+            continue
+        specs.append(spec)
     jobs: dict[str, list[str]] = {"clean/sentinel": [*base, "verify.name=sentinel"],
                                   "clean/none": [*base, "verify.name=none"]}
     for label, overrides, _ in specs:
@@ -226,11 +276,11 @@ def main() -> None:
         jobs[f"{label}/sentinel"] = [*attacked, "verify.name=sentinel"]
         jobs[f"{label}/observe"] = [*attacked, "verify.name=sentinel", "verify.ban=false"]
         jobs[f"{label}/none"] = [*attacked, "verify.name=none"]
-    if args.demo_steps and not args.extras and not only:
+    if args.demo_steps and chosen == "main" and not only:
         jobs["clean-demo/sentinel"] = [*base_overrides(args.demo_steps, demo_config().mesh.replicas),
                                        *args.overrides, "verify.name=sentinel"]
     overhead = None
-    if args.overhead_steps and not args.extras and not only:
+    if args.overhead_steps and chosen == "main" and not only:
         print("overhead: alternating steps with and without SENTINEL", flush=True)
         overhead = measure_overhead(args.overhead_steps, 3, args.replicas, args.overrides)
 
@@ -251,7 +301,7 @@ def main() -> None:
         fpr_rows.append({"run": label, **_fp(clean_demo)})
     verify = VerifyConfig(name="sentinel")
     command = f"python bench/sentinel.py --steps {args.steps} --replicas {args.replicas}" + (
-        " --extras" if args.extras else "") + (f" --only {args.only}" if only else "") + (
+        f" --{chosen}" if chosen != "main" else "") + (f" --only {args.only}" if only else "") + (
         f" --tag {args.tag}" if args.tag else "") + "".join(f" --set {o}" for o in args.overrides)
     parts = [
         f"SENTINEL on the demo mesh (4 stages × {args.replicas} replicas), {args.steps} steps per run; the "
@@ -282,7 +332,7 @@ def main() -> None:
                "attack_start": start, "verify": dataclasses.asdict(verify),
                "attack_defaults": dataclasses.asdict(DEFAULTS), "rows": rows, "false_positives": fpr_rows,
                "overhead": overhead, "runs": runs}
-    name = "sentinel" + ("_extras" if args.extras else "")
+    name = "sentinel" + (f"_{chosen}" if chosen != "main" else "")
     name += f"_r{args.replicas}" if args.replicas != 2 else ""
     name += f"_{args.tag}" if args.tag else ""
     write_results(name + ("_" + "_".join(only) if only and not args.tag else ""), payload, "\n\n".join(parts))

@@ -24,10 +24,9 @@ from meshlearn.mesh.basis_updates import BasisUpdateConfig
 from meshlearn.mesh.compute import DEVICES, ComputeConfig
 from meshlearn.mesh.network import LinkProfile
 from meshlearn.mesh.settings import MeshConfig, validate_mesh
-from meshlearn.mesh.topology import WorkerId
 from meshlearn.models.llama import DecoderConfig
 from meshlearn.optim.factory import OptimConfig, validate_optim
-from meshlearn.verify.attacks import ATTACKS, TARGETS, AttackConfig
+from meshlearn.verify.attacks import AttackConfig, validate_attack
 from meshlearn.verify.distances import DISTANCES, STATISTICS
 from meshlearn.verify.sentinel import (
     DECISION_LOGS,
@@ -297,40 +296,6 @@ def _validate_verify(cfg: RunConfig) -> None:
                  "subspace_update.every = 0 or verify.name = none")
 
 
-def _validate_attack(cfg: RunConfig) -> None:
-    a, mesh = cfg.attack, cfg.mesh
-    _require(a.kind == "none" or a.kind in ATTACKS, "attack.kind", a.kind,
-             f"allowed: {['none', *sorted(ATTACKS)]}")
-    _require(a.target in TARGETS, "attack.target", a.target, f"allowed: {list(TARGETS)}")
-    _require(a.start_step >= 0, "attack.start_step", a.start_step, "must be >= 0")
-    _require(a.replay_delay >= 1, "attack.replay_delay", a.replay_delay, "must be >= 1")
-    _require(a.mixed_period >= 1, "attack.mixed_period", a.mixed_period, "must be >= 1")
-    _require(0 <= a.sign_fraction <= 1, "attack.sign_fraction", a.sign_fraction, "in [0, 1]")
-    _require(0 < a.adaptive_margin <= 1, "attack.adaptive_margin", a.adaptive_margin, "in (0, 1]")
-    _require(a.adaptive_max > 0, "attack.adaptive_max", a.adaptive_max, "must be > 0")
-    mixable = sorted(set(ATTACKS) - {"mixed", "adaptive"})
-    kinds = [k.strip() for k in a.mixed_kinds.split(",") if k.strip()]
-    _require(bool(kinds) and set(kinds) <= set(mixable), "attack.mixed_kinds", a.mixed_kinds,
-             f"comma-separated, from {mixable}")
-    if a.kind == "none":
-        return
-    ids = [w.strip() for w in a.workers.split(",") if w.strip()]
-    _require(bool(ids), "attack.workers", a.workers,
-             "name the attackers, e.g. attack.workers=r1s2 (replica 1, stage 2)")
-    middle = (f"stages 1..{mesh.stages - 2}" if mesh.stages > 2
-              else "none: the mesh needs at least 3 stages to have an attackable one")
-    for text in ids:
-        try:
-            wid = WorkerId.parse(text)
-        except ValueError as err:
-            raise ConfigError("attack.workers", a.workers, str(err)) from None
-        _require(wid.replica < mesh.replicas and wid.stage < mesh.stages, "attack.workers", a.workers,
-                 f"{text} is not in the mesh of {mesh.replicas} replicas × {mesh.stages} stages")
-        _require(0 < wid.stage < mesh.stages - 1, "attack.workers", a.workers,
-                 f"{text}: the first and last stages are honest in SENTINEL's threat model; "
-                 f"attackers may sit on {middle}")
-
-
 def validate(cfg: RunConfig) -> None:
     """Every check that can fail before training starts."""
     m, mesh, link, train, data = cfg.model, cfg.mesh, cfg.link, cfg.train, cfg.data
@@ -385,5 +350,5 @@ def validate(cfg: RunConfig) -> None:
     _require(cfg.sim.peak_tflops >= 0, "sim.peak_tflops", cfg.sim.peak_tflops,
              "must be >= 0 (0 = the device table's value)")
     _validate_verify(cfg)
-    _validate_attack(cfg)
+    validate_attack(cfg, _require)
     validate_dist(cfg, _require)

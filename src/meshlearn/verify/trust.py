@@ -14,7 +14,8 @@ per ban). Until the step ends, the banned worker's remaining messages are quaran
 Per-worker attacks from Python::
 
     trainer = Trainer(cfg, run_dir)
-    trainer.trust.add_attack(WorkerId(1, 2), build_attack("zeros", AttackConfig(start_step=100), seed=1))
+    trust = trainer.plugins["trust"].trust
+    trust.add_attack(WorkerId(1, 2), build_attack("zeros", AttackConfig(start_step=100), seed=1))
 """
 
 from __future__ import annotations
