@@ -199,13 +199,16 @@ def test_when_most_senders_are_flagged_the_reference_is_rebased_not_the_workers_
     assert all(h.count(True) == 0 for h in s.history.values())  # the voided flags left no strikes
 
 
-def test_without_a_rebase_a_stale_reference_flags_every_step_but_the_budget_caps_the_bans():
+def test_without_a_rebase_a_stale_reference_flags_every_step_but_bans_nobody():
     """Before issue 17 this banned all three honest replicas every step. Now the stale reference
-    still flags everyone (why the rebase exists), but one ban per stage is all the budget allows
-    at 3 replicas; the rest of the evidence becomes alerts."""
+    still flags everyone (why the rebase exists), but nobody stands out from its peers, so nobody
+    is struck; and even counting every flag (ban_margin = 0), one ban per stage is all the budget
+    allows at 3 replicas; the rest of the evidence becomes alerts."""
     _, outcomes = regime_change(replicas=3, majority_rebase=False)
     assert all(o.rebased == [] for o in outcomes)
     assert all(all(d.flagged for d in o.decisions) for o in outcomes)
+    assert all(o.bans == [] and o.alerts == [] for o in outcomes)
+    _, outcomes = regime_change(replicas=3, majority_rebase=False, ban_margin=0.0)
     assert sum(len(o.bans) for o in outcomes) == 1
     alerted = {a.worker for o in outcomes for a in o.alerts}  # the replacement too, once it is flagged
     assert alerted | {b.worker for o in outcomes for b in o.bans} == {WorkerId(r, 1) for r in range(3)}
@@ -215,11 +218,12 @@ def test_without_a_rebase_a_stale_reference_flags_every_step_but_the_budget_caps
 def test_with_two_senders_the_reference_is_rebased_strikes_stand_and_nobody_is_banned():
     """A flagged "majority" of two may be an attacker plus one false positive: no voiding, but the
     reference still recovers. Before issue 17 both honest senders were banned here; with 2 replicas
-    there is no honest majority, the ban budget is 0, and the evidence becomes alerts."""
-    s, outcomes = regime_change(replicas=2)
+    there is no honest majority, the ban budget is 0, and the evidence becomes alerts (counting
+    every flag as a strike: ban_margin = 0; by default neither stands out from the other)."""
+    s, outcomes = regime_change(replicas=2, ban_margin=0.0)
     assert outcomes[0].rebased == ["s1|s2 act"]
     assert all(o.bans == [] for o in outcomes)
-    assert {a.worker for a in outcomes[0].alerts} == {WorkerId(0, 1), WorkerId(1, 1)}
+    assert {a.worker for o in outcomes for a in o.alerts} == {WorkerId(0, 1), WorkerId(1, 1)}
     assert all(h.count(True) >= 3 for h in s.history.values())  # the strikes stood
     assert sum(d.flagged for d in outcomes[-1].decisions) <= 1
 

@@ -132,10 +132,11 @@ class BoundaryVerifier:
 
     def score(self, distances: dict[str, float]) -> float:
         """How far a message sits from its windows' medians towards the fences (0: median, 1: fence),
-        the largest over the reference metrics and gain; what attribution calls "suspect"."""
+        the largest over its metrics: what attribution calls "suspect", and what a strike is
+        compared with the sender's peers on."""
         scores = [(d - self.medians[m]) / (self.thresholds[m] - self.medians[m])
-                  for m, d in distances.items() if m != "coh"
-                  and math.isfinite(self.thresholds[m]) and self.thresholds[m] > self.medians[m]]
+                  for m, d in distances.items()
+                  if math.isfinite(self.thresholds[m]) and self.thresholds[m] > self.medians[m]]
         return max(scores, default=0.0)
 
     def accept(self, order: tuple[int, int], shape: tuple[int, ...], summary: Summary,

@@ -15,6 +15,11 @@ downstream got honest workers banned by the hundred, first stage included):
   stage at most ``VerifyConfig.budget(D)`` bans over the run (default ⌈D/2⌉ − 1, a strict minority:
   0 at 2 replicas, 1 at 4). Evidence beyond that raises an ``Alert`` instead: the worker keeps its
   slot and its flagged messages are still quarantined one by one.
+- **Outliers among peers.** A strike also needs the message to stand out from its peers: its
+  suspicion at least ``verify.ban_margin`` fence-widths above the median suspicion of the other
+  senders' messages on the same boundary in the same step. A benign change that moves every
+  sender towards the fence (measured: a 10% scale change on all senders once banned an honest
+  replica at 3 replicas) flags the unlucky one without striking it; an attacker's flags sit far out.
 - **Strikes enter at the step's end** in a fixed order, after the majority check (see
   ``Sentinel``), so decisions do not depend on arrival order.
 """
@@ -118,6 +123,7 @@ class Scored:
     reason: str
     suspicion: float  # BoundaryVerifier.score: 0 at the windows' medians, 1 at the fences
     decision: Decision
+    excess: float = float("inf")  # suspicion minus the median of the same step's peer messages
 
     def chain_index(self, stages: int) -> int:
         """Position in its microbatch's causal chain: activations by stage, then gradients back."""
@@ -127,6 +133,19 @@ class Scored:
     @property
     def own_fault(self) -> bool:
         return any(r in UNEXPLAINABLE for r in self.reason.split(","))
+
+
+def peer_excess(scored: list[Scored]) -> None:
+    """Set each message's excess: its suspicion minus the median suspicion of the other senders'
+    messages on the same boundary and direction this step (its own suspicion without peers)."""
+    by_verifier: dict[tuple[int, str], list[Scored]] = {}
+    for e in scored:
+        by_verifier.setdefault(e.verifier, []).append(e)
+    for group in by_verifier.values():
+        for e in group:
+            peers = sorted(p.suspicion for p in group if p.src != e.src)
+            median = 0.0 if not peers else (peers[(len(peers) - 1) // 2] + peers[len(peers) // 2]) / 2
+            e.excess = e.suspicion - median
 
 
 def attribute(scored: list[Scored], stages: int, level: float) -> None:
@@ -171,7 +190,8 @@ class Ledger:
         bans, alerts = [], []
         for e in sorted(scored, key=lambda e: (e.src, e.microbatch, e.kind)):
             history = self.history.setdefault(e.src, deque(maxlen=self.cfg.strike_history))
-            strike = e.flagged and e.verifier not in voided and not e.decision.explained_by
+            strike = (e.flagged and e.verifier not in voided and not e.decision.explained_by
+                      and (self.cfg.ban_margin <= 0 or e.excess >= self.cfg.ban_margin))
             history.append(strike)
             count = sum(history)
             if not (self.cfg.ban and strike and count >= self.cfg.strikes

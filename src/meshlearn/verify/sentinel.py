@@ -52,7 +52,7 @@ from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.verify.boundary import ROBUST_GROUP, SANITY, BoundaryVerifier, Verdict, combine
 from meshlearn.verify.cost import VerifierClock
-from meshlearn.verify.ledger import Action, Alert, Ban, Decision, Ledger, Scored, attribute
+from meshlearn.verify.ledger import Action, Alert, Ban, Decision, Ledger, Scored, attribute, peer_excess
 from meshlearn.verify.settings import (
     DECISION_LOGS,
     GRAD_ACTIONS,
@@ -152,6 +152,7 @@ class Sentinel:
             for verifier in self.verifiers.values():
                 verifier.calibrate(self.cfg.fpr_target)
         attribute(self.scored, self.mesh.stages, self.cfg.explain_level)
+        peer_excess(self.scored)
         bans, alerts = self.ledger.enter(step, self.scored, voided)
         outcome = StepOutcome(self.decisions, bans, [f"s{b}|s{b + 1} {kind}" for b, kind in sorted(stale)],
                               alerts, rewarmed)
@@ -191,9 +192,9 @@ class Sentinel:
         decision = self._decide(message, action, reason, verdict.distances, verifier.thresholds)
         order = (message.microbatch, message.src.replica)
         if action != "warmup":
+            suspicion = float("inf") if verdict.sanity else verifier.score(verdict.distances)
             self.scored.append(Scored(message.src, message.microbatch, message.kind,
-                                      (boundary, message.kind), flagged, reason,
-                                      verifier.score(verdict.distances), decision))
+                                      (boundary, message.kind), flagged, reason, suspicion, decision))
         if flagged:
             verifier.reject(order, summary, verdict.gain)
             return self._quarantine(message, verifier, values, key)

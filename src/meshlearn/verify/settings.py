@@ -94,6 +94,11 @@ class VerifyConfig:
     median, 1 = the fence, on any statistical metric), i.e. the anomaly is explained upstream. The
     message is still quarantined. Pair distances compare the sender with its own input, so they
     are never explained away."""
+    ban_margin: float = 1.0
+    """A flag is a strike only if the message's suspicion (0 at its windows' medians, 1 at the
+    fences, largest over metrics) exceeds the median suspicion of the other senders' messages on
+    the same boundary in the same step by this much: it must stand out from its peers, not only
+    from the past. 0 counts every (unexplained, unvoided) flag."""
     ban_budget: int = -1
     """Most bans per stage over the run; −1: the threat model's minority, ⌈D/2⌉ − 1 (0 at 2
     replicas, 1 at 3 or 4); a larger value is capped at that minority. Evidence beyond it stops
@@ -174,6 +179,7 @@ def validate_verify(cfg, require) -> None:
     require(v.strike_history >= v.strikes, "verify.strike_history", v.strike_history,
             f"must be >= verify.strikes = {v.strikes}")
     require(v.explain_level >= 0, "verify.explain_level", v.explain_level, "must be >= 0")
+    require(v.ban_margin >= 0, "verify.ban_margin", v.ban_margin, "must be >= 0")
     require(v.ban_budget >= -1, "verify.ban_budget", v.ban_budget,
             "-1 (a minority of each stage) or a number of bans per stage >= 0")
     require(v.lock_steps >= 1, "verify.lock_steps", v.lock_steps, "must be >= 1")
