@@ -27,13 +27,7 @@ from meshlearn.mesh.settings import MeshConfig, validate_mesh
 from meshlearn.models.llama import DecoderConfig
 from meshlearn.optim.factory import OptimConfig, validate_optim
 from meshlearn.verify.attacks import AttackConfig, validate_attack
-from meshlearn.verify.distances import DISTANCES, STATISTICS
 from meshlearn.verify.sentinel import (
-    DECISION_LOGS,
-    GRAD_ACTIONS,
-    MONITORS,
-    REFERENCE_UPDATES,
-    VIEWS,
     VerifyConfig,
 )
 
@@ -258,42 +252,13 @@ def _validate_codec(cfg: RunConfig) -> None:
 
 
 def _validate_verify(cfg: RunConfig) -> None:
-    v = cfg.verify
-    _require(v.name in MONITORS, "verify.name", v.name, f"allowed: {list(MONITORS)}")
-    _require(v.warmup_steps >= 0, "verify.warmup_steps", v.warmup_steps, "must be >= 0")
-    for key, beta in [("verify.beta_act", v.beta_act), ("verify.beta_grad", v.beta_grad)]:
-        _require(0 <= beta < 1, key, beta, "in [0, 1)")
-    _require(v.statistic in STATISTICS, "verify.statistic", v.statistic, f"allowed: {sorted(STATISTICS)}")
-    metrics = v.metric_names()
-    _require(bool(metrics) and set(metrics) <= set(DISTANCES) and len(set(metrics)) == len(metrics),
-             "verify.metrics", v.metrics, f"comma-separated, distinct, from {sorted(DISTANCES)}")
-    _require(1 <= v.min_metrics <= len(metrics), "verify.min_metrics", v.min_metrics,
-             f"in [1, {len(metrics)}] (the number of verify.metrics)")
-    _require(v.fence_k > 0, "verify.fence_k", v.fence_k, "must be > 0")
-    _require(0 <= v.fpr_target < 1, "verify.fpr_target", v.fpr_target, "in [0, 1) (0: no calibration)")
-    _require(v.window >= 8, "verify.window", v.window, "must be >= 8 (quartiles need values)")
-    _require(v.strikes >= 1, "verify.strikes", v.strikes, "must be >= 1")
-    _require(v.strike_history >= v.strikes, "verify.strike_history", v.strike_history,
-             f"must be >= verify.strikes = {v.strikes}")
-    for key, value in [("verify.swd_directions", v.swd_directions),
-                       ("verify.swd_quantiles", v.swd_quantiles)]:
-        _require(value >= 1, key, value, "must be a positive integer")
-    _require(v.norm_ratio > 1, "verify.norm_ratio", v.norm_ratio, "must be > 1")
-    _require(v.reference_update in REFERENCE_UPDATES, "verify.reference_update", v.reference_update,
-             f"allowed: {list(REFERENCE_UPDATES)}")
-    _require(v.grad_action in GRAD_ACTIONS, "verify.grad_action", v.grad_action,
-             f"allowed: {list(GRAD_ACTIONS)}")
-    _require(v.view in VIEWS, "verify.view", v.view, f"allowed: {list(VIEWS)}")
-    _require(v.decision_log in DECISION_LOGS, "verify.decision_log", v.decision_log,
-             f"allowed: {list(DECISION_LOGS)}")
-    if v.name != "none":
-        _require(cfg.mesh.schedule != "async", "verify.name", v.name,
+    from meshlearn.verify.settings import validate_verify  # the checks live next to VerifyConfig
+
+    validate_verify(cfg, _require)
+    if cfg.verify.name != "none":
+        _require(cfg.mesh.schedule != "async", "verify.name", cfg.verify.name,
                  "SENTINEL commits its decisions per step, and under mesh.schedule = async steps "
                  "overlap (not supported yet); use mesh.schedule = 1f1b or gpipe, or verify.name = none")
-        _require(cfg.subspace_update.every == 0, "verify.name", v.name,
-                 "SENTINEL's references assume a fixed basis, and subspace_update changes it (method "
-                 "note, open detail 7: re-warming after a basis change is not implemented); set "
-                 "subspace_update.every = 0 or verify.name = none")
 
 
 def validate(cfg: RunConfig) -> None:

@@ -62,7 +62,7 @@ def test_an_attack_can_start_during_the_verifiers_warm_up(tiny_corpus, tmp_path)
                  if f'"src": "{ATTACKER}"' in line and '"action": "warmup"' in line]
     assert len(decisions) == 10 * 2 * 2  # all its warm-up messages (2 microbatches × act + grad) pass
     assert summary["trust"]["attackers"][0]["changed_messages"] >= (10 - 3) * 2 * 2  # attacked from step 3
-    assert summary["trust"]["attackers"][0]["start_step"] == 3
+    assert summary["trust"]["attackers"][0]["start_step"] == 3 + 1  # reports count steps from 1
     assert attack.stopped_at is None or attack.stopped_at >= 10  # nobody is banned during warm-up
 
 
@@ -80,7 +80,10 @@ def test_colluding_attackers_in_different_stages_are_both_banned(tiny_corpus, tm
     assert t.plugins["trust"].trust.attacks[colluders[0]].generator.initial_seed() != \
         t.plugins["trust"].trust.attacks[colluders[1]].generator.initial_seed()
     summary = t.train()
-    assert sorted(b["worker"] for b in summary["banned_workers"]) == sorted(map(str, colluders))
+    # 2 replicas per stage: no honest majority, so the ban budget is 0 — both are caught and
+    # quarantined with an alert naming them, and nobody (honest or not) is banned.
+    assert summary["banned_workers"] == []
+    assert {a["worker"] for a in summary["trust"]["alerts"]} == set(map(str, colluders))
     assert summary["trust"]["workers"]["fp"] == 0
 
 

@@ -16,12 +16,14 @@ from meshlearn.verify.attacks import AttackConfig, build_attack
 
 ATTACKER = WorkerId(1, 1)
 START = 12
-# 4 stages × 2 replicas × 2 microbatches: each boundary and direction sees 4 messages a step, so a
-# 32-message window holds 8 steps and a 10-step warm-up refreshes it. An attacker sends 2 activations
-# a step (its gradients belong to dropped microbatches and are not scored), so its 3rd strike, and the
-# ban, come in the second attacked step.
-VERIFY = ["mesh.stages=4", "mesh.replicas=2", "verify.name=sentinel", "verify.warmup_steps=10",
-          "verify.window=32"]
+# 4 stages × 4 replicas × 2 microbatches of 2 sequences: each boundary and direction sees 8 messages
+# a step, so a 32-message window holds 4 steps and a 10-step warm-up refreshes it. 4 replicas, not 2:
+# the ban budget is a strict minority of a stage (1 of 4; none of 2, where the threat model's honest
+# majority fails — tested in test_verify_failsafe.py). An attacker sends 2 activations a step (its
+# gradients belong to dropped microbatches and are not scored), so its 3rd strike, and the ban, come
+# in the second attacked step.
+VERIFY = ["mesh.stages=4", "mesh.replicas=4", "train.batch_size=16", "verify.name=sentinel",
+          "verify.warmup_steps=10", "verify.window=32"]
 
 
 def run(tiny_corpus, tmp_path, steps: int, *overrides: str) -> dict:

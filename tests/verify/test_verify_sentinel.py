@@ -34,7 +34,9 @@ def message(kind: str, step: int, mb: int, src: WorkerId, x: torch.Tensor) -> Me
 
 
 def sentinel(mesh: MeshShape = MESH, **overrides) -> Sentinel:
-    cfg = VerifyConfig(**({"name": "sentinel", "warmup_steps": 20, "window": 128} | overrides))
+    """Synthetic streams are not residual: pair metrics off unless a test asks for them."""
+    cfg = VerifyConfig(**({"name": "sentinel", "warmup_steps": 20, "window": 128, "pair_metrics": ""}
+                          | overrides))
     return Sentinel(cfg, mesh, CODEC)
 
 
@@ -147,15 +149,16 @@ def test_flagged_messages_leave_references_and_windows_untouched():
 
 
 def test_the_sender_is_banned_at_its_third_strike_and_then_quarantined():
-    s, stream = sentinel(), Stream(0)
+    """Stage 1 of 3 (a middle stage), 3 replicas: the ban budget allows one ban there."""
+    s, stream = sentinel(MeshShape(replicas=3, stages=3)), Stream(0)
     for step in range(25):
-        run_step(s, step, honest_step(stream, step))
-    attacker = WorkerId(1, 0)
+        run_step(s, step, honest_step(stream, step, stage=1, replicas=3))
+    attacker = WorkerId(1, 1)
     for mb in range(2):
         s.inspect(message("act", 25, mb, attacker, torch.zeros(SHAPE)))
     assert s.end_step(25).bans == []  # two strikes
     s.inspect(message("act", 26, 0, attacker, torch.zeros(SHAPE)))
-    s.inspect(message("act", 26, 0, WorkerId(0, 0), Stream(0)()))
+    s.inspect(message("act", 26, 0, WorkerId(0, 1), Stream(0)()))
     outcome = s.end_step(26)
     assert [d.action for d in outcome.decisions] == ["flag", "accept"] and outcome.rebased == []
     [ban] = outcome.bans
@@ -168,17 +171,18 @@ def test_the_sender_is_banned_at_its_third_strike_and_then_quarantined():
 
 
 def regime_change(replicas: int, **overrides) -> tuple[Sentinel, list]:
-    """25 steps of one stream, then 3 steps in which every sender's traffic changes the same way.
-    Banned senders are replaced at once (readmitted), as the trainer's trust layer does."""
+    """25 steps of one stream, then 3 steps in which every sender's traffic changes the same way,
+    at stage 1 (a middle stage, which may be banned). Banned senders are replaced at once
+    (readmitted), as the trainer's trust layer does."""
     mesh = MeshShape(replicas=replicas, stages=3)
     s, stream = sentinel(mesh, **overrides), Stream(0)
     for step in range(25):
-        run_step(s, step, honest_step(stream, step, replicas=replicas))
+        run_step(s, step, honest_step(stream, step, stage=1, replicas=replicas))
     shifted = Stream(0)
     shifted.pattern = -stream.pattern
     outcomes = []
     for step in range(25, 28):
-        for m in honest_step(shifted, step, replicas=replicas):
+        for m in honest_step(shifted, step, stage=1, replicas=replicas):
             s.inspect(m)
         outcomes.append(s.end_step(step))
         for ban in outcomes[-1].bans:
@@ -189,25 +193,39 @@ def regime_change(replicas: int, **overrides) -> tuple[Sentinel, list]:
 def test_when_most_senders_are_flagged_the_reference_is_rebased_not_the_workers_banned():
     """Honest majority: if (almost) every sender looks wrong, the reference is what went stale."""
     s, outcomes = regime_change(replicas=3)
-    assert all(d.action == "flag" for d in outcomes[0].decisions) and outcomes[0].rebased == ["s0|s1 act"]
+    assert all(d.action == "flag" for d in outcomes[0].decisions) and outcomes[0].rebased == ["s1|s2 act"]
     assert all(o.bans == [] for o in outcomes)
     assert sum(d.flagged for d in outcomes[-1].decisions) <= 1  # recovered after one step
     assert all(h.count(True) == 0 for h in s.history.values())  # the voided flags left no strikes
 
 
-def test_without_a_rebase_a_stale_reference_bans_honest_workers_every_step():
+def test_without_a_rebase_a_stale_reference_flags_every_step_but_bans_nobody():
+    """Before issue 17 this banned all three honest replicas every step. Now the stale reference
+    still flags everyone (why the rebase exists), but nobody stands out from its peers, so nobody
+    is struck; and even counting every flag (ban_margin = 0), one ban per stage is all the budget
+    allows at 3 replicas; the rest of the evidence becomes alerts."""
     _, outcomes = regime_change(replicas=3, majority_rebase=False)
     assert all(o.rebased == [] for o in outcomes)
-    assert all({b.worker for b in o.bans} == {WorkerId(r, 0) for r in range(3)} for o in outcomes[1:])
+    assert all(all(d.flagged for d in o.decisions) for o in outcomes)
+    assert all(o.bans == [] and o.alerts == [] for o in outcomes)
+    _, outcomes = regime_change(replicas=3, majority_rebase=False, ban_margin=0.0)
+    assert sum(len(o.bans) for o in outcomes) == 1
+    alerted = {a.worker for o in outcomes for a in o.alerts}  # the replacement too, once it is flagged
+    assert alerted | {b.worker for o in outcomes for b in o.bans} == {WorkerId(r, 1) for r in range(3)}
+    assert all(a.cause == "budget" for o in outcomes for a in o.alerts)
 
 
-def test_with_two_senders_the_reference_is_rebased_but_strikes_stand():
+def test_with_two_senders_the_reference_is_rebased_strikes_stand_and_nobody_is_banned():
     """A flagged "majority" of two may be an attacker plus one false positive: no voiding, but the
-    reference still recovers instead of flagging every replacement forever."""
-    s, outcomes = regime_change(replicas=2)
-    assert outcomes[0].rebased == ["s0|s1 act"]
-    assert {b.worker for b in outcomes[0].bans} == {WorkerId(0, 0), WorkerId(1, 0)}
-    assert outcomes[-1].bans == [] and sum(d.flagged for d in outcomes[-1].decisions) <= 1
+    reference still recovers. Before issue 17 both honest senders were banned here; with 2 replicas
+    there is no honest majority, the ban budget is 0, and the evidence becomes alerts (counting
+    every flag as a strike: ban_margin = 0; by default neither stands out from the other)."""
+    s, outcomes = regime_change(replicas=2, ban_margin=0.0)
+    assert outcomes[0].rebased == ["s1|s2 act"]
+    assert all(o.bans == [] for o in outcomes)
+    assert {a.worker for o in outcomes for a in o.alerts} == {WorkerId(0, 1), WorkerId(1, 1)}
+    assert all(h.count(True) >= 3 for h in s.history.values())  # the strikes stood
+    assert sum(d.flagged for d in outcomes[-1].decisions) <= 1
 
 
 def test_no_ban_during_warmup_but_sanity_checks_still_quarantine():

@@ -14,6 +14,17 @@ boundary). Its summary has two parts (method note, open detail 1):
 
 The reference r is an exponential moving average of accepted summaries (``ema``); the distances are
 those of the paper (Eq. 2): L1, normalized L2, sign-flip ratio and sliced Wasserstein.
+
+Two more (our addition, ``PAIR_DISTANCES``) compare what a worker **sent** with what it **received**
+for the same microbatch: its activation output with its activation input, or the gradient it sends
+back with the gradient it got. A pipeline stage of a residual decoder changes each token's residual
+vector only partly, forward and backward, so token by token (centred per position over the batch)
+input and output point the same way. Measured on the demo (1 block per stage, 40 steps): mean cosine
+0.97 (min 0.92) for activations, 0.92 (min 0.75) for gradients; the same messages with their
+sequences permuted give −0.28, negated gradients −0.92. Every norm and the per-position batch mean
+are blind to both. ``coh`` = 1 − that mean cosine (negation → ≈ 2, permutation → ≈ 1.3, zeros → 1);
+``gain`` = |log(‖out‖/‖in‖) − reference|, for scaling by c > 0 (the reference is the boundary's EMA
+of accepted log gains). Both blame the sender alone: its own input is the other half of the pair.
 """
 
 from __future__ import annotations
@@ -136,3 +147,41 @@ def message_distances(summary: Summary, reference: Summary, metrics: list[str]) 
     diff = summary.mean - reference.mean
     values = torch.stack([_TERMS[m](summary, reference, diff).float() for m in metrics]).tolist()
     return dict(zip(metrics, values, strict=True))
+
+
+# --- pair distances: a worker's output against its own input for the same microbatch ---------
+
+
+def coherence(received: torch.Tensor, sent: torch.Tensor) -> float:
+    """Mean over tokens of cos(received, sent), both centred per position over the batch, (b, n, c).
+
+    Keyed to sequence identity: permuting the b sequences of ``sent`` pairs each token with another
+    sequence's (≈ −1/(b−1) after centring); negating it flips the sign. A zero vector counts as 0.
+    With b = 1 nothing is centred (and a permutation is the identity)."""
+    a, b = received.float(), sent.float()
+    if a.shape[0] > 1:  # with one sequence there is nothing to centre against
+        a, b = a - a.mean(0, keepdim=True), b - b.mean(0, keepdim=True)
+    dot = (a * b).sum(-1)
+    norms = a.norm(dim=-1) * b.norm(dim=-1)
+    return torch.where(norms > EPS, dot / norms.clamp_min(EPS), torch.zeros_like(dot)).mean().item()
+
+
+def log_gain(received: torch.Tensor, sent: torch.Tensor) -> float:
+    """log(‖sent‖ / ‖received‖): what a stage does to the message's scale (−inf/inf clamped)."""
+    return float(np.log(max(sent.float().norm().item(), EPS) / max(received.float().norm().item(), EPS)))
+
+
+PAIR_DISTANCES = ("coh", "gain")
+"""Distances that need the sender's input too (``Sentinel`` pairs the messages of a microbatch)."""
+
+
+def pair_distances(received: torch.Tensor, sent: torch.Tensor, gain_reference: float | None,
+                   metrics: list[str]) -> tuple[dict[str, float], float]:
+    """``coh`` and ``gain`` (those in ``metrics``) of one pair, and the pair's log gain."""
+    gain = log_gain(received, sent)
+    out = {}
+    if "coh" in metrics:
+        out["coh"] = 1.0 - coherence(received, sent)
+    if "gain" in metrics and gain_reference is not None:
+        out["gain"] = abs(gain - gain_reference)
+    return out, gain

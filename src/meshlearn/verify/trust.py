@@ -21,6 +21,7 @@ Per-worker attacks from Python::
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,7 +29,7 @@ from meshlearn.compress.registry import build_codec
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
 from meshlearn.verify.attacks import Attack, build_attacks
-from meshlearn.verify.sentinel import Ban, Decision, Sentinel
+from meshlearn.verify.sentinel import Alert, Ban, Decision, Sentinel
 
 if TYPE_CHECKING:  # config.py imports this package's config dataclasses
     from meshlearn.config import RunConfig
@@ -78,7 +79,7 @@ class StepTrust:
     """What one step's verification produced, for the trainer's logs."""
 
     decisions: list[dict] = field(default_factory=list)  # verify.jsonl records (per verify.decision_log)
-    events: list[dict] = field(default_factory=list)  # metrics.jsonl records: bans and rebased references
+    events: list[dict] = field(default_factory=list)  # metrics.jsonl records: bans, alerts, rebases
     flags: int = 0
     skipped: int = 0
 
@@ -94,12 +95,19 @@ class TrustLayer:
         for wid, attack in build_attacks(cfg.attack, cfg.verify, self.mesh, cfg.seed).items():
             self.add_attack(wid, attack)
         self.messages = {"act": Confusion(), "grad": Confusion()}
+        # per boundary and direction ("s1|s2 act") and per sending stage ("s2"), for the tables
+        self.boundaries: dict[str, Confusion] = {}
+        self.stages: dict[str, Confusion] = {}
+        self.alerts: list[dict] = []
+        self.explained = {"malicious": 0, "honest": 0}  # flags attribution took off their sender
         self.warmup_messages = 0
         self.skipped = {"malicious": 0, "honest": 0}
         self.tallies: dict[WorkerId, WorkerTally] = {w: WorkerTally() for w in self.mesh.workers()}
         self.banned: list[dict] = []
         self.honest_bans = 0  # bans of a slot with no running attack (ground truth, not evidence)
         self.rebases = 0
+        self.rewarms = 0
+        self.caught: set[WorkerId] = set()  # attackers banned while their attack ran
 
     @property
     def active(self) -> bool:
@@ -107,8 +115,12 @@ class TrustLayer:
         return self.sentinel is not None or bool(self.attacks)
 
     def attach(self, driver: SimDriver) -> None:
+        """Install SENTINEL as the driver's monitor. Its cost is CPU time on the verifiers' own
+        nodes (``Sentinel.release_s``), never the inspection's wall time on a GPU's clock: the
+        driver's own wall-time charge stays off (``charge_time`` asks the driver to call
+        ``release_s``; see verify/cost.py)."""
         if self.sentinel is not None:
-            driver.attach_monitor(self.sentinel, self.cfg.verify.charge_time)
+            driver.attach_monitor(self.sentinel, False)
 
     def add_attack(self, wid: WorkerId, attack: Attack) -> None:
         """Make worker ``wid`` adversarial; the threat model keeps the first and last stages honest."""
@@ -140,8 +152,19 @@ class TrustLayer:
         out.decisions = [d.record() for d in decisions if level == "all" or level == "flags" and d.flagged]
         out.events = [self._carry_out(ban) for ban in outcome.bans]
         out.events += [{"kind": "rebase", "step": step + 1, "verifier": v} for v in outcome.rebased]
+        out.events += [{"kind": "rewarm", "step": step + 1, "verifier": v} for v in outcome.rewarmed]
+        out.events += [self._raise(alert) for alert in outcome.alerts]
         self.rebases += len(outcome.rebased)
+        self.rewarms += len(outcome.rewarmed)
         return out
+
+    def _raise(self, alert: Alert) -> dict:
+        """An alert goes to the console (stderr, past the progress line), metrics.jsonl and summary."""
+        record = alert.record()
+        self.alerts.append(record)
+        print(f"\nSENTINEL ALERT step {record['step']}: {record['worker']}: {record['detail']}",
+              file=sys.stderr, flush=True)
+        return record
 
     def _score(self, d: Decision, malicious: bool) -> None:
         if d.action == "skip":
@@ -150,6 +173,12 @@ class TrustLayer:
             self.warmup_messages += 1
         else:
             self.messages[d.kind].add(d.flagged, malicious)
+            boundary = min(d.src.stage, d.dst.stage)
+            self.boundaries.setdefault(f"s{boundary}|s{boundary + 1} {d.kind}", Confusion()).add(
+                d.flagged, malicious)
+            self.stages.setdefault(f"s{d.src.stage}", Confusion()).add(d.flagged, malicious)
+            if d.explained_by:
+                self.explained["malicious" if malicious else "honest"] += 1
             tally = self.tallies[d.src]
             tally.scored += 1
             tally.flags += d.flagged
@@ -162,11 +191,14 @@ class TrustLayer:
         self.workers[wid].load_state_dict(state)
         self.workers[wid].tamper = None
         attack = self.attacks.get(wid)
-        self.honest_bans += attack is None or attack.stopped_at is not None
+        running = attack is not None and attack.stopped_at is None and ban.step >= attack.start_step
+        self.honest_bans += not running  # every ban of a worker not attacking at the time
+        if running:
+            self.caught.add(wid)
         if attack is not None and attack.stopped_at is None:
             attack.stop(ban.step)
         self.sentinel.readmit(wid)
-        entry = ban.record() | {"replaced_from": str(donor)}
+        entry = ban.record() | {"replaced_from": str(donor), "honest": not running}
         self.banned.append(entry)
         return {"kind": "ban"} | entry
 
@@ -186,15 +218,24 @@ class TrustLayer:
         total = self.messages["act"] + self.messages["grad"]
         attackers = []
         for wid, attack in sorted(self.attacks.items()):
-            banned_at = attack.stopped_at
-            attackers.append({
-                "worker": str(wid), "attack": attack.name, "start_step": attack.start_step,
-                "ban_step": banned_at,
+            banned_at = attack.stopped_at if wid in self.caught else None
+            attackers.append({  # steps 1-based, as in metrics.jsonl: attack.start_step = 5 → 6
+                "worker": str(wid), "attack": attack.name, "start_step": attack.start_step + 1,
+                "ban_step": None if banned_at is None else banned_at + 1,
                 "steps_to_ban": None if banned_at is None else banned_at - attack.start_step,
                 "changed_messages": self.tallies[wid].malicious})
-        caught = sum(a.stopped_at is not None for a in self.attacks.values())
-        # Worker level: a ban of a running attacker is a true positive, any other ban a false one.
+        caught = len(self.caught)
+        # Worker level: a ban of a running attacker is a true positive; every other ban (an honest
+        # worker, a replacement, an attacker before its attack began) a false one.
         workers = Confusion(tp=caught, fp=self.honest_bans, fn=len(self.attacks) - caught)
+        stages = {}
+        for stage in range(self.mesh.stages):
+            name = f"s{stage}"
+            entries = [b for b in self.banned if WorkerId.parse(b["worker"]).stage == stage]
+            stages[name] = {"messages": self.stages.get(name, Confusion()).report(),
+                            "bans": len(entries), "honest_bans": sum(b.get("honest", False) for b in entries),
+                            "attackers": sum(w.stage == stage for w in self.attacks),
+                            "alerts": sum(WorkerId.parse(a["worker"]).stage == stage for a in self.alerts)}
         trust = {
             "verify": self.cfg.verify.name,
             "messages": {"all": total.report()} | {k: c.report() for k, c in self.messages.items()},
@@ -203,6 +244,12 @@ class TrustLayer:
             "workers": {k: v for k, v in workers.report().items() if k not in ("tn", "fpr")},
             "bans": len(self.banned),
             "rebased_references": self.rebases,
+            "rewarmed_fences": self.rewarms,
+            "alert": bool(self.alerts),
+            "alerts": list(self.alerts),
+            "explained_flags": dict(self.explained),
+            "stages": stages,
+            "boundaries": {k: c.report() for k, c in sorted(self.boundaries.items())},
             "attackers": attackers,
             "flags_per_worker": {str(w): {"scored": t.scored, "flags": t.flags,
                                           "malicious": w in self.attacks}
@@ -211,6 +258,7 @@ class TrustLayer:
         summary = {"trust": trust}
         if self.sentinel is not None:
             summary["banned_workers"] = list(self.banned)
+            trust["verifier_cost"] = self.sentinel.clock.summary()
         return summary
 
     # --- checkpoints -------------------------------------------------------------------------
@@ -221,7 +269,11 @@ class TrustLayer:
                 "messages": {k: vars(c).copy() for k, c in self.messages.items()},
                 "warmup_messages": self.warmup_messages, "skipped": dict(self.skipped),
                 "tallies": {str(w): vars(t).copy() for w, t in self.tallies.items()},
-                "banned": list(self.banned), "honest_bans": self.honest_bans, "rebases": self.rebases}
+                "banned": list(self.banned), "honest_bans": self.honest_bans, "rebases": self.rebases,
+                "rewarms": self.rewarms, "caught": [str(w) for w in self.caught],
+                "alerts": list(self.alerts), "explained": dict(self.explained),
+                "boundaries": {k: vars(c).copy() for k, c in self.boundaries.items()},
+                "stages": {k: vars(c).copy() for k, c in self.stages.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if self.sentinel is not None and state["sentinel"] is not None:
@@ -238,3 +290,9 @@ class TrustLayer:
         self.tallies = {WorkerId.parse(w): WorkerTally(**t) for w, t in state["tallies"].items()}
         self.banned = list(state["banned"])
         self.honest_bans, self.rebases = state["honest_bans"], state["rebases"]
+        self.rewarms = state.get("rewarms", 0)
+        self.caught = {WorkerId.parse(w) for w in state.get("caught", [])}
+        self.alerts = list(state.get("alerts", []))
+        self.explained = dict(state.get("explained", self.explained))
+        self.boundaries = {k: Confusion(**c) for k, c in state.get("boundaries", {}).items()}
+        self.stages = {k: Confusion(**c) for k, c in state.get("stages", {}).items()}

@@ -1,0 +1,252 @@
+"""Blame and bans: who a flag counts against, when a worker is banned, and when SENTINEL stops banning.
+
+Three rules make the defence fail safe (issue 17: without them, attacks whose damage shows
+downstream got honest workers banned by the hundred, first stage included):
+
+- **Attribution.** The six messages of one (step, microbatch, replica) form a causal chain: the
+  activations s0→s1→…→s(P−1), then the gradients back. A message depends on every earlier one.
+  A flagged message earns its sender a strike only if no earlier message of its chain, sent by
+  another worker, was *suspect* — scored at least ``verify.explain_level`` of the way from its
+  window's median to its fence. Otherwise the anomaly is explained upstream (for a gradient, also
+  downstream: the gradients it back-propagated) and the message is quarantined without blame.
+  Failures of the pair distance ``coh`` (a worker's output against its own input) and sanity
+  failures are never explained away: they concern the sender alone.
+- **A ban budget from the threat model**: never the first or last stage (assumed honest), and per
+  stage at most ``VerifyConfig.budget(D)`` bans over the run (default ⌈D/2⌉ − 1, a strict minority:
+  0 at 2 replicas, 1 at 4). Evidence beyond that raises an ``Alert`` instead: the worker keeps its
+  slot and its flagged messages are still quarantined one by one.
+- **Outliers among peers.** A strike also needs the message to stand out from its peers: its
+  suspicion at least ``verify.ban_margin`` fence-widths above the median suspicion of the other
+  senders' messages on the same boundary in the same step. A benign change that moves every
+  sender towards the fence (measured: a 10% scale change on all senders once banned an honest
+  replica at 3 replicas) flags the unlucky one without striking it; an attacker's flags sit far out.
+- **Strikes enter at the step's end** in a fixed order, after the majority check (see
+  ``Sentinel``), so decisions do not depend on arrival order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from meshlearn.compress.codecs import Kind
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.verify.settings import VerifyConfig
+
+Action = Literal["accept", "warmup", "flag", "banned", "skip"]
+UNEXPLAINABLE = ("coh", "shape", "nonfinite", "norm")
+"""Reasons that concern the sender alone (its output against its own input, or a sanity failure)."""
+
+
+@dataclass
+class Decision:
+    """What the verifier did with one message, with the evidence (replayable from the log).
+
+    ``accept``/``flag`` are fence decisions; ``warmup`` is accepted before the fences apply;
+    ``banned`` is quarantined because its sender is banned; ``skip`` belongs to a microbatch an
+    earlier flag already quarantined and is not scored. ``explained_by`` names the earlier suspect
+    message of the same microbatch that took the blame off a flagged one (no strike).
+    """
+
+    step: int
+    microbatch: int
+    kind: Kind
+    src: WorkerId
+    dst: WorkerId
+    action: Action
+    reason: str = ""  # fired metrics ("l2n,sfr") or a sanity failure ("nonfinite", "shape", "norm")
+    distances: dict[str, float] = field(default_factory=dict)
+    thresholds: dict[str, float] = field(default_factory=dict)
+    explained_by: str = ""
+
+    @property
+    def scored(self) -> bool:
+        """A fence decision counted in precision/recall (warm-up and skipped messages are not)."""
+        return self.action in ("accept", "flag", "banned")
+
+    @property
+    def flagged(self) -> bool:
+        return self.action in ("flag", "banned")
+
+    def record(self) -> dict:
+        """JSON-ready, with the 1-based step of metrics.jsonl."""
+        return {"kind": "decision", "step": self.step + 1, "microbatch": self.microbatch,
+                "message": self.kind, "src": str(self.src), "dst": str(self.dst),
+                "action": self.action, "reason": self.reason, "explained_by": self.explained_by,
+                "distances": self.distances,
+                "thresholds": {m: t if t != float("inf") else None for m, t in self.thresholds.items()}}
+
+
+@dataclass
+class Ban:
+    """A banned worker, the step (0-based index, like ``attack.start_step``) and the evidence."""
+
+    worker: WorkerId
+    step: int
+    metric: str  # the metric that fired on the deciding strike (largest distance / fence)
+    boundary: str  # e.g. "s1|s2"
+    kind: Kind
+    strikes: int
+
+    def record(self) -> dict:
+        """The ``banned_workers`` entry of summary.json; ``step`` is 1-based as in metrics.jsonl."""
+        return {"worker": str(self.worker), "step": self.step + 1, "metric": self.metric,
+                "boundary": self.boundary, "message": self.kind, "strikes": self.strikes}
+
+
+@dataclass
+class Alert:
+    """Evidence SENTINEL will not act on: a ban the threat model does not allow."""
+
+    worker: WorkerId
+    step: int  # 0-based
+    cause: Literal["budget", "honest_stage"]
+    strikes: int
+    detail: str
+
+    def record(self) -> dict:
+        """A metrics.jsonl / summary.json record (1-based step)."""
+        return {"kind": "alert", "step": self.step + 1, "worker": str(self.worker),
+                "cause": self.cause, "strikes": self.strikes, "detail": self.detail}
+
+
+@dataclass
+class Scored:
+    """One scored message, as the ledger sees it at the step's end."""
+
+    src: WorkerId
+    microbatch: int
+    kind: Kind
+    verifier: tuple[int, Kind]  # (boundary, kind)
+    flagged: bool
+    reason: str
+    suspicion: float  # BoundaryVerifier.score: 0 at the windows' medians, 1 at the fences
+    decision: Decision
+    excess: float = float("inf")  # suspicion minus the median of the same step's peer messages
+
+    def chain_index(self, stages: int) -> int:
+        """Position in its microbatch's causal chain: activations by stage, then gradients back."""
+        s = self.src.stage
+        return s if self.kind == "act" else 2 * (stages - 1) - s + 1
+
+    @property
+    def own_fault(self) -> bool:
+        return any(r in UNEXPLAINABLE for r in self.reason.split(","))
+
+
+def peer_excess(scored: list[Scored]) -> None:
+    """Set each message's excess: its suspicion minus the median suspicion of the other senders'
+    messages on the same boundary and direction this step (its own suspicion without peers)."""
+    by_verifier: dict[tuple[int, str], list[Scored]] = {}
+    for e in scored:
+        by_verifier.setdefault(e.verifier, []).append(e)
+    for group in by_verifier.values():
+        for e in group:
+            peers = sorted(p.suspicion for p in group if p.src != e.src)
+            median = 0.0 if not peers else (peers[(len(peers) - 1) // 2] + peers[len(peers) // 2]) / 2
+            e.excess = e.suspicion - median
+
+
+def attribute(scored: list[Scored], stages: int, level: float) -> None:
+    """Mark flagged messages whose anomaly an earlier suspect message of their chain explains."""
+    chains: dict[tuple[int, int, int], list[Scored]] = {}
+    for e in scored:
+        chains.setdefault((e.decision.step, e.src.replica, e.microbatch), []).append(e)
+    for chain in chains.values():
+        chain.sort(key=lambda e: e.chain_index(stages))
+        for i, e in enumerate(chain):
+            if not e.flagged or e.own_fault:
+                continue
+            suspects = [p for p in chain[:i] if p.src != e.src and p.suspicion >= level]
+            if suspects:
+                worst = max(suspects, key=lambda p: p.suspicion)
+                e.decision.explained_by = f"{worst.src} {worst.kind}"
+
+
+class Ledger:
+    """Strike histories, bans, the per-stage ban budget and alerts."""
+
+    def __init__(self, cfg: VerifyConfig, mesh: MeshShape):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.budget = cfg.budget(mesh.replicas)
+        self.history: dict[WorkerId, deque[bool]] = {}
+        self.banned: dict[WorkerId, Ban] = {}  # banned and not yet replaced
+        self.bans: list[Ban] = []
+        self.alerts: list[Alert] = []
+        self.alerted: set[tuple[WorkerId, str]] = set()  # one alert per worker and cause
+
+    def honest_stage(self, stage: int) -> bool:
+        return stage in (0, self.mesh.stages - 1)
+
+    def stage_bans(self, stage: int) -> int:
+        return sum(b.worker.stage == stage for b in self.bans)
+
+    def enter(self, step: int, scored: list[Scored],
+              voided: set[tuple[int, str]]) -> tuple[list[Ban], list[Alert]]:
+        """Append the step's results to each sender's history in a fixed order; ban at s strikes,
+        within the budget; alert beyond it."""
+        bans, alerts = [], []
+        for e in sorted(scored, key=lambda e: (e.src, e.microbatch, e.kind)):
+            history = self.history.setdefault(e.src, deque(maxlen=self.cfg.strike_history))
+            strike = (e.flagged and e.verifier not in voided and not e.decision.explained_by
+                      and (self.cfg.ban_margin <= 0 or e.excess >= self.cfg.ban_margin))
+            history.append(strike)
+            count = sum(history)
+            if not (self.cfg.ban and strike and count >= self.cfg.strikes
+                    and step >= self.cfg.warmup_steps and e.src not in self.banned):
+                continue
+            boundary, kind = e.verifier
+            stage = e.src.stage
+            if self.honest_stage(stage):
+                alert = self._alert(e.src, step, "honest_stage", count,
+                                    f"{count} strikes against a worker of stage {stage}, which the "
+                                    "threat model assumes honest: not banned (false positives or an "
+                                    "attack the statistics attribute wrongly)")
+            elif self.stage_bans(stage) >= self.budget:
+                minority = " (no honest majority at 2 replicas)" if self.mesh.replicas <= 2 else ""
+                alert = self._alert(e.src, step, "budget", count,
+                                    f"stage {stage} has {self.mesh.replicas} replicas and "
+                                    f"{self.stage_bans(stage)} ban(s) already; the ban budget is "
+                                    f"{self.budget} (a strict minority): not banned, its flagged "
+                                    "messages are still quarantined" + minority)
+            else:
+                ban = Ban(e.src, step, e.reason.split(",")[0], f"s{boundary}|s{boundary + 1}", kind, count)
+                self.banned[e.src] = ban
+                self.bans.append(ban)
+                bans.append(ban)
+                continue
+            if alert is not None:
+                alerts.append(alert)
+        return bans, alerts
+
+    def _alert(self, wid: WorkerId, step: int, cause: str, strikes: int, detail: str) -> Alert | None:
+        if (wid, cause) in self.alerted:
+            return None
+        self.alerted.add((wid, cause))
+        alert = Alert(wid, step, cause, strikes, detail)
+        self.alerts.append(alert)
+        return alert
+
+    def readmit(self, wid: WorkerId) -> None:
+        """A replacement took over a banned slot: it starts with a clean record."""
+        self.banned.pop(wid, None)
+        self.history.pop(wid, None)
+        self.alerted = {(w, c) for w, c in self.alerted if w != wid}
+
+    def state_dict(self) -> dict:
+        return {"history": {str(w): list(h) for w, h in self.history.items()},
+                "banned": [str(w) for w in self.banned],
+                "bans": [vars(b) | {"worker": str(b.worker)} for b in self.bans],
+                "alerts": [vars(a) | {"worker": str(a.worker)} for a in self.alerts]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = {WorkerId.parse(w): deque(h, maxlen=self.cfg.strike_history)
+                        for w, h in state["history"].items()}
+        self.bans = [Ban(**(b | {"worker": WorkerId.parse(b["worker"])})) for b in state["bans"]]
+        self.alerts = [Alert(**(a | {"worker": WorkerId.parse(a["worker"])}))
+                       for a in state.get("alerts", [])]
+        self.alerted = {(a.worker, a.cause) for a in self.alerts}
+        by_worker = {b.worker: b for b in self.bans}
+        self.banned = {WorkerId.parse(w): by_worker[WorkerId.parse(w)] for w in state["banned"]}

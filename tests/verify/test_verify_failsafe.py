@@ -1,0 +1,328 @@
+"""SENTINEL fails safe (issue 17): no locked boundaries, a ban budget, blame where it belongs,
+robust fences, and symmetric corruptions seen where they happen. Synthetic streams, deterministic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from meshlearn.compress.codecs import IdentityCodec
+from meshlearn.mesh.messages import Message
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.verify.cost import VerifierClock
+from meshlearn.verify.distances import coherence, log_gain
+from meshlearn.verify.fence import calibrated_k, tukey_threshold
+from meshlearn.verify.ledger import Decision, Scored, attribute
+from meshlearn.verify.sentinel import Sentinel, VerifyConfig
+
+CODEC = IdentityCodec()
+SHAPE = (4, 16, 8)  # (b, n, c)
+
+
+def message(mesh: MeshShape, kind: str, step: int, mb: int, src: WorkerId, x: torch.Tensor) -> Message:
+    dst = mesh.next_stage(src) if kind == "act" else mesh.prev_stage(src)
+    return Message(kind, step, mb, src, dst, CODEC.encode(x, kind))
+
+
+def sentinel(mesh: MeshShape, **overrides) -> Sentinel:
+    cfg = VerifyConfig(**({"name": "sentinel", "warmup_steps": 20, "window": 128} | overrides))
+    return Sentinel(cfg, mesh, CODEC)
+
+
+# --- no permanent lock -----------------------------------------------------------------------
+
+
+class Stream:
+    def __init__(self, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.pattern = torch.randn(SHAPE[1:], generator=self.gen)
+        self.scale = 1.0
+        self.noise = 0.5
+
+    def __call__(self) -> torch.Tensor:
+        return self.scale * (self.pattern + self.noise * torch.randn(SHAPE, generator=self.gen))
+
+
+def locked_run(replicas: int, change, steps: int = 60, **overrides) -> tuple[list[float], list]:
+    """Share of each step's stage-1 activations flagged; from step 30 every sender changes alike."""
+    mesh = MeshShape(replicas=replicas, stages=3)
+    s, stream = sentinel(mesh, pair_metrics="", **overrides), Stream(0)
+    shares, outcomes = [], []
+    for step in range(steps):
+        if step == 30:
+            change(stream)
+        for mb in range(4):
+            for r in range(replicas):
+                s.inspect(message(mesh, "act", step, mb, WorkerId(r, 1), stream()))
+        outcome = s.end_step(step)
+        for ban in outcome.bans:
+            s.readmit(ban.worker)
+        scored = [d for d in outcome.decisions if d.scored]
+        shares.append(sum(d.flagged for d in scored) / len(scored) if scored else 0.0)
+        outcomes.append(outcome)
+    return shares, outcomes
+
+
+def longest_majority_flagged(shares: list[float]) -> int:
+    run = longest = 0
+    for share in shares:
+        run = run + 1 if share > 0.5 else 0
+        longest = max(longest, run)
+    return longest
+
+
+def scale_up(factor: float):
+    def change(stream: Stream) -> None:
+        stream.scale = factor
+    return change
+
+
+def more_noise(stream: Stream) -> None:
+    stream.noise *= 2.0  # every distance to the reference grows: a rebase alone does not help
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("change", [scale_up(1.1), scale_up(2.0), more_noise], ids=["x1.1", "x2", "noise"])
+def test_all_senders_driven_out_of_the_fence_resume_within_the_bound(replicas, change):
+    """The documented bound: at most lock_steps + 1 consecutive steps with a majority flagged."""
+    cfg = VerifyConfig()
+    shares, outcomes = locked_run(replicas, change)
+    assert longest_majority_flagged(shares) <= cfg.lock_steps + 1
+    assert max(shares[-10:]) <= 0.25  # traffic flows again
+    if replicas >= 3:
+        assert all(o.bans == [] for o in outcomes)  # honest majority: the flags were voided
+
+
+def test_without_rewarm_the_same_change_locks_the_boundary_for_good():
+    """The failure mode the bound removes (lock_steps too large to ever re-warm)."""
+    shares, _ = locked_run(3, more_noise, lock_steps=10_000)
+    assert longest_majority_flagged(shares) >= 25 and min(shares[-10:]) > 0.5
+
+
+def test_rewarm_recalibrates_and_still_catches_a_gross_attack_afterwards():
+    mesh = MeshShape(replicas=3, stages=3)
+    s, stream = sentinel(mesh, pair_metrics=""), Stream(0)
+    for step in range(60):
+        if step == 30:
+            more_noise(stream)
+        for mb in range(4):
+            for r in range(3):
+                x = stream()
+                if step >= 50 and r == 2:
+                    x = torch.zeros(SHAPE)
+                s.inspect(message(mesh, "act", step, mb, WorkerId(r, 1), x))
+        outcome = s.end_step(step)
+        if step >= 50:
+            assert all(d.flagged == (d.src.replica == 2) for d in outcome.decisions if d.scored)
+    assert [b.worker for b in s.bans] == [WorkerId(2, 1)]
+
+
+# --- the ban budget --------------------------------------------------------------------------
+
+
+def attacked_run(mesh: MeshShape, attackers: set[WorkerId], stage: int, steps: int = 30):
+    s, stream = sentinel(mesh, pair_metrics=""), Stream(0)
+    outcomes = []
+    for step in range(steps):
+        for mb in range(4):
+            for r in range(mesh.replicas):
+                wid = WorkerId(r, stage)
+                x = torch.zeros(SHAPE) if step >= 22 and wid in attackers else stream()
+                s.inspect(message(mesh, "act", step, mb, wid, x))
+        outcome = s.end_step(step)
+        for ban in outcome.bans:
+            s.readmit(ban.worker)
+            attackers = attackers - {ban.worker}  # an honest peer takes the slot
+        outcomes.append(outcome)
+    return s, outcomes
+
+
+def test_bans_never_exceed_a_minority_of_a_stage_and_the_rest_becomes_an_alert():
+    mesh = MeshShape(replicas=4, stages=3)
+    s, outcomes = attacked_run(mesh, {WorkerId(1, 1), WorkerId(2, 1)}, stage=1)
+    assert len(s.bans) == 1  # 1 of 4: 2 would be half
+    alerts = [a for o in outcomes for a in o.alerts]
+    assert len(alerts) == 1 and alerts[0].cause == "budget" and alerts[0].worker != s.bans[0].worker
+    assert alerts[0].record()["kind"] == "alert" and alerts[0].record()["step"] == alerts[0].step + 1
+    # the unbanned attacker's messages are still quarantined one by one
+    last = outcomes[-1].decisions
+    assert all(d.flagged for d in last if d.src == alerts[0].worker)
+
+
+def test_two_replicas_ban_nobody_and_alert():
+    mesh = MeshShape(replicas=2, stages=3)
+    s, outcomes = attacked_run(mesh, {WorkerId(1, 1)}, stage=1)
+    assert s.bans == []
+    [alert] = [a for o in outcomes for a in o.alerts]
+    assert alert.worker == WorkerId(1, 1) and "no honest majority" in alert.detail
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_first_and_last_stages_are_never_banned(stage):
+    mesh = MeshShape(replicas=4, stages=3)
+    s = sentinel(mesh, pair_metrics="")
+    stream = Stream(0)
+    kind = "act" if stage == 0 else "grad"
+    for step in range(30):
+        for mb in range(4):
+            for r in range(4):
+                x = torch.zeros(SHAPE) if step >= 22 and r == 1 else stream()
+                s.inspect(message(mesh, kind, step, mb, WorkerId(r, stage), x))
+        outcome = s.end_step(step)
+        assert outcome.bans == []
+    assert [a.cause for a in s.ledger.alerts] == ["honest_stage"]
+
+
+# --- attribution -----------------------------------------------------------------------------
+
+
+def scored(src: WorkerId, kind: str, flagged: bool, suspicion: float, reason: str = "l2n") -> Scored:
+    decision = Decision(30, 0, kind, src, src, "flag" if flagged else "accept")
+    return Scored(src, 0, kind, (0, kind), flagged, reason if flagged else "", suspicion, decision)
+
+
+def test_a_flag_explained_by_an_earlier_suspect_message_of_its_microbatch_is_no_strike():
+    """Stage 1 sends a suspect (accepted, near-fence) activation; the honest stage-2 gradient
+    computed on it is flagged: explained. A coh failure or a suspect of the sender's own is not."""
+    a1 = scored(WorkerId(1, 1), "act", False, 0.8)  # suspect, not flagged
+    a2 = scored(WorkerId(1, 2), "act", True, 3.0)  # downstream activation
+    attribute([a2, a1], stages=4, level=0.5)  # any order: attribution sorts by the causal chain
+    g3 = scored(WorkerId(1, 3), "grad", True, 2.0)  # the last stage's gradient on that input
+    attribute([g3, a1], stages=4, level=0.5)
+    assert a2.decision.explained_by == "r1s1 act" and g3.decision.explained_by == "r1s1 act"
+    own = scored(WorkerId(1, 1), "grad", True, 3.0)  # the suspect's own later gradient
+    coh = scored(WorkerId(1, 2), "grad", True, 3.0, reason="l2n,coh")
+    attribute([a1, own], stages=4, level=0.5)
+    attribute([a1, coh], stages=4, level=0.5)
+    assert own.decision.explained_by == "" and coh.decision.explained_by == ""
+    calm = scored(WorkerId(1, 1), "act", False, 0.2)
+    flagged = scored(WorkerId(1, 2), "act", True, 3.0)
+    attribute([calm, flagged], stages=4, level=0.5)
+    assert flagged.decision.explained_by == ""  # nothing upstream: the sender is blamed
+
+
+def test_explained_flags_are_quarantined_but_earn_no_strike():
+    mesh = MeshShape(replicas=4, stages=4)
+    s, stream = sentinel(mesh, pair_metrics="", explain_level=0.0), [Stream(i) for i in range(3)]
+    victim = WorkerId(1, 2)
+    for step in range(30):
+        for mb in range(4):
+            for r in range(4):
+                for stage in (1, 2):
+                    x = stream[stage]()
+                    if step >= 22 and WorkerId(r, stage) == victim:
+                        x = -x  # fences, not a sanity check (those are never explained away)
+                    s.inspect(message(mesh, "act", step, mb, WorkerId(r, stage), x))
+        outcome = s.end_step(step)
+        assert outcome.bans == []
+    # explain_level 0: any upstream message above its window's median explains the flag
+    assert sum(s.history[victim]) < 3
+    assert any(d.explained_by for d in outcome.decisions)
+
+
+# --- robust fences ---------------------------------------------------------------------------
+
+
+def test_the_mad_fence_survives_an_attacker_owning_a_quarter_of_the_window():
+    rng = np.random.default_rng(0)
+    honest = list(1.0 + 0.1 * rng.standard_normal(192))
+    window = honest + [100.0] * 64  # 25% of the window: attacks that began during warm-up
+    assert tukey_threshold(window, 3.0, "tukey") > 50  # breakdown point 25%: the fence is gone
+    assert tukey_threshold(window, 3.0, "mad") < 2.5
+    # calibration: Tukey's puts the fence at the window maximum; capped MAD's stays below the attack
+    k_tukey = calibrated_k(window, 3.0, 0.0025, "tukey")
+    assert tukey_threshold(window, k_tukey, "tukey") >= 99
+    k_mad = calibrated_k(window, 3.0, 0.0025, "mad", k_max=8.0)
+    assert k_mad == 8.0 and tukey_threshold(window, k_mad, "mad") < 5
+
+
+def test_calibration_interpolates_instead_of_taking_the_window_maximum_and_is_capped():
+    values = [float(v) for v in range(256)]
+    values[-1] = 10_000.0  # one outlier: int(0.0025 · 256) = 0 values may lie above the fence
+    assert tukey_threshold(values, calibrated_k(values, 3.0, 0.0025, "tukey"), "tukey") < 10_000
+    k = calibrated_k(values, 3.0, 0.0025, "mad", k_max=8.0)
+    assert k == 8.0 and tukey_threshold(values, k, "mad") < 2_000  # the outlier stays outside
+
+
+# --- symmetric corruptions, seen at their own message ------------------------------------------
+
+
+def test_coherence_and_gain_identities():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(SHAPE, generator=gen)
+    assert coherence(x, x) == pytest.approx(1.0)
+    assert coherence(x, -x) == pytest.approx(-1.0)
+    assert coherence(x, x[torch.tensor([1, 2, 3, 0])]) < 0.1  # another sequence's tokens
+    assert coherence(x, torch.zeros(SHAPE)) == 0.0
+    assert log_gain(x, 10 * x) == pytest.approx(np.log(10), rel=1e-5)
+
+
+def residual_step(s: Sentinel, mesh: MeshShape, step: int, gen: torch.Generator, attack) -> None:
+    """One step of a residual pipeline: each stage adds a little to the activations and gradients.
+    ``attack(kind, wid, x)`` may rewrite what a worker sends."""
+    for mb in range(4):
+        for r in range(mesh.replicas):
+            h = torch.randn(SHAPE, generator=gen)
+            for stage in range(mesh.stages - 1):
+                wid = WorkerId(r, stage)
+                h = h + 0.3 * torch.randn(SHAPE, generator=gen)
+                s.inspect(message(mesh, "act", step, mb, wid, attack("act", wid, h)))
+            g = 0.01 * torch.randn(SHAPE, generator=gen)
+            for stage in range(mesh.stages - 1, 0, -1):
+                wid = WorkerId(r, stage)
+                g = g + 0.003 * torch.randn(SHAPE, generator=gen)
+                s.inspect(message(mesh, "grad", step, mb, wid, attack("grad", wid, g)))
+
+
+ATTACKER = WorkerId(1, 2)
+SYMMETRIC = {
+    "negated gradients": lambda kind, x: -x if kind == "grad" else x,
+    "permuted sequences": lambda kind, x: x[torch.tensor([1, 2, 3, 0])] if kind == "act" else x,
+    "scaled gradients x10": lambda kind, x: 10 * x if kind == "grad" else x,
+}
+
+
+@pytest.mark.parametrize("name", sorted(SYMMETRIC))
+def test_symmetric_corruptions_are_flagged_at_their_own_message_and_banned(name):
+    mesh = MeshShape(replicas=4, stages=4)
+    corrupt = SYMMETRIC[name]
+    flagged_by = {}
+    for pairs in ("coh,gain", ""):
+        s, gen = sentinel(mesh, pair_metrics=pairs), torch.Generator().manual_seed(0)
+        flags = {}
+        for step in range(24):
+            residual_step(s, mesh, step, gen,
+                          lambda kind, wid, x, step=step: corrupt(kind, x) if step >= 22 and wid == ATTACKER
+                          else x)
+            for d in s.end_step(step).decisions:
+                if step >= 22 and d.flagged:
+                    flags[d.src] = flags.get(d.src, 0) + 1
+        flagged_by[pairs] = flags, [b.worker for b in s.bans]
+    flags, bans = flagged_by["coh,gain"]
+    assert set(flags) == {ATTACKER} and bans == [ATTACKER]
+    if name != "scaled gradients x10":  # the paper's four metrics are blind to these two
+        assert flagged_by[""][0].get(ATTACKER, 0) == 0
+
+
+# --- verifier cost ---------------------------------------------------------------------------
+
+
+def test_the_verifier_clock_queues_cpu_time_per_boundary():
+    clock = VerifierClock()
+    assert clock.release_s(0, 1.0, cpu_s=0.2) == pytest.approx(1.2)
+    assert clock.release_s(0, 1.0, cpu_s=0.2) == pytest.approx(1.4)  # waited for the first
+    assert clock.release_s(1, 1.0, cpu_s=0.2) == pytest.approx(1.2)  # another verifier's CPU
+    assert clock.release_s(0, 5.0, cpu_s=0.1) == pytest.approx(5.1)  # idle meanwhile
+    assert clock.queued_s == pytest.approx(0.2)
+
+
+def test_sentinel_measures_cpu_time_and_releases_after_it():
+    mesh = MeshShape(replicas=2, stages=3)
+    s = sentinel(mesh)
+    m = message(mesh, "act", 0, 0, WorkerId(0, 1), torch.randn(SHAPE))
+    delivered = s.inspect(m)
+    release = s.release_s(delivered, 10.0)
+    assert release >= 10.0 and release - 10.0 == pytest.approx(s.clock.last_cpu_s)
+    summary = s.clock.summary()
+    assert summary["messages"] == 1 and summary["cpu_s"] >= 0 and "s1|s2" in summary["cpu_s_per_boundary"]
