@@ -40,7 +40,8 @@ from meshlearn.config import ConfigError
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
 from meshlearn.train.files import read_records
-from meshlearn.verify.attacks import FORGERIES, AttackConfig, attach_wire
+from meshlearn.verify.attacks import AttackConfig
+from meshlearn.verify.forgeries import FORGERIES, attach_wire
 from meshlearn.verify.sentinel import VerifyConfig
 
 ATTACKER = WorkerId(1, 2)

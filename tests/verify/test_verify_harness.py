@@ -10,7 +10,7 @@ from tiny import tiny_config
 
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
-from meshlearn.verify.attacks import FORGERIES, WireTap, attach_wire
+from meshlearn.verify.forgeries import FORGERIES, WireTap, attach_wire
 
 ATTACKER = WorkerId(1, 1)
 MESH = ["mesh.stages=4", "mesh.replicas=2"]

@@ -25,189 +25,37 @@ history, and add a factory to ``ATTACKS``::
 Scales are relative to the message's own standard deviation, so one setting means the same on
 activations and on gradients, whose magnitudes differ by orders of magnitude.
 
-The simulator's driver has one monitor slot and the worker no message hook yet, so ``attach_wire``
-puts the forgeries and the receivers' guards on the arrival path, in front of the verifier.
+The wire-level forgeries and ``attach_wire`` (forgeries and the receivers' guards on the arrival
+path, in front of the verifier) live in ``verify/forgeries.py``; the base class in
+``verify/attack_base.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshlearn.compress.codecs import Encoded, Kind
-from meshlearn.compress.wire_checks import INDEX_FIELDS, GuardedArrival, WireGuard
-from meshlearn.mesh.messages import Message, MessageMonitor
+from meshlearn.compress.codecs import Kind
 from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.verify.attack_base import TARGETS, Attack, AttackConfig, message_std
+from meshlearn.verify.forgeries import (
+    FORGERIES,
+    ForgeDtype,
+    ForgeIds,
+    ForgeNonFinite,
+    ForgeOversize,
+    ForgeShape,
+    ForgeStale,
+)
 from meshlearn.verify.sentinel import BoundaryVerifier, VerifyConfig
 
 if TYPE_CHECKING:  # config.py and the trainer import this module
     from meshlearn.config import RunConfig
-    from meshlearn.train import Trainer
-
-MessageTamper = Callable[[Message], Message]
-"""message → the message actually sent (a wire-level forgery); see ``Attack.forge``."""
-
-TARGETS: dict[str, frozenset[str]] = {
-    "activations": frozenset({"act"}),
-    "gradients": frozenset({"grad"}),
-    "both": frozenset({"act", "grad"}),
-}
-
-
-@dataclass(frozen=True)
-class AttackConfig:
-    """Adversarial workers for robustness experiments. Config keys under ``attack.``.
-
-    From the command line one attack applies to every listed worker; the Python API
-    (``TrustLayer.add_attack``) can give each worker its own.
-    """
-
-    kind: str = "none"
-    """Registry name: none, zeros, random, scaling, sign_flip, replay, bias, invisible_noise, permute,
-    mixed, adaptive; or a wire forgery: forge_ids, forge_shape, forge_dtype, forge_nonfinite,
-    forge_oversize, forge_stale (receivers reject those, see meshlearn.compress.wire_checks)."""
-    workers: str = ""
-    """Comma-separated attacker ids such as ``r1s2`` (replica 1, stage 2). The threat model keeps the
-    first and last stages honest."""
-    start_step: int = 0
-    """Steps completed before the attack starts (0 = from the first step; 150 = halfway through the
-    demo). Before verify.warmup_steps it attacks the warm-up: the verifier may learn it as normal."""
-    period: int = 0
-    """Intermittent attack: with period > 0 it is on for the first ``duty`` of every ``period`` steps
-    counted from start_step, off (honest) for the rest; 0 = always on."""
-    duty: int = 1
-    """Steps on per ``period`` (1..period)."""
-    ramp_steps: int = 0
-    """Slow drift: a tensor attack fades in linearly over this many steps from its start, sending
-    X + r·(attack(X) − X), r = 1/ramp_steps … 1 (with ``bias``: a bias growing from ~0); 0 = full
-    strength at once. Not for adaptive or wire forgeries."""
-    target: str = "both"
-    """What is corrupted: ``activations`` (forward), ``gradients`` (backward) or ``both``."""
-    seed: int = 0
-    """Seeds every attacker's generator (combined with its worker id)."""
-    scale: float = -1.0
-    """``scaling``: the factor c in c·X (−1 reverses the message; 10 inflates; 0.1 shrinks)."""
-    sign_fraction: float = 0.5
-    """``sign_flip``: fraction of channels (a fixed random subset) whose sign is flipped; norms are
-    unchanged, so only direction-aware metrics can see it."""
-    replay_delay: int = 100
-    """``replay``: send the tensor this worker sent for the same microbatch this many steps ago;
-    ``forge_stale``: send that step's whole message, with its old step number."""
-    bias: float = 1.0
-    """``bias``: add a fixed random per-channel vector of this RMS, in units of the message's std."""
-    noise_rho: float = 0.5
-    """``invisible_noise``: add Gaussian noise of std ρ · (message std); ρ is reported with results."""
-    mixed_kinds: str = "zeros,random,scaling,sign_flip,replay,bias,invisible_noise"
-    """``mixed``: the attacks it switches among."""
-    mixed_period: int = 5
-    """``mixed``: steps between switches (the next attack is drawn at random)."""
-    adaptive_margin: float = 0.5
-    """``adaptive``: how far toward its shadow verifier's fence each distance may go, from the median
-    honest distance (0) to the fence itself (1)."""
-    adaptive_max: float = 4.0
-    """``adaptive``: the largest bias it tries, in units of the message's std (halved until it fits)."""
-    oversize_factor: float = 10.0
-    """``forge_oversize``: pad each message with this many times its honest size in extra bytes."""
-
-
-class Attack:
-    """Base class: activity window, generator, and the record of what was actually changed."""
-
-    name: ClassVar[str] = ""
-
-    def __init__(self, cfg: AttackConfig, seed: int):
-        self.cfg = cfg
-        self.start_step = cfg.start_step
-        self.kinds = TARGETS[cfg.target]
-        self.generator = torch.Generator().manual_seed(seed)
-        self.stopped_at: int | None = None
-        self.changed: set[tuple[Kind, int, int]] = set()  # ground truth, drained by the harness
-        self._channels: torch.Tensor | None = None
-
-    def active(self, kind: Kind, step: int) -> bool:
-        """Started, not stopped, in the on part of its period, and aimed at this direction."""
-        if self.stopped_at is not None or step < self.start_step or kind not in self.kinds:
-            return False
-        return self.cfg.period == 0 or (step - self.start_step) % self.cfg.period < self.cfg.duty
-
-    def ramp(self, step: int) -> float:
-        """The attack's strength r at ``step``: linear from 1/ramp_steps at its start to 1."""
-        if self.cfg.ramp_steps == 0:
-            return 1.0
-        return min(1.0, (step - self.start_step + 1) / self.cfg.ramp_steps)
-
-    def __call__(self, kind: Kind, step: int, microbatch: int, x: torch.Tensor) -> torch.Tensor:
-        self.observe(kind, step, microbatch, x)
-        if not self.active(kind, step):
-            return x
-        out = self.corrupt(kind, step, microbatch, x)
-        if out is not x:
-            r = self.ramp(step)
-            if r < 1.0:
-                out = x + r * (out - x)
-            self.changed.add((kind, step, microbatch))
-        return out
-
-    def forge(self, message: Message) -> Message:
-        """The message-level hook: sees every message this worker sends, after encoding, and returns
-        what goes on the wire. Tensor attacks return it unchanged."""
-        self.observe_message(message)
-        if not self.active(message.kind, message.step):
-            return message
-        out = self.forge_message(message)
-        if out is not message:
-            self.changed.add((message.kind, message.step, message.microbatch))
-        return out
-
-    def observe(self, kind: Kind, step: int, microbatch: int, x: torch.Tensor) -> None:
-        """Sees every tensor, before the attack starts too (for attacks that need history)."""
-
-    def observe_message(self, message: Message) -> None:
-        """Sees every message, before the attack starts too (for forgeries that need history)."""
-
-    def corrupt(self, kind: Kind, step: int, microbatch: int, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def forge_message(self, message: Message) -> Message:
-        """A wire forgery; return the message object itself to decline (tensor attacks always do)."""
-        return message
-
-    def stop(self, step: int) -> None:
-        """The worker was banned and replaced by an honest peer: the attack ends."""
-        self.stopped_at = step
-
-    def pop_changed(self) -> set[tuple[Kind, int, int]]:
-        changed, self.changed = self.changed, set()
-        return changed
-
-    def randn_like(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.randn(x.shape, generator=self.generator, dtype=torch.float32).to(x.dtype)
-
-    def channel_vector(self, channels: int) -> torch.Tensor:
-        """A fixed random N(0, 1) vector over channels, drawn on first use (so it never changes)."""
-        if self._channels is None or self._channels.shape[0] != channels:
-            self._channels = torch.randn(channels, generator=self.generator)
-        return self._channels
-
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "stopped_at": self.stopped_at,
-                "channels": self._channels}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
-        self.stopped_at = state["stopped_at"]
-        self._channels = state["channels"]
-
-
-def _std(x: torch.Tensor) -> torch.Tensor:
-    return x.float().std().clamp_min(1e-30)
 
 
 class Zeros(Attack):
@@ -225,7 +73,7 @@ class RandomValues(Attack):
     name = "random"
 
     def corrupt(self, kind, step, microbatch, x):
-        return self.randn_like(x) * _std(x)
+        return self.randn_like(x) * message_std(x)
 
 
 class Scaling(Attack):
@@ -301,7 +149,7 @@ class Bias(Attack):
     name = "bias"
 
     def corrupt(self, kind, step, microbatch, x):
-        return x + self.cfg.bias * _std(x) * self.channel_vector(x.shape[-1]).to(x.dtype)
+        return x + self.cfg.bias * message_std(x) * self.channel_vector(x.shape[-1]).to(x.dtype)
 
 
 class InvisibleNoise(Attack):
@@ -311,7 +159,7 @@ class InvisibleNoise(Attack):
     name = "invisible_noise"
 
     def corrupt(self, kind, step, microbatch, x):
-        return x + self.cfg.noise_rho * _std(x) * self.randn_like(x)
+        return x + self.cfg.noise_rho * message_std(x) * self.randn_like(x)
 
 
 class Permute(Attack):
@@ -418,7 +266,7 @@ class Adaptive(Attack):
         shadow = self.shadows[kind]
         if step < self.verify.warmup_steps or shadow.reference is None:
             return x
-        direction = _std(x) * self.channel_vector(x.shape[-1]).to(x.dtype)
+        direction = message_std(x) * self.channel_vector(x.shape[-1]).to(x.dtype)
         alpha = self.cfg.adaptive_max
         for _ in range(self.HALVINGS + 1):
             candidate = x + alpha * direction
@@ -448,137 +296,6 @@ class Adaptive(Attack):
         self.shadow_step, self.limits = state["shadow_step"], state["limits"]
         self.alphas = list(state["alphas"])
 
-
-# --- wire-level forgeries: the tensor is honest, the message lies ------------------------------
-
-
-class Forgery(Attack):
-    """Base of the wire forgeries: leaves the tensor alone and rewrites the encoded payload."""
-
-    def corrupt(self, kind, step, microbatch, x):
-        return x
-
-    def forge_message(self, message: Message) -> Message:
-        payload = self.forge_payload(message.payload)
-        return message if payload is None else dataclasses.replace(message, payload=payload)
-
-    def forge_payload(self, payload: Encoded) -> Encoded | None:
-        """The forged payload, or None to decline (nothing to forge in this codec's format)."""
-        raise NotImplementedError
-
-
-def _with_tensors(payload: Encoded, tensors: dict[str, torch.Tensor]) -> Encoded:
-    """The payload's header (shape, dtype, meta) over other tensors: the original stays untouched."""
-    return Encoded(tensors, payload.shape, payload.dtype, dict(payload.meta))
-
-
-class ForgeIds(Forgery):
-    """Index fields out of range: token ids (subspace activations) or top-k positions become −1 and
-    the dtype's maximum. Unchecked, the receiver's table lookup or scatter raises."""
-
-    name = "forge_ids"
-
-    def forge_payload(self, payload):
-        names = [n for n in INDEX_FIELDS if n in payload.tensors]
-        if not names:
-            return None
-        tensors = dict(payload.tensors)
-        for name in names:
-            forged = tensors[name].clone().reshape(-1)
-            forged[:] = torch.iinfo(forged.dtype).max
-            forged[0] = -1
-            tensors[name] = forged.reshape(payload.tensors[name].shape)
-        return _with_tensors(payload, tensors)
-
-
-class ForgeShape(Forgery):
-    """Every field one row short along its first dimension, the header unchanged (a lie about size)."""
-
-    name = "forge_shape"
-
-    def forge_payload(self, payload):
-        return _with_tensors(payload, {n: t[:-1].clone() for n, t in payload.tensors.items()})
-
-
-SAME_WIDTH = {torch.float32: torch.int32, torch.int32: torch.float32, torch.bfloat16: torch.int16,
-              torch.float16: torch.int16, torch.int16: torch.float16, torch.int8: torch.uint8,
-              torch.uint8: torch.int8, torch.float64: torch.int64, torch.int64: torch.float64}
-
-
-class ForgeDtype(Forgery):
-    """Every field's bits reinterpreted as another dtype of the same width: same bytes, wrong type."""
-
-    name = "forge_dtype"
-
-    def forge_payload(self, payload):
-        return _with_tensors(payload, {n: t.view(SAME_WIDTH[t.dtype]) for n, t in payload.tensors.items()})
-
-
-class ForgeNonFinite(Forgery):
-    """A NaN and an inf in every floating field (values, scales or coefficients)."""
-
-    name = "forge_nonfinite"
-
-    def forge_payload(self, payload):
-        tensors = dict(payload.tensors)
-        floats = [n for n, t in tensors.items() if t.is_floating_point()]
-        if not floats:
-            return None
-        for name in floats:
-            forged = tensors[name].clone().reshape(-1)
-            forged[0], forged[-1] = float("nan"), float("inf")
-            tensors[name] = forged.reshape(payload.tensors[name].shape)
-        return _with_tensors(payload, tensors)
-
-
-class ForgeOversize(Forgery):
-    """An extra field of ``oversize_factor`` × the honest size: a flood the receiver must not buffer."""
-
-    name = "forge_oversize"
-
-    def forge_payload(self, payload):
-        padding = torch.zeros(math.ceil(self.cfg.oversize_factor * payload.wire_bytes), dtype=torch.uint8)
-        return _with_tensors(payload, dict(payload.tensors) | {"padding": padding})
-
-
-class ForgeStale(Forgery):
-    """Sends, for (kind, microbatch), its own message from ``replay_delay`` steps earlier with that
-    step's number (the oldest it kept, early on); declines while it has no earlier step."""
-
-    name = "forge_stale"
-
-    def __init__(self, cfg: AttackConfig, seed: int):
-        super().__init__(cfg, seed)
-        self.history: dict[tuple[Kind, int], deque[tuple[int, Encoded]]] = {}
-
-    def observe_message(self, message):
-        if message.kind in self.kinds and self.stopped_at is None:
-            queue = self.history.setdefault((message.kind, message.microbatch),
-                                            deque(maxlen=self.cfg.replay_delay + 1))
-            queue.append((message.step, message.payload))
-
-    def forge_message(self, message):
-        step, payload = self.history[(message.kind, message.microbatch)][0]
-        if step == message.step:
-            return message
-        return dataclasses.replace(message, step=step, payload=payload)
-
-    def state_dict(self) -> dict:
-        return super().state_dict() | {"history": {f"{k}:{m}": [(t, p.tensors, p.shape, p.dtype, p.meta)
-                                                                for t, p in q]
-                                                   for (k, m), q in self.history.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.history = {}
-        for key, entries in state["history"].items():
-            kind, m = key.split(":")
-            self.history[(kind, int(m))] = deque(
-                [(t, Encoded(tensors, tuple(shape), dtype, dict(meta))) for t, tensors, shape, dtype, meta
-                 in entries], maxlen=self.cfg.replay_delay + 1)
-
-
-FORGERIES = ("forge_ids", "forge_shape", "forge_dtype", "forge_nonfinite", "forge_oversize", "forge_stale")
 
 ATTACKS: dict[str, Callable[[AttackConfig, int, VerifyConfig], Attack]] = {
     "zeros": lambda cfg, seed, verify: Zeros(cfg, seed),
@@ -623,45 +340,6 @@ def build_attacks(cfg: AttackConfig, verify: VerifyConfig, mesh: MeshShape,
     """The configured attack on every listed worker, each with its own generator."""
     return {wid: build_attack(cfg.kind, cfg, seed * 7919 + cfg.seed * 104729 + mesh.rank(wid), verify)
             for wid in attacked_workers(cfg)}
-
-
-# --- the wire: forgeries and receivers' guards on the arrival path ---------------------------
-
-
-class WireTap:
-    """A ``MessageMonitor`` standing for the wire: each attacker's ``forge`` rewrites its messages,
-    then the next monitor (the receivers' guards, a verifier) sees what arrives.
-
-    On the arrival path the link has already charged the honest size; a sender-side hook (the
-    worker applying ``forge`` to what it sends) would charge an oversized message its real bytes.
-    """
-
-    def __init__(self, attacks: Mapping[WorkerId, Attack], monitor: MessageMonitor | None = None):
-        self.attacks = attacks
-        self.monitor = monitor
-
-    def inspect(self, message: Message) -> Message:
-        attack = self.attacks.get(message.src)
-        if attack is not None:
-            message = attack.forge(message)
-        return message if self.monitor is None else self.monitor.inspect(message)
-
-
-def attach_wire(trainer: Trainer) -> dict[WorkerId, WireGuard]:
-    """Put forgeries and receiver-side checks on ``trainer``'s arrival path, in front of its verifier.
-
-    Every worker gets a ``WireGuard`` over its own codec; the driver's monitor becomes
-    forgeries → guards → SENTINEL (if on). Returns the guards, whose ``pop_rejections`` hold the
-    records of refused messages. Call it once, after building the trainer and before training.
-    """
-    cfg = trainer.cfg
-    guards = {wid: WireGuard(worker.codec, cfg.model.seq_len, cfg.model.d_model, cfg.model.vocab_size)
-              for wid, worker in trainer.workers.items()}
-    trust = trainer.plugins["trust"].trust
-    arrival = GuardedArrival(guards, trainer.workers, trust.sentinel)
-    trainer.driver.monitors.clear()  # the chain below ends in the verifier itself
-    trainer.driver.attach_monitor(WireTap(trust.attacks, arrival), cfg.verify.charge_time)
-    return guards
 
 
 # --- config checks ---------------------------------------------------------------------------
@@ -720,3 +398,4 @@ def _parse_error(text: str) -> str | None:
     except ValueError as err:
         return str(err)
     return None
+
