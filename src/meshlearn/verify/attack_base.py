@@ -9,15 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from meshlearn.compress.codecs import Kind
 from meshlearn.mesh.messages import Message
-
-if TYPE_CHECKING:  # config.py and the trainer import this module
-    pass
 
 MessageTamper = Callable[[Message], Message]
 """message → the message actually sent (a wire-level forgery); see ``Attack.forge``."""
