@@ -41,7 +41,7 @@ from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
 from meshlearn.train.files import read_records
 from meshlearn.verify.attacks import AttackConfig
-from meshlearn.verify.forgeries import FORGERIES, attach_wire
+from meshlearn.verify.forgeries import FORGERIES
 from meshlearn.verify.sentinel import VerifyConfig
 
 ATTACKER = WorkerId(1, 2)
@@ -106,9 +106,8 @@ def train_one(name: str, overrides: list[str]) -> dict:
     try:
         started = time.perf_counter()
         trainer = Trainer(demo_config(*overrides), run_dir, progress=False)
-        guards = attach_wire(trainer) if trainer.cfg.attack.kind in FORGERIES else None
         summary = trainer.train()
-        rejections = None if guards is None else sum(len(g.pop_rejections()) for g in guards.values())
+        rejections = summary["wire_rejections"] if trainer.cfg.attack.kind in FORGERIES else None
         train = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
         result = {"name": name, "overrides": overrides, "final_val_loss": summary["final_val_loss"],
                   "banned_workers": summary.get("banned_workers"), "trust": summary.get("trust"),

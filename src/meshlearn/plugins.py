@@ -3,7 +3,8 @@ callbacks run. A new method adds one registration here."""
 
 from meshlearn.hooks import register_plugin
 from meshlearn.mesh.basis_updates import basis_update_plugin
-from meshlearn.verify.plugin import trust_plugin
+from meshlearn.verify.plugin import trust_plugin, wire_rejects_plugin
 
 register_plugin("subspace_update", basis_update_plugin)
 register_plugin("trust", trust_plugin)
+register_plugin("wire", wire_rejects_plugin)

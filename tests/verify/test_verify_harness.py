@@ -3,6 +3,7 @@ tensor attacks (permute, drift, warm-up start, intermittent, colluding) do what 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,7 +11,7 @@ from tiny import tiny_config
 
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
-from meshlearn.verify.forgeries import FORGERIES, WireTap, attach_wire
+from meshlearn.verify.forgeries import FORGERIES
 
 ATTACKER = WorkerId(1, 1)
 MESH = ["mesh.stages=4", "mesh.replicas=2"]
@@ -33,20 +34,21 @@ def test_a_forging_attacker_is_refused_with_a_record_and_the_run_completes(tiny_
     t = trainer(tiny_corpus, tmp_path, 6, *SUBSPACE, *VERIFY, f"verify.name={verify}",
                 f"attack.kind={forgery}", f"attack.workers={ATTACKER}", "attack.start_step=2",
                 "attack.replay_delay=1")
-    guards = attach_wire(t)
-    summary = t.train()
+    summary = t.train()  # forgeries leave the attacker as it sends; every receiver guards itself
     assert math.isfinite(summary["final_train_loss"])
-    rejections = [r for g in guards.values() for r in g.pop_rejections()]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    rejections = [r for r in map(json.loads, lines) if r["kind"] == "wire_reject"]
     [attacker] = summary["trust"]["attackers"]
-    assert attacker["changed_messages"] == len(rejections) > 0  # every forged message, and only those
-    assert {r.src for r in rejections} == {ATTACKER}
-    assert all(r.reason.startswith(REASONS[forgery]) and r.step >= 2 for r in rejections)
+    assert attacker["changed_messages"] == len(rejections) == summary["wire_rejections"] > 0
+    assert {r["src"] for r in rejections} == {str(ATTACKER)}  # every forged message, and only those
+    assert all(r["reason"].startswith(REASONS[forgery]) and r["step"] >= 3 for r in rejections)
 
 
 def test_without_receiver_checks_forged_ids_crash_the_receiver(tiny_corpus, tmp_path):
-    """The harness has teeth: the same forgery with the forgeries on the wire but no guard."""
+    """The harness has teeth: the same forgery on the wire with the receivers' guards taken away."""
     t = trainer(tiny_corpus, tmp_path, 4, *SUBSPACE, "attack.kind=forge_ids", f"attack.workers={ATTACKER}")
-    t.driver.attach_monitor(WireTap(t.plugins["trust"].trust.attacks))
+    for worker in t.workers.values():
+        worker.guard = None
     with pytest.raises(IndexError):
         t.train()
 

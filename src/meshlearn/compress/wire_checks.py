@@ -13,8 +13,9 @@ so one forged message could crash the receiver. The checks here run before anyth
 - ``WireGuard``: one receiver's gate. A rejected message becomes a quarantined one (honest zeros in
   the receiver's own wire format, marked ``skip``, exactly as SENTINEL quarantines a flagged
   message), and a ``Rejection`` record is kept for the run's logs.
-- ``GuardedArrival``: a ``MessageMonitor`` that runs the receiver's guard on arrival, before the next
-  monitor (a verifier, which decodes peer data too).
+
+Every worker has a guard (``Worker.guard``); drivers pass each arriving message through
+``Worker.admit`` before any monitor (a verifier, which decodes peer data too) or the worker sees it.
 
 Honest payloads of every codec here have a size fixed by the shape, so the default byte budget is
 exactly the honest size: anything larger is an oversized message (checked first, as a real receiver
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,9 +35,8 @@ import torch
 from meshlearn.compress.codecs import Codec, Encoded, Kind
 
 if TYPE_CHECKING:  # mesh imports compress: only type hints come back the other way
-    from meshlearn.mesh.messages import Message, MessageMonitor
+    from meshlearn.mesh.messages import Message
     from meshlearn.mesh.topology import WorkerId
-    from meshlearn.mesh.worker import Worker
 
 KINDS: tuple[Kind, ...] = ("act", "grad")
 INDEX_FIELDS = ("ids", "index")
@@ -167,7 +167,7 @@ class WireGuard:
         self.d_model = d_model
         self.vocab_size = vocab_size
         self.byte_slack = byte_slack
-        self.layouts: dict[tuple[Kind, tuple[int, ...]], Layout] = {}
+        self.layouts: dict[tuple, Layout] = {}
         self.rejections: list[Rejection] = []
 
     def shape(self, microbatch_size: int) -> tuple[int, ...]:
@@ -175,7 +175,9 @@ class WireGuard:
         return (microbatch_size, self.seq_len, self.d_model)
 
     def layout(self, kind: Kind, shape: tuple[int, ...]) -> Layout:
-        key = (kind, shape)
+        # A codec with a version tag (the subspace codec after a basis update) changes its meta:
+        # the cached layout follows it.
+        key = (kind, shape, getattr(self.codec, "version", None))
         if key not in self.layouts:
             self.layouts[key] = payload_layout(self.codec, kind, shape)
         return self.layouts[key]
@@ -214,28 +216,3 @@ class WireGuard:
     def pop_rejections(self) -> list[Rejection]:
         rejections, self.rejections = self.rejections, []
         return rejections
-
-
-class GuardedArrival:
-    """A ``MessageMonitor``: the receiver's guard on arrival, then the next monitor (if any).
-
-    It reads the receiver's current step and microbatches from its worker, so it belongs to a driver
-    that holds the receiving workers (the simulator). A verifier behind it only ever sees messages
-    that passed, or their quarantined stand-ins.
-    """
-
-    def __init__(self, guards: Mapping[WorkerId, WireGuard], workers: Mapping[WorkerId, Worker],
-                 monitor: MessageMonitor | None = None):
-        self.guards = guards
-        self.workers = workers
-        self.monitor = monitor
-
-    def inspect(self, message: Message) -> Message:
-        guard, worker = self.guards.get(message.dst), self.workers[message.dst]
-        if guard is not None and worker.work:
-            # The message's own step if the receiver has work for it, else its oldest open step
-            # (under a flushing schedule: the one step in progress).
-            step = message.step if message.step in worker.work else min(worker.work)
-            microbatches = range(worker.microbatches)
-            message = guard.admit(message, step, worker.work[step].microbatch_size, microbatches)
-        return message if self.monitor is None else self.monitor.inspect(message)

@@ -11,13 +11,15 @@ norms and byte counters, so whichever process writes metrics logs real losses, n
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from meshlearn.distributed.health import Health, WorkerFailure
+from meshlearn.distributed.health import Health
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
 from meshlearn.distributed.transport import Transport
@@ -80,6 +82,7 @@ class DistDriver:
         self.eval_capacity = PREFIX_BYTES + HEADER_ROOM + cfg.train.batch_size * per_sequence
         self.busy_s = 0.0
         self.rows: torch.Tensor | None = None  # the last step's gather, for the summary
+        self.rejections = 0  # messages this worker's guard refused (each also logged to stderr)
         self.pending: list[torch.Tensor] = []  # async: this worker's rows of steps not yet gathered
         self.fed = -1  # the last step whose work this worker has
         in_flight = worker.plan.in_flight if isinstance(worker.plan, AsyncPlan) else 1
@@ -144,10 +147,11 @@ class DistDriver:
         peer, what = (self.prev, "activation") if kind == "F" else (self.next, "gradient")
         step, m = divmod(j, self.cfg.mesh.microbatches)
         message = self.transport.next_message(f"{what} of microbatch {m} (step {step + 1})", peer)
-        if message.step < 0 or message.step > self.fed:
-            raise WorkerFailure(self.health.abort(
-                f"worker {message.src} sent a message of step {message.step + 1} to {self.me}, "
-                f"which has work up to step {self.fed + 1} only"))
+        message = self.worker.admit(message)  # a forged message is quarantined, never decoded
+        for rejection in self.worker.guard.pop_rejections() if self.worker.guard else ():
+            self.rejections += 1
+            print(f"meshlearn worker {self.me}: rejected {json.dumps(rejection.record())}",
+                  file=sys.stderr, flush=True)
         self.worker.receive(message)
 
     def _flush_update(self, action, pp_before: int, dp_before: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Compute really happens (losses and weights are real); only time is virtual. Events are processed in
 time order: a compute finishing hands its messages to links, whose FIFO queues decide arrival times;
-an arrival wakes the receiving worker; an update waits for the peers its collective needs. Each
+an arrival is checked by the receiver's guard, inspected by any monitors (verifiers), then wakes
+the receiving worker; an update waits for the peers its collective needs. Each
 worker keeps its own clock, so bubbles and link stalls show up exactly where a real pipeline would
 have them. The event queue persists across steps: under the async schedule a step ends while the
 next one's microbatches are already in flight, and only a drain point empties it.
@@ -147,10 +148,10 @@ class SimDriver:
             self.steps_done[wid] = self.workers[wid].steps_done
             for message in outgoing:
                 arrival = self.network.link(message.src, message.dst).transmit(now, message.wire_bytes)
-                self._push(arrival, "arrive" if self.monitors else "deliver", message)
+                self._push(arrival, "arrive", message)
             self._try_start(wid, now)
         elif kind == "arrive":
-            message: Message = payload
+            message: Message = self.workers[payload.dst].admit(payload)
             delay = 0.0
             for monitor, charge_time in self.monitors:
                 started = time.perf_counter()

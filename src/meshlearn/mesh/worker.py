@@ -28,6 +28,8 @@ from meshlearn.models.llama import Decoder
 
 Tamper = Callable[[Kind, int, int, torch.Tensor], torch.Tensor]
 """(kind, step, microbatch, tensor) → the tensor actually sent; see ``meshlearn.verify.attacks``."""
+Forge = Callable[[Message], Message]
+"""message → the message actually put on the wire (a wire-level forgery); see ``verify.forgeries``."""
 
 
 @dataclass
@@ -94,9 +96,14 @@ class Worker:
         self.input_grad_observer: Callable[[torch.Tensor], None] | None = None
         # The No-WS variant's per-stage learning-rate scale at a step (None: 1).
         self.stage_lr_scale: Callable[[int], float] | None = None
-        # An adversarial worker: rewrites each tensor it is about to send (before encoding), while
-        # its own forward/backward stay honest. None for an honest worker.
+        # An adversarial worker: rewrites each tensor it is about to send (before encoding), and
+        # each encoded message (a forgery), while its own forward/backward stay honest. None for an
+        # honest worker.
         self.tamper: Tamper | None = None
+        self.forge: Forge | None = None
+        # The receiver's gate (``compress.wire_checks.WireGuard``): drivers pass every arriving
+        # message through ``admit`` before anything decodes it. None: trust every peer.
+        self.guard = None
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
 
@@ -138,6 +145,17 @@ class Worker:
             return Action("B", j, self.in_flight[j].version)
         return Action("U", j, self.version + 1)
 
+    def admit(self, message: Message) -> Message:
+        """What a peer sent, checked against what this worker expects (shape, dtype, bytes, ids,
+        finiteness, an open step): the message itself, or a quarantined stand-in with a record in
+        ``guard.rejections``. Drivers call it on arrival, before any verifier decodes it."""
+        if self.guard is None or not self.work:
+            return message
+        # The message's own step if this worker has work for it, else its oldest open step (under
+        # a flushing schedule: the one step in progress), so a stale or future step is refused.
+        step = message.step if message.step in self.work else min(self.work)
+        return self.guard.admit(message, step, self.work[step].microbatch_size, range(self.microbatches))
+
     def receive(self, message: Message) -> None:
         j = message.step * self.microbatches + message.microbatch
         self.inbox[(message.kind, j)] = message.payload
@@ -148,9 +166,9 @@ class Worker:
         """Perform F or B ``action`` (the one ``next_action`` returned) and return what to send."""
         assert action.kind != "U" and action == self.next_action(), f"{self.id}: {action} not ready"
         self.plan.advance(action.kind)
-        if action.kind == "F":
-            return self._forward(action.microbatch)
-        return self._backward(action.microbatch)
+        j = action.microbatch
+        outgoing = self._forward(j) if action.kind == "F" else self._backward(j)
+        return outgoing if self.forge is None else [self.forge(m) for m in outgoing]
 
     def microbatch_size(self, j: int) -> int:
         return self.work[j // self.microbatches].microbatch_size

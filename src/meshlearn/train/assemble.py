@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshlearn.compress.registry import build_codec
+from meshlearn.compress.wire_checks import WireGuard
 from meshlearn.config import RunConfig
 from meshlearn.data import (
     ByteTokenizer,
@@ -87,8 +88,10 @@ def build_worker(cfg: RunConfig, wid: WorkerId, module: Decoder) -> Worker:
     optimizer = build_optimizer(module, cfg.optim, cfg.train.lr, cfg.train.steps)
     plan = build_plan(cfg.mesh.schedule, wid.stage, mesh.stages, cfg.mesh.microbatches,
                       stage_in_flight(cfg, wid.stage), cfg.mesh.update_every)
-    worker = Worker(wid, mesh, module, optimizer, build_codec(cfg.codec, cfg.model), plan,
-                    cfg.mesh.microbatches, cfg.mesh.weight_stashing)
+    codec = build_codec(cfg.codec, cfg.model)
+    worker = Worker(wid, mesh, module, optimizer, codec, plan, cfg.mesh.microbatches,
+                    cfg.mesh.weight_stashing)
+    worker.guard = WireGuard(codec, cfg.model.seq_len, cfg.model.d_model, cfg.model.vocab_size)
     if cfg.mesh.schedule == "async" and not cfg.mesh.weight_stashing:
         use_no_ws_hparams(worker, cfg)
     return worker

@@ -25,8 +25,8 @@ history, and add a factory to ``ATTACKS``::
 Scales are relative to the message's own standard deviation, so one setting means the same on
 activations and on gradients, whose magnitudes differ by orders of magnitude.
 
-The wire-level forgeries and ``attach_wire`` (forgeries and the receivers' guards on the arrival
-path, in front of the verifier) live in ``verify/forgeries.py``; the base class in
+The wire-level forgeries live in ``verify/forgeries.py`` (installed as the attacker's
+``Worker.forge``; receivers refuse them in ``Worker.admit``); the base class in
 ``verify/attack_base.py``.
 """
 

@@ -2,9 +2,9 @@
 
 ``Forgery.forge(message)`` rewrites an encoded message: token ids out of range, a wrong shape or
 dtype, non-finite values, an oversized or a stale message — what ``meshlearn.compress.wire_checks``
-makes receivers reject. ``WireTap`` applies them on the arrival path (the link has charged the honest
-size), and ``attach_wire`` puts forgeries → the receivers' guards → the verifier on a trainer's
-driver.
+makes receivers reject. The trust layer installs it as the attacker's ``Worker.forge`` hook, so a
+forged message leaves the sender as it is (an oversized one costs its real bytes on the link) and
+meets the receiver's guard (``Worker.admit``) before any verifier decodes it.
 """
 
 from __future__ import annotations
@@ -12,19 +12,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
 from meshlearn.compress.codecs import Encoded, Kind
-from meshlearn.compress.wire_checks import INDEX_FIELDS, GuardedArrival, WireGuard
-from meshlearn.mesh.messages import Message, MessageMonitor
-from meshlearn.mesh.topology import WorkerId
+from meshlearn.compress.wire_checks import INDEX_FIELDS
+from meshlearn.mesh.messages import Message
 from meshlearn.verify.attack_base import Attack, AttackConfig
 
 if TYPE_CHECKING:  # config.py and the trainer import this module
-    from meshlearn.train import Trainer
+    pass
 
 
 FORGERIES = ("forge_ids", "forge_shape", "forge_dtype", "forge_nonfinite", "forge_oversize", "forge_stale")
@@ -158,42 +156,3 @@ class ForgeStale(Forgery):
             self.history[(kind, int(m))] = deque(
                 [(t, Encoded(tensors, tuple(shape), dtype, dict(meta))) for t, tensors, shape, dtype, meta
                  in entries], maxlen=self.cfg.replay_delay + 1)
-
-
-# --- the wire: forgeries and receivers' guards on the arrival path ---------------------------
-
-
-class WireTap:
-    """A ``MessageMonitor`` standing for the wire: each attacker's ``forge`` rewrites its messages,
-    then the next monitor (the receivers' guards, a verifier) sees what arrives.
-
-    On the arrival path the link has already charged the honest size; a sender-side hook (the
-    worker applying ``forge`` to what it sends) would charge an oversized message its real bytes.
-    """
-
-    def __init__(self, attacks: Mapping[WorkerId, Attack], monitor: MessageMonitor | None = None):
-        self.attacks = attacks
-        self.monitor = monitor
-
-    def inspect(self, message: Message) -> Message:
-        attack = self.attacks.get(message.src)
-        if attack is not None:
-            message = attack.forge(message)
-        return message if self.monitor is None else self.monitor.inspect(message)
-
-
-def attach_wire(trainer: Trainer) -> dict[WorkerId, WireGuard]:
-    """Put forgeries and receiver-side checks on ``trainer``'s arrival path, in front of its verifier.
-
-    Every worker gets a ``WireGuard`` over its own codec; the driver's monitor becomes
-    forgeries → guards → SENTINEL (if on). Returns the guards, whose ``pop_rejections`` hold the
-    records of refused messages. Call it once, after building the trainer and before training.
-    """
-    cfg = trainer.cfg
-    guards = {wid: WireGuard(worker.codec, cfg.model.seq_len, cfg.model.d_model, cfg.model.vocab_size)
-              for wid, worker in trainer.workers.items()}
-    trust = trainer.plugins["trust"].trust
-    arrival = GuardedArrival(guards, trainer.workers, trust.sentinel)
-    trainer.driver.monitors.clear()  # the chain below ends in the verifier itself
-    trainer.driver.attach_monitor(WireTap(trust.attacks, arrival), cfg.verify.charge_time)
-    return guards

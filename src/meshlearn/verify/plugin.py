@@ -42,6 +42,37 @@ class TrustCallback(Callback):
             self.decision_log.close()
 
 
+class WireRejectsCallback(Callback):
+    """Every message a receiver's guard refused (``compress.wire_checks``) becomes a
+    ``wire_reject`` record in metrics.jsonl, a ``wire_rejects`` count in the step's train record and
+    a total in summary.json. Present in every run: honest peers never trip it, and a lying one must
+    leave a trace even when nothing verifies or attacks on purpose."""
+
+    def __init__(self, ctx: PluginContext):
+        self.guards = [w.guard for w in ctx.workers.values() if w.guard is not None]
+        self.total = 0
+
+    def on_step_end(self, step: int, report) -> StepOutput:
+        records = [r.record() for guard in self.guards for r in guard.pop_rejections()]
+        self.total += len(records)
+        return StepOutput({"wire_rejects": len(records)} if records else {}, records)
+
+    def state_dict(self) -> int:
+        return self.total
+
+    def load_state_dict(self, state: int | None) -> None:
+        self.total = state or 0
+
+    def summary(self) -> dict:
+        return {"wire_rejections": self.total}
+
+
+def wire_rejects_plugin(ctx: PluginContext) -> WireRejectsCallback | None:
+    """Only where the guards live in this process's workers (the simulator; a dist process logs its
+    own rejections to stderr)."""
+    return WireRejectsCallback(ctx) if ctx.driver.writes_records and ctx.driver.shard is None else None
+
+
 def trust_plugin(ctx: PluginContext) -> TrustCallback | None:
     """Present when the run verifies or attacks anything (else it leaves no trace in the outputs)."""
     callback = TrustCallback(ctx)

@@ -131,6 +131,7 @@ class TrustLayer:
                              f"model; attack a stage in 1..{self.mesh.stages - 2}")
         self.attacks[wid] = attack
         self.workers[wid].tamper = attack
+        self.workers[wid].forge = attack.forge
 
     # --- after each step ---------------------------------------------------------------------
 
@@ -189,7 +190,7 @@ class TrustLayer:
         donor = self._donor(wid)
         state = copy.deepcopy(self.workers[donor].state_dict())  # no tensor may be shared between peers
         self.workers[wid].load_state_dict(state)
-        self.workers[wid].tamper = None
+        self.workers[wid].tamper = self.workers[wid].forge = None
         attack = self.attacks.get(wid)
         running = attack is not None and attack.stopped_at is None and ban.step >= attack.start_step
         self.honest_bans += not running  # every ban of a worker not attacking at the time
@@ -283,7 +284,7 @@ class TrustLayer:
             if wid in self.attacks:
                 self.attacks[wid].load_state_dict(attack_state)
                 if self.attacks[wid].stopped_at is not None:
-                    self.workers[wid].tamper = None
+                    self.workers[wid].tamper = self.workers[wid].forge = None
         self.messages = {k: Confusion(**c) for k, c in state["messages"].items()}
         self.warmup_messages = state["warmup_messages"]
         self.skipped = dict(state["skipped"])
