@@ -10,11 +10,13 @@ import torch
 from tiny import tiny_config
 from torch.func import functional_call
 
+from meshlearn.config import ConfigError
 from meshlearn.data import global_batch, shard_batch
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder, init_model, merge_stages, split_model
 from meshlearn.optim import build_optimizer
 from meshlearn.train import Trainer
+from meshlearn.train.assemble import stage_in_flight
 from meshlearn.train.schedule_lr import lr_factor
 
 ASYNC = ["mesh.schedule=async", "mesh.microbatches=4", "train.steps=3"]
@@ -27,12 +29,13 @@ def train_records(run_dir, kind="train"):
 
 def delayed_oracle(trainer: Trainer, steps: int) -> tuple[list[float], Decoder]:
     """One process, the unsplit model's stages: microbatch j's forward at stage s uses the weights
-    of version max(0, j − (n_s − 1)) // update_every, n_s = P − s microbatches in flight — the
-    version 1F1B without a flush has when it runs F(j) — and its backward the same weights; each
+    of version max(0, j − (n_s − 1)) // update_every, n_s the stage's in-flight depth (P − s by
+    default) — the version no-flush 1F1B has when it runs F(j) — and its backward the same weights; each
     stage steps after every group of update_every microbatches, averaged over the replicas and
     clipped per stage at grad_clip / √P."""
     cfg = trainer.cfg
     P, D, M, ue = cfg.mesh.stages, cfg.mesh.replicas, cfg.mesh.microbatches, cfg.mesh.update_every
+    depth = [trainer.workers[WorkerId(0, s)].plan.in_flight for s in range(P)]
     stages = split_model(init_model(cfg.model, cfg.seed), P)
     optimizers = [build_optimizer(stage, cfg.optim, cfg.train.lr, cfg.train.steps) for stage in stages]
     history = [[{n: p.detach().clone() for n, p in stage.named_parameters()}] for stage in stages]
@@ -48,7 +51,7 @@ def delayed_oracle(trainer: Trainer, steps: int) -> tuple[list[float], Decoder]:
             for r in range(D):
                 weights = []
                 for s in range(P):
-                    version = max(0, j - (P - s - 1)) // ue
+                    version = max(0, j - (depth[s] - 1)) // ue
                     kept = history[s][version]
                     weights.append({n: w.clone().requires_grad_(True) for n, w in kept.items()})
                 h = shards[r][m][0]
@@ -100,13 +103,43 @@ def test_stashed_async_mesh_equals_the_delayed_oracle(tiny_corpus, tmp_path, sta
         assert max_param_gap(mesh_model(trainer, r), oracle) <= 1e-5
 
 
-def test_update_groups_follow_the_oracle_too(tiny_corpus, tmp_path):
-    cfg = tiny_config(tiny_corpus, *ASYNC, "mesh.stages=4", "mesh.update_every=2")
+@pytest.mark.parametrize("overrides", [
+    ["mesh.update_every=2"],
+    ["mesh.in_flight=6"],  # deeper than 1F1B: more staleness, the same oracle
+    ["optim.name=nadamw", "mesh.replicas=2"],
+    ["optim.name=muon", "mesh.replicas=2"],
+    ["optim.name=numuon"],
+], ids=["update_every", "in_flight", "nadamw", "muon", "numuon"])
+def test_groups_depths_and_optimizers_follow_the_oracle_too(tiny_corpus, tmp_path, overrides):
+    cfg = tiny_config(tiny_corpus, *ASYNC, "mesh.stages=4", *overrides)
     trainer = Trainer(cfg, tmp_path, progress=False)
     mesh_losses = [trainer.step() for _ in range(3)]
     oracle_losses, oracle = delayed_oracle(trainer, 3)
     assert max(abs(a - b) for a, b in zip(mesh_losses, oracle_losses, strict=True)) <= 1e-5
     assert max_param_gap(mesh_model(trainer), oracle) <= 1e-5
+
+
+def test_in_flight_auto_covers_the_round_trip_and_respects_the_cap(tiny_corpus):
+    """With links slow against compute, auto holds more than 1F1B's P − s (capped); with free links
+    it is 1F1B's depth; the last stage always holds one."""
+    slow = tiny_config(tiny_corpus, *ASYNC, "mesh.stages=4", "mesh.in_flight=auto", "link.latency_ms=50",
+                       "mesh.max_in_flight=12")
+    depths = [stage_in_flight(slow, s) for s in range(4)]
+    assert depths[-1] == 1 and all(d == 12 for d in depths[:-1])
+    free = tiny_config(tiny_corpus, *ASYNC, "mesh.stages=4", "mesh.in_flight=auto", "link.latency_ms=0",
+                       "link.bandwidth_mbit=inf")
+    assert [stage_in_flight(free, s) for s in range(4)] == [4, 3, 2, 1]
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("mesh.update_every=3", "mesh.update_every = 3: must divide mesh.microbatches = 4"),
+    ("mesh.in_flight=0", "mesh.in_flight = '0': allowed: default, auto or a positive integer"),
+    ("mesh.schedule=1f1b", "mesh.weight_stashing = False: only the async schedule uses it"),
+])
+def test_bad_async_settings_name_the_field(tiny_corpus, override, message):
+    extra = ["mesh.weight_stashing=false"] if override == "mesh.schedule=1f1b" else []
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(tiny_corpus, *ASYNC, *extra, override)
 
 
 def test_without_stashing_the_mesh_leaves_the_oracle(tiny_corpus, tmp_path):
