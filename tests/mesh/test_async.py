@@ -129,6 +129,8 @@ def test_in_flight_auto_covers_the_round_trip_and_respects_the_cap(tiny_corpus):
     free = tiny_config(tiny_corpus, *ASYNC, "mesh.stages=4", "mesh.in_flight=auto", "link.latency_ms=0",
                        "link.bandwidth_mbit=inf")
     assert [stage_in_flight(free, s) for s in range(4)] == [4, 3, 2, 1]
+    deep = tiny_config(tiny_corpus, *ASYNC, "mesh.stages=4", "mesh.in_flight=16")
+    assert [stage_in_flight(deep, s) for s in range(4)] == [16, 11, 6, 1]  # 1F1B's shape, scaled
 
 
 @pytest.mark.parametrize(("override", "message"), [

@@ -33,7 +33,8 @@ class MeshConfig:
     in_flight: str = "default"
     """async: microbatches a stage may hold between forward and backward: ``default`` (P − s, as
     1F1B), ``auto`` (enough to cover the pipeline round trip on the configured links, capped by
-    mesh.max_in_flight) or a positive integer (the same for every stage but the last, which needs 1)."""
+    mesh.max_in_flight) or a positive integer N: the first stage's depth, later stages
+    proportionally fewer (1 + ⌈(N − 1)(P − 1 − s)/(P − 1)⌉; N = P is the default), the last 1."""
     max_in_flight: int = 16
     """async: the cap of mesh.in_flight = auto (bounds staleness and stash memory)."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,7 +121,10 @@ def stage_in_flight(cfg: RunConfig, stage: int) -> int:
     if text == "default":
         return below + 1
     if text.isdigit():
-        return int(text)
+        # N is the first stage's depth; later stages hold proportionally fewer, 1F1B's shape (N = P
+        # gives P − s). A uniform depth would make a stage wait, in plan order, for an activation
+        # while a gradient it could backward sits in its inbox.
+        return 1 + math.ceil((int(text) - 1) * below / (stages - 1))
     # auto: the stage's own forward+backward per microbatch against the round trip below it
     compute = ComputeModel(cfg.sim, cfg.model)
     micro = cfg.train.batch_size // mesh.replicas // mesh.microbatches
