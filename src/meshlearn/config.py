@@ -20,6 +20,7 @@ import tomli_w
 
 from meshlearn.compress.registry import CODECS, WIRE_DTYPES, CodecConfig
 from meshlearn.distributed.settings import DistConfig, validate_dist
+from meshlearn.dp.settings import DPConfig, validate_dp
 from meshlearn.mesh.basis_updates import BasisUpdateConfig
 from meshlearn.mesh.compute import DEVICES, ComputeConfig
 from meshlearn.mesh.network import LinkProfile
@@ -98,6 +99,7 @@ class RunConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    dp: DPConfig = field(default_factory=DPConfig)
 
 
 # --- building the tree -----------------------------------------------------------------------
@@ -317,3 +319,4 @@ def validate(cfg: RunConfig) -> None:
     _validate_verify(cfg)
     validate_attack(cfg, _require)
     validate_dist(cfg, _require)
+    validate_dp(cfg, _require)
