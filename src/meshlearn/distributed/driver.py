@@ -26,7 +26,7 @@ from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_unti
 from meshlearn.distributed.transport import Transport
 from meshlearn.distributed.wire import PREFIX_BYTES
 from meshlearn.mesh.messages import Message
-from meshlearn.mesh.network import Network
+from meshlearn.mesh.network import build_network
 from meshlearn.mesh.schedule import AsyncPlan
 from meshlearn.mesh.sim import StepReport
 from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm
@@ -60,7 +60,7 @@ class DistDriver:
         self.dp_group = dp_group
         self.shaped = cfg.dist.shaping == "sender"
         self.epoch = time.monotonic()
-        self.network = Network(cfg.link, seed=cfg.seed)
+        self.network = build_network(cfg.link, cfg.links, self.mesh, cfg.seed)
         self.prev = self.mesh.prev_stage(self.me)
         self.next = self.mesh.next_stage(self.me)
         replicas = self.mesh.replicas

@@ -25,6 +25,7 @@ from meshlearn.data import (
 from meshlearn.dp.registry import build_strategy
 from meshlearn.mesh.compute import ComputeModel, StageShape
 from meshlearn.mesh.network import Network
+from meshlearn.mesh.network import build_network as network_from_config
 from meshlearn.mesh.schedule import build_plan, round_trip_in_flight
 from meshlearn.mesh.sim import SimDriver
 from meshlearn.mesh.topology import MeshShape, WorkerId
@@ -143,7 +144,9 @@ def dp_link_profile(cfg: RunConfig, wid: WorkerId):
 
 
 def build_network(cfg: RunConfig) -> Network:
-    return Network(cfg.link, seed=cfg.seed)
+    """The run's links: ``link.*``, the per-axis profiles and per-link overrides of ``links.*``."""
+    return network_from_config(cfg.link, cfg.links, MeshShape(cfg.mesh.replicas, cfg.mesh.stages),
+                               cfg.seed)
 
 
 def build_sim_driver(cfg: RunConfig, workers: dict[WorkerId, Worker]) -> SimDriver:
