@@ -20,9 +20,10 @@ import tomli_w
 
 from meshlearn.compress.registry import CODECS, WIRE_DTYPES, CodecConfig
 from meshlearn.distributed.settings import DistConfig, validate_dist
+from meshlearn.dp.settings import DPConfig, validate_dp
 from meshlearn.mesh.basis_updates import BasisUpdateConfig
 from meshlearn.mesh.compute import DEVICES, ComputeConfig
-from meshlearn.mesh.network import LinkProfile
+from meshlearn.mesh.network import LinkProfile, LinksConfig, parse_overrides
 from meshlearn.mesh.settings import MeshConfig, validate_mesh
 from meshlearn.models.llama import DecoderConfig
 from meshlearn.optim.factory import OptimConfig, validate_optim
@@ -89,6 +90,7 @@ class RunConfig:
     model: DecoderConfig = field(default_factory=DecoderConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     link: LinkProfile = field(default_factory=LinkProfile)
+    links: LinksConfig = field(default_factory=LinksConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -98,6 +100,7 @@ class RunConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    dp: DPConfig = field(default_factory=DPConfig)
 
 
 # --- building the tree -----------------------------------------------------------------------
@@ -289,6 +292,16 @@ def validate(cfg: RunConfig) -> None:
     for key, value in [("link.latency_ms", link.latency_ms), ("link.jitter_ms", link.jitter_ms)]:
         _require(value >= 0 and math.isfinite(value), key, value, "must be a finite number >= 0")
     _require(0 <= link.loss_rate < 1, "link.loss_rate", link.loss_rate, "must be in [0, 1)")
+    for key, value in [("links.dp_bandwidth_mbit", cfg.links.dp_bandwidth_mbit),
+                       ("links.pp_bandwidth_mbit", cfg.links.pp_bandwidth_mbit)]:
+        _require(value >= 0, key, value, "must be > 0, or 0 for link.bandwidth_mbit")
+    for key, value in [("links.dp_latency_ms", cfg.links.dp_latency_ms),
+                       ("links.pp_latency_ms", cfg.links.pp_latency_ms)]:
+        _require(value >= 0 or value == -1, key, value, "must be >= 0, or -1 for link.latency_ms")
+    try:
+        parse_overrides(cfg.links.overrides)
+    except ValueError as err:
+        raise ConfigError("links.overrides", cfg.links.overrides, str(err)) from None
     _validate_codec(cfg)
     validate_optim(cfg.optim, _require)
     _require(train.lr > 0, "train.lr", train.lr, "must be > 0")
@@ -317,3 +330,4 @@ def validate(cfg: RunConfig) -> None:
     _validate_verify(cfg)
     validate_attack(cfg, _require)
     validate_dist(cfg, _require)
+    validate_dp(cfg, _require)

@@ -11,6 +11,7 @@ norms and byte counters, so whichever process writes metrics logs real losses, n
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -25,7 +26,7 @@ from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_unti
 from meshlearn.distributed.transport import Transport
 from meshlearn.distributed.wire import PREFIX_BYTES
 from meshlearn.mesh.messages import Message
-from meshlearn.mesh.network import Network
+from meshlearn.mesh.network import build_network
 from meshlearn.mesh.schedule import AsyncPlan
 from meshlearn.mesh.sim import StepReport
 from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm
@@ -37,7 +38,7 @@ EVAL_STEP = -1  # the step number evaluation messages carry
 HEADER_ROOM = 64 * 1024  # bytes for a message's JSON header in the receive buffers
 # A row of the per-step gather: M losses, M flags (1 = loss present; a microbatch a verifier
 # quarantined has none), then these stats, then 3 link slots × (bytes sent, busy seconds).
-_SQ, _BUSY, _PP, _DP, _STALE, _LINKS = 0, 1, 2, 3, 4, 5
+_SQ, _BUSY, _PP, _DP, _STALE, _DPWAIT, _LINKS = 0, 1, 2, 3, 4, 5, 6
 
 
 class DistDriver:
@@ -59,15 +60,22 @@ class DistDriver:
         self.dp_group = dp_group
         self.shaped = cfg.dist.shaping == "sender"
         self.epoch = time.monotonic()
-        self.network = Network(cfg.link, seed=cfg.seed)
+        self.network = build_network(cfg.link, cfg.links, self.mesh, cfg.seed)
         self.prev = self.mesh.prev_stage(self.me)
         self.next = self.mesh.next_stage(self.me)
         replicas = self.mesh.replicas
         self.ring_next = WorkerId((self.me.replica + 1) % replicas, self.me.stage) if replicas > 1 else None
         # Link slots of the gather, in order: to the next stage, to the previous, to the ring's next.
         self.slots = [(self.me, peer) for peer in (self.next, self.prev, self.ring_next)]
+        # A message-based DP strategy's peers: the other replicas of this stage (meshlearn.dp).
+        self.dp = worker.dp if worker.dp is not None and not worker.dp.collective else None
+        self.dp_peers = ([WorkerId(r, self.me.stage) for r in range(replicas) if r != self.me.replica]
+                         if self.dp is not None else [])
+        self.dp_started: dict[tuple[int, int], float] = {}  # round key → monotonic start
+        self.dp_wait_s = 0.0  # seconds this worker's updates waited on the DP axis
+        self.dp_capacity = PREFIX_BYTES + HEADER_ROOM + 4 * worker.n_params  # larger: oversize path
         pacers = {peer: Pacer(self.network.link(self.me, peer), self.epoch, self.shaped)
-                  for peer in (self.prev, self.next) if peer is not None}
+                  for peer in (self.prev, self.next, *self.dp_peers) if peer is not None}
         micro = cfg.train.batch_size // replicas // cfg.mesh.microbatches
         self.deadlines = derive_deadlines(
             cfg.dist, cfg.link, message_bytes=micro * cfg.model.seq_len * cfg.model.d_model * 4,
@@ -107,6 +115,8 @@ class DistDriver:
             action = worker.next_action()
             if action is None:  # its input has not arrived yet
                 self._receive_one()
+            elif action.kind == "U" and self.dp is not None:
+                rows = self._dp_update(action, pp_before, dp_before)
             elif action.kind == "U" and worker.plan.flushes:
                 rows = self._flush_update(action, pp_before, dp_before)
             elif action.kind == "U":
@@ -117,6 +127,8 @@ class DistDriver:
                 self.busy_s += time.perf_counter() - started
                 for message in outgoing:
                     self.transport.send(message, self.capacity)
+        if self.dp is not None and source.next_drain(step) == step:
+            self._dp_settle()
         stats = worker.pop_stats(step)
         if worker.plan.flushes:
             return [self._report(step, rows)]
@@ -146,7 +158,13 @@ class DistDriver:
         kind, j = self.worker.plan.peek(self.worker.horizon)
         peer, what = (self.prev, "activation") if kind == "F" else (self.next, "gradient")
         step, m = divmod(j, self.cfg.mesh.microbatches)
-        message = self.transport.next_message(f"{what} of microbatch {m} (step {step + 1})", peer)
+        self._deliver(self.transport.next_message(f"{what} of microbatch {m} (step {step + 1})", peer))
+
+    def _deliver(self, message: Message) -> None:
+        """Hand an arrival to its consumer: a dp message to the strategy, the rest to the worker."""
+        if message.kind == "dp":
+            self._dp_deliver(message)
+            return
         message = self.worker.admit(message)  # a forged message is quarantined, never decoded
         for rejection in self.worker.guard.pop_rejections() if self.worker.guard else ():
             self.rejections += 1
@@ -183,11 +201,101 @@ class DistDriver:
         self.worker.apply_update(action, coef, sq_norm)
         self.busy_s += time.perf_counter() - started
 
+    # --- a message-based DP strategy (meshlearn.dp.base): the simulator's phases, in real time ---
+
+    def _dp_update(self, action, pp_before: int, dp_before: int) -> torch.Tensor | None:
+        """pre_step → (its rounds) → clip and step → post_step → wait for what the update applies,
+        each wait bounded by its round's deadline → apply."""
+        worker, strategy = self.worker, self.dp
+        u = worker.version
+        for peer in self.dp_peers:
+            self.transport.expect(peer, strategy.expects(u), self.dp_capacity)
+        started = time.monotonic()
+        self._dp_send(strategy.pre_step(u))
+        while not strategy.pre_ready(u):
+            self._dp_wait(f"the DP round of update {u + 1}", None)
+        self.dp_wait_s += time.monotonic() - started
+        rows = None
+        if worker.plan.flushes:
+            # The global clip needs every stage's norm: a scalar gather; the step's report row is
+            # gathered after this update's rounds have left, so its DP bytes are the step's.
+            sq_rows = self._gather(torch.tensor([[worker.grad_sq_norm()]], dtype=torch.float64))[:, 0, 0]
+            replica = self.me.replica if strategy.drifts else 0
+            sq_norm = sum(sq_rows[self.mesh.rank(WorkerId(replica, s))].item()
+                          for s in range(self.mesh.stages))
+            grad_clip = self.cfg.train.grad_clip
+            if grad_clip > 0 and self.shaped:
+                time.sleep(self.network.default.latency_s)
+            began = time.perf_counter()
+            worker.apply_update(action, clip_coefficient(sq_norm, grad_clip), sq_norm)
+            self.busy_s += time.perf_counter() - began
+        else:
+            sq_norm = worker.grad_sq_norm()
+            coef = clip_coefficient(sq_norm, stage_clip_norm(self.cfg.train.grad_clip, self.mesh.stages))
+            began = time.perf_counter()
+            worker.apply_update(action, coef, sq_norm)
+            self.busy_s += time.perf_counter() - began
+        self._dp_send(strategy.post_step(u))
+        started = time.monotonic()
+        self._dp_poll()
+        while (key := strategy.post_wait(u)) is not None:
+            limit = strategy.deadline_s(key)
+            if not self._dp_wait(f"the DP round of update {key[0] + 1}",
+                                 None if limit is None else self.dp_started[key] + limit):
+                strategy.expire(key)
+        strategy.apply(u)
+        self.dp_wait_s += time.monotonic() - started
+        if worker.plan.flushes:
+            step = action.microbatch // self.cfg.mesh.microbatches
+            stats = worker.stats.get(step, StepStats())
+            row = self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before,
+                            sq_norm=stats.update_sq_norms[-1])
+            rows = self._gather(row[None])[:, 0]
+        return rows
+
+    def _dp_send(self, messages: list[Message]) -> None:
+        for message in messages:
+            self.dp_started.setdefault((message.step, message.microbatch), time.monotonic())
+            self.transport.send(message, self.dp_capacity)
+
+    def _dp_deliver(self, message: Message) -> None:
+        key = (message.step, message.microbatch)
+        started, limit = self.dp_started.get(key), self.dp.deadline_s(key)
+        arrived = getattr(message, "received_at", time.monotonic())
+        if started is not None and limit is not None and arrived > started + limit:
+            self.dp.expire(key)  # late: the round is dropped, as the simulator drops it
+        else:
+            self._dp_send(self.dp.receive(message))
+
+    def _dp_wait(self, what: str, give_up_at: float | None) -> bool:
+        """Take one arrival (any kind); False if ``give_up_at`` passed first."""
+        peer = self.dp_peers[0] if self.dp_peers else self.me
+        message = self.transport.next_message(what, peer, give_up_at)
+        if message is None:
+            return False
+        self._deliver(message)
+        return True
+
+    def _dp_poll(self) -> None:
+        """Deliver everything that has already arrived, without waiting."""
+        while self._dp_wait("nothing", time.monotonic()):
+            pass
+
+    def _dp_settle(self) -> None:
+        """At a drain point: rounds still open land or miss their deadline (then dropped)."""
+        for key in self.dp.exchange.open_keys():
+            limit = self.dp.deadline_s(key)
+            while key in self.dp.exchange.open_keys():
+                if not self._dp_wait(f"the DP round of update {key[0] + 1}",
+                                     None if limit is None else self.dp_started[key] + limit):
+                    self.dp.expire(key)
+
     def _allreduce_gradients(self) -> None:
         """Mean of the stage's gradients over its replicas: (Σ over replicas) / D, as the simulator."""
         replicas = self.mesh.replicas
         if replicas == 1:
             return
+        started = time.monotonic()
         grads = self.worker.grads()
         flat = torch.cat([g.reshape(-1) for g in grads])
         work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
@@ -204,6 +312,7 @@ class DistDriver:
         nbytes = flat.numel() * flat.element_size()
         link = self.network.link(self.me, self.ring_next)
         hold_until(allreduce_release_at(link, self.epoch, joined, nbytes, replicas, self.shaped))
+        self.dp_wait_s += time.monotonic() - started
 
     def _row(self, stats: StepStats, bytes_pp: int, bytes_dp: int,
              sq_norm: float | None = None) -> torch.Tensor:
@@ -219,6 +328,7 @@ class DistDriver:
         row[at + _PP] = bytes_pp
         row[at + _DP] = bytes_dp
         row[at + _STALE] = sum(stats.staleness) / len(stats.staleness) if stats.staleness else 0.0
+        row[at + _DPWAIT] = self.dp_wait_s
         for i, (src, dst) in enumerate(self.slots):
             if dst is not None:
                 link = self.network.link(src, dst)
@@ -261,7 +371,30 @@ class DistDriver:
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Replica 0's stages forward the validation batches as a pipeline (unshaped, uncounted:
-        the simulator charges no time for evaluation either); every process gets the mean loss."""
+        the simulator charges no time for evaluation either); every process gets the mean loss.
+        When the DP strategy lets replicas drift: the loss of the fully averaged model (a mean
+        over each stage's dp group at this drain point), replica 0's own in ``eval_fields``."""
+        own = self._evaluate(batches, self.worker.module)
+        self._eval_fields = {}
+        if self.dp is None or not self.dp.drifts:
+            return own
+        averaged = copy.deepcopy(self.worker.module)
+        flat = torch.cat([p.detach().reshape(-1) for p in averaged.parameters()])
+        work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+        self.health.wait_work(work, "the average of the replicas for evaluation", self.deadlines.collective_s)
+        flat.div_(self.mesh.replicas)
+        offset = 0
+        for p in averaged.parameters():
+            p.data.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self._eval_fields = {"val_loss_replica0": own}
+        return self._evaluate(batches, averaged)
+
+    def eval_fields(self) -> dict:
+        return getattr(self, "_eval_fields", {})
+
+    @torch.no_grad()
+    def _evaluate(self, batches, module) -> float:
         worker, loss = self.worker, 0.0
         if self.me.replica == 0:
             if self.prev:
@@ -274,7 +407,7 @@ class DistDriver:
                     message = self.transport.next_message(f"validation activation {i}", self.prev)
                     ids = message.payload.tensors.get("ids")
                     h = worker.codec.decode(message.payload, "act")
-                out = worker.module(h)
+                out = module(h)
                 if worker.is_last:
                     losses.append(Decoder.loss(out, y.to(self.device)).item())
                 else:
@@ -318,7 +451,19 @@ class DistDriver:
             "compute_model": f"real: {self.mesh.world_size} processes over {self.comm}, "
                              f"shaping={self.cfg.dist.shaping}",
             "links": links,
-        }
+        } | self._dp_summary()
+
+    def _dp_summary(self) -> dict:
+        """The DP strategy's counters summed over every process (a collective: all call it)."""
+        if self.dp is None:
+            return {}
+        keys = list(self.dp.summary())
+        mine = torch.tensor([self.dp_wait_s, *self.dp.summary().values()], dtype=torch.float64)
+        kept = self.rows
+        rows = self._gather(mine[None])[:, 0]
+        self.rows = kept
+        totals = rows.sum(0).tolist()
+        return {"dp_wait_s": totals[0], **{k: int(v) for k, v in zip(keys, totals[1:], strict=True)}}
 
     def state(self) -> dict:
         return {"network": self.network.state(), "busy_s": self.busy_s}

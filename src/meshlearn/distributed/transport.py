@@ -92,16 +92,22 @@ class Transport:
         if count:
             self._recv_q[src].put((count, capacity))
 
-    def next_message(self, waiting_for: str, peer: WorkerId) -> Message:
+    def next_message(self, waiting_for: str, peer: WorkerId,
+                     give_up_at: float | None = None) -> Message | None:
         """The next message to arrive on any link; ``waiting_for`` and ``peer`` name what the
-        worker needs, for the error if nothing comes within the deadline."""
+        worker needs, for the error if nothing comes within the deadline. With ``give_up_at`` (a
+        monotonic time; a DP round's deadline) it returns None then instead of failing."""
         deadline = time.monotonic() + self.message_s
+        if give_up_at is not None and give_up_at < deadline:
+            deadline = give_up_at
         while True:
             self.health.check()
             self._raise_send_errors()
             try:
                 item = self.inbox.get(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
             except queue.Empty:
+                if time.monotonic() >= deadline and give_up_at is not None and deadline == give_up_at:
+                    return None
                 if time.monotonic() >= deadline:
                     raise WorkerFailure(self.health.abort(
                         f"worker {peer} sent no {waiting_for} within {self.message_s:.1f} s "
@@ -183,7 +189,9 @@ class Transport:
                         dist.irecv(buffer, src, group=group, tag=OVERSIZE_TAG).wait(timeout)
                     if self.device.type == "cuda":
                         torch.cuda.current_stream(self.device).synchronize()
-                    self.inbox.put(unpack(buffer, peer))
+                    message = unpack(buffer, peer)
+                    message.received_at = time.monotonic()  # a DP round's deadline is judged by it
+                    self.inbox.put(message)
             except Exception as err:  # noqa: BLE001 — delivered to the main thread as an error
                 self.inbox.put(_Broken(f"lost the connection to worker {peer} while receiving "
                                        f"from it ({gist(err)}; noticed by {self.me})"))

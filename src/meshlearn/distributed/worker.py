@@ -99,6 +99,17 @@ def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
             forward, backward = dist.new_group(ranks), dist.new_group(ranks)  # one per direction
             if me in (a, b):
                 links[(a, b)], links[(b, a)] = forward, backward
+    if cfg.dp.name != "allreduce" and mesh.replicas > 1:
+        # A message-based DP strategy: one group per directed pair of a stage's replicas, as the
+        # pipeline links (its rounds travel point to point in the background, never as collectives).
+        for s in range(mesh.stages):
+            for a in range(mesh.replicas):
+                for b in range(mesh.replicas):
+                    if a != b:
+                        src, dst = WorkerId(a, s), WorkerId(b, s)
+                        group = dist.new_group([mesh.rank(src), mesh.rank(dst)])
+                        if me in (src, dst):
+                            links[(src, dst)] = group
     # Every process builds the same seeded unsplit model and keeps its stage: identical replicas.
     module = split_model(init_model(cfg.model, cfg.seed), mesh.stages)[me.stage].to(session.device)
     worker = build_worker(cfg, me, module)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshlearn.mesh.topology import WorkerId
 
@@ -88,13 +88,14 @@ class Network:
     default: LinkProfile
     seed: int = 0
     overrides: dict[tuple[WorkerId, WorkerId], LinkProfile] = field(default_factory=dict)
+    axes: dict[str, LinkProfile] = field(default_factory=dict)  # per-axis profiles ("pp", "dp")
     links: dict[tuple[WorkerId, WorkerId], Link] = field(default_factory=dict)
 
     def link(self, src: WorkerId, dst: WorkerId) -> Link:
         key = (src, dst)
         if key not in self.links:
             axis = "pp" if src.replica == dst.replica else "dp"
-            profile = self.overrides.get(key, self.default)
+            profile = self.overrides.get(key, self.axes.get(axis, self.default))
             rng = random.Random(f"{self.seed}:{src}->{dst}")
             self.links[key] = Link(src, dst, axis, profile, rng)
         return self.links[key]
@@ -109,6 +110,83 @@ class Network:
         for key, link_state in state.items():
             src, dst = key.split("->")
             self.link(WorkerId.parse(src), WorkerId.parse(dst)).load_state(link_state)
+
+
+@dataclass(frozen=True)
+class LinksConfig:
+    """Heterogeneous links. Config keys under ``links.``; every profile not set here is ``link.*``.
+
+    Example: DP links at 50 Mbit/s / 80 ms, and one slow participant::
+
+        [links]
+        dp_bandwidth_mbit = 50
+        dp_latency_ms = 80
+        overrides = "r1s2->*: bandwidth_mbit=20; *->r1s2: bandwidth_mbit=20"
+    """
+
+    dp_bandwidth_mbit: float = 0.0
+    """Bandwidth of every DP link (between replicas of one stage); 0 = link.bandwidth_mbit."""
+    dp_latency_ms: float = -1.0
+    """One-way latency of every DP link; -1 = link.latency_ms."""
+    pp_bandwidth_mbit: float = 0.0
+    """Bandwidth of every PP link (stage s → s±1 of one replica); 0 = link.bandwidth_mbit."""
+    pp_latency_ms: float = -1.0
+    """One-way latency of every PP link; -1 = link.latency_ms."""
+    overrides: str = ""
+    """Per-link profiles, ``;``-separated ``SRC->DST: key=value, ...`` with SRC/DST a worker
+    (r1s2) or ``*``, keys any of link.* (bandwidth_mbit, latency_ms, jitter_ms, loss_rate). Later
+    entries win; an override starts from the link's axis profile."""
+
+
+def parse_overrides(text: str) -> list[tuple[str, str, dict[str, float]]]:
+    """``links.overrides`` → [(src, dst, {field: value})]; raises ValueError naming the entry."""
+    out = []
+    fields = {f for f in LinkProfile.__dataclass_fields__}
+    for entry in (e.strip() for e in text.split(";")):
+        if not entry:
+            continue
+        try:
+            ends, settings = entry.split(":", 1)
+            src, dst = (x.strip() for x in ends.split("->"))
+            for who in (src, dst):
+                if who != "*":
+                    WorkerId.parse(who)
+            values = {}
+            for item in (i.strip() for i in settings.split(",") if i.strip()):
+                key, value = (x.strip() for x in item.split("="))
+                if key not in fields:
+                    raise ValueError(f"unknown key {key!r}; allowed: {sorted(fields)}")
+                values[key] = float(value)
+        except ValueError as err:
+            raise ValueError(f"links.overrides entry {entry!r}: {err} (form: 'r0s1->r1s1: "
+                             "bandwidth_mbit=50, latency_ms=80')") from None
+        out.append((src, dst, values))
+    return out
+
+
+def build_network(link: LinkProfile, links: LinksConfig, mesh, seed: int) -> Network:
+    """The run's links: the default profile, per-axis profiles, then the per-link overrides."""
+    def axis(bw: float, lat: float) -> LinkProfile:
+        return replace(link, bandwidth_mbit=bw if bw > 0 else link.bandwidth_mbit,
+                       latency_ms=lat if lat >= 0 else link.latency_ms)
+
+    axes = {"pp": axis(links.pp_bandwidth_mbit, links.pp_latency_ms),
+            "dp": axis(links.dp_bandwidth_mbit, links.dp_latency_ms)}
+    overrides: dict[tuple[WorkerId, WorkerId], LinkProfile] = {}
+    rules = parse_overrides(links.overrides)
+    if rules:
+        for a in mesh.workers():
+            for b in mesh.workers():
+                if a == b or (a.replica != b.replica and a.stage != b.stage):
+                    continue
+                profile = axes["pp" if a.replica == b.replica else "dp"]
+                hit = False
+                for src, dst, values in rules:
+                    if src in ("*", str(a)) and dst in ("*", str(b)):
+                        profile, hit = replace(profile, **values), True
+                if hit:
+                    overrides[(a, b)] = profile
+    return Network(link, seed=seed, overrides=overrides, axes=axes)
 
 
 def ring_allreduce_s(nbytes: int, members: int, profile: LinkProfile) -> float:

@@ -11,6 +11,7 @@ next one's microbatches are already in flight, and only a drain point empties it
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 import math
@@ -41,6 +42,7 @@ class StepReport:
     bytes_dp: int
     grad_norm: float
     staleness: list[float] = field(default_factory=list)  # per stage: mean versions behind
+    dp_wait_s: float = 0.0  # seconds workers' updates waited on the DP axis (summed over workers)
 
 
 @dataclass
@@ -78,6 +80,11 @@ class SimDriver:
         self.events: list[tuple[float, int, str, object]] = []
         self.busy: set[WorkerId] = set()
         self.waiting: dict[WorkerId, Action] = {}  # workers at an update whose collective is not complete
+        # Workers inside a message-based DP strategy's phase (meshlearn.dp.base): (phase, U, since).
+        self.dp_wait: dict[WorkerId, tuple[str, Action, float]] = {}
+        self.dp_started: dict[tuple[WorkerId, tuple[int, int]], float] = {}  # round starts, per worker
+        self._dp_alarms: set[tuple[WorkerId, tuple[int, int]]] = set()
+        self.dp_wait_s = 0.0
         self.fed = -1  # the last step whose work the workers have
         # Steps whose every update has finished on the virtual clock, per worker (a worker applies an
         # update when its collective completes, but the update's compute ends later).
@@ -100,12 +107,14 @@ class SimDriver:
     @property
     def drained(self) -> bool:
         """Nothing in flight anywhere: a point where checkpoints and evaluation see settled weights."""
-        return not self.events and not self.waiting and all(w.idle for w in self.workers.values())
+        return (not self.events and not self.waiting and not self.dp_wait
+                and all(w.idle for w in self.workers.values()))
 
     def run_step(self, step: int, source) -> list[StepReport]:
         """Run until every worker has applied step ``step``'s updates (``source``: a WorkSource)."""
         pp_before = self.network.bytes_on_axis("pp")
         dp_before = self.network.bytes_on_axis("dp")
+        wait_before = self.dp_wait_s
         self._feed(step, source)
         for wid in self.workers:
             self._try_start(wid, self.clock.now[wid])
@@ -114,6 +123,12 @@ class SimDriver:
                 stuck = [str(w) for w, done in self.steps_done.items() if done <= step]
                 raise RuntimeError(f"pipeline deadlock: workers {stuck} wait for messages that never come")
             self._process(*heapq.heappop(self.events))
+        end = self.now
+        while self.events and source.next_drain(step) == step:
+            # A drain point: rounds a DP strategy runs in the background still land (or miss
+            # their deadline) before weights count as settled; they cost the step no time.
+            self._process(*heapq.heappop(self.events))
+        self.now = end
         stats = {w: worker.pop_stats(step) for w, worker in self.workers.items()}
         report = StepReport(
             step=step,
@@ -123,6 +138,7 @@ class SimDriver:
             bytes_dp=self.network.bytes_on_axis("dp") - dp_before,
             grad_norm=step_grad_norm(self.flushes, self.mesh, stats),
             staleness=stage_staleness(self.mesh, stats),
+            dp_wait_s=self.dp_wait_s - wait_before,
         )
         self.clock.step_end = self.now
         return [report]
@@ -150,6 +166,15 @@ class SimDriver:
                 arrival = self.network.link(message.src, message.dst).transmit(now, message.wire_bytes)
                 self._push(arrival, "arrive", message)
             self._try_start(wid, now)
+        elif kind == "posted":
+            self._dp_posted(*payload, now)
+        elif kind == "dp_deadline":
+            wid, key = payload
+            self._dp_alarms.discard(payload)
+            if wid in self.dp_wait:
+                self._dp_check(wid, now)
+        elif kind == "arrive" and payload.kind == "dp":
+            self._push(now, "deliver", payload)  # checked by the strategy's exchange, no verifier
         elif kind == "arrive":
             message: Message = self.workers[payload.dst].admit(payload)
             delay = 0.0
@@ -159,6 +184,8 @@ class SimDriver:
                 # The verifier sits on the path: the receiver gets the message once it is inspected.
                 delay += time.perf_counter() - started if charge_time else 0.0
             self._push(now + delay, "deliver", message)
+        elif payload.kind == "dp":
+            self._dp_deliver(payload, now)
         else:
             message = payload
             self.workers[message.dst].receive(message)
@@ -168,11 +195,14 @@ class SimDriver:
         heapq.heappush(self.events, (at, next(self._seq), kind, payload))
 
     def _try_start(self, wid: WorkerId, now: float) -> None:
-        if wid in self.busy or wid in self.waiting:
+        if wid in self.busy or wid in self.waiting or wid in self.dp_wait:
             return
         worker = self.workers[wid]
         action = worker.next_action()
         if action is None:
+            return
+        if action.kind == "U" and worker.dp is not None and not worker.dp.collective:
+            self._dp_begin(wid, action, max(now, self.clock.now[wid]))
             return
         if action.kind == "U":
             self._arrive_at_update(wid, action)
@@ -194,12 +224,15 @@ class SimDriver:
         update waits only for its stage's replicas (the all-reduce), or for nobody when D = 1."""
         self.waiting[wid] = action
         group = self.mesh.workers() if self.flushes else self.mesh.stage_replicas(wid.stage)
+        if not self.flushes and not _collective(self.workers[wid]):
+            group = [wid]  # its strategy exchanged messages already: nobody to wait for
         if all(self.waiting.get(w) == action for w in group):
             self._update(group)
 
     def _update(self, group: list[WorkerId]) -> None:
         ready = {w: self.clock.now[w] for w in group}
-        for stage in sorted({w.stage for w in group}):
+        arrived = dict(ready)
+        for stage in sorted({w.stage for w in group} if _collective(self.workers[group[0]]) else ()):
             replicas = self.mesh.stage_replicas(stage)
             nbytes = average_gradients([self.workers[w] for w in replicas])
             if len(replicas) > 1:
@@ -209,8 +242,13 @@ class SimDriver:
                 ready |= {w: start + seconds for w in replicas}
         if self.flushes:
             # Global-norm clipping needs every stage's norm: a scalar exchange, modeled as one latency.
-            sq_norm = sum(self.workers[WorkerId(0, s)].grad_sq_norm() for s in range(self.mesh.stages))
-            norms = {w: (sq_norm, clip_coefficient(sq_norm, self.grad_clip)) for w in group}
+            if _drifts(self.workers[group[0]]):  # replicas differ: each clips by its own norm
+                sq = {r: sum(self.workers[WorkerId(r, s)].grad_sq_norm() for s in range(self.mesh.stages))
+                      for r in range(self.mesh.replicas)}
+                norms = {w: (sq[w.replica], clip_coefficient(sq[w.replica], self.grad_clip)) for w in group}
+            else:
+                sq_norm = sum(self.workers[WorkerId(0, s)].grad_sq_norm() for s in range(self.mesh.stages))
+                norms = {w: (sq_norm, clip_coefficient(sq_norm, self.grad_clip)) for w in group}
             if self.grad_clip > 0:
                 barrier = max(ready.values()) + self.network.default.latency_s
                 ready = {w: barrier for w in group}
@@ -227,7 +265,79 @@ class SimDriver:
             seconds = self.compute.update_s(worker.n_params, time.perf_counter() - started)
             self.clock.busy_s[wid] += seconds
             self.busy.add(wid)
-            self._push(ready[wid] + seconds, "done", (wid, []))
+            if _collective(worker):
+                self.dp_wait_s += ready[wid] - arrived[wid] if worker.mesh.replicas > 1 else 0.0
+                self._push(ready[wid] + seconds, "done", (wid, []))
+            else:
+                self._push(ready[wid] + seconds, "posted", (wid, action))
+
+    # --- a message-based DP strategy's phases (meshlearn.dp.base) ------------------------------
+
+    def _dp_begin(self, wid: WorkerId, action: Action, now: float) -> None:
+        worker = self.workers[wid]
+        self._dp_send(wid, worker.dp.pre_step(worker.version), now)
+        self.dp_wait[wid] = ("pre", action, now)
+        self._dp_check(wid, now)
+
+    def _dp_posted(self, wid: WorkerId, action: Action, now: float) -> None:
+        """The optimizer step's compute ended: start the strategy's rounds, then wait for what
+        this update must apply (bounded by each round's deadline)."""
+        self.clock.now[wid] = now
+        self.busy.discard(wid)
+        worker = self.workers[wid]
+        self._dp_send(wid, worker.dp.post_step(worker.version - 1), now)
+        self.dp_wait[wid] = ("post", action, now)
+        self._dp_check(wid, now)
+
+    def _dp_send(self, wid: WorkerId, messages: list[Message], now: float) -> None:
+        for message in messages:
+            self.dp_started.setdefault((wid, (message.step, message.microbatch)), now)
+            arrival = self.network.link(message.src, message.dst).transmit(now, message.wire_bytes)
+            self._push(arrival, "arrive", message)
+
+    def _dp_deliver(self, message: Message, now: float) -> None:
+        wid, key = message.dst, (message.step, message.microbatch)
+        strategy = self.workers[wid].dp
+        started, limit = self.dp_started.get((wid, key)), strategy.deadline_s(key)
+        if started is not None and limit is not None and now > started + limit:
+            strategy.expire(key)  # late: the round is dropped, whenever the receiver looks
+        else:
+            self._dp_send(wid, strategy.receive(message), now)
+        if wid in self.dp_wait:
+            self._dp_check(wid, now)
+
+    def _dp_check(self, wid: WorkerId, now: float) -> None:
+        phase, action, since = self.dp_wait[wid]
+        worker = self.workers[wid]
+        strategy = worker.dp
+        if phase == "pre":
+            if not strategy.pre_ready(worker.version):
+                return
+            del self.dp_wait[wid]
+            self.dp_wait_s += now - since
+            self.clock.now[wid] = max(self.clock.now[wid], now)
+            self._arrive_at_update(wid, action)
+            return
+        u = worker.version - 1
+        while (key := strategy.post_wait(u)) is not None:
+            limit = strategy.deadline_s(key)
+            if limit is None:
+                return  # waited for: the next arrival checks again
+            deadline = self.dp_started[(wid, key)] + limit
+            if now < deadline:
+                if (wid, key) not in self._dp_alarms:
+                    self._dp_alarms.add((wid, key))
+                    self._push(deadline, "dp_deadline", (wid, key))
+                return
+            strategy.expire(key)
+        del self.dp_wait[wid]
+        self.dp_wait_s += now - since
+        strategy.apply(u)
+        for stale in [k for k in self.dp_started if k[0] == wid and k[1][0] < u - 64]:
+            del self.dp_started[stale]
+        self.clock.now[wid] = max(self.clock.now[wid], now)
+        self.steps_done[wid] = worker.steps_done
+        self._try_start(wid, now)
 
     def _charge_allreduce(self, replicas: list[WorkerId], start: float, nbytes: int) -> None:
         ring = list(zip(replicas, replicas[1:] + replicas[:1], strict=True))
@@ -240,11 +350,26 @@ class SimDriver:
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Validation loss through replica 0's stages; no virtual time is charged for it."""
+        """Validation loss through replica 0's stages; no virtual time is charged for it. When the
+        DP strategy lets replicas drift, the loss of the fully averaged model (the method note's
+        step 4), with replica 0's own beside it in ``eval_fields``."""
         assert self.drained, "evaluation runs at a drain point"
         stages = [self.workers[WorkerId(0, s)] for s in range(self.mesh.stages)]
-        losses = [pipeline_loss([w.module for w in stages], stages[0].codec, x, y) for x, y in batches]
+        codec = stages[0].codec
+        losses = [pipeline_loss([w.module for w in stages], codec, x, y) for x, y in batches]
+        own = sum(losses) / len(losses)
+        self._eval_fields = {}
+        if not _drifts(stages[0]) or self.mesh.replicas == 1:
+            return own
+        averaged = [average_replicas([self.workers[w].module for w in self.mesh.stage_replicas(s)])
+                    for s in range(self.mesh.stages)]
+        losses = [pipeline_loss(averaged, codec, x, y) for x, y in batches]
+        self._eval_fields = {"val_loss_replica0": own}
         return sum(losses) / len(losses)
+
+    def eval_fields(self) -> dict:
+        """Fields of the last evaluation's record beyond val_loss (replica 0's loss when drifting)."""
+        return getattr(self, "_eval_fields", {})
 
     def record_fields(self) -> dict:
         return {"sim_time_s": self.clock.step_end}
@@ -266,7 +391,18 @@ class SimDriver:
             "stash_bytes_peak": max(w.stash_bytes for w in self.workers.values()),
             "compute_model": self.compute.cfg.describe(),
             "links": links,
-        }
+        } | self.dp_summary()
+
+    def dp_summary(self) -> dict:
+        """The DP strategy's counters over every worker (message-based strategies only)."""
+        strategies = [w.dp for w in self.workers.values() if not _collective(w)]
+        if not strategies:
+            return {}
+        out = {"dp_wait_s": self.dp_wait_s}
+        for strategy in strategies:
+            for key, value in strategy.summary().items():
+                out[key] = out.get(key, 0) + value
+        return out
 
     def state(self) -> dict:
         assert self.drained, "driver state is saved at drain points only"
@@ -282,12 +418,31 @@ class SimDriver:
         """Nothing to wait for: every worker lives in this process."""
 
 
+def _collective(worker: Worker) -> bool:
+    """Whether the worker's update runs the built-in all-reduce (no strategy, or ``allreduce``)."""
+    return worker.dp is None or worker.dp.collective
+
+
+def _drifts(worker: Worker) -> bool:
+    return worker.dp is not None and worker.dp.drifts
+
+
 def stage_staleness(mesh: MeshShape, stats: dict[WorkerId, StepStats]) -> list[float]:
     """Per stage, the mean versions behind of the gradients its replicas applied in the step."""
     out = []
     for s in range(mesh.stages):
         values = [v for w in mesh.stage_replicas(s) for v in stats[w].staleness]
         out.append(sum(values) / len(values) if values else 0.0)
+    return out
+
+
+def average_replicas(modules: list[Decoder]) -> Decoder:
+    """A copy of the first module holding the mean of the replicas' weights (summed in replica
+    order, then divided, as the all-reduce does)."""
+    out = copy.deepcopy(modules[0])
+    named = [dict(m.named_parameters()) for m in modules]
+    for name, param in out.named_parameters():
+        param.data.copy_(torch.stack([n[name].detach() for n in named]).sum(0) / len(modules))
     return out
 
 

@@ -104,6 +104,9 @@ class Worker:
         # The receiver's gate (``compress.wire_checks.WireGuard``): drivers pass every arriving
         # message through ``admit`` before anything decodes it. None: trust every peer.
         self.guard = None
+        # The data-parallel strategy (``meshlearn.dp``): the drivers walk it through its phases at
+        # every update and carry its ``dp`` messages. None: the drivers' built-in all-reduce.
+        self.dp = None
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
 
@@ -124,7 +127,8 @@ class Worker:
     @property
     def idle(self) -> bool:
         """Nothing in flight, nothing received and unused: a drain point for this worker."""
-        return not self.in_flight and not self.inbox and not self._group_versions
+        return (not self.in_flight and not self.inbox and not self._group_versions
+                and (self.dp is None or self.dp.idle))
 
     def next_action(self) -> Action | None:
         """The next planned action if its input has arrived; None while waiting (or when done)."""
@@ -149,8 +153,8 @@ class Worker:
         """What a peer sent, checked against what this worker expects (shape, dtype, bytes, ids,
         finiteness, an open step): the message itself, or a quarantined stand-in with a record in
         ``guard.rejections``. Drivers call it on arrival, before any verifier decodes it."""
-        if self.guard is None or not self.work:
-            return message
+        if self.guard is None or not self.work or message.kind == "dp":
+            return message  # dp messages: the strategy's exchange checks them (meshlearn.dp.base)
         # The message's own step if this worker has work for it, else its oldest open step (under
         # a flushing schedule: the one step in progress), so a stale or future step is refused.
         step = message.step if message.step in self.work else min(self.work)
@@ -324,7 +328,8 @@ class Worker:
         """Taken at drain points only: nothing is in flight, no stash is held."""
         assert self.idle, f"{self.id}: checkpoint outside a drain point"
         return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "version": self.version, "plan": self.plan.state(), "stash_peak": self.stash_peak}
+                "version": self.version, "plan": self.plan.state(), "stash_peak": self.stash_peak,
+                **({"dp": self.dp.state_dict()} if self.dp is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.module.load_state_dict(state["module"])
@@ -333,3 +338,5 @@ class Worker:
         if "plan" in state:
             self.plan.load_state(state["plan"])
         self.stash_peak = state.get("stash_peak", 0)
+        if self.dp is not None and "dp" in state:
+            self.dp.load_state_dict(state["dp"])

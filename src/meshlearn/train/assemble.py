@@ -23,8 +23,10 @@ from meshlearn.data import (
     load_tokens_bin,
     split_tokens,
 )
+from meshlearn.dp.registry import build_strategy
 from meshlearn.mesh.compute import ComputeModel, StageShape
 from meshlearn.mesh.network import Network
+from meshlearn.mesh.network import build_network as network_from_config
 from meshlearn.mesh.schedule import build_plan, round_trip_in_flight
 from meshlearn.mesh.sim import SimDriver
 from meshlearn.mesh.topology import MeshShape, WorkerId
@@ -93,6 +95,7 @@ def build_worker(cfg: RunConfig, wid: WorkerId, module: Decoder) -> Worker:
     worker = Worker(wid, mesh, module, optimizer, codec, plan, cfg.mesh.microbatches,
                     cfg.mesh.weight_stashing)
     worker.guard = WireGuard(codec, cfg.model.seq_len, cfg.model.d_model, cfg.model.vocab_size)
+    worker.dp = build_strategy(cfg.dp, worker, dp_link_profile(cfg, wid))
     if cfg.mesh.schedule == "async" and not cfg.mesh.weight_stashing:
         use_no_ws_hparams(worker, cfg)
     return worker
@@ -135,7 +138,22 @@ def stage_in_flight(cfg: RunConfig, stage: int) -> int:
     return round_trip_in_flight(stage, stages, own, cfg.link.latency_s, transfer, mesh.max_in_flight)
 
 
+def dp_link_profile(cfg: RunConfig, wid: WorkerId):
+    """The slowest profile of ``wid``'s links to the other replicas of its stage (default deadlines
+    of DP rounds derive from it)."""
+    network = build_network(cfg)
+    peers = [WorkerId(r, wid.stage) for r in range(cfg.mesh.replicas) if r != wid.replica]
+    profiles = [network.link(wid, p).profile for p in peers] or [network.link(wid, wid).profile]
+    return max(profiles, key=lambda p: (p.serialization_s(1 << 20) + p.latency_s))
+
+
+def build_network(cfg: RunConfig) -> Network:
+    """The run's links: ``link.*``, the per-axis profiles and per-link overrides of ``links.*``."""
+    return network_from_config(cfg.link, cfg.links, MeshShape(cfg.mesh.replicas, cfg.mesh.stages),
+                               cfg.seed)
+
+
 def build_sim_driver(cfg: RunConfig, workers: dict[WorkerId, Worker]) -> SimDriver:
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
-    network = Network(cfg.link, seed=cfg.seed)
+    network = build_network(cfg)
     return SimDriver(mesh, workers, network, ComputeModel(cfg.sim, cfg.model), cfg.train.grad_clip)

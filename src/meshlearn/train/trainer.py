@@ -202,7 +202,8 @@ class Trainer:
         """Validation loss through replica 0's stages, with the boundary codec applied as in training
         (at a drain point: the weights are settled)."""
         self.last_val_loss = self.driver.evaluate(self.val_batches)
-        self._log({"kind": "eval", "step": self.totals.step, "val_loss": self.last_val_loss})
+        self._log({"kind": "eval", "step": self.totals.step, "val_loss": self.last_val_loss,
+                   **getattr(self.driver, "eval_fields", dict)()})
         return self.last_val_loss
 
     # --- records -----------------------------------------------------------------------------

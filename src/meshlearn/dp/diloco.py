@@ -1,0 +1,132 @@
+"""Streaming DiLoCo (Douillard et al. 2025): replicas train alone; parameter fragments sync in turn.
+
+Every replica keeps the outer weights θ_outer (the last synced point) and an outer momentum. The
+stage's tensors are cut into ``fragments`` contiguous groups; fragment f syncs after update u when
+(u + 1) mod H = ⌊f·H/F⌋ (H = ``inner_steps``), so syncs are staggered. A sync averages the
+pseudo-gradient Δ = θ_outer − θ_local over the replicas, takes an outer Nesterov-SGD step on
+θ_outer (lr ``outer_lr``, momentum ``outer_momentum``), and ``overlap`` updates later merges
+θ_local ← α·θ_outer + (1−α)·θ_local (α = ``merge_weight``). With overlap 0 the round is waited
+for; otherwise it runs behind the inner steps and is dropped if it misses its deadline.
+
+With H = 1, one fragment, no overlap, α = 1 and an outer step of lr 1 without momentum,
+θ_outer ← mean of θ_local: synchronous parameter averaging (= all-reduce under plain SGD).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshlearn.dp.base import DPStrategy, Key
+from meshlearn.mesh.messages import Message
+
+
+@dataclass
+class Sync:
+    fragment: int
+    merged: list[torch.Tensor] | None = None  # the new θ_outer of the fragment, once complete
+    dropped: bool = False
+
+
+class StreamingDiLoCo(DPStrategy):
+    name = "diloco"
+
+    def __init__(self, me, replicas, module: torch.nn.Module, *, inner_steps: int, fragments: int,
+                 overlap: int, outer_lr: float, outer_momentum: float, merge_weight: float,
+                 deadline_s: float | None):
+        super().__init__(me, replicas)
+        self.params = [p for _, p in module.named_parameters()]
+        self.H, self.overlap = inner_steps, overlap
+        self.outer_lr, self.mu, self.alpha = outer_lr, outer_momentum, merge_weight
+        self._deadline_s = deadline_s
+        n = len(self.params)
+        count = min(fragments, n)
+        bounds = [f * n // count for f in range(count + 1)]
+        self.fragments = [list(range(bounds[f], bounds[f + 1])) for f in range(count)]
+        self.offsets = [f * inner_steps // count for f in range(count)]
+        self.outer = [p.detach().clone() for p in self.params]
+        self.momentum = [torch.zeros_like(p) for p in self.params]
+        self.pending: dict[Key, Sync] = {}
+
+    def syncing(self, u: int) -> list[int]:
+        return [f for f, off in enumerate(self.offsets) if (u + 1) % self.H == off % self.H]
+
+    def fragment_numel(self, f: int) -> int:
+        return sum(self.params[i].numel() for i in self.fragments[f])
+
+    @torch.no_grad()
+    def post_step(self, u: int) -> list[Message]:
+        if self.replicas == 1:
+            return []
+        out = []
+        for f in self.syncing(u):
+            delta = torch.cat([(self.outer[i] - self.params[i].detach()).reshape(-1).float()
+                               for i in self.fragments[f]])
+            self.pending[(u, f)] = Sync(f)
+            self.rounds += 1
+            out += self.share((u, f), delta, u + 1)
+        return out
+
+    @torch.no_grad()
+    def on_complete(self, key: Key) -> list[Message]:
+        mean = self.exchange.mean(key)
+        sync = self.pending[key]
+        if mean is None:
+            sync.dropped = True
+            self.dropped += 1
+            return []
+        offset = 0
+        for i in self.fragments[sync.fragment]:
+            k = self.params[i].numel()
+            delta = mean[offset:offset + k].reshape(self.params[i].shape).to(self.params[i].dtype)
+            offset += k
+            if self.mu > 0:  # torch.optim.SGD(nesterov=True) on the pseudo-gradient
+                self.momentum[i].mul_(self.mu).add_(delta)
+                delta = delta + self.mu * self.momentum[i]
+            self.outer[i] = self.outer[i] - self.outer_lr * delta
+        sync.merged = [self.outer[i] for i in self.fragments[sync.fragment]]
+        return []
+
+    def post_wait(self, u: int) -> Key | None:
+        for key, sync in self.pending.items():
+            if key[0] == u - self.overlap and sync.merged is None and not sync.dropped:
+                return key
+        return None
+
+    def expire(self, key: Key) -> None:
+        sync = self.pending.get(key)
+        if sync is not None and sync.merged is None and not sync.dropped:
+            sync.dropped = True
+            self.exchange.expire(key)
+            self.dropped += 1
+
+    def deadline_s(self, key: Key) -> float | None:
+        return None if self.overlap == 0 else self._deadline_s
+
+    def expects(self, u: int) -> int:
+        return len(self.syncing(u)) if self.replicas > 1 else 0
+
+    @torch.no_grad()
+    def apply(self, u: int) -> None:
+        for key in [k for k in self.pending if k[0] == u - self.overlap]:
+            sync = self.pending.pop(key)
+            if sync.merged is None:
+                continue
+            for i in self.fragments[sync.fragment]:
+                p = self.params[i]
+                p.data.copy_(self.alpha * self.outer[i] + (1.0 - self.alpha) * p.data
+                             if self.alpha < 1 else self.outer[i])
+
+    def state_dict(self) -> dict:
+        return super().state_dict() | {"outer": self.outer, "momentum": self.momentum,
+                                       "pending": {f"{k[0]}:{k[1]}": vars(s).copy()
+                                                   for k, s in self.pending.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.outer, self.momentum = state["outer"], state["momentum"]
+        self.pending = {}
+        for text, sync in state["pending"].items():
+            a, b = text.split(":")
+            self.pending[(int(a), int(b))] = Sync(**sync)

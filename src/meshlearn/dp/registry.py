@@ -1,0 +1,68 @@
+"""Strategy by name: ``dp.name`` → a ``DPStrategy`` for one worker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from meshlearn.dp.base import DPStrategy, round_deadline_s
+from meshlearn.dp.diloco import StreamingDiLoCo
+from meshlearn.dp.powersgd import PowerSGD
+from meshlearn.dp.settings import STRATEGIES, DPConfig
+from meshlearn.dp.sparse import SparseAveraging
+
+
+class AllReduce(DPStrategy):
+    """``dp.name = allreduce``: the blocking fp32 mean of gradients at every update, run by the
+    drivers' built-in ring all-reduce (exact; replicas stay bitwise identical)."""
+
+    name = "allreduce"
+    collective = True
+    drifts = False
+
+
+def _deadline(cfg: DPConfig, nbytes: int, profile) -> float:
+    return cfg.deadline_s if cfg.deadline_s > 0 else round_deadline_s(nbytes, profile)
+
+
+def _sparse(cfg: DPConfig, worker, profile) -> DPStrategy:
+    strategy = SparseAveraging(
+        worker.id, worker.mesh.replicas, worker.module, worker.optimizer, fraction=cfg.fraction,
+        delay=cfg.delay, every=cfg.every, rule=cfg.rule, lam=cfg.lam, m0=cfg.ema_m,
+        m1=cfg.ema_m_final, warm=cfg.ema_warm_updates, ramp_end=cfg.ema_ramp_end,
+        ema_init=cfg.ema_init, moments=cfg.moments, seed=cfg.seed, deadline_s=None)
+    # The largest round's part (moments: up to 3 tensors per parameter) on this worker's DP link.
+    factor = 3 if cfg.moments else 1
+    nbytes = 4 * factor * max(strategy.round_numel(r) for r in range(strategy.parts))
+    strategy._deadline_s = _deadline(cfg, nbytes, profile)
+    return strategy
+
+
+def _powersgd(cfg: DPConfig, worker, profile) -> DPStrategy:
+    return PowerSGD(worker.id, worker.mesh.replicas, worker.module, rank=cfg.rank, seed=cfg.seed)
+
+
+def _diloco(cfg: DPConfig, worker, profile) -> DPStrategy:
+    strategy = StreamingDiLoCo(
+        worker.id, worker.mesh.replicas, worker.module, inner_steps=cfg.inner_steps,
+        fragments=cfg.fragments, overlap=cfg.overlap, outer_lr=cfg.outer_lr,
+        outer_momentum=cfg.outer_momentum, merge_weight=cfg.merge_weight, deadline_s=None)
+    nbytes = 4 * max(strategy.fragment_numel(f) for f in range(len(strategy.fragments)))
+    strategy._deadline_s = _deadline(cfg, nbytes, profile)
+    return strategy
+
+
+BUILDERS: dict[str, Callable] = {
+    "allreduce": lambda cfg, worker, profile: AllReduce(worker.id, worker.mesh.replicas),
+    "sparse": _sparse,
+    "powersgd": _powersgd,
+    "diloco": _diloco,
+}
+assert set(BUILDERS) == set(STRATEGIES)
+
+
+def build_strategy(cfg: DPConfig, worker, profile) -> DPStrategy:
+    """The strategy of ``worker`` (built after its module and optimizer); ``profile``: the
+    LinkProfile of its DP links, from which default deadlines derive."""
+    if cfg.name not in BUILDERS:
+        raise ValueError(f"dp.name = {cfg.name!r}: allowed: {sorted(BUILDERS)}")
+    return BUILDERS[cfg.name](cfg, worker, profile)

@@ -1,0 +1,113 @@
+"""The data-parallel axis's config section (``dp.*``): which strategy syncs a stage's replicas.
+
+Kept free of torch so the config tree can import it. ``validate_dp`` is called by
+``config.validate`` and owns every check of this section.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+STRATEGIES = ("allreduce", "sparse", "powersgd", "diloco")
+RULES = ("avg", "delta", "ema")
+EMA_INITS = ("first_round", "per_coordinate")
+
+
+@dataclass(frozen=True)
+class DPConfig:
+    """How the replicas of one stage stay together. Config keys under ``dp.``.
+
+    Strategies (docs/asyncmesh.md):
+
+    - ``allreduce``: the blocking fp32 mean of gradients every update (exact; the default).
+    - ``sparse``: AsyncMesh's asynchronous sparse parameter averaging: after every ``dp.every``-th
+      update a rotating slice of ``dp.fraction`` of every tensor is averaged over the replicas in
+      the background and applied ``dp.delay`` updates later by ``dp.rule``.
+    - ``powersgd``: gradients compressed to rank ``dp.rank`` with error feedback and a warm start.
+    - ``diloco``: streaming DiLoCo: ``dp.fragments`` parameter fragments, each synced every
+      ``dp.inner_steps`` updates at staggered offsets through an outer Nesterov step.
+    """
+
+    name: str = "allreduce"
+    """allreduce, sparse, powersgd or diloco."""
+    fraction: float = 0.05
+    """sparse: fraction p of each tensor's elements averaged per round, in (0, 1]. The tensor is
+    cut into K = ⌈1/p⌉ disjoint parts by a seeded affine permutation, so no index travels and
+    every element is averaged once every K rounds."""
+    delay: int = 10
+    """sparse: updates between a round's start and its application (0 = synchronous SPARTA: the
+    round is waited for). diloco uses dp.overlap instead."""
+    every: int = 1
+    """sparse: a round starts after every ``every``-th update of the stage (agora: 20)."""
+    rule: str = "ema"
+    """sparse: how a round's average a is applied to the local slice w[S], with u = w[S] − (the
+    slice when the round started): ``avg`` w[S] ← a (AsyncSPARTA); ``delta`` w[S] ← a + λu;
+    ``ema`` e[S] ← m·e[S] + (1−m)·u, w[S] ← a + λ·e[S] (AsyncMesh)."""
+    lam: float = 1.0
+    """sparse: λ of the delta and ema rules (1 keeps the across-replica mean exactly under delta)."""
+    ema_m: float = 0.5
+    """sparse, ema: m until dp.ema_warm_updates."""
+    ema_m_final: float = 0.99
+    """sparse, ema: m reached by cosine at dp.ema_ramp_end (the method note's 0.5 → 0.99)."""
+    ema_warm_updates: int = 1000
+    """sparse, ema: updates at m = dp.ema_m before the cosine ramp starts."""
+    ema_ramp_end: int = 30000
+    """sparse, ema: the update at which m reaches dp.ema_m_final."""
+    ema_init: str = "first_round"
+    """sparse, ema: ``first_round``: e starts as the first applied round's drift, later-visited
+    coordinates from 0 (the reference code); ``per_coordinate``: each coordinate starts from its
+    own first drift."""
+    moments: bool = False
+    """sparse: also average the optimizer's moment tensors (exp_avg, exp_avg_sq, momentum) on the
+    same indices (agora); step counters are never touched. Second moments are clamped at 0."""
+    deadline_s: float = 0.0
+    """sparse (delay > 0) and diloco (overlap > 0): seconds after a round's start by which every
+    peer's part must have arrived, else the round is dropped (its slice waits for its next turn).
+    0 = derived from the DP link: twice the modelled transfer of one round. If summary.json shows
+    ``dp_dropped_rounds`` above a few percent of ``dp_rounds``, raise it."""
+    seed: int = 1337
+    """Seeds the sparse partitions and PowerSGD's initial Q (the same on every replica)."""
+    rank: int = 4
+    """powersgd: rank r of the factors of each matrix gradient (capped at its smaller side;
+    vectors travel uncompressed). r = the smaller side reproduces the all-reduce."""
+    inner_steps: int = 10
+    """diloco: H, updates between two syncs of one fragment."""
+    fragments: int = 1
+    """diloco: parameter fragments (whole tensors, in order) synced at staggered offsets."""
+    overlap: int = 0
+    """diloco: updates between a fragment's sync start and the merge of its result (0 = waited for)."""
+    outer_lr: float = 0.7
+    """diloco: learning rate of the outer Nesterov step on the averaged pseudo-gradient."""
+    outer_momentum: float = 0.9
+    """diloco: Nesterov momentum of the outer step (0 = plain SGD)."""
+    merge_weight: float = 0.5
+    """diloco: α of the merge θ_local ← α·θ_outer + (1−α)·θ_local (1 = take the outer weights)."""
+
+
+def validate_dp(cfg, require) -> None:
+    """The checks of ``dp.*`` (``require(ok, key, value, allowed)`` raises the ConfigError)."""
+    dp = cfg.dp
+    require(dp.name in STRATEGIES, "dp.name", dp.name, f"allowed: {list(STRATEGIES)}")
+    require(0 < dp.fraction <= 1, "dp.fraction", dp.fraction, "in (0, 1]")
+    require(dp.delay >= 0, "dp.delay", dp.delay, "must be >= 0 (0 = synchronous)")
+    require(dp.every >= 1, "dp.every", dp.every, "must be >= 1")
+    require(dp.rule in RULES, "dp.rule", dp.rule, f"allowed: {list(RULES)}")
+    require(math.isfinite(dp.lam), "dp.lam", dp.lam, "must be a finite number")
+    for key, value in [("dp.ema_m", dp.ema_m), ("dp.ema_m_final", dp.ema_m_final)]:
+        require(0 <= value < 1, key, value, "in [0, 1)")
+    require(0 <= dp.ema_warm_updates <= dp.ema_ramp_end, "dp.ema_ramp_end", dp.ema_ramp_end,
+            f"must be >= dp.ema_warm_updates = {dp.ema_warm_updates} (and both >= 0)")
+    require(dp.ema_init in EMA_INITS, "dp.ema_init", dp.ema_init, f"allowed: {list(EMA_INITS)}")
+    require(dp.deadline_s >= 0 and math.isfinite(dp.deadline_s), "dp.deadline_s", dp.deadline_s,
+            "a finite number of seconds >= 0 (0 = derived from the DP link)")
+    require(dp.rank >= 1, "dp.rank", dp.rank, "must be >= 1")
+    require(dp.inner_steps >= 1, "dp.inner_steps", dp.inner_steps, "must be >= 1")
+    require(dp.fragments >= 1, "dp.fragments", dp.fragments, "must be >= 1")
+    require(dp.fragments <= dp.inner_steps, "dp.fragments", dp.fragments,
+            f"at most dp.inner_steps = {dp.inner_steps} (one fragment sync per update at most)")
+    require(0 <= dp.overlap < dp.inner_steps, "dp.overlap", dp.overlap,
+            f"in [0, dp.inner_steps = {dp.inner_steps}): a fragment's result merges before its next sync")
+    require(dp.outer_lr > 0, "dp.outer_lr", dp.outer_lr, "must be > 0")
+    require(0 <= dp.outer_momentum < 1, "dp.outer_momentum", dp.outer_momentum, "in [0, 1)")
+    require(0 < dp.merge_weight <= 1, "dp.merge_weight", dp.merge_weight, "in (0, 1]")
