@@ -11,7 +11,7 @@ import tomli_w
 
 import meshlearn
 from meshlearn.config import ConfigError, load_config, to_dict
-from meshlearn.train.preflight import check_corpus
+from meshlearn.train.preflight import check_corpus, check_run
 
 
 class UsageError(Exception):
@@ -37,10 +37,12 @@ def _train(args: argparse.Namespace) -> int:
             raise ConfigError("--resume", str(run_dir), "not a run folder (no config.toml in it)")
         cfg = load_config(config, args.set)
         changed = check_resumable(to_dict(load_config(config)), to_dict(cfg))
+        check_run(cfg)
         created = False
     else:
         cfg = load_config(args.config, args.set)
         check_corpus(cfg)
+        check_run(cfg)
         run_dir = Path(args.out) if args.out else default_out(cfg.name, args.config)
         created = not args.out or not run_dir.exists()
     with RunLock(run_dir):

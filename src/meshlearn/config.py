@@ -271,10 +271,6 @@ def _validate_verify(cfg: RunConfig) -> None:
 
     validate_verify(cfg, _require)
     if cfg.verify.name != "none":
-        _require(cfg.verify.warmup_steps < cfg.train.steps, "verify.warmup_steps",
-                 cfg.verify.warmup_steps, f"must be < train.steps = {cfg.train.steps}: SENTINEL only "
-                 "observes during its warm-up, so it would never act; lower it or train longer")
-    if cfg.verify.name != "none":
         _require(cfg.mesh.schedule != "async", "verify.name", cfg.verify.name,
                  "SENTINEL commits its decisions per step, and under mesh.schedule = async steps "
                  "overlap (not supported yet); use mesh.schedule = 1f1b or gpipe, or verify.name = none")

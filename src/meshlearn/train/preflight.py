@@ -1,5 +1,6 @@
-"""Checks of a run's input files that fit in one line and need no tokenizer: before any folder is
-made, a corpus that cannot work is refused with its path, what is wrong and what is allowed."""
+"""What ``meshlearn train`` checks before it makes a run folder, beyond config validation: input
+files that cannot work (refused with the path, what is wrong and what is allowed), and settings
+that are valid for the library but certainly a mistake in a user's run."""
 
 from __future__ import annotations
 
@@ -54,3 +55,11 @@ def check_corpus(cfg: RunConfig, warn=None) -> None:
     if share > 0:
         warn(f"data.corpus = {corpus!r}: {share:.2%} of its first {len(head):,} bytes are not UTF-8 "
              "text; they are read as U+FFFD")
+
+
+def check_run(cfg: RunConfig) -> None:
+    """Settings a library caller may want (a test of the warm-up alone) but a run never does."""
+    if cfg.verify.name != "none" and cfg.verify.warmup_steps >= cfg.train.steps:
+        raise ConfigError("verify.warmup_steps", cfg.verify.warmup_steps,
+                          f"must be < train.steps = {cfg.train.steps}: {cfg.verify.name} only observes "
+                          "during its warm-up, so it would never act; lower it or train longer")
