@@ -19,6 +19,7 @@ import multiprocessing.connection
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -126,6 +127,9 @@ def _forward_signals(procs: list) -> dict:
         print(f"\nmeshlearn: {signal.Signals(signum).name}: workers stop at the next drain point with "
               "a checkpoint (again to stop at once)", file=sys.stderr, flush=True)
 
+    if threading.current_thread() is not threading.main_thread():  # a caller's thread: no handlers
+        state["restore"] = lambda: None
+        return state
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     state["restore"] = lambda: [signal.signal(sig, h) for sig, h in previous.items()]
     return state

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 from typing import Any
 
 KEY = "drain"
@@ -62,6 +63,9 @@ class GracefulStop:
     # --- signals -------------------------------------------------------------------------------
 
     def install(self) -> GracefulStop:
+        """Handle SIGINT/SIGTERM from now on (only the main thread may; elsewhere a no-op)."""
+        if threading.current_thread() is not threading.main_thread():
+            return self
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
