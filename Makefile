@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/meshlearn train --config configs/demo.toml --out runs/demo
+	$(VENV)/bin/meshlearn train --config configs/demo.toml --out runs/demo --overwrite
 	$(VENV)/bin/meshlearn report runs/demo
 
 test: $(STAMP)

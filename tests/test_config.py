@@ -6,6 +6,8 @@ import pytest
 
 from meshlearn.config import ConfigError, load_config, valid_keys
 
+CONFIGS = Path(__file__).parents[1] / "configs"  # whatever the working directory
+
 
 def test_defaults_and_overrides_parse_into_field_types():
     cfg = load_config(None, ["mesh.stages=2", "link.bandwidth_mbit=inf", "train.lr=1e-3",
@@ -14,7 +16,7 @@ def test_defaults_and_overrides_parse_into_field_types():
     assert cfg.link.bandwidth_mbit == float("inf") and cfg.train.lr == 1e-3
 
 
-@pytest.mark.parametrize("path", sorted(Path("configs").glob("*.toml")))
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     cfg = load_config(path)
     assert (cfg.mesh.stages, cfg.mesh.replicas) == (4, 2)
@@ -39,10 +41,14 @@ def test_shipped_configs_load(path):
 ])
 def test_bad_values_name_field_value_and_allowed(override, field, hint):
     with pytest.raises(ConfigError) as err:
-        load_config("configs/demo.toml", [override])
+        load_config(CONFIGS / "demo.toml", [override])
     message = str(err.value)
     assert message.startswith(f"{field} = ") and hint in message
     assert override.split("=", 1)[1] in message
+
+
+def test_shipped_configs_are_found_from_any_working_directory():
+    assert (CONFIGS / "demo.toml").is_file()
 
 
 def test_unknown_set_key_lists_valid_keys():

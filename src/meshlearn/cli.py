@@ -1,5 +1,5 @@
-"""The ``meshlearn`` command: train, resume, report, sample, compress. A thin entry point over the
-library."""
+"""The ``meshlearn`` command: train, resume, config, report, sample, compress. A thin entry point
+over the library; every error a user can fix is one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -7,36 +7,125 @@ import argparse
 import sys
 from pathlib import Path
 
+import tomli_w
+
 import meshlearn
-from meshlearn.config import ConfigError, load_config
+from meshlearn.config import ConfigError, load_config, to_dict
+from meshlearn.train.preflight import check_corpus, check_run
+
+
+class UsageError(Exception):
+    """Bad input found while setting up a run (a corpus too short for a sequence, say): one line."""
 
 
 def _train(args: argparse.Namespace) -> int:
-    from meshlearn.train.trainer import Trainer
+    from meshlearn.train.provenance import check_resumable
+    from meshlearn.train.rundir import RunLock, default_out, start_fresh
+    from meshlearn.train.signals import GracefulStop
 
     if args.backend:  # --backend is short for --set backend=...
         args.set = [*args.set, f"backend={args.backend}"]
+    changed: dict = {}
     if args.resume:
         run_dir = Path(args.resume)
+        if args.overwrite or args.out or args.config:
+            flag = "--overwrite" if args.overwrite else "--out" if args.out else "--config"
+            raise ConfigError(flag, getattr(args, flag[2:]), "not with --resume: a resumed run keeps "
+                                                             "its folder and config (change keys with --set)")
         config = run_dir / "config.toml"
         if not config.is_file():
             raise ConfigError("--resume", str(run_dir), "not a run folder (no config.toml in it)")
         cfg = load_config(config, args.set)
+        changed = check_resumable(to_dict(load_config(config)), to_dict(cfg))
+        check_run(cfg)
+        created = False
     else:
         cfg = load_config(args.config, args.set)
-        run_dir = Path(args.out)
-    if cfg.backend == "dist":
-        from meshlearn.distributed.launch import launch_local
-
-        where = ["--resume", str(run_dir)] if args.resume else [
-            *(["--config", args.config] if args.config else []), "--out", str(run_dir)]
-        return launch_local([*where, *(x for o in args.set for x in ("--set", o))], cfg, run_dir)
-    summary = Trainer(cfg, run_dir, resume=bool(args.resume)).train()
+        check_corpus(cfg)
+        check_run(cfg)
+        run_dir = Path(args.out) if args.out else default_out(cfg.name, args.config)
+        created = not args.out or not run_dir.exists()
+    with RunLock(run_dir):
+        if not args.resume:
+            start_fresh(run_dir, args.overwrite)
+        if cfg.backend == "dist":
+            return _launch_dist(args, cfg, run_dir, changed)
+        with GracefulStop() as stop:
+            trainer = _setup(cfg, run_dir, args.resume, created, stop)
+            if args.resume:
+                print(_resuming(run_dir, trainer.totals.step, trainer.last_step, changed), flush=True)
+            try:
+                summary = trainer.train()
+            except KeyboardInterrupt:
+                print(f"meshlearn: stopped at once; the last checkpoint stays — continue with: "
+                      f"meshlearn train --resume {run_dir}", file=sys.stderr)
+                return 130
+    if trainer.interrupted:
+        print(f"meshlearn: stopped by {trainer.interrupted} after step {summary['steps']} with a "
+              f"checkpoint; continue with: meshlearn train --resume {run_dir}", file=sys.stderr)
+        return stop.exit_code
     val = summary["final_val_loss"]
     print(f"done: {summary['steps']} steps, val loss {val:.4f}, "
           f"{summary['sim_tokens_per_s']:.0f} tok/s virtual ({summary['compute_model']}), "
           f"{summary['wall_tokens_per_s']:.0f} tok/s wall → {run_dir}")
     return 0
+
+
+def _setup(cfg, run_dir: Path, resume: str | None, created: bool, stop):
+    """The Trainer, or one line naming the bad input (and no run folder left by a fresh start)."""
+    from meshlearn.train.rundir import discard_fresh
+    from meshlearn.train.trainer import Trainer
+
+    try:
+        return Trainer(cfg, run_dir, resume=bool(resume), stop=stop)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        if not resume:
+            discard_fresh(run_dir, created)
+        if isinstance(err, ConfigError | FileNotFoundError):
+            raise
+        raise UsageError(str(err)) from None
+
+
+def _resuming(run_dir: Path, step: int, last: int, changed: dict) -> str:
+    what = f"resuming {run_dir} from step {step}" + (f" (to step {last})" if step < last else
+                                                     f": already at step {last}, nothing to train "
+                                                     "(raise train.steps with --set to go on)")
+    if changed:
+        what += "; changed: " + ", ".join(f"{k} {old!r} → {new!r}" for k, (old, new) in changed.items())
+    return what
+
+
+def _launch_dist(args: argparse.Namespace, cfg, run_dir: Path, changed: dict) -> int:
+    from meshlearn.distributed.launch import launch_local
+    from meshlearn.train.checkpoint import latest_complete
+
+    if args.resume:
+        folder = latest_complete(run_dir)
+        step = int(folder.name.removeprefix("step-")) if folder else 0
+        print(_resuming(run_dir, step, cfg.train.steps, changed), flush=True)
+    where = ["--resume", str(run_dir)] if args.resume else [
+        *(["--config", args.config] if args.config else []), "--out", str(run_dir)]
+    return launch_local([*where, *(x for o in args.set for x in ("--set", o))], cfg, run_dir)
+
+
+def _config(args: argparse.Namespace) -> int:
+    from meshlearn.train.config_help import format_keys
+
+    if args.resolved is not None or args.set:
+        cfg = load_config(args.resolved or None, args.set)
+        text = tomli_w.dumps(to_dict(cfg))
+        print(text.rstrip() if args.section is None else _section_toml(cfg, args.section))
+        return 0
+    print(format_keys(args.section, full=args.full))
+    return 0
+
+
+def _section_toml(cfg, section: str) -> str:
+    tree = to_dict(cfg)
+    if section not in tree:
+        names = ", ".join(k for k, v in tree.items() if isinstance(v, dict))
+        raise ConfigError("meshlearn config", section, f"no such section; sections: {names}")
+    return tomli_w.dumps({section: tree[section]}).rstrip()
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -55,6 +144,14 @@ def _report(args: argparse.Namespace) -> int:
 
 def _sample(args: argparse.Namespace) -> int:
     from meshlearn.sample import sample_from_run
+
+    if args.tokens < 1:
+        raise ConfigError("--tokens", args.tokens, "must be >= 1 (tokens to generate)")
+    if not (args.temperature > 0 and args.temperature < float("inf")):
+        raise ConfigError("--temperature", args.temperature,
+                          "must be a finite number > 0 (1: the model's distribution; lower: greedier)")
+    if not (Path(args.run) / "config.toml").is_file():
+        raise ConfigError("sample", args.run, "not a run folder (no config.toml in it)")
 
     print(sample_from_run(Path(args.run), args.prompt, args.tokens, args.temperature, args.seed))
     return 0
@@ -100,8 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="TOML config file (default: built-in defaults)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set mesh.stages=2 (repeatable; later wins)")
-    train.add_argument("--out", default="runs/latest", help="run folder (default: runs/latest)")
-    train.add_argument("--resume", metavar="RUN", help="continue RUN from its last checkpoint")
+    train.add_argument("--out", help="run folder for a fresh run; it must be new, empty, or given "
+                                     "--overwrite (default: a new runs/<name>-<date>-<time>)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="clear --out first if it holds a finished or stopped run")
+    train.add_argument("--resume", metavar="RUN",
+                       help="continue RUN from its last checkpoint (--set may change keys that "
+                            "do not change the model, mesh, tokenizer or optimizer kind)")
     train.add_argument("--backend", choices=["sim", "dist"],
                        help="sim: one process, virtual clock; dist: one local process per worker "
                             "(short for --set backend=...; see docs/distributed.md)")
@@ -123,11 +225,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     sample = sub.add_parser("sample", help="generate text from a run's latest checkpoint")
     sample.add_argument("run", help="run folder")
-    sample.add_argument("--prompt", default="\n", help="text to continue")
-    sample.add_argument("--tokens", type=int, default=200, help="tokens to generate")
-    sample.add_argument("--temperature", type=float, default=0.8)
-    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    sample.add_argument("--tokens", type=int, default=200, help="tokens to generate (>= 1; default 200)")
+    sample.add_argument("--temperature", type=float, default=0.8,
+                        help="softmax temperature (> 0): 1 samples the model's distribution, lower "
+                             "is more conservative (default 0.8)")
+    sample.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default 0)")
     sample.set_defaults(func=_sample)
+
+    config = sub.add_parser("config", help="every config key with its type, default and description; "
+                                           "or a resolved config (--resolved FILE, --set)")
+    config.add_argument("section", nargs="?", help="one section (e.g. mesh) or key (e.g. train.lr)")
+    config.add_argument("--full", action="store_true", help="whole descriptions, not first sentences")
+    config.add_argument("--resolved", metavar="FILE", nargs="?", const="",
+                        help="print FILE (or the defaults) with every --set applied, as TOML")
+    config.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (repeatable; later wins)")
+    config.set_defaults(func=_config)
 
     compress = sub.add_parser("compress", help="validation loss after SVD compression, stable ranks, spectra")
     compress.add_argument("run", help="run folder (uses its checkpoint, corpus and validation batches)")
@@ -146,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError, UsageError) as err:
         print(f"meshlearn: error: {err}", file=sys.stderr)
         return 2
 

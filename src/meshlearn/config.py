@@ -9,6 +9,7 @@ listed. Every check runs before any work starts.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import tomllib
 import typing
@@ -124,6 +125,18 @@ def valid_keys() -> list[str]:
     return _valid_keys(RunConfig)
 
 
+def unknown_key(key: str) -> str:
+    """What to say about an unknown key: the closest valid keys, not all of them."""
+    keys = valid_keys()
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+    section = key.rsplit(".", 1)[0] + "." if "." in key else None
+    same = [k for k in keys if section and k.startswith(section)]
+    hint = (f"did you mean {' or '.join(close)}?" if close else
+            f"keys of {section[:-1]}: {', '.join(same)}" if same else
+            f"sections: {', '.join(sorted({k.split('.')[0] for k in keys if '.' in k}))}")
+    return f"unknown key; {hint} (every key: meshlearn config)"
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Parse ``value`` (a TOML value or a ``--set`` string) into the field type ``tp``."""
     if isinstance(value, str) and tp is not str:
@@ -156,8 +169,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     unknown = sorted(set(data) - set(types))
     if unknown:
         key = f"{prefix}{unknown[0]}"
-        raise ConfigError(key, data[unknown[0]],
-                          f"unknown key; valid keys are {', '.join(_valid_keys(RunConfig))}")
+        raise ConfigError(key, data[unknown[0]], unknown_key(key))
     kwargs = {}
     for name, value in data.items():
         tp, key = types[name], f"{prefix}{name}"
@@ -183,7 +195,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     for text in overrides:
         key, value = parse_override(text)
         if key not in known:
-            raise ConfigError(key, value, f"unknown key; valid keys are {', '.join(sorted(known))}")
+            raise ConfigError(key, value, unknown_key(key))
         node = data
         *sections, leaf = key.split(".")
         for section in sections:
@@ -200,7 +212,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         if not path.is_file():
             raise ConfigError("--config", str(path), "file does not exist")
         with path.open("rb") as f:
-            data = tomllib.load(f)
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as err:
+                raise ConfigError("--config", str(path), f"not valid TOML: {err}") from None
     data = apply_overrides(data, list(overrides))
     cfg = _build(RunConfig, data)
     validate(cfg)
@@ -264,9 +279,24 @@ def _validate_verify(cfg: RunConfig) -> None:
                  "overlap (not supported yet); use mesh.schedule = 1f1b or gpipe, or verify.name = none")
 
 
+# Float keys where inf means something; NaN means nothing anywhere.
+INFINITE_OK = frozenset({"link.bandwidth_mbit"})
+
+
+def _validate_finite(node: Any, prefix: str = "") -> None:
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _validate_finite(value, f"{key}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            _require(math.isinf(value) and key in INFINITE_OK, key, value,
+                     "must be a finite number" + (" (inf means unlimited)" if key in INFINITE_OK else ""))
+
+
 def validate(cfg: RunConfig) -> None:
     """Every check that can fail before training starts."""
     m, mesh, link, train, data = cfg.model, cfg.mesh, cfg.link, cfg.train, cfg.data
+    _validate_finite(cfg)
     for key, value in [("model.n_layer", m.n_layer), ("model.d_model", m.d_model),
                        ("model.n_head", m.n_head), ("model.seq_len", m.seq_len),
                        ("mesh.stages", mesh.stages), ("mesh.replicas", mesh.replicas),

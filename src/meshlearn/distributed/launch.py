@@ -19,6 +19,7 @@ import multiprocessing.connection
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -85,19 +86,53 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
         procs.append(proc)
     atomic_write_json(run_dir / WORKERS_FILE,
                       {p.name: {"rank": rank, "pid": p.pid} for rank, p in enumerate(procs)})
+    stopping = _forward_signals(procs)
     try:
         codes = _watch(procs, cfg, logs / f"{mesh.worker(0)}.log", out)
-    except BaseException as err:  # Ctrl-C, or a caller's timeout: never leave workers behind
+    except BaseException as err:  # a second Ctrl-C, or a caller's timeout: never leave workers behind
         _stop(procs, signal.SIGTERM, wait_s=5.0)
         _stop(procs, signal.SIGKILL, wait_s=5.0)
         if isinstance(err, KeyboardInterrupt):
-            print("meshlearn: interrupted; workers stopped", file=sys.stderr)
-            return 130
+            print(f"meshlearn: stopped at once; workers killed — continue from the last complete "
+                  f"checkpoint with: meshlearn train --resume {run_dir}", file=sys.stderr)
+            return 128 + (stopping.get("signum") or signal.SIGINT)
         raise
+    finally:
+        stopping["restore"]()
     if all(code == 0 for code in codes.values()):
         return 0
+    signum = stopping.get("signum")
+    if signum and all(code == 128 + signum for code in codes.values()):
+        print(f"meshlearn: stopped by {signal.Signals(signum).name} with a checkpoint "
+              f"({latest_complete(run_dir)}); continue with: meshlearn train --resume {run_dir}",
+              file=sys.stderr)
+        return 128 + signum
     print(_failure_report(codes, _abort_message(store), run_dir), file=sys.stderr)
     return 1
+
+
+def _forward_signals(procs: list) -> dict:
+    """SIGINT/SIGTERM here: the first is passed on to every worker (they stop together at their
+    next agreed drain point, with a checkpoint); a second one stops them at once."""
+    state: dict = {"signum": None}
+
+    def forward(signum: int, frame: object) -> None:
+        if state["signum"] is not None:
+            raise KeyboardInterrupt
+        state["signum"] = signum
+        for p in procs:
+            if p.exitcode is None and p.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+        print(f"\nmeshlearn: {signal.Signals(signum).name}: workers stop at the next drain point with "
+              "a checkpoint (again to stop at once)", file=sys.stderr, flush=True)
+
+    if threading.current_thread() is not threading.main_thread():  # a caller's thread: no handlers
+        state["restore"] = lambda: None
+        return state
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    state["restore"] = lambda: [signal.signal(sig, h) for sig, h in previous.items()]
+    return state
 
 
 def _watch(procs: list, cfg: RunConfig, echo_log: Path, out: TextIO) -> dict[str, int | str]:

@@ -31,6 +31,7 @@ from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.models.split import init_model, split_model
 from meshlearn.train.assemble import build_worker, load_corpus
+from meshlearn.train.signals import GracefulStop
 from meshlearn.train.trainer import Trainer
 
 
@@ -142,16 +143,23 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
     try:
         if cfg.data.tokenizer == "bpe" and not resume:
             _train_tokenizer_once(cfg, run_dir, session)
+        # SIGINT/SIGTERM (from the launcher, torchrun or a scheduler): every process stops after
+        # the same step, agreed through the rendezvous store (meshlearn/train/signals.py).
+        stop = GracefulStop(store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                         cfg.dist.init_timeout_s), repeat="ignore").install()
         trainer = Trainer(cfg, run_dir, resume=resume, progress=session.rank == 0,
-                          driver=lambda resolved: build_driver(resolved, session))
+                          driver=lambda resolved: build_driver(resolved, session), stop=stop)
         summary = trainer.train()
         trainer.driver.close()
-        if session.rank == 0:
+        if session.rank == 0 and trainer.interrupted:
+            print(f"stopped by {trainer.interrupted} after step {summary['steps']} with a checkpoint "
+                  f"→ {run_dir}")
+        elif session.rank == 0:
             print(f"done: {summary['steps']} steps, val loss {summary['final_val_loss']:.4f}, "
                   f"{summary['wall_tokens_per_s']:.0f} tok/s wall over {session.world} processes → {run_dir}")
         flush()
         dist.destroy_process_group()
-        return 0
+        return stop.exit_code if trainer.interrupted else 0
     except WorkerFailure as err:
         message, code = str(err), EXIT_PEER_FAILURE
     except BaseException as err:  # noqa: BLE001 — our own failure: publish it, naming ourselves

@@ -5,40 +5,160 @@ process's workers, driver state and RNG); a store decides where it goes. A shard
 complete only once its manifest exists, and the manifest is written last, by one process, after
 every shard is on disk (a barrier): a crash at any moment leaves either a complete checkpoint or
 an incomplete folder that resume ignores.
+
+The simulator's single file keeps the previous checkpoint beside the newest one
+(``checkpoint.pt``, ``checkpoint.prev.pt``) and a manifest (``checkpoint.json``) with each file's
+step, size and SHA-256. Loading verifies the newest against it and falls back to the previous one
+with a warning, so one truncated file never costs the run. A file that is not a meshlearn
+checkpoint raises ``CheckpointError`` (one line, naming the file), never a traceback.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from meshlearn.atomic import atomic_path
+from meshlearn.config import ConfigError
 from meshlearn.train.files import atomic_torch_save, atomic_write_json
 
 CHECKPOINT = "checkpoint.pt"
+PREVIOUS = "checkpoint.prev.pt"
+SINGLE_MANIFEST = "checkpoint.json"
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST = "manifest.json"
 
 
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used: names the file and why."""
+
+    def __init__(self, path: Path, why: str):
+        ValueError.__init__(self, f"{path}: {why}")
+        self.key = str(path)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _entry(path: Path, step: int) -> dict:
+    return {"step": step, "size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _read_manifest(run_dir: Path) -> dict:
+    try:
+        return json.loads((Path(run_dir) / SINGLE_MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _damage(path: Path, entry: dict | None, others: list[dict]) -> str | None:
+    """Why ``path`` does not match its manifest entry (None: it does, or there is no entry). A file
+    that matches another entry is intact too: a crash in the middle of a rotation leaves that."""
+    if not path.is_file():
+        return "missing"
+    if entry is None:
+        return None
+    size = path.stat().st_size
+    candidates = [e for e in [entry, *others] if e and e.get("size") == size]
+    if not candidates:
+        return f"{size} bytes, {entry['size']} expected: truncated or overwritten"
+    digest = _sha256(path)
+    if not any(e.get("sha256") == digest for e in candidates):
+        return "checksum mismatch: the file was changed after it was written"
+    return None
+
+
+def _torch_load(path: Path, **kwargs) -> object:
+    try:
+        return torch.load(path, weights_only=False, **kwargs)
+    except Exception as err:  # noqa: BLE001 — a truncated zip, a text file, a foreign pickle
+        raise CheckpointError(path, f"cannot be read as a checkpoint ({type(err).__name__}: "
+                                    f"{str(err).strip().splitlines()[0][:160] if str(err).strip() else ''})"
+                              ) from None
+
+
+def load_checkpoint_file(path: Path, keys: tuple[str, ...] = ("config", "totals", "workers"),
+                         **kwargs) -> dict:
+    """``torch.load`` of a meshlearn checkpoint (or shard); CheckpointError for anything else."""
+    state = _torch_load(path, **kwargs)
+    if not isinstance(state, dict) or not set(keys) <= set(state):
+        got = sorted(state)[:5] if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(path, f"not a meshlearn checkpoint (it holds {got}, expected the "
+                                    f"keys {', '.join(keys)})")
+    return state
+
+
+def load_verified(run_dir: Path, warn=None) -> dict:
+    """The newest intact single-file checkpoint of ``run_dir``: ``checkpoint.pt`` if it matches
+    the manifest and loads, else ``checkpoint.prev.pt`` (with a warning naming the damage)."""
+    run_dir = Path(run_dir)
+    warn = warn or (lambda text: print(f"meshlearn: warning: {text}", file=sys.stderr))
+    manifest = _read_manifest(run_dir)
+    problems = []
+    for name in (CHECKPOINT, PREVIOUS):
+        path = run_dir / name
+        if name == PREVIOUS and not path.is_file():
+            break
+        why = _damage(path, manifest.get(name), [e for n, e in manifest.items() if n != name])
+        if why is None:
+            try:
+                state = load_checkpoint_file(path)
+            except CheckpointError as err:
+                why = str(err).removeprefix(f"{path}: ")
+            else:
+                if problems:
+                    warn(f"{problems[0]}; resuming from the previous checkpoint {path} "
+                         f"(step {state['totals']['step']})")
+                return state
+        problems.append(f"{path} is damaged ({why})")
+    if not problems or problems == [f"{run_dir / CHECKPOINT} is damaged (missing)"]:
+        raise FileNotFoundError(f"{run_dir}: no {CHECKPOINT} in the run folder")
+    raise CheckpointError(run_dir, "no usable checkpoint: " + "; ".join(problems))
+
+
 class SingleFileCheckpoint:
-    """``checkpoint.pt``: everything in one file (the simulator, where one process holds all)."""
+    """``checkpoint.pt`` (newest) and ``checkpoint.prev.pt``, listed in ``checkpoint.json``:
+    everything in one file (the simulator, where one process holds all)."""
 
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / CHECKPOINT
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / CHECKPOINT
 
     def save(self, step: int, common: dict, shard: dict) -> Path:
-        atomic_torch_save(self.path, common | shard)
+        # New file first (under a temporary name), then the old newest becomes the previous, then
+        # the new one moves in, then the manifest: a crash anywhere leaves an intact checkpoint.
+        previous = self.run_dir / PREVIOUS
+        manifest = _read_manifest(self.run_dir)
+        with atomic_path(self.path) as tmp:
+            torch.save(common | shard, tmp)
+            with tmp.open("rb") as f:
+                os.fsync(f.fileno())
+            entry = _entry(tmp, step)
+            if self.path.is_file():
+                os.replace(self.path, previous)
+                manifest[PREVIOUS] = manifest.get(CHECKPOINT) or _entry(previous, -1)
+        manifest[CHECKPOINT] = entry
+        atomic_write_json(self.run_dir / SINGLE_MANIFEST, manifest)
         return self.path
 
     def load(self) -> tuple[dict, dict]:
-        if not self.path.is_file():
+        if not self.path.is_file() and not (self.run_dir / PREVIOUS).is_file():
             hint = " (it holds a sharded dist checkpoint: resume with --backend dist)" \
-                if latest_complete(self.path.parent) else ""
-            raise FileNotFoundError(f"--resume {self.path.parent}: no {CHECKPOINT} in the run folder{hint}")
-        state = torch.load(self.path, weights_only=False)
+                if latest_complete(self.run_dir) else ""
+            raise FileNotFoundError(f"--resume {self.run_dir}: no {CHECKPOINT} in the run folder{hint}")
+        state = load_verified(self.run_dir)
         return state, state
 
 
@@ -71,7 +191,7 @@ class ShardedCheckpoint:
                 if (self.root.parent / CHECKPOINT).is_file() else ""
             raise FileNotFoundError(f"--resume {self.root.parent}: no complete checkpoint in "
                                     f"{self.root}{hint}")
-        state = torch.load(folder / f"{self.shard}.pt", weights_only=False)
+        state = load_checkpoint_file(folder / f"{self.shard}.pt", ("common", "workers"))
         return state["common"], state
 
     def _prune(self, newest: int) -> None:
@@ -115,14 +235,14 @@ def load_run_state(run_dir: Path) -> dict:
     """A run's latest checkpoint as one dict (``config``, ``workers`` of every worker, ...), whichever
     layout wrote it: the single file, or the shards of the newest complete sharded checkpoint."""
     run_dir = Path(run_dir)
-    if (run_dir / CHECKPOINT).is_file():
-        return torch.load(run_dir / CHECKPOINT, weights_only=False)
+    if (run_dir / CHECKPOINT).is_file() or (run_dir / PREVIOUS).is_file():
+        return load_verified(run_dir)
     folder = latest_complete(run_dir)
     if folder is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint; train (or resume) the run first")
     state: dict = {"workers": {}}
     for name in json.loads((folder / MANIFEST).read_text())["shards"]:
-        shard = torch.load(folder / f"{name}.pt", weights_only=False)
+        shard = load_checkpoint_file(folder / f"{name}.pt", ("common", "workers"), map_location="cpu")
         workers = state["workers"] | shard.pop("workers")
         state |= shard.pop("common") | shard  # the same in every shard but the workers
         state["workers"] = workers

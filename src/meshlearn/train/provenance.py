@@ -1,15 +1,34 @@
-"""Runs describe themselves: commit, uncommitted changes, package versions, command line."""
+"""Runs describe themselves: commit, uncommitted changes, package versions, command line.
+
+``run.json`` keeps one record per start of the run (``history``: the fresh start, then each
+resume with the step it resumed from and the config keys it changed); its top level repeats the
+latest record. ``check_resumable`` refuses a change a checkpoint cannot continue under.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import platform
+import socket
 import subprocess
 import sys
+import time
+import tomllib
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import meshlearn
+from meshlearn.atomic import atomic_write_json
+from meshlearn.config import ConfigError
+
+RUN_JSON = "run.json"
+# Keys a checkpoint cannot continue under: the weights' shapes and meaning, the mesh that holds
+# them, the token ids, the optimizer state's kind, the checkpoint layout.
+NOT_RESUMABLE = ("model.", "mesh.stages", "mesh.replicas", "data.tokenizer", "data.bpe_vocab_size",
+                 "optim.name", "backend")
 
 
 def _git(*args: str) -> str:
@@ -38,3 +57,66 @@ def describe_run() -> dict:
         "packages": versions,
         "argv": sys.argv,
     }
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as ``{"section.key": value}``."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
+    """``{key: [old, new]}`` for every key whose value differs between two config dicts."""
+    a, b = flatten(old), flatten(new)
+    return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def _resumable(key: str, old: Any, new: Any) -> bool:
+    if key == "mesh.schedule":  # flush schedules swap freely at a drain point; async plans differ
+        return "async" not in (old, new)
+    return not any(key == p or (p.endswith(".") and key.startswith(p)) for p in NOT_RESUMABLE)
+
+
+def check_resumable(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
+    """The keys a resume changes; raises ConfigError naming the first that cannot change."""
+    changed = changed_keys(old, new)
+    for key, (was, now) in changed.items():
+        if key == "model.vocab_size" and now == 0:
+            continue  # 0 means "from the tokenizer": the saved config has it filled in
+        if not _resumable(key, was, now):
+            raise ConfigError(key, now, f"cannot change on --resume (the run was trained with "
+                                        f"{key} = {was!r}); start a new run with --out instead")
+    return changed
+
+
+def record_start(run_dir: Path, cfg: dict[str, Any], resume_step: int | None) -> dict:
+    """Append this start to ``run.json`` (call before the new config.toml is written: the keys
+    changed since the previous start are diffed against it). Returns the record."""
+    run_dir = Path(run_dir)
+    path = run_dir / RUN_JSON
+    history: list[dict] = []
+    if resume_step is not None and path.is_file():
+        try:
+            old = json.loads(path.read_text())
+            history = old.get("history") or [{k: v for k, v in old.items() if k != "history"}]
+        except (OSError, json.JSONDecodeError, AttributeError):
+            history = []
+    changed: dict[str, list[Any]] = {}
+    previous = run_dir / "config.toml"
+    if resume_step is not None and previous.is_file():
+        try:
+            changed = changed_keys(tomllib.loads(previous.read_text()), cfg)
+        except (OSError, tomllib.TOMLDecodeError):
+            changed = {}
+    record = describe_run() | {
+        "kind": "resume" if resume_step is not None else "start",
+        "step": resume_step or 0, "changed": changed, "started": time.time(),
+        "host": socket.gethostname(), "pid": os.getpid()}
+    history.append(record)
+    atomic_write_json(path, record | {"history": history})
+    return record

@@ -25,8 +25,9 @@ from meshlearn.report.progress import ProgressLine
 from meshlearn.train.assemble import build_sim_driver, build_workers, load_corpus, resolve
 from meshlearn.train.checkpoint import CHECKPOINT, ShardedCheckpoint, SingleFileCheckpoint
 from meshlearn.train.files import MetricsLog, atomic_write_json, read_records
-from meshlearn.train.provenance import describe_run
+from meshlearn.train.provenance import record_start
 from meshlearn.train.schedule_lr import lr_factor
+from meshlearn.train.signals import GracefulStop
 
 __all__ = ["CHECKPOINT", "Trainer", "pipeline_loss"]
 
@@ -52,7 +53,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False, progress: bool = True,
-                 driver: Callable[[RunConfig], Driver] | None = None):
+                 driver: Callable[[RunConfig], Driver] | None = None, stop: GracefulStop | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.corpus = load_corpus(cfg, self.run_dir)
@@ -69,6 +70,9 @@ class Trainer:
                                               self.cfg.train.batch_size, self.cfg.model.seq_len)
         self.totals = Totals()
         self.last_val_loss: float | None = None
+        # SIGINT/SIGTERM: stop at the next drain point every process agrees on (train/signals.py).
+        self.stop = stop
+        self.interrupted: str | None = None  # the signal's name, once the run stopped for it
         common, state = self.checkpoints.load() if resume else (None, None)
         if common is not None:
             self.totals = Totals(**common["totals"])
@@ -83,8 +87,9 @@ class Trainer:
             self._load_state(state)
         self.metrics = None
         if self.writer:
+            # run.json first: it records the keys changed since the previous start's config.toml
+            record_start(self.run_dir, to_dict(self.cfg), self.totals.step if resume else None)
             save_config(self.cfg, self.run_dir / "config.toml")
-            atomic_write_json(self.run_dir / "run.json", describe_run())
             self.metrics = MetricsLog(self.run_dir / "metrics.jsonl",
                                       keep_until_step=self.totals.step if resume else None)
         self.progress = ProgressLine(self.cfg.train.steps) if progress and self.writer else None
@@ -104,8 +109,13 @@ class Trainer:
                         self._log(record)
                 if done % train.eval_every == 0 or done == train.steps:
                     self.evaluate()
-                if train.checkpoint_every and done % train.checkpoint_every == 0 or done == self.last_step:
+                stopping = self._stopping(done)
+                if (train.checkpoint_every and done % train.checkpoint_every == 0 or done == self.last_step
+                        or stopping):
                     self.save_checkpoint()
+                if stopping:
+                    self.interrupted = self.stop.name
+                    break
         finally:
             for callback in self.plugins.values():
                 callback.close()
@@ -168,14 +178,24 @@ class Trainer:
         train = self.cfg.train
         return (done % train.eval_every == 0 or done >= self.last_step
                 or bool(train.checkpoint_every) and done % train.checkpoint_every == 0
+                or self._stopping(done)
                 or any(callback.drains_after(done) for callback in self.plugins.values()))
 
     def next_drain(self, step: int) -> int:
-        """The first step ≥ ``step`` (0-based) after which the pipeline drains."""
+        """The first step ≥ ``step`` (0-based) after which the pipeline drains. A pending stop
+        request becomes a drain point here: after the highest step any process has fed."""
         t = step
         while not self.drains_after(t + 1):
             t += 1
+        if self.stop is not None:
+            lookahead = getattr(self.driver, "lookahead", None)
+            if self.stop.observe(step, min(t, step + lookahead) if lookahead else t):
+                return self.next_drain(step)
         return t
+
+    def _stopping(self, done: int) -> bool:
+        stop = self.stop
+        return stop is not None and stop.stop_after is not None and done >= stop.stop_after + 1
 
     def work(self, step: int) -> dict[WorkerId, StepWork]:
         """Step ``step``'s work for this process's workers: replica r takes slice r of the global
@@ -232,6 +252,7 @@ class Trainer:
             "wall_tokens_per_s": totals.tokens / totals.wall_s if totals.wall_s else None,
             "bytes_per_token_pp": totals.bytes_pp / totals.tokens if totals.tokens else 0.0,
             "bytes_per_token_dp": totals.bytes_dp / totals.tokens if totals.tokens else 0.0,
+            "interrupted": self.interrupted,
         } | self.driver.summary_fields(totals.tokens, totals.wall_s)
         for callback in self.plugins.values():
             summary |= callback.summary()

@@ -1,0 +1,126 @@
+"""SIGINT/SIGTERM: stop at the next drain point every process agrees on, with a checkpoint."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tiny import tiny_config
+
+from meshlearn.train import Trainer
+from meshlearn.train.signals import GracefulStop, LocalStore
+
+ASYNC = ["mesh.stages=4", "mesh.schedule=async", "mesh.microbatches=2", "train.steps=10",
+         "train.eval_every=1000", "train.checkpoint_every=0"]
+
+
+def test_processes_agree_on_the_highest_claimed_step():
+    store = LocalStore()
+    a, b = GracefulStop(store), GracefulStop(store)
+    assert not a.observe(0, 2) and not b.observe(0, 3)  # claims: a fed up to 2, b up to 3
+    assert not a.observe(1, 3)
+    b.request(signal.SIGTERM)
+    assert b.observe(1, 4) and b.stop_after == 3  # not 4: b stops on what was claimed
+    assert a.observe(2, 5) and a.stop_after == 3 and a.signum == signal.SIGTERM  # a learns it
+    assert not a.observe(3, 9) and a.stop_after == 3  # latched once
+
+
+def test_a_stop_is_never_before_the_step_being_asked_about():
+    stop = GracefulStop()
+    stop.request()
+    assert stop.observe(5, 7) and stop.stop_after == 5
+
+
+class InterruptedTrainer(Trainer):
+    """The signal arrives while step ``at`` is being fed (inside the driver's run_step)."""
+
+    at = 3
+
+    def work(self, step):
+        self.fed_max = max(getattr(self, "fed_max", -1), step)
+        if step == self.at:
+            self.stop.request(signal.SIGTERM)
+        return super().work(step)
+
+
+def losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["train_loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+class DrainsAt(Trainer):
+    """An uninterrupted run with one extra drain point (async: a drain changes what is in flight)."""
+
+    extra = -1
+
+    def drains_after(self, done):
+        return done == self.extra or super().drains_after(done)
+
+
+def test_an_async_run_stops_after_the_last_fed_step_and_resumes_exactly(tiny_corpus, tmp_path):
+    run = tmp_path / "run"
+    trainer = InterruptedTrainer(tiny_config(tiny_corpus, *ASYNC), run, progress=False,
+                                 stop=GracefulStop())
+    summary = trainer.train()
+    stopped = summary["steps"]
+    assert trainer.interrupted == "SIGTERM" and summary["interrupted"] == "SIGTERM"
+    # The drain is after the highest step already fed (microbatches of it were in flight), not
+    # after the step that was running: draining earlier would strand fed work.
+    assert trainer.stop.stop_after == trainer.fed_max == trainer.driver.fed == stopped - 1
+    assert InterruptedTrainer.at < stopped < 10
+    assert len(losses(run)) == stopped
+
+    resumed = Trainer(tiny_config(tiny_corpus, *ASYNC), run, resume=True, progress=False)
+    assert resumed.totals.step == stopped
+    resumed.train()
+    straight = DrainsAt(tiny_config(tiny_corpus, *ASYNC), tmp_path / "straight", progress=False)
+    straight.extra = stopped
+    straight.train()
+    assert losses(run) == pytest.approx(losses(tmp_path / "straight"), abs=1e-6)
+
+
+def cli(*args, **kwargs):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src"), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "meshlearn", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, **kwargs)
+
+
+def train_records(run):
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()[:-1]) if r["kind"] == "train"]
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_saves_a_checkpoint_says_how_to_resume_and_exits_128_plus_n(tiny_corpus, tmp_path,
+                                                                             sig, code):
+    run = tmp_path / "run"
+    sets = [f"data.corpus={tiny_corpus}", "model.n_layer=2", "model.d_model=32", "model.n_head=2",
+            "model.seq_len=16", "mesh.stages=2", "mesh.replicas=1", "mesh.microbatches=2",
+            "train.batch_size=4", "train.steps=100000", "train.eval_every=100000",
+            "train.checkpoint_every=0", "train.eval_batches=1"]
+    proc = cli("train", *(x for s in sets for x in ("--set", s)), "--out", str(run), cwd=tmp_path)
+    try:
+        end = time.monotonic() + 60
+        while len(train_records(run)) < 3 and time.monotonic() < end and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    assert "Traceback" not in err
+    assert f"stopped by {signal.Signals(sig).name} after step" in err
+    assert f"meshlearn train --resume {run}" in err
+    manifest = json.loads((run / "checkpoint.json").read_text())
+    state_step = manifest["checkpoint.pt"]["step"]
+    records = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if r["kind"] == "train"]
+    assert records[-1]["step"] == state_step >= 3  # nothing trained is lost
+    assert json.loads((run / "summary.json").read_text())["interrupted"] == signal.Signals(sig).name
+    assert not (run / ".lock").exists()
