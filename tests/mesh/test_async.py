@@ -120,17 +120,20 @@ def test_groups_depths_and_optimizers_follow_the_oracle_too(tiny_corpus, tmp_pat
 
 
 def test_in_flight_auto_covers_the_round_trip_and_respects_the_cap(tiny_corpus):
-    """With links slow against compute, auto holds more than 1F1B's P − s (capped); with free links
-    it is 1F1B's depth; the last stage always holds one."""
+    """With links slow against compute, auto holds more than 1F1B's P − s (capped, strictly
+    decreasing so no stage stalls on its neighbour); with free links it is 1F1B's depth; the last
+    stage always holds one; a request shallower than 1F1B is lifted to it."""
     slow = tiny_config(tiny_corpus, *ASYNC, "mesh.stages=4", "mesh.in_flight=auto", "link.latency_ms=50",
                        "mesh.max_in_flight=12")
     depths = [stage_in_flight(slow, s) for s in range(4)]
-    assert depths[-1] == 1 and all(d == 12 for d in depths[:-1])
+    assert depths == [12, 11, 10, 1]
     free = tiny_config(tiny_corpus, *ASYNC, "mesh.stages=4", "mesh.in_flight=auto", "link.latency_ms=0",
                        "link.bandwidth_mbit=inf")
     assert [stage_in_flight(free, s) for s in range(4)] == [4, 3, 2, 1]
     deep = tiny_config(tiny_corpus, *ASYNC, "mesh.stages=4", "mesh.in_flight=16")
     assert [stage_in_flight(deep, s) for s in range(4)] == [16, 11, 6, 1]  # 1F1B's shape, scaled
+    shallow = tiny_config(tiny_corpus, *ASYNC, "mesh.stages=4", "mesh.in_flight=2")
+    assert [stage_in_flight(shallow, s) for s in range(4)] == [4, 3, 2, 1]
 
 
 @pytest.mark.parametrize(("override", "message"), [

@@ -59,3 +59,12 @@ def test_custom_beta_range_and_bad_arguments():
         no_ws_stage_hparams(0, 4, -0.1, E)
     with pytest.raises(ValueError, match="progress and anneal must be >= 0"):
         no_ws_stage_hparams(0, 4, 0.0, -1.0)
+
+
+def test_a_deeper_window_uses_its_own_delay_and_beta1_stays_capped():
+    default = no_ws_stage_hparams(0, 4, 0.0, 0.12)
+    deep = no_ws_stage_hparams(0, 4, 0.0, 0.12, delay=15)
+    assert deep.beta1 == 0.99 > default.beta1  # capped at beta1_max
+    assert deep.lr_scale == 15.0**-1.0 < default.lr_scale
+    with pytest.raises(ValueError, match="delay"):
+        no_ws_stage_hparams(0, 4, 0.0, 0.12, delay=-1)

@@ -48,6 +48,7 @@ def no_ws_stage_hparams(
     *,
     beta1_min: float = 0.9,
     beta1_max: float = 0.99,
+    delay: int | None = None,
 ) -> StageHparams:
     """β1 and lr scale of pipeline stage ``stage`` of ``stages`` in the No-WS variant.
 
@@ -60,11 +61,15 @@ def no_ws_stage_hparams(
             (1 for the first), as the reference does.
         anneal: E, where the lr reduction ends; 0 turns it off (scale 1 throughout).
         beta1_min, beta1_max: β1 of a stage with τ = 0, and the value β1 approaches as τ/P → 1
-            (0.9 and 0.99 in the reference).
+            (0.9 and 0.99 in the reference); β1 never exceeds ``beta1_max``.
+        delay: the stage's actual delay τ_s when its in-flight depth is not 1F1B's (``mesh.in_flight``:
+            depth − 1); None = P − 1 − s.
     """
     if progress < 0 or anneal < 0:
         raise ValueError(f"progress and anneal must be >= 0, got progress={progress}, anneal={anneal}")
-    tau = stage_delay(stage, stages)
-    beta1 = beta1_min + tau * (beta1_max - beta1_min) / stages
+    tau = stage_delay(stage, stages) if delay is None else delay
+    if tau < 0:
+        raise ValueError(f"delay must be >= 0, got {delay}")
+    beta1 = min(beta1_max, beta1_min + tau * (beta1_max - beta1_min) / stages)
     exponent = 1.0 - min(progress / anneal, 1.0) if anneal > 0 else 0.0
     return StageHparams(beta1=beta1, lr_scale=max(tau, 1) ** -exponent)
