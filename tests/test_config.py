@@ -67,3 +67,12 @@ def test_every_key_is_reachable_by_set():
     keys = valid_keys()
     assert {"model.n_layer", "mesh.schedule", "link.latency_ms", "codec.name", "optim.name",
             "train.steps", "data.tokenizer", "sim.compute", "seed"} <= set(keys)
+
+
+def test_the_package_license_is_an_spdx_string():
+    """A TOML table for project.license makes setuptools print a deprecation banner on every install."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "Apache-2.0"

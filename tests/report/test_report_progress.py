@@ -155,3 +155,28 @@ def test_async_staleness_per_stage_is_shown():
     line = format_progress(5, 10, train_loss=2.0, staleness=[3.0, 2.0, 1.0, 0.0])
     assert "stale 3/2/1/0" in line
     assert "stale" not in format_progress(5, 10, train_loss=2.0)
+
+
+def test_in_logs_a_due_line_waits_for_its_evaluation_and_is_printed_once():
+    out = io.StringIO()
+    with ProgressLine(20, stream=out, every=10) as progress:
+        for step in range(1, 21):
+            progress.update(_train(step))
+            if step % 10 == 0:
+                progress.update({"kind": "eval", "step": step, "val_loss": 3.0 - step / 10})
+    lines = out.getvalue().splitlines()
+    assert [line.split(" |")[0] for line in lines] == ["step 1/20", "step 10/20", "step 20/20"]
+    assert "val 2.000" in lines[1] and "val 1.000" in lines[2]  # that step's evaluation, not the last one
+
+
+def test_bans_alerts_and_rejections_get_a_console_line_of_their_own():
+    out = io.StringIO()
+    with ProgressLine(5, stream=out) as progress:
+        progress.update(_train(1))
+        progress.update({"kind": "ban", "step": 2, "worker": "r1s2", "metric": "l2", "message": "act",
+                         "strikes": 2, "replaced_from": "r0s2"})
+        progress.update({"kind": "wire_reject", "step": 2, "message": "act", "src": "r1s1",
+                         "dst": "r1s2", "reason": "index: ids out of range"})
+    text = out.getvalue()
+    assert "! step 2: banned r1s2" in text and "replaced from r0s2" in text
+    assert "! step 2: rejected a act from r1s1 to r1s2: index: ids out of range" in text

@@ -29,13 +29,13 @@ def test_two_replicas_quarantine_an_attacker_alert_and_ban_nobody(tiny_corpus, t
     """No honest majority at 2 replicas: the ban budget is 0. The attacker's messages are still
     quarantined one by one, and the alert reaches the console, metrics.jsonl and summary.json."""
     cfg = tiny_config(tiny_corpus, *BASE, "mesh.replicas=2", "train.steps=16", *attacked("zeros"))
-    summary = Trainer(cfg, tmp_path, progress=False).train()
+    summary = Trainer(cfg, tmp_path).train()  # with the console's progress line
     trust = summary["trust"]
     assert summary["banned_workers"] == [] and trust["bans"] == 0
     assert trust["alert"] and [a["worker"] for a in trust["alerts"]] == [str(ATTACKER)]
     assert trust["alerts"][0]["cause"] == "budget"
     assert [r["worker"] for r in records(tmp_path) if r["kind"] == "alert"] == [str(ATTACKER)]
-    assert "SENTINEL ALERT" in capsys.readouterr().err
+    assert f"SENTINEL alert: {ATTACKER}" in capsys.readouterr().out
     attacker = trust["flags_per_worker"][str(ATTACKER)]
     assert attacker["flags"] >= 2 * 4  # every attacked activation (2 a step, 4 steps) quarantined
     assert trust["workers"]["fn"] == 1 and trust["workers"]["fp"] == 0

@@ -47,6 +47,31 @@ def format_progress(
     return " | ".join(parts)
 
 
+EVENT_KINDS = frozenset({"ban", "alert", "wire_reject", "event"})
+"""Records shown on the console as lines of their own (``event`` ones when they name their event)."""
+
+
+def format_event(record: dict[str, Any]) -> str:
+    """One console line for an event record, e.g. ``! step 12: ban r1s2 (...)``."""
+    kind, step = record.get("kind"), record.get("step")
+    if kind == "ban":
+        what = (f"banned {record.get('worker')} ({record.get('metric')} on {record.get('message')}, "
+                f"{record.get('strikes')} strikes); replaced from {record.get('replaced_from')}")
+    elif kind == "alert":
+        what = f"SENTINEL alert: {record.get('worker')}: {record.get('detail')}"
+    elif kind == "wire_reject":
+        what = (f"rejected a {record.get('message')} from {record.get('src')} to {record.get('dst')}: "
+                f"{record.get('reason')}")
+    else:
+        details = ", ".join(f"{k} {v}" for k, v in record.items() if k not in ("kind", "step", "event")
+                            and not isinstance(v, (dict, list)) and k not in _COUNTERS)
+        what = f"{record.get('event')}" + (f" ({details})" if details else "")
+    return f"! step {step}: {what}"
+
+
+_COUNTERS = frozenset({"tokens", "sim_time_s", "wall_time_s", "bytes_pp", "bytes_dp"})
+
+
 def _rate(amount: float | None, seconds: float | None) -> float | None:
     if amount is None or seconds is None or seconds <= 0:
         return None
@@ -95,10 +120,20 @@ class ProgressLine:
         self._anchor: tuple[int, float] | None = None  # (step, wall_time_s) of first timing
         self._line_open = False  # TTY: a line without newline is on screen
         self._dirty = False  # non-TTY: state changed since the last printed line
+        self._pending = False  # non-TTY: a due line waits for its step's evaluation
 
     def update(self, record: dict[str, Any]) -> None:
-        """Take one metrics record; records of other kinds than train/eval are ignored."""
+        """Take one metrics record: train and eval records update the line, events (bans, alerts,
+        wire rejections, method events) get a line of their own, other kinds are ignored.
+
+        In logs a due line waits for the step's evaluation, if one follows, so it shows that step's
+        validation loss, and is printed once."""
         kind = record.get("kind")
+        if kind in EVENT_KINDS and (kind != "event" or "event" in record):
+            self._event(record)
+            return
+        if kind == "train" and self._pending:
+            self._print_line()  # the previous step had no evaluation after all
         if kind == "train":
             self._take_train(record)
         elif kind == "eval":
@@ -113,7 +148,19 @@ class ProgressLine:
         if self.tty:
             self._redraw()
         elif kind == "train" and self._due():
+            self._pending = True
+        elif kind == "eval" and self._pending:
             self._print_line()
+
+    def _event(self, record: dict[str, Any]) -> None:
+        text = format_event(record)
+        if self.tty and self._line_open:
+            self.stream.write(f"\r{_CLEAR_TO_EOL}{text}\n")
+            self._line_open = False
+            self._redraw()
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
 
     def _take_train(self, record: dict[str, Any]) -> None:
         step = as_number(record.get("step"))
@@ -176,7 +223,7 @@ class ProgressLine:
     def _print_line(self) -> None:
         self.stream.write(self.line() + "\n")
         self.stream.flush()
-        self._dirty = False
+        self._dirty = self._pending = False
 
     def close(self) -> None:
         """End the line: newline on a TTY; in logs, print the final state if not yet shown."""

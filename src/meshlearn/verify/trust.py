@@ -21,7 +21,6 @@ Per-worker attacks from Python::
 from __future__ import annotations
 
 import copy
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -160,11 +159,9 @@ class TrustLayer:
         return out
 
     def _raise(self, alert: Alert) -> dict:
-        """An alert goes to the console (stderr, past the progress line), metrics.jsonl and summary."""
+        """An alert goes to metrics.jsonl (and from there to the console's progress line) and summary."""
         record = alert.record()
         self.alerts.append(record)
-        print(f"\nSENTINEL ALERT step {record['step']}: {record['worker']}: {record['detail']}",
-              file=sys.stderr, flush=True)
         return record
 
     def _score(self, d: Decision, malicious: bool) -> None:
