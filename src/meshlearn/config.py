@@ -32,6 +32,7 @@ from meshlearn.verify.attacks import AttackConfig, validate_attack
 from meshlearn.verify.sentinel import (
     VerifyConfig,
 )
+from meshlearn.warmup.settings import WarmupConfig, validate_warmup
 
 
 class ConfigError(ValueError):
@@ -102,6 +103,7 @@ class RunConfig:
     attack: AttackConfig = field(default_factory=AttackConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     dp: DPConfig = field(default_factory=DPConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
 
 
 # --- building the tree -----------------------------------------------------------------------
@@ -361,3 +363,4 @@ def validate(cfg: RunConfig) -> None:
     validate_attack(cfg, _require)
     validate_dist(cfg, _require)
     validate_dp(cfg, _require)
+    validate_warmup(cfg, _require)
