@@ -20,6 +20,7 @@ from typing import Any
 import tomli_w
 
 from meshlearn.compress.registry import CODECS, WIRE_DTYPES, CodecConfig
+from meshlearn.curvature.settings import CurvatureConfig, validate_curvature
 from meshlearn.distributed.settings import DistConfig, validate_dist
 from meshlearn.dp.settings import DPConfig, validate_dp
 from meshlearn.mesh.basis_updates import BasisUpdateConfig
@@ -104,6 +105,7 @@ class RunConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     dp: DPConfig = field(default_factory=DPConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    curvature: CurvatureConfig = field(default_factory=CurvatureConfig)
 
 
 # --- building the tree -----------------------------------------------------------------------
@@ -364,3 +366,4 @@ def validate(cfg: RunConfig) -> None:
     validate_dist(cfg, _require)
     validate_dp(cfg, _require)
     validate_warmup(cfg, _require)
+    validate_curvature(cfg, _require)
