@@ -20,6 +20,7 @@ from typing import Any
 import tomli_w
 
 from meshlearn.compress.registry import CODECS, WIRE_DTYPES, CodecConfig
+from meshlearn.curvature.settings import CurvatureConfig, validate_curvature
 from meshlearn.distributed.settings import DistConfig, validate_dist
 from meshlearn.dp.settings import DPConfig, validate_dp
 from meshlearn.mesh.basis_updates import BasisUpdateConfig
@@ -32,6 +33,7 @@ from meshlearn.verify.attacks import AttackConfig, validate_attack
 from meshlearn.verify.sentinel import (
     VerifyConfig,
 )
+from meshlearn.warmup.settings import WarmupConfig, validate_warmup
 
 
 class ConfigError(ValueError):
@@ -102,6 +104,8 @@ class RunConfig:
     attack: AttackConfig = field(default_factory=AttackConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     dp: DPConfig = field(default_factory=DPConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    curvature: CurvatureConfig = field(default_factory=CurvatureConfig)
 
 
 # --- building the tree -----------------------------------------------------------------------
@@ -361,3 +365,5 @@ def validate(cfg: RunConfig) -> None:
     validate_attack(cfg, _require)
     validate_dist(cfg, _require)
     validate_dp(cfg, _require)
+    validate_warmup(cfg, _require)
+    validate_curvature(cfg, _require)

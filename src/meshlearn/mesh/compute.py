@@ -9,6 +9,7 @@ forward/backward and is what real-process runs are checked against.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from meshlearn.models.llama import DecoderConfig
 
@@ -45,6 +46,13 @@ class StageShape:
     layers: int
     embed: bool
     head: bool
+
+
+def stage_shape(module: Any) -> StageShape:
+    """What a stage module computes now: blocks switched off (``Block.locked``, architecture
+    warm-up) are skipped in its forward, so they are not counted."""
+    layers = sum(1 for block in module.layers.values() if not getattr(block, "locked", False))
+    return StageShape(layers, module.tok_emb is not None, module.head is not None)
 
 
 def forward_flops(cfg: DecoderConfig, stage: StageShape, batch: int) -> float:

@@ -20,6 +20,8 @@ def average_gradients(group: list[Worker]) -> int:
     nbytes = 0
     for replica_params in zip(*params, strict=True):
         grads = [p.grad for p in replica_params]
+        if all(g is None for g in grads):
+            continue  # a parameter outside the optimizer (e.g. a locked block): nothing to average
         mean = torch.stack(grads).sum(0) / len(grads)
         for g in grads:
             g.copy_(mean)

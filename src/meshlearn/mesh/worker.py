@@ -20,7 +20,7 @@ import torch
 from torch.func import functional_call
 
 from meshlearn.compress.codecs import Codec, Encoded, Kind
-from meshlearn.mesh.compute import StageShape
+from meshlearn.mesh.compute import StageShape, stage_shape
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.schedule import Action, StagePlan
 from meshlearn.mesh.topology import MeshShape, WorkerId
@@ -77,7 +77,6 @@ class Worker:
         self.weight_stashing = weight_stashing
         self.is_first = wid.stage == 0
         self.is_last = wid.stage == mesh.stages - 1
-        self.shape = StageShape(len(module.layers), module.tok_emb is not None, module.head is not None)
         self.n_params = sum(p.numel() for p in module.parameters())
         self.param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         self.version = 0  # optimizer updates applied so far
@@ -118,6 +117,12 @@ class Worker:
         if self.is_last and work.targets is None:
             raise ValueError(f"worker {self.id}: the last stage needs targets")
         self.work[work.step] = work
+
+    @property
+    def shape(self) -> StageShape:
+        """What this stage computes now, for the compute model (follows the module: locked blocks
+        of architecture warm-up are not charged)."""
+        return stage_shape(self.module)
 
     @property
     def steps_done(self) -> int:

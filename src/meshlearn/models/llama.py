@@ -55,6 +55,12 @@ class DecoderConfig:
     """Seed of the shared basis U and the fixed token table (identical on every stage)."""
     subspace_dense_tail: int = 0
     """Final layers left unconstrained; they must all sit in the last stage (after every boundary)."""
+    qk_norm: bool = False
+    """RMSNorm (with a gain per head channel) on queries and keys before RoPE (QK-norm)."""
+    attn_softcap: float = 0.0
+    """c > 0 soft-caps attention scores to c·tanh(s/c) (Gemma 2; explicit attention path); 0 = off."""
+    logit_softcap: float = 0.0
+    """c > 0 soft-caps the output logits to c·tanh(z/c) (Gemma 2); 0 = off."""
 
     @property
     def head_dim(self) -> int:
@@ -112,6 +118,10 @@ class Attention(nn.Module):
         self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.o = residual_writer(cfg.d_model, cfg, basis)
+        self.softcap = cfg.attn_softcap
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -119,9 +129,23 @@ class Attention(nn.Module):
         q = self.q(x).view(heads).transpose(1, 2)  # (B, H, T, hd)
         k = self.k(x).view(heads).transpose(1, 2)
         v = self.v(x).view(heads).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.softcap > 0:
+            y = softcapped_attention(q, k, v, self.softcap)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: float) -> torch.Tensor:
+    """Causal attention with scores soft-capped to cap·tanh(s/cap) before the softmax."""
+    T = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    scores = cap * torch.tanh(scores / cap)
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
 
 
 class SwiGLU(nn.Module):
@@ -145,8 +169,13 @@ class Block(nn.Module):
         self.attn = Attention(cfg, basis)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg, basis)
+        # Architecture warm-up (meshlearn.warmup): a locked block's matrices are zero, so it is the
+        # identity; it is then skipped, which gives the same output bitwise and costs nothing.
+        self.locked = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.locked:
+            return x
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -208,6 +237,8 @@ class Decoder(nn.Module):
             x = block(x, self.rope_cos, self.rope_sin)
         if self.head is not None:
             x = self.head(self.norm(x))  # (B, T, V)
+            if self.cfg.logit_softcap > 0:
+                x = self.cfg.logit_softcap * torch.tanh(x / self.cfg.logit_softcap)
         return x
 
     @staticmethod

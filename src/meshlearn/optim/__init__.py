@@ -13,6 +13,7 @@ from meshlearn.optim.nadamw import NAdamW, nadamw_update
 from meshlearn.optim.no_ws import StageHparams, no_ws_stage_hparams, stage_delay
 from meshlearn.optim.numuon import NuMuon
 from meshlearn.optim.orthogonalize import block_krylov_topk, newton_schulz, topk_lmo
+from meshlearn.optim.param_sets import add_parameters, remove_parameters
 from meshlearn.optim.routing import is_embedding_or_head, split_params
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "NuMuon",
     "OptimConfig",
     "StageHparams",
+    "add_parameters",
     "block_krylov_topk",
     "build_optimizer",
     "decay_groups",
@@ -29,6 +31,7 @@ __all__ = [
     "nadamw_update",
     "newton_schulz",
     "no_ws_stage_hparams",
+    "remove_parameters",
     "resolve_betas",
     "split_params",
     "stage_delay",

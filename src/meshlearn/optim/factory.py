@@ -2,6 +2,11 @@
 
 Every optimizer here acts parameter by parameter, so an optimizer over one pipeline stage does
 exactly what the same optimizer over the unsplit model does to that stage's parameters.
+
+Every optimizer is built over the module's *trainable* parameters (``requires_grad``); frozen ones
+hold no state and get no weight decay. Parameters can join later with fresh state, routed as they
+would have been here: :func:`meshlearn.optim.param_sets.add_parameters` (and leave with
+``remove_parameters`` before their first step).
 """
 
 from __future__ import annotations
@@ -122,8 +127,13 @@ def _sgd(module: nn.Module, cfg: OptimConfig, lr: float, total_steps: int) -> to
                            foreach=False)
 
 
+def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of the parameters that train now, by name (Muon routes by name)."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
 def _muon(module: nn.Module, cfg: OptimConfig, lr: float, total_steps: int) -> torch.optim.Optimizer:
-    return Muon(module, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+    return Muon(trainable(module), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                 adjust_lr_fn=cfg.muon_adjust_lr, adamw_lr=lr,
                 adamw_betas=resolve_betas(cfg, ADAMW_BETAS), adamw_eps=cfg.eps)
 
@@ -140,7 +150,7 @@ def numuon_schedule(cfg: OptimConfig, total_steps: int) -> tuple[float, str, dic
 
 def _numuon(module: nn.Module, cfg: OptimConfig, lr: float, total_steps: int) -> torch.optim.Optimizer:
     fraction, schedule, kwargs = numuon_schedule(cfg, total_steps)
-    return NuMuon(module, lr=lr, rank_fraction=fraction, rank_schedule=schedule,
+    return NuMuon(trainable(module), lr=lr, rank_fraction=fraction, rank_schedule=schedule,
                   rank_schedule_kwargs=kwargs, match_muon_rms=cfg.numuon_match_muon_rms,
                   momentum=cfg.momentum, weight_decay=cfg.weight_decay, adjust_lr_fn=cfg.muon_adjust_lr,
                   adamw_lr=lr, adamw_betas=resolve_betas(cfg, ADAMW_BETAS), adamw_eps=cfg.eps)

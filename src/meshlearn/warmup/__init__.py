@@ -1,0 +1,26 @@
+"""Architecture warm-up: locked identity blocks unlocked in groups (see docs/warmup.md)."""
+
+from meshlearn.warmup.locking import (
+    BlockLocks,
+    init_unlocked,
+    lock_block,
+    locked_layers,
+    unlock_block,
+    unlock_groups,
+)
+from meshlearn.warmup.plugin import WarmupCallback, WarmupSchedule, warmup_plugin
+from meshlearn.warmup.settings import WarmupConfig, validate_warmup
+
+__all__ = [
+    "BlockLocks",
+    "WarmupCallback",
+    "WarmupConfig",
+    "WarmupSchedule",
+    "init_unlocked",
+    "lock_block",
+    "locked_layers",
+    "unlock_block",
+    "unlock_groups",
+    "validate_warmup",
+    "warmup_plugin",
+]
