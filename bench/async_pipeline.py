@@ -18,8 +18,9 @@ staleness and validation loss per depth, against the compute-bound throughput (t
 ÷ the slowest stage's F + B + U time, from the compute model and measured with free links) and
 against 1F1B's validation loss on the same model.
 
-    python bench/async_pipeline.py [--steps 100] [--sweep-steps 100] [--depths default,2,4,8,16,auto]
-                                   [--compute-ms 50] [--no-extras] [--part all|schedules|sweep] [--reuse]
+    python bench/async_pipeline.py [--steps 100] [--sweep-steps 100]
+                                   [--depths default,2,4,8,16,auto:8,auto:12,auto] [--compute-ms 50]
+                                   [--no-extras] [--part all|schedules|sweep] [--reuse]
 
 Runs live in bench/out/async_pipeline/; results go to docs/results/async_pipeline.{json,md}.
 """
@@ -56,10 +57,12 @@ SCENARIOS = {
     "demo P=4": [],
     "8 layers P=8": ["model.n_layer=8", "mesh.stages=8"],
 }
-EXTRAS = {  # at P = 4: the lr check of the look-ahead run and the optimizer alone under 1F1B
+EXTRAS = {  # at P = 4: the lr check (×½, ×2) of the look-ahead run and of 1F1B; NAdamW alone under 1F1B
     "async + nadamw (WS), lr 1.5e-3": [*SCHEDULES["async + nadamw (WS)"], "train.lr=1.5e-3"],
     "async + nadamw (WS), lr 6e-3": [*SCHEDULES["async + nadamw (WS)"], "train.lr=6e-3"],
     "1f1b + nadamw": ["mesh.schedule=1f1b", "optim.name=nadamw"],
+    "1f1b, lr 1.5e-3": ["mesh.schedule=1f1b", "train.lr=1.5e-3"],
+    "1f1b, lr 6e-3": ["mesh.schedule=1f1b", "train.lr=6e-3"],
 }
 GOAL_LOSS = 0.03  # async + look-ahead within 3% of 1F1B's validation loss ...
 GOAL_SPEED = 1.5  # ... with ≥ 1.5× its virtual tokens/s
@@ -82,6 +85,9 @@ def run(cfg: RunConfig, run_dir: Path, reuse: bool, eval_at_start: bool) -> dict
             trainer.evaluate()
         summary = trainer.train()
         wall = time.perf_counter() - started
+        (run_dir / "bench_wall_s.txt").write_text(f"{wall:.3f}\n")
+    elif (run_dir / "bench_wall_s.txt").is_file():
+        wall = float((run_dir / "bench_wall_s.txt").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"summary": summary, "records": records, "bench_wall_s": wall}
 
@@ -95,24 +101,26 @@ def eval_curve(records: list[dict]) -> list[tuple[float, float]]:
     return sorted((r["sim_time_s"], r["val_loss"]) for r in records if r["kind"] == "eval")
 
 
-def val_at_time(curve: list[tuple[float, float]], t: float) -> float:
+def val_at_time(curve: list[tuple[float, float]], t: float) -> float | None:
     """Validation loss at virtual time ``t``, linear between evaluations (None past the last)."""
     if t > curve[-1][0] + 1e-9:
-        return float("nan")
+        return None
     for (t0, v0), (t1, v1) in zip(curve, curve[1:], strict=False):
         if t0 <= t <= t1:
             return v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0)
     return curve[0][1]
 
 
-def time_to_loss(curve: list[tuple[float, float]], target: float) -> float:
-    """First virtual time at which the interpolated val loss reaches ``target`` (nan: never)."""
+def time_to_loss(curve: list[tuple[float, float]], target: float) -> float | None:
+    """First virtual time at which the interpolated val loss reaches ``target`` (None: never); a
+    relative 1e-6 tolerance lets a mathematically equal run (GPipe vs 1F1B) count as reaching it."""
+    target += 1e-6 * abs(target)
     for (t0, v0), (t1, v1) in zip(curve, curve[1:], strict=False):
         if v1 <= target <= v0 and v0 != v1:
             return t0 + (t1 - t0) * (v0 - target) / (v0 - v1)
         if v0 <= target:
             return t0
-    return float("nan")
+    return None
 
 
 def describe(name: str, result: dict, tokens_per_step: int) -> dict:
@@ -212,7 +220,8 @@ def sweep(steps: int, depths: list[str], compute_ms: float, reuse: bool) -> dict
               "train.checkpoint_every=0", "optim.name=nadamw", "mesh.schedule=async"]
     bound = slowest_stage(sweep_config(*common))
     # Measured compute-bound rate: free links (no bandwidth limit, no latency), a few steps.
-    free = scratch_trainer(sweep_config(*common, "link.bandwidth_mbit=inf", "link.latency_ms=0"))
+    free = scratch_trainer(sweep_config(*common, "link.bandwidth_mbit=inf", "link.latency_ms=0",
+                                        "train.steps=50", "train.eval_every=50"))
     for _ in range(12):
         free.step()
     free_records = train_records([json.loads(line) for line in
@@ -228,9 +237,13 @@ def sweep(steps: int, depths: list[str], compute_ms: float, reuse: bool) -> dict
     rows.append(ref)
     print(f"[sweep] 1f1b: val {ref['final_val_loss']:.4f}, {ref['sim_tokens_per_s']:.0f} tok/s", flush=True)
     for depth in depths:
-        cfg = sweep_config(*common, f"mesh.in_flight={depth}", f"name=async-{depth}")
+        # "auto:N" = mesh.in_flight=auto capped at mesh.max_in_flight=N (windows that shrink with s)
+        keys = ([f"mesh.in_flight={depth}"] if ":" not in depth else
+                ["mesh.in_flight=auto", f"mesh.max_in_flight={depth.split(':')[1]}"])
+        cfg = sweep_config(*common, *keys, f"name=async-{depth}")
         row = describe(f"async + nadamw, in_flight={depth}",
-                       run(cfg, OUT / "sweep" / f"async-{depth}", reuse, False), tokens_per_step)
+                       run(cfg, OUT / "sweep" / f"async-{depth.replace(':', '-')}", reuse, False),
+                       tokens_per_step)
         row |= {"in_flight": depth,
                 "in_flight_per_stage": [stage_in_flight(resolve(cfg, 256), s)
                                         for s in range(cfg.mesh.stages)]}
@@ -252,7 +265,7 @@ def goal_lines(part1: dict) -> list[str]:
     lines = []
     for scenario, result in part1.items():
         for r in result["rows"]:
-            if r["run"] not in ("async + nadamw (WS)", "async + nadamw (No-WS)"):
+            if not r["run"].startswith("async + nadamw"):
                 continue
             ok = r["val_vs_1f1b"] <= GOAL_LOSS and r["speed_vs_1f1b"] >= GOAL_SPEED
             lines.append(
@@ -260,6 +273,23 @@ def goal_lines(part1: dict) -> list[str]:
                 f"{r['speed_vs_1f1b']:.2f}× its virtual tokens/s (goal ≥ 1.5×; steady state "
                 f"{r['steady_speed_vs_1f1b']:.2f}×): {'met' if ok else 'missed'}")
     return lines
+
+
+def lr_lines(part1: dict) -> list[str]:
+    """The lr check: the best of lr ∈ {1.5e-3, 3e-3, 6e-3} for async + NAdamW (WS) and for 1F1B."""
+    rows = part1.get("demo P=4", {}).get("rows", [])
+    best = {}
+    for family, prefix in (("async + nadamw (WS)", "async + nadamw (WS)"), ("1f1b", "1f1b")):
+        runs = [r for r in rows if r["run"] == prefix or r["run"].startswith(prefix + ", lr")]
+        if len(runs) > 1:
+            best[family] = min(runs, key=lambda r: r["final_val_loss"])
+    if len(best) < 2:
+        return []
+    a, b = best["async + nadamw (WS)"], best["1f1b"]
+    return [f"- lr check (demo P=4, lr ∈ {{1.5e-3, 3e-3, 6e-3}}, each schedule at its best): "
+            f"{a['run']} {a['final_val_loss']:.4f} vs {b['run']} {b['final_val_loss']:.4f} "
+            f"({a['final_val_loss'] / b['final_val_loss'] - 1:+.1%}), "
+            f"{a['sim_tokens_per_s'] / b['sim_tokens_per_s']:.2f}× its virtual tokens/s"]
 
 
 def sweep_goal(part2: dict) -> str:
@@ -289,8 +319,12 @@ def sweep_goal(part2: dict) -> str:
 
 
 def markdown(args, part1: dict | None, part2: dict | None, wall_s: float) -> str:
+    runs_wall = sum(r["wall_s"] for part in (part1 or {}).values() for r in part["rows"]) + sum(
+        r["wall_s"] for r in (part2 or {}).get("rows", []))
     out = [f"# Asynchronous pipeline (`mesh.schedule = async`)\n\n`python bench/async_pipeline.py "
-           f"--steps {args.steps} --sweep-steps {args.sweep_steps}`; bench wall time {wall_s / 60:.1f} min "
+           f"--steps {args.steps} --sweep-steps {args.sweep_steps}`; wall time {wall_s / 60:.1f} min "
+           f"for this invocation{' (--reuse)' if args.reuse else ''}, {runs_wall / 60:.1f} min summed "
+           f"over its training runs "
            f"on 2 shared CPU cores (OMP_NUM_THREADS=1). Device model RTX 4090 @ 40%, 200 Mbit/s / 50 ms "
            f"links, D = 1, train.batch_size 32 (4 microbatches of 8 × 128 tokens), lr 3e-3 (train.lr "
            f"shared by AdamW and NAdamW), warm-up 20 steps, cosine to 0.1×."]
@@ -304,7 +338,9 @@ def markdown(args, part1: dict | None, part2: dict | None, wall_s: float) -> str
                        f"Whole-run tokens/s include the drain at every evaluation; steady = batch tokens ÷ "
                        f"median step time. Staleness: versions behind of the applied gradients, mean over "
                        f"the run, mean over stages (per stage in the JSON).\n")
-            out.append(markdown_table(result["rows"], [
+            shown = [r | {"time_to_1f1b_loss_s": "not reached"} if r["time_to_1f1b_loss_s"] is None
+                     else r for r in result["rows"]]
+            out.append(markdown_table(shown, [
                 ("run", "run", ""), ("final_val_loss", f"val @ {args.steps} steps", ".4f"),
                 ("val_vs_1f1b", "÷ 1F1B − 1", "+.1%"),
                 ("val_at_budget", f"val @ {result['time_budget_s']:.0f} s virtual", ".4f"),
@@ -316,6 +352,7 @@ def markdown(args, part1: dict | None, part2: dict | None, wall_s: float) -> str
         out.append("\n### Goal: async + look-ahead within 3% of 1F1B's val loss at equal tokens, ≥ 1.5× its "
                    "virtual tokens/s\n")
         out += goal_lines(part1)
+        out += lr_lines(part1)
     if part2:
         c = part2["compute"]
         slow = c["per_stage"][c["slowest"]]
@@ -352,7 +389,7 @@ def _slug(name: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100,
                         help="steps (global batches of 32 × 128 tokens) of every part-1 run (default 100)")
@@ -361,12 +398,14 @@ def main() -> None:
                              "async pipeline)")
     parser.add_argument("--sweep-steps", type=int, default=100,
                         help="steps of every part-2 (in-flight sweep) run (default 100)")
-    parser.add_argument("--depths", default="default,2,4,8,16,auto",
-                        help="comma-separated mesh.in_flight values for the sweep")
+    parser.add_argument("--depths", default="default,2,4,8,16,auto:8,auto:12,auto",
+                        help="comma-separated mesh.in_flight values for the sweep; auto:N = auto with "
+                             "mesh.max_in_flight=N")
     parser.add_argument("--compute-ms", type=float, default=50.0,
                         help="part 2: the slowest stage's F + B per microbatch, in ms; sets sim.peak_tflops")
     parser.add_argument("--no-extras", action="store_true",
-                        help="skip the P = 4 extras (lr ×½, ×2 of async + NAdamW; 1F1B + NAdamW)")
+                        help="skip the P = 4 extras (lr ×½, ×2 of async + NAdamW and of 1F1B; "
+                             "1F1B + NAdamW)")
     parser.add_argument("--part", choices=("all", "schedules", "sweep"), default="all")
     parser.add_argument("--reuse", action="store_true",
                         help="keep runs in bench/out/async_pipeline/ that finished with the same config")
