@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 
 import pytest
 import torch
@@ -57,20 +56,23 @@ def test_bad_bytes_name_the_peer_they_came_from():
 
 
 def test_pacer_releases_each_message_when_the_simulator_says_it_arrives():
-    """The same Link arithmetic as the simulator: FIFO at the bandwidth, then the latency."""
+    """The same Link arithmetic as the simulator: FIFO at the bandwidth, then the latency. A fake
+    clock stands still between the two sends, so the check is exact on any machine load."""
     profile = LinkProfile(bandwidth_mbit=8.0, latency_ms=50.0, jitter_ms=3.0)  # 1 MB/s
     sim = Link(WorkerId(0, 0), WorkerId(0, 1), "pp", profile, random.Random("s"))
     real = Link(WorkerId(0, 0), WorkerId(0, 1), "pp", profile, random.Random("s"))
-    epoch = time.monotonic()
-    pacer = Pacer(real, epoch, enabled=True)
-    # Two messages queued at (nearly) the same moment: the second waits for the first to leave.
+    now = [0.0]
+    pacer = Pacer(real, epoch=0.0, enabled=True, clock=lambda: now[0])
+    # Two messages queued at the same moment: the second waits for the first to leave.
     first, second = pacer.release_at(100_000), pacer.release_at(100_000)
-    assert first - epoch == pytest.approx(sim.transmit(0.0, 100_000), abs=0.01)  # same jitter draws
-    assert second - epoch == pytest.approx(sim.transmit(0.0, 100_000), abs=0.01)
+    assert first == sim.transmit(0.0, 100_000)  # the same jitter draws
+    assert second == sim.transmit(0.0, 100_000)
     assert second - first == pytest.approx(0.1, abs=0.004)  # 100 kB at 1 MB/s, plus jitter
     assert real.bytes_sent == 200_000 and real.busy_s == pytest.approx(0.2)
-    unshaped = Pacer(Link(WorkerId(0, 0), WorkerId(0, 1), "pp", profile, random.Random(1)), epoch, False)
-    assert unshaped.release_at(10**9) <= time.monotonic()  # unshaped: now, but still accounted
+    now[0] = 5.0
+    unshaped = Pacer(Link(WorkerId(0, 0), WorkerId(0, 1), "pp", profile, random.Random(1)), 0.0, False,
+                     clock=lambda: now[0])
+    assert unshaped.release_at(10**9) == 5.0  # unshaped: now, but still accounted
     assert unshaped.link.bytes_sent == 10**9
 
 

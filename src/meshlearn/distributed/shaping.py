@@ -14,6 +14,7 @@ Times inside ``Link`` are seconds since this process's ``epoch`` (a monotonic cl
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from meshlearn.mesh.network import Link, ring_allreduce_bytes_per_member, ring_allreduce_s
 
@@ -21,17 +22,19 @@ from meshlearn.mesh.network import Link, ring_allreduce_bytes_per_member, ring_a
 class Pacer:
     """When the messages of one directed link may be handed to the transport."""
 
-    def __init__(self, link: Link, epoch: float, enabled: bool):
+    def __init__(self, link: Link, epoch: float, enabled: bool,
+                 clock: Callable[[], float] = time.monotonic):
         self.link = link
         self.epoch = epoch
         self.enabled = enabled
+        self.clock = clock  # injectable, so the arithmetic is testable without wall-clock tolerances
 
     def release_at(self, nbytes: int) -> float:
         """Queue ``nbytes`` now; the monotonic time at which the message counts as delivered.
 
         Bytes and busy time are accounted even when shaping is off, so reports compare.
         """
-        now = time.monotonic()
+        now = self.clock()
         arrival = self.link.transmit(now - self.epoch, nbytes)
         return self.epoch + arrival if self.enabled else now
 
