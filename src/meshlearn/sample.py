@@ -1,4 +1,5 @@
-"""Generate text from a run's checkpoint: assemble the unsplit model from its stages."""
+"""Generate text from a run's checkpoint (its stages merged into the unsplit model), or from any
+``model.init`` value (a preset, a .gguf file, a Hugging Face folder)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,22 @@ def sample_from_run(run_dir: Path, prompt: str, tokens: int, temperature: float,
     tokenizer = load_tokenizer(cfg, run_dir)
     if tokenizer is None:
         raise FileNotFoundError(f"{run_dir}: no tokenizer to decode this run's tokens with")
+    return _generate(model, tokenizer, prompt, tokens, temperature, seed)
+
+
+def sample_from_pretrained(value: str, prompt: str, tokens: int, temperature: float, seed: int) -> str:
+    """``value`` is a model.init value that is not a run folder; raises ValueError on a bad one."""
+    from meshlearn.data import BPETokenizer
+    from meshlearn.models.pretrained import find_source, load_model
+
+    source = find_source(value)
+    raw = source.tokenizer()
+    if raw is None:
+        raise ValueError(f"{value}: no tokenizer comes with it")
+    return _generate(load_model(source), BPETokenizer(raw), prompt, tokens, temperature, seed)
+
+
+def _generate(model, tokenizer, prompt: str, tokens: int, temperature: float, seed: int) -> str:
     ids = torch.tensor([tokenizer.encode(prompt) or [0]], dtype=torch.long)
     out = model.generate(ids, tokens, temperature=temperature, top_k=50,
                          generator=torch.Generator().manual_seed(seed))

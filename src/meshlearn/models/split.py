@@ -48,7 +48,14 @@ def merge_stages(cfg: DecoderConfig, stage_states: list[dict[str, torch.Tensor]]
 
 
 def init_model(cfg: DecoderConfig, seed: int) -> Decoder:
-    """The reference model: initialisation depends only on the seed, never on the mesh shape."""
+    """The reference model: initialisation depends only on the seed, never on the mesh shape; with
+    ``cfg.init`` (a resolved config: its architecture already the checkpoint's) the weights are the
+    pretrained ones."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return Decoder(cfg)
+        model = Decoder(cfg)
+    if cfg.init:
+        from meshlearn.models.pretrained import find_source, load_into
+
+        load_into(model, find_source(cfg.init))
+    return model

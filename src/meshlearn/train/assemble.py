@@ -14,6 +14,7 @@ from meshlearn.compress.registry import build_codec
 from meshlearn.compress.wire_checks import WireGuard
 from meshlearn.config import RunConfig
 from meshlearn.data import (
+    BPETokenizer,
     ByteTokenizer,
     Tokenizer,
     TokenSplits,
@@ -56,12 +57,27 @@ def load_corpus(cfg: RunConfig, run_dir: Path | None) -> Corpus:
     else:
         text = load_text(data.corpus)
         cache = run_dir / "tokenizer.json" if run_dir is not None else None
-        tokenizer = build_tokenizer(data.tokenizer, text, cache, data.bpe_vocab_size)
+        if data.tokenizer == "model":
+            tokenizer = pretrained_tokenizer(cfg, cache)
+        else:
+            tokenizer = build_tokenizer(data.tokenizer, text, cache, data.bpe_vocab_size)
         tokens = encode_corpus(text, tokenizer)
         vocab = tokenizer.vocab_size
     splits = split_tokens(tokens, data.val_fraction)
     check_split_length(splits, cfg.model.seq_len)
     return Corpus(splits, tokenizer, vocab)
+
+
+def pretrained_tokenizer(cfg: RunConfig, cache: Path | None) -> Tokenizer:
+    """data.tokenizer = model: the run's saved copy, or model.init's tokenizer (saved on first use)."""
+    if cache is not None and cache.is_file():
+        return BPETokenizer.load(cache)
+    from meshlearn.models.pretrained import find_source
+
+    tokenizer = BPETokenizer(find_source(cfg.model.init).tokenizer())
+    if cache is not None:
+        tokenizer.save(cache)
+    return tokenizer
 
 
 def load_tokenizer(cfg: RunConfig, run_dir: Path) -> Tokenizer | None:
