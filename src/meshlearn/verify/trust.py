@@ -115,11 +115,13 @@ class TrustLayer:
 
     def attach(self, driver: SimDriver) -> None:
         """Install SENTINEL as the driver's monitor. Its cost is CPU time on the verifiers' own
-        nodes (``Sentinel.release_s``), never the inspection's wall time on a GPU's clock: the
-        driver's own wall-time charge stays off (``charge_time`` asks the driver to call
-        ``release_s``; see verify/cost.py)."""
+        nodes, charged by a driver that calls ``Sentinel.release_s`` for the delivery time (one that
+        says so with ``monitor_release = True``; see verify/cost.py). A driver that would add the
+        inspection's wall time to the virtual clock instead — this machine's CPU time mixed into the
+        GPU device model — is not asked to charge anything."""
         if self.sentinel is not None:
-            driver.attach_monitor(self.sentinel, False)
+            charge = self.cfg.verify.charge_time and getattr(driver, "monitor_release", False)
+            driver.attach_monitor(self.sentinel, charge)
 
     def add_attack(self, wid: WorkerId, attack: Attack) -> None:
         """Make worker ``wid`` adversarial; the threat model keeps the first and last stages honest."""
