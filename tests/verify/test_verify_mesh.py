@@ -142,3 +142,15 @@ def test_unverified_attack_damages_training(tiny_corpus, tmp_path):
     assert "banned_workers" not in hit and hit["trust"]["attackers"][0]["changed_messages"] == 4 * 2 * 2
     assert abs(hit["final_train_loss"] - clean["final_train_loss"]) > 1e-3
     assert torch.isfinite(torch.tensor(hit["final_train_loss"]))
+
+
+def test_the_verifiers_cpu_time_delays_deliveries_on_the_virtual_clock_only_when_charged(tiny_corpus,
+                                                                                         tmp_path):
+    """The simulator asks the verifier when a message leaves it (its own CPU, queued per boundary):
+    charged, the run takes longer on the virtual clock; not charged, the clock is the unverified one."""
+    charged = run(tiny_corpus, tmp_path / "charged", 4)
+    free = run(tiny_corpus, tmp_path / "free", 4, "verify.charge_time=false")
+    plain = run(tiny_corpus, tmp_path / "plain", 4, "verify.name=none")
+    cost = charged["trust"]["verifier_cost"]
+    assert cost["messages"] > 0 and cost["cpu_s"] > 0
+    assert charged["sim_time_s"] > free["sim_time_s"] == plain["sim_time_s"]

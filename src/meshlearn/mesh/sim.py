@@ -65,6 +65,7 @@ class SimClock:
 
 class SimDriver:
     writes_records = True  # one process holds every worker: it writes the records and the summary
+    monitor_release = True  # asks monitors for their own delivery time (release_s), see attach_monitor
     shard = None  # checkpoints are one file (a DistDriver names its shard; see train/checkpoint.py)
 
     def __init__(self, mesh: MeshShape, workers: dict[WorkerId, Worker], network: Network,
@@ -99,9 +100,10 @@ class SimDriver:
         self.lookahead = math.ceil(in_flight / microbatches) + 1
 
     def attach_monitor(self, monitor: MessageMonitor, charge_time: bool = True) -> None:
-        """Add a subscriber that inspects every message on arrival, in the order attached;
-        ``charge_time`` adds the inspection's measured wall time to the delivery on the virtual
-        clock (False keeps the virtual clock bit-reproducible)."""
+        """Add a subscriber that inspects every message on arrival, in the order attached. With
+        ``charge_time``, a monitor that has ``release_s(message, arrival_s)`` decides when the
+        message leaves it on the virtual clock (its CPU time on its own resource); False keeps the
+        virtual clock bit-reproducible."""
         self.monitors.append((monitor, charge_time))
 
     @property
@@ -177,13 +179,16 @@ class SimDriver:
             self._push(now, "deliver", payload)  # checked by the strategy's exchange, no verifier
         elif kind == "arrive":
             message: Message = self.workers[payload.dst].admit(payload)
-            delay = 0.0
+            at = now
             for monitor, charge_time in self.monitors:
-                started = time.perf_counter()
                 message = monitor.inspect(message)
-                # The verifier sits on the path: the receiver gets the message once it is inspected.
-                delay += time.perf_counter() - started if charge_time else 0.0
-            self._push(now + delay, "deliver", message)
+                # A verifier sits on the path: the receiver gets the message once it leaves the
+                # verifier, whose CPU time is its own resource (``release_s``: queued on that
+                # verifier's CPU), never this machine's wall time added to the device model.
+                release = getattr(monitor, "release_s", None)
+                if charge_time and release is not None:
+                    at = release(message, at)
+            self._push(at, "deliver", message)
         elif payload.kind == "dp":
             self._dp_deliver(payload, now)
         else:
