@@ -32,7 +32,25 @@ def sample_from_pretrained(value: str, prompt: str, tokens: int, temperature: fl
 
 
 def _generate(model, tokenizer, prompt: str, tokens: int, temperature: float, seed: int) -> str:
-    ids = torch.tensor([tokenizer.encode(prompt) or [0]], dtype=torch.long)
-    out = model.generate(ids, tokens, temperature=temperature, top_k=50,
+    """The prompt and its continuation. An empty prompt starts from a start-of-text token where the
+    tokenizer has one, else from a newline; that seed is not part of the text returned."""
+    ids = tokenizer.encode(prompt)
+    seed_ids = [] if ids else start_ids(tokenizer)
+    context = torch.tensor([ids or seed_ids], dtype=torch.long)
+    out = model.generate(context, tokens, temperature=temperature, top_k=50,
                          generator=torch.Generator().manual_seed(seed))
-    return tokenizer.decode(out[0].tolist())
+    return tokenizer.decode(out[0].tolist()[len(seed_ids):])
+
+
+START_TOKENS = ("<|endoftext|>", "<|begin_of_text|>", "<s>", "<|im_start|>")
+
+
+def start_ids(tokenizer) -> list[int]:
+    """What to start an unprompted sample from: the tokenizer's start-of-text token, or a newline
+    (a token id 0 would be a NUL byte for the byte tokenizer and a stray ``!`` for GPT-2-style BPE)."""
+    lookup = getattr(tokenizer, "token_id", None)  # BPE vocabularies may have special tokens
+    for token in START_TOKENS if lookup is not None else ():
+        token_id = lookup(token)
+        if token_id is not None:
+            return [token_id]
+    return tokenizer.encode("\n")

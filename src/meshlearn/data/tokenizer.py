@@ -74,6 +74,10 @@ class BPETokenizer:
     def __init__(self, tokenizer: HFTokenizer) -> None:
         self._tok = tokenizer
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a special token such as ``<|endoftext|>``, or None if the vocabulary lacks it."""
+        return self._tok.token_to_id(token)
+
     @property
     def vocab_size(self) -> int:
         # BPE stops early when the text runs out of pairs to merge, so this can be

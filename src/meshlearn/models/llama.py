@@ -154,30 +154,57 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, key: str = "") -> torch.Tensor:
         B, T, C = x.shape
         q = self.q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = self.v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
+        start = cache.length if cache is not None else 0  # positions of these tokens: start … start+T
+        q = apply_rope(q, cos[start:start + T], sin[start:start + T])
+        k = apply_rope(k, cos[start:start + T], sin[start:start + T])
+        if cache is not None:
+            k, v = cache.extend(key, k, v)
         if self.n_kv_head != self.n_head:  # each key/value head serves a group of query heads
             group = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, T, hd)
         if self.softcap > 0:
             y = softcapped_attention(q, k, v, self.softcap)
-        else:
+        elif start == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, k.shape[-2], q.device))
         return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+def causal_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """Query i (the last ``queries`` of ``keys`` positions) sees keys 0 … keys − queries + i."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+
+
+class KVCache:
+    """Keys (after RoPE) and values of the tokens a generation has seen, per layer, so each new token
+    costs one position instead of the whole window. Generation only; training never uses it."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.length = 0  # positions cached (every layer holds the same number)
+
+    def extend(self, key: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if key in self.kv:
+            old_k, old_v = self.kv[key]
+            k, v = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
+        self.kv[key] = (k, v)
+        return k, v
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: float) -> torch.Tensor:
     """Causal attention with scores soft-capped to cap·tanh(s/cap) before the softmax."""
-    T = q.shape[-2]
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     scores = cap * torch.tanh(scores / cap)
-    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    mask = causal_mask(q.shape[-2], k.shape[-2], q.device)
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
 
 
@@ -206,10 +233,11 @@ class Block(nn.Module):
         # identity; it is then skipped, which gives the same output bitwise and costs nothing.
         self.locked = False
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, key: str = "") -> torch.Tensor:
         if self.locked:
             return x
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, key)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -267,12 +295,16 @@ class Decoder(nn.Module):
             if isinstance(writer, nn.Linear):
                 nn.init.normal_(writer.weight, std=self.cfg.writer_std())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) → residual (B, T, d) → ... → logits (B, T, V), depending on the parts held."""
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Token ids (B, T) → residual (B, T, d) → ... → logits (B, T, V), depending on the parts held.
+        With ``cache`` (generation), the tokens continue the cached ones and are added to it."""
+        tokens = x.shape[1]
         if self.tok_emb is not None:
             x = self.tok_emb(x)  # (B, T, d)
-        for block in self.layers.values():
-            x = block(x, self.rope_cos, self.rope_sin)
+        for name, block in self.layers.items():
+            x = block(x, self.rope_cos, self.rope_sin, cache, name)
+        if cache is not None:
+            cache.length += tokens
         if self.head is not None:
             x = self.head(self.norm(x))  # (B, T, V)
             if self.cfg.logit_softcap > 0:
@@ -287,13 +319,25 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample continuations of ``idx`` (B, T); needs the whole model (embedding and head)."""
+        """Sample continuations of ``idx`` (B, T); needs the whole model (embedding and head).
+
+        A KV cache makes each token cost one position. The model knows ``seq_len`` positions (its
+        training window): when the cache is full, it restarts from the last ``seq_len // 2`` tokens
+        (one forward of half a window), so every token sees at least half a window of context and
+        a long sample costs about twice its cached steps, not a whole window per token."""
+        keep = max(1, self.cfg.seq_len // 2)
+        cache = KVCache()
+        logits = self(idx[:, -self.cfg.seq_len:], cache)[:, -1, :]
         for _ in range(max_new_tokens):
-            context = idx[:, -self.cfg.seq_len:]
-            logits = self(context)[:, -1, :] / max(temperature, 1e-6)
+            logits = logits / max(temperature, 1e-6)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             probs = torch.softmax(logits, dim=-1)
             idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+            if cache.length < self.cfg.seq_len:
+                logits = self(idx[:, -1:], cache)[:, -1, :]
+            else:
+                cache = KVCache()
+                logits = self(idx[:, -keep:], cache)[:, -1, :]
         return idx
