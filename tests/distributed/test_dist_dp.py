@@ -5,11 +5,13 @@ long enough that no round is dropped in either driver."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from dist_helpers import deadline, kill_leftovers, launch, records
 from tiny import tiny_config
 
+from meshlearn.config import load_config
 from meshlearn.train import Trainer
 
 STRATEGIES = {
@@ -47,3 +49,20 @@ def test_dist_dp_strategy_equals_sim(tiny_corpus, tmp_path, strategy, schedule):
     sb = json.loads((tmp_path / "dist" / "summary.json").read_text())
     assert sa["dp_rounds"] == sb["dp_rounds"] > 0
     assert sa["dp_dropped_rounds"] == sb["dp_dropped_rounds"] == 0
+
+
+def test_a_straggler_of_a_dropped_round_does_not_break_evaluation(tiny_corpus, tmp_path):
+    """Rounds whose deadline is ~0 are dropped, and their late parts arrive while replica 0's stages
+    evaluate: they go to the strategy, never into the validation pipeline (that crashed once)."""
+    # The demo model: its rounds are large enough that their parts still travel at evaluation.
+    demo = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
+    cfg = load_config(demo, ["mesh.stages=2", "mesh.replicas=2", "mesh.schedule=async", "optim.name=nadamw",
+                             "dp.name=sparse", "dp.delay=1", "dp.deadline_s=0.000001", "train.steps=2",
+                             "train.eval_every=2", "train.eval_batches=1", "train.checkpoint_every=0",
+                             "dist.threads=1", f"data.corpus={tiny_corpus}", "model.seq_len=16"])
+    try:
+        with deadline(60, "the dist run with dropped rounds"):
+            assert launch(cfg, tmp_path / "dist") == 0, list((tmp_path / "dist" / "logs").iterdir())
+    finally:
+        kill_leftovers(tmp_path / "dist")
+    assert len(records(tmp_path / "dist", "eval")) == 1

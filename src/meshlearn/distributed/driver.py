@@ -405,6 +405,9 @@ class DistDriver:
                     h = ids = x.to(self.device)
                 else:  # the stage math of the simulator's pipeline_loss, one stage per process
                     message = self.transport.next_message(f"validation activation {i}", self.prev)
+                    while message.kind == "dp":  # a straggler of a dropped DP round: its strategy's
+                        self._dp_deliver(message)
+                        message = self.transport.next_message(f"validation activation {i}", self.prev)
                     ids = message.payload.tensors.get("ids")
                     h = worker.codec.decode(message.payload, "act")
                 out = module(h)
