@@ -30,6 +30,7 @@ from meshlearn.mesh.settings import MeshConfig, validate_mesh
 from meshlearn.models.llama import DecoderConfig
 from meshlearn.models.settings import validate_model
 from meshlearn.optim.factory import OptimConfig, validate_optim
+from meshlearn.protocol.settings import ProtocolConfig, validate_protocol
 from meshlearn.verify.attacks import AttackConfig, validate_attack
 from meshlearn.verify.sentinel import (
     VerifyConfig,
@@ -108,6 +109,7 @@ class RunConfig:
     dp: DPConfig = field(default_factory=DPConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     curvature: CurvatureConfig = field(default_factory=CurvatureConfig)
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
 
 
 # --- building the tree -----------------------------------------------------------------------
@@ -361,6 +363,7 @@ def validate(cfg: RunConfig) -> None:
         parse_overrides(cfg.links.overrides)
     except ValueError as err:
         raise ConfigError("links.overrides", cfg.links.overrides, str(err)) from None
+    validate_protocol(cfg, _require)  # before the codec: it refuses the subspace codec first
     _validate_codec(cfg)
     validate_optim(cfg.optim, _require)
     _require(train.lr > 0, "train.lr", train.lr, "must be > 0")

@@ -4,6 +4,7 @@ callbacks run. A new method adds one registration here."""
 from meshlearn.curvature.plugin import curvature_plugin
 from meshlearn.hooks import register_plugin
 from meshlearn.mesh.basis_updates import basis_update_plugin
+from meshlearn.protocol.plugin import protocol_plugin
 from meshlearn.verify.plugin import trust_plugin, wire_rejects_plugin
 from meshlearn.warmup.plugin import warmup_plugin
 
@@ -12,3 +13,4 @@ register_plugin("subspace_update", basis_update_plugin)
 register_plugin("trust", trust_plugin)
 register_plugin("wire", wire_rejects_plugin)
 register_plugin("curvature", curvature_plugin)  # after warm-up's unlocks at the same drain point
+register_plugin("protocol", protocol_plugin)  # last: at a drain point, morphs just before evaluation

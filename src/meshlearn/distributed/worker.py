@@ -30,6 +30,7 @@ from meshlearn.distributed.health import EXIT_PEER_FAILURE, Health, WorkerFailur
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.models.split import init_model, split_model
+from meshlearn.protocol.plugin import stage_modules
 from meshlearn.train.assemble import build_worker, load_corpus
 from meshlearn.train.signals import GracefulStop
 from meshlearn.train.trainer import Trainer
@@ -112,7 +113,8 @@ def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
                         if me in (src, dst):
                             links[(src, dst)] = group
     # Every process builds the same seeded unsplit model and keeps its stage: identical replicas.
-    module = split_model(init_model(cfg.model, cfg.seed), mesh.stages)[me.stage].to(session.device)
+    stages = stage_modules(cfg, split_model(init_model(cfg.model, cfg.seed), mesh.stages))
+    module = stages[me.stage].to(session.device)
     worker = build_worker(cfg, me, module)
     return DistDriver(cfg, worker, session.health, session.device, session.comm,
                       device_mesh.get_group("dp"), links)

@@ -12,13 +12,14 @@ from meshlearn.mesh.topology import WorkerId
 @dataclass
 class Message:
     """A forward activation (``act``) or a backward gradient (``grad``) of one microbatch, or a
-    data-parallel strategy's part of a round (``dp``, between replicas of one stage).
+    data-parallel strategy's part of a round (``dp``, between replicas of one stage), or a control
+    message sent at a drain point (``morph``: a protocol model's boundary transform).
 
     ``step`` and ``microbatch`` (0..M-1 within the step) name the microbatch; under the async
     schedule messages of several steps are in flight at once, so receivers key them by both. A
     ``dp`` message carries its round key there instead: (the update that started it, its phase)."""
 
-    kind: Literal["act", "grad", "dp"]
+    kind: Literal["act", "grad", "dp", "morph"]
     step: int
     microbatch: int
     src: WorkerId

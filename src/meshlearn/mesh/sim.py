@@ -98,6 +98,7 @@ class SimDriver:
         # Steps fed ahead of the one being run: enough that the first stage (the deepest in flight)
         # never waits for data before a drain point, so the action order is independent of it.
         self.lookahead = math.ceil(in_flight / microbatches) + 1
+        self._bytes_mark: tuple[int, int] | None = None  # link bytes at the last step's end
 
     def attach_monitor(self, monitor: MessageMonitor, charge_time: bool = True) -> None:
         """Add a subscriber that inspects every message on arrival, in the order attached. With
@@ -105,6 +106,16 @@ class SimDriver:
         message leaves it on the virtual clock (its CPU time on its own resource); False keeps the
         virtual clock bit-reproducible."""
         self.monitors.append((monitor, charge_time))
+
+    def send_control(self, message: Message) -> Message:
+        """Carry a control message between two workers at a drain point (a protocol model's
+        boundary transform): its bytes cross the link like any message's (counted in the next
+        step's report) and the receiver's clock waits for its arrival. Returns it as delivered."""
+        assert self.drained, "control messages travel at drain points"
+        link = self.network.link(message.src, message.dst)
+        arrival = link.transmit(self.clock.now[message.src], message.wire_bytes)
+        self.clock.now[message.dst] = max(self.clock.now[message.dst], arrival)
+        return message
 
     @property
     def drained(self) -> bool:
@@ -114,8 +125,10 @@ class SimDriver:
 
     def run_step(self, step: int, source) -> list[StepReport]:
         """Run until every worker has applied step ``step``'s updates (``source``: a WorkSource)."""
-        pp_before = self.network.bytes_on_axis("pp")
-        dp_before = self.network.bytes_on_axis("dp")
+        # Counted from the previous step's end, so control messages sent at the drain point in
+        # between (send_control) are in this step's bytes.
+        pp_before, dp_before = self._bytes_mark or (self.network.bytes_on_axis("pp"),
+                                                    self.network.bytes_on_axis("dp"))
         wait_before = self.dp_wait_s
         self._feed(step, source)
         for wid in self.workers:
@@ -143,6 +156,7 @@ class SimDriver:
             dp_wait_s=self.dp_wait_s - wait_before,
         )
         self.clock.step_end = self.now
+        self._bytes_mark = (self.network.bytes_on_axis("pp"), self.network.bytes_on_axis("dp"))
         return [report]
 
     def _feed(self, step: int, source) -> None:
@@ -417,6 +431,7 @@ class SimDriver:
         self.clock.load_state(state["clock"])
         self.network.load_state(state["network"])
         self.fed = state["fed"]
+        self._bytes_mark = None
         self.steps_done = {w: worker.steps_done for w, worker in self.workers.items()}
 
     def barrier(self, what: str) -> None:

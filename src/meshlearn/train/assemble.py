@@ -38,6 +38,7 @@ from meshlearn.models.llama import Decoder
 from meshlearn.models.split import init_model, split_model
 from meshlearn.optim.factory import build_optimizer
 from meshlearn.optim.no_ws import no_ws_stage_hparams
+from meshlearn.protocol.plugin import stage_modules
 
 
 @dataclass
@@ -99,7 +100,7 @@ def resolve(cfg: RunConfig, vocab_size: int) -> RunConfig:
 def build_workers(cfg: RunConfig) -> dict[WorkerId, Worker]:
     """Every replica of every stage starts from the same seeded unsplit model."""
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
-    stages = split_model(init_model(cfg.model, cfg.seed), cfg.mesh.stages)
+    stages = stage_modules(cfg, split_model(init_model(cfg.model, cfg.seed), cfg.mesh.stages))
     return {wid: build_worker(cfg, wid, copy.deepcopy(stages[wid.stage])) for wid in mesh.workers()}
 
 

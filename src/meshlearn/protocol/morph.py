@@ -1,0 +1,214 @@
+"""Morphs: fold a fresh transform into both sides of every boundary, on fp64 master copies.
+
+A boundary is any place the residual stream changes hands: embedding → first layer, attention →
+MLP inside a layer (T_int), layer → layer (inside a stage, or across a pipeline boundary), last
+layer → head. For a transform T at a boundary (row-vector convention of the method note; torch
+``Linear`` weights are (out, in), so W·T there is Tᵀ·W here):
+
+| side | what it folds |
+|---|---|
+| exit of a layer (its output basis B ← B·T) | W_down ← Tᵀ·W_down, S₂ ← S₂·T |
+| entry of a layer (its input basis A ← A·T) | R₁ ← T⁻¹·R₁, S₁ ← T⁻¹·S₁ |
+| inside a layer (C ← C·T) | W_o ← Tᵀ·W_o, S₁ ← S₁·T, R₂ ← T⁻¹·R₂, S₂ ← T⁻¹·S₂ |
+| exit of the embedding | B_emb ← B_emb·T |
+| entry of the head | R_f ← T⁻¹·R_f |
+
+Only W_o and W_down among the trainable matrices change; their Muon momentum follows the
+gradient's map (G ↦ T⁻¹·G here, G·T^{−T} in the note): M ← T⁻¹·M, which for orthogonal T is the
+weight's own map, so Muon on the morphed model is the morphed Muon trajectory.
+
+Every fold happens on a :class:`MasterCopy` (fp64 by default) and is then cast back into the
+working tensors, so the error stays at one rounding of the master however many morphs there are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.protocol.transforms import Transform, draw, seeded_generator
+
+WRITERS = ("attn.o.weight", "mlp.down.weight")
+"""The trainable matrices a morph multiplies (each layer's residual writers)."""
+BASES = ("emb_basis", ".basis", "_skip")
+"""Name endings of the non-trainable basis matrices (B_emb, every R, every S)."""
+MOMENTUM = "#momentum"
+
+
+class MasterCopy:
+    """High-precision copies of every tensor a morph multiplies in one stage module: the basis
+    buffers, the residual writers and their Muon momentum buffers (``optimizer.state[p]``).
+
+    ``open`` brings the masters up to date: a tensor seen for the first time is copied; one the
+    optimizer changed since the last ``close`` has that change added (master += working −
+    cast(master)), so training between morphs is kept exactly and, without training, the master
+    is untouched. ``close`` casts the masters back into the working tensors, in place.
+    ``dtype = working dtype`` is folding without a master (the drift control of the tests).
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 dtype: torch.dtype = torch.float64):
+        self.module = module
+        self.optimizer = optimizer
+        self.dtype = dtype
+        self.tensors: dict[str, Tensor] = {}
+
+    def working(self) -> dict[str, Tensor]:
+        """Name → the live tensor (parameter data, buffer, momentum buffer)."""
+        out = {name: buf for name, buf in self.module.named_buffers() if name.endswith(BASES)}
+        for name, p in self.module.named_parameters():
+            if not name.endswith(WRITERS):
+                continue
+            out[name] = p.data
+            state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
+            if "momentum_buffer" in state:
+                out[name + MOMENTUM] = state["momentum_buffer"]
+        return out
+
+    def open(self) -> dict[str, Tensor]:
+        for name, live in self.working().items():
+            master = self.tensors.get(name)
+            if master is None or master.shape != live.shape:
+                self.tensors[name] = live.detach().to(self.dtype, copy=True)
+            else:
+                master += live.detach().to(self.dtype) - master.to(live.dtype).to(self.dtype)
+        return self.tensors
+
+    def close(self) -> None:
+        for name, live in self.working().items():
+            live.copy_(self.tensors[name])
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return dict(self.tensors)
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.tensors = {name: t.to(self.dtype) for name, t in state.items()}
+
+
+class StageMorph:
+    """The folds of one worker's stage module (see the module docstring's table)."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 master_dtype: torch.dtype = torch.float64):
+        self.module = module
+        self.master = MasterCopy(module, optimizer, master_dtype)
+        self.layers = sorted(module.layers, key=int)
+        self._m: dict[str, Tensor] = {}
+
+    @property
+    def internal_slots(self) -> int:
+        """Transforms the stage draws for its own boundaries: one inside each layer, one between
+        consecutive layers, one after the embedding and one before the head where held."""
+        return (2 * len(self.layers) - 1 + (self.module.tok_emb is not None)
+                + (self.module.head is not None))
+
+    def open(self) -> None:
+        self._m = self.master.open()
+
+    def close(self) -> None:
+        self.master.close()
+        self._m = {}
+
+    # --- the folds, on the masters ------------------------------------------------------------
+
+    def _right(self, name: str, t: Tensor) -> None:
+        master = self._m[name]
+        self._m[name] = master @ t.to(master.dtype)
+
+    def _left(self, name: str, t: Tensor) -> None:
+        master = self._m[name]
+        self._m[name] = t.to(master.dtype) @ master
+
+    def _writer(self, name: str, t: Transform) -> None:
+        self._left(name, t.matrix.T)
+        if name + MOMENTUM in self._m:  # absent before the first optimizer step
+            self._left(name + MOMENTUM, t.inverse)
+
+    def _layer_exit(self, key: str, t: Transform) -> None:
+        self._writer(f"layers.{key}.mlp.down.weight", t)
+        self._right(f"layers.{key}.mlp_skip", t.matrix)
+
+    def _layer_entry(self, key: str, inverse: Tensor) -> None:
+        self._left(f"layers.{key}.attn_norm.basis", inverse)
+        self._left(f"layers.{key}.attn_skip", inverse)
+
+    def fold_exit(self, t: Transform) -> None:
+        """This stage's exit side of the pipeline boundary below it."""
+        self._layer_exit(self.layers[-1], t)
+
+    def fold_entry(self, matrix: Tensor, orthogonal: bool) -> None:
+        """This stage's entry side of the pipeline boundary above it, from the T it received (it
+        inverts T itself: Tᵀ when orthogonal, else an fp64 inverse)."""
+        inverse = matrix.T if orthogonal else torch.linalg.inv(matrix)
+        self._layer_entry(self.layers[0], inverse)
+
+    def fold_internal(self, transforms: Iterator[Transform]) -> None:
+        """Every boundary inside the stage, in a fixed order (``internal_slots`` transforms)."""
+        if self.module.tok_emb is not None:
+            t = next(transforms)
+            self._right("emb_basis", t.matrix)
+            self._layer_entry(self.layers[0], t.inverse)
+        for i, key in enumerate(self.layers):
+            t = next(transforms)  # T_int between attention and MLP
+            self._writer(f"layers.{key}.attn.o.weight", t)
+            self._right(f"layers.{key}.attn_skip", t.matrix)
+            self._left(f"layers.{key}.mlp_norm.basis", t.inverse)
+            self._left(f"layers.{key}.mlp_skip", t.inverse)
+            if i + 1 < len(self.layers):
+                t = next(transforms)
+                self._layer_exit(key, t)
+                self._layer_entry(self.layers[i + 1], t.inverse)
+        if self.module.head is not None:
+            t = next(transforms)
+            self._layer_exit(self.layers[-1], t)
+            self._left("norm.basis", t.inverse)
+
+
+@dataclass
+class MorphStats:
+    transforms: int = 0  # transforms drawn (each one folded on every replica of its stage)
+    boundary_bytes: int = 0  # bytes of the transforms sent across pipeline boundaries
+
+
+Send = Callable[[WorkerId, WorkerId, Transform], tuple[Tensor, bool]]
+"""(sender, receiver, T) → what the receiver got: (T, orthogonal). The plugin sends a message."""
+
+
+def direct(src: WorkerId, dst: WorkerId, t: Transform) -> tuple[Tensor, bool]:
+    return t.matrix, t.orthogonal
+
+
+def morph_mesh(morphs: dict[WorkerId, StageMorph], mesh: MeshShape, kind: str, epsilon: float,
+               seed: int, epoch: int, send: Send = direct) -> MorphStats:
+    """One morph epoch over every worker in ``morphs`` (all of them: the simulator). Stage s draws
+    its internal transforms and the transform of the boundary below it from its own generator
+    (``seed``, stage, ``epoch``), so all its replicas fold the same ones; each replica of stage s
+    sends its boundary transform to the same replica of stage s + 1, which folds the inverse."""
+    stats = MorphStats()
+    for morph in morphs.values():
+        morph.open()
+    for s in range(mesh.stages):
+        replicas = [morphs[w] for w in mesh.stage_replicas(s)]
+        d = replicas[0].module.cfg.d_model
+        generator = seeded_generator(seed, "protocol-morph", s, epoch)
+        internal = [draw(kind, d, epsilon, generator) for _ in range(replicas[0].internal_slots)]
+        for morph in replicas:
+            morph.fold_internal(iter(internal))
+        stats.transforms += len(internal)
+        if s + 1 == mesh.stages:
+            continue
+        boundary = draw(kind, d, epsilon, generator)  # the upper side generates it
+        stats.transforms += 1
+        for src in mesh.stage_replicas(s):
+            dst = WorkerId(src.replica, s + 1)
+            morphs[src].fold_exit(boundary)
+            matrix, orthogonal = send(src, dst, boundary)
+            stats.boundary_bytes += matrix.numel() * matrix.element_size()
+            morphs[dst].fold_entry(matrix, orthogonal)
+    for morph in morphs.values():
+        morph.close()
+    return stats

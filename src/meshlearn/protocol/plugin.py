@@ -1,0 +1,104 @@
+"""Morphs as a trainer plugin: every ``protocol.every_steps`` steps, at a drain point it asks for,
+every boundary of the mesh gets a fresh transform (``protocol/morph.py``).
+
+Each pipeline boundary's transform travels as a ``morph`` message from the upper stage's replica
+to the lower one's, over their link: the simulator charges its bytes and time like any message
+(``SimDriver.send_control``), and the receiver folds only what arrived. The virtual clock does
+not charge the folds' compute (measured here as ``protocol_morph_wall_s``: the paper's ~0.05 s
+per morph is mostly drawing the fp64 transforms).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from meshlearn.compress.codecs import Encoded
+from meshlearn.hooks import Callback, PluginContext
+from meshlearn.mesh.messages import Message
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.mesh.worker import Worker
+from meshlearn.models.llama import Decoder
+from meshlearn.protocol.model import ProtocolDecoder, protocol_model
+from meshlearn.protocol.morph import StageMorph, morph_mesh
+from meshlearn.protocol.settings import ProtocolConfig
+from meshlearn.protocol.transforms import Transform
+
+
+def stage_modules(cfg, stages: list[Decoder]) -> list[Decoder | ProtocolDecoder]:
+    """The stage modules a run trains: the protocol model's unless ``protocol.morph = off``
+    (``cfg``: the resolved RunConfig; every replica of a stage gets the same Q's)."""
+    if cfg.protocol.morph == "off":
+        return stages
+    return [protocol_model(stage, cfg.seed) for stage in stages]
+
+
+class MorphCallback(Callback):
+    """Morphs every boundary every ``every_steps`` steps. Usage: set ``protocol.morph =
+    orthogonal`` (and optim.name = muon); the events ``protocol_morph`` in metrics.jsonl say when,
+    with the bytes the transforms cost on the pipeline links."""
+
+    def __init__(self, cfg: ProtocolConfig, seed: int, workers: dict[WorkerId, Worker], driver,
+                 mesh: MeshShape):
+        self.cfg = cfg
+        self.seed = seed
+        self.workers = workers
+        self.driver = driver
+        self.mesh = mesh
+        self.morphs = {w: StageMorph(worker.module, worker.optimizer) for w, worker in workers.items()}
+        self.epoch = 0  # morphs applied so far
+        self.bytes = 0
+        self.wall_s = 0.0
+
+    def drains_after(self, done: int) -> bool:
+        return done % self.cfg.every_steps == 0
+
+    def on_drain(self, done: int) -> list[dict]:
+        if done % self.cfg.every_steps:
+            return []  # a drain point someone else asked for
+        assert self.driver.drained, "morphs happen at drain points only"
+        started = time.perf_counter()
+        stats = morph_mesh(self.morphs, self.mesh, self.cfg.morph, self.cfg.epsilon, self.seed,
+                           self.epoch, self._sender(done))
+        wall = time.perf_counter() - started
+        self.epoch += 1
+        self.bytes += stats.boundary_bytes
+        self.wall_s += wall
+        return [{"kind": "event", "step": done, "event": "protocol_morph", "epoch": self.epoch,
+                 "transforms": stats.transforms, "morph_bytes": stats.boundary_bytes,
+                 "morph_wall_s": wall}]
+
+    def _sender(self, step: int):
+        def send(src: WorkerId, dst: WorkerId, t: Transform) -> tuple[torch.Tensor, bool]:
+            payload = Encoded({"transform": t.matrix.clone()}, tuple(t.matrix.shape), t.matrix.dtype,
+                              {"orthogonal": int(t.orthogonal)})
+            message = Message("morph", step, 0, src, dst, payload, version=self.workers[src].version)
+            got = self.driver.send_control(message).payload
+            return got.tensors["transform"], bool(got.meta["orthogonal"])
+        return send
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "bytes": self.bytes,
+                "masters": {str(w): m.master.state_dict() for w, m in self.morphs.items()}}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state is None:
+            return
+        self.epoch, self.bytes = state["epoch"], state["bytes"]
+        for w, master in state["masters"].items():
+            self.morphs[WorkerId.parse(w)].master.load_state_dict(master)
+
+    def summary(self) -> dict:
+        master_bytes = max((sum(t.numel() * t.element_size() for t in m.master.tensors.values())
+                            for m in self.morphs.values()), default=0)
+        return {"protocol_morphs": self.epoch, "protocol_morph_bytes": self.bytes,
+                "protocol_morph_wall_s": self.wall_s, "protocol_master_bytes_peak": master_bytes}
+
+
+def protocol_plugin(ctx: PluginContext) -> MorphCallback | None:
+    cfg = ctx.cfg
+    if cfg.protocol.morph in ("off", "none"):
+        return None
+    return MorphCallback(cfg.protocol, cfg.seed, ctx.workers, ctx.driver,
+                         MeshShape(cfg.mesh.replicas, cfg.mesh.stages))

@@ -1,0 +1,75 @@
+"""The ``[protocol]`` config section (unextractable protocol models) and its checks, one line each.
+
+``protocol.morph = off`` (the default) leaves every run as it was. Any other value builds the
+protocol model (``protocol/model.py``: folded RMSNorm gains, fixed-basis embedding and head, skip
+and norm basis matrices); ``none`` never morphs it, ``orthogonal`` and ``lowcond`` morph every
+pipeline and sublayer boundary every ``protocol.every_steps`` steps (``protocol/plugin.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+MORPHS = ("off", "none", "orthogonal", "lowcond")
+MORPH_OPTIMIZERS = ("muon", "numuon")
+
+
+@dataclass(frozen=True)
+class ProtocolConfig:
+    """Unextractable protocol models (arXiv 2605.23464; see docs/protocol.md). Keys under ``protocol.``."""
+
+    morph: str = "off"
+    """``off``: the plain decoder. ``none``: the protocol model, never morphed (computes what the
+    plain decoder computes at init). ``orthogonal``: a Haar-orthogonal transform at every boundary
+    (training stays exact under Muon). ``lowcond``: a low-condition transform (κ ≤ e^{2ε}); training
+    is no longer exact, and ε ≥ 0.1 hurts (the paper)."""
+    every_steps: int = 10
+    """Steps between morphs, each at a drain point the plugin asks for. The paper morphs every
+    0.5M tokens in training; each morph drains an async pipeline, so under mesh.schedule = async
+    keep it a multiple of train.eval_every or large enough that the drains cost little."""
+    epsilon: float = 0.01
+    """Half-width of the log singular values of a ``lowcond`` transform (κ ≤ e^{2ε}): 0.01 is
+    harmless in the paper, 0.1 and 0.5 hurt. Unused by the other morphs."""
+
+
+def validate_protocol(cfg: Any, require: Callable[[bool, str, Any, str], None]) -> None:
+    """Checks of ``protocol.*`` and of what the protocol model and morphs cannot combine with.
+    ``cfg`` is the RunConfig; config.validate calls this before the codec checks, so a refused
+    codec is named for the right reason."""
+    p = cfg.protocol
+    require(p.morph in MORPHS, "protocol.morph", p.morph, f"allowed: {list(MORPHS)}")
+    require(p.every_steps >= 1, "protocol.every_steps", p.every_steps, "must be >= 1")
+    require(math.isfinite(p.epsilon) and 0 < p.epsilon <= 1, "protocol.epsilon", p.epsilon,
+            "in (0, 1] (κ ≤ e^{2ε}; the paper: 0.01 harmless, 0.1 and 0.5 hurt)")
+    if p.morph == "off":
+        return
+    off = "or protocol.morph = off"
+    require(cfg.codec.name != "subspace", "codec.name", cfg.codec.name,
+            "the subspace codec is refused in protocol models: its public basis U would leak the "
+            f"morphs' transforms (method note, open detail 5); use another codec {off}")
+    require(cfg.model.subspace_rank == 0, "model.subspace_rank", cfg.model.subspace_rank,
+            f"the protocol model is dense; set model.subspace_rank = 0 {off}")
+    require(not cfg.model.tie_embeddings, "model.tie_embeddings", cfg.model.tie_embeddings,
+            f"the protocol model's head is folded (Qᵀ·diag(g)·W), not the embedding; set false {off}")
+    require(not cfg.warmup.enabled, "warmup.enabled", cfg.warmup.enabled,
+            f"architecture warm-up is not supported in the protocol model yet; set false {off}")
+    if p.morph == "none":
+        return
+    require(cfg.optim.name in MORPH_OPTIMIZERS, "optim.name", cfg.optim.name,
+            f"morphs need {' or '.join(MORPH_OPTIMIZERS)}: Adam-style second moments cannot follow "
+            "a change of basis (method note, Training); or protocol.morph = none")
+    require(cfg.backend == "sim", "backend", cfg.backend,
+            "morphs run in the simulator only so far (the distributed driver does not carry "
+            "transforms yet); use backend = sim or protocol.morph = none")
+    require(cfg.dp.name == "allreduce", "dp.name", cfg.dp.name,
+            "morphs do not yet transform a DP strategy's basis-dependent state (error feedback, "
+            "warm-start factors, anchors); use dp.name = allreduce or protocol.morph = none")
+    require(cfg.verify.name == "none", "verify.name", cfg.verify.name,
+            "morphs do not yet reset the verifiers' activation statistics; use verify.name = none "
+            "or protocol.morph = none")
+    require(cfg.curvature.every == 0, "curvature.every", cfg.curvature.every,
+            "the curvature probe's power-iteration vectors live in the old basis; set 0 or "
+            "protocol.morph = none")
