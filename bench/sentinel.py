@@ -115,7 +115,8 @@ def train_one(name: str, overrides: list[str]) -> dict:
                   "step_wall_s": statistics.mean(r["step_wall_s"] for r in train),
                   "run_wall_s": time.perf_counter() - started,
                   "wire_rejections": rejections}
-        attack = trainer.plugins["trust"].trust.attacks.get(ATTACKER)
+        trust = trainer.plugins.get("trust")  # absent from a clean run without verification
+        attack = trust.trust.attacks.get(ATTACKER) if trust is not None else None
         if attack is not None and attack.name == "adaptive":
             alphas = attack.alphas
             result["adaptive"] = {"messages": len(alphas), "alpha_max": max(alphas, default=0.0),

@@ -148,8 +148,14 @@ class Attack:
         """The worker was banned and replaced by an honest peer: the attack ends."""
         self.stopped_at = step
 
-    def pop_changed(self) -> set[tuple[Kind, int, int]]:
-        changed, self.changed = self.changed, set()
+    def pop_changed(self, step: int | None = None) -> set[tuple[Kind, int, int]]:
+        """The messages changed so far (``step``: only those of steps up to it; later steps', sent
+        ahead under the async schedule, stay for their own step's end)."""
+        if step is None:
+            changed, self.changed = self.changed, set()
+            return changed
+        changed = {c for c in self.changed if c[1] <= step}
+        self.changed -= changed
         return changed
 
     def randn_like(self, x: torch.Tensor) -> torch.Tensor:

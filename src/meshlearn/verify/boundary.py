@@ -1,7 +1,10 @@
 """One boundary, one direction: the reference, the fences, the sanity state and their recovery.
 
-``check`` scores a message against the state frozen at the start of the step; ``accept`` queues
-an accepted message; ``commit`` (at the step's end) folds the queue into the EMA and windows.
+``check`` scores a message against a ``View``: the state as it stood after some closed step (by
+default the latest; under the async schedule ``Sentinel`` chooses one per step, see there);
+``accept`` queues an accepted message under its step; ``commit(step)`` (at that step's end) folds
+that step's queue, and only that step's, into the EMA and windows. Messages of later steps inspected
+meanwhile (steps overlap under ``mesh.schedule = async``) stay queued for their own step's end.
 A flagged message is never queued, so flags are inert. What keeps inert flags from locking the
 boundary is ``rebase`` (the reference restarts from a step's messages) and ``rewarm`` (the fences
 of the metrics that flagged most senders forget their windows, refill them for ``rewarm_steps``
@@ -45,6 +48,19 @@ def combine(summaries: list[Summary], how: str) -> Summary:
     return Summary(means.mean(0), tables.mean(0))
 
 
+@dataclass(frozen=True)
+class View:
+    """What scoring reads, frozen after a closed step: no tensor here is ever changed in place
+    (``ema`` and ``combine`` make new ones), so a view costs a few references."""
+
+    reference: Summary | None
+    gain_reference: float | None
+    thresholds: dict[str, float]
+    medians: dict[str, float]
+    median_norm: float | None
+    rewarming: frozenset[str]
+
+
 @dataclass
 class Verdict:
     distances: dict[str, float]
@@ -81,82 +97,110 @@ class BoundaryVerifier:
         self.medians = {m: float("nan") for m in self.metrics}
         self.rewarming: dict[str, int] = {}  # metric → first step its fence applies again
         self.locked = 0  # consecutive steps with a strict majority of senders flagged
+        self.reacted_at = -1  # the last step whose end rebased or re-warmed this boundary
         self.norms: deque[float] = deque(maxlen=cfg.window)
         self.median_norm: float | None = None
         self.shape: tuple[int, ...] | None = None
-        self.pending: list[tuple[tuple[int, int], Summary, dict[str, float], float]] = []
-        self.rejected: list[tuple[tuple[int, int], Summary]] = []  # flagged this step, for a rebase
-        self.gains: list[tuple[bool, float]] = []  # (accepted, log gain) of this step's messages
+        # Per step (the message's): accepted messages not yet folded in, flagged ones (for a
+        # rebase), and (accepted, log gain) of every message with a pair.
+        self.pending: dict[int, list[tuple[tuple[int, int], Summary, dict[str, float], float]]] = {}
+        self.rejected: dict[int, list[tuple[tuple[int, int], Summary]]] = {}
+        self.gains: dict[int, list[tuple[bool, float]]] = {}
+
+    def view(self) -> View:
+        """The live state, frozen (what ``check`` reads when it is given no view)."""
+        return View(self.reference, self.gain_reference, self.thresholds, self.medians,
+                    self.median_norm, frozenset(self.rewarming))
 
     def summarize(self, values: torch.Tensor) -> Summary:
         if self.directions is None:
             self.directions = swd_directions(values.shape[-1], self.cfg.swd_directions, self.cfg.seed)
         return summarize(values, self.cfg.statistic, self.directions, self.levels)
 
-    def sanity(self, values: torch.Tensor, norm: float) -> str:
+    def sanity(self, values: torch.Tensor, norm: float, view: View | None = None) -> str:
         """A shape other than the boundary's, non-finite values, or a norm far off the median."""
+        median_norm = self.median_norm if view is None else view.median_norm
         if self.shape is not None and tuple(values.shape) != self.shape:
             return "shape"
         if not math.isfinite(norm):  # one NaN or inf entry (or an overflowing one) makes the norm so
             return "nonfinite"
-        if self.median_norm is not None:
+        if median_norm is not None:
             ratio = self.cfg.norm_ratio
-            if not self.median_norm / ratio <= norm <= self.median_norm * ratio:
+            if not median_norm / ratio <= norm <= median_norm * ratio:
                 return "norm"
         return ""
 
-    def distances(self, summary: Summary) -> dict[str, float]:
+    def distances(self, summary: Summary, view: View | None = None) -> dict[str, float]:
         """The reference distances (not the pair distances, which need the sender's input)."""
-        if self.reference is None:
+        reference = self.reference if view is None else view.reference
+        if reference is None:
             return {}
-        return message_distances(summary, self.reference,
-                                 [m for m in self.metrics if m not in PAIR_DISTANCES])
+        return message_distances(summary, reference, [m for m in self.metrics if m not in PAIR_DISTANCES])
 
-    def check(self, values: torch.Tensor, fences_on: bool,
-              received: torch.Tensor | None = None) -> tuple[Verdict, Summary | None]:
+    def check(self, values: torch.Tensor, fences_on: bool, received: torch.Tensor | None = None,
+              view: View | None = None) -> tuple[Verdict, Summary | None]:
         """Score a message (``received``: what its sender got for the same microbatch, for the pair
-        distances); the summary is None when a sanity check failed before it was computed."""
+        distances) against ``view`` (default: the live state); the summary is None when a sanity
+        check failed before it was computed."""
+        view = view or self.view()
         norm = values.norm().item()
-        sanity = self.sanity(values, norm)
+        sanity = self.sanity(values, norm, view)
         if sanity:
             return Verdict({}, [], sanity, norm), None
         summary = self.summarize(values)
-        distances = self.distances(summary)
+        distances = self.distances(summary, view)
         gain = None
         if received is not None and received.shape == values.shape:
-            pairs, gain = pair_distances(received, values, self.gain_reference, self.metrics)
+            pairs, gain = pair_distances(received, values, view.gain_reference, self.metrics)
             distances |= pairs
         fired = [m for m, d in distances.items()
-                 if fences_on and m not in self.rewarming and d > self.thresholds[m]]
+                 if fences_on and m not in view.rewarming and d > view.thresholds[m]]
         return Verdict(distances, fired, "", norm, gain), summary
 
-    def score(self, distances: dict[str, float]) -> float:
+    def score(self, distances: dict[str, float], view: View | None = None) -> float:
         """How far a message sits from its windows' medians towards the fences (0: median, 1: fence),
         the largest over its metrics: what attribution calls "suspect", and what a strike is
         compared with the sender's peers on."""
-        scores = [(d - self.medians[m]) / (self.thresholds[m] - self.medians[m])
+        thresholds, medians = (self.thresholds, self.medians) if view is None else (view.thresholds,
+                                                                                     view.medians)
+        scores = [(d - medians[m]) / (thresholds[m] - medians[m])
                   for m, d in distances.items()
-                  if math.isfinite(self.thresholds[m]) and self.thresholds[m] > self.medians[m]]
+                  if math.isfinite(thresholds[m]) and thresholds[m] > medians[m]]
         return max(scores, default=0.0)
 
     def accept(self, order: tuple[int, int], shape: tuple[int, ...], summary: Summary,
-               distances: dict[str, float], norm: float, gain: float | None = None) -> None:
+               distances: dict[str, float], norm: float, gain: float | None = None,
+               step: int = 0) -> None:
+        """Queue an accepted message of ``step`` for that step's ``commit``."""
         if self.shape is None:
             self.shape = shape
-        self.pending.append((order, summary, distances, norm))
+        self.pending.setdefault(step, []).append((order, summary, distances, norm))
         if gain is not None:
-            self.gains.append((True, gain))
+            self.gains.setdefault(step, []).append((True, gain))
 
-    def reject(self, order: tuple[int, int], summary: Summary | None, gain: float | None = None) -> None:
-        """A flagged message: kept aside only in case this step's reference turns out stale."""
+    def reject(self, order: tuple[int, int], summary: Summary | None, gain: float | None = None,
+               step: int = 0) -> None:
+        """A flagged message: kept aside only in case its step's reference turns out stale."""
         if summary is not None:
-            self.rejected.append((order, summary))
+            self.rejected.setdefault(step, []).append((order, summary))
         if gain is not None:
-            self.gains.append((False, gain))
+            self.gains.setdefault(step, []).append((False, gain))
 
-    def commit(self) -> None:
-        """Fold the step's accepted messages into the reference, windows and norm median."""
-        accepted = sorted(self.pending, key=lambda p: p[0])
+    def _pop(self, step: int | None) -> tuple[list, list, list]:
+        """Step ``step``'s queues, removed (None: every step's, in step order)."""
+        steps = sorted(set(self.pending) | set(self.rejected) | set(self.gains)) if step is None else [step]
+        out: tuple[list, list, list] = ([], [], [])
+        for t in steps:
+            out[0].extend(self.pending.pop(t, []))
+            out[1].extend(self.rejected.pop(t, []))
+            out[2].extend(self.gains.pop(t, []))
+        return out
+
+    def commit(self, step: int | None = None) -> None:
+        """Fold step ``step``'s accepted messages (None: all queued) into the reference, windows and
+        norm median; other steps' stay queued."""
+        pending, _, gains = self._pop(step)
+        accepted = sorted(pending, key=lambda p: p[0])
         for _, _, distances, norm in accepted:
             for m, d in distances.items():
                 self.fences[m].add(d)
@@ -171,20 +215,22 @@ class BoundaryVerifier:
             else:
                 for summary in summaries:
                     self.reference = ema(self.reference, summary, self.beta)
-        accepted_gains = [g for ok, g in self.gains if ok]
+        accepted_gains = [g for ok, g in gains if ok]
         if accepted_gains:  # the median of the step's gains, one EMA step of weight β^count
             gain, weight = statistics.median(accepted_gains), self.beta ** len(accepted_gains)
             self.gain_reference = gain if self.gain_reference is None else \
                 weight * self.gain_reference + (1 - weight) * gain
         self._close_step()
 
-    def rebase(self) -> None:
-        """Restart the reference from this step's messages, accepted or flagged, combined as in
-        ``reference_update`` (an EMA started afresh would lean on the first one and flag the next
-        step again); the windows keep their history (this step's distances were measured against a
-        stale reference; if the next step is flagged again, ``rewarm`` renews them)."""
+    def rebase(self, step: int | None = None) -> None:
+        """Restart the reference from step ``step``'s messages (None: all queued), accepted or
+        flagged, combined as in ``reference_update`` (an EMA started afresh would lean on the first
+        one and flag the next step again); the windows keep their history (this step's distances
+        were measured against a stale reference; if the next step is flagged again, ``rewarm``
+        renews them)."""
+        pending, rejected, gains = self._pop(step)
         groups: dict[int, list[Summary]] = {}
-        for (microbatch, _), summary in [(o, s) for o, s, _, _ in self.pending] + self.rejected:
+        for (microbatch, _), summary in [(o, s) for o, s, _, _ in pending] + rejected:
             groups.setdefault(microbatch, []).append(summary)
         robust = any(len(g) >= ROBUST_GROUP for g in groups.values())
         if self.cfg.reference_update == "median" and robust:  # per microbatch, then averaged
@@ -192,9 +238,9 @@ class BoundaryVerifier:
                                       for g in groups.values()], "mean")
         elif groups:
             self.reference = combine([s for g in groups.values() for s in g], "mean")
-        if self.gains:
-            self.gain_reference = statistics.median(g for _, g in self.gains)
-        self.norms.extend(norm for _, _, _, norm in self.pending)
+        if gains:
+            self.gain_reference = statistics.median(g for _, g in gains)
+        self.norms.extend(norm for _, _, _, norm in pending)
         self._close_step()
 
     def rewarm(self, metrics: list[str], until: int) -> None:
@@ -228,30 +274,32 @@ class BoundaryVerifier:
         return max(threshold, self.cfg.pair_floor) if metric in PAIR_DISTANCES else threshold
 
     def _close_step(self) -> None:
-        self.pending.clear()
-        self.rejected.clear()
-        self.gains.clear()
+        """Recompute what scoring reads (new objects: earlier ``View``s keep theirs)."""
         self.thresholds = {m: self._threshold(m) for m in self.fences}
         self.medians = {m: f.centre() for m, f in self.fences.items()}
         self.median_norm = statistics.median(self.norms) if self.norms else None
 
-    def placeholder(self, shape: tuple[int, ...]) -> torch.Tensor:
+    def placeholder(self, shape: tuple[int, ...], view: View | None = None) -> torch.Tensor:
         """The reference broadcast to a message's (b, n, c) shape: what replaces a quarantined one."""
-        if self.reference is None:
+        reference = self.reference if view is None else view.reference
+        if reference is None:
             return torch.zeros(shape)
-        return self.reference.mean.expand(shape).contiguous()
+        return reference.mean.expand(shape).contiguous()
 
     def state_dict(self) -> dict:
         """Everything, including accepted messages not yet folded in (a shadow verifier commits lazily)."""
         return {"reference": None if self.reference is None else dataclasses.asdict(self.reference),
                 "gain_reference": self.gain_reference,
                 "fences": {m: f.state_dict() for m, f in self.fences.items()},
-                "rewarming": dict(self.rewarming), "locked": self.locked,
+                "rewarming": dict(self.rewarming), "locked": self.locked, "reacted_at": self.reacted_at,
                 "norms": list(self.norms), "shape": self.shape,
-                "pending": [(order, dataclasses.asdict(summary), distances, norm)
-                            for order, summary, distances, norm in self.pending],
-                "rejected": [(order, dataclasses.asdict(summary)) for order, summary in self.rejected],
-                "gains": list(self.gains)}
+                "pending": [(order, dataclasses.asdict(summary), distances, norm, step)
+                            for step, queue in sorted(self.pending.items())
+                            for order, summary, distances, norm in queue],
+                "rejected": [(order, dataclasses.asdict(summary), step)
+                             for step, queue in sorted(self.rejected.items()) for order, summary in queue],
+                "gains": [(ok, gain, step) for step, queue in sorted(self.gains.items())
+                          for ok, gain in queue]}
 
     def load_state_dict(self, state: dict) -> None:
         ref = state["reference"]
@@ -261,12 +309,16 @@ class BoundaryVerifier:
             f.load_state_dict(state["fences"][m])
         self.rewarming = dict(state.get("rewarming", {}))
         self.locked = state.get("locked", 0)
+        self.reacted_at = state.get("reacted_at", -1)
         self.norms.clear()
         self.norms.extend(state["norms"])
         self.shape = None if state["shape"] is None else tuple(state["shape"])
-        self.pending, self.gains = [], []
+        self.pending, self.rejected, self.gains = {}, {}, {}
         self.commit()  # recompute the frozen thresholds and median from the restored windows
-        self.pending = [(tuple(order), Summary(**summary), distances, norm)
-                        for order, summary, distances, norm in state["pending"]]
-        self.rejected = [(tuple(order), Summary(**summary)) for order, summary in state["rejected"]]
-        self.gains = [tuple(g) for g in state.get("gains", [])]
+        for order, summary, distances, norm, *step in state["pending"]:  # older states: no step
+            self.pending.setdefault(step[0] if step else 0, []).append(
+                (tuple(order), Summary(**summary), distances, norm))
+        for order, summary, *step in state["rejected"]:
+            self.rejected.setdefault(step[0] if step else 0, []).append((tuple(order), Summary(**summary)))
+        for ok, gain, *step in state.get("gains", []):
+            self.gains.setdefault(step[0] if step else 0, []).append((ok, gain))

@@ -27,6 +27,12 @@ class TrustCallback(Callback):
                   if self.trust.sentinel is not None else {})
         return StepOutput(fields, verified.events)
 
+    def drains_after(self, done: int) -> bool:
+        return self.trust.drains_after(done)
+
+    def on_drain(self, done: int) -> list[dict]:
+        return self.trust.on_drain(done)
+
     def state_dict(self) -> dict | None:
         return self.trust.state_dict() if self.trust.active else None
 

@@ -10,9 +10,18 @@ CPU clock (``cost.py``). It is the driver's message monitor: ``inspect`` sees ea
 arrival, in its wire form, before the receiving worker does, and returns it unchanged, quarantined,
 or marked skipped.
 
-Decisions do not depend on arrival order. During a step every message is scored against the
-reference and fences as they stood at the start of the step; accepted messages update them at the
-step's end, in (microbatch, replica) order. Strikes are entered and bans decided at the step's end
+Decisions do not depend on arrival order. Every message of step u is scored against the reference
+and fences as they stood after step ``view_step(u)`` closed; accepted messages update them at their
+own step's end, in (microbatch, replica) order. Under the flushing schedules ``view_step(u) = u − 1``
+(the state at the start of the step). Under ``mesh.schedule = async`` steps overlap: when
+``end_step(t)`` runs, messages of steps up to t + lookahead (the driver's feed-ahead) may already
+have been inspected, so whether a message of step u saw step u − 1's commit would depend on timing.
+There the view lags by the driver's ``lag`` = its lookahead L, reset at every drain point D (the
+pipeline is empty there): ``view_step(u) = max(u − 1 − L, D − 1)``. The driver guarantees that
+step's end came before any message of step u exists (it feeds at most L steps ahead of the step
+it runs), so scores, flags, strikes and bans are the same whatever the interleaving; a message that
+arrives too early for its view raises (a driver that breaks the contract, not a verdict).
+Strikes are entered and bans decided at the step's end
 too, after the **majority check**: if a strict majority of a boundary's senders had a message
 flagged by a fence in the same step, the reference went stale (drift, a regime change, mimicry) and
 restarts from that step's messages (with 3 or more senders the honest-majority assumption also
@@ -50,7 +59,7 @@ import torch
 from meshlearn.compress.codecs import Codec
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.verify.boundary import ROBUST_GROUP, SANITY, BoundaryVerifier, Verdict, combine
+from meshlearn.verify.boundary import ROBUST_GROUP, SANITY, BoundaryVerifier, Verdict, View, combine
 from meshlearn.verify.cost import VerifierClock
 from meshlearn.verify.ledger import Action, Alert, Ban, Decision, Ledger, Scored, attribute, peer_excess
 from meshlearn.verify.settings import (
@@ -90,15 +99,25 @@ class Sentinel:
                           for b in range(mesh.stages - 1) for kind in ("act", "grad")}
         self.ledger = Ledger(cfg, mesh)
         self.clock = VerifierClock()
-        self.decisions: list[Decision] = []
-        self.scored: list[Scored] = []  # this step's scored messages, for the step's end
-        # (step, replica, microbatch) quarantined this step: dropped (activation flagged) or
-        # patched (a gradient replaced); trusted state, never taken from a worker's skip flag.
+        # Everything per step is keyed by the message's step, so that end_step(t) closes step t's
+        # messages only (under async, later steps' are already arriving).
+        self.decisions: list[Decision] = []  # of steps not yet closed
+        self.scored: list[Scored] = []  # scored messages of steps not yet closed, for their end
+        # (step, replica, microbatch) quarantined: dropped (activation flagged) or patched (a
+        # gradient replaced); trusted state, never taken from a worker's skip flag.
         self.dropped: set[tuple[int, int, int]] = set()
         self.patched: set[tuple[int, int, int]] = set()
-        # What each worker received this step, per (step, replica, microbatch, kind, stage): the
-        # other half of the pair distances of what it sends next.
+        # What each worker received, per (step, replica, microbatch, kind, stage): the other half
+        # of the pair distances of what it sends next.
         self.received: dict[tuple[int, int, int, str, int], torch.Tensor] = {}
+        # The view rule (module docstring): 0 for flushing schedules; the driver's lookahead under
+        # async (``set_lag``). ``synced``: the last drain point (steps before it are closed and
+        # nothing is in flight); ``closed``: the last step end_step closed; ``views``: each
+        # verifier's state after step t closed, for the steps a later message may still need.
+        self.lag = 0
+        self.synced = 0
+        self.closed = -1
+        self.views: dict[int, dict[tuple[int, str], View]] = {}
 
     # the ledger's state, under the names the trust layer and older callers use
     @property
@@ -123,23 +142,62 @@ class Sentinel:
                                message.dst.stage)] = values
         return delivered
 
+    def set_lag(self, lag: int) -> None:
+        """Steps may overlap by up to ``lag`` (the driver's lookahead under async; 0: they don't)."""
+        self.lag = max(0, int(lag))
+
+    def view_step(self, step: int) -> int:
+        """The closed step whose state scores the messages of ``step``."""
+        return max(step - 1 - self.lag, self.synced - 1)
+
+    def drained(self, done: int) -> None:
+        """A drain point after ``done`` steps: every step before it is closed and nothing is in
+        flight, so the next steps are scored against the live state again."""
+        self.synced = done
+        self.views.clear()
+
+    def _view(self, step: int) -> dict[tuple[int, str], View] | None:
+        """The verifiers' views for messages of ``step`` (None: the live state)."""
+        if not self.lag:  # steps do not overlap: the live state is the start of the step
+            return None
+        wanted = self.view_step(step)
+        if wanted >= self.closed:
+            if wanted > self.closed:
+                raise RuntimeError(
+                    f"SENTINEL: a message of step {step + 1} arrived before step {wanted + 1} was "
+                    f"closed; the driver fed more than lag = {self.lag} steps ahead")
+            return None
+        return self.views[wanted]
+
     def release_s(self, message: Message, arrival_s: float) -> float:
         """Driver hook (cost.py): when the message just inspected leaves its boundary's verifier,
         on the virtual clock — its CPU time, queued on that verifier's own CPU."""
         return self.clock.release_s(min(message.src.stage, message.dst.stage), arrival_s)
 
     def end_step(self, step: int) -> StepOutcome:
-        """Close step ``step``: update references and fences, attribute flags, enter strikes, decide
-        bans (or alerts)."""
-        stale, voided, fired = self._stale_references() if self.cfg.majority_rebase else ({}, set(), {})
+        """Close step ``step`` (its messages only: later steps' stay pending): update references and
+        fences, attribute flags, enter strikes, decide bans (or alerts)."""
+        if self.lag:  # keep the state later messages may still be scored against
+            self.views[self.closed] = {key: v.view() for key, v in self.verifiers.items()}
+        scored = [e for e in self.scored if e.decision.step == step]
+        self.scored = [e for e in self.scored if e.decision.step != step]
+        decisions = [d for d in self.decisions if d.step == step]
+        self.decisions = [d for d in self.decisions if d.step != step]
+        stale, voided, fired = self._stale_references(scored) if self.cfg.majority_rebase else ({}, set(), {})
         rewarmed = []
         for key, verifier in self.verifiers.items():
             if key not in stale:
                 verifier.locked = 0
-                verifier.commit()
+                verifier.commit(step)
+            elif self.view_step(step) < verifier.reacted_at:
+                # Scored against a view from before this boundary's last rebase or re-warm-up
+                # (async lag): an echo of the state already reacted to, not new evidence. Refresh
+                # the reference from the newer messages; the lock count does not move.
+                verifier.rebase(step)
             else:
                 verifier.locked += 1
-                verifier.rebase()
+                verifier.reacted_at = step
+                verifier.rebase(step)
                 if verifier.locked >= self.cfg.lock_steps or verifier.rewarming:
                     # Rebased and still mostly flagged (or flagged again while re-warming): the
                     # distances moved, not only the reference. Every fence re-warms if one already is.
@@ -151,15 +209,17 @@ class Sentinel:
         if step == self.cfg.warmup_steps - 1 and self.cfg.fpr_target > 0:
             for verifier in self.verifiers.values():
                 verifier.calibrate(self.cfg.fpr_target)
-        attribute(self.scored, self.mesh.stages, self.cfg.explain_level)
-        peer_excess(self.scored)
-        bans, alerts = self.ledger.enter(step, self.scored, voided)
-        outcome = StepOutcome(self.decisions, bans, [f"s{b}|s{b + 1} {kind}" for b, kind in sorted(stale)],
+        attribute(scored, self.mesh.stages, self.cfg.explain_level)
+        peer_excess(scored)
+        bans, alerts = self.ledger.enter(step, scored, voided)
+        outcome = StepOutcome(decisions, bans, [f"s{b}|s{b + 1} {kind}" for b, kind in sorted(stale)],
                               alerts, rewarmed)
-        self.decisions, self.scored = [], []
-        self.dropped.clear()
-        self.patched.clear()
-        self.received.clear()
+        self.dropped = {k for k in self.dropped if k[0] > step}
+        self.patched = {k for k in self.patched if k[0] > step}
+        self.received = {k: v for k, v in self.received.items() if k[0] > step}
+        self.closed = max(self.closed, step)
+        oldest = self.view_step(step + 1)  # the oldest view a message still to come may need
+        self.views = {t: v for t, v in self.views.items() if t >= oldest}
         return outcome
 
     def readmit(self, wid: WorkerId) -> None:
@@ -172,33 +232,40 @@ class Sentinel:
         """The message to deliver, and the values its receiver gets (None: not kept for pairing)."""
         key = (message.step, message.src.replica, message.microbatch)
         verifier = self.verifiers[(boundary, message.kind)]
+        views = self._view(message.step)
+        view = views[(boundary, message.kind)] if views is not None else verifier.view()
         values = wire_values(message.payload, message.kind, self.codec, self.cfg.view)
         if key in self.dropped:
             self._decide(message, "skip", "dropped")
             fill = values.new_zeros(values.shape) if message.kind == "grad" else None
-            return self._replace(message, verifier, values, fill), None
+            return self._replace(message, view, values, fill), None
         if message.kind == "grad" and key in self.patched:
             self._decide(message, "skip", "patched")
             return dataclasses.replace(message, skip=True), None
         if message.src in self.banned:
+            # Decided (and, under async, pending its replacement at the next drain point): every
+            # message it sends until then is quarantined, whatever its step.
             self._decide(message, "banned", "banned")
-            return self._quarantine(message, verifier, values, key)
-        warm = message.step < self.cfg.warmup_steps
+            return self._quarantine(message, view, values, key)
+        # Fences open once the view is past warm-up (calibrated): under async, lag steps later.
+        warm = (message.step < self.cfg.warmup_steps
+                or self.view_step(message.step) < self.cfg.warmup_steps - 1)
         received = self.received.get((*key, message.kind, message.src.stage))
-        verdict, summary = verifier.check(values, fences_on=not warm, received=received)
+        verdict, summary = verifier.check(values, fences_on=not warm, received=received, view=view)
         flagged = verdict.flagged(self.cfg.min_metrics)
-        reason = verdict.reason(verifier.thresholds) if flagged else ""
+        reason = verdict.reason(view.thresholds) if flagged else ""
         action: Action = "flag" if flagged else ("warmup" if warm else "accept")
-        decision = self._decide(message, action, reason, verdict.distances, verifier.thresholds)
+        decision = self._decide(message, action, reason, verdict.distances, view.thresholds)
         order = (message.microbatch, message.src.replica)
         if action != "warmup":
-            suspicion = float("inf") if verdict.sanity else verifier.score(verdict.distances)
+            suspicion = float("inf") if verdict.sanity else verifier.score(verdict.distances, view)
             self.scored.append(Scored(message.src, message.microbatch, message.kind,
                                       (boundary, message.kind), flagged, reason, suspicion, decision))
         if flagged:
-            verifier.reject(order, summary, verdict.gain)
-            return self._quarantine(message, verifier, values, key)
-        verifier.accept(order, tuple(values.shape), summary, verdict.distances, verdict.norm, verdict.gain)
+            verifier.reject(order, summary, verdict.gain, step=message.step)
+            return self._quarantine(message, view, values, key)
+        verifier.accept(order, tuple(values.shape), summary, verdict.distances, verdict.norm, verdict.gain,
+                        step=message.step)
         return message, values
 
     def _decide(self, message: Message, action: Action, reason: str,
@@ -211,7 +278,7 @@ class Sentinel:
         self.decisions.append(decision)
         return decision
 
-    def _stale_references(self) -> tuple[dict, set, dict]:
+    def _stale_references(self, scored: list[Scored]) -> tuple[dict, set, dict]:
         """Verifiers where a strict majority of (2 or more) senders had a message flagged by a fence
         this step (sanity failures say nothing about the reference), the metrics that fired there,
         and among them those with 3 or more senders, whose strikes are voided.
@@ -221,7 +288,7 @@ class Sentinel:
         """
         senders: dict[tuple[int, str], dict[WorkerId, bool]] = {}
         fired: dict[tuple[int, str], set[str]] = {}
-        for e in self.scored:
+        for e in scored:
             fence_flag = e.flagged and e.reason not in SANITY and e.reason != "banned"
             by_sender = senders.setdefault(e.verifier, {})
             by_sender[e.src] = by_sender.get(e.src, False) or fence_flag
@@ -231,28 +298,31 @@ class Sentinel:
                  if len(by_sender) >= 2 and 2 * sum(by_sender.values()) > len(by_sender)}
         return stale, {key for key in stale if len(senders[key]) >= 3}, fired
 
-    def _quarantine(self, message: Message, verifier: BoundaryVerifier, values: torch.Tensor,
+    def _quarantine(self, message: Message, view: View, values: torch.Tensor,
                     key: tuple[int, int, int]) -> tuple[Message, torch.Tensor | None]:
         if message.kind == "act":
             self.dropped.add(key)
-            return self._replace(message, verifier, values, None), None
+            return self._replace(message, view, values, None), None
         self.patched.add(key)
         fill = values.new_zeros(values.shape) if self.cfg.grad_action == "zero" else None
-        return self._replace(message, verifier, values, fill), None
+        return self._replace(message, view, values, fill), None
 
-    def _replace(self, message: Message, verifier: BoundaryVerifier, values: torch.Tensor,
+    def _replace(self, message: Message, view: View, values: torch.Tensor,
                  fill: torch.Tensor | None) -> Message:
-        """The message with ``fill`` (default: the reference placeholder) as payload, marked skip."""
+        """The message with ``fill`` (default: the view's reference broadcast) as payload, marked skip."""
         if fill is None:
-            fill = verifier.placeholder(tuple(values.shape))
+            fill = (torch.zeros(tuple(values.shape)) if view.reference is None
+                    else view.reference.mean.expand(tuple(values.shape)).contiguous())
         payload = wire_payload(fill, message.payload, message.kind, self.codec, self.cfg.view)
         return dataclasses.replace(message, payload=payload, skip=True)
 
     # --- checkpoints -------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        """At a drain point (every step closed, no view kept): the live state is all there is."""
         return {"verifiers": {f"{b}:{k}": v.state_dict() for (b, k), v in self.verifiers.items()},
-                "ledger": self.ledger.state_dict(), "clock": self.clock.state_dict()}
+                "ledger": self.ledger.state_dict(), "clock": self.clock.state_dict(),
+                "synced": self.synced, "closed": self.closed}
 
     def load_state_dict(self, state: dict) -> None:
         for (b, k), verifier in self.verifiers.items():
@@ -260,3 +330,5 @@ class Sentinel:
         self.ledger.load_state_dict(state.get("ledger", state))  # older checkpoints: flat
         if "clock" in state:
             self.clock.load_state_dict(state["clock"])
+        self.synced, self.closed = state.get("synced", 0), state.get("closed", -1)
+        self.views.clear()

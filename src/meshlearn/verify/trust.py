@@ -11,6 +11,12 @@ same stage (the one with the cleanest recent record), and starts with a clean st
 banned worker's attack ends with it. The download is not charged to the virtual clock (a one-off cost
 per ban). Until the step ends, the banned worker's remaining messages are quarantined.
 
+Under ``mesh.schedule = async`` a worker is idle (and its state can be copied) only at a drain
+point. A ban decided at the end of step t is then *pending*: the layer asks the trainer for a drain
+after the last step the driver has fed (``drain_at = fed + 1`` steps done; a drain earlier than
+that would contradict work already handed out, see train/signals.py for the same rule), every
+message of the worker is quarantined meanwhile, and ``on_drain`` carries the replacement out.
+
 Per-worker attacks from Python::
 
     trainer = Trainer(cfg, run_dir)
@@ -107,6 +113,10 @@ class TrustLayer:
         self.rebases = 0
         self.rewarms = 0
         self.caught: set[WorkerId] = set()  # attackers banned while their attack ran
+        self.driver = None
+        self.deferred = cfg.mesh.schedule == "async"  # workers are idle only at drain points
+        self.pending_bans: list[Ban] = []  # decided, carried out at the next drain point
+        self.drain_at: int | None = None  # steps done after which that drain comes
 
     @property
     def active(self) -> bool:
@@ -119,9 +129,12 @@ class TrustLayer:
         says so with ``monitor_release = True``; see verify/cost.py). A driver that would add the
         inspection's wall time to the virtual clock instead — this machine's CPU time mixed into the
         GPU device model — is not asked to charge anything."""
+        self.driver = driver
         if self.sentinel is not None:
             charge = self.cfg.verify.charge_time and getattr(driver, "monitor_release", False)
             driver.attach_monitor(self.sentinel, charge)
+            if self.deferred:  # steps overlap by up to the driver's feed-ahead (sentinel.py)
+                self.sentinel.set_lag(getattr(driver, "lookahead", 0))
 
     def add_attack(self, wid: WorkerId, attack: Attack) -> None:
         """Make worker ``wid`` adversarial; the threat model keeps the first and last stages honest."""
@@ -138,7 +151,7 @@ class TrustLayer:
 
     def end_step(self, step: int) -> StepTrust:
         """Score step ``step``'s decisions against the ground truth and carry out new bans."""
-        changed = {wid: attack.pop_changed() for wid, attack in self.attacks.items()}
+        changed = {wid: attack.pop_changed(step) for wid, attack in self.attacks.items()}
         for wid, keys in changed.items():
             self.tallies[wid].malicious += len(keys)
         out = StepTrust()
@@ -152,13 +165,37 @@ class TrustLayer:
         out.skipped = sum(d.action == "skip" for d in decisions)
         level = self.cfg.verify.decision_log
         out.decisions = [d.record() for d in decisions if level == "all" or level == "flags" and d.flagged]
-        out.events = [self._carry_out(ban) for ban in outcome.bans]
+        if self.deferred and outcome.bans:
+            self.pending_bans += outcome.bans
+            fed = getattr(self.driver, "fed", step)
+            self.drain_at = max(self.drain_at or 0, max(fed, step) + 1)
+            # 1-based, as in metrics.jsonl: fed_step = the last step handed out when decided
+            out.events = [{"kind": "ban_pending", "step": step + 1, "worker": str(b.worker),
+                           "fed_step": fed + 1, "drain_after_step": self.drain_at} for b in outcome.bans]
+        else:
+            out.events = [self._carry_out(ban) for ban in outcome.bans]
         out.events += [{"kind": "rebase", "step": step + 1, "verifier": v} for v in outcome.rebased]
         out.events += [{"kind": "rewarm", "step": step + 1, "verifier": v} for v in outcome.rewarmed]
         out.events += [self._raise(alert) for alert in outcome.alerts]
         self.rebases += len(outcome.rebased)
         self.rewarms += len(outcome.rewarmed)
         return out
+
+    def drains_after(self, done: int) -> bool:
+        """A pending ban asks for a drain point once the fed work is done (never earlier)."""
+        return bool(self.pending_bans) and done >= self.drain_at
+
+    def on_drain(self, done: int) -> list[dict]:
+        """At a drain point: carry out pending bans (the workers are idle now) and restart the
+        verifiers' view lag (nothing is in flight)."""
+        records = []
+        if self.pending_bans:
+            assert done >= self.drain_at, f"drain after {done} steps, before the fed work ({self.drain_at})"
+            records = [self._carry_out(ban) | {"replaced_after_step": done} for ban in self.pending_bans]
+            self.pending_bans, self.drain_at = [], None
+        if self.sentinel is not None:
+            self.sentinel.drained(done)
+        return records
 
     def _raise(self, alert: Alert) -> dict:
         """An alert goes to metrics.jsonl (and from there to the console's progress line) and summary."""
@@ -264,6 +301,8 @@ class TrustLayer:
     # --- checkpoints -------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        # Checkpoints are drain points, where on_drain has carried out every pending ban.
+        assert not self.pending_bans, "trust state is saved at drain points, after pending bans"
         return {"sentinel": None if self.sentinel is None else self.sentinel.state_dict(),
                 "attacks": {str(w): a.state_dict() for w, a in self.attacks.items()},
                 "messages": {k: vars(c).copy() for k, c in self.messages.items()},
