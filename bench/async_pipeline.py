@@ -34,8 +34,18 @@ import statistics
 import time
 from pathlib import Path
 
-from common import ROOT, demo_config, markdown_table, scratch_trainer, write_results
-from subspace import finished_run
+from common import (
+    ROOT,
+    demo_config,
+    eval_curve,
+    finished_run,
+    markdown_table,
+    scratch_trainer,
+    slug,
+    time_to_loss,
+    val_at_time,
+    write_results,
+)
 
 from meshlearn.config import RunConfig, load_config
 from meshlearn.mesh.compute import DEVICES, ComputeModel, StageShape
@@ -96,33 +106,6 @@ def train_records(records: list[dict]) -> list[dict]:
     return [r for r in records if r["kind"] == "train"]
 
 
-def eval_curve(records: list[dict]) -> list[tuple[float, float]]:
-    """(virtual time, val loss) of every evaluation, in time order."""
-    return sorted((r["sim_time_s"], r["val_loss"]) for r in records if r["kind"] == "eval")
-
-
-def val_at_time(curve: list[tuple[float, float]], t: float) -> float | None:
-    """Validation loss at virtual time ``t``, linear between evaluations (None past the last)."""
-    if t > curve[-1][0] + 1e-9:
-        return None
-    for (t0, v0), (t1, v1) in zip(curve, curve[1:], strict=False):
-        if t0 <= t <= t1:
-            return v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0)
-    return curve[0][1]
-
-
-def time_to_loss(curve: list[tuple[float, float]], target: float) -> float | None:
-    """First virtual time at which the interpolated val loss reaches ``target`` (None: never); a
-    relative 1e-6 tolerance lets a mathematically equal run (GPipe vs 1F1B) count as reaching it."""
-    target += 1e-6 * abs(target)
-    for (t0, v0), (t1, v1) in zip(curve, curve[1:], strict=False):
-        if v1 <= target <= v0 and v0 != v1:
-            return t0 + (t1 - t0) * (v0 - target) / (v0 - v1)
-        if v0 <= target:
-            return t0
-    return None
-
-
 def describe(name: str, result: dict, tokens_per_step: int) -> dict:
     """One table row from a run: speed, bubble, staleness, stash."""
     s, train = result["summary"], train_records(result["records"])
@@ -159,7 +142,7 @@ def schedules(steps: int, eval_every: int, reuse: bool, extras: bool) -> dict:
         for name, overrides in cases.items():
             cfg = demo_config(*base, *common, *overrides, f"name={name}")
             tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
-            results[name] = run(cfg, OUT / _slug(scenario) / _slug(name), reuse, eval_at_start=True)
+            results[name] = run(cfg, OUT / slug(scenario) / slug(name), reuse, eval_at_start=True)
             rows.append(describe(name, results[name], tokens_per_step) | {"overrides": overrides})
             print(f"[{scenario}] {name}: val {rows[-1]['final_val_loss']:.4f}, "
                   f"{rows[-1]['sim_tokens_per_s']:.0f} tok/s, wall {rows[-1]['wall_s']:.0f} s", flush=True)
@@ -382,10 +365,6 @@ def markdown(args, part1: dict | None, part2: dict | None, wall_s: float) -> str
         out.append(f"\n### Goal: ≥ 0.9 of compute-bound at a depth within 3% of 1F1B's val loss\n\n- "
                    f"{sweep_goal(part2)}")
     return "\n".join(out)
-
-
-def _slug(name: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in ".-" else "-" for ch in name).strip("-")
 
 
 def main() -> None:

@@ -39,8 +39,17 @@ import statistics
 import time
 from pathlib import Path
 
-from common import ROOT, demo_config, markdown_table, write_results
-from subspace import finished_run
+from common import (
+    ROOT,
+    demo_config,
+    eval_curve,
+    finished_run,
+    markdown_table,
+    slug,
+    time_to_loss,
+    val_at_time,
+    write_results,
+)
 
 from meshlearn.config import RunConfig
 from meshlearn.train import Trainer
@@ -93,32 +102,6 @@ def run(cfg: RunConfig, run_dir: Path, reuse: bool) -> dict:
     return {"summary": summary, "records": records, **extra}
 
 
-def eval_curve(records: list[dict]) -> list[tuple[float, float]]:
-    """(virtual time, val loss) of every evaluation, in time order."""
-    return sorted((r["sim_time_s"], r["val_loss"]) for r in records if r["kind"] == "eval")
-
-
-def val_at_time(curve: list[tuple[float, float]], t: float) -> float | None:
-    """Validation loss at virtual time ``t``, linear between evaluations (None past the last)."""
-    if t > curve[-1][0] + 1e-9:
-        return None
-    for (t0, v0), (t1, v1) in zip(curve, curve[1:], strict=False):
-        if t0 <= t <= t1:
-            return v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0)
-    return curve[0][1]
-
-
-def time_to_loss(curve: list[tuple[float, float]], target: float) -> float | None:
-    """First virtual time at which the interpolated val loss reaches ``target`` (None: never)."""
-    target += 1e-6 * abs(target)
-    for (t0, v0), (t1, v1) in zip(curve, curve[1:], strict=False):
-        if v0 <= target:
-            return t0
-        if v1 <= target <= v0:
-            return t0 + (t1 - t0) * (v0 - target) / (v0 - v1)
-    return None
-
-
 def describe(name: str, result: dict, cfg: RunConfig) -> dict:
     s, records = result["summary"], result["records"]
     train = [r for r in records if r["kind"] == "train"]
@@ -155,8 +138,8 @@ def scenario(key: str, steps: int, eval_every: int, cases: list[str], reuse: boo
     results, rows = {}, []
     for name in cases:
         stop = [f"train.stop_at_step={prefix[name]}"] if name in prefix else []
-        cfg = demo_config(*common, *CASES[name], *stop, f"name={_slug(name)}")
-        results[name] = run(cfg, OUT / key / _slug(name), reuse)
+        cfg = demo_config(*common, *CASES[name], *stop, f"name={slug(name)}")
+        results[name] = run(cfg, OUT / key / slug(name), reuse)
         rows.append(describe(name, results[name], cfg) | {"overrides": CASES[name] + stop})
         r = rows[-1]
         if name in prefix:
@@ -282,10 +265,6 @@ def markdown(args, results: dict, wall_s: float) -> str:
     out.append("\n## Goals (AsyncMesh vs FullSync at equal tokens)\n")
     out += [goal_line(key, res) for key, res in results.items()]
     return "\n".join(out)
-
-
-def _slug(name: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in ".-" else "-" for ch in name).strip("-")
 
 
 def main() -> None:

@@ -13,16 +13,12 @@ fraction of it each codec keeps at 200 Mbit/s, on the demo model and on a wider 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
-import tomllib
 from pathlib import Path
 
-import tomli_w
-from common import RESULTS, ROOT, demo_config, markdown_table, scratch_trainer, write_results
+from common import RESULTS, ROOT, demo_config, finished_run, markdown_table, scratch_trainer, write_results
 
-from meshlearn.config import RunConfig, to_dict
 from meshlearn.report import render_report
 from meshlearn.train import Trainer
 
@@ -49,24 +45,6 @@ THROUGHPUT = {  # (scenario base, codec overrides)
     "wide-D1 subspace-k16": ([*WIDE, "mesh.replicas=1"], ["model.subspace_rank=16", *SUBSPACE]),
 }
 UNLIMITED = ["link.bandwidth_mbit=inf"]
-
-
-def finished_run(run_dir: Path, cfg: RunConfig) -> dict | None:
-    """A run this script already finished with this config: every key of its resolved config.toml
-    agrees (keys added to meshlearn after that run was written have no effect on it)."""
-    summary, config = run_dir / "summary.json", run_dir / "config.toml"
-    if not (summary.is_file() and config.is_file()):
-        return None
-    resolved = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=256))
-    current = tomllib.loads(tomli_w.dumps(to_dict(resolved)))
-    if not _agrees(tomllib.loads(config.read_text()), current):
-        return None
-    return json.loads(summary.read_text())
-
-
-def _agrees(saved: dict, current: dict) -> bool:
-    return all(key in current and (_agrees(value, current[key]) if isinstance(value, dict)
-                                   else value == current[key]) for key, value in saved.items())
 
 
 def train_runs(steps: int, out: Path, reuse: bool) -> list[dict]:

@@ -72,7 +72,8 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
     grad_clip: float = 1.0
-    """Global gradient-norm clip (across all stages); 0 turns it off."""
+    """Gradient-norm clip; 0 turns it off. gpipe/1f1b: one global norm across all stages; async:
+    each stage clips its own update at grad_clip / √P (no barrier; the same bound in total)."""
     eval_every: int = 50
     """Steps between validation evaluations (and one at the end)."""
     eval_batches: int = 8

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import sys
 import time
 
@@ -27,12 +26,13 @@ from meshlearn.distributed.transport import Transport
 from meshlearn.distributed.wire import PREFIX_BYTES
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import build_network
-from meshlearn.mesh.schedule import AsyncPlan
+from meshlearn.mesh.schedule import AsyncPlan, feed_lookahead
 from meshlearn.mesh.sim import StepReport
 from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepStats, Worker
 from meshlearn.models.llama import Decoder
+from meshlearn.train.assemble import pipeline_in_flight
 
 EVAL_STEP = -1  # the step number evaluation messages carry
 HEADER_ROOM = 64 * 1024  # bytes for a message's JSON header in the receive buffers
@@ -93,8 +93,10 @@ class DistDriver:
         self.rejections = 0  # messages this worker's guard refused (each also logged to stderr)
         self.pending: list[torch.Tensor] = []  # async: this worker's rows of steps not yet gathered
         self.fed = -1  # the last step whose work this worker has
-        in_flight = worker.plan.in_flight if isinstance(worker.plan, AsyncPlan) else 1
-        self.lookahead = math.ceil(max(in_flight, cfg.mesh.stages) / cfg.mesh.microbatches) + 1
+        # The simulator's rule, from the deepest stage of the mesh (not this worker's own depth), so
+        # every process feeds equally far ahead.
+        deepest = pipeline_in_flight(cfg)[0] if isinstance(worker.plan, AsyncPlan) else 1
+        self.lookahead = feed_lookahead(deepest, cfg.mesh.microbatches)
         self.stats = 2 * cfg.mesh.microbatches  # where the stats start in a row
 
     # --- one step ----------------------------------------------------------------------------

@@ -199,6 +199,13 @@ def round_trip_in_flight(stage: int, stages: int, compute_s: float, latency_s: f
     return max(below + 1, min(cap, math.ceil(round_trip / compute_s) + 1 if compute_s > 0 else cap))
 
 
+def feed_lookahead(deepest_in_flight: int, microbatches: int) -> int:
+    """Steps a driver feeds ahead of the one it runs: enough that the first stage (the deepest in
+    flight) never waits for data before a drain point, so the order of actions never depends on
+    when data was handed over. One number for the whole mesh, the same in every process."""
+    return math.ceil(deepest_in_flight / microbatches) + 1
+
+
 def build_plan(schedule: str, stage: int, stages: int, microbatches: int, in_flight: int,
                update_every: int) -> StagePlan:
     """The plan of one stage (``in_flight`` and ``update_every`` matter for ``async`` only)."""

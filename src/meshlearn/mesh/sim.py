@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import heapq
 import itertools
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -24,7 +23,7 @@ from meshlearn.compress.codecs import Codec
 from meshlearn.mesh.compute import ComputeModel
 from meshlearn.mesh.messages import Message, MessageMonitor
 from meshlearn.mesh.network import Network, ring_allreduce_bytes_per_member, ring_allreduce_s
-from meshlearn.mesh.schedule import Action, AsyncPlan
+from meshlearn.mesh.schedule import Action, AsyncPlan, feed_lookahead
 from meshlearn.mesh.sync import average_gradients, clip_coefficient, stage_clip_norm, step_grad_norm
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepStats, Worker
@@ -94,10 +93,7 @@ class SimDriver:
         self.flushes = next(iter(workers.values())).plan.flushes
         in_flight = max((w.plan.in_flight for w in workers.values() if isinstance(w.plan, AsyncPlan)),
                         default=1)
-        microbatches = next(iter(workers.values())).microbatches
-        # Steps fed ahead of the one being run: enough that the first stage (the deepest in flight)
-        # never waits for data before a drain point, so the action order is independent of it.
-        self.lookahead = math.ceil(in_flight / microbatches) + 1
+        self.lookahead = feed_lookahead(in_flight, next(iter(workers.values())).microbatches)
         self._bytes_mark: tuple[int, int] | None = None  # link bytes at the last step's end
 
     def attach_monitor(self, monitor: MessageMonitor, charge_time: bool = True) -> None:
