@@ -14,8 +14,8 @@ the same machine load; wall-clock and virtual-clock step times side by side.
 
     python bench/sentinel.py [--steps 200] [--jobs 2] [--replicas 2] [--overhead-steps 30]
     python bench/sentinel.py --replicas 4 --demo-steps 0 --overhead-steps 0  # 25% of stage 2
-    python bench/sentinel.py --extras                     # variants and gradient-only attacks
-    python bench/sentinel.py --grown --replicas 4         # the grown harness (issue 17), see GROWN
+    python bench/sentinel.py --harness extras             # variants and gradient-only attacks
+    python bench/sentinel.py --harness main,grown --replicas 4 --attacker r1s1  # issue 17's harness
     python bench/sentinel.py --replicas 4 --only adaptive  # 25% malicious: inside the threat model
     python bench/sentinel.py --only scaling,zeros --tag subspace --set codec.name=subspace
         --set model.subspace_rank=8  # (one line) verify the compressed wire form
@@ -42,9 +42,8 @@ from meshlearn.train import Trainer
 from meshlearn.train.files import read_records
 from meshlearn.verify.attacks import AttackConfig
 from meshlearn.verify.forgeries import FORGERIES
-from meshlearn.verify.sentinel import VerifyConfig
 
-ATTACKER = WorkerId(1, 2)
+ATTACKER = WorkerId(1, 2)  # the default placement (--attacker): a middle stage
 DEFAULTS = AttackConfig()
 # (label, attack overrides, what the parameters are)
 ATTACKS: list[tuple[str, list[str], str]] = [
@@ -72,7 +71,7 @@ EXTRAS: list[tuple[str, list[str], str]] = [
 
 COLLUDERS = f"{WorkerId(1, 1)},{WorkerId(0, 2)}"  # two middle stages, two replicas
 RAMP = 50
-WARMUP = VerifyConfig().warmup_steps
+WARMUP_START = "warmup_half"  # placeholder: half the run's verify.warmup_steps, filled in by main()
 # The harness grown for issue 17: symmetric corruptions, slow drift, attacks that begin inside the
 # verifier's warm-up, intermittent and colluding attackers, and wire-level forgeries (receivers check
 # every payload; a refused message is quarantined and counted under "wire rejects").
@@ -84,8 +83,8 @@ GROWN: list[tuple[str, list[str], str]] = [
      f"bias {DEFAULTS.bias:g}σ reached over {RAMP} steps"),
     ("drift noise", ["attack.kind=invisible_noise", "attack.noise_rho=2", f"attack.ramp_steps={RAMP}"],
      f"ρ = 2 reached over {RAMP} steps"),
-    ("bias from warm-up", ["attack.kind=bias", f"attack.start_step={WARMUP // 2}"],
-     f"starts at step {WARMUP // 2}, inside the {WARMUP}-step warm-up"),
+    ("bias from warm-up", ["attack.kind=bias", f"attack.start_step={WARMUP_START}"],
+     "starts halfway through the verifier's warm-up"),
     ("intermittent scaling", ["attack.kind=scaling", "attack.period=10", "attack.duty=2"],
      f"c = {DEFAULTS.scale:g}, on 2 of every 10 steps"),
     ("colluding bias", ["attack.kind=bias", f"attack.workers={COLLUDERS}"], f"{COLLUDERS}, RMS 1σ"),
@@ -99,7 +98,7 @@ def base_overrides(steps: int, replicas: int) -> list[str]:
             f"train.eval_every={steps // 2}", "verify.decision_log=none"]
 
 
-def train_one(name: str, overrides: list[str]) -> dict:
+def train_one(name: str, overrides: list[str], attacker: WorkerId = ATTACKER) -> dict:
     """One run in a scratch folder (deleted afterwards: a replaying attacker's checkpoint is large)."""
     torch.set_num_threads(1)
     run_dir = Path(tempfile.mkdtemp(prefix="meshlearn-sentinel-"))
@@ -108,15 +107,17 @@ def train_one(name: str, overrides: list[str]) -> dict:
         trainer = Trainer(demo_config(*overrides), run_dir, progress=False)
         summary = trainer.train()
         rejections = summary["wire_rejections"] if trainer.cfg.attack.kind in FORGERIES else None
+        trust_summary = summary.get("trust") or {}
         train = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
         result = {"name": name, "overrides": overrides, "final_val_loss": summary["final_val_loss"],
                   "banned_workers": summary.get("banned_workers"), "trust": summary.get("trust"),
+                  "alert": bool(trust_summary.get("alert")),
                   "step_sim_s": statistics.mean(r["step_sim_s"] for r in train),
                   "step_wall_s": statistics.mean(r["step_wall_s"] for r in train),
                   "run_wall_s": time.perf_counter() - started,
                   "wire_rejections": rejections}
         trust = trainer.plugins.get("trust")  # absent from a clean run without verification
-        attack = trust.trust.attacks.get(ATTACKER) if trust is not None else None
+        attack = trust.trust.attacks.get(attacker) if trust is not None else None
         if attack is not None and attack.name == "adaptive":
             alphas = attack.alphas
             result["adaptive"] = {"messages": len(alphas), "alpha_max": max(alphas, default=0.0),
@@ -158,20 +159,24 @@ def steps_to_ban(run: dict) -> int | None:
     return None if not steps or None in steps else max(steps)
 
 
-def attack_row(label: str, params: str, target: str, verified: dict, observed: dict, unverified: dict,
+def attack_row(label: str, params: str, target: str, verified: dict, observed: dict | None, unverified: dict,
                clean: dict) -> dict:
-    """Per-message scores from the run without bans; bans, damage and the with-ban scores from the other."""
-    detector, messages = observed["trust"]["messages"]["all"], verified["trust"]["messages"]["all"]
+    """Per-message scores from the run without bans (None: not run); bans, damage and the with-ban
+    scores from the other."""
+    messages = verified["trust"]["messages"]["all"]
+    unscored = dict.fromkeys(("precision", "recall", "f1", "tp", "fp", "fn", "fpr"))
+    detector = observed["trust"]["messages"]["all"] if observed is not None else unscored
     workers = verified["trust"]["workers"]
     return {"attack": label, "params": params, "target": target,
             "precision": detector["precision"], "recall": detector["recall"], "f1": detector["f1"],
             "tp": detector["tp"], "fp": detector["fp"], "fn": detector["fn"], "fpr": detector["fpr"],
-            "skipped_attack": observed["trust"]["skipped_messages"]["malicious"],
-            "val_observe": observed["final_val_loss"],
+            "skipped_attack": observed and observed["trust"]["skipped_messages"]["malicious"],
+            "val_observe": observed and observed["final_val_loss"],
             "ban_tp": messages["tp"], "ban_fp": messages["fp"], "ban_precision": messages["precision"],
             "ban_recall": messages["recall"], "ban_f1": messages["f1"],
             "worker_f1": workers["f1"], "steps_to_ban": steps_to_ban(verified),
             "honest_banned": workers["fp"], "rebased": verified["trust"]["rebased_references"],
+            "alert": verified["alert"],
             "val_sentinel": verified["final_val_loss"], "val_none": unverified["final_val_loss"],
             "val_clean": clean["final_val_loss"],
             "gap_sentinel": verified["final_val_loss"] - clean["final_val_loss"],
@@ -189,6 +194,8 @@ def attack_tables(rows: list[dict]) -> tuple[str, str]:
               "rebased", "wire_rejects")
     shown = [{k: fmt(v, "d") if k in counts else fmt(v) for k, v in r.items()} for r in rows]
     for row, raw in zip(shown, rows, strict=True):
+        row["alert"] = "yes" if raw["alert"] else "no"
+    for row, raw in zip(shown, rows, strict=True):
         row["gap_sentinel"] = fmt(raw["gap_sentinel"], "+.3f")
         row["gap_none"] = fmt(raw["gap_none"], "+.3f")
         row["fpr"] = fmt(None if raw["fpr"] is None else 100 * raw["fpr"], ".2f") + "%"
@@ -201,7 +208,7 @@ def attack_tables(rows: list[dict]) -> tuple[str, str]:
     wire = [("wire_rejects", "wire rejects", "")] if any(r["wire_rejects"] is not None for r in rows) else []
     defence = markdown_table(shown, [
         ("attack", "attack", ""), ("worker_f1", "worker F1", ""), ("steps_to_ban", "steps to ban", ""),
-        ("honest_banned", "honest bans", ""), ("rebased", "rebased refs", ""),
+        ("honest_banned", "honest bans", ""), ("alert", "alert", ""), ("rebased", "rebased refs", ""),
         ("ban_tp", "attack msgs flagged", ""), ("ban_fp", "honest msgs flagged", ""),
         ("ban_precision", "msg precision", ""), ("ban_f1", "msg F1", ""),
         ("val_sentinel", "val loss SENTINEL", ""), ("val_none", "val loss no verification", ""),
@@ -210,17 +217,26 @@ def attack_tables(rows: list[dict]) -> tuple[str, str]:
     return detector, defence
 
 
-def goals(rows: list[dict], clean_demo: dict | None) -> list[str]:
+def goals(rows: list[dict], clean_demo: dict | None, replicas: int) -> list[str]:
+    """Issue 17's goals per attack. The invariant (SENTINEL never worse than no verification, +0.02)
+    and no honest ban hold at any replica count; detection goals apply where the threat model's
+    honest majority holds (≥ 3 replicas: one ban allowed per stage); at 2 replicas nobody may be
+    banned, so an alert is what must happen instead."""
     lines = []
     for r in rows:
-        if r["attack"].startswith("adaptive"):
-            continue
-        checks = {"message F1 ≥ 0.95 (no bans)": r["f1"] is not None and r["f1"] >= 0.95,
-                  "worker F1 ≥ 0.95": r["worker_f1"] is not None and r["worker_f1"] >= 0.95,
-                  "ban ≤ 10 steps": r["steps_to_ban"] is not None and r["steps_to_ban"] <= 10,
-                  "|val − clean| ≤ 0.05": abs(r["gap_sentinel"]) <= 0.05}
+        checks = {"SENTINEL ≤ none + 0.02": r["val_sentinel"] <= r["val_none"] + 0.02,
+                  "no honest ban": r["honest_banned"] == 0}
+        if r["wire_rejects"] is None and not r["attack"].startswith("adaptive"):
+            if r["f1"] is not None:
+                checks["message F1 ≥ 0.95 (no bans)"] = r["f1"] >= 0.95
+            if replicas >= 3:
+                checks["worker F1 ≥ 0.95"] = r["worker_f1"] is not None and r["worker_f1"] >= 0.95
+                checks["ban ≤ 10 steps"] = r["steps_to_ban"] is not None and r["steps_to_ban"] <= 10
+                checks["|val − clean| ≤ 0.05"] = abs(r["gap_sentinel"]) <= 0.05
+            else:
+                checks["alert raised"] = r["alert"]
         missed = [k for k, ok in checks.items() if not ok]
-        verdict = "all met" if not missed else "missed " + ", ".join(missed)
+        verdict = "all met (" + ", ".join(checks) + ")" if not missed else "missed " + ", ".join(missed)
         lines.append(f"- {r['attack']} ({r['target']}): {verdict}")
     if clean_demo is not None:
         m = clean_demo["trust"]["messages"]["all"]
@@ -242,57 +258,74 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs trained in parallel")
     parser.add_argument("--overhead-steps", type=int, default=30)
     parser.add_argument("--demo-steps", type=int, default=300, help="clean FPR run length; 0 skips it")
-    harness = parser.add_mutually_exclusive_group()
-    harness.add_argument("--extras", action="store_true",
-                         help="instead: stronger/weaker variants and gradient-only attacks")
-    harness.add_argument("--grown", action="store_true",
-                         help="instead: the grown harness — permute, slow drift (attack.ramp_steps), a "
-                              "start inside the warm-up, intermittent (attack.period/duty), colluding "
-                              f"attackers {COLLUDERS}, and the wire forgeries {', '.join(FORGERIES)} "
-                              "(forge_ids needs --set codec.name=subspace or topk; skipped otherwise)")
+    parser.add_argument("--harness", default="main",
+                        help="comma-separated attack sets: main; extras (stronger/weaker variants and "
+                             "gradient-only attacks); grown (issue 17: permute, slow drift "
+                             "(attack.ramp_steps), a start inside the warm-up, intermittent "
+                             f"(attack.period/duty), colluding attackers {COLLUDERS}, and the wire "
+                             f"forgeries {', '.join(FORGERIES)}; forge_ids needs --set codec.name=subspace "
+                             "or topk and is skipped otherwise)")
+    parser.add_argument("--attacker", default=str(ATTACKER),
+                        help="the attacking worker, rRsS (a middle stage: the first and last are honest)")
+    parser.add_argument("--observe", choices=("all", "none"), default="all",
+                        help="also train each attack flag-only (verify.ban=false) to score the detector "
+                             "per message; wire forgeries never need it (receivers reject them)")
     parser.add_argument("--only", default="", help="comma-separated attack labels to run (and no overhead)")
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
                         help="config override for every run (repeatable), e.g. codec.name=subspace")
     parser.add_argument("--tag", default="", help="suffix of the results files")
     args = parser.parse_args()
     only = [label.strip() for label in args.only.split(",") if label.strip()]
+    chosen = [name.strip() for name in args.harness.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in HARNESSES]
+    if unknown or not chosen:
+        parser.error(f"--harness {args.harness!r}: allowed sets are {', '.join(HARNESSES)}")
+    try:
+        attacker = WorkerId.parse(args.attacker)
+    except ValueError as err:
+        parser.error(f"--attacker {args.attacker!r}: {err}")
     began = time.perf_counter()
     start = args.steps // 2
     base = [*base_overrides(args.steps, args.replicas), *args.overrides]
-    chosen = "extras" if args.extras else "grown" if args.grown else "main"
+    warmup_half = str(demo_config(*base).verify.warmup_steps // 2)
     specs = []
-    for spec in HARNESSES[chosen]:
-        if only and spec[0] not in only:
+    for label, overrides, params in (spec for name in chosen for spec in HARNESSES[name]):
+        if only and label not in only:
             continue
+        overrides = [o.replace(WARMUP_START, warmup_half) for o in overrides]
         try:
-            demo_config(*base, f"attack.workers={ATTACKER}", *spec[1])
+            demo_config(*base, f"attack.workers={attacker}", *overrides)
         except ConfigError as err:  # e.g. forge_ids on a codec without index fields
-            print(f"skipped {spec[0]}: {err}", flush=True)
+            print(f"skipped {label}: {err}", flush=True)
             continue
-        specs.append(spec)
+        specs.append((label, overrides, params))
     jobs: dict[str, list[str]] = {"clean/sentinel": [*base, "verify.name=sentinel"],
                                   "clean/none": [*base, "verify.name=none"]}
     for label, overrides, _ in specs:
-        attacked = [*base, f"attack.workers={ATTACKER}", f"attack.start_step={start}", *overrides]
+        attacked = [*base, f"attack.workers={attacker}", f"attack.start_step={start}", *overrides]
         jobs[f"{label}/sentinel"] = [*attacked, "verify.name=sentinel"]
-        jobs[f"{label}/observe"] = [*attacked, "verify.name=sentinel", "verify.ban=false"]
+        if args.observe == "all" and not _is_forgery(overrides):
+            jobs[f"{label}/observe"] = [*attacked, "verify.name=sentinel", "verify.ban=false"]
         jobs[f"{label}/none"] = [*attacked, "verify.name=none"]
-    if args.demo_steps and chosen == "main" and not only:
+    full_main = chosen == ["main"] and not only
+    if args.demo_steps and full_main:
         jobs["clean-demo/sentinel"] = [*base_overrides(args.demo_steps, demo_config().mesh.replicas),
                                        *args.overrides, "verify.name=sentinel"]
     overhead = None
-    if args.overhead_steps and chosen == "main" and not only:
+    if args.overhead_steps and full_main:
         print("overhead: alternating steps with and without SENTINEL", flush=True)
         overhead = measure_overhead(args.overhead_steps, 3, args.replicas, args.overrides)
 
     print(f"{len(jobs)} runs of {args.steps} steps on {args.jobs} processes", flush=True)
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {name: pool.submit(train_one, name, overrides) for name, overrides in jobs.items()}
+        futures = {name: pool.submit(train_one, name, overrides, attacker)
+                   for name, overrides in jobs.items()}
         runs = {name: f.result() for name, f in futures.items()}
 
     clean = runs["clean/none"]
-    rows = [attack_row(label, params, _target(overrides), runs[f"{label}/sentinel"], runs[f"{label}/observe"],
-                       runs[f"{label}/none"], clean) for label, overrides, params in specs]
+    rows = [attack_row(label, params, _target(overrides), runs[f"{label}/sentinel"],
+                       runs.get(f"{label}/observe"), runs[f"{label}/none"], clean)
+            for label, overrides, params in specs]
     detector, defence = attack_tables(rows)
     fpr_rows = [{"run": f"clean, {args.steps} steps", **_fp(runs["clean/sentinel"])}]
     clean_demo = runs.get("clean-demo/sentinel")
@@ -300,13 +333,16 @@ def main() -> None:
         clean_demo["steps"] = args.demo_steps
         label = f"clean demo ({demo_config().mesh.replicas} replicas, {args.demo_steps} steps)"
         fpr_rows.append({"run": label, **_fp(clean_demo)})
-    verify = VerifyConfig(name="sentinel")
+    verify = demo_config(*base, "verify.name=sentinel").verify
     command = f"python bench/sentinel.py --steps {args.steps} --replicas {args.replicas}" + (
-        f" --{chosen}" if chosen != "main" else "") + (f" --only {args.only}" if only else "") + (
+        f" --harness {args.harness}" if chosen != ["main"] else "") + (
+        f" --attacker {attacker}" if attacker != ATTACKER else "") + (
+        " --observe none" if args.observe == "none" else "") + (f" --only {args.only}" if only else "") + (
         f" --tag {args.tag}" if args.tag else "") + "".join(f" --set {o}" for o in args.overrides)
     parts = [
         f"SENTINEL on the demo mesh (4 stages × {args.replicas} replicas), {args.steps} steps per run; the "
-        f"attacker is {ATTACKER} = 1 of {args.replicas} workers of stage 2 ({100 / args.replicas:.0f}%), "
+        f"attacker is {attacker} = 1 of {args.replicas} workers of stage {attacker.stage} "
+        f"({100 / args.replicas:.0f}%; the colluding row adds a second, see its parameters), "
         f"attacking from step {start}. `{command}`",
         f"**The detector, per message** (`verify.ban=false`: flagged messages are quarantined but nobody "
         f"is banned, so the attacker sends for the whole second half). Every message scored after "
@@ -326,17 +362,22 @@ def main() -> None:
         parts.append(_adaptive_line(runs["adaptive/sentinel"], clean))
     if overhead is not None:
         parts.append(_overhead_line(overhead, runs["clean/sentinel"], clean))
-    parts += ["Goals:\n" + "\n".join(goals(rows, clean_demo)),
+    parts += ["Goals:\n" + "\n".join(goals(rows, clean_demo, args.replicas)),
               f"Total bench time {(time.perf_counter() - began) / 60:.1f} min."]
     payload = {"steps": args.steps, "replicas": args.replicas, "overrides": args.overrides,
-               "attacker": str(ATTACKER),
+               "attacker": str(attacker), "harness": chosen,
                "attack_start": start, "verify": dataclasses.asdict(verify),
                "attack_defaults": dataclasses.asdict(DEFAULTS), "rows": rows, "false_positives": fpr_rows,
                "overhead": overhead, "runs": runs}
-    name = "sentinel" + (f"_{chosen}" if chosen != "main" else "")
+    name = "sentinel" + "".join(f"_{h}" for h in chosen if h != "main")
+    name += f"_{attacker}" if attacker != ATTACKER else ""
     name += f"_r{args.replicas}" if args.replicas != 2 else ""
     name += f"_{args.tag}" if args.tag else ""
     write_results(name + ("_" + "_".join(only) if only and not args.tag else ""), payload, "\n\n".join(parts))
+
+
+def _is_forgery(overrides: list[str]) -> bool:
+    return any(o.startswith("attack.kind=") and o.split("=", 1)[1] in FORGERIES for o in overrides)
 
 
 def _target(overrides: list[str]) -> str:
