@@ -12,7 +12,7 @@ Also measured: false positives on a clean run of the full demo length (300 steps
 overhead — two trainers (with and without SENTINEL) stepped alternately in one process, so both see
 the same machine load; wall-clock and virtual-clock step times side by side.
 
-    python bench/sentinel.py [--steps 200] [--jobs 2] [--replicas 2] [--overhead-steps 30]
+    python bench/sentinel.py [--steps 200] [--jobs 2] [--replicas 2] [--overhead-steps 30] [--reuse]
     python bench/sentinel.py --replicas 4 --demo-steps 0 --overhead-steps 0  # 25% of stage 2
     python bench/sentinel.py --harness extras             # variants and gradient-only attacks
     python bench/sentinel.py --harness main,grown --replicas 4 --attacker r1s1  # issue 17's harness
@@ -25,24 +25,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import json
 import multiprocessing
 import shutil
 import statistics
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
-from common import demo_config, markdown_table, scratch_trainer, write_results
+from common import ROOT, demo_config, finished_run, markdown_table, scratch_trainer, slug, write_results
 
 from meshlearn.config import ConfigError
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
-from meshlearn.train.files import read_records
+from meshlearn.train.files import atomic_write_json, read_records
 from meshlearn.verify.attacks import AttackConfig
 from meshlearn.verify.forgeries import FORGERIES
 
+OUT = ROOT / "bench" / "out" / "sentinel"
 ATTACKER = WorkerId(1, 2)  # the default placement (--attacker): a middle stage
 DEFAULTS = AttackConfig()
 # (label, attack overrides, what the parameters are)
@@ -98,35 +100,51 @@ def base_overrides(steps: int, replicas: int) -> list[str]:
             f"train.eval_every={steps // 2}", "verify.decision_log=none"]
 
 
-def train_one(name: str, overrides: list[str], attacker: WorkerId = ATTACKER) -> dict:
-    """One run in a scratch folder (deleted afterwards: a replaying attacker's checkpoint is large)."""
+def train_one(name: str, overrides: list[str], attacker: WorkerId, run_dir: Path, reuse: bool) -> dict:
+    """One run in ``run_dir``, or the result of the run already finished there with the same config
+    (``--reuse``). Checkpoints are deleted afterwards (a replaying attacker's is large); the config,
+    metrics, summary and this bench's own result stay."""
     torch.set_num_threads(1)
-    run_dir = Path(tempfile.mkdtemp(prefix="meshlearn-sentinel-"))
-    try:
-        started = time.perf_counter()
-        trainer = Trainer(demo_config(*overrides), run_dir, progress=False)
-        summary = trainer.train()
-        rejections = summary["wire_rejections"] if trainer.cfg.attack.kind in FORGERIES else None
-        trust_summary = summary.get("trust") or {}
-        train = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
-        result = {"name": name, "overrides": overrides, "final_val_loss": summary["final_val_loss"],
-                  "banned_workers": summary.get("banned_workers"), "trust": summary.get("trust"),
-                  "alert": bool(trust_summary.get("alert")),
-                  "step_sim_s": statistics.mean(r["step_sim_s"] for r in train),
-                  "step_wall_s": statistics.mean(r["step_wall_s"] for r in train),
-                  "run_wall_s": time.perf_counter() - started,
-                  "wire_rejections": rejections}
-        trust = trainer.plugins.get("trust")  # absent from a clean run without verification
-        attack = trust.trust.attacks.get(attacker) if trust is not None else None
-        if attack is not None and attack.name == "adaptive":
-            alphas = attack.alphas
-            result["adaptive"] = {"messages": len(alphas), "alpha_max": max(alphas, default=0.0),
-                                  "alpha_mean": statistics.mean(alphas) if alphas else 0.0,
-                                  "alpha_zero": sum(a == 0 for a in alphas)}
-        print(f"  {name}: val {summary['final_val_loss']:.4f} in {result['run_wall_s']:.0f}s", flush=True)
+    cfg = demo_config(*overrides)
+    result_path = run_dir / "bench_result.json"
+    if reuse and finished_run(run_dir, cfg) is not None and result_path.is_file():
+        result = json.loads(result_path.read_text())
+        print(f"  {name}: val {result['final_val_loss']:.4f} (reused {run_dir.name})", flush=True)
         return result
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    started = time.perf_counter()
+    trainer = Trainer(cfg, run_dir, progress=False)
+    summary = trainer.train()
+    rejections = summary["wire_rejections"] if trainer.cfg.attack.kind in FORGERIES else None
+    trust_summary = summary.get("trust") or {}
+    train = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
+    result = {"name": name, "overrides": overrides, "final_val_loss": summary["final_val_loss"],
+              "banned_workers": summary.get("banned_workers"), "trust": summary.get("trust"),
+              "alert": bool(trust_summary.get("alert")),
+              "step_sim_s": statistics.mean(r["step_sim_s"] for r in train),
+              "step_wall_s": statistics.mean(r["step_wall_s"] for r in train),
+              "run_wall_s": time.perf_counter() - started,
+              "wire_rejections": rejections}
+    trust = trainer.plugins.get("trust")  # absent from a clean run without verification
+    attack = trust.trust.attacks.get(attacker) if trust is not None else None
+    if attack is not None and attack.name == "adaptive":
+        alphas = attack.alphas
+        result["adaptive"] = {"messages": len(alphas), "alpha_max": max(alphas, default=0.0),
+                              "alpha_mean": statistics.mean(alphas) if alphas else 0.0,
+                              "alpha_zero": sum(a == 0 for a in alphas)}
+    for checkpoint in run_dir.glob("checkpoint*.pt"):
+        checkpoint.unlink()
+    atomic_write_json(result_path, result)
+    print(f"  {name}: val {summary['final_val_loss']:.4f} in {result['run_wall_s']:.0f}s", flush=True)
+    return result
+
+
+def run_folder(tag: str, name: str, overrides: list[str]) -> Path:
+    """Where a run lives: the label plus a digest of its overrides, so different invocations
+    (replicas, placement, --set) never share a folder."""
+    digest = hashlib.sha1("\n".join(overrides).encode()).hexdigest()[:10]
+    return OUT / (tag or "default") / f"{slug(name)}-{digest}"
 
 
 def measure_overhead(steps: int, warmup: int, replicas: int, overrides: list[str]) -> dict:
@@ -274,6 +292,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
                         help="config override for every run (repeatable), e.g. codec.name=subspace")
     parser.add_argument("--tag", default="", help="suffix of the results files")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep runs in bench/out/sentinel/TAG/ that finished with the same config "
+                             "(each run is kept there as it finishes, so an interrupted bench resumes)")
     args = parser.parse_args()
     only = [label.strip() for label in args.only.split(",") if label.strip()]
     chosen = [name.strip() for name in args.harness.split(",") if name.strip()]
@@ -318,7 +339,8 @@ def main() -> None:
 
     print(f"{len(jobs)} runs of {args.steps} steps on {args.jobs} processes", flush=True)
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {name: pool.submit(train_one, name, overrides, attacker)
+        futures = {name: pool.submit(train_one, name, overrides, attacker,
+                                     run_folder(args.tag, name, overrides), args.reuse)
                    for name, overrides in jobs.items()}
         runs = {name: f.result() for name, f in futures.items()}
 
@@ -338,7 +360,8 @@ def main() -> None:
         f" --harness {args.harness}" if chosen != ["main"] else "") + (
         f" --attacker {attacker}" if attacker != ATTACKER else "") + (
         " --observe none" if args.observe == "none" else "") + (f" --only {args.only}" if only else "") + (
-        f" --tag {args.tag}" if args.tag else "") + "".join(f" --set {o}" for o in args.overrides)
+        f" --tag {args.tag}" if args.tag else "") + "".join(f" --set {o}" for o in args.overrides) + (
+        " --reuse" if args.reuse else "")
     parts = [
         f"SENTINEL on the demo mesh (4 stages × {args.replicas} replicas), {args.steps} steps per run; the "
         f"attacker is {attacker} = 1 of {args.replicas} workers of stage {attacker.stage} "
