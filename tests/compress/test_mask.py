@@ -124,6 +124,20 @@ def test_rescale_multiplies_both_directions_by_d_over_k(x):
         assert torch.allclose(codec.decode(codec.encode(x, kind, ctx=CTX), kind, ctx=CTX), x * m * 4.0)
 
 
+def test_a_codec_derives_each_mask_once_for_both_directions(x, monkeypatch):
+    """The forward's encode and the backward's decode of one message share one derivation."""
+    import meshlearn.compress.mask as mask_module
+
+    calls = []
+    real = mask_module.grid32
+    monkeypatch.setattr(mask_module, "grid32", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    codec = mask_codec()
+    codec.decode(codec.encode(x, "act", ctx=CTX), "grad", ctx=CTX)
+    assert len(calls) == 1
+    codec.encode(x, "act", ctx=MessageContext(**{**CTX.__dict__, "microbatch": 0}))
+    assert len(calls) == 2 and calls[0] != calls[1]
+
+
 def test_masking_is_off_for_evaluation_messages(x):
     codec = mask_codec(wire_dtype="fp32")
     ctx = MessageContext.evaluation(boundary=1)

@@ -31,6 +31,7 @@ E[h̃] = h. Evaluation passes (``MessageContext.training`` False) send every val
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Literal
 
 import torch
@@ -40,6 +41,11 @@ from meshlearn.compress.prf import grid32, key32
 
 MaskForm = Literal["fixed", "bernoulli"]
 MASK_FORMS: tuple[str, ...] = ("fixed", "bernoulli")
+CACHE_ENTRIES = 64
+"""Masks a codec keeps. A stage derives each mask twice (its forward's activation, then its
+backward's gradient over the same boundary); between the two lie at most ``in_flight`` other
+microbatches, each with two masks (the boundary above and the one below), so 64 covers an
+in-flight depth of 32. Fixed-form entries are int16 channel lists (B·T·K·2 bytes)."""
 
 
 def kept_channels(keep: float, d_model: int) -> int:
@@ -78,6 +84,7 @@ class MaskCodec:
         self.scale = (d_model / self.kept if form == "fixed" else 1.0 / keep) if rescale else 1.0
         # The wire guard reads this: a Bernoulli message's size depends on its own mask.
         self.per_message_layout = form == "bernoulli"
+        self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     # --- the mask ----------------------------------------------------------------------------
 
@@ -89,16 +96,35 @@ class MaskCodec:
     def channels(self, shape: tuple[int, ...], ctx: MessageContext,
                  device: torch.device | None = None) -> torch.Tensor:
         """Fixed form: the kept channels of every token, int64 (B, T, K), ascending per token."""
-        u = grid32(self.key(ctx), self._shape(shape), device)
-        return u.topk(self.kept, dim=-1, largest=False, sorted=False).indices.sort(dim=-1).values
+        def derive() -> torch.Tensor:
+            u = grid32(self.key(ctx), self._shape(shape), device)
+            kept = u.topk(self.kept, dim=-1, largest=False, sorted=False).indices.sort(dim=-1).values
+            return kept.to(torch.int16) if self.d_model <= 2**15 else kept
+
+        return self._cached("channels", shape, ctx, device, derive).long()
 
     def mask(self, shape: tuple[int, ...], ctx: MessageContext,
              device: torch.device | None = None) -> torch.Tensor:
-        """m as a bool tensor of ``shape`` (B, T, d): True where a value crosses the boundary."""
+        """m as a bool tensor of ``shape`` (B, T, d): True where a value crosses the boundary
+        (the Bernoulli form returns its cached tensor: read it, do not modify it)."""
         if self.form == "bernoulli":
-            return grid32(self.key(ctx), self._shape(shape), device) < self.threshold
+            return self._cached("mask", shape, ctx, device, lambda: grid32(
+                self.key(ctx), self._shape(shape), device) < self.threshold)
         out = torch.zeros(shape, dtype=torch.bool, device=device)
         return out.scatter_(-1, self.channels(shape, ctx, device), True)
+
+    def _cached(self, what: str, shape: tuple[int, ...], ctx: MessageContext,
+                device: torch.device | None, derive) -> torch.Tensor:
+        """A mask is a pure function of (key, shape): derived once, reused by the later
+        encode/decode of the same message (least recently used entries go first)."""
+        entry = (what, self.key(ctx), tuple(shape), str(torch.device("cpu") if device is None else device))
+        if entry in self._cache:
+            self._cache.move_to_end(entry)
+            return self._cache[entry]
+        value = self._cache[entry] = derive()
+        if len(self._cache) > CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        return value
 
     def _shape(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
         if len(shape) != 3 or shape[-1] != self.d_model:
