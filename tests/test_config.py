@@ -28,7 +28,7 @@ def test_shipped_configs_load(path):
     ("link.bandwidth_mbit=0", "link.bandwidth_mbit", "must be > 0"),
     ("link.bandwidth_mbit=-5", "link.bandwidth_mbit", "must be > 0"),
     ("codec.name=gzip", "codec.name",
-     "allowed: ['bf16', 'fp16', 'identity', 'int4', 'int8', 'lowrank', 'subspace', 'topk']"),
+     "allowed: ['bf16', 'fp16', 'identity', 'int4', 'int8', 'lowrank', 'mask', 'subspace', 'topk']"),
     ("mesh.schedule=zigzag", "mesh.schedule", "allowed: ['1f1b', 'async', 'gpipe']"),
     ("data.corpus=/no/such/corpus.txt", "data.corpus", "must be 'shakespeare' or an existing"),
     ("optim.name=lion", "optim.name", "allowed:"),

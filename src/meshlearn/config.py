@@ -19,7 +19,7 @@ from typing import Any
 
 import tomli_w
 
-from meshlearn.compress.registry import CODECS, WIRE_DTYPES, CodecConfig
+from meshlearn.compress.registry import CodecConfig, validate_codec
 from meshlearn.curvature.settings import CurvatureConfig, validate_curvature
 from meshlearn.distributed.settings import DistConfig, validate_dist
 from meshlearn.dp.settings import DPConfig, validate_dp
@@ -278,11 +278,7 @@ def _divisors(n: int) -> list[int]:
 
 def _validate_codec(cfg: RunConfig) -> None:
     codec, m = cfg.codec, cfg.model
-    _require(codec.name in CODECS, "codec.name", codec.name, f"allowed: {sorted(CODECS)}")
-    _require(codec.wire_dtype in WIRE_DTYPES, "codec.wire_dtype", codec.wire_dtype,
-             f"allowed: {sorted(WIRE_DTYPES)}")
-    _require(1 <= codec.topk <= m.d_model, "codec.topk", codec.topk, f"in [1, {m.d_model}]")
-    _require(1 <= codec.lowrank <= m.d_model, "codec.lowrank", codec.lowrank, f"in [1, {m.d_model}]")
+    validate_codec(codec, m, _require)
     _require(0 <= m.subspace_rank <= m.d_model, "model.subspace_rank", m.subspace_rank,
              f"0 (dense) or in [1, {m.d_model}]")
     last_stage_layers = m.n_layer // cfg.mesh.stages if m.n_layer % cfg.mesh.stages == 0 else 0

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from meshlearn.compress.codecs import Encoded
+from meshlearn.compress.codecs import Encoded, MessageContext
 from meshlearn.compress.registry import CODECS, CodecConfig, build_codec
 from meshlearn.compress.wire_checks import (
     WireGuard,
@@ -27,18 +27,19 @@ MODEL = DecoderConfig(vocab_size=VOCAB, d_model=D, n_head=2, seq_len=T, subspace
 GEN = torch.Generator().manual_seed(0)
 X = torch.randn(SHAPE, generator=GEN)
 IDS = torch.randint(VOCAB, (B, T), generator=GEN)
+CTX = MessageContext(step=5, microbatch=1, boundary=1, replica=1)  # the messages built here
 
 
-def codec(name: str):
-    return build_codec(CodecConfig(name=name, topk=4, lowrank=4), MODEL)
+def codec(name: str, **options):
+    return build_codec(CodecConfig(name=name, topk=4, lowrank=4, keep=0.25, **options), MODEL)
 
 
-def honest(name: str, kind: str) -> Encoded:
-    return codec(name).encode(X, kind, IDS)
+def honest(name: str, kind: str, ctx: MessageContext = CTX, **options) -> Encoded:
+    return codec(name, **options).encode(X, kind, IDS, ctx)
 
 
 def check(name: str, kind: str, payload: Encoded, max_bytes: int | None = None) -> str | None:
-    layout = payload_layout(codec(name), kind, SHAPE)
+    layout = payload_layout(codec(name), kind, SHAPE, ctx=CTX)
     return check_payload(payload, layout, VOCAB, layout.wire_bytes if max_bytes is None else max_bytes)
 
 
@@ -51,8 +52,29 @@ def forged(forgery: str, payload: Encoded) -> Encoded:
 @pytest.mark.parametrize("kind", ["act", "grad"])
 def test_honest_payloads_of_every_codec_pass(name, kind):
     payload = honest(name, kind)
-    assert payload_layout(codec(name), kind, SHAPE).wire_bytes == payload.wire_bytes  # the exact budget
+    assert payload_layout(codec(name), kind, SHAPE, ctx=CTX).wire_bytes == payload.wire_bytes  # exact
     assert check(name, kind, payload) is None
+
+
+def context(kind: str, step: int, microbatch: int) -> MessageContext:
+    """The receiver r1s2's context of a message from r1s1 (boundary 1)."""
+    return MessageContext(step, microbatch, boundary=1, replica=1)
+
+
+def test_a_bernoulli_mask_message_is_checked_against_its_own_mask():
+    """The Bernoulli form's size depends on the message: the guard derives each layout from the
+    message's own context, so an honest one passes and one sized for another microbatch does not."""
+    guard = WireGuard(codec("mask", mask="bernoulli"), T, D, VOCAB)
+    payload = honest("mask", "act", mask="bernoulli")
+    message = Message("act", 5, 1, WorkerId(1, 1), WorkerId(1, 2), payload)
+    assert guard.admit(message, 5, B, {0, 1}, context) is message
+    other = honest("mask", "act", MessageContext(5, 0, 1, 1), mask="bernoulli")
+    sizes = payload.tensors["values"].numel(), other.tensors["values"].numel()
+    assert sizes[0] != sizes[1]  # these two masks keep different counts
+    out = guard.admit(dataclasses.replace(message, payload=other), 5, B, {0, 1}, context)
+    assert out.skip and guard.pop_rejections()[0].reason == (
+        f"oversized: {2 * sizes[1]} bytes, budget {2 * sizes[0]}" if sizes[1] > sizes[0]
+        else f"shape: values is ({sizes[1]},), expected ({sizes[0]},)")
 
 
 @pytest.mark.parametrize("forgery,name,reason", [
@@ -99,17 +121,18 @@ def test_the_header_belongs_to_the_receivers_step_and_microbatches():
     assert check_header(message, 3, {0}) == "microbatch: 1 is not one of this step's [0]"
 
 
-@pytest.mark.parametrize("name", ["identity", "subspace", "int8"])
+@pytest.mark.parametrize("name", ["identity", "subspace", "int8", "mask"])
 def test_the_guard_turns_a_forged_message_into_a_quarantined_stand_in(name):
     guard = WireGuard(codec(name), T, D, VOCAB)
     honest_message = Message("act", 5, 1, WorkerId(1, 1), WorkerId(1, 2), honest(name, "act"))
-    assert guard.admit(honest_message, 5, B, {0, 1}) is honest_message and guard.rejections == []
+    assert guard.admit(honest_message, 5, B, {0, 1}, context) is honest_message
+    assert guard.rejections == []
     stale = dataclasses.replace(honest_message, step=2)
-    out = guard.admit(stale, 5, B, {0, 1})
+    out = guard.admit(stale, 5, B, {0, 1}, context)
     assert (out.step, out.microbatch, out.kind, out.skip) == (5, 1, "act", True)
-    assert guard.admit(out, 5, B, {0, 1}) is out  # the stand-in is an honest-looking payload ...
-    assert not codec(name).decode(out.payload, "act").sub(
-        codec(name).decode(guard.neutral("act", SHAPE), "act")).any()  # ... of zeros (plus the table)
+    assert guard.admit(out, 5, B, {0, 1}, context) is out  # the stand-in is an honest-looking payload ...
+    zeros = codec(name).decode(guard.neutral("act", SHAPE, CTX), "act", CTX)  # (plus the table)
+    assert not codec(name).decode(out.payload, "act", CTX).sub(zeros).any()  # ... of zeros
     [record] = [r.record() for r in guard.pop_rejections()]
     assert record == {"kind": "wire_reject", "step": 6, "microbatch": 1, "message": "act", "src": "r1s1",
                       "dst": "r1s2", "reason": "stale step: message for step 2, receiver at step 5"}

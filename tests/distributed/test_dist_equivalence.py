@@ -45,6 +45,31 @@ def test_dist_run_equals_sim_run(tiny_corpus, tmp_path, stages, replicas, schedu
     assert abs(va["val_loss"] - vb["val_loss"]) <= 1e-5
 
 
+def test_mask_codec_dist_run_equals_sim_run(tiny_corpus, tmp_path):
+    """The mask codec in real processes: each end regenerates every mask on its own (nothing but
+    the kept values crosses), so losses, norms, bytes and the unmasked validation loss are the
+    simulator's."""
+    cfg = tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=2", "mesh.schedule=1f1b",
+                      "codec.name=mask", "codec.keep=0.25", "train.steps=3", "train.eval_every=3")
+    sim = sim_run(cfg, tmp_path / "sim")
+    try:
+        with deadline(60, "the mask-codec P=2 D=2 dist run"):
+            assert launch(cfg, tmp_path / "dist") == 0, (tmp_path / "dist" / "logs").iterdir()
+    finally:
+        kill_leftovers(tmp_path / "dist")
+    a, b = records(sim), records(tmp_path / "dist")
+    assert [r["step"] for r in b] == [1, 2, 3]
+    for ra, rb in zip(a, b, strict=True):
+        assert abs(ra["train_loss"] - rb["train_loss"]) <= 1e-5
+        assert abs(ra["grad_norm"] - rb["grad_norm"]) <= 1e-5 * ra["grad_norm"]
+        assert (ra["bytes_pp"], ra["bytes_dp"]) == (rb["bytes_pp"], rb["bytes_dp"])
+    micro = cfg.train.batch_size // 2 // cfg.mesh.microbatches
+    kept = micro * cfg.model.seq_len * round(0.25 * cfg.model.d_model) * 2  # bf16 values per message
+    assert b[0]["bytes_pp"] == 2 * 2 * cfg.mesh.microbatches * kept  # replicas × directions × M
+    (va,), (vb,) = records(sim, "eval"), records(tmp_path / "dist", "eval")
+    assert abs(va["val_loss"] - vb["val_loss"]) <= 1e-5
+
+
 def test_async_dist_run_equals_sim_run(tiny_corpus, tmp_path):
     """The async schedule in real processes: no per-step collective (reports are gathered at the
     drain points, here eval and the end), the same losses, norms and staleness as the simulator."""

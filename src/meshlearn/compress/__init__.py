@@ -1,8 +1,16 @@
 """Compression of what crosses the mesh: pipeline-boundary codecs with exact wire-byte accounting."""
 
 from meshlearn.compress.baselines import Int4RowCodec, RandomProjectionCodec, TopKCodec
-from meshlearn.compress.codecs import CastCodec, Codec, Encoded, IdentityCodec, Int8RowCodec
-from meshlearn.compress.registry import CODECS, WIRE_DTYPES, CodecConfig, build_codec
+from meshlearn.compress.codecs import (
+    CastCodec,
+    Codec,
+    Encoded,
+    IdentityCodec,
+    Int8RowCodec,
+    MessageContext,
+)
+from meshlearn.compress.mask import MaskCodec
+from meshlearn.compress.registry import CODECS, WIRE_DTYPES, CodecConfig, build_codec, validate_codec
 from meshlearn.compress.subspace import SubspaceCodec
 
 __all__ = [
@@ -15,8 +23,11 @@ __all__ = [
     "IdentityCodec",
     "Int4RowCodec",
     "Int8RowCodec",
+    "MaskCodec",
+    "MessageContext",
     "RandomProjectionCodec",
     "SubspaceCodec",
     "TopKCodec",
     "build_codec",
+    "validate_codec",
 ]

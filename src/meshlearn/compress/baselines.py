@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from meshlearn.compress.codecs import Encoded, Kind
+from meshlearn.compress.codecs import Encoded, Kind, MessageContext, place
 
 
 class TopKCodec:
@@ -21,18 +21,20 @@ class TopKCodec:
         self.k = k
         self.wire_dtype = wire_dtype
 
-    def encode(self, x: torch.Tensor, kind: Kind = "act", ids: torch.Tensor | None = None) -> Encoded:
+    def encode(self, x: torch.Tensor, kind: Kind = "act", ids: torch.Tensor | None = None,
+               ctx: MessageContext | None = None) -> Encoded:
         rows = x.detach().reshape(-1, x.shape[-1])
         index = rows.abs().topk(self.k, dim=1).indices
         values = rows.gather(1, index)
         return Encoded({"values": values.to(self.wire_dtype), "index": index.to(torch.int16)},
                        tuple(x.shape), x.dtype)
 
-    def decode(self, message: Encoded, kind: Kind = "act") -> torch.Tensor:
+    def decode(self, message: Encoded, kind: Kind = "act",
+               ctx: MessageContext | None = None) -> torch.Tensor:
         values, index = message.tensors["values"], message.tensors["index"].long()
-        rows = torch.zeros(values.shape[0], message.shape[-1], dtype=message.dtype)
+        rows = torch.zeros(values.shape[0], message.shape[-1], dtype=message.dtype, device=values.device)
         rows.scatter_(1, index, values.to(message.dtype))
-        return rows.reshape(message.shape)
+        return place(rows.reshape(message.shape), ctx)
 
 
 class Int4RowCodec:
@@ -40,7 +42,8 @@ class Int4RowCodec:
 
     name = "int4"
 
-    def encode(self, x: torch.Tensor, kind: Kind = "act", ids: torch.Tensor | None = None) -> Encoded:
+    def encode(self, x: torch.Tensor, kind: Kind = "act", ids: torch.Tensor | None = None,
+               ctx: MessageContext | None = None) -> Encoded:
         rows = x.detach().reshape(-1, x.shape[-1]).float()
         if rows.shape[1] % 2:
             rows = torch.nn.functional.pad(rows, (0, 1))
@@ -49,11 +52,12 @@ class Int4RowCodec:
         packed = q[:, 0::2] << 4 | q[:, 1::2]
         return Encoded({"packed": packed, "scale": scale.squeeze(1)}, tuple(x.shape), x.dtype)
 
-    def decode(self, message: Encoded, kind: Kind = "act") -> torch.Tensor:
+    def decode(self, message: Encoded, kind: Kind = "act",
+               ctx: MessageContext | None = None) -> torch.Tensor:
         packed, scale = message.tensors["packed"], message.tensors["scale"]
         q = torch.stack((packed >> 4, packed & 0xF), dim=-1).flatten(1).float() - 8
         d = message.shape[-1]
-        return (q[:, :d] * scale.unsqueeze(1)).reshape(message.shape).to(message.dtype)
+        return place((q[:, :d] * scale.unsqueeze(1)).reshape(message.shape).to(message.dtype), ctx)
 
 
 class RandomProjectionCodec:
@@ -66,10 +70,12 @@ class RandomProjectionCodec:
         self.projection, _ = torch.linalg.qr(torch.randn(d_model, rank, generator=gen))
         self.wire_dtype = wire_dtype
 
-    def encode(self, x: torch.Tensor, kind: Kind = "act", ids: torch.Tensor | None = None) -> Encoded:
-        coeffs = x.detach().float() @ self.projection
+    def encode(self, x: torch.Tensor, kind: Kind = "act", ids: torch.Tensor | None = None,
+               ctx: MessageContext | None = None) -> Encoded:
+        coeffs = x.detach().float() @ self.projection.to(x.device)
         return Encoded({"coeffs": coeffs.to(self.wire_dtype)}, tuple(x.shape), x.dtype)
 
-    def decode(self, message: Encoded, kind: Kind = "act") -> torch.Tensor:
-        coeffs = message.tensors["coeffs"].float()
-        return (coeffs @ self.projection.t()).to(message.dtype)
+    def decode(self, message: Encoded, kind: Kind = "act",
+               ctx: MessageContext | None = None) -> torch.Tensor:
+        coeffs = place(message.tensors["coeffs"].float(), ctx)
+        return (coeffs @ self.projection.to(coeffs.device).t()).to(message.dtype)

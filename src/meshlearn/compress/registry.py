@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from meshlearn.compress.baselines import Int4RowCodec, RandomProjectionCodec, TopKCodec
 from meshlearn.compress.codecs import CastCodec, Codec, IdentityCodec, Int8RowCodec
+from meshlearn.compress.mask import MASK_FORMS, MaskCodec, kept_channels
 from meshlearn.compress.subspace import SubspaceCodec
 from meshlearn.models.llama import DecoderConfig
 from meshlearn.models.subspace import fixed_token_table, subspace_basis
@@ -21,15 +23,24 @@ class CodecConfig:
     """The pipeline-boundary codec, used for activations (forward) and gradients (backward)."""
 
     name: str = "identity"
-    """Registry name: identity (fp32), bf16, fp16, int8, int4, topk, lowrank, subspace."""
+    """Registry name: identity (fp32), bf16, fp16, int8, int4, topk, lowrank, subspace, mask."""
     wire_dtype: str = "bf16"
-    """Float type of the values sent by subspace, topk and lowrank: fp32, bf16 or fp16."""
+    """Float type of the values sent by subspace, topk, lowrank and mask: fp32, bf16 or fp16."""
     topk: int = 8
     """Values kept per token by the topk codec."""
     lowrank: int = 8
     """Rank of the fixed random projection of the lowrank codec."""
     seed: int = 0
-    """Seed of the lowrank codec's projection."""
+    """Seed of the lowrank codec's projection and of the mask codec's PRF key."""
+    keep: float = 0.1
+    """Mask codec: fraction of each token's channels that cross a boundary, 1 − p, in (0, 1].
+    0.1 is the paper's M90, 0.05 its M95 (20× fewer bytes than a bf16 boundary in each direction)."""
+    mask: str = "fixed"
+    """Mask codec form: ``fixed`` (exactly round(keep·d) channels per token: an exact byte budget)
+    or ``bernoulli`` (each channel kept independently with probability keep; the size varies)."""
+    rescale: bool = False
+    """Mask codec: multiply what arrives by 1/keep (d/K in the fixed form), in both directions.
+    Off by default: the paper found it destabilized bf16 training at keep = 0.05."""
 
 
 def _subspace(cfg: CodecConfig, model: DecoderConfig) -> Codec:
@@ -50,7 +61,27 @@ CODECS: dict[str, Callable[[CodecConfig, DecoderConfig], Codec]] = {
     "lowrank": lambda cfg, model: RandomProjectionCodec(model.d_model, cfg.lowrank, cfg.seed,
                                                         WIRE_DTYPES[cfg.wire_dtype]),
     "subspace": _subspace,
+    "mask": lambda cfg, model: MaskCodec(model.d_model, cfg.keep, cfg.mask, cfg.seed,
+                                         WIRE_DTYPES[cfg.wire_dtype], cfg.rescale),
 }
+
+
+def validate_codec(cfg: CodecConfig, model: DecoderConfig,
+                   require: Callable[[bool, str, Any, str], None]) -> None:
+    """Checks of ``codec.*`` run by ``config.validate``; ``require(ok, key, value, allowed)`` raises
+    the ConfigError naming the field, the value and what is allowed."""
+    d = model.d_model
+    require(cfg.name in CODECS, "codec.name", cfg.name, f"allowed: {sorted(CODECS)}")
+    require(cfg.wire_dtype in WIRE_DTYPES, "codec.wire_dtype", cfg.wire_dtype,
+            f"allowed: {sorted(WIRE_DTYPES)}")
+    require(1 <= cfg.topk <= d, "codec.topk", cfg.topk, f"in [1, {d}]")
+    require(1 <= cfg.lowrank <= d, "codec.lowrank", cfg.lowrank, f"in [1, {d}]")
+    require(0 < cfg.keep <= 1, "codec.keep", cfg.keep, "a fraction of the channels in (0, 1]")
+    require(cfg.mask in MASK_FORMS, "codec.mask", cfg.mask, f"allowed: {list(MASK_FORMS)}")
+    if cfg.name == "mask" and cfg.mask == "fixed":
+        require(kept_channels(cfg.keep, d) >= 1, "codec.keep", cfg.keep,
+                f"keeps round({cfg.keep} * model.d_model = {d}) = 0 channels per token; "
+                "keep * model.d_model must exceed 0.5")
 
 
 def build_codec(cfg: CodecConfig, model: DecoderConfig) -> Codec:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from meshlearn.compress.codecs import Encoded, Kind
+from meshlearn.compress.codecs import Encoded, Kind, MessageContext, place
 from meshlearn.models.subspace import tensor_hash
 
 
@@ -40,23 +40,26 @@ class SubspaceCodec:
         self.basis = basis  # (d, k), orthonormal columns
         self.version = tensor_hash(basis) + tensor_hash(self.table)  # what both ends must agree on
 
-    def encode(self, x: torch.Tensor, kind: Kind = "act", ids: torch.Tensor | None = None) -> Encoded:
+    def encode(self, x: torch.Tensor, kind: Kind = "act", ids: torch.Tensor | None = None,
+               ctx: MessageContext | None = None) -> Encoded:
         x = x.detach().float()
+        basis = self.basis.to(x.device)
         if kind == "act":
             if ids is None:
                 raise ValueError("subspace codec: activations need the microbatch's token ids")
-            ids = ids.long()
-            coeffs = (x - self.table[ids]) @ self.basis  # (b, n, k)
+            ids = ids.long().to(x.device)
+            coeffs = (x - self.table.to(x.device)[ids]) @ basis  # (b, n, k)
             tensors = {"coeffs": coeffs.to(self.wire_dtype), "ids": ids.to(self.ids_dtype)}
         else:
-            tensors = {"coeffs": (x @ self.basis).to(self.wire_dtype)}  # (∂L/∂X)·U
+            tensors = {"coeffs": (x @ basis).to(self.wire_dtype)}  # (∂L/∂X)·U
         return Encoded(tensors, tuple(x.shape), torch.float32, {"version": self.version})
 
-    def decode(self, message: Encoded, kind: Kind = "act") -> torch.Tensor:
+    def decode(self, message: Encoded, kind: Kind = "act",
+               ctx: MessageContext | None = None) -> torch.Tensor:
         if message.meta.get("version") != self.version:
             raise ValueError("subspace codec: sender and receiver disagree on U or the token table")
-        coeffs = message.tensors["coeffs"].float()
-        x = coeffs @ self.basis.t()
+        coeffs = place(message.tensors["coeffs"].float(), ctx)
+        x = coeffs @ self.basis.to(coeffs.device).t()
         if kind == "act":
-            x = x + self.table[message.tensors["ids"].long()]
+            x = x + self.table.to(coeffs.device)[message.tensors["ids"].long().to(coeffs.device)]
         return x

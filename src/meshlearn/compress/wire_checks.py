@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from meshlearn.compress.codecs import Codec, Encoded, Kind
+from meshlearn.compress.codecs import Codec, Encoded, Kind, MessageContext
 
 if TYPE_CHECKING:  # mesh imports compress: only type hints come back the other way
     from meshlearn.mesh.messages import Message
@@ -60,14 +60,18 @@ class Layout:
 
 
 def payload_layout(codec: Codec, kind: Kind, shape: tuple[int, ...],
-                   dtype: torch.dtype = torch.float32) -> Layout:
-    """The layout of an honest payload, read off an encoding of zeros by the receiver's own codec.
+                   dtype: torch.dtype = torch.float32, ctx: MessageContext | None = None) -> Layout:
+    """The layout of an honest payload, read off an encoding of zeros by the receiver's own codec,
+    for the message ``ctx`` names (a codec that needs a context gets a training message at step 0,
+    microbatch 0, boundary 0 without one: its layout, like every fixed-size codec's, is the same
+    for every message).
 
     Deriving it from the codec (rather than a table per codec) keeps every codec, present or future,
     covered by the same checks.
     """
     ids = torch.zeros(shape[:-1], dtype=torch.long) if kind == "act" else None
-    template = codec.encode(torch.zeros(shape, dtype=dtype), kind, ids)
+    ctx = MessageContext(0, 0, 0) if ctx is None else dataclasses.replace(ctx, device=None)
+    template = codec.encode(torch.zeros(shape, dtype=dtype), kind, ids, ctx)
     fields = {name: (tuple(t.shape), t.dtype) for name, t in template.tensors.items()}
     return Layout(kind, tuple(template.shape), template.dtype, fields, dict(template.meta))
 
@@ -152,10 +156,12 @@ class WireGuard:
 
     ``codec`` is the receiver's own (trusted) codec; ``seq_len``, ``d_model`` and ``vocab_size`` come
     from the model config. ``byte_slack`` scales the budget over the honest size (1.0: exact, right for
-    every codec here, whose sizes depend on the shape only). Usage::
+    every codec here: their sizes depend on the shape only, or, for a codec with
+    ``per_message_layout`` (the Bernoulli mask), on the message's own context, which the receiver
+    knows). Usage::
 
         guard = WireGuard(worker.codec, cfg.model.seq_len, cfg.model.d_model, cfg.model.vocab_size)
-        message = guard.admit(message, work.step, work.microbatch_size, microbatches)
+        message = guard.admit(message, work.step, work.microbatch_size, microbatches, context)
         ...
         records = [r.record() for r in guard.pop_rejections()]  # one per refused message
     """
@@ -174,44 +180,54 @@ class WireGuard:
         """Activations and their gradients share one (b, n, d) shape at every boundary."""
         return (microbatch_size, self.seq_len, self.d_model)
 
-    def layout(self, kind: Kind, shape: tuple[int, ...]) -> Layout:
+    def layout(self, kind: Kind, shape: tuple[int, ...], ctx: MessageContext | None = None) -> Layout:
+        if getattr(self.codec, "per_message_layout", False):
+            return payload_layout(self.codec, kind, shape, ctx=ctx)  # its own mask decides its size
         # A codec with a version tag (the subspace codec after a basis update) changes its meta:
         # the cached layout follows it.
         key = (kind, shape, getattr(self.codec, "version", None))
         if key not in self.layouts:
-            self.layouts[key] = payload_layout(self.codec, kind, shape)
+            self.layouts[key] = payload_layout(self.codec, kind, shape, ctx=ctx)
         return self.layouts[key]
 
     def check(self, message: Message, step: int, microbatch_size: int,
-              microbatches: Collection[int]) -> str | None:
+              microbatches: Collection[int], ctx: MessageContext | None = None) -> str | None:
         reason = check_header(message, step, microbatches)
         if reason is not None:
             return reason
-        layout = self.layout(message.kind, self.shape(microbatch_size))
+        layout = self.layout(message.kind, self.shape(microbatch_size), ctx)
         return check_payload(message.payload, layout, self.vocab_size,
                              math.ceil(layout.wire_bytes * self.byte_slack))
 
     def admit(self, message: Message, step: int, microbatch_size: int,
-              microbatches: Collection[int]) -> Message:
+              microbatches: Collection[int],
+              context: Callable[[Kind, int, int], MessageContext] | None = None) -> Message:
         """The message itself if it passes; else a quarantined stand-in for its (kind, microbatch).
+
+        ``context(kind, step, microbatch)`` is the receiver's own context of such a message (its
+        codec's; None: codecs that need none). The payload is checked against the layout of the
+        receiver's step, so a message from another step is refused before its layout matters.
 
         The stand-in carries the receiver's step and honest zeros: a zero activation whose
         microbatch the last stage then weighs 0 (``skip``), or a zero gradient — what an honest
         pipeline sends back for a zero-weight microbatch. Without a stand-in the receiver would wait
         for the slot forever.
         """
-        reason = self.check(message, step, microbatch_size, microbatches)
+        kind: Kind = message.kind if message.kind in KINDS else "act"
+        ctx = context(kind, step, message.microbatch) if context is not None else None
+        reason = self.check(message, step, microbatch_size, microbatches, ctx)
         if reason is None:
             return message
-        kind: Kind = message.kind if message.kind in KINDS else "act"
         self.rejections.append(Rejection(step, kind, message.microbatch, message.src, message.dst, reason))
         return dataclasses.replace(message, kind=kind, step=step,
-                                   payload=self.neutral(kind, self.shape(microbatch_size)), skip=True)
+                                   payload=self.neutral(kind, self.shape(microbatch_size), ctx), skip=True)
 
-    def neutral(self, kind: Kind, shape: tuple[int, ...]) -> Encoded:
-        """Zeros in the receiver's own wire format (token id 0 where the codec sends ids)."""
+    def neutral(self, kind: Kind, shape: tuple[int, ...], ctx: MessageContext | None = None) -> Encoded:
+        """Zeros in the receiver's own wire format (token id 0 where the codec sends ids) for the
+        message ``ctx`` names (as in ``payload_layout`` without one)."""
         ids = torch.zeros(shape[:-1], dtype=torch.long) if kind == "act" else None
-        return self.codec.encode(torch.zeros(shape), kind, ids)
+        ctx = MessageContext(0, 0, 0) if ctx is None else dataclasses.replace(ctx, device=None)
+        return self.codec.encode(torch.zeros(shape), kind, ids, ctx)
 
     def pop_rejections(self) -> list[Rejection]:
         rejections, self.rejections = self.rejections, []

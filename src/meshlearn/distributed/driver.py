@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from meshlearn.compress.codecs import MessageContext
 from meshlearn.distributed.health import Health
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
@@ -411,13 +412,15 @@ class DistDriver:
                         self._dp_deliver(message)
                         message = self.transport.next_message(f"validation activation {i}", self.prev)
                     ids = message.payload.tensors.get("ids")
-                    h = worker.codec.decode(message.payload, "act")
+                    ctx = MessageContext.evaluation(self.me.stage - 1, self.device)
+                    h = worker.codec.decode(message.payload, "act", ctx)
                 out = module(h)
                 if worker.is_last:
                     losses.append(Decoder.loss(out, y.to(self.device)).item())
                 else:
+                    ctx = MessageContext.evaluation(self.me.stage, self.device)
                     message = Message("act", EVAL_STEP, i, self.me, self.next,
-                                      worker.codec.encode(out, "act", ids))
+                                      worker.codec.encode(out, "act", ids, ctx))
                     self.transport.send(message, self.eval_capacity, shaped=False)
             loss = sum(losses) / len(losses) if worker.is_last else 0.0
         value = torch.tensor([loss], dtype=torch.float64, device=self.device)

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from meshlearn.compress.codecs import Encoded
+import torch
+
+from meshlearn.compress.codecs import Encoded, MessageContext
 from meshlearn.mesh.topology import WorkerId
 
 
@@ -31,6 +33,12 @@ class Message:
     @property
     def wire_bytes(self) -> int:
         return self.payload.wire_bytes
+
+    def context(self, device: torch.device | None = None) -> MessageContext:
+        """What a codec is told about this boundary message (``act`` or ``grad``), read off its
+        header: both directions of boundary s (stages s and s+1) share one context per microbatch."""
+        return MessageContext(self.step, self.microbatch, min(self.src.stage, self.dst.stage),
+                              self.src.replica, device=device)
 
 
 class MessageMonitor(Protocol):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshlearn.compress.codecs import Codec
+from meshlearn.compress.codecs import Codec, MessageContext
 from meshlearn.mesh.compute import ComputeModel
 from meshlearn.mesh.messages import Message, MessageMonitor
 from meshlearn.mesh.network import Network, ring_allreduce_bytes_per_member, ring_allreduce_s
@@ -463,10 +463,12 @@ def average_replicas(modules: list[Decoder]) -> Decoder:
 
 
 def pipeline_loss(stages: list[Decoder], codec: Codec, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Forward through the stages in order, each boundary crossing the codec."""
+    """Forward through the stages in order, each boundary crossing the codec as an evaluation
+    message (codecs that drop information for training, such as the mask codec, send it all)."""
     h = x
     for i, stage in enumerate(stages):
         if i > 0:
-            h = codec.decode(codec.encode(h, "act", x), "act")
+            ctx = MessageContext.evaluation(boundary=i - 1)
+            h = codec.decode(codec.encode(h, "act", x, ctx), "act", ctx)
         h = stage(h)
     return Decoder.loss(h, y).item()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.func import functional_call
 
-from meshlearn.compress.codecs import Codec, Encoded, Kind
+from meshlearn.compress.codecs import Codec, Encoded, Kind, MessageContext
 from meshlearn.mesh.compute import StageShape, stage_shape
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.schedule import Action, StagePlan
@@ -106,6 +106,10 @@ class Worker:
         # The data-parallel strategy (``meshlearn.dp``): the drivers walk it through its phases at
         # every update and carry its ``dp`` messages. None: the drivers' built-in all-reduce.
         self.dp = None
+        # The spectral correction (``meshlearn.optim.spectral``), attached to the optimizer as a
+        # step pre-hook; here so that checkpoints carry its anchor EMAs and an anchor circuit can
+        # reach it (``receive_anchor``). None: off.
+        self.spectral = None
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
 
@@ -163,7 +167,8 @@ class Worker:
         # The message's own step if this worker has work for it, else its oldest open step (under
         # a flushing schedule: the one step in progress), so a stale or future step is refused.
         step = message.step if message.step in self.work else min(self.work)
-        return self.guard.admit(message, step, self.work[step].microbatch_size, range(self.microbatches))
+        return self.guard.admit(message, step, self.work[step].microbatch_size, range(self.microbatches),
+                                lambda kind, t, m: self.context(kind, t * self.microbatches + m, True))
 
     def receive(self, message: Message) -> None:
         j = message.step * self.microbatches + message.microbatch
@@ -182,6 +187,19 @@ class Worker:
     def microbatch_size(self, j: int) -> int:
         return self.work[j // self.microbatches].microbatch_size
 
+    @property
+    def device(self) -> torch.device:
+        """Where this stage computes: received tensors are decoded onto it."""
+        return next(self.module.parameters()).device
+
+    def context(self, kind: Kind, j: int, arriving: bool) -> MessageContext:
+        """What the codec is told about microbatch ``j``'s ``kind`` message that this worker
+        receives (``arriving``) or sends: an activation arrives over the boundary above this
+        stage and leaves over the one below; a gradient the other way round."""
+        step, m = divmod(j, self.microbatches)
+        boundary = self.id.stage - 1 if (kind == "act") == arriving else self.id.stage
+        return MessageContext(step, m, boundary, self.id.replica, device=self.device)
+
     # --- forward and backward ----------------------------------------------------------------
 
     def _forward(self, j: int) -> list[Message]:
@@ -194,7 +212,7 @@ class Worker:
         else:
             message = self.inbox.pop(("act", j))
             ids = message.tensors.get("ids")
-            inputs = self.codec.decode(message, "act").requires_grad_(True)
+            inputs = self.codec.decode(message, "act", self.context("act", j, True)).requires_grad_(True)
             out = self._call(weights, inputs)
         record = InFlight(inputs, out, ids, self.version, weights)
         self.in_flight[j] = record
@@ -212,8 +230,9 @@ class Worker:
             return []
         dst = self.mesh.next_stage(self.id)
         sent = self._tampered("act", step, m, out.detach())
-        return [Message("act", step, m, self.id, dst, self.codec.encode(sent, "act", ids),
-                        skip=j in self.skipped, version=self.version)]
+        payload = self.codec.encode(sent, "act", ids, self.context("act", j, False))
+        return [Message("act", step, m, self.id, dst, payload, skip=j in self.skipped,
+                        version=self.version)]
 
     def _backward(self, j: int) -> list[Message]:
         step, m = divmod(j, self.microbatches)
@@ -221,7 +240,10 @@ class Worker:
         if self.is_last:
             record.out.backward()
         else:
-            record.out.backward(self.codec.decode(self.inbox.pop(("grad", j)), "grad"))
+            # The codec's backward: for the mask codec the sender's own mask (the same context),
+            # so the gradient reaching this stage is m ⊙ ∂L/∂h̃, autograd's through h ↦ h ⊙ m.
+            grad = self.codec.decode(self.inbox.pop(("grad", j)), "grad", self.context("grad", j, True))
+            record.out.backward(grad)
         self._collect_grads(record)
         self._group_versions.append(record.version)
         skip = j in self.skipped
@@ -232,8 +254,8 @@ class Worker:
             self.input_grad_observer(record.inputs.grad)
         dst = self.mesh.prev_stage(self.id)
         sent = self._tampered("grad", step, m, record.inputs.grad)
-        return [Message("grad", step, m, self.id, dst, self.codec.encode(sent, "grad", record.ids),
-                        skip=skip, version=record.version)]
+        payload = self.codec.encode(sent, "grad", record.ids, self.context("grad", j, False))
+        return [Message("grad", step, m, self.id, dst, payload, skip=skip, version=record.version)]
 
     def _group_size(self) -> int:
         return self.microbatches // self.plan.updates_per_step
@@ -334,7 +356,8 @@ class Worker:
         assert self.idle, f"{self.id}: checkpoint outside a drain point"
         return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "version": self.version, "plan": self.plan.state(), "stash_peak": self.stash_peak,
-                **({"dp": self.dp.state_dict()} if self.dp is not None else {})}
+                **({"dp": self.dp.state_dict()} if self.dp is not None else {}),
+                **({"spectral": self.spectral.state_dict()} if self.spectral is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.module.load_state_dict(state["module"])
@@ -345,3 +368,5 @@ class Worker:
         self.stash_peak = state.get("stash_peak", 0)
         if self.dp is not None and "dp" in state:
             self.dp.load_state_dict(state["dp"])
+        if self.spectral is not None and "spectral" in state:
+            self.spectral.load_state_dict(state["spectral"])

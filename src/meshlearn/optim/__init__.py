@@ -15,6 +15,7 @@ from meshlearn.optim.numuon import NuMuon
 from meshlearn.optim.orthogonalize import block_krylov_topk, newton_schulz, topk_lmo
 from meshlearn.optim.param_sets import add_parameters, remove_parameters
 from meshlearn.optim.routing import is_embedding_or_head, split_params
+from meshlearn.optim.spectral import SpectralConfig, SpectralCorrection, filter_gradient
 
 __all__ = [
     "OPTIMIZERS",
@@ -22,11 +23,14 @@ __all__ = [
     "NAdamW",
     "NuMuon",
     "OptimConfig",
+    "SpectralConfig",
+    "SpectralCorrection",
     "StageHparams",
     "add_parameters",
     "block_krylov_topk",
     "build_optimizer",
     "decay_groups",
+    "filter_gradient",
     "is_embedding_or_head",
     "nadamw_update",
     "newton_schulz",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from torch import nn
 from meshlearn.optim.muon import Muon
 from meshlearn.optim.nadamw import NAdamW
 from meshlearn.optim.numuon import NuMuon
+from meshlearn.optim.spectral import SpectralConfig, validate_spectral
 
 OWN_DEFAULT = 0.0
 """Value of ``optim.beta1`` / ``optim.beta2`` meaning "the chosen optimizer's own default"."""
@@ -71,6 +72,8 @@ class OptimConfig:
     full lr (see :func:`~meshlearn.optim.no_ws.no_ws_stage_hparams`). 0 = no reduction. 0.12 is the
     (commented-out) setting of the AsyncPP run script, 6 of 50 epochs; raise it if the first stages
     diverge early, lower it if they lag the last stage's loss long after warm-up."""
+    spectral: SpectralConfig = field(default_factory=SpectralConfig)
+    """The spectral correction before the optimizer step (anchor priors; optim/spectral.py)."""
 
 
 def resolve_betas(cfg: OptimConfig, own: tuple[float, float]) -> tuple[float, float]:
@@ -96,6 +99,7 @@ def validate_optim(cfg: OptimConfig, require: Callable[[bool, str, Any, str], No
             cfg.numuon_start_fraction, "in (0, 1]")
     require(cfg.no_ws_lr_anneal >= 0 and math.isfinite(cfg.no_ws_lr_anneal), "optim.no_ws_lr_anneal",
             cfg.no_ws_lr_anneal, "a finite fraction of train.steps >= 0 (0 = no lr reduction)")
+    validate_spectral(cfg.spectral, require)
 
 
 def decay_groups(module: nn.Module, weight_decay: float) -> list[dict]:

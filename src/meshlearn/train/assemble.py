@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from meshlearn.compress.codecs import MessageContext
 from meshlearn.compress.registry import build_codec
 from meshlearn.compress.wire_checks import WireGuard
 from meshlearn.config import RunConfig
@@ -38,6 +39,7 @@ from meshlearn.models.llama import Decoder
 from meshlearn.models.split import init_model, split_model
 from meshlearn.optim.factory import build_optimizer
 from meshlearn.optim.no_ws import no_ws_stage_hparams
+from meshlearn.optim.spectral import SpectralCorrection
 from meshlearn.protocol.plugin import stage_modules
 
 
@@ -115,6 +117,9 @@ def build_worker(cfg: RunConfig, wid: WorkerId, module: Decoder) -> Worker:
                     cfg.mesh.weight_stashing)
     worker.guard = WireGuard(codec, cfg.model.seq_len, cfg.model.d_model, cfg.model.vocab_size)
     worker.dp = build_strategy(cfg.dp, worker, dp_link_profile(cfg, wid))
+    if cfg.optim.spectral.enabled:
+        worker.spectral = SpectralCorrection(module.named_parameters(), cfg.optim.spectral)
+        worker.spectral.attach(optimizer)
     if cfg.mesh.schedule == "async" and not cfg.mesh.weight_stashing:
         use_no_ws_hparams(worker, cfg)
     return worker
@@ -172,7 +177,8 @@ def _round_trip_depth(cfg: RunConfig, stage: int) -> int:
     own = sum(compute.compute_s(stage_shape, kind, micro, 0.0) for kind in ("F", "B"))
     shape = (micro, cfg.model.seq_len, cfg.model.d_model)
     ids = torch.zeros(shape[:-1], dtype=torch.long)
-    message_bytes = build_codec(cfg.codec, cfg.model).encode(torch.zeros(shape), "act", ids).wire_bytes
+    ctx = MessageContext(0, 0, stage)  # a training message over this boundary
+    message_bytes = build_codec(cfg.codec, cfg.model).encode(torch.zeros(shape), "act", ids, ctx).wire_bytes
     # The boundary below this stage (per-axis profiles and overrides included).
     profile = build_network(cfg).link(WorkerId(0, stage), WorkerId(0, stage + 1)).profile
     transfer = profile.serialization_s(message_bytes)

@@ -234,7 +234,7 @@ class Sentinel:
         verifier = self.verifiers[(boundary, message.kind)]
         views = self._view(message.step)
         view = views[(boundary, message.kind)] if views is not None else verifier.view()
-        values = wire_values(message.payload, message.kind, self.codec, self.cfg.view)
+        values = wire_values(message.payload, message.kind, self.codec, self.cfg.view, message.context())
         if key in self.dropped:
             self._decide(message, "skip", "dropped")
             fill = values.new_zeros(values.shape) if message.kind == "grad" else None
@@ -313,7 +313,8 @@ class Sentinel:
         if fill is None:
             fill = (torch.zeros(tuple(values.shape)) if view.reference is None
                     else view.reference.mean.expand(tuple(values.shape)).contiguous())
-        payload = wire_payload(fill, message.payload, message.kind, self.codec, self.cfg.view)
+        payload = wire_payload(fill, message.payload, message.kind, self.codec, self.cfg.view,
+                               message.context())
         return dataclasses.replace(message, payload=payload, skip=True)
 
     # --- checkpoints -------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from meshlearn.compress.codecs import Codec, Encoded, Kind
+from meshlearn.compress.codecs import Codec, Encoded, Kind, MessageContext
 
 
 def reads_coefficients(payload: Encoded, view: str) -> bool:
@@ -17,19 +17,21 @@ def reads_coefficients(payload: Encoded, view: str) -> bool:
     return view == "auto" and "coeffs" in payload.tensors
 
 
-def wire_values(payload: Encoded, kind: Kind, codec: Codec, view: str) -> torch.Tensor:
-    """The message as the verifier reads it: (b, n, c) values — coefficients or decoded."""
+def wire_values(payload: Encoded, kind: Kind, codec: Codec, view: str,
+                ctx: MessageContext | None = None) -> torch.Tensor:
+    """The message as the verifier reads it: (b, n, c) values — coefficients or decoded (``ctx``:
+    the message's context, ``Message.context()``, for codecs that need one)."""
     if reads_coefficients(payload, view):
         return payload.tensors["coeffs"].float()
-    return codec.decode(payload, kind).float()
+    return codec.decode(payload, kind, ctx).float()
 
 
 def wire_payload(values: torch.Tensor, template: Encoded, kind: Kind, codec: Codec,
-                 view: str) -> Encoded:
+                 view: str, ctx: MessageContext | None = None) -> Encoded:
     """A replacement message built from verifier-side values, in the template's wire format."""
     if reads_coefficients(template, view):
         coeffs = template.tensors["coeffs"]
         tensors = template.tensors | {"coeffs": values.to(coeffs.dtype).reshape(coeffs.shape)}
         return Encoded(tensors, template.shape, template.dtype, dict(template.meta))
     return codec.encode(values.reshape(template.shape).to(template.dtype), kind,
-                        template.tensors.get("ids"))
+                        template.tensors.get("ids"), ctx)
