@@ -451,7 +451,7 @@ class DistDriver:
         return {
             "sim_time_s": None,
             "sim_tokens_per_s": None,
-            "bubble_fraction": (1.0 - busy / (self.mesh.world_size * wall_s)
+            "idle_fraction": (1.0 - busy / (self.mesh.world_size * wall_s)
                                 if busy is not None and wall_s else None),
             "compute_model": f"real: {self.mesh.world_size} processes over {self.comm}, "
                              f"shaping={self.cfg.dist.shaping}",
