@@ -17,7 +17,9 @@ from meshlearn.report.table import format_percent
 
 
 def duration(seconds: float) -> str:
-    """A short duration in the unit that suits it: 3.4 µs, 60 ms, 1.2 s."""
+    """A short duration in the unit that suits it: 31 ns, 3.4 µs, 60 ms, 1.2 s."""
+    if seconds < 1e-6:
+        return f"{seconds * 1e9:.3g} ns"
     if seconds < 1e-3:
         return f"{seconds * 1e6:.3g} µs"
     if seconds < 1.0:
@@ -41,6 +43,8 @@ def idle_notes(runs: Sequence[RunData]) -> list[str]:
             what = (f"{run.label}: idle {format_percent(s.idle_fraction)}; {mesh.get('schedule')} with "
                     f"P = {mesh.get('stages')}, M = {mesh.get('microbatches')} accounts for "
                     f"{format_percent(s.schedule_bubble)} (its bubble), waits on links for the rest")
+        elif mesh.get("schedule") != "async":
+            what = f"{run.label}: idle {format_percent(s.idle_fraction)}"
         else:
             what = (f"{run.label}: idle {format_percent(s.idle_fraction)}; {mesh.get('schedule', '?')} "
                     "has no per-step flush, so what remains is drains at evaluations and checkpoints "

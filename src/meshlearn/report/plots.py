@@ -16,6 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import LogFormatter
 
 from meshlearn.atomic import atomic_path
 from meshlearn.report.records import RunData
@@ -31,6 +32,19 @@ _OTHER_AXIS_COLOR = "tab:gray"
 def run_color(index: int) -> Any:
     """Colour of the ``index``-th run, identical in every plot of the report."""
     return colormaps["tab10"](index % 10)
+
+
+class _PlainLogFormatter(LogFormatter):
+    """matplotlib's choice of which log ticks to label, written as plain numbers (2000, 0.5)."""
+
+    def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
+        return f"{x:g}"
+
+
+def plain_log_ticks(ax: Axes) -> None:
+    """Log-scale y ticks as plain numbers instead of 2×10³."""
+    ax.yaxis.set_major_formatter(_PlainLogFormatter())
+    ax.yaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
 
 
 def new_figure(width: float = 7.5, height: float = 4.5) -> Figure:

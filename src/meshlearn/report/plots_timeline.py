@@ -113,7 +113,8 @@ def _draw(ax: Any, run: RunData, timeline: dict[str, Any]) -> None:
     clock = "virtual" if timeline.get("clock") == "virtual" else "wall-clock"
     ax.set_xlabel(f"{clock} time since the window's start ({unit})")
     truncated = " (truncated: event cap reached)" if timeline.get("truncated") else ""
-    ax.set_title(f"{run.label}: steps {', '.join(map(str, timeline.get('steps', [])))}{truncated}")
+    steps = timeline.get("steps", [])
+    ax.set_title(f"{run.label}: step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}{truncated}")
     ax.grid(True, axis="x", alpha=0.3)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from meshlearn.report.plots import new_figure, run_color, save_png, series
+from meshlearn.report.plots import new_figure, plain_log_ticks, run_color, save_png, series
 from meshlearn.report.records import RunData
 from meshlearn.report.units import as_number
 
@@ -31,6 +31,7 @@ def plot_lr_grad_norm(runs: Sequence[RunData], out_path: Path) -> Path | None:
     top.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
     bottom.set_ylabel("gradient norm")
     bottom.set_yscale("log")
+    plain_log_ticks(bottom)
     bottom.set_xlabel("step")
     top.legend(fontsize="small")
     for ax in (top, bottom):
@@ -67,6 +68,7 @@ def plot_throughput(runs: Sequence[RunData], out_path: Path) -> Path | None:
         if wall[0]:
             ax.plot(*wall, color=run_color(i), lw=0.8, ls=":", label=f"{run.label} wall (this machine)")
     ax.set_yscale("log")
+    plain_log_ticks(ax)
     ax.set_xlabel("step")
     ax.set_ylabel("tokens/s")
     ax.set_title("Throughput per step")
