@@ -210,11 +210,11 @@ class DistDriver:
     def _send(self, message: Message, capacity: int) -> None:
         """Hand ``message`` to the transport; when its step is recorded, the link model's times for
         it (queued start, end of serialization, delivery; known only with sender-side shaping)."""
-        link = self.network.link(self.me, message.dst)
         step = self.worker.steps_done if message.kind == "dp" else message.step
         if self.timeline is None or not self.timeline.wants(step):
             self.transport.send(message, capacity)
             return
+        link = self.network.link(self.me, message.dst)
         start = max(time.monotonic() - self.epoch, link.free_at)
         self.transport.send(message, capacity)
         self.timeline.send(str(self.me), str(message.dst), link.axis, message.kind, step, message.wire_bytes,

@@ -210,9 +210,11 @@ class SimDriver:
     def _transmit(self, message: Message, now: float) -> float:
         """Queue ``message`` on its link at ``now``; return its arrival time."""
         link = self.network.link(message.src, message.dst)
+        if self.timeline is None:
+            return link.transmit(now, message.wire_bytes)
         # A dp message carries its round key, not a step: it is charged to the sender's current step.
         step = self.workers[message.src].steps_done if message.kind == "dp" else message.step
-        if self.timeline is None or not self.timeline.wants(step):
+        if not self.timeline.wants(step):
             return link.transmit(now, message.wire_bytes)
         start = max(now, link.free_at)
         arrival = link.transmit(now, message.wire_bytes)

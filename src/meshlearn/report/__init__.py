@@ -1,7 +1,8 @@
-"""Run reports: HTML/Markdown comparison of one or more run folders, and console progress.
+"""Run reports: HTML/Markdown comparison of one or more run folders (docs/report.md), what a run
+records for them (``report.*``: the pipeline timeline, TensorBoard), and console progress.
 
 ``render_report`` imports the plotting code lazily so that a training loop importing
-``meshlearn.report.progress`` does not pay for matplotlib.
+``meshlearn.report.progress`` (or the report's plugins) does not pay for matplotlib.
 """
 
 from __future__ import annotations
