@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -141,3 +142,37 @@ def test_a_registered_figure_is_drawn_after_the_one_named(make_run, monkeypatch)
     page, _ = _assert_report(render_report([make_run()]).parent)
     assert page.index("Loss by step") < page.index("An extra figure") < page.index("Loss by virtual time")
     assert "beside the loss" in page
+
+
+def _with_trust(run_dir: Path, verify: str) -> Path:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["trust"] = {
+        "verify": verify,
+        "messages": {"all": {"precision": 0.25, "recall": 1.0, "fpr": 0.01}},
+        "workers": {"tp": 1, "fp": 0, "fn": 0, "precision": 1.0, "recall": 1.0},
+        "bans": 1,
+        "attackers": [{"worker": "r1s2", "attack": "zeros", "start_step": 41}],
+        "flags_per_worker": {"r0s2": {"scored": 200, "flags": 2, "malicious": False},
+                             "r1s2": {"scored": 100, "flags": 8, "malicious": True}},
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    return run_dir
+
+
+def test_verifier_trust_against_ground_truth(make_run):
+    verified = _with_trust(make_run("verified", banned=[{"worker": "r1s2", "step": 41}]), "sentinel")
+    out = render_report([verified, _with_trust(make_run("unverified"), "none")]).parent
+    page = (out / "index.html").read_text()
+    assert (out / "verifier_flags.png").is_file()
+    row = ("<tr><td>verified</td><td>sentinel</td><td>r1s2 (zeros from step 41)</td>"
+           '<td class="num">0.250</td><td class="num">1.000</td><td class="num">0.010</td>'
+           '<td class="num">1.000</td><td class="num">1.000</td><td class="num">1</td>'
+           '<td class="num">0</td></tr>')
+    assert row in page
+    assert "ground truth from the attack harness (verified, unverified)" in page
+
+
+def test_no_flags_figure_when_nothing_was_verified(make_run):
+    out = render_report([_with_trust(make_run("unverified"), "none")]).parent
+    assert not (out / "verifier_flags.png").exists()
+    assert "no run verified its messages" in (out / "index.html").read_text()

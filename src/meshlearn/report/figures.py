@@ -57,7 +57,7 @@ FIGURES: list[FigureSpec] = [
                "no asynchronous run: gpipe and 1f1b apply every gradient to the weights it was "
                "computed with (staleness 0)"),
     FigureSpec("verifier_flags", "Verifier flags per worker", plots_trust.plot_flags_per_worker,
-               explain.flags_note, "no run verified or attacked anything"),
+               explain.flags_note, "no run verified its messages (verify.name = none)"),
 ]
 
 

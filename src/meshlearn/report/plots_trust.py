@@ -21,10 +21,11 @@ def trust_summary(run: RunData) -> dict | None:
 
 
 def plot_flags_per_worker(runs: Sequence[RunData], out_path: Path) -> Path | None:
-    """Per run, the share of each worker's scored messages the verifier flagged; red bars are the
-    workers that really attacked (the simulator's ground truth), banned workers are hatched."""
+    """Per run that verified, the share of each worker's scored messages the verifier flagged; red
+    bars are the workers that really attacked (the simulator's ground truth), banned ones hatched."""
     panels = [(r, trust_summary(r)) for r in runs]
-    panels = [(r, t) for r, t in panels if t is not None and t.get("flags_per_worker")]
+    panels = [(r, t) for r, t in panels if t is not None and t.get("verify", "none") != "none"
+              and any(v.get("scored") for v in (t.get("flags_per_worker") or {}).values())]
     if not panels:
         return None
     fig = new_figure(7.5, 2.8 * len(panels) + 0.6)
@@ -46,7 +47,7 @@ def plot_flags_per_worker(runs: Sequence[RunData], out_path: Path) -> Path | Non
         ax.bar_label(bars, labels=labels, fontsize="x-small", padding=1)
         ax.set_xticks(range(len(workers)), [name for name, _ in workers], fontsize="small")
         ax.set_ylabel("flagged (%)")
-        ax.set_ylim(0, 110)
+        ax.set_ylim(0, max(5.0, 1.25 * max(shares)))  # small shares stay readable
         ax.set_title(f"{run.label} (verifier: {trust.get('verify', '?')}); label: flagged/scored messages")
         ax.grid(True, axis="y", alpha=0.3)
     fig.legend(handles=[Patch(color=HONEST, label="honest"), Patch(color=MALICIOUS, label="attacker"),
