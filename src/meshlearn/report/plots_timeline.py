@@ -33,8 +33,6 @@ class TimelineStats:
     compute_share: float  # compute time of all workers / (workers × window)
     mean_s: dict[str, float]  # mean duration per compute kind
     mean_hop_s: float | None  # mean PP transfer: queued on the link → delivered
-    steps: list[int]
-    clock: str
 
 
 def _events(timeline: dict[str, Any]) -> list[dict]:
@@ -59,8 +57,7 @@ def timeline_stats(timeline: dict[str, Any]) -> TimelineStats | None:
     hops = [e["t1"] - e["t0"] for e in events if e.get("kind") == "send" and e.get("axis") == "pp"
             and as_number(e.get("t1")) is not None]
     return TimelineStats(window, busy / (len(workers) * window) if window > 0 else 0.0, means,
-                         sum(hops) / len(hops) if hops else None, list(timeline.get("steps", [])),
-                         str(timeline.get("clock", "virtual")))
+                         sum(hops) / len(hops) if hops else None)
 
 
 def _time_unit(seconds: float) -> tuple[str, float]:
