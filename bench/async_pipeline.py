@@ -6,7 +6,7 @@ Part 1, schedules. The demo model at P = 4 and an 8-layer demo model at P = 8, o
 stashing, async + NAdamW without (No-WS). Per run: validation loss at equal tokens (end of run) and
 at equal virtual time (the fastest run's end; eval records interpolated linearly over
 ``sim_time_s``, with an evaluation of the initial weights at t = 0), virtual tokens/s (whole run,
-drains included, and steady state = batch tokens / median step time), bubble fraction, mean
+drains included, and steady state = batch tokens / median step time), idle fraction, mean
 staleness, stash memory. Extras at P = 4: a tiny learning-rate check of async + NAdamW (×½, ×2) and
 1F1B + NAdamW, to separate the optimizer from the schedule.
 
@@ -107,7 +107,7 @@ def train_records(records: list[dict]) -> list[dict]:
 
 
 def describe(name: str, result: dict, tokens_per_step: int) -> dict:
-    """One table row from a run: speed, bubble, staleness, stash."""
+    """One table row from a run: speed, idle fraction, staleness, stash."""
     s, train = result["summary"], train_records(result["records"])
     stale = [r["staleness"] for r in train if r.get("staleness")]
     per_stage = [statistics.fmean(col) for col in zip(*stale, strict=True)] if stale else []
@@ -118,7 +118,7 @@ def describe(name: str, result: dict, tokens_per_step: int) -> dict:
         "sim_time_s": s["sim_time_s"],
         "sim_tokens_per_s": s["sim_tokens_per_s"],
         "steady_tokens_per_s": tokens_per_step / median_step,
-        "bubble_fraction": s["bubble_fraction"],
+        "idle_fraction": s["idle_fraction"],
         "worker_utilization": s["worker_utilization"],
         "staleness_per_stage": per_stage,
         "mean_staleness": statistics.fmean(per_stage) if per_stage else 0.0,
@@ -330,7 +330,7 @@ def markdown(args, part1: dict | None, part2: dict | None, wall_s: float) -> str
                 ("time_to_1f1b_loss_s", "virtual s to 1F1B's val", ".1f"),
                 ("sim_tokens_per_s", "virtual tokens/s", ".0f"), ("speed_vs_1f1b", "÷ 1F1B", ".2f"),
                 ("steady_tokens_per_s", "steady tokens/s", ".0f"),
-                ("bubble_fraction", "bubble", ".4f"), ("mean_staleness", "mean staleness", ".2f"),
+                ("idle_fraction", "idle", ".4f"), ("mean_staleness", "mean staleness", ".2f"),
                 ("stash_mb", "stash peak (MB)", ".2f"), ("wall_s", "wall (s)", ".0f")]))
         out.append("\n### Goal: async + look-ahead within 3% of 1F1B's val loss at equal tokens, ≥ 1.5× its "
                    "virtual tokens/s\n")
@@ -359,7 +359,7 @@ def markdown(args, part1: dict | None, part2: dict | None, wall_s: float) -> str
                 ("sim_tokens_per_s", "virtual tokens/s", ".0f"),
                 ("of_compute_bound", "÷ compute-bound", ".3f"),
                 ("steady_of_compute_bound", "steady ÷ compute-bound", ".3f"),
-                ("bubble_fraction", "bubble", ".3f"), ("stale", "staleness per stage", ""),
+                ("idle_fraction", "idle", ".3f"), ("stale", "staleness per stage", ""),
                 ("final_val_loss", f"val @ {args.sweep_steps} steps", ".4f"),
                 ("val_vs_1f1b", "÷ 1F1B − 1", "+.1%"), ("stash_mb", "stash peak (MB)", ".2f")]))
         out.append(f"\n### Goal: ≥ 0.9 of compute-bound at a depth within 3% of 1F1B's val loss\n\n- "

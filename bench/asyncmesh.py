@@ -123,7 +123,7 @@ def describe(name: str, result: dict, cfg: RunConfig) -> dict:
         "dp_dropped_rounds": s.get("dp_dropped_rounds", 0),
         "dp_wait_per_worker_step_s": wait / (workers * steps),
         "dp_wait_source": "summary.json" if "dp_wait_s" in s else "driver (not in summary.json)",
-        "bubble_fraction": s["bubble_fraction"],
+        "idle_fraction": s["idle_fraction"],
         "wall_s": result["bench_wall_s"],
     }
 

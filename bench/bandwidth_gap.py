@@ -45,7 +45,7 @@ def main() -> None:
                          "sim_tokens_per_s": s["sim_tokens_per_s"],
                          "bytes_per_token_pp": s["bytes_per_token_pp"],
                          "bytes_per_token_dp": s["bytes_per_token_dp"],
-                         "bubble_fraction": s["bubble_fraction"]})
+                         "idle_fraction": s["idle_fraction"]})
     for row in rows:
         same_latency = next(r for r in rows if r["scenario"] == row["scenario"]
                             and r["case"] == "unlimited bandwidth, 50 ms")
@@ -55,7 +55,7 @@ def main() -> None:
         ("sim_tokens_per_s", "virtual tokens/s", ".0f"),
         ("fraction_of_unlimited", "÷ unlimited bandwidth (50 ms)", ".3f"),
         ("bytes_per_token_pp", "PP bytes/token", ".0f"),
-        ("bytes_per_token_dp", "DP bytes/token", ".0f"), ("bubble_fraction", "bubble", ".3f")])
+        ("bytes_per_token_dp", "DP bytes/token", ".0f"), ("idle_fraction", "idle", ".3f")])
     write_results("bandwidth_gap", {"steps": args.steps, "config": "configs/demo.toml",
                                     "scenarios": SCENARIOS,
                                     "compute_model": "device:rtx4090 at 40% utilization",

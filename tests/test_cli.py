@@ -26,7 +26,7 @@ def test_train_report_sample(tiny_corpus, tmp_path, capsys):
     summary = json.loads((run / "summary.json").read_text())
     for key in ("final_val_loss", "sim_time_s", "wall_time_s", "sim_tokens_per_s",
                 "wall_tokens_per_s", "bytes_per_token_pp", "bytes_per_token_dp",
-                "bubble_fraction"):
+                "idle_fraction"):
         assert summary[key] is not None, key
     assert summary["bytes_per_token_pp"] > 0 and summary["bytes_per_token_dp"] == 0
     assert (run / "config.toml").is_file() and (run / "checkpoint.pt").is_file()

@@ -238,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--resume", metavar="RUN", help="continue RUN from its last complete checkpoint")
     worker.set_defaults(func=_worker)
 
-    report = sub.add_parser("report", help="plots and an HTML summary of one or more runs")
+    report = sub.add_parser("report", help="an HTML/Markdown report of one or more runs: config, "
+                                           "figures, trust, samples (docs/report.md)")
     report.add_argument("runs", nargs="+", help="run folders")
     report.add_argument("--out", help="output folder (default: RUN/report, or RUN/report-compare)")
     report.set_defaults(func=_report)

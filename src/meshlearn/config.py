@@ -31,6 +31,7 @@ from meshlearn.models.llama import DecoderConfig
 from meshlearn.models.settings import validate_model
 from meshlearn.optim.factory import OptimConfig, validate_optim
 from meshlearn.protocol.settings import ProtocolConfig, validate_protocol
+from meshlearn.report.settings import ReportConfig, validate_report
 from meshlearn.verify.attacks import AttackConfig, validate_attack
 from meshlearn.verify.sentinel import (
     VerifyConfig,
@@ -111,6 +112,7 @@ class RunConfig:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     curvature: CurvatureConfig = field(default_factory=CurvatureConfig)
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
 
 # --- building the tree -----------------------------------------------------------------------
@@ -389,3 +391,4 @@ def validate(cfg: RunConfig) -> None:
     validate_dp(cfg, _require)
     validate_warmup(cfg, _require)
     validate_curvature(cfg, _require)
+    validate_report(cfg, _require)

@@ -10,6 +10,8 @@ The trainer then calls the callbacks at fixed points:
 - ``on_step_end(step, report)``: after every step; returns fields for the step's train record and
   extra records (events) for metrics.jsonl.
 - ``on_drain(done)``: at a drain point, before evaluation and checkpoint; returns event records.
+- ``on_record(record)``: every record the writing process logs (train, eval, events), as it goes
+  to metrics.jsonl; for loggers that mirror it elsewhere (TensorBoard). It must not change it.
 - ``state_dict`` / ``load_state_dict``: saved in checkpoints under the plugin's name.
 - ``summary``: fields merged into summary.json. ``close``: at the end of the loop.
 
@@ -57,6 +59,9 @@ class Callback:
 
     def on_drain(self, done: int) -> list[dict]:
         return []
+
+    def on_record(self, record: dict) -> None:
+        """See a record the run just logged (only in the process that writes the run's files)."""
 
     def state_dict(self) -> Any:
         return None

@@ -7,10 +7,13 @@ unsplit model, tests/mesh/test_equivalence.py). Links are shaped in the senders 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from dist_helpers import deadline, kill_leftovers, launch, records
 from tiny import tiny_config
 
+from meshlearn.report.records import read_timeline
 from meshlearn.train import Trainer
 
 
@@ -43,6 +46,18 @@ def test_dist_run_equals_sim_run(tiny_corpus, tmp_path, stages, replicas, schedu
         assert "sim_time_s" not in rb  # a real run logs no virtual clock
     (va,), (vb,) = records(sim, "eval"), records(tmp_path / "dist", "eval")
     assert abs(va["val_loss"] - vb["val_loss"]) <= 1e-5
+    # The pipeline timeline (report.timeline_steps = auto: steps 2 and 3): one file per process,
+    # holding the same computes and transfers as the simulator's record.
+    assert len(list((tmp_path / "dist").glob("timeline.r*s*.json"))) == stages * replicas
+    sim_timeline, dist_timeline = read_timeline(sim), read_timeline(tmp_path / "dist")
+    assert sim_timeline["steps"] == dist_timeline["steps"] == [2, 3]
+    assert dist_timeline["clock"] == "wall" and dist_timeline["workers"] == sim_timeline["workers"]
+    assert _what_happened(dist_timeline) == _what_happened(sim_timeline)
+
+
+def _what_happened(timeline: dict) -> Counter:
+    return Counter((e["kind"], e.get("what"), e["worker"], e.get("dst"), e["step"])
+                   for e in timeline["events"])
 
 
 def test_mask_codec_dist_run_equals_sim_run(tiny_corpus, tmp_path):

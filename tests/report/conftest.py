@@ -58,7 +58,7 @@ def fake_summary(final_val_loss: float, banned: list | None = None) -> dict:
         "wall_tokens_per_s": 16384.0,
         "bytes_per_token_pp": 2048.0,
         "bytes_per_token_dp": 512.0,
-        "bubble_fraction": 0.125,
+        "idle_fraction": 0.125,
         "compute_model": "device:rtx4090",
         "links": [
             {
@@ -86,7 +86,8 @@ def fake_summary(final_val_loss: float, banned: list | None = None) -> dict:
 
 @pytest.fixture
 def make_run(tmp_path: Path) -> RunFactory:
-    """Factory: make_run("a", name="alpha", val=2.2, summary=True, banned=None) -> folder."""
+    """Factory: make_run("a", name="alpha", val=2.2, summary=True, banned=None, config="[mesh]...",
+    events=[ban records]) -> folder (``config`` is appended to config.toml after [train])."""
 
     def make(
         folder: str = "run-a",
@@ -96,12 +97,14 @@ def make_run(tmp_path: Path) -> RunFactory:
         summary: bool = True,
         banned: list | None = None,
         base_loss: float = 4.0,
+        config: str = "",
+        events: list[dict] = (),
     ) -> Path:
         run = tmp_path / folder
-        run.mkdir()
-        config = f'name = "{name}"\n' if name is not None else ""
-        (run / "config.toml").write_text(config + "[train]\nsteps = 20\n")
-        lines = [json.dumps(r) for r in fake_records(base_loss=base_loss)]
+        run.mkdir(parents=True)
+        head = f'name = "{name}"\n' if name is not None else ""
+        (run / "config.toml").write_text(head + "[train]\nsteps = 20\n" + config)
+        lines = [json.dumps(r) for r in [*fake_records(base_loss=base_loss), *events]]
         (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
         if summary:
             (run / "summary.json").write_text(json.dumps(fake_summary(val, banned)))

@@ -10,17 +10,19 @@ import pytest
 from meshlearn.report import load_run, read_metrics, read_summary
 
 
-def test_load_run_splits_kinds_and_ignores_unknown(make_run):
+def test_load_run_splits_kinds_and_keeps_events(make_run):
     run = load_run(make_run())
-    assert run.label == "alpha"
+    assert run.label == "run-a"  # the folder, not the config's name = "alpha"
     assert len(run.train_records) == 20
+    assert [e["what"] for e in run.events] == ["worker_joined"]
     assert [r["step"] for r in run.eval_records] == [5, 10, 20]
     assert run.summary is not None and run.summary["final_val_loss"] == 2.2
     assert run.config["train"]["steps"] == 20
 
 
-def test_label_falls_back_to_folder_name(make_run):
+def test_label_is_the_folder_name_with_or_without_a_config_name(make_run):
     assert load_run(make_run("my-run", name=None)).label == "my-run"
+    assert load_run(make_run("other", name="demo")).label == "other"
 
 
 def test_truncated_last_line_is_skipped_silently(make_run):

@@ -26,10 +26,11 @@ from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_unti
 from meshlearn.distributed.transport import Transport
 from meshlearn.distributed.wire import PREFIX_BYTES
 from meshlearn.mesh.messages import Message
-from meshlearn.mesh.network import build_network
+from meshlearn.mesh.network import build_network, ring_allreduce_bytes_per_member
 from meshlearn.mesh.schedule import AsyncPlan, feed_lookahead
 from meshlearn.mesh.sim import StepReport
 from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm
+from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepStats, Worker
 from meshlearn.models.llama import Decoder
@@ -99,6 +100,7 @@ class DistDriver:
         deepest = pipeline_in_flight(cfg)[0] if isinstance(worker.plan, AsyncPlan) else 1
         self.lookahead = feed_lookahead(deepest, cfg.mesh.microbatches)
         self.stats = 2 * cfg.mesh.microbatches  # where the stats start in a row
+        self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
 
     # --- one step ----------------------------------------------------------------------------
 
@@ -125,11 +127,12 @@ class DistDriver:
             elif action.kind == "U":
                 self._async_update(action)
             else:
-                started = time.perf_counter()
+                started, begun = time.perf_counter(), time.monotonic()
                 outgoing = worker.run(action)
                 self.busy_s += time.perf_counter() - started
+                self._record(action, begun)
                 for message in outgoing:
-                    self.transport.send(message, self.capacity)
+                    self._send(message, self.capacity)
         if self.dp is not None and source.next_drain(step) == step:
             self._dp_settle()
         stats = worker.pop_stats(step)
@@ -177,7 +180,7 @@ class DistDriver:
 
     def _flush_update(self, action, pp_before: int, dp_before: int) -> torch.Tensor:
         """The synchronous step's end, as the simulator's: all-reduce, gather, global clip, update."""
-        self._allreduce_gradients()
+        self._allreduce_gradients(action.microbatch // self.cfg.mesh.microbatches)
         step = action.microbatch // self.cfg.mesh.microbatches
         stats = self.worker.stats.get(step, StepStats())
         row = self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before,
@@ -189,20 +192,43 @@ class DistDriver:
         grad_clip = self.cfg.train.grad_clip
         if grad_clip > 0 and self.shaped:
             time.sleep(self.network.default.latency_s)  # the scalar exchange, as the simulator models it
-        started = time.perf_counter()
-        self.worker.apply_update(action, clip_coefficient(sq_norm, grad_clip), sq_norm)
-        self.busy_s += time.perf_counter() - started
+        self._apply(action, clip_coefficient(sq_norm, grad_clip), sq_norm)
         return rows
+
+    def _apply(self, action, coef: float, sq_norm: float) -> None:
+        """The optimizer step itself (busy time, and the timeline's U when recording)."""
+        started, begun = time.perf_counter(), time.monotonic()
+        self.worker.apply_update(action, coef, sq_norm)
+        self.busy_s += time.perf_counter() - started
+        self._record(action, begun)
+
+    def _record(self, action, t0: float) -> None:
+        """A compute of a recorded step, on the monotonic clock (shared by the processes of a host)."""
+        step = action.microbatch // self.cfg.mesh.microbatches
+        if self.timeline is not None and self.timeline.wants(step):
+            self.timeline.compute(str(self.me), action.kind, step, action.microbatch, t0, time.monotonic())
+
+    def _send(self, message: Message, capacity: int) -> None:
+        """Hand ``message`` to the transport; when its step is recorded, the link model's times for
+        it (queued start, end of serialization, delivery; known only with sender-side shaping)."""
+        step = self.worker.steps_done if message.kind == "dp" else message.step
+        if self.timeline is None or not self.timeline.wants(step):
+            self.transport.send(message, capacity)
+            return
+        link = self.network.link(self.me, message.dst)
+        start = max(time.monotonic() - self.epoch, link.free_at)
+        self.transport.send(message, capacity)
+        self.timeline.send(str(self.me), str(message.dst), link.axis, message.kind, step, message.wire_bytes,
+                           self.epoch + start, self.epoch + link.free_at,
+                           self.epoch + link.last_arrival if self.shaped else None)
 
     def _async_update(self, action) -> None:
         """An async update: the stage's all-reduce (a barrier of this stage's replicas only, D > 1),
         then this stage's own clip (mesh/sync.stage_clip_norm) and step."""
-        self._allreduce_gradients()
+        self._allreduce_gradients(action.microbatch // self.cfg.mesh.microbatches)
         sq_norm = self.worker.grad_sq_norm()
         coef = clip_coefficient(sq_norm, stage_clip_norm(self.cfg.train.grad_clip, self.mesh.stages))
-        started = time.perf_counter()
-        self.worker.apply_update(action, coef, sq_norm)
-        self.busy_s += time.perf_counter() - started
+        self._apply(action, coef, sq_norm)
 
     # --- a message-based DP strategy (meshlearn.dp.base): the simulator's phases, in real time ---
 
@@ -229,15 +255,11 @@ class DistDriver:
             grad_clip = self.cfg.train.grad_clip
             if grad_clip > 0 and self.shaped:
                 time.sleep(self.network.default.latency_s)
-            began = time.perf_counter()
-            worker.apply_update(action, clip_coefficient(sq_norm, grad_clip), sq_norm)
-            self.busy_s += time.perf_counter() - began
+            self._apply(action, clip_coefficient(sq_norm, grad_clip), sq_norm)
         else:
             sq_norm = worker.grad_sq_norm()
             coef = clip_coefficient(sq_norm, stage_clip_norm(self.cfg.train.grad_clip, self.mesh.stages))
-            began = time.perf_counter()
-            worker.apply_update(action, coef, sq_norm)
-            self.busy_s += time.perf_counter() - began
+            self._apply(action, coef, sq_norm)
         self._dp_send(strategy.post_step(u))
         started = time.monotonic()
         self._dp_poll()
@@ -259,7 +281,7 @@ class DistDriver:
     def _dp_send(self, messages: list[Message]) -> None:
         for message in messages:
             self.dp_started.setdefault((message.step, message.microbatch), time.monotonic())
-            self.transport.send(message, self.dp_capacity)
+            self._send(message, self.dp_capacity)
 
     def _dp_deliver(self, message: Message) -> None:
         key = (message.step, message.microbatch)
@@ -293,7 +315,7 @@ class DistDriver:
                                      None if limit is None else self.dp_started[key] + limit):
                     self.dp.expire(key)
 
-    def _allreduce_gradients(self) -> None:
+    def _allreduce_gradients(self, step: int) -> None:
         """Mean of the stage's gradients over its replicas: (Σ over replicas) / D, as the simulator."""
         replicas = self.mesh.replicas
         if replicas == 1:
@@ -314,7 +336,13 @@ class DistDriver:
             offset += g.numel()
         nbytes = flat.numel() * flat.element_size()
         link = self.network.link(self.me, self.ring_next)
-        hold_until(allreduce_release_at(link, self.epoch, joined, nbytes, replicas, self.shaped))
+        sent_before = link.busy_s
+        release = allreduce_release_at(link, self.epoch, joined, nbytes, replicas, self.shaped)
+        if self.timeline is not None and self.timeline.wants(step):  # the ring's rounds, as one bar
+            self.timeline.send(str(self.me), str(self.ring_next), "dp", "allreduce", step,
+                               ring_allreduce_bytes_per_member(nbytes, replicas), joined,
+                               joined + link.busy_s - sent_before, release)
+        hold_until(release)
         self.dp_wait_s += time.monotonic() - started
 
     def _row(self, stats: StepStats, bytes_pp: int, bytes_dp: int,
@@ -454,7 +482,7 @@ class DistDriver:
         return {
             "sim_time_s": None,
             "sim_tokens_per_s": None,
-            "bubble_fraction": (1.0 - busy / (self.mesh.world_size * wall_s)
+            "idle_fraction": (1.0 - busy / (self.mesh.world_size * wall_s)
                                 if busy is not None and wall_s else None),
             "compute_model": f"real: {self.mesh.world_size} processes over {self.comm}, "
                              f"shaping={self.cfg.dist.shaping}",

@@ -69,6 +69,12 @@ def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Action]:
     return actions
 
 
+def flush_bubble_fraction(stages: int, microbatches: int) -> float:
+    """The idle share a flushing schedule (GPipe, 1F1B) cannot avoid even with instant links and equal
+    stage times: (P − 1) / (M + P − 1) of every worker's step is pipeline fill and drain."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
 TABLES: dict[str, Callable[[int, int, int], list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,

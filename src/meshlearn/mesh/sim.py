@@ -25,6 +25,7 @@ from meshlearn.mesh.messages import Message, MessageMonitor
 from meshlearn.mesh.network import Network, ring_allreduce_bytes_per_member, ring_allreduce_s
 from meshlearn.mesh.schedule import Action, AsyncPlan, feed_lookahead
 from meshlearn.mesh.sync import average_gradients, clip_coefficient, stage_clip_norm, step_grad_norm
+from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepStats, Worker
 from meshlearn.models.llama import Decoder
@@ -95,6 +96,7 @@ class SimDriver:
                         default=1)
         self.lookahead = feed_lookahead(in_flight, next(iter(workers.values())).microbatches)
         self._bytes_mark: tuple[int, int] | None = None  # link bytes at the last step's end
+        self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
 
     def attach_monitor(self, monitor: MessageMonitor, charge_time: bool = True) -> None:
         """Add a subscriber that inspects every message on arrival, in the order attached. With
@@ -175,8 +177,7 @@ class SimDriver:
             self.busy.discard(wid)
             self.steps_done[wid] = self.workers[wid].steps_done
             for message in outgoing:
-                arrival = self.network.link(message.src, message.dst).transmit(now, message.wire_bytes)
-                self._push(arrival, "arrive", message)
+                self._push(self._transmit(message, now), "arrive", message)
             self._try_start(wid, now)
         elif kind == "posted":
             self._dp_posted(*payload, now)
@@ -206,6 +207,21 @@ class SimDriver:
             self.workers[message.dst].receive(message)
             self._try_start(message.dst, now)
 
+    def _transmit(self, message: Message, now: float) -> float:
+        """Queue ``message`` on its link at ``now``; return its arrival time."""
+        link = self.network.link(message.src, message.dst)
+        if self.timeline is None:
+            return link.transmit(now, message.wire_bytes)
+        # A dp message carries its round key, not a step: it is charged to the sender's current step.
+        step = self.workers[message.src].steps_done if message.kind == "dp" else message.step
+        if not self.timeline.wants(step):
+            return link.transmit(now, message.wire_bytes)
+        start = max(now, link.free_at)
+        arrival = link.transmit(now, message.wire_bytes)
+        self.timeline.send(str(message.src), str(message.dst), link.axis, message.kind, step,
+                           message.wire_bytes, start, link.free_at, arrival)
+        return arrival
+
     def _push(self, at: float, kind: str, payload: object) -> None:
         heapq.heappush(self.events, (at, next(self._seq), kind, payload))
 
@@ -230,6 +246,9 @@ class SimDriver:
         start = max(now, self.clock.now[wid])
         self.clock.busy_s[wid] += duration
         self.busy.add(wid)
+        step = action.microbatch // worker.microbatches
+        if self.timeline is not None and self.timeline.wants(step):
+            self.timeline.compute(str(wid), action.kind, step, action.microbatch, start, start + duration)
         self._push(start + duration, "done", (wid, outgoing))
 
     # --- updates: the collectives they need --------------------------------------------------
@@ -252,7 +271,8 @@ class SimDriver:
             nbytes = average_gradients([self.workers[w] for w in replicas])
             if len(replicas) > 1:
                 start = max(ready[w] for w in replicas)
-                self._charge_allreduce(replicas, start, nbytes)
+                step = self.waiting[replicas[0]].microbatch // self.workers[replicas[0]].microbatches
+                self._charge_allreduce(replicas, start, nbytes, step)
                 seconds = ring_allreduce_s(nbytes, len(replicas), self.network.link(*replicas[:2]).profile)
                 ready |= {w: start + seconds for w in replicas}
         if self.flushes:
@@ -280,6 +300,10 @@ class SimDriver:
             seconds = self.compute.update_s(worker.n_params, time.perf_counter() - started)
             self.clock.busy_s[wid] += seconds
             self.busy.add(wid)
+            step = action.microbatch // worker.microbatches
+            if self.timeline is not None and self.timeline.wants(step):
+                self.timeline.compute(str(wid), "U", step, action.microbatch, ready[wid],
+                                      ready[wid] + seconds)
             if _collective(worker):
                 self.dp_wait_s += ready[wid] - arrived[wid] if worker.mesh.replicas > 1 else 0.0
                 self._push(ready[wid] + seconds, "done", (wid, []))
@@ -307,8 +331,7 @@ class SimDriver:
     def _dp_send(self, wid: WorkerId, messages: list[Message], now: float) -> None:
         for message in messages:
             self.dp_started.setdefault((wid, (message.step, message.microbatch)), now)
-            arrival = self.network.link(message.src, message.dst).transmit(now, message.wire_bytes)
-            self._push(arrival, "arrive", message)
+            self._push(self._transmit(message, now), "arrive", message)
 
     def _dp_deliver(self, message: Message, now: float) -> None:
         wid, key = message.dst, (message.step, message.microbatch)
@@ -354,12 +377,17 @@ class SimDriver:
         self.steps_done[wid] = worker.steps_done
         self._try_start(wid, now)
 
-    def _charge_allreduce(self, replicas: list[WorkerId], start: float, nbytes: int) -> None:
+    def _charge_allreduce(self, replicas: list[WorkerId], start: float, nbytes: int, step: int) -> None:
         ring = list(zip(replicas, replicas[1:] + replicas[:1], strict=True))
         profile = self.network.link(*ring[0]).profile
         sent = ring_allreduce_bytes_per_member(nbytes, len(replicas))
         for src, dst in ring:
-            self.network.link(src, dst).occupy(start, profile.serialization_s(sent), sent)
+            link = self.network.link(src, dst)
+            if self.timeline is not None and self.timeline.wants(step):  # the ring's rounds, as one bar
+                self.timeline.send(str(src), str(dst), "dp", "allreduce", step, sent, start,
+                                   start + profile.serialization_s(sent),
+                                   start + ring_allreduce_s(nbytes, len(replicas), profile))
+            link.occupy(start, profile.serialization_s(sent), sent)
 
     # --- what the Trainer asks of any driver (the DistDriver answers the same questions) ------
 
@@ -400,7 +428,7 @@ class SimDriver:
         return {
             "sim_time_s": sim_s,
             "sim_tokens_per_s": tokens / sim_s if sim_s else None,
-            "bubble_fraction": 1.0 - busy / (len(self.clock.busy_s) * sim_s) if sim_s else None,
+            "idle_fraction": 1.0 - busy / (len(self.clock.busy_s) * sim_s) if sim_s else None,
             "worker_utilization": {str(w): b / sim_s if sim_s else None
                                    for w, b in sorted(self.clock.busy_s.items())},
             "stash_bytes_peak": max(w.stash_bytes for w in self.workers.values()),

@@ -16,6 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import LogFormatter
 
 from meshlearn.atomic import atomic_path
 from meshlearn.report.records import RunData
@@ -33,20 +34,33 @@ def run_color(index: int) -> Any:
     return colormaps["tab10"](index % 10)
 
 
-def _new_figure(width: float = 7.5, height: float = 4.5) -> Figure:
+class _PlainLogFormatter(LogFormatter):
+    """matplotlib's choice of which log ticks to label, written as plain numbers (2000, 0.5)."""
+
+    def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
+        return f"{x:g}"
+
+
+def plain_log_ticks(ax: Axes) -> None:
+    """Log-scale y ticks as plain numbers instead of 2×10³."""
+    ax.yaxis.set_major_formatter(_PlainLogFormatter())
+    ax.yaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+
+
+def new_figure(width: float = 7.5, height: float = 4.5) -> Figure:
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
     return fig
 
 
-def _save(fig: Figure, out_path: Path) -> Path:
+def save_png(fig: Figure, out_path: Path) -> Path:
     out_path = Path(out_path)
     with atomic_path(out_path) as tmp:
         fig.savefig(tmp, format="png", dpi=DPI)
     return out_path
 
 
-def _series(records: Sequence[dict], x_key: str, y_key: str) -> tuple[list[float], list[float]]:
+def series(records: Sequence[dict], x_key: str, y_key: str) -> tuple[list[float], list[float]]:
     """Finite (x, y) pairs; records missing either value (or NaN) are skipped."""
     xs, ys = [], []
     for r in records:
@@ -57,18 +71,18 @@ def _series(records: Sequence[dict], x_key: str, y_key: str) -> tuple[list[float
     return xs, ys
 
 
-def _no_data(ax: Axes, text: str) -> None:
+def no_data(ax: Axes, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
 def _plot_loss(
     runs: Sequence[RunData], out_path: Path, x_key: str, xlabel: str, x_scale: float, title: str
 ) -> Path:
-    fig = _new_figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     for i, run in enumerate(runs):
         color = run_color(i)
-        xs, ys = _series(run.train_records, x_key, "train_loss")
+        xs, ys = series(run.train_records, x_key, "train_loss")
         if xs:
             ax.plot(
                 [x / x_scale for x in xs],
@@ -78,7 +92,7 @@ def _plot_loss(
                 alpha=0.6,
                 label=f"{run.label} train",
             )
-        xs, ys = _series(run.eval_records, x_key, "val_loss")
+        xs, ys = series(run.eval_records, x_key, "val_loss")
         if xs:
             ax.plot(
                 [x / x_scale for x in xs],
@@ -90,18 +104,37 @@ def _plot_loss(
                 label=f"{run.label} val",
             )
     if ax.lines:
+        _mark_bans(ax, runs, x_key, x_scale)
         ax.legend(fontsize="small")
     else:
-        _no_data(ax, "no loss records")
+        no_data(ax, "no loss records")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(LOSS_LABEL)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    return _save(fig, out_path)
+    return save_png(fig, out_path)
+
+
+def bans(run: RunData) -> list[dict]:
+    """The run's ``ban`` records (metrics.jsonl), in order."""
+    return [e for e in run.events if e.get("kind") == "ban"]
+
+
+def _mark_bans(ax: Axes, runs: Sequence[RunData], x_key: str, x_scale: float) -> None:
+    """A dashed vertical line in the run's colour at every ban, labelled with the banned worker."""
+    for i, run in enumerate(runs):
+        for ban in bans(run):
+            x = as_number(ban.get(x_key))
+            if x is None:
+                continue
+            ax.axvline(x / x_scale, color=run_color(i), ls="--", lw=1.0, alpha=0.8)
+            ax.annotate(f"ban {ban.get('worker', '?')}", (x / x_scale, 1.0),
+                        xycoords=("data", "axes fraction"), xytext=(2, -10), textcoords="offset points",
+                        fontsize="x-small", color=run_color(i), rotation=90, va="top")
 
 
 def plot_loss_vs_step(runs: Sequence[RunData], out_path: Path) -> Path:
-    """Train loss (thin line) and val loss (markers) against optimizer step."""
+    """Train loss (thin line) and val loss (markers) against step; bans as dashed lines."""
     return _plot_loss(runs, out_path, "step", "optimizer step", 1.0, "Loss vs step")
 
 
@@ -122,7 +155,7 @@ def plot_loss_vs_sim_time(runs: Sequence[RunData], out_path: Path) -> Path:
 def plot_bytes_per_token(runs: Sequence[RunData], out_path: Path) -> Path:
     """Wire bytes per trained token on the pipeline and data-parallel axes, per run."""
     stats = [run_stats(r) for r in runs]
-    fig = _new_figure(max(5.0, 1.3 * len(runs) + 3.0), 4.5)
+    fig = new_figure(max(5.0, 1.3 * len(runs) + 3.0), 4.5)
     ax = fig.add_subplot()
     width = 0.38
     xs = range(len(stats))
@@ -146,63 +179,51 @@ def plot_bytes_per_token(runs: Sequence[RunData], out_path: Path) -> Path:
     ax.margins(y=0.15)
     ax.legend(fontsize="small")
     ax.grid(True, axis="y", alpha=0.3)
-    return _save(fig, out_path)
+    return save_png(fig, out_path)
 
 
 def _links(run: RunData) -> list[dict]:
-    """Links with a numeric utilization, pipeline links first (stable within each axis)."""
+    """Links with a byte count, pipeline links first (stable within each axis)."""
     links = (run.summary or {}).get("links") or []
-    usable = [
-        link
-        for link in links
-        if isinstance(link, dict) and as_number(link.get("utilization")) is not None
-    ]
+    usable = [link for link in links if isinstance(link, dict) and as_number(link.get("bytes")) is not None]
     order = {"pp": 0, "dp": 1}
     return sorted(usable, key=lambda link: order.get(link.get("axis"), 2))
 
 
-def plot_link_utilization(runs: Sequence[RunData], out_path: Path) -> Path:
-    """Busy fraction of every link (busy_s / sim_time_s), one panel per run.
-
-    Shows which links bound the run: a saturated pp link means the pipeline waits on the
-    wire, a saturated dp link means gradient exchange does.
-    """
+def plot_link_bytes(runs: Sequence[RunData], out_path: Path) -> Path | None:
+    """Bytes each directed link carried over the run, one panel per run, each bar labelled with the
+    link's busy share of the run's time (busy_s / time): which link bound the run."""
     per_run = [_links(r) for r in runs]
-    widest = max((len(links) for links in per_run), default=0)
-    width = min(30.0, max(7.5, 0.35 * widest + 2.0))
-    fig = _new_figure(width, 2.8 * max(1, len(runs)) + 0.6)
-    axes = fig.subplots(max(1, len(runs)), 1, squeeze=False)[:, 0]
-    for ax, run, links in zip(axes, runs, per_run, strict=False):
+    if not any(per_run):
+        return None
+    widest = max(len(links) for links in per_run)
+    width = min(30.0, max(7.5, 0.45 * widest + 2.0))
+    fig = new_figure(width, 2.9 * len(runs) + 0.6)
+    axes = fig.subplots(len(runs), 1, squeeze=False)[:, 0]
+    for ax, run, links in zip(axes, runs, per_run, strict=True):
         ax.set_title(run.label)
-        ax.set_ylabel("utilization (%)")
+        ax.set_ylabel("MB sent")
         if not links:
-            reason = "summary.json missing" if run.summary is None else "no links in summary"
-            _no_data(ax, f"no link data ({reason})")
+            no_data(ax, "no link data (summary.json missing)")
             ax.set_xticks([])
             ax.set_yticks([])
             continue
-        util = [100 * (as_number(link["utilization"]) or 0.0) for link in links]
+        megabytes = [(as_number(link["bytes"]) or 0.0) / 1e6 for link in links]
         colors = [AXIS_COLORS.get(link.get("axis"), _OTHER_AXIS_COLOR) for link in links]
         names = [f"{link.get('src', '?')}→{link.get('dst', '?')}" for link in links]
-        ax.bar(range(len(links)), util, width=0.6, color=colors)
+        bars = ax.bar(range(len(links)), megabytes, width=0.6, color=colors)
+        util = [as_number(link.get("utilization")) for link in links]
+        ax.bar_label(bars, labels=["" if u is None else f"{100 * u:.0f}%" for u in util],
+                     fontsize="x-small", padding=1)
         ax.set_xlim(-0.5, max(len(links), 6) - 0.5)  # a few links stay bar-shaped, not slabs
-        if len(links) > 6:
-            ax.set_xticks(range(len(links)), names, rotation=60, ha="right", fontsize="small")
-        else:
-            ax.set_xticks(range(len(links)), names, fontsize="small")
-        ax.set_xlabel("link (src→dst)")
-        ax.set_ylim(0, max(100.0, max(util)) * 1.05)
+        rotate = len(links) > 6
+        ax.set_xticks(range(len(links)), names, rotation=60 if rotate else 0,
+                      ha="right" if rotate else "center", fontsize="small")
+        ax.set_xlabel("link (src→dst); label: busy share of the run's time")
+        ax.margins(y=0.15)
         ax.grid(True, axis="y", alpha=0.3)
-    present = [
-        a for a in AXIS_COLORS if any(link.get("axis") == a for ls in per_run for link in ls)
-    ]
-    if present:  # one legend outside the panels, so it never hides a saturated link
-        fig.legend(
-            handles=[Patch(color=AXIS_COLORS[a], label=f"{a} link") for a in present],
-            loc="outside upper right",
-            fontsize="small",
-        )
-    if not runs:
-        _no_data(axes[0], "no runs")
-    fig.suptitle("Link utilization (busy time / simulated time)")
-    return _save(fig, out_path)
+    present = [a for a in AXIS_COLORS if any(link.get("axis") == a for ls in per_run for link in ls)]
+    fig.legend(handles=[Patch(color=AXIS_COLORS[a], label=f"{a} link") for a in present],
+               loc="outside upper right", fontsize="small")
+    fig.suptitle("Bytes per link")
+    return save_png(fig, out_path)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshlearn.mesh.timeline import TIMELINE_FILE
+
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 CONFIG_FILE = "config.toml"
@@ -29,6 +31,8 @@ class RunData:
     eval_records: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)  # records of other kinds (ban, alert, ...)
+    timeline: dict[str, Any] | None = None  # timeline.json (the pipeline Gantt's events), if recorded
 
 
 def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -102,9 +106,10 @@ def read_config(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
 def load_run(run_dir: str | os.PathLike[str]) -> RunData:
     """Load one run folder; raise FileNotFoundError naming what is missing.
 
-    The label is the config's top-level ``name`` or, failing that, the folder name.
-    Records of kinds other than "train" and "eval" are ignored so newer writers
-    (e.g. "event" records) do not break older readers.
+    The label is the folder's name (``render_report`` lengthens it to a path suffix where two
+    folders share a name): folders are unique where config names repeat. Records of kinds other
+    than "train" and "eval" are kept as ``events`` (bans, alerts), and readers ignore kinds they do
+    not know, so newer writers do not break older readers.
     """
     path = Path(run_dir)
     if not path.exists():
@@ -112,14 +117,37 @@ def load_run(run_dir: str | os.PathLike[str]) -> RunData:
     if not path.is_dir():
         raise NotADirectoryError(f"run folder is not a directory: {path}")
     records = read_metrics(path)
-    config = read_config(path)
-    name = config.get("name")
-    label = name if isinstance(name, str) and name.strip() else path.resolve().name
     return RunData(
-        label=label,
+        label=path.resolve().name,
         path=path,
         train_records=[r for r in records if r.get("kind") == "train"],
         eval_records=[r for r in records if r.get("kind") == "eval"],
         summary=read_summary(path),
-        config=config,
+        config=read_config(path),
+        events=[r for r in records if r.get("kind") not in ("train", "eval")],
+        timeline=read_timeline(path),
     )
+
+
+def read_timeline(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``timeline.json``, or the per-process ``timeline.<worker>.json`` files of a dist run merged
+    into one; None when the run recorded none. An unreadable file is skipped with a warning."""
+    path = Path(run_dir)
+    files = [path / TIMELINE_FILE] if (path / TIMELINE_FILE).is_file() else sorted(
+        path.glob("timeline.*.json"))
+    parts = []
+    for file in files:
+        try:
+            part = json.loads(file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            warnings.warn(f"{file}: unreadable, ignoring it ({exc})", stacklevel=2)
+            continue
+        if isinstance(part, dict) and isinstance(part.get("events"), list):
+            parts.append(part)
+    if not parts:
+        return None
+    merged = dict(parts[0])
+    merged["workers"] = sorted({w for p in parts for w in p.get("workers", [])})
+    merged["events"] = [e for p in parts for e in p["events"] if isinstance(e, dict)]
+    merged["truncated"] = any(p.get("truncated") for p in parts)
+    return merged

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from meshlearn.mesh.schedule import flush_bubble_fraction
 from meshlearn.report.records import RunData
 from meshlearn.report.units import as_number
 
@@ -26,11 +27,22 @@ class RunStats:
     wall_tokens_per_s: float | None
     bytes_per_token_pp: float | None
     bytes_per_token_dp: float | None
-    bubble_fraction: float | None
+    idle_fraction: float | None  # 1 − compute time / (workers × time): bubble and every wait
+    schedule_bubble: float | None  # (P − 1)/(M + P − 1) of a flushing schedule; None under async
     min_worker_utilization: float | None  # the least busy worker's share of virtual time
     staleness: list[float] | None  # async: versions behind per stage, last train record
     compute_model: str | None
     has_summary: bool
+
+
+def schedule_bubble(config: dict[str, Any]) -> float | None:
+    """The fill-and-drain share of a flushing schedule at equal stage times; None for async (no
+    flush in steady state) or when the config does not say."""
+    mesh = config.get("mesh") or {}
+    stages, micro = as_number(mesh.get("stages")), as_number(mesh.get("microbatches"))
+    if mesh.get("schedule") not in ("gpipe", "1f1b") or not stages or not micro:
+        return None
+    return flush_bubble_fraction(int(stages), int(micro))
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -84,7 +96,9 @@ def run_stats(run: RunData) -> RunStats:
         wall_tokens_per_s=pick("wall_tokens_per_s"),
         bytes_per_token_pp=pick("bytes_per_token_pp"),
         bytes_per_token_dp=pick("bytes_per_token_dp"),
-        bubble_fraction=pick("bubble_fraction"),
+        # Runs from before the rename call the same number bubble_fraction.
+        idle_fraction=pick("idle_fraction") if pick("idle_fraction") is not None else pick("bubble_fraction"),
+        schedule_bubble=schedule_bubble(run.config),
         min_worker_utilization=_least(summary.get("worker_utilization")),
         staleness=run.train_records[-1].get("staleness") if run.train_records else None,
         compute_model=str(compute_model) if compute_model is not None else None,

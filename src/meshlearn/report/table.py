@@ -5,6 +5,7 @@ Formatting lives here once so both outputs always show identical numbers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,8 +42,17 @@ def _amount(value: float | None) -> str:
     return MISSING if value is None else format_amount(value)
 
 
-def _fraction(value: float | None) -> str:
-    return MISSING if value is None else f"{100 * value:.1f}%"
+def format_percent(value: float | None) -> str:
+    """A share as a percentage that never rounds to a misleading 0% or 100%: 0.99994 → '99.994%',
+    5.9e-5 → '0.0059%', 0.125 → '12.5%'."""
+    if value is None:
+        return MISSING
+    p = 100 * value
+    if 99.95 <= p < 100:
+        return f"{p:.{max(1, math.ceil(-math.log10(100 - p)))}f}%"
+    if 0 < p < 0.05:
+        return f"{p:.2g}%"
+    return f"{p:.1f}%"
 
 
 _COLUMNS: list[tuple[str, bool, Callable[[RunStats], str]]] = [
@@ -55,8 +65,9 @@ _COLUMNS: list[tuple[str, bool, Callable[[RunStats], str]]] = [
     ("wall tok/s", True, lambda s: _count(s.wall_tokens_per_s)),
     ("bytes/token pp", True, lambda s: _amount(s.bytes_per_token_pp)),
     ("bytes/token dp", True, lambda s: _amount(s.bytes_per_token_dp)),
-    ("bubble fraction", True, lambda s: _fraction(s.bubble_fraction)),
-    ("least busy worker", True, lambda s: _fraction(s.min_worker_utilization)),
+    ("idle (bubble + waits)", True, lambda s: format_percent(s.idle_fraction)),
+    ("schedule bubble", True, lambda s: format_percent(s.schedule_bubble)),
+    ("least busy worker", True, lambda s: format_percent(s.min_worker_utilization)),
     ("staleness per stage", False,
      lambda s: "/".join(f"{v:.3g}" for v in s.staleness) if s.staleness else MISSING),
     ("compute model", False, lambda s: s.compute_model or MISSING),
@@ -116,3 +127,32 @@ def run_notes(runs: Sequence[RunData]) -> list[str]:
         if not run.train_records:
             notes.append(f"{run.label}: metrics.jsonl holds no train records.")
     return notes
+
+
+def _share(value: object) -> str:
+    return MISSING if not isinstance(value, int | float) or isinstance(value, bool) else f"{value:.3f}"
+
+
+def verifier_table(runs: Sequence[RunData]) -> Table | None:
+    """Per run that verified or attacked: the verifier's decisions scored against the simulator's
+    ground truth (a positive is a message an attack actually changed; at worker level, a ban of a
+    running attacker). None when no run has a trust summary."""
+    rows = []
+    for run in runs:
+        trust = (run.summary or {}).get("trust")
+        if not isinstance(trust, dict):
+            continue
+        messages = (trust.get("messages") or {}).get("all") or {}
+        workers = trust.get("workers") or {}
+        attackers = ", ".join(f"{a.get('worker')} ({a.get('attack')} from step {a.get('start_step')})"
+                              for a in trust.get("attackers") or []) or "none"
+        rows.append([run.label, str(trust.get("verify", MISSING)), attackers,
+                     _share(messages.get("precision")), _share(messages.get("recall")),
+                     _share(messages.get("fpr")), _share(workers.get("precision")),
+                     _share(workers.get("recall")), str(trust.get("bans", 0)),
+                     str(workers.get("fp", MISSING))])  # worker-level false positives: honest bans
+    if not rows:
+        return None
+    headers = ["run", "verifier", "attackers (ground truth)", "message precision", "message recall",
+               "message FPR", "worker precision", "worker recall", "bans", "honest bans"]
+    return Table(headers=headers, rows=rows, numeric=[False, False, False] + [True] * 7)

@@ -235,6 +235,8 @@ class Trainer:
                    "bytes_dp": totals.bytes_dp}
         if self.metrics:
             self.metrics.write(record)
+            for callback in self.plugins.values():
+                callback.on_record(record)
         if self.progress:
             self.progress.update(record)
 

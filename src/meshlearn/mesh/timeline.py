@@ -1,0 +1,92 @@
+"""A bounded record of what every worker did during a few chosen steps: the data of the report's
+pipeline timeline (a Gantt of compute, sends and idle time per worker).
+
+Drivers hold an optional ``TimelineRecorder`` (``driver.timeline``, None by default). For every
+forward, backward and update of a chosen step the driver calls ``compute``, and for every transfer
+it puts on a link on behalf of such a step ``send``; elsewhere each call site costs one ``is None``
+check and a set lookup. The number of events is capped (``max_events``), so a long window cannot
+grow without bound: a capped record says so (``truncated``) and the Gantt shows what it holds.
+
+Times are the driver's clock: virtual seconds under the simulator, ``time.monotonic()`` seconds
+under ``--backend dist`` (each process records its own worker; processes on one host share that
+clock, so their files line up).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshlearn.atomic import atomic_write_text
+
+TIMELINE_FILE = "timeline.json"
+MAX_EVENTS = 20_000
+MAX_TIMELINE_STEPS = 8
+
+
+@dataclass
+class TimelineRecorder:
+    """Events of the steps in ``steps`` (0-based); ``arm``/``disarm`` bracket a step's run."""
+
+    steps: frozenset[int]
+    clock: str  # "virtual" or "wall"
+    max_events: int = MAX_EVENTS
+    events: list[dict[str, Any]] = field(default_factory=list)
+    truncated: bool = False
+
+    def wants(self, step: int) -> bool:
+        """Whether events of ``step`` (0-based) are recorded."""
+        return step in self.steps and not self.truncated
+
+    def _add(self, event: dict[str, Any]) -> None:
+        if len(self.events) >= self.max_events:
+            self.truncated = True
+            return
+        self.events.append(event)
+
+    def compute(self, worker: str, kind: str, step: int, microbatch: int, t0: float, t1: float) -> None:
+        """A forward (F), backward (B) or update (U) of ``worker`` from ``t0`` to ``t1``."""
+        self._add({"kind": kind, "worker": worker, "step": step, "mb": microbatch, "t0": t0, "t1": t1})
+
+    def send(self, src: str, dst: str, axis: str, what: str, step: int, nbytes: int, t0: float,
+             t_sent: float, t1: float | None) -> None:
+        """A transfer on link src→dst for ``step``: on the wire from ``t0`` to ``t_sent``
+        (serialization, after any queueing on the link), delivered at ``t1`` (None where the sender
+        cannot know)."""
+        self._add({"kind": "send", "worker": src, "dst": dst, "axis": axis, "what": what, "step": step,
+                   "bytes": nbytes, "t0": t0, "t_sent": t_sent, "t1": t1})
+
+    def payload(self, workers: list[str], meta: dict[str, Any]) -> dict[str, Any]:
+        """The JSON object of timeline.json (steps 1-based, as in metrics.jsonl)."""
+        return {"clock": self.clock, "steps": sorted(s + 1 for s in self.steps),
+                "workers": workers, "truncated": self.truncated, **meta,
+                "events": [e | {"step": e["step"] + 1} for e in self.events]}
+
+    def write(self, path: Path, workers: list[str], meta: dict[str, Any]) -> Path:
+        """Write the record atomically (a temporary name, then a rename)."""
+        atomic_write_text(path, json.dumps(self.payload(workers, meta)))
+        return path
+
+
+def parse_timeline_steps(value: str, total_steps: int) -> list[int]:
+    """``report.timeline_steps`` → 0-based step indices. ``auto``: the middle step of the run and
+    the one after it (steady state, and a step boundary between them); ``off`` or empty: none; else
+    comma-separated 1-based steps. Raises ValueError with what is allowed."""
+    text = value.strip().lower()
+    if text in ("", "off", "none"):
+        return []
+    if text == "auto":
+        first = max(1, total_steps // 2)
+        return sorted({first - 1, min(first + 1, total_steps) - 1})
+    try:
+        steps = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError("expected auto, off, or comma-separated step numbers such as 5,6") from None
+    if not steps or steps[0] < 1 or steps[-1] > total_steps:
+        raise ValueError(f"step numbers must lie in [1, train.steps = {total_steps}]")
+    if len(steps) > MAX_TIMELINE_STEPS:
+        raise ValueError(f"at most {MAX_TIMELINE_STEPS} steps (the timeline is for a close look)")
+    return [s - 1 for s in steps]
+

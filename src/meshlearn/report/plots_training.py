@@ -1,0 +1,103 @@
+"""Per-step training signals over all runs: learning rate and gradient norm, throughput, staleness."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from meshlearn.report.plots import new_figure, plain_log_ticks, run_color, save_png, series
+from meshlearn.report.records import RunData
+from meshlearn.report.units import as_number
+
+
+def plot_lr_grad_norm(runs: Sequence[RunData], out_path: Path) -> Path | None:
+    """Two panels against step: the learning rate the schedule gave, and the gradient norm before
+    clipping (flushing schedules: the global norm; async: the mean of the stages' own norms)."""
+    if not any(series(r.train_records, "step", "lr")[0] for r in runs):
+        return None
+    fig = new_figure(7.5, 5.5)
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    for i, run in enumerate(runs):
+        xs, ys = series(run.train_records, "step", "lr")
+        top.plot(xs, ys, color=run_color(i), lw=1.2, label=run.label)
+        xs, ys = series(run.train_records, "step", "grad_norm")
+        bottom.plot(xs, ys, color=run_color(i), lw=0.9, label=run.label)
+    clip = {as_number((r.config.get("train") or {}).get("grad_clip")) for r in runs} - {None, 0.0}
+    for value in sorted(clip):
+        bottom.axhline(value, color="gray", ls=":", lw=1.0)
+        bottom.annotate(f"train.grad_clip = {value:g}", (0.01, value), xycoords=("axes fraction", "data"),
+                        fontsize="x-small", color="gray", va="bottom")
+    top.set_ylabel("learning rate")
+    top.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    bottom.set_ylabel("gradient norm")
+    bottom.set_yscale("log")
+    plain_log_ticks(bottom)
+    bottom.set_xlabel("step")
+    top.legend(fontsize="small")
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+    fig.suptitle("Learning rate and gradient norm")
+    return save_png(fig, out_path)
+
+
+def step_tokens_per_s(run: RunData, time_key: str) -> tuple[list[float], list[float]]:
+    """(step, tokens of that step / its seconds) from the train records' per-step times."""
+    xs, ys = [], []
+    previous = 0.0
+    for record in run.train_records:
+        step, tokens, seconds = (as_number(record.get(k)) for k in ("step", "tokens", time_key))
+        if step is None or tokens is None:
+            continue
+        if seconds is not None and seconds > 0:
+            xs.append(step)
+            ys.append((tokens - previous) / seconds)
+        previous = tokens
+    return xs, ys
+
+
+def plot_throughput(runs: Sequence[RunData], out_path: Path) -> Path | None:
+    """Tokens per second of every step: on the virtual clock (solid) and on this machine (dotted)."""
+    curves = [(step_tokens_per_s(r, "step_sim_s"), step_tokens_per_s(r, "step_wall_s")) for r in runs]
+    if not any(sim[0] or wall[0] for sim, wall in curves):
+        return None
+    fig = new_figure()
+    ax = fig.add_subplot()
+    for i, (run, (sim, wall)) in enumerate(zip(runs, curves, strict=True)):
+        if sim[0]:
+            ax.plot(*sim, color=run_color(i), lw=1.4, label=f"{run.label} virtual")
+        if wall[0]:
+            ax.plot(*wall, color=run_color(i), lw=0.8, ls=":", label=f"{run.label} wall (this machine)")
+    ax.set_yscale("log")
+    plain_log_ticks(ax)
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("Throughput per step")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    return save_png(fig, out_path)
+
+
+def plot_staleness(runs: Sequence[RunData], out_path: Path) -> Path | None:
+    """Versions behind per stage against step, for runs that record it (the async schedule)."""
+    stale = [(i, r) for i, r in enumerate(runs) if any(isinstance(t.get("staleness"), list)
+                                                      for t in r.train_records)]
+    if not stale:
+        return None
+    fig = new_figure()
+    ax = fig.add_subplot()
+    styles = ["-", "--", "-.", ":"]
+    for i, run in stale:
+        rows = [(t["step"], t["staleness"]) for t in run.train_records
+                if isinstance(t.get("staleness"), list) and as_number(t.get("step")) is not None]
+        stages = max(len(values) for _, values in rows)
+        for s in range(stages):
+            points = [(step, values[s]) for step, values in rows
+                      if s < len(values) and as_number(values[s]) is not None]
+            ax.plot([p[0] for p in points], [p[1] for p in points], color=run_color(i),
+                    ls=styles[s % len(styles)], lw=1.2, label=f"{run.label} stage {s}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("versions behind (mean over the step's updates)")
+    ax.set_title("Staleness of the applied gradients")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small", ncol=2)
+    return save_png(fig, out_path)
