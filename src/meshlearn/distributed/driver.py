@@ -523,7 +523,8 @@ class DistDriver:
         if blob is None:
             blob = torch.empty(int(size.item()), dtype=torch.uint8)
         work = dist.broadcast(blob, src=self.mesh.rank(donor), group=self.dp_group, async_op=True)
-        self.health.wait_work(work, f"the transfer of {donor}'s state to {target}", self.deadlines.collective_s)
+        self.health.wait_work(work, f"the transfer of {donor}'s state to {target}",
+                              self.deadlines.collective_s)
         if self.me == target:
             self.worker.load_state_dict(torch_state(blob))
 

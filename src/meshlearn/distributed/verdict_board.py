@@ -51,7 +51,8 @@ class VerdictBoard:
 
     def truth(self, step: int, wid: WorkerId) -> set:
         key = f"truth/{step}/{wid}"
-        keys = {tuple(k) for k in json.loads(self._get(key, f"attacker {wid}'s ground truth of step {step + 1}"))}
+        raw = self._get(key, f"attacker {wid}'s ground truth of step {step + 1}")
+        keys = {tuple(k) for k in json.loads(raw)}
         self.store.delete_key(key)
         return keys
 
@@ -60,7 +61,8 @@ class VerdictBoard:
         while not self.store.check([key]):
             self.health.check()
             if time.monotonic() >= end:
-                raise WorkerFailure(self.health.explain(f"{what} did not come within {self.deadline_s:.1f} s"))
+                raise WorkerFailure(self.health.explain(
+                    f"{what} did not come within {self.deadline_s:.1f} s"))
             time.sleep(POLL_S)
         return self.store.get(key)
 

@@ -104,8 +104,9 @@ class Relay:
         self.guard = WireGuard(build_codec(cfg.codec, cfg.model), cfg.model.seq_len, cfg.model.d_model,
                                cfg.model.vocab_size)
         self.capacity, self.eval_capacity = buffer_capacities(cfg)
-        deadlines = derive_deadlines(cfg.dist, cfg.link, self.micro * cfg.model.seq_len * cfg.model.d_model * 4,
-                                     2 * self.microbatches, 0, self.mesh.replicas)
+        message_bytes = self.micro * cfg.model.seq_len * cfg.model.d_model * 4
+        deadlines = derive_deadlines(cfg.dist, cfg.link, message_bytes, 2 * self.microbatches, 0,
+                                     self.mesh.replicas)
         self.transport = Transport(None, self.mesh, links, {}, torch.device("cpu"), self.health,
                                    deadlines.message_s)
         for link in links:  # receives stay posted for the whole run, WINDOW ahead per link
@@ -167,7 +168,8 @@ class Relay:
             self.sentinel.readmit(ban.worker)
             print(f"verifier: step {step + 1}: banned {ban.worker} ({ban.boundary} {ban.kind} {ban.metric}, "
                   f"{ban.strikes} strikes); its replacement loads {donors[-1]}'s state", flush=True)
-        record = verdict_record(step, outcome, donors, self.guard.pop_rejections(), self.sentinel.clock.summary())
+        record = verdict_record(step, outcome, donors, self.guard.pop_rejections(),
+                                self.sentinel.clock.summary())
         self.board.post_verdict(step, record)
         if evaluates_after(self.cfg, step):
             self.slots.expect_evaluation(self.eval_batches)

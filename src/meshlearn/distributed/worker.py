@@ -116,7 +116,8 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
         raise
     except Exception as err:  # noqa: BLE001 — e.g. a peer that never came up
         rank = os.environ.get("RANK", "?")
-        name = process_name(MeshShape(cfg.mesh.replicas, cfg.mesh.stages), int(rank)) if rank.isdigit() else "?"
+        mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+        name = process_name(mesh, int(rank)) if rank.isdigit() else "?"
         print(f"meshlearn worker {name} (rank {rank}): error: could not join the run within "
               f"dist.init_timeout_s = {cfg.dist.init_timeout_s:g} s: {type(err).__name__}: "
               f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}", file=sys.stderr)

@@ -165,7 +165,8 @@ class TrustLayer:
 
     def end_step(self, step: int) -> StepTrust:
         """Score step ``step``'s decisions against the ground truth and carry out new bans."""
-        changed = {wid: attack.pop_changed(step) for wid, attack in self.attacks.items() if wid in self.workers}
+        changed = {wid: attack.pop_changed(step) for wid, attack in self.attacks.items()
+                   if wid in self.workers}
         exchange = getattr(self.driver, "exchange_truth", None)
         if exchange is not None:  # dist: the other processes' attackers (for the records' writer)
             changed = exchange(step, changed, sorted(self.attacks))

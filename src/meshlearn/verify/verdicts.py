@@ -81,7 +81,8 @@ class RemoteSentinel:
         record = self.fetch(step)
         self.clock.last = record["cost"]
         bans = [ban_from_record(b) for b in record["bans"]]
-        self.donors |= {b.worker: WorkerId.parse(r["donor"]) for b, r in zip(bans, record["bans"], strict=True)}
+        self.donors |= {b.worker: WorkerId.parse(r["donor"])
+                        for b, r in zip(bans, record["bans"], strict=True)}
         self.rejections += [rejection_from_record(r) for r in record["rejections"]]
         return StepOutcome([decision_from_record(d) for d in record["decisions"]], bans, record["rebased"],
                            [alert_from_record(a) for a in record["alerts"]], record["rewarmed"])
