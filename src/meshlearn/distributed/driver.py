@@ -3,10 +3,15 @@
 The Worker is the very object the SimDriver drives: this driver hands it the messages that arrive
 (``receive``), asks it for work (``next_action``), runs it (``run``) and sends what it returns. The
 step ends as the simulator's does, in the same order and with the same arithmetic: the pipeline,
-the data-parallel mean of gradients (all-reduce over the stage's ``dp`` sub-group of a DeviceMesh),
+the data-parallel mean of gradients (all-reduce over the group of the stage's replicas),
 the global norm for clipping, the update. A gather over all processes at the end of each step gives
 every process the microbatch losses (only last stages compute them), the stages' squared gradient
 norms and byte counters, so whichever process writes metrics logs real losses, never a placeholder.
+
+With SENTINEL (``relay``: the verifier's rank) the pipeline links lead to the verifier process,
+which relays them (``distributed/verifier.py``); the workers' collectives then run on a group of
+the workers alone, and the trust plugin reaches the verifier's verdicts through ``remote_sentinel``,
+the attackers' ground truth through ``exchange_truth`` and a ban's donor through ``copy_worker_state``.
 """
 
 from __future__ import annotations
