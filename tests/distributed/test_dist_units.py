@@ -91,8 +91,13 @@ def test_dist_settings_are_checked_up_front():
         load_config(None, ["dist.heartbeat_s=5", "dist.dead_after_s=6"])
     with pytest.raises(ConfigError, match="backend"):
         load_config(None, ["backend=mpi"])
-    with pytest.raises(ConfigError, match="verify.name"):
-        load_config(None, ["backend=dist", "verify.name=sentinel"])
+    load_config(None, ["backend=dist", "verify.name=sentinel"])  # the verifier process relays
+    for overrides, key in [(["attack.kind=zeros", "attack.workers=r0s1", "mesh.stages=4"], "attack.kind"),
+                           (["verify.name=sentinel", "mesh.schedule=async"], "mesh.schedule"),
+                           (["verify.name=sentinel", "dp.name=diloco"], "dp.name"),
+                           (["verify.name=sentinel", "dist.comm=nccl"], "dist.comm")]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(None, ["backend=dist", *overrides])
 
 
 def test_a_checkpoint_is_complete_only_once_its_manifest_is_written(tmp_path):

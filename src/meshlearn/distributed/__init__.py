@@ -7,8 +7,11 @@ config tree can use ``meshlearn.distributed.settings`` without pulling in the ru
 - ``wire``      a Message as two tensors (a length prefix and one byte buffer)
 - ``shaping``   paces a sender to its LinkProfile with the simulator's own link arithmetic
 - ``health``    heartbeats through the rendezvous store; one abort message naming the worker
+- ``groups``    every process group, created in one order by every process
 - ``transport`` background senders/receivers over one process group per directed link
 - ``driver``    DistDriver: the same Worker objects, driven by real messages
 - ``worker``    the per-process entry point (what torchrun runs: ``meshlearn worker``)
+- ``verifier``  the SENTINEL verifier process (the extra rank with ``verify.name = sentinel``),
+  relaying every pipeline message; ``verdict_board`` its verdicts on the rendezvous store
 - ``launch``    ``meshlearn train --backend dist``: starts the local processes itself
 """

@@ -3,10 +3,15 @@
 The Worker is the very object the SimDriver drives: this driver hands it the messages that arrive
 (``receive``), asks it for work (``next_action``), runs it (``run``) and sends what it returns. The
 step ends as the simulator's does, in the same order and with the same arithmetic: the pipeline,
-the data-parallel mean of gradients (all-reduce over the stage's ``dp`` sub-group of a DeviceMesh),
+the data-parallel mean of gradients (all-reduce over the group of the stage's replicas),
 the global norm for clipping, the update. A gather over all processes at the end of each step gives
 every process the microbatch losses (only last stages compute them), the stages' squared gradient
 norms and byte counters, so whichever process writes metrics logs real losses, never a placeholder.
+
+With SENTINEL (``relay``: the verifier's rank) the pipeline links lead to the verifier process,
+which relays them (``distributed/verifier.py``); the workers' collectives then run on a group of
+the workers alone, and the trust plugin reaches the verifier's verdicts through ``remote_sentinel``,
+the attackers' ground truth through ``exchange_truth`` and a ban's donor through ``copy_worker_state``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from meshlearn.distributed.health import Health
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
 from meshlearn.distributed.transport import Transport
+from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch_state
 from meshlearn.distributed.wire import PREFIX_BYTES
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import build_network, ring_allreduce_bytes_per_member
@@ -35,6 +41,7 @@ from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepStats, Worker
 from meshlearn.models.llama import Decoder
 from meshlearn.train.assemble import pipeline_in_flight
+from meshlearn.verify.verdicts import RemoteSentinel
 
 EVAL_STEP = -1  # the step number evaluation messages carry
 HEADER_ROOM = 64 * 1024  # bytes for a message's JSON header in the receive buffers
@@ -43,11 +50,22 @@ HEADER_ROOM = 64 * 1024  # bytes for a message's JSON header in the receive buff
 _SQ, _BUSY, _PP, _DP, _STALE, _DPWAIT, _LINKS = 0, 1, 2, 3, 4, 5, 6
 
 
+def buffer_capacities(cfg) -> tuple[int, int]:
+    """Receive buffers (training, evaluation), derived from the config on both ends of a link: an
+    fp32 activation plus int64 token ids per position (codecs only shrink the former) and room for
+    the header; a training message holds one microbatch, an evaluation message a whole batch."""
+    micro = cfg.train.batch_size // cfg.mesh.replicas // cfg.mesh.microbatches
+    per_sequence = cfg.model.seq_len * (4 * cfg.model.d_model + 8)
+    return (PREFIX_BYTES + HEADER_ROOM + micro * per_sequence,
+            PREFIX_BYTES + HEADER_ROOM + cfg.train.batch_size * per_sequence)
+
+
 class DistDriver:
     """Drives this process's one worker; ``workers`` holds just it (the Trainer's view of "local")."""
 
     def __init__(self, cfg, worker: Worker, health: Health, device: torch.device, comm: str,
-                 dp_group, link_groups: dict[tuple[WorkerId, WorkerId], object]):
+                 dp_group, link_groups: dict[tuple[WorkerId, WorkerId], object], workers_group=None,
+                 relay: int | None = None):
         self.cfg = cfg
         self.mesh: MeshShape = worker.mesh
         self.me = worker.id
@@ -60,6 +78,8 @@ class DistDriver:
         self.device = device
         self.comm = comm
         self.dp_group = dp_group
+        self.workers_group = workers_group  # the workers' collectives (None: the default group)
+        self.relay = relay  # the verifier's rank when it relays the pipeline links
         self.shaped = cfg.dist.shaping == "sender"
         self.epoch = time.monotonic()
         self.network = build_network(cfg.link, cfg.links, self.mesh, cfg.seed)
@@ -84,12 +104,14 @@ class DistDriver:
             messages_per_step=2 * cfg.mesh.microbatches, grad_bytes=4 * worker.n_params,
             replicas=replicas)
         self.transport = Transport(self.me, self.mesh, link_groups, pacers, device, health,
-                                   self.deadlines.message_s)
-        # Receive buffers, derived from the config on both ends of a link: an fp32 activation plus
-        # int64 token ids per position (codecs only shrink the former) and room for the header.
-        per_sequence = cfg.model.seq_len * (4 * cfg.model.d_model + 8)
-        self.capacity = PREFIX_BYTES + HEADER_ROOM + micro * per_sequence
-        self.eval_capacity = PREFIX_BYTES + HEADER_ROOM + cfg.train.batch_size * per_sequence
+                                   self.deadlines.message_s, relay=relay)
+        self.capacity, self.eval_capacity = buffer_capacities(cfg)
+        # With a verifier: its verdicts (verify/verdicts.py) and the attackers' ground truth travel
+        # through the rendezvous store, on a client of the main thread's own.
+        self.verdicts = (VerdictBoard(health, self.deadlines.collective_s, cleanup=self.writes_records)
+                         if relay is not None else None)
+        self.remote_sentinel = (RemoteSentinel(self.verdicts.verdict)
+                                if relay is not None and cfg.verify.name == "sentinel" else None)
         self.busy_s = 0.0
         self.rows: torch.Tensor | None = None  # the last step's gather, for the summary
         self.rejections = 0  # messages this worker's guard refused (each also logged to stderr)
@@ -370,7 +392,7 @@ class DistDriver:
         """Every process's rows (steps × row) → every process: (world, steps, row)."""
         rows = rows.to(self.device)
         out = [torch.zeros_like(rows) for _ in range(self.mesh.world_size)]
-        work = dist.all_gather(out, rows, async_op=True)
+        work = dist.all_gather(out, rows, group=self.workers_group, async_op=True)
         self.health.wait_work(work, "the gather of losses and norms", self.deadlines.collective_s)
         gathered = torch.stack(out).cpu()
         self.rows = gathered[:, -1]
@@ -449,11 +471,13 @@ class DistDriver:
                     ctx = MessageContext.evaluation(self.me.stage, self.device)
                     message = Message("act", EVAL_STEP, i, self.me, self.next,
                                       worker.codec.encode(out, "act", ids, ctx))
-                    self.transport.send(message, self.eval_capacity, shaped=False)
+                    # The verifier posts training-sized buffers: a batch goes by the oversize path.
+                    capacity = self.capacity if self.relay is not None else self.eval_capacity
+                    self.transport.send(message, capacity, shaped=False)
             loss = sum(losses) / len(losses) if worker.is_last else 0.0
         value = torch.tensor([loss], dtype=torch.float64, device=self.device)
         src = self.mesh.rank(WorkerId(0, self.mesh.stages - 1))
-        work = dist.broadcast(value, src=src, async_op=True)
+        work = dist.broadcast(value, src=src, group=self.workers_group, async_op=True)
         self.health.wait_work(work, "the broadcast of the validation loss", self.deadlines.collective_s)
         return value.item()
 
@@ -510,8 +534,38 @@ class DistDriver:
             link.free_at = link.last_arrival = 0.0  # queue times of the old process's clock
         self.busy_s = state["busy_s"]
 
+    # --- with a verifier: what crosses processes for the trust layer (verify/trust.py) ----------
+
+    def exchange_truth(self, step: int, local: dict[WorkerId, set], attackers: list[WorkerId]
+                       ) -> dict[WorkerId, set]:
+        """Publish this worker's attack ground truth of ``step``; the records' writer also gets every
+        other attacker's (the others score nothing they write)."""
+        for wid, keys in local.items():
+            self.verdicts.publish_truth(step, wid, keys)
+        if not self.writes_records:
+            return local
+        return local | {wid: self.verdicts.truth(step, wid) for wid in attackers if wid not in local}
+
+    def copy_worker_state(self, donor: WorkerId, target: WorkerId) -> None:
+        """A banned worker's replacement loads ``donor``'s state (weights, optimizer, plan): a
+        broadcast over the stage's DP group, the same bytes a new peer would download. Every
+        replica of the stage calls it (the verdict told all of them); the others pass."""
+        if self.me.stage != donor.stage:
+            return
+        blob = torch_bytes(self.worker.state_dict()) if self.me == donor else None
+        size = torch.tensor([0 if blob is None else blob.numel()], dtype=torch.int64)
+        work = dist.broadcast(size, src=self.mesh.rank(donor), group=self.dp_group, async_op=True)
+        self.health.wait_work(work, f"the size of {donor}'s state for {target}", self.deadlines.collective_s)
+        if blob is None:
+            blob = torch.empty(int(size.item()), dtype=torch.uint8)
+        work = dist.broadcast(blob, src=self.mesh.rank(donor), group=self.dp_group, async_op=True)
+        self.health.wait_work(work, f"the transfer of {donor}'s state to {target}",
+                              self.deadlines.collective_s)
+        if self.me == target:
+            self.worker.load_state_dict(torch_state(blob))
+
     def barrier(self, what: str) -> None:
-        work = dist.barrier(async_op=True)
+        work = dist.barrier(group=self.workers_group, async_op=True)
         self.health.wait_work(work, f"the barrier after the {what}", self.deadlines.collective_s)
 
     def close(self) -> None:

@@ -33,15 +33,23 @@ class WorkerFailure(RuntimeError):
     """The run cannot go on: a worker died, went silent, failed, or missed a deadline."""
 
 
+def process_name(mesh: MeshShape, rank: int) -> str:
+    """A rank's name in errors: its worker id, or ``verifier`` for the rank after the workers (the
+    SENTINEL process a run with verification adds, see distributed/verifier.py)."""
+    return str(mesh.worker(rank)) if rank < mesh.world_size else "verifier"
+
+
 class Health:
-    """Heartbeats of every rank and the shared abort message, over a store client of our own."""
+    """Heartbeats of every rank and the shared abort message, over a store client of our own.
+    ``world``: the number of ranks (default: the mesh's workers; one more with a verifier)."""
 
     def __init__(self, store: dist.Store, mesh: MeshShape, rank: int, heartbeat_s: float,
-                 dead_after_s: float, store_owner: str, grace_s: float = 5.0):
+                 dead_after_s: float, store_owner: str, grace_s: float = 5.0, world: int | None = None):
         self.store = store
         self.mesh = mesh
         self.rank = rank
-        self.name = str(mesh.worker(rank))
+        self.world = world or mesh.world_size
+        self.name = process_name(mesh, rank)
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self.store_owner = store_owner
@@ -49,7 +57,7 @@ class Health:
         self.failure: str | None = None
         self.on_exit: Callable[[], None] | None = None  # flushes logs before a forced exit
         self._stop = threading.Event()
-        self._keys = [f"hb/{r}" for r in range(mesh.world_size)]
+        self._keys = [f"hb/{r}" for r in range(self.world)]
         self._thread = threading.Thread(target=self._run, name=f"health-{self.name}", daemon=True)
 
     def start(self) -> None:
@@ -113,8 +121,8 @@ class Health:
     # --- the monitor thread ------------------------------------------------------------------
 
     def _run(self) -> None:
-        last_value = [-1] * self.mesh.world_size
-        last_change = [time.monotonic()] * self.mesh.world_size
+        last_value = [-1] * self.world
+        last_change = [time.monotonic()] * self.world
         while not self._stop.wait(self.heartbeat_s):
             try:
                 self.store.add(self._keys[self.rank], 1)
@@ -133,7 +141,7 @@ class Health:
                 if value != last_value[rank]:
                     last_value[rank], last_change[rank] = value, now
                 elif now - last_change[rank] > self.dead_after_s and not self._finished(rank):
-                    dead = self.mesh.worker(rank)
+                    dead = process_name(self.mesh, rank)
                     self._fail(self.abort(f"worker {dead} stopped answering: no heartbeat for "
                                           f"{now - last_change[rank]:.1f} s (rank {rank}; noticed by "
                                           f"{self.name}; limit {self.dead_after_s:.1f} s = "

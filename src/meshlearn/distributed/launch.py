@@ -1,5 +1,8 @@
 """``meshlearn train --backend dist``: start the D × P worker processes on this machine, watch them.
 
+With ``verify.name = "sentinel"`` one more process, the SENTINEL verifier (rank D·P, ``logs/verifier.log``),
+relays the pipeline traffic (distributed/verifier.py).
+
 The launcher plays torchrun's agent: it hosts the rendezvous store (on an OS-chosen port of
 127.0.0.1) and gives each worker torchrun's environment, so a worker cannot tell the two apart
 and a cluster needs no code change. Workers are forked from a forkserver that has imported torch
@@ -28,7 +31,8 @@ from typing import TextIO
 import torch.distributed as dist
 
 from meshlearn.config import RunConfig
-from meshlearn.distributed.health import ABORT_KEY, EXIT_PEER_FAILURE
+from meshlearn.distributed.groups import world_size
+from meshlearn.distributed.health import ABORT_KEY, EXIT_PEER_FAILURE, process_name
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.mesh.topology import MeshShape
 from meshlearn.train.checkpoint import latest_complete
@@ -62,26 +66,27 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
     """
     out = out or sys.stdout
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+    world = world_size(cfg, mesh)  # the workers, and the verifier with verify.name = sentinel
     run_dir = Path(run_dir)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, world_size=mesh.world_size, is_master=True,
+    store = dist.TCPStore("127.0.0.1", 0, world_size=world, is_master=True,
                           timeout=timedelta(seconds=cfg.dist.init_timeout_s), wait_for_workers=False)
     ctx = mp.get_context("forkserver")
     # torch._dynamo is what building an optimizer imports lazily: ~1.5 s of CPU once, not per worker.
     ctx.set_forkserver_preload(["meshlearn.distributed.worker", "torch._dynamo"])
     procs = []
-    for rank, wid in enumerate(mesh.workers()):
-        assert mesh.rank(wid) == rank
-        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(mesh.world_size),
-               "LOCAL_WORLD_SIZE": str(mesh.world_size), "GROUP_RANK": "0",
+    for rank in range(world):
+        name = process_name(mesh, rank)
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
                "MESHLEARN_STORE_OWNER": f"the launcher's store at 127.0.0.1:{store.port}"}
-        log = logs / f"{wid}.log"
+        log = logs / f"{name}.log"
         with log.open("a") as f:
-            f.write(f"--- meshlearn worker {wid} (rank {rank}) {' '.join(worker_argv)}\n")
-        proc = ctx.Process(target=_child, args=(worker_argv, env, str(log)), name=str(wid))
+            f.write(f"--- meshlearn worker {name} (rank {rank}) {' '.join(worker_argv)}\n")
+        proc = ctx.Process(target=_child, args=(worker_argv, env, str(log)), name=name)
         proc.start()
         procs.append(proc)
     atomic_write_json(run_dir / WORKERS_FILE,

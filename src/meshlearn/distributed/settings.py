@@ -83,12 +83,22 @@ def validate_dist(cfg, require) -> None:
     dist = cfg.dist
     require(cfg.backend in BACKENDS, "backend", cfg.backend, f"allowed: {list(BACKENDS)}")
     if cfg.backend == "dist":
-        # These act across workers inside one process; the real runtime does not carry them yet.
-        for key, value, off in [("verify.name", cfg.verify.name, "none"),
-                                ("attack.kind", cfg.attack.kind, "none"),
-                                ("subspace_update.every", cfg.subspace_update.every, 0)]:
-            require(value == off, key, value, f"must be {off!r} with backend = 'dist' (only the simulator "
-                                              "runs it so far)")
+        # Basis updates act across workers inside one process; the real runtime does not carry them.
+        require(cfg.subspace_update.every == 0, "subspace_update.every", cfg.subspace_update.every,
+                "must be 0 with backend = 'dist' (only the simulator runs it so far)")
+        verifying = cfg.verify.name == "sentinel"
+        # Attacks score against the verifier's verdicts; their ground truth crosses processes with them.
+        require(cfg.attack.kind == "none" or verifying, "attack.kind", cfg.attack.kind,
+                "needs verify.name = 'sentinel' with backend = 'dist' (unverified attacks run in the "
+                "simulator only)")
+        if verifying:  # the verifier process relays the pipeline (distributed/verifier.py)
+            require(cfg.mesh.schedule != "async", "mesh.schedule", cfg.mesh.schedule,
+                    "with verify.name = 'sentinel' and backend = 'dist': gpipe or 1f1b (the dist "
+                    "verifier closes each step when its messages are in; async runs in the simulator)")
+            require(cfg.dp.name == "allreduce", "dp.name", cfg.dp.name,
+                    "must be 'allreduce' with verify.name = 'sentinel' and backend = 'dist'")
+            require(dist.comm != "nccl", "dist.comm", dist.comm,
+                    "must be 'gloo' or 'auto' with verify.name = 'sentinel' (the verifier relays over gloo)")
     require(dist.comm in COMMS, "dist.comm", dist.comm, f"allowed: {list(COMMS)}")
     require(dist.shaping in SHAPINGS, "dist.shaping", dist.shaping, f"allowed: {list(SHAPINGS)}")
     for key, value in [("dist.timeout_s", dist.timeout_s), ("dist.heartbeat_s", dist.heartbeat_s),

@@ -13,6 +13,11 @@ ends derive from the config, so the peer's "ready to receive" is already there w
 leaves (see wire.py); a larger message goes as a notice plus a buffer on ``OVERSIZE_TAG``.
 The main thread waits for messages through ``next_message``, which checks liveness and a deadline
 derived from the link profile, and names the peer if either fails.
+
+Queues are keyed by the *logical* link (src, dst) a message belongs to, and each link's group has
+one remote rank: the peer itself, or — with SENTINEL in the run — the verifier process that relays
+the pipeline traffic (``relay``: worker → verifier → worker, see ``distributed/verifier.py``). The
+verifier's own transport (``me = None``) receives and sends on every pipeline link.
 """
 
 from __future__ import annotations
@@ -39,15 +44,25 @@ MESSAGE_TAG, OVERSIZE_TAG = 0, 1
 
 
 @dataclass
-class _Broken:
+class Broken:
     """A receiver thread's failure, delivered through the inbox so the main thread raises it."""
 
     message: str
+    link: tuple[WorkerId, WorkerId] | None = None
+
+
+Link = tuple[WorkerId, WorkerId]
 
 
 class Transport:
-    def __init__(self, me: WorkerId, mesh: MeshShape, groups: dict[tuple[WorkerId, WorkerId], object],
-                 pacers: dict[WorkerId, Pacer], device: torch.device, health: Health, message_s: float):
+    """``groups``: one group per logical link this process sends or receives on. ``relay``: the rank
+    that carries pipeline links (stages differ) instead of the peer. A worker (``me``) sends on the
+    links from it and receives on those to it; the relay itself (``me = None``) gets each link as a
+    (receive group, send group) pair and does both."""
+
+    def __init__(self, me: WorkerId | None, mesh: MeshShape, groups: dict[Link, object],
+                 pacers: dict[WorkerId, Pacer], device: torch.device, health: Health, message_s: float,
+                 relay: int | None = None):
         self.me = me
         self.mesh = mesh
         self.device = device
@@ -58,16 +73,27 @@ class Transport:
         self._errors: list[str] = []
         self._pending = 0
         self._idle = threading.Condition()
-        self._send_q: dict[WorkerId, queue.Queue] = {}
-        self._recv_q: dict[WorkerId, queue.Queue] = {}
+        self._send_q: dict[Link, queue.Queue] = {}
+        self._recv_q: dict[Link, queue.Queue] = {}
         self._threads: list[threading.Thread] = []
+
+        def remote(peer: WorkerId) -> int:
+            relayed = relay is not None and me is not None and peer.stage != me.stage
+            return relay if relayed else mesh.rank(peer)
+
         for (src, dst), group in groups.items():
-            if src == me:
-                self._send_q[dst] = q = queue.Queue()
-                self._spawn(f"send-{me}->{dst}", self._send_loop, dst, group, q)
+            if me is None:  # the relay: in from src, out to dst
+                into, out = group
+                self._recv_q[(src, dst)] = q = queue.Queue()
+                self._spawn(f"recv-{src}->{dst}", self._recv_loop, (src, dst), mesh.rank(src), into, q)
+                self._send_q[(src, dst)] = q = queue.Queue()
+                self._spawn(f"send-{src}->{dst}", self._send_loop, (src, dst), mesh.rank(dst), out, q)
+            elif src == me:
+                self._send_q[(src, dst)] = q = queue.Queue()
+                self._spawn(f"send-{me}->{dst}", self._send_loop, (src, dst), remote(dst), group, q)
             elif dst == me:
-                self._recv_q[src] = q = queue.Queue()
-                self._spawn(f"recv-{src}->{me}", self._recv_loop, src, group, q)
+                self._recv_q[(src, dst)] = q = queue.Queue()
+                self._spawn(f"recv-{src}->{me}", self._recv_loop, (src, dst), remote(src), group, q)
 
     def _spawn(self, name: str, target, *args) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -84,13 +110,28 @@ class Transport:
         release = self.pacers[message.dst].release_at(message.wire_bytes) if shaped else 0.0
         with self._idle:
             self._pending += 1
-        self._send_q[message.dst].put((message, release, capacity))
+        self._send_q[(message.src, message.dst)].put((message, release, capacity))
 
     def expect(self, src: WorkerId, count: int, capacity: int) -> None:
         """Receive ``count`` messages, in order, on the link from ``src``, into buffers of
         ``capacity`` bytes (larger messages arrive by the oversize path)."""
+        self.expect_link((src, self.me), count, capacity)
+
+    def expect_link(self, link: Link, count: int, capacity: int) -> None:
+        """``expect`` for any link this process receives on (the relay's are not its own)."""
         if count:
-            self._recv_q[src].put((count, capacity))
+            self._recv_q[link].put((count, capacity))
+
+    def next_arrival(self, timeout_s: float) -> Message | Broken | None:
+        """The relay's wait: the next message, a receiver's failure, or None after ``timeout_s``.
+        Never aborts the run: at the end, peers closing their links is no failure."""
+        try:
+            return self.inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def send_error(self) -> str | None:
+        return self._errors[0] if self._errors else None
 
     def next_message(self, waiting_for: str, peer: WorkerId,
                      give_up_at: float | None = None) -> Message | None:
@@ -114,7 +155,7 @@ class Transport:
                         f"(noticed by {self.me}; its heartbeat is alive, so it is stuck or too slow: "
                         f"raise dist.timeout_s if its compute takes that long)")) from None
                 continue
-            if isinstance(item, _Broken):
+            if isinstance(item, Broken):
                 raise WorkerFailure(self.health.abort(item.message))
             return item
 
@@ -142,8 +183,8 @@ class Transport:
 
     # --- background threads ------------------------------------------------------------------
 
-    def _send_loop(self, peer: WorkerId, group, q: queue.Queue) -> None:
-        dst = self.mesh.rank(peer)
+    def _send_loop(self, link: Link, dst: int, group, q: queue.Queue) -> None:
+        peer = link[1]
         timeout = timedelta(seconds=3 * self.message_s)
         while (item := q.get()) is not None:
             message, release, capacity = item
@@ -161,15 +202,15 @@ class Transport:
             except Exception as err:  # noqa: BLE001 — reported to the main thread, which raises
                 self._errors.append(f"lost the connection to worker {peer} while sending it "
                                     f"{message.kind} {message.microbatch} of step {message.step} "
-                                    f"({gist(err)}; noticed by {self.me})")
+                                    f"({gist(err)}; noticed by {self.me or 'the verifier'})")
                 return
             finally:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
 
-    def _recv_loop(self, peer: WorkerId, group, q: queue.Queue) -> None:
-        src = self.mesh.rank(peer)
+    def _recv_loop(self, link: Link, src: int, group, q: queue.Queue) -> None:
+        peer = link[0]
         # A backstop only: the main thread's own deadline (message_s) normally fires first.
         timeout = timedelta(seconds=3 * self.message_s)
         while (job := q.get()) is not None:
@@ -191,8 +232,9 @@ class Transport:
                         torch.cuda.current_stream(self.device).synchronize()
                     message = unpack(buffer, peer)
                     message.received_at = time.monotonic()  # a DP round's deadline is judged by it
+                    message.link = link  # the relay routes by the link, never by the header's dst
                     self.inbox.put(message)
             except Exception as err:  # noqa: BLE001 — delivered to the main thread as an error
-                self.inbox.put(_Broken(f"lost the connection to worker {peer} while receiving "
-                                       f"from it ({gist(err)}; noticed by {self.me})"))
+                self.inbox.put(Broken(f"lost the connection to worker {peer} while receiving "
+                                      f"from it ({gist(err)}; noticed by {self.me or 'the verifier'})", link))
                 return

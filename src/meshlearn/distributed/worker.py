@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from meshlearn.config import ConfigError, RunConfig, load_config
 from meshlearn.distributed.driver import DistDriver
-from meshlearn.distributed.health import EXIT_PEER_FAILURE, Health, WorkerFailure, store_client
+from meshlearn.distributed.groups import build_groups, verifier_rank, world_size
+from meshlearn.distributed.health import EXIT_PEER_FAILURE, Health, WorkerFailure, process_name, store_client
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.models.split import init_model, split_model
@@ -44,7 +45,7 @@ class Session:
     world: int
     local_world: int
     mesh: MeshShape
-    me: WorkerId
+    me: WorkerId | None  # None: the verifier process
     device: torch.device
     comm: str
     health: Health
@@ -65,11 +66,15 @@ def start_session(cfg: RunConfig) -> Session:
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
-    if world != mesh.world_size:
+    expected = world_size(cfg, mesh)
+    if world != expected:
+        extra = " + 1 verifier (verify.name = sentinel)" if expected > mesh.world_size else ""
         raise ConfigError("mesh", f"{mesh.replicas}×{mesh.stages}",
-                          f"needs {mesh.world_size} processes (mesh.replicas × mesh.stages) but "
+                          f"needs {expected} processes (mesh.replicas × mesh.stages{extra}) but "
                           f"WORLD_SIZE = {world}")
-    comm = cfg.dist.comm if cfg.dist.comm != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+    verifying = verifier_rank(cfg, mesh) is not None
+    cuda = torch.cuda.is_available() and not verifying  # the verifier relays over gloo (CPU)
+    comm = cfg.dist.comm if cfg.dist.comm != "auto" else ("nccl" if cuda else "gloo")
     device = torch.device("cuda", local_rank) if comm == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -81,59 +86,46 @@ def start_session(cfg: RunConfig) -> Session:
     deadlines = derive_deadlines(cfg.dist, cfg.link, 0, 0, 0, 1)
     store = store_client(host, port, deadlines.dead_after_s)
     owner = os.environ.get("MESHLEARN_STORE_OWNER", f"rendezvous store at {host}:{port}")
-    health = Health(store, mesh, rank, cfg.dist.heartbeat_s, deadlines.dead_after_s, owner)
+    health = Health(store, mesh, rank, cfg.dist.heartbeat_s, deadlines.dead_after_s, owner, world=world)
     health.start()
-    return Session(rank, world, local_world, mesh, mesh.worker(rank), device, comm, health)
+    me = mesh.worker(rank) if rank < mesh.world_size else None  # None: the verifier
+    return Session(rank, world, local_world, mesh, me, device, comm, health)
 
 
 def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
     """This process's worker and its groups. Group creation is collective: same order everywhere."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh, me = session.mesh, session.me
-    device_mesh = init_device_mesh(session.device.type, (mesh.replicas, mesh.stages),
-                                   mesh_dim_names=("dp", "pp"))
-    links = {}
-    for r in range(mesh.replicas):
-        for s in range(mesh.stages - 1):
-            a, b = WorkerId(r, s), WorkerId(r, s + 1)
-            ranks = [mesh.rank(a), mesh.rank(b)]
-            forward, backward = dist.new_group(ranks), dist.new_group(ranks)  # one per direction
-            if me in (a, b):
-                links[(a, b)], links[(b, a)] = forward, backward
-    if cfg.dp.name != "allreduce" and mesh.replicas > 1:
-        # A message-based DP strategy: one group per directed pair of a stage's replicas, as the
-        # pipeline links (its rounds travel point to point in the background, never as collectives).
-        for s in range(mesh.stages):
-            for a in range(mesh.replicas):
-                for b in range(mesh.replicas):
-                    if a != b:
-                        src, dst = WorkerId(a, s), WorkerId(b, s)
-                        group = dist.new_group([mesh.rank(src), mesh.rank(dst)])
-                        if me in (src, dst):
-                            links[(src, dst)] = group
+    groups = build_groups(cfg, mesh, session.rank)
     # Every process builds the same seeded unsplit model and keeps its stage: identical replicas.
     stages = stage_modules(cfg, split_model(init_model(cfg.model, cfg.seed), mesh.stages))
     module = stages[me.stage].to(session.device)
     worker = build_worker(cfg, me, module)
-    return DistDriver(cfg, worker, session.health, session.device, session.comm,
-                      device_mesh.get_group("dp"), links)
+    return DistDriver(cfg, worker, session.health, session.device, session.comm, groups.dp, groups.links,
+                      workers_group=groups.workers, relay=verifier_rank(cfg, mesh))
 
 
 def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
     """Train this process's worker; returns the exit code (never hangs: every wait has a deadline)."""
     cfg = dataclasses.replace(cfg, backend="dist")  # recorded in config.toml: --resume stays dist
+    if resume and cfg.verify.name != "none":
+        raise ConfigError("--resume", str(run_dir), "a dist run with verify.name = sentinel cannot resume "
+                                                    "yet (the verifier's state is not checkpointed)")
     try:
         session = start_session(cfg)
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 — e.g. a peer that never came up
         rank = os.environ.get("RANK", "?")
-        name = str(MeshShape(cfg.mesh.replicas, cfg.mesh.stages).worker(int(rank))) if rank.isdigit() else "?"
+        mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+        name = process_name(mesh, int(rank)) if rank.isdigit() else "?"
         print(f"meshlearn worker {name} (rank {rank}): error: could not join the run within "
               f"dist.init_timeout_s = {cfg.dist.init_timeout_s:g} s: {type(err).__name__}: "
               f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}", file=sys.stderr)
         return 1
+    if session.me is None:
+        from meshlearn.distributed.verifier import run_verifier  # it uses this module's helpers
+
+        return run_verifier(cfg, run_dir, resume, session)
     name = str(session.me)
     trainer = None
 

@@ -12,7 +12,7 @@ class TrustCallback(Callback):
     every decision also goes to verify.jsonl (per ``verify.decision_log``) for replay and audits."""
 
     def __init__(self, ctx: PluginContext):
-        self.trust = TrustLayer(ctx.cfg, ctx.workers)
+        self.trust = TrustLayer(ctx.cfg, ctx.workers, remote=getattr(ctx.driver, "remote_sentinel", None))
         self.trust.attach(ctx.driver)
         self.decision_log = None
         if self.trust.sentinel is not None and ctx.cfg.verify.decision_log != "none" and ctx.writer:
@@ -55,7 +55,9 @@ class WireRejectsCallback(Callback):
     leave a trace even when nothing verifies or attacks on purpose."""
 
     def __init__(self, ctx: PluginContext):
-        self.guards = [w.guard for w in ctx.workers.values() if w.guard is not None]
+        remote = getattr(ctx.driver, "remote_sentinel", None)  # dist: the verifier process guards
+        self.guards = [remote] if remote is not None else [w.guard for w in ctx.workers.values()
+                                                           if w.guard is not None]
         self.total = 0
 
     def on_step_end(self, step: int, report) -> StepOutput:
@@ -74,9 +76,11 @@ class WireRejectsCallback(Callback):
 
 
 def wire_rejects_plugin(ctx: PluginContext) -> WireRejectsCallback | None:
-    """Only where the guards live in this process's workers (the simulator; a dist process logs its
-    own rejections to stderr)."""
-    return WireRejectsCallback(ctx) if ctx.driver.writes_records and ctx.driver.shard is None else None
+    """Where this process sees every receiver's rejections: the simulator's, or under dist the
+    writer's when a verifier relays (its guard checks every pipeline message first). A dist process
+    without a verifier logs its own rejections to stderr."""
+    sees_all = ctx.driver.shard is None or getattr(ctx.driver, "remote_sentinel", None) is not None
+    return WireRejectsCallback(ctx) if ctx.driver.writes_records and sees_all else None
 
 
 def trust_plugin(ctx: PluginContext) -> TrustCallback | None:

@@ -17,6 +17,14 @@ after the last step the driver has fed (``drain_at = fed + 1`` steps done; a dra
 that would contradict work already handed out, see train/signals.py for the same rule), every
 message of the worker is quarantined meanwhile, and ``on_drain`` carries the replacement out.
 
+Under ``backend = "dist"`` each worker process holds a layer over its own worker: the attacks of
+its own worker are installed there (they run in the attacker's process), the others are kept for
+scoring only; ``Sentinel`` runs in the verifier process and the layer holds a ``RemoteSentinel``
+(``verify/verdicts.py``) that returns the verifier's published outcome of each step. The driver
+supplies what crosses processes: ``exchange_truth`` (each attacker's ground truth, for the
+process that writes the records) and ``copy_worker_state`` (a donor's state over the stage's DP
+group, at the step's end, where every worker of a flushing schedule is idle).
+
 Per-worker attacks from Python::
 
     trainer = Trainer(cfg, run_dir)
@@ -35,6 +43,7 @@ from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
 from meshlearn.verify.attacks import Attack, build_attacks
 from meshlearn.verify.sentinel import Alert, Ban, Decision, Sentinel
+from meshlearn.verify.verdicts import RemoteSentinel
 
 if TYPE_CHECKING:  # config.py imports this package's config dataclasses
     from meshlearn.config import RunConfig
@@ -90,12 +99,16 @@ class StepTrust:
 
 
 class TrustLayer:
-    def __init__(self, cfg: RunConfig, workers: dict[WorkerId, Worker]):
+    """``workers``: this process's workers (all of them in the simulator). ``remote``: the verdicts
+    of a verifier in another process, used instead of a ``Sentinel`` of its own (dist)."""
+
+    def __init__(self, cfg: RunConfig, workers: dict[WorkerId, Worker], remote: RemoteSentinel | None = None):
         self.cfg = cfg
         self.mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
         self.workers = workers
-        self.sentinel = (Sentinel(cfg.verify, self.mesh, build_codec(cfg.codec, cfg.model))
-                         if cfg.verify.name == "sentinel" else None)
+        self.sentinel: Sentinel | RemoteSentinel | None = None
+        if cfg.verify.name == "sentinel":
+            self.sentinel = remote or Sentinel(cfg.verify, self.mesh, build_codec(cfg.codec, cfg.model))
         self.attacks: dict[WorkerId, Attack] = {}
         for wid, attack in build_attacks(cfg.attack, cfg.verify, self.mesh, cfg.seed).items():
             self.add_attack(wid, attack)
@@ -130,7 +143,7 @@ class TrustLayer:
         inspection's wall time to the virtual clock instead — this machine's CPU time mixed into the
         GPU device model — is not asked to charge anything."""
         self.driver = driver
-        if self.sentinel is not None:
+        if self.sentinel is not None and not isinstance(self.sentinel, RemoteSentinel):
             charge = self.cfg.verify.charge_time and getattr(driver, "monitor_release", False)
             driver.attach_monitor(self.sentinel, charge)
             if self.deferred:  # steps overlap by up to the driver's feed-ahead (sentinel.py)
@@ -138,20 +151,25 @@ class TrustLayer:
 
     def add_attack(self, wid: WorkerId, attack: Attack) -> None:
         """Make worker ``wid`` adversarial; the threat model keeps the first and last stages honest."""
-        if wid not in self.workers:
+        if wid not in self.mesh.workers():
             raise ValueError(f"worker {wid} is not in the {self.mesh.replicas}×{self.mesh.stages} mesh")
         if wid.stage in (0, self.mesh.stages - 1):
             raise ValueError(f"worker {wid}: the first and last stages are honest in SENTINEL's threat "
                              f"model; attack a stage in 1..{self.mesh.stages - 2}")
         self.attacks[wid] = attack
-        self.workers[wid].tamper = attack
-        self.workers[wid].forge = attack.forge
+        if wid in self.workers:  # dist: installed in the attacker's own process, scored everywhere
+            self.workers[wid].tamper = attack
+            self.workers[wid].forge = attack.forge
 
     # --- after each step ---------------------------------------------------------------------
 
     def end_step(self, step: int) -> StepTrust:
         """Score step ``step``'s decisions against the ground truth and carry out new bans."""
-        changed = {wid: attack.pop_changed(step) for wid, attack in self.attacks.items()}
+        changed = {wid: attack.pop_changed(step) for wid, attack in self.attacks.items()
+                   if wid in self.workers}
+        exchange = getattr(self.driver, "exchange_truth", None)
+        if exchange is not None:  # dist: the other processes' attackers (for the records' writer)
+            changed = exchange(step, changed, sorted(self.attacks))
         for wid, keys in changed.items():
             self.tallies[wid].malicious += len(keys)
         out = StepTrust()
@@ -223,10 +241,15 @@ class TrustLayer:
     def _carry_out(self, ban: Ban) -> dict:
         """A fresh honest peer takes the banned slot, with an honest replica's weights and optimizer."""
         wid = ban.worker
-        donor = self._donor(wid)
-        state = copy.deepcopy(self.workers[donor].state_dict())  # no tensor may be shared between peers
-        self.workers[wid].load_state_dict(state)
-        self.workers[wid].tamper = self.workers[wid].forge = None
+        if isinstance(self.sentinel, RemoteSentinel):
+            donor = self.sentinel.donor(wid)
+            self.driver.copy_worker_state(donor, wid)  # a collective of the stage's replicas
+        else:
+            donor = choose_donor(self.sentinel, self.mesh, wid)
+            state = copy.deepcopy(self.workers[donor].state_dict())  # no tensor may be shared between peers
+            self.workers[wid].load_state_dict(state)
+        if wid in self.workers:
+            self.workers[wid].tamper = self.workers[wid].forge = None
         attack = self.attacks.get(wid)
         running = attack is not None and attack.stopped_at is None and ban.step >= attack.start_step
         self.honest_bans += not running  # every ban of a worker not attacking at the time
@@ -238,13 +261,6 @@ class TrustLayer:
         entry = ban.record() | {"replaced_from": str(donor), "honest": not running}
         self.banned.append(entry)
         return {"kind": "ban"} | entry
-
-    def _donor(self, wid: WorkerId) -> WorkerId:
-        """The replica of the same stage with the fewest recent strikes (itself if it has no peer)."""
-        peers = [w for w in self.mesh.stage_replicas(wid.stage) if w != wid and w not in self.sentinel.banned]
-        if not peers:
-            return wid
-        return min(peers, key=lambda w: (sum(self.sentinel.history.get(w, ())), w.replica))
 
     # --- reporting ---------------------------------------------------------------------------
 
@@ -335,3 +351,12 @@ class TrustLayer:
         self.explained = dict(state.get("explained", self.explained))
         self.boundaries = {k: Confusion(**c) for k, c in state.get("boundaries", {}).items()}
         self.stages = {k: Confusion(**c) for k, c in state.get("stages", {}).items()}
+
+
+def choose_donor(sentinel: Sentinel, mesh: MeshShape, wid: WorkerId) -> WorkerId:
+    """The replica of banned ``wid``'s stage with the fewest recent strikes (itself if it has no
+    peer): the one whose state the replacement loads. The dist verifier chooses with this too."""
+    peers = [w for w in mesh.stage_replicas(wid.stage) if w != wid and w not in sentinel.banned]
+    if not peers:
+        return wid
+    return min(peers, key=lambda w: (sum(sentinel.history.get(w, ())), w.replica))

@@ -1,0 +1,80 @@
+"""Every process group of a dist run, created in one order in every process.
+
+Creating a group is collective over the whole world (members or not), so workers and the verifier
+call ``build_groups`` alike and each keeps its own. Without verification the world is the D × P
+workers; with ``verify.name = "sentinel"`` one more rank, the verifier (``verifier_rank``), relays
+every pipeline message, and the workers' own collectives (the per-step gather, barriers, the
+validation loss) get a group of the workers alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from meshlearn.mesh.topology import MeshShape, WorkerId
+
+Link = tuple[WorkerId, WorkerId]
+
+
+def verifier_rank(cfg, mesh: MeshShape) -> int | None:
+    """The rank of the SENTINEL verifier process (after the workers), or None without one."""
+    return mesh.world_size if cfg.verify.name == "sentinel" else None
+
+
+def world_size(cfg, mesh: MeshShape) -> int:
+    """Processes of the run: the workers, plus the verifier when verifying."""
+    return mesh.world_size + (verifier_rank(cfg, mesh) is not None)
+
+
+@dataclass
+class Groups:
+    """This process's groups. ``links``: per logical link (src, dst), the group it sends or receives
+    on (a worker), or the (receive, send) pair the verifier relays it on."""
+
+    dp: object | None = None  # the replicas of this worker's stage (None for the verifier)
+    workers: object | None = None  # the workers' collectives; None: the default group (no verifier)
+    links: dict[Link, object] = field(default_factory=dict)
+
+
+def build_groups(cfg, mesh: MeshShape, rank: int) -> Groups:
+    """The run's groups, in the same order everywhere; ``rank``'s are returned."""
+    verifier = verifier_rank(cfg, mesh)
+    me = mesh.worker(rank) if rank < mesh.world_size else None
+    groups = Groups()
+    for s in range(mesh.stages):
+        group = dist.new_group([mesh.rank(w) for w in mesh.stage_replicas(s)])
+        if me is not None and me.stage == s:
+            groups.dp = group
+    if verifier is not None:
+        groups.workers = dist.new_group(list(range(mesh.world_size)))
+    for r in range(mesh.replicas):
+        for s in range(mesh.stages - 1):
+            a, b = WorkerId(r, s), WorkerId(r, s + 1)
+            for src, dst in ((a, b), (b, a)):  # one group per direction (and per hop)
+                if verifier is None:
+                    group = dist.new_group([mesh.rank(a), mesh.rank(b)])
+                    if me in (a, b):
+                        groups.links[(src, dst)] = group
+                    continue
+                into = dist.new_group([mesh.rank(src), verifier])
+                out = dist.new_group([verifier, mesh.rank(dst)])
+                if me is None:
+                    groups.links[(src, dst)] = (into, out)
+                elif me == src:
+                    groups.links[(src, dst)] = into
+                elif me == dst:
+                    groups.links[(src, dst)] = out
+    if cfg.dp.name != "allreduce" and mesh.replicas > 1:
+        # A message-based DP strategy: one group per directed pair of a stage's replicas, as the
+        # pipeline links (its rounds travel point to point in the background, never as collectives).
+        for s in range(mesh.stages):
+            for a in range(mesh.replicas):
+                for b in range(mesh.replicas):
+                    if a != b:
+                        src, dst = WorkerId(a, s), WorkerId(b, s)
+                        group = dist.new_group([mesh.rank(src), mesh.rank(dst)])
+                        if me in (src, dst):
+                            groups.links[(src, dst)] = group
+    return groups

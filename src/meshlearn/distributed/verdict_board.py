@@ -1,0 +1,79 @@
+"""The rendezvous store as the board where the verifier posts its verdicts and attackers their truth.
+
+Per step these are small JSON values (a few kB of decisions): ``verdict/<t>``, posted by the
+verifier once it has seen all of step t's messages and closed the step, read by every worker at
+the step's end (the trust plugin's ``on_step_end``); ``truth/<t>/<worker>``, the messages an
+attacker's own process changed in step t (the harness's ground truth), read by the process that
+writes the records. Every read waits with a deadline and checks liveness, so a dead verifier or
+attacker ends the run with its name instead of a hang. Old keys are deleted by the reader that
+knows nobody needs them any more (a flushing step's end is a barrier of all workers).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+
+import torch
+
+from meshlearn.distributed.health import Health, WorkerFailure, store_client
+from meshlearn.mesh.topology import WorkerId
+
+POLL_S = 0.002  # a step's end waits on this
+
+
+class VerdictBoard:
+    """``cleanup``: this reader deletes the keys of the previous step (the records' writer)."""
+
+    def __init__(self, health: Health, deadline_s: float, cleanup: bool = False, store=None):
+        self.health = health
+        self.deadline_s = deadline_s
+        self.cleanup = cleanup
+        self.store = store or store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                           deadline_s)
+
+    def post_verdict(self, step: int, record: dict) -> None:
+        self.store.set(f"verdict/{step}", json.dumps(record))
+
+    def verdict(self, step: int) -> dict:
+        """The verifier's verdict record of ``step`` (waits until it is posted)."""
+        key = f"verdict/{step}"
+        record = json.loads(self._get(key, f"the verifier's verdict on step {step + 1}"))
+        if self.cleanup and step > 0:
+            # Every worker read step − 1's verdict before its update of this step (a barrier).
+            self.store.delete_key(f"verdict/{step - 1}")
+        return record
+
+    def publish_truth(self, step: int, wid: WorkerId, keys: set) -> None:
+        self.store.set(f"truth/{step}/{wid}", json.dumps(sorted(keys)))
+
+    def truth(self, step: int, wid: WorkerId) -> set:
+        key = f"truth/{step}/{wid}"
+        raw = self._get(key, f"attacker {wid}'s ground truth of step {step + 1}")
+        keys = {tuple(k) for k in json.loads(raw)}
+        self.store.delete_key(key)
+        return keys
+
+    def _get(self, key: str, what: str) -> bytes:
+        end = time.monotonic() + self.deadline_s
+        while not self.store.check([key]):
+            self.health.check()
+            if time.monotonic() >= end:
+                raise WorkerFailure(self.health.explain(
+                    f"{what} did not come within {self.deadline_s:.1f} s"))
+            time.sleep(POLL_S)
+        return self.store.get(key)
+
+
+def torch_bytes(state: dict) -> torch.Tensor:
+    """A state dict as one uint8 tensor (to broadcast it)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def torch_state(blob: torch.Tensor) -> dict:
+    """The inverse of ``torch_bytes``; tensors and plain containers only (a peer sent it)."""
+    return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)

@@ -1,0 +1,218 @@
+"""The SENTINEL verifier process of a dist run: every pipeline message passes through it.
+
+With ``verify.name = "sentinel"`` the launcher (or torchrun) starts one rank more than the D × P
+workers: rank D·P runs no model. It holds the unchanged ``Sentinel`` — every boundary verifier and
+the ledger — and relays the pipeline, store and forward: worker (r, s) → verifier → worker
+(r, s ± 1), each hop on a two-rank group of its own per direction (``groups.py``), so a worker
+receives pipeline messages from the verifier only. Per message, in arrival order:
+
+1. the *slot*: which step the message belongs to is read off its link's arrival count (each link
+   carries M messages per step in order under the flushing schedules), never off its header;
+   after a step that ends in evaluation, replica 0's forward links carry the validation batches
+   next, relayed unverified (the simulator does not verify evaluation either);
+2. the receiver's checks, before anything decodes it: the route (a message's kind and destination
+   must be its link's) and ``WireGuard.admit`` with the slot's step — a forged message becomes a
+   quarantined stand-in with a rejection record, as in the simulator, where the receiver's guard
+   runs before the monitors;
+3. ``Sentinel.inspect``, then the result — the message, a replacement or a skip-marked one — goes
+   on to the link's destination (unshaped: the sender's hop already paced it to the logical
+   link's profile).
+
+Once all 2·(P − 1)·D·M messages of step t went through (dropped microbatches still send, their
+later messages neutralized), it closes the step — ``Sentinel.end_step``, each ban's donor from its
+ledger, the readmission of the replacement — and posts the verdict on the store
+(``verdict_board.py``), which every worker reads at its step's end: the trust plugin scores it,
+logs it (rank 0) and carries the bans out (the donor's state crosses the stage's DP group).
+The flushing schedules guarantee that no message of step t + 1 exists before step t closed, so
+the decisions are the simulator's. The verifier is trusted; it sees payloads, never weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from meshlearn.compress.codecs import MessageContext
+from meshlearn.compress.registry import build_codec
+from meshlearn.compress.wire_checks import Rejection, WireGuard
+from meshlearn.config import RunConfig
+from meshlearn.data import validation_batches
+from meshlearn.distributed.driver import buffer_capacities
+from meshlearn.distributed.groups import Link, build_groups
+from meshlearn.distributed.health import EXIT_PEER_FAILURE, WorkerFailure
+from meshlearn.distributed.settings import derive_deadlines
+from meshlearn.distributed.transport import Broken, Transport
+from meshlearn.distributed.verdict_board import VerdictBoard
+from meshlearn.distributed.worker import Session, _train_tokenizer_once
+from meshlearn.mesh.messages import Message
+from meshlearn.mesh.topology import MeshShape
+from meshlearn.train.assemble import load_corpus, resolve
+from meshlearn.verify.sentinel import Sentinel
+from meshlearn.verify.trust import choose_donor
+from meshlearn.verify.verdicts import verdict_record
+
+POLL_S = 0.2  # how often an idle verifier looks at liveness and at whether the workers are done
+
+
+def evaluates_after(cfg: RunConfig, step: int) -> bool:
+    """Whether the trainer evaluates after 0-based ``step`` (its rule: every eval_every, and the end)."""
+    return (step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps
+
+
+class Slots:
+    """Which step each arrival on a link belongs to, from the arrival count alone (a header's step
+    is the sender's claim; the guard checks it against this)."""
+
+    def __init__(self, links: list[Link], microbatches: int):
+        self.microbatches = microbatches
+        self.trained = {link: 0 for link in links}  # training messages seen per link
+        self.evaluation = {link: 0 for link in links}  # validation batches still due per link
+
+    def next(self, link: Link) -> int | None:
+        """The step of the next message on ``link``, or None for a validation batch."""
+        if self.evaluation[link]:
+            self.evaluation[link] -= 1
+            return None
+        step = self.trained[link] // self.microbatches
+        self.trained[link] += 1
+        return step
+
+    def expect_evaluation(self, batches: int) -> None:
+        """After a step that ends in evaluation: replica 0's forward links carry ``batches`` next."""
+        for src, dst in self.trained:
+            if src.replica == 0 and dst.stage == src.stage + 1:
+                self.evaluation[(src, dst)] += batches
+
+
+class Relay:
+    """The verifier's loop: receive, check, inspect, forward; close each step and post its verdict."""
+
+    def __init__(self, cfg: RunConfig, session: Session, links: dict[Link, tuple], eval_batches: int,
+                 board: VerdictBoard | None = None):
+        self.cfg = cfg
+        self.mesh: MeshShape = session.mesh
+        self.health = session.health
+        self.eval_batches = eval_batches
+        self.microbatches = cfg.mesh.microbatches
+        self.micro = cfg.train.batch_size // self.mesh.replicas // self.microbatches
+        self.sentinel = Sentinel(cfg.verify, self.mesh, build_codec(cfg.codec, cfg.model))
+        self.guard = WireGuard(build_codec(cfg.codec, cfg.model), cfg.model.seq_len, cfg.model.d_model,
+                               cfg.model.vocab_size)
+        self.capacity, self.eval_capacity = buffer_capacities(cfg)
+        message_bytes = self.micro * cfg.model.seq_len * cfg.model.d_model * 4
+        deadlines = derive_deadlines(cfg.dist, cfg.link, message_bytes, 2 * self.microbatches, 0,
+                                     self.mesh.replicas)
+        self.transport = Transport(None, self.mesh, links, {}, torch.device("cpu"), self.health,
+                                   deadlines.message_s)
+        for link in links:  # receives stay posted for the whole run, WINDOW ahead per link
+            self.transport.expect_link(link, sys.maxsize, self.capacity)
+        self.slots = Slots(list(links), self.microbatches)
+        self.per_step = len(links) * self.microbatches
+        self.seen: dict[int, int] = {}
+        self.board = board or VerdictBoard(self.health, deadlines.collective_s)
+        self.relayed = 0
+
+    def run(self) -> None:
+        """Until every worker has finished (its ``done`` key): a link whose worker finished may
+        close under a posted receive, which is no failure."""
+        while True:
+            item = self.transport.next_arrival(POLL_S)
+            self.health.check()
+            if isinstance(item, Message):
+                self.handle(item)
+            elif isinstance(item, Broken) and not self._finished(item.link[0]):
+                raise WorkerFailure(self.health.abort(item.message))
+            elif item is None and self._all_done():
+                return
+            if (error := self.transport.send_error()) is not None:
+                raise WorkerFailure(self.health.abort(error))
+
+    def handle(self, message: Message) -> None:
+        link = message.link
+        step = self.slots.next(link)
+        if step is None:  # a validation batch: relayed as it is, to its link's destination
+            self.transport.send(dataclasses.replace(message, dst=link[1]), self.eval_capacity, shaped=False)
+            return
+        message = self.admit(message, link, step)
+        delivered = self.sentinel.inspect(message)
+        self.transport.send(delivered, self.capacity, shaped=False)
+        self.relayed += 1
+        self.seen[step] = self.seen.get(step, 0) + 1
+        if self.seen[step] == self.per_step:
+            self.close(step)
+
+    def admit(self, message: Message, link: Link, step: int) -> Message:
+        """The receiver's checks, made here because the verifier decodes first: route, then guard."""
+        src, dst = link
+        kind = "act" if dst.stage > src.stage else "grad"
+        if message.kind == kind and message.dst == dst:
+            boundary = min(src.stage, dst.stage)  # the receiver's own context (the mask codec needs it)
+            return self.guard.admit(message, step, self.micro, range(self.microbatches),
+                                    lambda _kind, t, m: MessageContext(t, m, boundary, src.replica))
+        reason = f"route: a {message.kind!r} for {message.dst} on the link {src}→{dst}"
+        self.guard.rejections.append(Rejection(step, kind, message.microbatch, src, dst, reason))
+        return dataclasses.replace(message, kind=kind, step=step, dst=dst, skip=True,
+                                   payload=self.guard.neutral(kind, self.guard.shape(self.micro)))
+
+    def close(self, step: int) -> None:
+        """``Sentinel.end_step``, the donors and readmissions (``TrustLayer``'s order in the
+        simulator, where a flushing schedule's bans are carried out between steps), the verdict."""
+        del self.seen[step]
+        outcome = self.sentinel.end_step(step)
+        donors = []
+        for ban in outcome.bans:
+            donors.append(choose_donor(self.sentinel, self.mesh, ban.worker))
+            self.sentinel.readmit(ban.worker)
+            print(f"verifier: step {step + 1}: banned {ban.worker} ({ban.boundary} {ban.kind} {ban.metric}, "
+                  f"{ban.strikes} strikes); its replacement loads {donors[-1]}'s state", flush=True)
+        record = verdict_record(step, outcome, donors, self.guard.pop_rejections(),
+                                self.sentinel.clock.summary())
+        self.board.post_verdict(step, record)
+        if evaluates_after(self.cfg, step):
+            self.slots.expect_evaluation(self.eval_batches)
+
+    def _finished(self, wid) -> bool:
+        """Whether a worker has finished: then its end of a link closing is no failure."""
+        return self.board.store.check([f"done/{self.mesh.rank(wid)}"])
+
+    def _all_done(self) -> bool:
+        return self.board.store.check([f"done/{rank}" for rank in range(self.mesh.world_size)])
+
+
+def run_verifier(cfg: RunConfig, run_dir: Path, resume: bool, session) -> int:
+    """The verifier rank's whole life; never returns on failure (ends the process naming itself)."""
+    try:
+        if cfg.data.tokenizer in ("bpe", "model") and not resume:
+            _train_tokenizer_once(cfg, run_dir, session)  # a collective of every rank
+        corpus = load_corpus(cfg, Path(run_dir))
+        cfg = resolve(cfg, corpus.vocab_size)
+        batches = validation_batches(corpus.splits.val, cfg.train.eval_batches, cfg.train.batch_size,
+                                     cfg.model.seq_len)
+        groups = build_groups(cfg, session.mesh, session.rank)
+        relay = Relay(cfg, session, groups.links, len(batches))
+        print(f"verifier (rank {session.rank}): SENTINEL on {len(groups.links)} pipeline links, "
+              f"{relay.per_step} messages a step", flush=True)
+        started = time.monotonic()
+        relay.run()
+        cost = relay.sentinel.clock.summary()
+        print(f"verifier: done, {relay.relayed} messages in {time.monotonic() - started:.1f} s, "
+              f"{cost['cpu_s']:.2f} s CPU inspecting, {len(relay.sentinel.bans)} ban(s)", flush=True)
+        session.health.finish()
+        code = 0
+    except WorkerFailure as err:
+        print(f"meshlearn verifier: error: {err}", file=sys.stderr)
+        code = EXIT_PEER_FAILURE
+    except BaseException as err:  # noqa: BLE001 — our own failure: publish it, naming ourselves
+        traceback.print_exc()
+        message = session.health.abort(f"the verifier failed: {type(err).__name__}: {err}")
+        print(f"meshlearn verifier: error: {message}", file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # posted receives stay in C++ threads; the workers have finished or failed
