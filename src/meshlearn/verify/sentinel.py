@@ -185,7 +185,18 @@ class Sentinel:
         self.decisions = [d for d in self.decisions if d.step != step]
         stale, voided, fired = self._stale_references(scored) if self.cfg.majority_rebase else ({}, set(), {})
         rewarmed = []
+        # Boundaries that scored nothing this step (every microbatch dropped before reaching them)
+        # while another was mostly flagged: the regime change that stales one boundary's state
+        # stales theirs too, they just cannot see it yet. Left alone they would lock one after the
+        # other as the traffic reaches them (measured: 10 steps of every microbatch dropped on the
+        # demo, a boundary at a time), so they re-warm at once. An attacker cannot cause this:
+        # blinding a boundary takes a majority of some boundary's senders flagged.
+        blind = set(self.verifiers) - {e.verifier for e in scored} if stale else set()
         for key, verifier in self.verifiers.items():
+            if key in blind and not verifier.rewarming:
+                verifier.rewarm(list(verifier.fences), step + 1 + self.cfg.rewarm_steps)
+                verifier.locked = 0
+                rewarmed.append(f"s{key[0]}|s{key[0] + 1} {key[1]}: all (blind)")
             if key not in stale:
                 verifier.locked = 0
                 verifier.commit(step)
