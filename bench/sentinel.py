@@ -141,10 +141,19 @@ def train_one(name: str, overrides: list[str], attacker: WorkerId, run_dir: Path
 
 
 def run_folder(tag: str, name: str, overrides: list[str]) -> Path:
-    """Where a run lives: the label plus a digest of its overrides, so different invocations
-    (replicas, placement, --set) never share a folder."""
-    digest = hashlib.sha1("\n".join(overrides).encode()).hexdigest()[:10]
+    """Where a run lives: the label plus a digest of its overrides and of meshlearn's source (the
+    package and this script), so different invocations (replicas, placement, --set) never share a
+    folder and ``--reuse`` never mixes runs of different code."""
+    digest = hashlib.sha1("\n".join(overrides).encode() + SOURCE_DIGEST.encode()).hexdigest()[:10]
     return OUT / (tag or "default") / f"{slug(name)}-{digest}"
+
+
+def source_digest() -> str:
+    files = sorted((ROOT / "src" / "meshlearn").rglob("*.py")) + [Path(__file__).resolve()]
+    return hashlib.sha1(b"".join(f.read_bytes() for f in files)).hexdigest()
+
+
+SOURCE_DIGEST = source_digest()
 
 
 def measure_overhead(steps: int, warmup: int, replicas: int, overrides: list[str]) -> dict:
@@ -293,7 +302,7 @@ def main() -> None:
                         help="config override for every run (repeatable), e.g. codec.name=subspace")
     parser.add_argument("--tag", default="", help="suffix of the results files")
     parser.add_argument("--reuse", action="store_true",
-                        help="keep runs in bench/out/sentinel/TAG/ that finished with the same config "
+                        help="keep runs in bench/out/sentinel/TAG/ that finished with the same config and source "
                              "(each run is kept there as it finishes, so an interrupted bench resumes)")
     args = parser.parse_args()
     only = [label.strip() for label in args.only.split(",") if label.strip()]
