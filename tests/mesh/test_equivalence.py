@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny import reference_run, tiny_config
 
 from meshlearn.mesh.topology import WorkerId
@@ -51,3 +52,21 @@ def test_lossy_codec_is_detected_by_the_oracle(tiny_corpus, tmp_path):
     ref_losses, _ = reference_run(trainer, 3)
     gap = max(abs(a - b) for a, b in zip(mesh_losses, ref_losses, strict=True))
     assert 1e-5 < gap < 0.05
+
+
+def test_an_update_whose_every_microbatch_was_quarantined_leaves_the_weights_alone(tiny_corpus, tmp_path):
+    """Zero loss weight on every microbatch (what SENTINEL's quarantine gives) means an exactly zero
+    gradient: AdamW would still apply weight decay (and momentum); the worker skips the step."""
+    cfg = tiny_config(tiny_corpus, "mesh.stages=2", "train.steps=1", "optim.weight_decay=0.1")
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    before = {n: p.detach().clone() for w in trainer.workers.values() for n, p in w.module.named_parameters()}
+    for worker in trainer.workers.values():
+        worker.skipped.update(range(cfg.mesh.microbatches))
+    trainer.train()
+    after = {n: p.detach() for w in trainer.workers.values() for n, p in w.module.named_parameters()}
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    # Negative control: the same run without quarantine moves every stage's weights.
+    honest = Trainer(cfg, tmp_path / "honest", progress=False)
+    honest.train()
+    moved = {n: p.detach() for w in honest.workers.values() for n, p in w.module.named_parameters()}
+    assert not any(torch.equal(before[n], moved[n]) for n in before if n.endswith("weight"))
