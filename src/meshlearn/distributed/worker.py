@@ -75,13 +75,22 @@ def start_session(cfg: RunConfig) -> Session:
         torch.cuda.set_device(device)
     threads = cfg.dist.threads or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
+    scope = None
+    if cfg.elastic.enabled:
+        from meshlearn.elastic.binding import interface_of
+
+        # gloo's sockets on elastic.host's interface only; a dead peer outside this worker's
+        # pipeline row is not this worker's failure.
+        os.environ["GLOO_SOCKET_IFNAME"] = interface_of(cfg.elastic.host)
+        me = mesh.worker(rank)
+        scope = {mesh.rank(WorkerId(me.replica, s)) for s in range(mesh.stages)}
     dist.init_process_group(comm, timeout=timedelta(seconds=cfg.dist.init_timeout_s),
                             device_id=device if device.type == "cuda" else None)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     deadlines = derive_deadlines(cfg.dist, cfg.link, 0, 0, 0, 1)
     store = store_client(host, port, deadlines.dead_after_s)
     owner = os.environ.get("MESHLEARN_STORE_OWNER", f"rendezvous store at {host}:{port}")
-    health = Health(store, mesh, rank, cfg.dist.heartbeat_s, deadlines.dead_after_s, owner)
+    health = Health(store, mesh, rank, cfg.dist.heartbeat_s, deadlines.dead_after_s, owner, scope=scope)
     health.start()
     return Session(rank, world, local_world, mesh, mesh.worker(rank), device, comm, health)
 
@@ -91,8 +100,8 @@ def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh, me = session.mesh, session.me
-    device_mesh = init_device_mesh(session.device.type, (mesh.replicas, mesh.stages),
-                                   mesh_dim_names=("dp", "pp"))
+    device_mesh = None if cfg.elastic.enabled else init_device_mesh(
+        session.device.type, (mesh.replicas, mesh.stages), mesh_dim_names=("dp", "pp"))
     links = {}
     for r in range(mesh.replicas):
         for s in range(mesh.stages - 1):
@@ -116,6 +125,10 @@ def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
     stages = stage_modules(cfg, split_model(init_model(cfg.model, cfg.seed), mesh.stages))
     module = stages[me.stage].to(session.device)
     worker = build_worker(cfg, me, module)
+    if cfg.elastic.enabled:
+        from meshlearn.elastic.worker import build_elastic_driver
+
+        return build_elastic_driver(cfg, session, worker, links)
     return DistDriver(cfg, worker, session.health, session.device, session.comm,
                       device_mesh.get_group("dp"), links)
 
@@ -149,21 +162,25 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
         # the same step, agreed through the rendezvous store (meshlearn/train/signals.py).
         stop = GracefulStop(store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                          cfg.dist.init_timeout_s), repeat="ignore").install()
-        trainer = Trainer(cfg, run_dir, resume=resume, progress=session.rank == 0,
+        trainer = Trainer(cfg, run_dir, resume=resume, progress=True,
                           driver=lambda resolved: build_driver(resolved, session), stop=stop)
         summary = trainer.train()
         trainer.driver.close()
-        if session.rank == 0 and trainer.interrupted:
+        if trainer.writer and trainer.interrupted:
             print(f"stopped by {trainer.interrupted} after step {summary['steps']} with a checkpoint "
                   f"→ {run_dir}")
-        elif session.rank == 0:
+        elif trainer.writer:
             print(f"done: {summary['steps']} steps, val loss {summary['final_val_loss']:.4f}, "
                   f"{summary['wall_tokens_per_s']:.0f} tok/s wall over {session.world} processes → {run_dir}")
         flush()
+        if cfg.elastic.enabled:  # peers may be gone: tearing the world group down could block
+            os._exit(stop.exit_code if trainer.interrupted else 0)
         dist.destroy_process_group()
         return stop.exit_code if trainer.interrupted else 0
     except WorkerFailure as err:
-        message, code = str(err), EXIT_PEER_FAILURE
+        message, code = str(err), session.health.exit_code
+        if code != EXIT_PEER_FAILURE:
+            message = f"left the run: {message}"
     except BaseException as err:  # noqa: BLE001 — our own failure: publish it, naming ourselves
         traceback.print_exc()
         message, code = session.health.abort(f"worker {name} failed: {type(err).__name__}: {err}"), 1

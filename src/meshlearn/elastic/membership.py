@@ -1,0 +1,100 @@
+"""The launcher's side of an elastic run: a lighthouse per stage, and a membership log.
+
+Unlike the fixed-membership launcher, a worker that exits does not end the run: each exit is
+recorded in ``workers.json`` (the worker, its exit status, the last step it finished) and the
+others go on. The run succeeds if at least one pipeline row — every stage of one replica —
+trained to the end.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import signal
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import torch.distributed as dist
+
+from meshlearn.distributed.health import EXIT_LEFT, EXIT_PEER_FAILURE
+from meshlearn.elastic.binding import start_lighthouse
+from meshlearn.elastic.settings import derive_timeouts
+from meshlearn.mesh.topology import WorkerId
+from meshlearn.train.files import atomic_write_json
+
+LIGHTHOUSES_ENV = "MESHLEARN_LIGHTHOUSES"  # the stages' lighthouse addresses, comma-separated
+WORKERS_FILE = "workers.json"  # worker → rank, pid, and its membership events (joined, left)
+
+
+def start_lighthouses(cfg, host: str) -> list[tuple[object, str]]:
+    """One lighthouse per pipeline stage, in this process, listening on ``host`` only."""
+    timeouts = derive_timeouts(cfg.elastic, cfg.dist, cfg.link)
+    return [start_lighthouse(host, cfg.elastic.min_replicas, timeouts.join_ms, timeouts.heartbeat_ms)
+            for _ in range(cfg.mesh.stages)]
+
+
+def describe_exit(code: int) -> str:
+    if code == 0:
+        return "finished"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    if code == EXIT_LEFT:
+        return "left: its pipeline row broke"
+    if code == EXIT_PEER_FAILURE:
+        return "stopped: a peer failed"
+    return f"exit code {code}"
+
+
+def _last_step(store: dist.Store, name: str) -> int:
+    try:
+        key = f"progress/{name}"
+        return int(store.get(key).decode()) if store.check([key]) else 0
+    except Exception:  # noqa: BLE001 — a store read must not end the watch
+        return -1
+
+
+def _error_line(log: Path) -> str | None:
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    errors = [line for line in lines if "error:" in line]
+    return errors[-1] if errors else None
+
+
+def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Path, echo_log: Path,
+                  out: TextIO) -> int:
+    """Wait for every worker, logging each exit; 0 if some pipeline row finished every stage."""
+    from meshlearn.distributed.launch import _echo
+
+    prefixed = dist.PrefixStore("meshlearn/0/", store)
+    codes: dict[str, int] = {}
+    position = 0
+    while len(codes) < len(procs):
+        position = _echo(echo_log, position, out)
+        for p in procs:
+            if p.name in codes or p.exitcode is None:
+                continue
+            codes[p.name] = p.exitcode
+            step = _last_step(prefixed, p.name)
+            what = describe_exit(p.exitcode)
+            membership[p.name]["events"].append(
+                {"event": "finished" if p.exitcode == 0 else "left", "step": step, "why": what})
+            atomic_write_json(run_dir / WORKERS_FILE, membership)
+            if p.exitcode != 0:
+                out.write(f"meshlearn: worker {p.name} left after step {step} ({what}); the others go on\n")
+        alive = [p.sentinel for p in procs if p.exitcode is None]
+        if alive:
+            multiprocessing.connection.wait(alive, timeout=0.2)
+    _echo(echo_log, position, out)
+    rows: dict[int, list[int]] = {}
+    for name, code in codes.items():
+        rows.setdefault(WorkerId.parse(name).replica, []).append(code)
+    if any(all(code == 0 for code in row) for row in rows.values()):
+        return 0
+    logs = run_dir / "logs"
+    reason = next((line for name in codes if (line := _error_line(logs / f"{name}.log"))), None)
+    print(f"meshlearn: error: no pipeline row finished the run — {reason or 'no worker said why'}\n"
+          f"  workers: " + "; ".join(f"{n}: {describe_exit(c)}" for n, c in codes.items())
+          + f"\n  logs: {logs}", file=sys.stderr)
+    return 1

@@ -1,0 +1,69 @@
+"""Elastic membership with real processes on loopback (shaped links): a stage replica SIGKILLed
+mid-run leaves with its pipeline row, the other replicas go on and the run completes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
+
+from dist_helpers import deadline, kill_leftovers, launch, records  # noqa: E402
+from tiny import tiny_config  # noqa: E402
+
+from meshlearn.distributed.launch import WORKERS_FILE  # noqa: E402
+from meshlearn.train.files import read_records  # noqa: E402
+
+ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "train.steps=8", "elastic.enabled=true",
+           "dist.timeout_s=5", "dist.dead_after_s=2"]
+
+
+def _wait(predicate, seconds: float, what: str) -> None:
+    end = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < end, f"{what} did not happen within {seconds} s"
+        time.sleep(0.02)
+
+
+def _train_records(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return sum(r["kind"] == "train" for r in read_records(path)) if path.exists() else 0
+
+
+def test_killed_stage_replica_leaves_and_the_others_finish(tiny_corpus, tmp_path):
+    cfg = tiny_config(tiny_corpus, *ELASTIC)
+    run = tmp_path / "run"
+    result = {}
+    try:
+        with deadline(120, "the elastic run with a kill"):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
+            thread.start()
+            _wait(lambda: _train_records(run) >= 2, 60, "two committed steps")
+            pid = json.loads((run / WORKERS_FILE).read_text())["r1s1"]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            thread.join()
+    finally:
+        kill_leftovers(run)
+    assert result["code"] == 0
+    rows = records(run)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert all(r["participants"] == 2 for r in rows[:2])
+    assert rows[-1]["participants"] == 1  # replica 1's row is gone from every later quorum
+    committed = [r for r in rows if r["committed"]]
+    assert all(math.isfinite(r["train_loss"]) for r in committed)
+    assert len(rows) - len(committed) <= 1  # at most the step the kill landed in is lost
+    assert committed[-1]["train_loss"] < committed[0]["train_loss"]
+    members = json.loads((run / WORKERS_FILE).read_text())
+    assert members["r1s1"]["events"][-1]["why"] == "killed by SIGKILL"
+    assert members["r1s0"]["events"][-1]["why"] == "left: its pipeline row broke"
+    assert members["r1s0"]["events"][-1]["step"] >= 2
+    for name in ("r0s0", "r0s1"):
+        assert members[name]["events"][-1] == {"event": "finished", "step": 8, "why": "finished"}
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["uncommitted_steps"] == len(rows) - len(committed)
