@@ -12,12 +12,15 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 
 from dist_helpers import deadline, kill_leftovers, launch, records  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
 from meshlearn.distributed.launch import WORKERS_FILE  # noqa: E402
+from meshlearn.train.checkpoint import latest_complete  # noqa: E402
 from meshlearn.train.files import read_records  # noqa: E402
 
 ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "train.steps=8", "elastic.enabled=true",
@@ -67,3 +70,59 @@ def test_killed_stage_replica_leaves_and_the_others_finish(tiny_corpus, tmp_path
         assert members[name]["events"][-1] == {"event": "finished", "step": 8, "why": "finished"}
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["uncommitted_steps"] == len(rows) - len(committed)
+
+
+@pytest.mark.slow
+def test_every_replica_of_a_stage_killed_stops_with_its_name_and_resume_is_exact(tiny_corpus, tmp_path,
+                                                                                 capsys):
+    cfg = tiny_config(tiny_corpus, *ELASTIC, "train.steps=10", "train.checkpoint_every=2")
+    run = tmp_path / "run"
+    result = {}
+    try:
+        with deadline(150, "the elastic run that loses stage 1, and its resume"):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
+            thread.start()
+            _wait(lambda: latest_complete(run) is not None and _train_records(run) >= 4, 60,
+                  "a complete checkpoint")
+            members = json.loads((run / WORKERS_FILE).read_text())
+            for name in ("r0s1", "r1s1"):
+                os.kill(members[name]["pid"], signal.SIGKILL)
+            thread.join()
+            assert result["code"] == 1
+            report = capsys.readouterr().err
+            first = report.splitlines()[0]
+            assert first.startswith("meshlearn: error: no pipeline row finished the run: every replica "
+                                    "of stage 1 is gone"), report
+            assert "--resume" in report
+            assert launch(cfg, run, resume=True) == 0
+    finally:
+        kill_leftovers(run)
+    straight = tmp_path / "straight"
+    assert launch(cfg, straight) == 0
+    a, b = records(straight), records(run)
+    assert [r["step"] for r in b] == list(range(1, 11))
+    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]  # bit for bit
+
+
+@pytest.mark.slow
+def test_frozen_stage_replica_is_dropped_by_timeout_and_the_others_finish(tiny_corpus, tmp_path):
+    """SIGSTOP: no connection is reset; the row partner's heartbeat watch and the quorum's heartbeat
+    timeout find it. The launcher kills the frozen process once the run has ended."""
+    cfg = tiny_config(tiny_corpus, *ELASTIC)
+    run = tmp_path / "run"
+    result = {}
+    try:
+        with deadline(150, "the elastic run with a frozen worker"):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
+            thread.start()
+            _wait(lambda: _train_records(run) >= 2, 60, "two committed steps")
+            os.kill(json.loads((run / WORKERS_FILE).read_text())["r1s1"]["pid"], signal.SIGSTOP)
+            thread.join()
+    finally:
+        kill_leftovers(run)
+    assert result["code"] == 0
+    rows = records(run)
+    assert [r["step"] for r in rows] == list(range(1, 9)) and rows[-1]["participants"] == 1
+    members = json.loads((run / WORKERS_FILE).read_text())
+    assert members["r1s1"]["events"][-1]["why"] == "killed by the launcher: no answer after the run ended"
+    assert "r1s1 stopped answering" in (run / "logs" / "r1s0.log").read_text()

@@ -31,6 +31,7 @@ from meshlearn.distributed.health import ABORT_KEY, EXIT_PEER_FAILURE
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.elastic.binding import BoundStore, check_bound
 from meshlearn.elastic.membership import LIGHTHOUSES_ENV, WORKERS_FILE, start_lighthouses, watch_elastic
+from meshlearn.elastic.settings import derive_timeouts
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.train.checkpoint import latest_complete
 from meshlearn.train.files import atomic_write_json
@@ -95,8 +96,10 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
     stopping = _forward_signals(procs)
     try:
         if cfg.elastic.enabled:
+            timeouts = derive_timeouts(cfg.elastic, cfg.dist, cfg.link)
             return watch_elastic(procs, store, membership, run_dir,
-                                 logs / f"{WorkerId(0, mesh.stages - 1)}.log", out)
+                                 logs / f"{WorkerId(0, mesh.stages - 1)}.log", out,
+                                 grace_s=timeouts.quorum_s + timeouts.heartbeat_s + 10.0)
         codes = _watch(procs, cfg, logs / f"{mesh.worker(0)}.log", out)
     except BaseException as err:  # a second Ctrl-C, or a caller's timeout: never leave workers behind
         _stop(procs, signal.SIGTERM, wait_s=5.0)

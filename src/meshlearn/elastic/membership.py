@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing.connection
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import TextIO
 
@@ -63,12 +64,16 @@ def _error_line(log: Path) -> str | None:
 
 
 def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Path, echo_log: Path,
-                  out: TextIO) -> int:
-    """Wait for every worker, logging each exit; 0 if some pipeline row finished every stage."""
-    from meshlearn.distributed.launch import _echo
+                  out: TextIO, grace_s: float) -> int:
+    """Wait for every worker, logging each exit; 0 if some pipeline row finished every stage.
+    Once a worker has finished, the others have ``grace_s`` to exit too; a worker still there then
+    (frozen, say: SIGSTOP) is killed and logged as such."""
+    from meshlearn.distributed.launch import _echo, _stop
 
     prefixed = dist.PrefixStore("meshlearn/0/", store)
     codes: dict[str, int] = {}
+    killed: set[str] = set()
+    finished_at: float | None = None
     position = 0
     while len(codes) < len(procs):
         position = _echo(echo_log, position, out)
@@ -77,12 +82,19 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
                 continue
             codes[p.name] = p.exitcode
             step = _last_step(prefixed, p.name)
-            what = describe_exit(p.exitcode)
+            what = ("killed by the launcher: no answer after the run ended" if p.name in killed
+                    else describe_exit(p.exitcode))
             membership[p.name]["events"].append(
                 {"event": "finished" if p.exitcode == 0 else "left", "step": step, "why": what})
             atomic_write_json(run_dir / WORKERS_FILE, membership)
             if p.exitcode != 0:
                 out.write(f"meshlearn: worker {p.name} left after step {step} ({what}); the others go on\n")
+        if finished_at is None and 0 in codes.values():
+            finished_at = time.monotonic()
+        if finished_at is not None and time.monotonic() - finished_at > grace_s:
+            stragglers = [p for p in procs if p.exitcode is None]
+            killed.update(p.name for p in stragglers)
+            _stop(stragglers, signal.SIGKILL, wait_s=5.0)
         alive = [p.sentinel for p in procs if p.exitcode is None]
         if alive:
             multiprocessing.connection.wait(alive, timeout=0.2)
@@ -92,9 +104,35 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
         rows.setdefault(WorkerId.parse(name).replica, []).append(code)
     if any(all(code == 0 for code in row) for row in rows.values()):
         return 0
-    logs = run_dir / "logs"
-    reason = next((line for name in codes if (line := _error_line(logs / f"{name}.log"))), None)
-    print(f"meshlearn: error: no pipeline row finished the run — {reason or 'no worker said why'}\n"
-          f"  workers: " + "; ".join(f"{n}: {describe_exit(c)}" for n, c in codes.items())
-          + f"\n  logs: {logs}", file=sys.stderr)
+    print(_failure_report(codes, killed, run_dir), file=sys.stderr)
     return 1
+
+
+def _failure_report(codes: dict[str, int], killed: set[str], run_dir: Path) -> str:
+    """No row finished: name the stage that lost every replica by itself (not by a broken row), if
+    one did, and say how to resume."""
+    from meshlearn.train.checkpoint import latest_complete
+
+    stages: dict[int, list[str]] = {}
+    for name, code in codes.items():
+        if code not in (0, EXIT_LEFT) and name not in killed:
+            stages.setdefault(WorkerId.parse(name).stage, []).append(name)
+    replicas = len({WorkerId.parse(name).replica for name in codes})
+    gone = [s for s, names in sorted(stages.items()) if len(names) == replicas]
+    logs = run_dir / "logs"
+    if gone:
+        first = (f"every replica of stage {gone[0]} is gone "
+                 f"({', '.join(f'{n}: {describe_exit(codes[n])}' for n in sorted(stages[gone[0]]))})")
+    else:
+        first = next((line for name in codes if (line := _error_line(logs / f"{name}.log"))),
+                     "no worker said why")
+    lines = [f"meshlearn: error: no pipeline row finished the run: {first}",
+             "  workers: " + "; ".join(f"{n}: {describe_exit(c)}" for n, c in codes.items()),
+             f"  logs: {logs}"]
+    checkpoint = latest_complete(run_dir)
+    if checkpoint is None:
+        lines.append("  no complete checkpoint yet: start the run again")
+    else:
+        lines.append(f"  last complete checkpoint: {checkpoint} — continue with: "
+                     f"meshlearn train --resume {run_dir}")
+    return "\n".join(lines)
