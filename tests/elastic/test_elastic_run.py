@@ -126,3 +126,61 @@ def test_frozen_stage_replica_is_dropped_by_timeout_and_the_others_finish(tiny_c
     members = json.loads((run / WORKERS_FILE).read_text())
     assert members["r1s1"]["events"][-1]["why"] == "killed by the launcher: no answer after the run ended"
     assert "r1s1 stopped answering" in (run / "logs" / "r1s0.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_replacement_joins_heals_from_a_live_peer_and_contributes(tiny_corpus, tmp_path):
+    """One stage, two replicas: r1s0 is SIGKILLed; ``meshlearn worker --join`` takes its slot, heals
+    from r0s0 at the next step and trains on; at the end both replicas' weights and optimizer
+    state are equal bit for bit (a replica whose optimizer state had not been healed would drift)."""
+    import subprocess
+
+    import torch
+
+    steps = 12
+    # min_replicas = 2: after the kill no quorum forms until the replacement is in (the survivor
+    # waits for it, up to quorum_timeout_s), so the test does not race the end of the run.
+    cfg = tiny_config(tiny_corpus, "backend=dist", "mesh.replicas=2", f"train.steps={steps}",
+                      "elastic.enabled=true", "elastic.min_replicas=2", "elastic.quorum_timeout_s=90",
+                      "dist.timeout_s=5", "dist.dead_after_s=2")
+    run = tmp_path / "run"
+    result = {}
+    joiner = None
+    try:
+        with deadline(150, "the elastic run with a replacement"):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
+            thread.start()
+            _wait(lambda: _train_records(run) >= 3, 60, "three committed steps")
+            os.kill(json.loads((run / WORKERS_FILE).read_text())["r1s0"]["pid"], signal.SIGKILL)
+            _wait(lambda: len(json.loads((run / WORKERS_FILE).read_text())["r1s0"]["events"]) >= 2, 30,
+                  "r1s0's departure in workers.json")
+            address = json.loads((run / "elastic.json").read_text())["store"]
+            src = Path(__file__).resolve().parents[2] / "src"
+            joiner = subprocess.Popen(
+                [sys.executable, "-m", "meshlearn.distributed.worker", "--join", address, "--out", str(run)],
+                env=os.environ | {"PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"},
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            output = joiner.communicate(timeout=120)[0]
+            thread.join()
+    finally:
+        if joiner is not None and joiner.poll() is None:
+            joiner.kill()
+        kill_leftovers(run)
+    assert joiner.returncode == 0, output
+    assert result["code"] == 0
+    events = json.loads((run / WORKERS_FILE).read_text())["r1s0"]["events"]
+    kinds = [e["event"] for e in events]
+    assert kinds == ["joined", "left", "joined", "finished"], events
+    joined_at = events[2]["step"]
+    assert f"joined at step {joined_at + 1}, healed from a live replica" in output
+    rows = records(run)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert joined_at >= 3 and all(r["participants"] == 2 for r in rows[joined_at:])  # it contributes
+    assert all(r["committed"] for r in rows[joined_at:])
+    final = run / "checkpoints" / f"step-{steps:06d}"
+    a, b = (torch.load(final / f"{w}.pt", weights_only=False)["workers"][w] for w in ("r0s0", "r1s0"))
+    for key, tensor in a["module"].items():
+        assert torch.equal(tensor, b["module"][key]), key
+    for (pa, sa), (pb, sb) in zip(a["optimizer"]["state"].items(), b["optimizer"]["state"].items(),
+                                  strict=True):
+        assert pa == pb and all(torch.equal(sa[k], sb[k]) for k in sa), pa

@@ -30,7 +30,13 @@ from meshlearn.config import RunConfig
 from meshlearn.distributed.health import ABORT_KEY, EXIT_PEER_FAILURE
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.elastic.binding import BoundStore, check_bound
-from meshlearn.elastic.membership import LIGHTHOUSES_ENV, WORKERS_FILE, start_lighthouses, watch_elastic
+from meshlearn.elastic.membership import (
+    LIGHTHOUSES_ENV,
+    WORKERS_FILE,
+    publish_run,
+    start_lighthouses,
+    watch_elastic,
+)
 from meshlearn.elastic.settings import derive_timeouts
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.train.checkpoint import latest_complete
@@ -93,6 +99,7 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
     atomic_write_json(run_dir / WORKERS_FILE, membership)
     if cfg.elastic.enabled:
         check_bound(os.getpid(), host, "the launcher")
+        publish_run(store, run_dir, f"{host}:{store.port}", lighthouses)
     stopping = _forward_signals(procs)
     try:
         if cfg.elastic.enabled:

@@ -28,6 +28,7 @@ from meshlearn.config import ConfigError, RunConfig, load_config
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import EXIT_PEER_FAILURE, Health, WorkerFailure, store_client
 from meshlearn.distributed.settings import derive_deadlines
+from meshlearn.elastic.membership import JOIN_ENV
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.models.split import init_model, split_model
 from meshlearn.protocol.plugin import stage_modules
@@ -84,8 +85,9 @@ def start_session(cfg: RunConfig) -> Session:
         os.environ["GLOO_SOCKET_IFNAME"] = interface_of(cfg.elastic.host)
         me = mesh.worker(rank)
         scope = {mesh.rank(WorkerId(me.replica, s)) for s in range(mesh.stages)}
-    dist.init_process_group(comm, timeout=timedelta(seconds=cfg.dist.init_timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    if os.environ.get(JOIN_ENV) != "1":  # a joiner has no place in the fixed world group
+        dist.init_process_group(comm, timeout=timedelta(seconds=cfg.dist.init_timeout_s),
+                                device_id=device if device.type == "cuda" else None)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     deadlines = derive_deadlines(cfg.dist, cfg.link, 0, 0, 0, 1)
     store = store_client(host, port, deadlines.dead_after_s)
@@ -156,7 +158,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
 
     session.health.on_exit = flush
     try:
-        if cfg.data.tokenizer in ("bpe", "model") and not resume:
+        if cfg.data.tokenizer in ("bpe", "model") and not resume and os.environ.get(JOIN_ENV) != "1":
             _train_tokenizer_once(cfg, run_dir, session)
         # SIGINT/SIGTERM (from the launcher, torchrun or a scheduler): every process stops after
         # the same step, agreed through the rendezvous store (meshlearn/train/signals.py).
@@ -213,10 +215,18 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a config key (repeatable; later wins)")
     parser.add_argument("--out", default="runs/latest", help="run folder (default: runs/latest)")
     parser.add_argument("--resume", metavar="RUN", help="continue RUN from its last complete checkpoint")
+    parser.add_argument("--join", metavar="HOST:PORT",
+                        help="join the running elastic run whose store is HOST:PORT (in RUN/elastic.json; "
+                             "--out names the run folder): take a free slot, heal from a live peer, train")
 
 
 def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path, bool]:
-    """The same (config, run folder, resume) resolution as ``meshlearn train``."""
+    """The same (config, run folder, resume) resolution as ``meshlearn train``; ``--join``: the
+    running elastic run's config, this process set up for a free slot of it."""
+    if getattr(args, "join", None):
+        from meshlearn.elastic.worker import prepare_join
+
+        return prepare_join(args.join, Path(args.out)), Path(args.out), False
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "config.toml").is_file():

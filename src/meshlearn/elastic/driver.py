@@ -47,10 +47,40 @@ class ElasticDriver(DistDriver):
         self.report: StepReport | None = None
         self.uncommitted = 0  # steps this worker trained whose update was dropped everywhere
         self.quorum_s = 0.0
+        self.next_step = 0  # the step this worker is about to run (what a joiner is healed to)
+        self.joined_at: int | None = None  # set when healed from a peer: the step to train from
+        self.formed = False  # a quorum is already formed for the coming step (a joiner's first)
+
+    # --- joining: what a live peer hands a new replica of its stage (torchft's healing) ---------
+
+    def heal_state(self) -> dict:
+        """Called by torchft in a live replica, at the quorum of step ``next_step``."""
+        return {"worker": self.worker.state_dict(), "step": self.next_step, "busy_s": self.busy_s}
+
+    def load_heal_state(self, state: dict) -> None:
+        self.worker.load_state_dict(state["worker"])
+        self.joined_at = state["step"]
+
+    def join(self) -> None:
+        """A new replica: take part in the stage's next quorum, which heals it from a live peer;
+        ``joined_at`` is then the step it trains from (the Trainer starts there)."""
+        self.current = self.quorum.begin()
+        self.formed = True
+        check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")
+        if self.joined_at is None:
+            raise RuntimeError(f"{self.me} joined a quorum of {self.current.participants} replicas "
+                               "but was not healed: nobody in it had trained yet")
+        self.progress.set(f"elastic/joined/{self.me}", str(self.joined_at))
+        print(f"meshlearn worker {self.me}: joined at step {self.joined_at + 1}, healed from a live "
+              f"replica of stage {self.me.stage} ({self.current.participants} in the quorum)", flush=True)
 
     def run_step(self, step: int, source) -> list[StepReport]:
+        self.next_step = step
         first = self.current is None
-        self.current = self.quorum.begin()
+        if self.formed:  # a joiner's first step: its quorum is the one it healed in
+            self.formed = False
+        else:
+            self.current = self.quorum.begin()
         if first:  # every socket of torchft's exists now: prove none is on another address
             check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")
         self.quorum_s += self.current.quorum_s
@@ -147,6 +177,7 @@ class ElasticDriver(DistDriver):
         name a shard that a departed worker never writes: that checkpoint stays incomplete.)"""
 
     def close(self) -> None:
+        self.progress.set(f"elastic/finished/{self.me}", str(self.next_step + 1))
         self.transport.drain(self.deadlines.message_s)
         self.quorum.shutdown()
         self.health.finish()
