@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import socket
 import struct
 from collections.abc import Callable
@@ -45,8 +46,6 @@ def require_torchft():
     if version != TORCHFT_VERSION:
         raise ElasticSetupError(f"elastic.enabled needs {TORCHFT_DIST}=={TORCHFT_VERSION}, found "
                                 f"{version}: its listening addresses are patched for that version only")
-    import os
-
     os.environ["TORCHFT_USE_OTEL"] = "false"  # never export logs (torchft/otel.py reads this at import)
     import torchft
     import torchft.manager
