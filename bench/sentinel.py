@@ -302,8 +302,9 @@ def main() -> None:
                         help="config override for every run (repeatable), e.g. codec.name=subspace")
     parser.add_argument("--tag", default="", help="suffix of the results files")
     parser.add_argument("--reuse", action="store_true",
-                        help="keep runs in bench/out/sentinel/TAG/ that finished with the same config and source "
-                             "(each run is kept there as it finishes, so an interrupted bench resumes)")
+                        help="keep runs in bench/out/sentinel/TAG/ that finished with the same config "
+                             "and source (each run is kept there as it finishes, so an interrupted "
+                             "bench resumes)")
     args = parser.parse_args()
     only = [label.strip() for label in args.only.split(",") if label.strip()]
     chosen = [name.strip() for name in args.harness.split(",") if name.strip()]

@@ -236,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override a config key (repeatable; later wins)")
     worker.add_argument("--out", default="runs/latest", help="run folder (default: runs/latest)")
     worker.add_argument("--resume", metavar="RUN", help="continue RUN from its last complete checkpoint")
+    worker.add_argument("--join", metavar="HOST:PORT",
+                        help="join the running elastic run whose store is HOST:PORT (in RUN/elastic.json; "
+                             "--out names the run folder): take a free slot, heal from a live peer, train")
     worker.set_defaults(func=_worker)
 
     report = sub.add_parser("report", help="an HTML/Markdown report of one or more runs: config, "

@@ -23,6 +23,7 @@ from meshlearn.compress.registry import CodecConfig, validate_codec
 from meshlearn.curvature.settings import CurvatureConfig, validate_curvature
 from meshlearn.distributed.settings import DistConfig, validate_dist
 from meshlearn.dp.settings import DPConfig, validate_dp
+from meshlearn.elastic.settings import ElasticConfig, validate_elastic
 from meshlearn.mesh.basis_updates import BasisUpdateConfig
 from meshlearn.mesh.compute import DEVICES, ComputeConfig
 from meshlearn.mesh.network import LinkProfile, LinksConfig, parse_overrides
@@ -108,6 +109,7 @@ class RunConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     dp: DPConfig = field(default_factory=DPConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     curvature: CurvatureConfig = field(default_factory=CurvatureConfig)
@@ -388,6 +390,7 @@ def validate(cfg: RunConfig) -> None:
     _validate_verify(cfg)
     validate_attack(cfg, _require)
     validate_dist(cfg, _require)
+    validate_elastic(cfg, _require)
     validate_dp(cfg, _require)
     validate_warmup(cfg, _require)
     validate_curvature(cfg, _require)

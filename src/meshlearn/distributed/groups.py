@@ -38,12 +38,13 @@ class Groups:
     links: dict[Link, object] = field(default_factory=dict)
 
 
-def build_groups(cfg, mesh: MeshShape, rank: int) -> Groups:
-    """The run's groups, in the same order everywhere; ``rank``'s are returned."""
+def build_groups(cfg, mesh: MeshShape, rank: int, dp_groups: bool = True) -> Groups:
+    """The run's groups, in the same order everywhere; ``rank``'s are returned. ``dp_groups``: one
+    per stage for the all-reduce (False: elastic runs, where torchft's quorum owns that axis)."""
     verifier = verifier_rank(cfg, mesh)
     me = mesh.worker(rank) if rank < mesh.world_size else None
     groups = Groups()
-    for s in range(mesh.stages):
+    for s in range(mesh.stages if dp_groups else 0):
         group = dist.new_group([mesh.rank(w) for w in mesh.stage_replicas(s)])
         if me is not None and me.stage == s:
             groups.dp = group

@@ -27,6 +27,7 @@ from meshlearn.mesh.topology import MeshShape
 
 ABORT_KEY = "abort"
 EXIT_PEER_FAILURE = 3
+EXIT_LEFT = 4  # elastic: this worker left the run (its pipeline partner is gone); the others go on
 
 
 class WorkerFailure(RuntimeError):
@@ -41,10 +42,12 @@ def process_name(mesh: MeshShape, rank: int) -> str:
 
 class Health:
     """Heartbeats of every rank and the shared abort message, over a store client of our own.
-    ``world``: the number of ranks (default: the mesh's workers; one more with a verifier)."""
+    ``world``: the number of ranks (default: the mesh's workers; one more with a verifier);
+    ``scope``: elastic runs, the ranks whose death concerns this worker."""
 
     def __init__(self, store: dist.Store, mesh: MeshShape, rank: int, heartbeat_s: float,
-                 dead_after_s: float, store_owner: str, grace_s: float = 5.0, world: int | None = None):
+                 dead_after_s: float, store_owner: str, grace_s: float = 5.0, world: int | None = None,
+                 scope: set[int] | None = None):
         self.store = store
         self.mesh = mesh
         self.rank = rank
@@ -54,6 +57,10 @@ class Health:
         self.dead_after_s = dead_after_s
         self.store_owner = store_owner
         self.grace_s = grace_s
+        # Elastic runs: only these ranks' deaths concern this worker (its pipeline row), and a
+        # failure is this worker's own — never published as the whole run's abort.
+        self.scope = scope
+        self.exit_code = EXIT_PEER_FAILURE if scope is None else EXIT_LEFT
         self.failure: str | None = None
         self.on_exit: Callable[[], None] | None = None  # flushes logs before a forced exit
         self._stop = threading.Event()
@@ -107,7 +114,12 @@ class Health:
         self.stop()
 
     def abort(self, message: str) -> str:
-        """Publish ``message`` unless another process already did; return the message that won."""
+        """Publish ``message`` unless another process already did; return the message that won.
+        In an elastic run the message stays this worker's: it leaves, the run goes on."""
+        if self.scope is not None:
+            if self.failure is None:
+                self.failure = message
+            return self.failure
         try:
             won = self.store.compare_set(ABORT_KEY, "", message)
             won = won.decode() if isinstance(won, bytes) else str(won)
@@ -140,13 +152,17 @@ class Health:
                 value = int(raw.decode() or 0)
                 if value != last_value[rank]:
                     last_value[rank], last_change[rank] = value, now
-                elif now - last_change[rank] > self.dead_after_s and not self._finished(rank):
+                elif (now - last_change[rank] > self.dead_after_s and self._watched(rank)
+                      and not self._finished(rank)):
                     dead = process_name(self.mesh, rank)
                     self._fail(self.abort(f"worker {dead} stopped answering: no heartbeat for "
                                           f"{now - last_change[rank]:.1f} s (rank {rank}; noticed by "
                                           f"{self.name}; limit {self.dead_after_s:.1f} s = "
                                           f"dist.dead_after_s + a round trip)"))
                     return
+
+    def _watched(self, rank: int) -> bool:
+        return self.scope is None or rank in self.scope
 
     def _finished(self, rank: int) -> bool:
         try:
@@ -163,7 +179,7 @@ class Health:
         print(f"meshlearn worker {self.name}: error: {self.failure}", file=sys.stderr, flush=True)
         if self.on_exit is not None:
             self.on_exit()
-        os._exit(EXIT_PEER_FAILURE)
+        os._exit(self.exit_code)
 
 
 def gist(err: BaseException) -> str:

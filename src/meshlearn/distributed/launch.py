@@ -24,7 +24,6 @@ import signal
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import TextIO
 
@@ -34,11 +33,18 @@ from meshlearn.config import RunConfig
 from meshlearn.distributed.groups import world_size
 from meshlearn.distributed.health import ABORT_KEY, EXIT_PEER_FAILURE, process_name
 from meshlearn.distributed.settings import derive_deadlines
-from meshlearn.mesh.topology import MeshShape
+from meshlearn.elastic.binding import BoundStore, check_bound
+from meshlearn.elastic.membership import (
+    LIGHTHOUSES_ENV,
+    WORKERS_FILE,
+    publish_run,
+    start_lighthouses,
+    watch_elastic,
+)
+from meshlearn.elastic.settings import derive_timeouts
+from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.train.checkpoint import latest_complete
 from meshlearn.train.files import atomic_write_json
-
-WORKERS_FILE = "workers.json"  # worker → rank, pid: for operators (and the kill test)
 
 
 def _child(argv: list[str], env: dict[str, str], log_path: str) -> None:
@@ -70,8 +76,11 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
     run_dir = Path(run_dir)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, world_size=world, is_master=True,
-                          timeout=timedelta(seconds=cfg.dist.init_timeout_s), wait_for_workers=False)
+    host = cfg.elastic.host if cfg.elastic.enabled else "127.0.0.1"
+    # TCPStore's own server would listen on every interface: give it a socket on ``host``.
+    bound = BoundStore(host, cfg.dist.init_timeout_s, world_size=world)
+    store = bound.store
+    lighthouses = start_lighthouses(cfg, host) if cfg.elastic.enabled else []
     ctx = mp.get_context("forkserver")
     # torch._dynamo is what building an optimizer imports lazily: ~1.5 s of CPU once, not per worker.
     ctx.set_forkserver_preload(["meshlearn.distributed.worker", "torch._dynamo"])
@@ -80,19 +89,29 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
         name = process_name(mesh, rank)
         env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+               "MASTER_ADDR": host, "MASTER_PORT": str(store.port),
                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
-               "MESHLEARN_STORE_OWNER": f"the launcher's store at 127.0.0.1:{store.port}"}
+               "MESHLEARN_STORE_OWNER": f"the launcher's store at {host}:{store.port}",
+               LIGHTHOUSES_ENV: ",".join(address for _, address in lighthouses)}
         log = logs / f"{name}.log"
         with log.open("a") as f:
             f.write(f"--- meshlearn worker {name} (rank {rank}) {' '.join(worker_argv)}\n")
         proc = ctx.Process(target=_child, args=(worker_argv, env, str(log)), name=name)
         proc.start()
         procs.append(proc)
-    atomic_write_json(run_dir / WORKERS_FILE,
-                      {p.name: {"rank": rank, "pid": p.pid} for rank, p in enumerate(procs)})
+    membership = {p.name: {"rank": rank, "pid": p.pid, "events": [{"event": "joined", "step": 0}]}
+                  for rank, p in enumerate(procs)}
+    atomic_write_json(run_dir / WORKERS_FILE, membership)
+    if cfg.elastic.enabled:
+        check_bound(os.getpid(), host, "the launcher")
+        publish_run(store, run_dir, f"{host}:{store.port}", lighthouses)
     stopping = _forward_signals(procs)
     try:
+        if cfg.elastic.enabled:
+            timeouts = derive_timeouts(cfg.elastic, cfg.dist, cfg.link)
+            return watch_elastic(procs, store, membership, run_dir,
+                                 logs / f"{WorkerId(0, mesh.stages - 1)}.log", out,
+                                 grace_s=timeouts.quorum_s + timeouts.heartbeat_s + 10.0)
         codes = _watch(procs, cfg, logs / f"{mesh.worker(0)}.log", out)
     except BaseException as err:  # a second Ctrl-C, or a caller's timeout: never leave workers behind
         _stop(procs, signal.SIGTERM, wait_s=5.0)
@@ -104,6 +123,8 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
         raise
     finally:
         stopping["restore"]()
+        for server, _ in lighthouses:
+            server.shutdown()
     if all(code == 0 for code in codes.values()):
         return 0
     signum = stopping.get("signum")

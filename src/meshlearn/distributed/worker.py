@@ -29,6 +29,7 @@ from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.groups import build_groups, verifier_rank, world_size
 from meshlearn.distributed.health import EXIT_PEER_FAILURE, Health, WorkerFailure, process_name, store_client
 from meshlearn.distributed.settings import derive_deadlines
+from meshlearn.elastic.membership import JOIN_ENV
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.models.split import init_model, split_model
 from meshlearn.protocol.plugin import stage_modules
@@ -80,13 +81,24 @@ def start_session(cfg: RunConfig) -> Session:
         torch.cuda.set_device(device)
     threads = cfg.dist.threads or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
-    dist.init_process_group(comm, timeout=timedelta(seconds=cfg.dist.init_timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    scope = None
+    if cfg.elastic.enabled:
+        from meshlearn.elastic.binding import interface_of
+
+        # gloo's sockets on elastic.host's interface only; a dead peer outside this worker's
+        # pipeline row is not this worker's failure.
+        os.environ["GLOO_SOCKET_IFNAME"] = interface_of(cfg.elastic.host)
+        me = mesh.worker(rank)
+        scope = {mesh.rank(WorkerId(me.replica, s)) for s in range(mesh.stages)}
+    if os.environ.get(JOIN_ENV) != "1":  # a joiner has no place in the fixed world group
+        dist.init_process_group(comm, timeout=timedelta(seconds=cfg.dist.init_timeout_s),
+                                device_id=device if device.type == "cuda" else None)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     deadlines = derive_deadlines(cfg.dist, cfg.link, 0, 0, 0, 1)
     store = store_client(host, port, deadlines.dead_after_s)
     owner = os.environ.get("MESHLEARN_STORE_OWNER", f"rendezvous store at {host}:{port}")
-    health = Health(store, mesh, rank, cfg.dist.heartbeat_s, deadlines.dead_after_s, owner, world=world)
+    health = Health(store, mesh, rank, cfg.dist.heartbeat_s, deadlines.dead_after_s, owner, world=world,
+                    scope=scope)
     health.start()
     me = mesh.worker(rank) if rank < mesh.world_size else None  # None: the verifier
     return Session(rank, world, local_world, mesh, me, device, comm, health)
@@ -95,11 +107,16 @@ def start_session(cfg: RunConfig) -> Session:
 def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
     """This process's worker and its groups. Group creation is collective: same order everywhere."""
     mesh, me = session.mesh, session.me
-    groups = build_groups(cfg, mesh, session.rank)
+    # Elastic runs: torchft owns the DP axis (and a joiner has no place in the fixed world group).
+    groups = build_groups(cfg, mesh, session.rank, dp_groups=not cfg.elastic.enabled)
     # Every process builds the same seeded unsplit model and keeps its stage: identical replicas.
     stages = stage_modules(cfg, split_model(init_model(cfg.model, cfg.seed), mesh.stages))
     module = stages[me.stage].to(session.device)
     worker = build_worker(cfg, me, module)
+    if cfg.elastic.enabled:
+        from meshlearn.elastic.worker import build_elastic_driver
+
+        return build_elastic_driver(cfg, session, worker, groups.links)
     return DistDriver(cfg, worker, session.health, session.device, session.comm, groups.dp, groups.links,
                       workers_group=groups.workers, relay=verifier_rank(cfg, mesh))
 
@@ -135,27 +152,31 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
 
     session.health.on_exit = flush
     try:
-        if cfg.data.tokenizer in ("bpe", "model") and not resume:
+        if cfg.data.tokenizer in ("bpe", "model") and not resume and os.environ.get(JOIN_ENV) != "1":
             _train_tokenizer_once(cfg, run_dir, session)
         # SIGINT/SIGTERM (from the launcher, torchrun or a scheduler): every process stops after
         # the same step, agreed through the rendezvous store (meshlearn/train/signals.py).
         stop = GracefulStop(store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                          cfg.dist.init_timeout_s), repeat="ignore").install()
-        trainer = Trainer(cfg, run_dir, resume=resume, progress=session.rank == 0,
+        trainer = Trainer(cfg, run_dir, resume=resume, progress=True,
                           driver=lambda resolved: build_driver(resolved, session), stop=stop)
         summary = trainer.train()
         trainer.driver.close()
-        if session.rank == 0 and trainer.interrupted:
+        if trainer.writer and trainer.interrupted:
             print(f"stopped by {trainer.interrupted} after step {summary['steps']} with a checkpoint "
                   f"→ {run_dir}")
-        elif session.rank == 0:
+        elif trainer.writer:
             print(f"done: {summary['steps']} steps, val loss {summary['final_val_loss']:.4f}, "
                   f"{summary['wall_tokens_per_s']:.0f} tok/s wall over {session.world} processes → {run_dir}")
         flush()
+        if cfg.elastic.enabled:  # peers may be gone: tearing the world group down could block
+            os._exit(stop.exit_code if trainer.interrupted else 0)
         dist.destroy_process_group()
         return stop.exit_code if trainer.interrupted else 0
     except WorkerFailure as err:
-        message, code = str(err), EXIT_PEER_FAILURE
+        message, code = str(err), session.health.exit_code
+        if code != EXIT_PEER_FAILURE:
+            message = f"left the run: {message}"
     except BaseException as err:  # noqa: BLE001 — our own failure: publish it, naming ourselves
         traceback.print_exc()
         message, code = session.health.abort(f"worker {name} failed: {type(err).__name__}: {err}"), 1
@@ -188,10 +209,18 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a config key (repeatable; later wins)")
     parser.add_argument("--out", default="runs/latest", help="run folder (default: runs/latest)")
     parser.add_argument("--resume", metavar="RUN", help="continue RUN from its last complete checkpoint")
+    parser.add_argument("--join", metavar="HOST:PORT",
+                        help="join the running elastic run whose store is HOST:PORT (in RUN/elastic.json; "
+                             "--out names the run folder): take a free slot, heal from a live peer, train")
 
 
 def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path, bool]:
-    """The same (config, run folder, resume) resolution as ``meshlearn train``."""
+    """The same (config, run folder, resume) resolution as ``meshlearn train``; ``--join``: the
+    running elastic run's config, this process set up for a free slot of it."""
+    if getattr(args, "join", None):
+        from meshlearn.elastic.worker import prepare_join
+
+        return prepare_join(args.join, Path(args.out)), Path(args.out), False
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "config.toml").is_file():

@@ -344,6 +344,19 @@ class Worker:
         if (action.microbatch + 1) % self.microbatches == 0:
             del self.work[step]
 
+    def discard_update(self, action: Action) -> None:
+        """Update U ``action`` that the mesh did not commit (an elastic step a replica failed in):
+        the gradients are dropped, the weights and optimizer state stay as they were; the plan
+        and the version move on as after ``apply_update``, so the next step runs as usual."""
+        assert action == self.next_action(), f"{self.id}: {action} not ready"
+        step = action.microbatch // self.microbatches
+        self.optimizer.zero_grad(set_to_none=True)
+        self._group_versions = []
+        self.version += 1
+        self.plan.advance("U")
+        if (action.microbatch + 1) % self.microbatches == 0:
+            del self.work[step]
+
     def _stats(self, step: int) -> StepStats:
         return self.stats.setdefault(step, StepStats())
 

@@ -77,6 +77,10 @@ class Trainer:
         if common is not None:
             self.totals = Totals(**common["totals"])
             self.last_val_loss = common["last_val_loss"]
+        joined_at = getattr(self.driver, "joined_at", None)
+        if joined_at is not None:  # a driver that joined a running mesh (elastic): start where it is
+            self.totals.step = joined_at
+            self.totals.tokens = joined_at * self.cfg.train.batch_size * self.cfg.model.seq_len
         train = self.cfg.train
         stops_early = self.totals.step < train.stop_at_step < train.steps
         # The step this invocation trains to (train.stop_at_step, if it stops early, else train.steps).

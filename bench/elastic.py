@@ -1,0 +1,128 @@
+"""Elastic membership beside the fixed-membership driver, on the same shaped links.
+
+The demo model on P=2 stages × D=2 replicas, every link 100 Mbit/s with 20 ms one-way latency,
+sender-paced (``dist.shaping=sender``), four processes on this machine. Four runs, one after the
+other: the fixed-membership DistDriver; elastic with nobody failing; elastic with worker r1s1
+SIGKILLed once the writer has logged ``--fail-after`` steps; the same with SIGSTOP instead.
+
+Reported: the median wall time per step (steps after the first), the quorum's own median time per
+step (``quorum_s``: asking the stage's lighthouse until the quorum formed), and for the failure
+runs the **failover time**: the wall time of the steps from the first one that did not commit or
+ran with fewer replicas through the first committed step of the shrunken quorum, minus one median
+step of the clean elastic run — the time the failure cost the survivors (the kill lands somewhere
+inside a step, so this bounds detection + recovery from above by less than a step).
+
+    python bench/elastic.py [--steps 16] [--fail-after 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shutil
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from common import demo_config, markdown_table, write_results
+
+from meshlearn.config import save_config
+from meshlearn.distributed.launch import WORKERS_FILE, launch_local
+from meshlearn.train.files import read_records
+
+
+def overrides(steps: int, elastic: bool) -> list[str]:
+    return ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "link.bandwidth_mbit=100",
+            "link.latency_ms=20", f"train.steps={steps}", "train.eval_every=100000",
+            "train.checkpoint_every=0", "dist.threads=1", "dist.heartbeat_s=0.2",
+            "dist.dead_after_s=2", "dist.timeout_s=10", f"elastic.enabled={str(elastic).lower()}"]
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [r for r in read_records(path) if r["kind"] == "train"] if path.exists() else []
+
+
+def run(steps: int, elastic: bool, fault: signal.Signals | None, fail_after: int) -> list[dict]:
+    cfg = demo_config(*overrides(steps, elastic))
+    root = Path(tempfile.mkdtemp(prefix="meshlearn-elastic-bench-"))
+    run_dir, source = root / "run", root / "run.toml"
+    save_config(cfg, source)
+    argv = ["--config", str(source), "--out", str(run_dir)]
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.setdefault(
+        "code", launch_local(argv, cfg, run_dir, out=io.StringIO())))
+    thread.start()
+    pid = None
+    try:
+        if fault is not None:
+            while len(train_records(run_dir)) < fail_after:
+                assert thread.is_alive(), "the run ended before the failure was injected"
+                time.sleep(0.05)
+            pid = json.loads((run_dir / WORKERS_FILE).read_text())["r1s1"]["pid"]
+            os.kill(pid, fault)
+        thread.join()
+        assert result["code"] == 0, f"run failed: {result}"
+        return train_records(run_dir)
+    finally:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def failover_s(rows: list[dict], clean_step_s: float) -> tuple[float, list[int]]:
+    first = next(i for i, r in enumerate(rows) if not r["committed"] or r["participants"] < 2)
+    last = next(i for i in range(first, len(rows)) if rows[i]["committed"] and rows[i]["participants"] < 2)
+    lost = [r["step"] for r in rows[first:last + 1] if not r["committed"]]
+    return sum(r["step_wall_s"] for r in rows[first:last + 1]) - clean_step_s, lost
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--fail-after", type=int, default=5)
+    args = parser.parse_args()
+    fixed = run(args.steps, False, None, 0)
+    clean = run(args.steps, True, None, 0)
+    killed = run(args.steps, True, signal.SIGKILL, args.fail_after)
+    stopped = run(args.steps, True, signal.SIGSTOP, args.fail_after)
+    step = {name: statistics.median(r["step_wall_s"] for r in rows[1:])
+            for name, rows in [("fixed", fixed), ("elastic", clean)]}
+    quorum = statistics.median(r["quorum_s"] for r in clean[1:])
+    kill_s, kill_lost = failover_s(killed, step["elastic"])
+    stop_s, stop_lost = failover_s(stopped, step["elastic"])
+    table = [
+        {"run": "fixed membership (DistDriver)", "step_s": step["fixed"], "quorum_s": "—",
+         "failover_s": "—", "lost": "—"},
+        {"run": "elastic, nobody fails", "step_s": step["elastic"], "quorum_s": quorum,
+         "failover_s": "—", "lost": "—"},
+        {"run": f"elastic, r1s1 SIGKILLed after step {args.fail_after}",
+         "step_s": statistics.median(r["step_wall_s"] for r in killed[1:]), "quorum_s": "—",
+         "failover_s": kill_s, "lost": str(kill_lost)},
+        {"run": f"elastic, r1s1 SIGSTOPped after step {args.fail_after}",
+         "step_s": statistics.median(r["step_wall_s"] for r in stopped[1:]), "quorum_s": "—",
+         "failover_s": stop_s, "lost": str(stop_lost)},
+    ]
+    markdown = markdown_table(table, [("run", "run", ""), ("step_s", "median s/step", ".3f"),
+                                      ("quorum_s", "median quorum s/step", ".4f"),
+                                      ("failover_s", "failover s", ".2f"), ("lost", "steps lost", "")])
+    overhead = step["elastic"] - step["fixed"]
+    markdown += (f"\n\nDemo model, P=2 × D=2, 100 Mbit/s, 20 ms, {args.steps} steps, dist.dead_after_s=2, "
+                 f"dist.timeout_s=10, load average {os.getloadavg()[0]:.1f}. Elastic overhead per step: "
+                 f"{overhead:+.3f} s ({overhead / step['fixed'] * 100:+.1f}%).")
+    write_results("elastic", {"args": vars(args), "median_step_s": step, "median_quorum_s": quorum,
+                              "failover_kill_s": kill_s, "lost_kill": kill_lost,
+                              "failover_stop_s": stop_s, "lost_stop": stop_lost,
+                              "records": {"fixed": fixed, "elastic": clean, "kill": killed,
+                                          "stop": stopped}}, markdown)
+
+
+if __name__ == "__main__":
+    main()

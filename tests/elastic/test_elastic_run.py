@@ -1,0 +1,186 @@
+"""Elastic membership with real processes on loopback (shaped links): a stage replica SIGKILLed
+mid-run leaves with its pipeline row, the other replicas go on and the run completes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
+
+from dist_helpers import deadline, kill_leftovers, launch, records  # noqa: E402
+from tiny import tiny_config  # noqa: E402
+
+from meshlearn.distributed.launch import WORKERS_FILE  # noqa: E402
+from meshlearn.train.checkpoint import latest_complete  # noqa: E402
+from meshlearn.train.files import read_records  # noqa: E402
+
+ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "train.steps=8", "elastic.enabled=true",
+           "dist.timeout_s=5", "dist.dead_after_s=2"]
+
+
+def _wait(predicate, seconds: float, what: str) -> None:
+    end = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < end, f"{what} did not happen within {seconds} s"
+        time.sleep(0.02)
+
+
+def _train_records(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return sum(r["kind"] == "train" for r in read_records(path)) if path.exists() else 0
+
+
+def test_killed_stage_replica_leaves_and_the_others_finish(tiny_corpus, tmp_path):
+    cfg = tiny_config(tiny_corpus, *ELASTIC)
+    run = tmp_path / "run"
+    result = {}
+    try:
+        with deadline(120, "the elastic run with a kill"):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
+            thread.start()
+            _wait(lambda: _train_records(run) >= 2, 60, "two committed steps")
+            pid = json.loads((run / WORKERS_FILE).read_text())["r1s1"]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            thread.join()
+    finally:
+        kill_leftovers(run)
+    assert result["code"] == 0
+    rows = records(run)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert all(r["participants"] == 2 for r in rows[:2])
+    assert rows[-1]["participants"] == 1  # replica 1's row is gone from every later quorum
+    committed = [r for r in rows if r["committed"]]
+    assert all(math.isfinite(r["train_loss"]) for r in committed)
+    assert len(rows) - len(committed) <= 1  # at most the step the kill landed in is lost
+    assert committed[-1]["train_loss"] < committed[0]["train_loss"]
+    members = json.loads((run / WORKERS_FILE).read_text())
+    assert members["r1s1"]["events"][-1]["why"] == "killed by SIGKILL"
+    assert members["r1s0"]["events"][-1]["why"] == "left: its pipeline row broke"
+    assert members["r1s0"]["events"][-1]["step"] >= 2
+    for name in ("r0s0", "r0s1"):
+        assert members[name]["events"][-1] == {"event": "finished", "step": 8, "why": "finished"}
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["uncommitted_steps"] == len(rows) - len(committed)
+
+
+@pytest.mark.slow
+def test_every_replica_of_a_stage_killed_stops_with_its_name_and_resume_is_exact(tiny_corpus, tmp_path,
+                                                                                 capsys):
+    cfg = tiny_config(tiny_corpus, *ELASTIC, "train.steps=10", "train.checkpoint_every=2")
+    run = tmp_path / "run"
+    result = {}
+    try:
+        with deadline(150, "the elastic run that loses stage 1, and its resume"):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
+            thread.start()
+            _wait(lambda: latest_complete(run) is not None and _train_records(run) >= 4, 60,
+                  "a complete checkpoint")
+            members = json.loads((run / WORKERS_FILE).read_text())
+            for name in ("r0s1", "r1s1"):
+                os.kill(members[name]["pid"], signal.SIGKILL)
+            thread.join()
+            assert result["code"] == 1
+            report = capsys.readouterr().err
+            first = report.splitlines()[0]
+            assert first.startswith("meshlearn: error: no pipeline row finished the run: every replica "
+                                    "of stage 1 is gone"), report
+            assert "--resume" in report
+            assert launch(cfg, run, resume=True) == 0
+    finally:
+        kill_leftovers(run)
+    straight = tmp_path / "straight"
+    assert launch(cfg, straight) == 0
+    a, b = records(straight), records(run)
+    assert [r["step"] for r in b] == list(range(1, 11))
+    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]  # bit for bit
+
+
+@pytest.mark.slow
+def test_frozen_stage_replica_is_dropped_by_timeout_and_the_others_finish(tiny_corpus, tmp_path):
+    """SIGSTOP: no connection is reset; the row partner's heartbeat watch and the quorum's heartbeat
+    timeout find it. The launcher kills the frozen process once the run has ended."""
+    cfg = tiny_config(tiny_corpus, *ELASTIC)
+    run = tmp_path / "run"
+    result = {}
+    try:
+        with deadline(150, "the elastic run with a frozen worker"):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
+            thread.start()
+            _wait(lambda: _train_records(run) >= 2, 60, "two committed steps")
+            os.kill(json.loads((run / WORKERS_FILE).read_text())["r1s1"]["pid"], signal.SIGSTOP)
+            thread.join()
+    finally:
+        kill_leftovers(run)
+    assert result["code"] == 0
+    rows = records(run)
+    assert [r["step"] for r in rows] == list(range(1, 9)) and rows[-1]["participants"] == 1
+    members = json.loads((run / WORKERS_FILE).read_text())
+    assert members["r1s1"]["events"][-1]["why"] == "killed by the launcher: no answer after the run ended"
+    assert "r1s1 stopped answering" in (run / "logs" / "r1s0.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_replacement_joins_heals_from_a_live_peer_and_contributes(tiny_corpus, tmp_path):
+    """One stage, two replicas: r1s0 is SIGKILLed; ``meshlearn worker --join`` takes its slot, heals
+    from r0s0 at the next step and trains on; at the end both replicas' weights and optimizer
+    state are equal bit for bit (a replica whose optimizer state had not been healed would drift)."""
+    import subprocess
+
+    import torch
+
+    steps = 12
+    # min_replicas = 2: after the kill no quorum forms until the replacement is in (the survivor
+    # waits for it, up to quorum_timeout_s), so the test does not race the end of the run.
+    cfg = tiny_config(tiny_corpus, "backend=dist", "mesh.replicas=2", f"train.steps={steps}",
+                      "elastic.enabled=true", "elastic.min_replicas=2", "elastic.quorum_timeout_s=90",
+                      "dist.timeout_s=5", "dist.dead_after_s=2")
+    run = tmp_path / "run"
+    result = {}
+    joiner = None
+    try:
+        with deadline(150, "the elastic run with a replacement"):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
+            thread.start()
+            _wait(lambda: _train_records(run) >= 3, 60, "three committed steps")
+            os.kill(json.loads((run / WORKERS_FILE).read_text())["r1s0"]["pid"], signal.SIGKILL)
+            _wait(lambda: len(json.loads((run / WORKERS_FILE).read_text())["r1s0"]["events"]) >= 2, 30,
+                  "r1s0's departure in workers.json")
+            address = json.loads((run / "elastic.json").read_text())["store"]
+            src = Path(__file__).resolve().parents[2] / "src"
+            joiner = subprocess.Popen(
+                [sys.executable, "-m", "meshlearn.distributed.worker", "--join", address, "--out", str(run)],
+                env=os.environ | {"PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"},
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            output = joiner.communicate(timeout=120)[0]
+            thread.join()
+    finally:
+        if joiner is not None and joiner.poll() is None:
+            joiner.kill()
+        kill_leftovers(run)
+    assert joiner.returncode == 0, output
+    assert result["code"] == 0
+    events = json.loads((run / WORKERS_FILE).read_text())["r1s0"]["events"]
+    kinds = [e["event"] for e in events]
+    assert kinds == ["joined", "left", "joined", "finished"], events
+    joined_at = events[2]["step"]
+    assert f"joined at step {joined_at + 1}, healed from a live replica" in output
+    rows = records(run)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert joined_at >= 3 and all(r["participants"] == 2 for r in rows[joined_at:])  # it contributes
+    assert all(r["committed"] for r in rows[joined_at:])
+    final = run / "checkpoints" / f"step-{steps:06d}"
+    a, b = (torch.load(final / f"{w}.pt", weights_only=False)["workers"][w] for w in ("r0s0", "r1s0"))
+    for key, tensor in a["module"].items():
+        assert torch.equal(tensor, b["module"][key]), key
+    for (pa, sa), (pb, sb) in zip(a["optimizer"]["state"].items(), b["optimizer"]["state"].items(),
+                                  strict=True):
+        assert pa == pb and all(torch.equal(sa[k], sb[k]) for k in sa), pa

@@ -1,0 +1,130 @@
+"""Elastic pieces without a training run: config validation, derived timeouts, the listening
+addresses of torchft's components (read from /proc), the cross-stage commit vote."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+import torch.distributed as dist
+from tiny import tiny_config
+
+from meshlearn.config import ConfigError, load_config
+from meshlearn.elastic.binding import (
+    BoundStore,
+    bound_process_group,
+    check_bound,
+    create_manager,
+    interface_of,
+    start_lighthouse,
+)
+from meshlearn.elastic.listeners import listening
+from meshlearn.elastic.quorum import CommitVote
+from meshlearn.elastic.settings import ElasticConfig, derive_timeouts
+from meshlearn.mesh.topology import WorkerId
+
+ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "elastic.enabled=true"]
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("elastic.host=0.0.0.0", "elastic.host"), ("elastic.host=localhost", "elastic.host"),
+    ("elastic.min_replicas=3", "elastic.min_replicas"), ("mesh.schedule=async", "mesh.schedule"),
+    ("dp.name=diloco", "dp.name"), ("backend=sim", "elastic.enabled"),
+    ("elastic.heartbeat_timeout_s=-1", "elastic.heartbeat_timeout_s")])
+def test_bad_elastic_config_names_the_field(tiny_corpus, override, field):
+    with pytest.raises(ConfigError) as err:
+        tiny_config(tiny_corpus, *ELASTIC, override)
+    assert str(err.value).startswith(f"{field} = ")
+
+
+def test_elastic_is_off_by_default_and_timeouts_come_from_the_link():
+    cfg = load_config(None, ["link.latency_ms=50", "dist.dead_after_s=4"])
+    assert cfg.elastic.enabled is False
+    t = derive_timeouts(cfg.elastic, cfg.dist, cfg.link, grad_bytes=4_000_000, replicas=2)
+    assert t.heartbeat_s == pytest.approx(4 + 2 * 0.05)  # dead_after + a round trip
+    assert t.join_s == t.heartbeat_s and t.quorum_s > t.collective_s > cfg.dist.timeout_s
+    set_by_hand = derive_timeouts(ElasticConfig(heartbeat_timeout_s=1.5), cfg.dist, cfg.link)
+    assert set_by_hand.heartbeat_ms == 1500
+
+
+def test_a_plain_tcpstore_listens_everywhere_and_a_bound_one_does_not():
+    """Why BoundStore exists: torch's TCPStore server binds [::] whatever host it is given."""
+    plain = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert ("::", plain.port) in listening(os.getpid())
+    bound = BoundStore("127.0.0.1", 10)
+    assert ("127.0.0.1", bound.port) in listening(os.getpid())
+    del plain
+    client = dist.TCPStore("127.0.0.1", bound.port, is_master=False)
+    client.set("k", "v")
+    assert bound.store.get("k") == b"v"
+
+
+def test_check_bound_refuses_a_wildcard_listener():
+    sock = socket.socket()
+    sock.bind(("0.0.0.0", 0))
+    sock.listen(1)
+    try:
+        with pytest.raises(RuntimeError, match="0.0.0.0"):
+            check_bound(os.getpid(), "127.0.0.1", "this test")
+    finally:
+        sock.close()
+
+
+def _vote_all(votes: dict[WorkerId, tuple[int, bool]], stages: int, deadline_s: float = 5.0):
+    store = BoundStore("127.0.0.1", 10).store
+    results = {}
+
+    def one(wid, participants, ok):
+        results[wid] = CommitVote(store, stages, deadline_s).decide(7, wid, participants, ok)
+
+    threads = [threading.Thread(target=one, args=(w, n, ok)) for w, (n, ok) in votes.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_a_step_commits_in_every_stage_or_in_none():
+    yes = _vote_all({WorkerId(r, s): (2, True) for r in range(2) for s in range(2)}, stages=2)
+    assert set(yes.values()) == {True}
+    one_no = _vote_all({WorkerId(0, 0): (2, True), WorkerId(1, 0): (2, True),
+                        WorkerId(0, 1): (1, False)}, stages=2)  # a dead replica never votes
+    assert set(one_no.values()) == {False}
+
+
+def test_a_stage_without_replicas_stops_the_run_with_its_name():
+    vote = CommitVote(BoundStore("127.0.0.1", 10).store, stages=2, deadline_s=0.3)
+    with pytest.raises(RuntimeError, match="no replica of stage 1 is left"):
+        vote.decide(7, WorkerId(0, 0), 1, True)
+
+
+# Last in this file: torchft's background threads outlive the test and slow what follows.
+def test_torchft_components_listen_on_the_configured_address_only(monkeypatch):
+    """Lighthouse, manager server, the replica's store and the quorum's store: each on 127.0.0.1,
+    nothing on a wildcard (checked from /proc of this process, which hosts all of them)."""
+    from datetime import timedelta
+
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    before = set(listening(os.getpid()))
+    server, address = start_lighthouse("127.0.0.1", 1, 100, 1000)
+    store = BoundStore("127.0.0.1", 10)
+    pg = bound_process_group("127.0.0.1", timedelta(seconds=5))
+    manager = create_manager("127.0.0.1", pg=pg, load_state_dict=lambda s: None, state_dict=lambda: {},
+                             min_replica_size=1, use_async_quorum=False, timeout=timedelta(seconds=5),
+                             rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
+                             lighthouse_addr=address, replica_id="r0s0", init_sync=False,
+                             checkpoint_transport=PGTransport(pg, timedelta(seconds=5), None))
+    try:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", interface_of("127.0.0.1"))
+        manager.start_quorum()  # creates the quorum's store and the gloo group
+        opened = set(listening(os.getpid())) - before
+        assert len(opened) >= 4, opened  # lighthouse, replica store, manager server, quorum store
+        assert all(a == "127.0.0.1" for a, _ in opened), opened
+        check_bound(os.getpid(), "127.0.0.1", "this test")
+    finally:
+        manager.shutdown(wait=False)
+        server.shutdown()
