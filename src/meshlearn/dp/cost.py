@@ -9,8 +9,12 @@ message sizes are their own code; only what needs values is replaced here:
 - sparse averaging counts a round's indices in closed form (the partition's slice lengths,
   ⌊(k+1)N/K⌋ − ⌊kN/K⌋ per tensor) instead of materializing them, and its ``apply`` merges nothing.
 
-PowerSGD and streaming DiLoCo run unchanged on meta tensors (matmuls, QR and the outer step are
-shape arithmetic there).
+- PowerSGD sends its two phases at the sizes of its own ``wire_values`` and streaming DiLoCo
+  each fragment's ``fragment_numel``, with their phase logic (pre_ready, post_wait, deadlines,
+  which fragments sync at which update) inherited unchanged.
+
+(Meta arithmetic would give the same sizes, but every meta op runs through Python decompositions:
+seconds per simulated step.)
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from meshlearn.dp.base import DPStrategy, Exchange, Key
+from meshlearn.dp.diloco import StreamingDiLoCo, Sync
+from meshlearn.dp.powersgd import PowerSGD
 from meshlearn.dp.registry import BUILDERS, _deadline
 from meshlearn.dp.sparse import Round, SparseAveraging
 from meshlearn.mesh.messages import Message
@@ -30,6 +36,52 @@ class CostExchange(Exchange):
             return None
         self.parts.setdefault(key, {})[message.src.replica] = message.payload.tensors["values"]
         return key if self.complete(key) else None
+
+    def mean(self, key: Key) -> torch.Tensor | None:
+        parts = self.parts.pop(key)
+        return parts[self.me.replica]  # a meta tensor of the round's size: nothing to average
+
+
+def _values(n: int) -> torch.Tensor:
+    return torch.empty(n, device="meta")
+
+
+class CostPowerSGD(PowerSGD):
+    def pre_step(self, u: int) -> list[Message]:
+        self.rounds += 1
+        if self.replicas == 1:
+            self._done.add(u)
+            return []
+        return self.share((u, 0), _values(self.wire_values()[0]), u)
+
+    def on_complete(self, key: Key) -> list[Message]:
+        self.exchange.mean(key)
+        u, phase = key
+        if phase == 0:
+            return self.share((u, 1), _values(self.wire_values()[1]), u)
+        self._done.add(u)
+        return []
+
+
+class CostDiLoCo(StreamingDiLoCo):
+    def post_step(self, u: int) -> list[Message]:
+        if self.replicas == 1:
+            return []
+        out = []
+        for f in self.syncing(u):
+            self.pending[(u, f)] = Sync(f)
+            self.rounds += 1
+            out += self.share((u, f), _values(self.fragment_numel(f)), u + 1)
+        return out
+
+    def on_complete(self, key: Key) -> list[Message]:
+        self.exchange.mean(key)
+        self.pending[key].merged = []
+        return []
+
+    def apply(self, u: int) -> None:
+        for key in [k for k in self.pending if k[0] == u - self.overlap]:
+            self.pending.pop(key)
 
 
 class CostSparseAveraging(SparseAveraging):
@@ -71,5 +123,8 @@ def build_cost_strategy(cfg, worker, profile) -> DPStrategy:
         strategy._deadline_s = _deadline(cfg, nbytes, profile)
     else:
         strategy = BUILDERS[cfg.name](cfg, worker, profile)
+        cost_class = {"powersgd": CostPowerSGD, "diloco": CostDiLoCo}.get(cfg.name)
+        if cost_class is not None:
+            strategy.__class__ = cost_class  # built by the registry's own rule, then made cost-only
     strategy.exchange = CostExchange(worker.id, worker.mesh.replicas)
     return strategy

@@ -10,7 +10,9 @@ formula: tokens/s is the virtual clock's, bytes are the links' counters.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +23,7 @@ from meshlearn.config import RunConfig
 from meshlearn.dp.cost import build_cost_strategy
 from meshlearn.mesh.compute import ComputeModel
 from meshlearn.mesh.schedule import build_plan
-from meshlearn.mesh.sim import SimDriver
+from meshlearn.mesh.sim import CostSimDriver
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import CostWorker, StepWork
 from meshlearn.models.split import build_stage
@@ -47,14 +49,23 @@ def cost_codec(cfg: RunConfig):
     return codec
 
 
+@functools.lru_cache(maxsize=8)
+def meta_stages(model, stages: int) -> tuple:
+    """The stage modules on the meta device (shared templates: workers get deep copies)."""
+    with torch.device("meta"):
+        return tuple(build_stage(model, s, stages) for s in range(stages))
+
+
 def build_cost_workers(cfg: RunConfig) -> dict[WorkerId, CostWorker]:
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
     codec = cost_codec(cfg)
+    stages = meta_stages(cfg.model, mesh.stages)
     workers = {}
     for wid in mesh.workers():
-        with torch.device("meta"):
-            module = build_stage(cfg.model, wid.stage, mesh.stages)
-        optimizer = torch.optim.SGD(module.parameters(), lr=cfg.train.lr)  # steps on meta: no-op
+        module = copy.deepcopy(stages[wid.stage])
+        # The update's own code runs (lr, zero_grad, versions, stashes); its arithmetic is not a
+        # cost the device model counts from the optimizer (update_s: 28 bytes per parameter).
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.train.lr)
         plan = build_plan(cfg.mesh.schedule, wid.stage, mesh.stages, cfg.mesh.microbatches,
                           stage_in_flight(cfg, wid.stage), cfg.mesh.update_every)
         worker = CostWorker(wid, mesh, module, optimizer, codec, plan, cfg.mesh.microbatches,
@@ -158,7 +169,7 @@ def simulate(cfg: RunConfig, steps: int) -> CostResult:
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
     workers = build_cost_workers(cfg)
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
-    driver = SimDriver(mesh, workers, build_network(cfg), ComputeModel(cfg.sim, cfg.model),
+    driver = CostSimDriver(mesh, workers, build_network(cfg), ComputeModel(cfg.sim, cfg.model),
                        cfg.train.grad_clip)
     source = CostSource(cfg, steps)
     for t in range(steps):
