@@ -1,5 +1,5 @@
-"""The ``meshlearn`` command: train, resume, config, report, sample, export, compress. A thin entry point
-over the library; every error a user can fix is one line and exit code 2."""
+"""The ``meshlearn`` command: train, resume, config, report, sample, export, compress, plan. A thin
+entry point over the library; every error a user can fix is one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -208,6 +208,55 @@ def _compress(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from meshlearn.plan.planner import format_table, plan, write_plot
+    from meshlearn.plan.presets import MODELS, preset_overrides
+
+    sets = list(args.set)
+    tied = False
+    if args.model:
+        if args.model not in MODELS:
+            raise ConfigError("--model", args.model,
+                              f"allowed: {sorted(MODELS)} (or any model.* key with --set)")
+        preset = preset_overrides(args.model)
+        tied = bool(MODELS[args.model].get("tie_embeddings"))
+        # A tied preset is untied across stages (the loader refuses tying for mesh.stages > 1).
+        sets = [*[s.replace("tie_embeddings=true", "tie_embeddings=false") for s in preset], *sets]
+    if args.device:
+        sets.append(f"sim.device={args.device}")
+    for flag, value in [("--steps", args.steps), ("--sweep-steps", args.sweep_steps)]:
+        if value < 1:
+            raise ConfigError(flag, value, "must be >= 1 (steps to simulate)")
+    if args.subspace_rank < 0:
+        raise ConfigError("--subspace-rank", args.subspace_rank, "must be >= 1 (0: d_model / 64, at least 8)")
+    cfg = load_config(args.config, sets)
+    if tied and cfg.mesh.stages == 1 and not any(s.startswith("model.tie_embeddings") for s in args.set):
+        cfg = load_config(args.config, [*sets, "model.tie_embeddings=true"])
+    if cfg.model.vocab_size <= 0:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=256))  # bytes
+    try:
+        result = plan(cfg, args.steps, args.sweep_steps, args.subspace_rank)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if tied and cfg.mesh.stages > 1:
+        result["notes"].append(f"{args.model} ties its embeddings; across {cfg.mesh.stages} stages "
+                               "the last stage holds its own copy of the embedding "
+                               "(model.tie_embeddings = false)")
+    if args.plot != "none":
+        result["plot"] = str(write_plot(result, Path(args.plot)))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_table(result))
+        if "plot" in result:
+            print(f"plot: {result['plot']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshlearn", description=meshlearn.__doc__)
     parser.add_argument("--version", action="version", version=f"meshlearn {meshlearn.__version__}")
@@ -275,6 +324,25 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (repeatable; later wins)")
     config.set_defaults(func=_config)
+
+    plan = sub.add_parser("plan", help="predict tokens/s, bytes per token, memory and the binding "
+                                       "resource per method, from the simulator's cost model")
+    plan.add_argument("--config", help="TOML config file (default: built-in defaults)")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config key, e.g. --set link.bandwidth_mbit=100 (repeatable)")
+    plan.add_argument("--model", help="model shape preset: demo, smollm2-135m, llama-1b, llama-8b "
+                                      "(after --config, before --set)")
+    plan.add_argument("--device", help="short for --set sim.device=... (rtx3090, rtx4090, a100, h100)")
+    plan.add_argument("--steps", type=int, default=20,
+                      help="steps simulated per prediction: min(train.steps, this) (default 20)")
+    plan.add_argument("--sweep-steps", type=int, default=3,
+                      help="steps simulated per point of the bandwidth plot (default 3)")
+    plan.add_argument("--subspace-rank", type=int, default=0,
+                      help="k of the subspace rows (default: model.subspace_rank, else d_model/64, >= 8)")
+    plan.add_argument("--plot", default="plan.png", help="PNG of tokens/s vs link bandwidth per method "
+                                                         "(default plan.png; none: no plot)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    plan.set_defaults(func=_plan)
 
     compress = sub.add_parser("compress", help="validation loss after SVD compression, stable ranks, spectra")
     compress.add_argument("run", help="run folder (uses its checkpoint, corpus and validation batches)")

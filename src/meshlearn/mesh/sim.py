@@ -249,7 +249,7 @@ class SimDriver:
         arrived = dict(ready)
         for stage in sorted({w.stage for w in group} if _collective(self.workers[group[0]]) else ()):
             replicas = self.mesh.stage_replicas(stage)
-            nbytes = average_gradients([self.workers[w] for w in replicas])
+            nbytes = self._average_gradients([self.workers[w] for w in replicas])
             if len(replicas) > 1:
                 start = max(ready[w] for w in replicas)
                 self._charge_allreduce(replicas, start, nbytes)
@@ -354,6 +354,10 @@ class SimDriver:
         self.steps_done[wid] = worker.steps_done
         self._try_start(wid, now)
 
+    def _average_gradients(self, replicas: list[Worker]) -> int:
+        """The built-in all-reduce's arithmetic; returns its fp32 bytes (CostSimDriver: bytes only)."""
+        return average_gradients(replicas)
+
     def _charge_allreduce(self, replicas: list[WorkerId], start: float, nbytes: int) -> None:
         ring = list(zip(replicas, replicas[1:] + replicas[:1], strict=True))
         profile = self.network.link(*ring[0]).profile
@@ -432,6 +436,16 @@ class SimDriver:
 
     def barrier(self, what: str) -> None:
         """Nothing to wait for: every worker lives in this process."""
+
+
+class CostSimDriver(SimDriver):
+    """The simulator in cost-only mode (``meshlearn plan``) over ``CostWorker``s: the same event
+    loop, links and collectives; the all-reduce counts the bytes of the gradients every replica
+    holds (each trainable parameter's, as ``average_gradients`` does) instead of averaging values."""
+
+    def _average_gradients(self, replicas: list[Worker]) -> int:
+        return sum(p.numel() * p.element_size() for p in replicas[0].module.parameters()
+                   if p.grad is not None)
 
 
 def _collective(worker: Worker) -> bool:

@@ -345,3 +345,66 @@ class Worker:
         self.stash_peak = state.get("stash_peak", 0)
         if self.dp is not None and "dp" in state:
             self.dp.load_state_dict(state["dp"])
+
+
+# --- cost-only mode (``meshlearn plan``) --------------------------------------------------------
+
+
+class CostWorker(Worker):
+    """A worker whose F/B do no arithmetic: its module lives on the meta device (shapes, no
+    storage), and each F/B sends a message of exactly the codec's wire size (the codec's own
+    ``encode`` run on a meta tensor of the message's shape). Everything else — the plan, the inbox,
+    versions, stash bookkeeping, updates, the DP strategy's phases — is the real worker's code, so
+    the simulator's event loop runs unchanged over it. The real path pays nothing for it: only
+    this subclass overrides ``_forward``/``_backward``.
+
+    ``in_flight_peak``: the most microbatches held between forward and backward (activation memory).
+    """
+
+    def __init__(self, *args, seq_len: int, d_model: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seq_len, self.d_model = seq_len, d_model
+        self.in_flight_peak = 0
+        self._wire: dict[tuple[str, int], Encoded] = {}
+        self._trainable = [p for p in self.module.parameters() if p.requires_grad]
+
+    def wire(self, kind: Kind, batch: int) -> Encoded:
+        """What the codec puts on the wire for one microbatch of ``batch`` sequences (cached)."""
+        key = (kind, batch)
+        if key not in self._wire:
+            x = torch.empty(batch, self.seq_len, self.d_model, device="meta")
+            ids = torch.empty(batch, self.seq_len, dtype=torch.long, device="meta")
+            self._wire[key] = self.codec.encode(x, kind, ids)
+        return self._wire[key]
+
+    def _forward(self, j: int) -> list[Message]:
+        step, m = divmod(j, self.microbatches)
+        weights = self._forward_weights()
+        if not self.is_first:
+            self.inbox.pop(("act", j))
+        self.in_flight[j] = InFlight(None, None, None, self.version, weights)
+        self.in_flight_peak = max(self.in_flight_peak, len(self.in_flight))
+        if self.is_last:
+            return []
+        payload = self.wire("act", self.work[step].microbatch_size)
+        return [Message("act", step, m, self.id, self.mesh.next_stage(self.id), payload,
+                        version=self.version)]
+
+    def _backward(self, j: int) -> list[Message]:
+        step, m = divmod(j, self.microbatches)
+        record = self.in_flight.pop(j)
+        if not self.is_last:
+            self.inbox.pop(("grad", j))
+        for p in self._trainable:  # gradients exist (on the meta device) for the all-reduce's bytes
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+        self._collect_grads(record)
+        self._group_versions.append(record.version)
+        if self.is_first:
+            return []
+        payload = self.wire("grad", self.work[step].microbatch_size)
+        return [Message("grad", step, m, self.id, self.mesh.prev_stage(self.id), payload,
+                        version=record.version)]
+
+    def grad_sq_norm(self) -> float:
+        return 0.0  # no values: clipping never scales (it would not change any time or byte)
