@@ -19,6 +19,8 @@ seconds per simulated step.)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from meshlearn.dp.base import DPStrategy, Exchange, Key
@@ -42,11 +44,18 @@ class CostExchange(Exchange):
         return parts[self.me.replica]  # a meta tensor of the round's size: nothing to average
 
 
+@functools.lru_cache(maxsize=1024)
 def _values(n: int) -> torch.Tensor:
+    """A round's values: a meta tensor of the round's size (shared: nothing writes to it)."""
     return torch.empty(n, device="meta")
 
 
 class CostPowerSGD(PowerSGD):
+    def wire_values(self) -> tuple[int, int]:
+        if not hasattr(self, "_wire"):  # shapes never change: counted once
+            self._wire = super().wire_values()
+        return self._wire
+
     def pre_step(self, u: int) -> list[Message]:
         self.rounds += 1
         if self.replicas == 1:
@@ -92,11 +101,14 @@ class CostSparseAveraging(SparseAveraging):
 
     def round_numel(self, round_no: int) -> int:
         k = round_no % self.parts
-        sizes = sum((k + 1) * p.numel() // self.parts - k * p.numel() // self.parts for p in self.params)
-        return 3 * sizes if self.moments else sizes
+        if k not in self._numel:
+            sizes = sum((k + 1) * p.numel() // self.parts - k * p.numel() // self.parts
+                        for p in self.params)
+            self._numel[k] = 3 * sizes if self.moments else sizes
+        return self._numel[k]
 
     def _round_values(self, round_no: int) -> torch.Tensor:
-        return torch.empty(self.round_numel(round_no), device="meta")
+        return _values(self.round_numel(round_no))
 
     def post_step(self, u: int) -> list[Message]:
         if not self.starts_round(u) or self.replicas == 1:
@@ -119,6 +131,7 @@ def build_cost_strategy(cfg, worker, profile) -> DPStrategy:
             delay=cfg.delay, every=cfg.every, rule=cfg.rule, lam=cfg.lam, m0=cfg.ema_m,
             m1=cfg.ema_m_final, warm=cfg.ema_warm_updates, ramp_end=cfg.ema_ramp_end,
             ema_init=cfg.ema_init, moments=cfg.moments, seed=cfg.seed, deadline_s=None)
+        strategy._numel = {}  # round sizes by part (they depend on round_no % parts only)
         nbytes = 4 * max(strategy.round_numel(r) for r in range(strategy.parts))
         strategy._deadline_s = _deadline(cfg, nbytes, profile)
     else:

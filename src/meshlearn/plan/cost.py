@@ -1,19 +1,20 @@
 """The simulator in cost-only mode: the real SimDriver over CostWorkers.
 
-``simulate(cfg, steps)`` builds every worker of ``cfg``'s mesh on the meta device (exact parameter
-shapes, no storage), with the run's plans, codec (its ``encode`` run on meta tensors, so messages
-have the codec's exact wire size), DP strategy (``dp.cost``), links (``train.assemble``'s
-network) and compute model, then runs the SimDriver's own event loop for ``steps`` steps with the
-trainer's drain points (evaluation, checkpoints, basis updates, the end). Nothing is a second
-formula: tokens/s is the virtual clock's, bytes are the links' counters.
+``CostRun(cfg, drain_at)`` builds every worker of ``cfg``'s mesh on the meta device (exact
+parameter shapes, no storage), with the run's plans, codec (its ``encode`` run on meta tensors, so
+messages have the codec's exact wire size), DP strategy (``dp.cost``), links (``train.assemble``'s
+network) and compute model, and steps the SimDriver's own event loop. Nothing is a second
+formula: time is the virtual clock's, bytes are the links' counters, busy time the clock's.
+
+``simulate(cfg, steps)`` is a whole run with the trainer's drain points (evaluation, checkpoints,
+basis updates, the end): what ``meshlearn train`` would report on the virtual clock.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,21 +23,22 @@ from meshlearn.compress.subspace import SubspaceCodec, id_dtype
 from meshlearn.config import RunConfig
 from meshlearn.dp.cost import build_cost_strategy
 from meshlearn.mesh.compute import ComputeModel
+from meshlearn.mesh.network import Network
 from meshlearn.mesh.schedule import build_plan
 from meshlearn.mesh.sim import CostSimDriver
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import CostWorker, StepWork
 from meshlearn.models.split import build_stage
-from meshlearn.train.assemble import build_network, dp_link_profile, stage_in_flight
-
-# Optimizer state in bytes per parameter (fp32): AdamW/NAdamW two moments; SGD its momentum (if
-# any); Muon/NuMuon one momentum for matrices (their AdamW part for 1-D tensors is ~1% of a stage).
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "nadamw": 8, "sgd": 4, "muon": 4, "numuon": 4}
+from meshlearn.plan.mask import MaskCostCodec
+from meshlearn.train.assemble import build_network, pipeline_in_flight
 
 
-def cost_codec(cfg: RunConfig):
+def cost_codec(cfg: RunConfig, mask_keep: float | None = None):
     """The run's codec; the subspace codec gets a meta basis and token table (its wire layout
-    depends on their shapes and the vocabulary, not on their values)."""
+    depends on their shapes and the vocabulary, not on their values). ``mask_keep``: the
+    planner's stand-in for the random-mask codec (``plan.mask``)."""
+    if mask_keep is not None:
+        return MaskCostCodec(mask_keep, WIRE_DTYPES[cfg.codec.wire_dtype])
     if cfg.codec.name != "subspace":
         return build_codec(cfg.codec, cfg.model)
     m = cfg.model
@@ -49,45 +51,69 @@ def cost_codec(cfg: RunConfig):
     return codec
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=16)
 def meta_stages(model, stages: int) -> tuple:
-    """The stage modules on the meta device (shared templates: workers get deep copies)."""
+    """The stage modules on the meta device, one per stage, shared by every replica's cost-only
+    worker and every simulation of this shape (nothing in cost-only mode writes to them)."""
     with torch.device("meta"):
         return tuple(build_stage(model, s, stages) for s in range(stages))
 
 
-def build_cost_workers(cfg: RunConfig) -> dict[WorkerId, CostWorker]:
+class NoArithmetic:
+    """The optimizer of a cost-only worker: the update's own code runs around it (lr per step,
+    versions, stashes), its arithmetic does not (the device model charges ``update_s``, 28 bytes
+    per parameter, whatever the optimizer does)."""
+
+    def __init__(self, lr: float):
+        self.param_groups = [{"lr": lr}]
+        self.state: dict = {}
+
+    def step(self) -> None:
+        """No values to update."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """No gradients are ever stored."""
+
+
+def dp_profile(network: Network, mesh: MeshShape, wid: WorkerId):
+    """``train.assemble.dp_link_profile`` over an already built network."""
+    peers = [WorkerId(r, wid.stage) for r in range(mesh.replicas) if r != wid.replica]
+    profiles = [network.link(wid, p).profile for p in peers] or [network.link(wid, wid).profile]
+    return max(profiles, key=lambda p: (p.serialization_s(1 << 20) + p.latency_s))
+
+
+def build_cost_workers(cfg: RunConfig, network: Network,
+                       mask_keep: float | None = None) -> dict[WorkerId, CostWorker]:
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
-    codec = cost_codec(cfg)
+    codec = cost_codec(cfg, mask_keep)
     stages = meta_stages(cfg.model, mesh.stages)
+    depths = pipeline_in_flight(cfg)
     workers = {}
     for wid in mesh.workers():
-        module = copy.deepcopy(stages[wid.stage])
-        # The update's own code runs (lr, zero_grad, versions, stashes); its arithmetic is not a
-        # cost the device model counts from the optimizer (update_s: 28 bytes per parameter).
-        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.train.lr)
+        optimizer = NoArithmetic(cfg.train.lr)
         plan = build_plan(cfg.mesh.schedule, wid.stage, mesh.stages, cfg.mesh.microbatches,
-                          stage_in_flight(cfg, wid.stage), cfg.mesh.update_every)
-        worker = CostWorker(wid, mesh, module, optimizer, codec, plan, cfg.mesh.microbatches,
+                          depths[wid.stage], cfg.mesh.update_every)
+        worker = CostWorker(wid, mesh, stages[wid.stage], optimizer, codec, plan, cfg.mesh.microbatches,
                             cfg.mesh.weight_stashing, seq_len=cfg.model.seq_len, d_model=cfg.model.d_model)
-        worker.dp = build_cost_strategy(cfg.dp, worker, dp_link_profile(cfg, wid))
+        worker.dp = build_cost_strategy(cfg.dp, worker, dp_profile(network, mesh, wid))
         workers[wid] = worker
     return workers
 
 
 class CostSource:
-    """The trainer's WorkSource without data: each step's microbatch sizes and its drain points."""
+    """The trainer's WorkSource without data: each step's microbatch sizes and its drain points.
+    ``drain_at``: a single drain after that many steps instead of the configured ones (a
+    steady-state measurement); None: the trainer's drain points for a run of ``steps``."""
 
-    def __init__(self, cfg: RunConfig, steps: int):
-        self.cfg, self.steps = cfg, steps
+    def __init__(self, cfg: RunConfig, steps: int, drain_at: int | None = None):
+        self.cfg, self.steps, self.drain_at = cfg, steps, drain_at
         self.mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
         self.micro = cfg.train.batch_size // cfg.mesh.replicas // cfg.mesh.microbatches
 
     def drains_after(self, done: int) -> bool:
-        train, every = self.cfg.train, self.cfg.subspace_update.every
-        return (done % train.eval_every == 0 or done >= self.steps
-                or bool(train.checkpoint_every) and done % train.checkpoint_every == 0
-                or bool(every) and done % every == 0)
+        if self.drain_at is not None:
+            return done >= self.drain_at
+        return configured_drain(self.cfg, done, self.steps)
 
     def next_drain(self, step: int) -> int:
         t = step
@@ -103,103 +129,96 @@ class CostSource:
                 for wid in self.mesh.workers()}
 
 
-@dataclass
-class WorkerMemory:
-    weights: int
-    grads: int
-    optimizer: int
-    activations: int
-    stash: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.stash
+def configured_drain(cfg: RunConfig, done: int, steps: int) -> bool:
+    """Whether the trainer drains the pipeline after ``done`` steps of a ``steps``-step run."""
+    train, every = cfg.train, cfg.subspace_update.every
+    return (done % train.eval_every == 0 or done >= steps
+            or bool(train.checkpoint_every) and done % train.checkpoint_every == 0
+            or bool(every) and done % every == 0)
 
 
-@dataclass
-class CostResult:
-    """What one cost-only run measured on the virtual clock."""
+@dataclass(frozen=True)
+class Counters:
+    """The run's cumulative counters at one step's end."""
+
+    steps: int
+    sim_s: float
+    busy_s: dict[WorkerId, float]
+    link_busy_s: dict[tuple[WorkerId, WorkerId], float]
+    link_axis: dict[tuple[WorkerId, WorkerId], str]
+    bytes_pp: int
+    bytes_dp: int
+
+
+@dataclass(frozen=True)
+class Window:
+    """What the mesh did between two counter snapshots, on the virtual clock."""
 
     steps: int
     tokens: int
     sim_s: float
-    tokens_per_s: float
-    bytes_per_token_pp: float
-    bytes_per_token_dp: float
-    bubble_fraction: float
-    compute_share: float  # the busiest worker's compute share of virtual time
-    pp_link_share: float  # the busiest PP link's serialization share
-    dp_link_share: float  # the busiest DP link's share
-    binds: str
-    memory: WorkerMemory  # the worker with the largest total
-    memory_worker: str
-    stash_versions: int
-    in_flight_peak: int
-    dp_wait_s: float = 0.0
-    extra: dict = field(default_factory=dict)
+    bytes_pp: int
+    bytes_dp: int
+    compute_share: float  # the busiest worker's compute time / sim_s
+    pp_link_share: float  # the busiest PP link's serialization time / sim_s
+    dp_link_share: float  # the busiest DP link's
+    bubble_fraction: float  # idle share of all workers' time
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.sim_s
 
 
-def activation_bytes(cfg: RunConfig, stage, batch: int) -> int:
-    """Memory one microbatch's forward keeps for its backward on a stage (not a simulator cost:
-    the simulator models time, not memory). Per layer and token, 7d + 2·d_kv + 4·ffn values
-    (norm inputs/outputs, q/k/v, attention output with flash attention, the residual, SwiGLU's
-    gate/up/activation/product) at 2 bytes (bf16 compute, the device model's assumption); the
-    head stage adds its fp32 logits (V values per token)."""
-    m = cfg.model
-    tokens = batch * m.seq_len
-    per_token = stage.layers * (7 * m.d_model + 2 * m.kv_heads * m.head_dim + 4 * m.ffn_width) * 2
-    if stage.head:
-        per_token += m.vocab_size * 4 + m.d_model * 2
-    return tokens * per_token
+class CostRun:
+    """One cost-only simulation, stepped by the caller."""
+
+    def __init__(self, cfg: RunConfig, steps: int, drain_at: int | None = None,
+                 mask_keep: float | None = None):
+        if cfg.sim.compute != "device":
+            raise ValueError("sim.compute = 'measured' times real compute; the planner needs the "
+                             "device model (sim.compute = device)")
+        self.cfg = cfg
+        self.mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+        network = build_network(cfg)
+        self.workers = build_cost_workers(cfg, network, mask_keep)
+        self.driver = CostSimDriver(self.mesh, self.workers, network, ComputeModel(cfg.sim, cfg.model),
+                                    cfg.train.grad_clip)
+        self.source = CostSource(cfg, steps, drain_at)
+        self.done = 0
+        self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+
+    def run(self, steps: int) -> Counters:
+        for _ in range(steps):
+            self.driver.run_step(self.done, self.source)
+            self.done += 1
+        return self.counters()
+
+    def counters(self) -> Counters:
+        links = self.driver.network.links
+        return Counters(self.done, self.driver.clock.step_end, dict(self.driver.clock.busy_s),
+                        {k: link.busy_s for k, link in links.items()},
+                        {k: link.axis for k, link in links.items()},
+                        self.driver.network.bytes_on_axis("pp"), self.driver.network.bytes_on_axis("dp"))
+
+    def window(self, a: Counters, b: Counters) -> Window:
+        seconds = b.sim_s - a.sim_s
+        busy = {w: b.busy_s[w] - a.busy_s.get(w, 0.0) for w in b.busy_s}
+        shares = {"pp": 0.0, "dp": 0.0}
+        for key, axis in b.link_axis.items():
+            shares[axis] = max(shares[axis], (b.link_busy_s[key] - a.link_busy_s.get(key, 0.0)) / seconds)
+        return Window(b.steps - a.steps, (b.steps - a.steps) * self.tokens_per_step, seconds,
+                      b.bytes_pp - a.bytes_pp, b.bytes_dp - a.bytes_dp,
+                      max(busy.values()) / seconds, shares["pp"], shares["dp"],
+                      1.0 - sum(busy.values()) / (len(busy) * seconds))
 
 
-def binding(compute: float, pp: float, dp: float) -> str:
-    """The resource with the largest busy share of virtual time; if none is busy half the time, the
-    workers wait on propagation delay: latency binds."""
-    shares = {"compute": compute, "PP link": pp, "DP link": dp}
-    name = max(shares, key=shares.get)
-    return name if shares[name] >= 0.5 else "latency"
-
-
-def simulate(cfg: RunConfig, steps: int) -> CostResult:
-    """Run ``steps`` steps of ``cfg`` (its drain points) in cost-only mode."""
-    if cfg.sim.compute != "device":
-        raise ValueError("sim.compute = 'measured' times real compute; the planner needs the device "
-                         "model (sim.compute = device)")
+def simulate(cfg: RunConfig, steps: int, mask_keep: float | None = None) -> tuple[CostRun, Window]:
+    """A whole run of ``steps`` steps of ``cfg`` with its drain points, in cost-only mode."""
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
-    workers = build_cost_workers(cfg)
-    mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
-    driver = CostSimDriver(mesh, workers, build_network(cfg), ComputeModel(cfg.sim, cfg.model),
-                       cfg.train.grad_clip)
-    source = CostSource(cfg, steps)
-    for t in range(steps):
-        driver.run_step(t, source)
-    tokens = steps * cfg.train.batch_size * cfg.model.seq_len
-    summary = driver.summary_fields(tokens, 0.0)
-    sim_s = driver.clock.step_end
-    util = summary["worker_utilization"]
-    shares = {"pp": 0.0, "dp": 0.0}
-    for link in summary["links"]:
-        shares[link["axis"]] = max(shares[link["axis"]], link["utilization"])
-    compute = max(util.values())
-    memory, where = None, ""
-    state = OPTIMIZER_STATE_BYTES.get(cfg.optim.name, 8)
-    for wid, w in workers.items():
-        trainable = sum(p.numel() for p in w.module.parameters() if p.requires_grad)
-        act = activation_bytes(cfg, w.shape, source.micro) * w.in_flight_peak
-        mem = WorkerMemory(w.param_bytes, 4 * trainable, state * trainable, act, w.stash_bytes)
-        if memory is None or mem.total > memory.total:
-            memory, where = mem, str(wid)
-    return CostResult(
-        steps=steps, tokens=tokens, sim_s=sim_s, tokens_per_s=tokens / sim_s,
-        bytes_per_token_pp=driver.network.bytes_on_axis("pp") / tokens,
-        bytes_per_token_dp=driver.network.bytes_on_axis("dp") / tokens,
-        bubble_fraction=summary["bubble_fraction"], compute_share=compute,
-        pp_link_share=shares["pp"], dp_link_share=shares["dp"],
-        binds=binding(compute, shares["pp"], shares["dp"]), memory=memory, memory_worker=where,
-        stash_versions=max(w.stash_peak for w in workers.values()),
-        in_flight_peak=max(w.in_flight_peak for w in workers.values()),
-        dp_wait_s=driver.dp_wait_s)
+    run = CostRun(cfg, steps, mask_keep=mask_keep)
+    start = run.counters()
+    return run, run.window(start, run.run(steps))
 
 
-__all__ = ["CostResult", "CostSource", "WorkerMemory", "build_cost_workers", "simulate"]
+__all__ = ["CostRun", "CostSource", "Counters", "Window", "build_cost_workers", "configured_drain",
+           "simulate"]
