@@ -123,3 +123,18 @@ def test_bad_input_is_one_line(capsys, argv, needle):
     assert main(["plan", "--plot", "none", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and needle in err
+
+
+@pytest.mark.parametrize("steps, extra", [
+    (10, []),
+    (16, ["mesh.schedule=async", "dp.name=sparse", "dp.delay=2"]),
+], ids=["1f1b", "async+sparse"])
+def test_planner_predicts_a_real_simulated_run(tmp_path, steps, extra):
+    """The planner's extrapolation from a few cost-only steps against a real simulated run (real
+    forward/backward, the trainer's drain points) longer than what the planner simulates."""
+    cfg = load_config("configs/demo.toml", [f"train.steps={steps}", f"train.eval_every={steps // 2}",
+                                            "train.eval_batches=1", "train.checkpoint_every=0", *extra])
+    trainer, summary = _real(cfg, tmp_path)
+    prediction = predict(trainer.cfg)
+    assert prediction.steps_simulated < steps
+    assert prediction.tokens_per_s == pytest.approx(summary["sim_tokens_per_s"], rel=0.05)
