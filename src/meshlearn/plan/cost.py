@@ -95,7 +95,8 @@ def build_cost_workers(cfg: RunConfig, network: Network,
                           depths[wid.stage], cfg.mesh.update_every)
         worker = CostWorker(wid, mesh, stages[wid.stage], optimizer, codec, plan, cfg.mesh.microbatches,
                             cfg.mesh.weight_stashing, seq_len=cfg.model.seq_len, d_model=cfg.model.d_model)
-        worker.dp = build_cost_strategy(cfg.dp, worker, dp_profile(network, mesh, wid))
+        with torch.device("meta"):  # what a strategy allocates (PowerSGD's Q, DiLoCo's copies) is shape only
+            worker.dp = build_cost_strategy(cfg.dp, worker, dp_profile(network, mesh, wid))
         workers[wid] = worker
     return workers
 
