@@ -1,5 +1,5 @@
-"""The ``meshlearn`` command: train, resume, config, report, sample, export, compress. A thin entry point
-over the library; every error a user can fix is one line and exit code 2."""
+"""The ``meshlearn`` command: train, resume, config, report, sample, export, compress, plan. A thin
+entry point over the library; every error a user can fix is one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -208,6 +208,61 @@ def _compress(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from meshlearn.plan.planner import plan
+    from meshlearn.plan.presets import MODELS, preset_overrides
+    from meshlearn.plan.table import format_table, write_plot
+
+    sets = list(args.set)
+    if args.model and args.model not in MODELS:
+        raise ConfigError("--model", args.model, f"allowed: {sorted(MODELS)} (or any model.* key with --set)")
+    if args.device:
+        sets.append(f"sim.device={args.device}")
+    if args.subspace_rank < 0:
+        raise ConfigError("--subspace-rank", args.subspace_rank, "must be >= 1 (0: d_model / 64, at least 8)")
+    keeps = _floats("--mask-keep", args.mask_keep)
+    sweep = _floats("--sweep", args.sweep)
+    if any(not 0 < k <= 1 for k in keeps):
+        raise ConfigError("--mask-keep", args.mask_keep, "keep rates in (0, 1], e.g. 0.05,0.1")
+    if not sweep or any(b <= 0 for b in sweep):
+        raise ConfigError("--sweep", args.sweep, "bandwidths in Mbit/s > 0, e.g. 25,100,400")
+    tied = bool(args.model and MODELS[args.model].get("tie_embeddings"))
+    if args.model:  # the preset goes under --set: ``model.*`` keys given there win
+        given = {s.split("=", 1)[0].strip() for s in args.set}
+        preset = [p for p in preset_overrides(args.model, tied=False) if p.split("=", 1)[0] not in given]
+        sets = [*preset, *sets]
+    cfg = load_config(args.config, sets)
+    if tied and cfg.mesh.stages == 1 and "model.tie_embeddings" not in given:
+        cfg = load_config(args.config, [*sets, "model.tie_embeddings=true"])
+    if cfg.model.vocab_size <= 0:
+        cfg = load_config(args.config, [*sets, "model.vocab_size=256"])  # the byte tokenizer
+    try:
+        result = plan(cfg, args.subspace_rank, keeps, sweep)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if tied and cfg.mesh.stages > 1:
+        result["notes"].append(f"{args.model} ties its embeddings; across {cfg.mesh.stages} stages "
+                               "the last stage holds its own copy (model.tie_embeddings = false)")
+    if args.plot != "none":
+        result["plot"] = str(write_plot(result, Path(args.plot)))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_table(result))
+        if "plot" in result:
+            print(f"plot: {result['plot']}")
+    return 0
+
+
+def _floats(flag: str, text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(flag, text, "comma-separated numbers") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshlearn", description=meshlearn.__doc__)
     parser.add_argument("--version", action="version", version=f"meshlearn {meshlearn.__version__}")
@@ -279,6 +334,25 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (repeatable; later wins)")
     config.set_defaults(func=_config)
+
+    plan = sub.add_parser("plan", help="predict tokens/s, bytes per token, memory and the binding "
+                                       "resource per method, from the simulator's cost model")
+    plan.add_argument("--config", help="TOML config file (default: built-in defaults)")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config key, e.g. --set link.bandwidth_mbit=100 (repeatable)")
+    plan.add_argument("--model", help="model shape preset: demo, smollm2-135m, llama-1b, llama-8b "
+                                      "(over --config; model.* keys given with --set win)")
+    plan.add_argument("--device", help="short for --set sim.device=... (rtx3090, rtx4090, a100, h100, l4)")
+    plan.add_argument("--subspace-rank", type=int, default=0,
+                      help="k of the subspace rows (default: model.subspace_rank, else d_model/64, >= 8)")
+    plan.add_argument("--mask-keep", default="0.05",
+                      help="keep rates of the mask rows, comma-separated (default 0.05, the paper's M95)")
+    plan.add_argument("--sweep", default="25,100,400,1600",
+                      help="link bandwidths of the plot, Mbit/s, comma-separated (default 25,100,400,1600)")
+    plan.add_argument("--plot", default="plan.png", help="PNG of tokens/s vs link bandwidth per method "
+                                                         "(default plan.png; none: no plot)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    plan.set_defaults(func=_plan)
 
     compress = sub.add_parser("compress", help="validation loss after SVD compression, stable ranks, spectra")
     compress.add_argument("run", help="run folder (uses its checkpoint, corpus and validation batches)")

@@ -8,6 +8,7 @@ forward/backward and is what real-process runs are checked against.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,13 @@ DEVICES: dict[str, tuple[float, float]] = {
     "rtx4090": (165.2, 1008.0),
     "a100": (312.0, 2039.0),
     "h100": (989.0, 3350.0),
+    "l4": (121.0, 300.0),
 }
+
+# GPU memory capacity (GB = 1e9 bytes) of the same devices: not a simulator cost (the simulator
+# models time), the planner's "does a worker fit?".
+DEVICE_MEMORY_GB: dict[str, float] = {"rtx3090": 24.0, "rtx4090": 24.0, "a100": 80.0, "h100": 80.0,
+                                      "l4": 24.0}
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,7 @@ class ComputeConfig:
     compute: str = "device"
     """``device`` (FLOP model of ``device``) or ``measured`` (wall time of the real compute here)."""
     device: str = "rtx4090"
-    """A GPU from the device table: rtx3090, rtx4090, a100, h100."""
+    """A GPU from the device table: rtx3090, rtx4090, a100, h100, l4."""
     peak_tflops: float = 0.0
     """Override of the device's peak TFLOP/s; 0 keeps the table's value."""
     utilization: float = 0.4
@@ -55,6 +62,7 @@ def stage_shape(module: Any) -> StageShape:
     return StageShape(layers, module.tok_emb is not None, module.head is not None)
 
 
+@functools.lru_cache(maxsize=256)  # the simulator asks once per compute action, with few distinct shapes
 def forward_flops(cfg: DecoderConfig, stage: StageShape, batch: int) -> float:
     """Matmul FLOPs of one forward pass of a stage over ``batch`` sequences of ``cfg.seq_len``.
 

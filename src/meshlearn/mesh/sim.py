@@ -83,7 +83,8 @@ class SimDriver:
         self.waiting: dict[WorkerId, Action] = {}  # workers at an update whose collective is not complete
         # Workers inside a message-based DP strategy's phase (meshlearn.dp.base): (phase, U, since).
         self.dp_wait: dict[WorkerId, tuple[str, Action, float]] = {}
-        self.dp_started: dict[tuple[WorkerId, tuple[int, int]], float] = {}  # round starts, per worker
+        # Round starts, per worker (one dict each: forgetting old rounds scans only its own).
+        self.dp_started: dict[WorkerId, dict[tuple[int, int], float]] = {w: {} for w in workers}
         self._dp_alarms: set[tuple[WorkerId, tuple[int, int]]] = set()
         self.dp_wait_s = 0.0
         self.fed = -1  # the last step whose work the workers have
@@ -268,7 +269,7 @@ class SimDriver:
         arrived = dict(ready)
         for stage in sorted({w.stage for w in group} if _collective(self.workers[group[0]]) else ()):
             replicas = self.mesh.stage_replicas(stage)
-            nbytes = average_gradients([self.workers[w] for w in replicas])
+            nbytes = self._average_gradients([self.workers[w] for w in replicas])
             if len(replicas) > 1:
                 start = max(ready[w] for w in replicas)
                 step = self.waiting[replicas[0]].microbatch // self.workers[replicas[0]].microbatches
@@ -330,13 +331,13 @@ class SimDriver:
 
     def _dp_send(self, wid: WorkerId, messages: list[Message], now: float) -> None:
         for message in messages:
-            self.dp_started.setdefault((wid, (message.step, message.microbatch)), now)
+            self.dp_started[wid].setdefault((message.step, message.microbatch), now)
             self._push(self._transmit(message, now), "arrive", message)
 
     def _dp_deliver(self, message: Message, now: float) -> None:
         wid, key = message.dst, (message.step, message.microbatch)
         strategy = self.workers[wid].dp
-        started, limit = self.dp_started.get((wid, key)), strategy.deadline_s(key)
+        started, limit = self.dp_started[wid].get(key), strategy.deadline_s(key)
         if started is not None and limit is not None and now > started + limit:
             strategy.expire(key)  # late: the round is dropped, whenever the receiver looks
         else:
@@ -361,7 +362,7 @@ class SimDriver:
             limit = strategy.deadline_s(key)
             if limit is None:
                 return  # waited for: the next arrival checks again
-            deadline = self.dp_started[(wid, key)] + limit
+            deadline = self.dp_started[wid][key] + limit
             if now < deadline:
                 if (wid, key) not in self._dp_alarms:
                     self._dp_alarms.add((wid, key))
@@ -371,11 +372,16 @@ class SimDriver:
         del self.dp_wait[wid]
         self.dp_wait_s += now - since
         strategy.apply(u)
-        for stale in [k for k in self.dp_started if k[0] == wid and k[1][0] < u - 64]:
-            del self.dp_started[stale]
+        started = self.dp_started[wid]
+        for stale in [k for k in started if k[0] < u - 64]:
+            del started[stale]
         self.clock.now[wid] = max(self.clock.now[wid], now)
         self.steps_done[wid] = worker.steps_done
         self._try_start(wid, now)
+
+    def _average_gradients(self, replicas: list[Worker]) -> int:
+        """The built-in all-reduce's arithmetic; returns its fp32 bytes (CostSimDriver: bytes only)."""
+        return average_gradients(replicas)
 
     def _charge_allreduce(self, replicas: list[WorkerId], start: float, nbytes: int, step: int) -> None:
         ring = list(zip(replicas, replicas[1:] + replicas[:1], strict=True))
@@ -460,6 +466,16 @@ class SimDriver:
 
     def barrier(self, what: str) -> None:
         """Nothing to wait for: every worker lives in this process."""
+
+
+class CostSimDriver(SimDriver):
+    """The simulator in cost-only mode (``meshlearn plan``) over ``CostWorker``s: the same event
+    loop, links and collectives; the all-reduce counts the bytes of the gradients every replica
+    holds after a backward (each trainable parameter's, as ``average_gradients`` does) instead of
+    averaging values."""
+
+    def _average_gradients(self, replicas: list[Worker]) -> int:
+        return replicas[0].trainable_bytes
 
 
 def _collective(worker: Worker) -> bool:

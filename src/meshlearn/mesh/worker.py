@@ -13,6 +13,7 @@ microbatch that uses it is backwarded), without stashing on the current ones.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -273,13 +274,20 @@ class Worker:
         if self.plan.flushes:
             return None
         if not self.weight_stashing:
-            return {n: p.data.requires_grad_(True) for n, p in self.module.named_parameters()}
+            return self._aliases()
         if self.version not in self._stash:
-            self._stash[self.version] = {n: p.detach().clone().requires_grad_(True)
-                                         for n, p in self.module.named_parameters()}
+            self._stash[self.version] = self._snapshot()
             self.stash_peak = max(self.stash_peak, len(self._stash))
         self._stash_users[self.version] = self._stash_users.get(self.version, 0) + 1
         return self._stash[self.version]
+
+    def _aliases(self) -> dict[str, torch.Tensor]:
+        """The live parameters' storage as leaves of their own (the No-WS forward's weights)."""
+        return {n: p.data.requires_grad_(True) for n, p in self.module.named_parameters()}
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        """A stashed weight version: a copy of every parameter, a leaf of its own."""
+        return {n: p.detach().clone().requires_grad_(True) for n, p in self.module.named_parameters()}
 
     def _collect_grads(self, record: InFlight) -> None:
         """Move a backward's gradients from the forward's leaves onto the module's parameters, in
@@ -295,11 +303,16 @@ class Worker:
             else:
                 param.grad.add_(leaf.grad)
             leaf.grad = None
-        if self.weight_stashing:
-            users = self._stash_users[record.version] - 1
-            self._stash_users[record.version] = users
-            if users == 0 and record.version != self.version:
-                del self._stash[record.version], self._stash_users[record.version]
+        self._release_stash(record)
+
+    def _release_stash(self, record: InFlight) -> None:
+        """One user fewer of the record's stashed version; an outdated version nobody uses goes."""
+        if not self.weight_stashing:
+            return
+        users = self._stash_users[record.version] - 1
+        self._stash_users[record.version] = users
+        if users == 0 and record.version != self.version:
+            del self._stash[record.version], self._stash_users[record.version]
 
     def _tampered(self, kind: Kind, step: int, m: int, x: torch.Tensor) -> torch.Tensor:
         return x if self.tamper is None else self.tamper(kind, step, m, x)
@@ -388,3 +401,87 @@ class Worker:
             self.dp.load_state_dict(state["dp"])
         if self.spectral is not None and "spectral" in state:
             self.spectral.load_state_dict(state["spectral"])
+
+
+# --- cost-only mode (``meshlearn plan``) --------------------------------------------------------
+
+
+class SizedEncoded(Encoded):
+    """A cost-only message's payload, sent many times: its wire size is counted once."""
+
+    @functools.cached_property
+    def wire_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class CostWorker(Worker):
+    """A worker whose F/B do no arithmetic: its module lives on the meta device (shapes, no
+    storage; one module per stage, shared by every replica and every simulation of that shape),
+    and each F/B sends a message of exactly the codec's wire size (the codec's own ``encode`` run
+    on a meta tensor of the message's shape). Everything else — the plan, the inbox, versions,
+    stash bookkeeping, updates, the DP strategy's phases — is the real worker's code, so the
+    simulator's event loop runs unchanged over it. The real path pays nothing for it: only this
+    subclass overrides ``_forward``/``_backward`` and the weight leaves (a stashed version is an
+    empty placeholder; its memory is ``stash_peak × param_bytes``).
+
+    ``in_flight_peak``: the most microbatches held between forward and backward (activation memory).
+    """
+
+    def __init__(self, *args, seq_len: int, d_model: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seq_len, self.d_model = seq_len, d_model
+        self.in_flight_peak = 0
+        self._wire: dict[tuple[str, int], Encoded] = {}
+        self._shape = stage_shape(self.module)  # no warm-up locks in a cost-only run
+        self.trainable_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters()
+                                   if p.requires_grad)
+
+    @property
+    def shape(self) -> StageShape:
+        return self._shape
+
+    def wire(self, kind: Kind, batch: int) -> Encoded:
+        """What the codec puts on the wire for one microbatch of ``batch`` sequences (cached)."""
+        key = (kind, batch)
+        if key not in self._wire:
+            x = torch.empty(batch, self.seq_len, self.d_model, device="meta")
+            ids = torch.empty(batch, self.seq_len, dtype=torch.long, device="meta")
+            encoded = self.codec.encode(x, kind, ids)
+            self._wire[key] = SizedEncoded(encoded.tensors, encoded.shape, encoded.dtype, encoded.meta)
+        return self._wire[key]
+
+    def _aliases(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def _forward(self, j: int) -> list[Message]:
+        step, m = divmod(j, self.microbatches)
+        weights = self._forward_weights()
+        if not self.is_first:
+            self.inbox.pop(("act", j))
+        self.in_flight[j] = InFlight(None, None, None, self.version, weights)
+        self.in_flight_peak = max(self.in_flight_peak, len(self.in_flight))
+        if self.is_last:
+            return []
+        payload = self.wire("act", self.work[step].microbatch_size)
+        return [Message("act", step, m, self.id, self.mesh.next_stage(self.id), payload,
+                        version=self.version)]
+
+    def _backward(self, j: int) -> list[Message]:
+        step, m = divmod(j, self.microbatches)
+        record = self.in_flight.pop(j)
+        if not self.is_last:
+            self.inbox.pop(("grad", j))
+        if record.weights is not None:
+            self._release_stash(record)
+        self._group_versions.append(record.version)
+        if self.is_first:
+            return []
+        payload = self.wire("grad", self.work[step].microbatch_size)
+        return [Message("grad", step, m, self.id, self.mesh.prev_stage(self.id), payload,
+                        version=record.version)]
+
+    def grad_sq_norm(self) -> float:
+        return 0.0  # no values: clipping never scales (it would not change any time or byte)

@@ -1,0 +1,225 @@
+"""The simulator in cost-only mode: the real SimDriver over CostWorkers.
+
+``CostRun(cfg, drain_at)`` builds every worker of ``cfg``'s mesh on the meta device (exact
+parameter shapes, no storage), with the run's plans, codec (its ``encode`` run on meta tensors, so
+messages have the codec's exact wire size), DP strategy (``dp.cost``), links (``train.assemble``'s
+network) and compute model, and steps the SimDriver's own event loop. Nothing is a second
+formula: time is the virtual clock's, bytes are the links' counters, busy time the clock's.
+
+``simulate(cfg, steps)`` is a whole run with the trainer's drain points (evaluation, checkpoints,
+basis updates, the end): what ``meshlearn train`` would report on the virtual clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from meshlearn.compress.registry import WIRE_DTYPES, build_codec
+from meshlearn.compress.subspace import SubspaceCodec, id_dtype
+from meshlearn.config import RunConfig
+from meshlearn.dp.cost import build_cost_strategy
+from meshlearn.mesh.compute import ComputeModel
+from meshlearn.mesh.network import Network
+from meshlearn.mesh.schedule import build_plan
+from meshlearn.mesh.sim import CostSimDriver
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.mesh.worker import CostWorker, StepWork
+from meshlearn.models.split import build_stage
+from meshlearn.plan.mask import MaskCostCodec
+from meshlearn.train.assemble import build_network, pipeline_in_flight
+
+
+def cost_codec(cfg: RunConfig, mask_keep: float | None = None):
+    """The run's codec; the subspace codec gets a meta basis and token table (its wire layout
+    depends on their shapes and the vocabulary, not on their values). ``mask_keep``: the
+    planner's stand-in for the random-mask codec (``plan.mask``)."""
+    if mask_keep is not None:
+        return MaskCostCodec(mask_keep, WIRE_DTYPES[cfg.codec.wire_dtype])
+    if cfg.codec.name != "subspace":
+        return build_codec(cfg.codec, cfg.model)
+    m = cfg.model
+    codec = SubspaceCodec.__new__(SubspaceCodec)
+    codec.table = torch.empty(m.vocab_size, m.d_model, device="meta")
+    codec.wire_dtype = WIRE_DTYPES[cfg.codec.wire_dtype]
+    codec.ids_dtype = id_dtype(m.vocab_size)
+    codec.basis = torch.empty(m.d_model, m.subspace_rank, device="meta")
+    codec.version = "cost-only"
+    return codec
+
+
+@functools.lru_cache(maxsize=16)
+def meta_stages(model, stages: int) -> tuple:
+    """The stage modules on the meta device, one per stage, shared by every replica's cost-only
+    worker and every simulation of this shape (nothing in cost-only mode writes to them)."""
+    with torch.device("meta"):
+        return tuple(build_stage(model, s, stages) for s in range(stages))
+
+
+class NoArithmetic:
+    """The optimizer of a cost-only worker: the update's own code runs around it (lr per step,
+    versions, stashes), its arithmetic does not (the device model charges ``update_s``, 28 bytes
+    per parameter, whatever the optimizer does)."""
+
+    def __init__(self, lr: float):
+        self.param_groups = [{"lr": lr}]
+        self.state: dict = {}
+
+    def step(self) -> None:
+        """No values to update."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """No gradients are ever stored."""
+
+
+def dp_profile(network: Network, mesh: MeshShape, wid: WorkerId):
+    """``train.assemble.dp_link_profile`` over an already built network."""
+    peers = [WorkerId(r, wid.stage) for r in range(mesh.replicas) if r != wid.replica]
+    profiles = [network.link(wid, p).profile for p in peers] or [network.link(wid, wid).profile]
+    return max(profiles, key=lambda p: (p.serialization_s(1 << 20) + p.latency_s))
+
+
+def build_cost_workers(cfg: RunConfig, network: Network,
+                       mask_keep: float | None = None) -> dict[WorkerId, CostWorker]:
+    mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+    codec = cost_codec(cfg, mask_keep)
+    stages = meta_stages(cfg.model, mesh.stages)
+    depths = pipeline_in_flight(cfg)
+    workers = {}
+    for wid in mesh.workers():
+        optimizer = NoArithmetic(cfg.train.lr)
+        plan = build_plan(cfg.mesh.schedule, wid.stage, mesh.stages, cfg.mesh.microbatches,
+                          depths[wid.stage], cfg.mesh.update_every)
+        worker = CostWorker(wid, mesh, stages[wid.stage], optimizer, codec, plan, cfg.mesh.microbatches,
+                            cfg.mesh.weight_stashing, seq_len=cfg.model.seq_len, d_model=cfg.model.d_model)
+        with torch.device("meta"):  # what a strategy allocates (PowerSGD's Q, DiLoCo's copies) is shape only
+            worker.dp = build_cost_strategy(cfg.dp, worker, dp_profile(network, mesh, wid))
+        workers[wid] = worker
+    return workers
+
+
+class CostSource:
+    """The trainer's WorkSource without data: each step's microbatch sizes and its drain points.
+    ``drain_at``: a single drain after that many steps instead of the configured ones (a
+    steady-state measurement); None: the trainer's drain points for a run of ``steps``."""
+
+    def __init__(self, cfg: RunConfig, steps: int, drain_at: int | None = None):
+        self.cfg, self.steps, self.drain_at = cfg, steps, drain_at
+        self.mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+        self.micro = cfg.train.batch_size // cfg.mesh.replicas // cfg.mesh.microbatches
+
+    def drains_after(self, done: int) -> bool:
+        if self.drain_at is not None:
+            return done >= self.drain_at
+        return configured_drain(self.cfg, done, self.steps)
+
+    def next_drain(self, step: int) -> int:
+        t = step
+        while not self.drains_after(t + 1):
+            t += 1
+        return t
+
+    def work(self, step: int) -> dict[WorkerId, StepWork]:
+        m, last = self.cfg.mesh.microbatches, self.mesh.stages - 1
+        return {wid: StepWork(step, self.micro, 1.0,
+                              tokens=[None] * m if wid.stage == 0 else None,
+                              targets=[None] * m if wid.stage == last else None)
+                for wid in self.mesh.workers()}
+
+
+def configured_drain(cfg: RunConfig, done: int, steps: int) -> bool:
+    """Whether the trainer drains the pipeline after ``done`` steps of a ``steps``-step run."""
+    train, every = cfg.train, cfg.subspace_update.every
+    return (done % train.eval_every == 0 or done >= steps
+            or bool(train.checkpoint_every) and done % train.checkpoint_every == 0
+            or bool(every) and done % every == 0)
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The run's cumulative counters at one step's end."""
+
+    steps: int
+    sim_s: float
+    busy_s: dict[WorkerId, float]
+    link_busy_s: dict[tuple[WorkerId, WorkerId], float]
+    link_axis: dict[tuple[WorkerId, WorkerId], str]
+    bytes_pp: int
+    bytes_dp: int
+
+
+@dataclass(frozen=True)
+class Window:
+    """What the mesh did between two counter snapshots, on the virtual clock."""
+
+    steps: int
+    tokens: int
+    sim_s: float
+    bytes_pp: int
+    bytes_dp: int
+    compute_share: float  # the busiest worker's compute time / sim_s
+    pp_link_share: float  # the busiest PP link's serialization time / sim_s
+    dp_link_share: float  # the busiest DP link's
+    bubble_fraction: float  # idle share of all workers' time
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.sim_s
+
+
+class CostRun:
+    """One cost-only simulation, stepped by the caller."""
+
+    def __init__(self, cfg: RunConfig, steps: int, drain_at: int | None = None,
+                 mask_keep: float | None = None):
+        if cfg.sim.compute != "device":
+            raise ValueError("sim.compute = 'measured' times real compute; the planner needs the "
+                             "device model (sim.compute = device)")
+        self.cfg = cfg
+        self.mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+        network = build_network(cfg)
+        self.workers = build_cost_workers(cfg, network, mask_keep)
+        self.driver = CostSimDriver(self.mesh, self.workers, network, ComputeModel(cfg.sim, cfg.model),
+                                    cfg.train.grad_clip)
+        self.source = CostSource(cfg, steps, drain_at)
+        self.done = 0
+        self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+
+    def run(self, steps: int) -> Counters:
+        for _ in range(steps):
+            self.driver.run_step(self.done, self.source)
+            self.done += 1
+        return self.counters()
+
+    def counters(self) -> Counters:
+        links = self.driver.network.links
+        return Counters(self.done, self.driver.clock.step_end, dict(self.driver.clock.busy_s),
+                        {k: link.busy_s for k, link in links.items()},
+                        {k: link.axis for k, link in links.items()},
+                        self.driver.network.bytes_on_axis("pp"), self.driver.network.bytes_on_axis("dp"))
+
+    def window(self, a: Counters, b: Counters) -> Window:
+        seconds = b.sim_s - a.sim_s
+        busy = {w: b.busy_s[w] - a.busy_s.get(w, 0.0) for w in b.busy_s}
+        shares = {"pp": 0.0, "dp": 0.0}
+        for key, axis in b.link_axis.items():
+            shares[axis] = max(shares[axis], (b.link_busy_s[key] - a.link_busy_s.get(key, 0.0)) / seconds)
+        return Window(b.steps - a.steps, (b.steps - a.steps) * self.tokens_per_step, seconds,
+                      b.bytes_pp - a.bytes_pp, b.bytes_dp - a.bytes_dp,
+                      max(busy.values()) / seconds, shares["pp"], shares["dp"],
+                      1.0 - sum(busy.values()) / (len(busy) * seconds))
+
+
+def simulate(cfg: RunConfig, steps: int, mask_keep: float | None = None) -> tuple[CostRun, Window]:
+    """A whole run of ``steps`` steps of ``cfg`` with its drain points, in cost-only mode."""
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
+    run = CostRun(cfg, steps, mask_keep=mask_keep)
+    start = run.counters()
+    return run, run.window(start, run.run(steps))
+
+
+__all__ = ["CostRun", "CostSource", "Counters", "Window", "build_cost_workers", "configured_drain",
+           "simulate"]

@@ -1,0 +1,179 @@
+"""Long runs from short simulations: the steady state between drain points, and what binds it.
+
+Under the async schedule a run of ``train.steps`` steps is a sequence of segments between drain
+points (evaluation, checkpoints, basis updates, the end); each starts from a drained mesh. Past
+a few steps of fill, a segment's steps repeat with the period of the DP strategy's rounds, so
+the virtual time of a segment of S steps is ``overhead + S · period`` (fill and drain in
+``overhead``). ``predict`` simulates one drained segment just long enough to see that: ``warm``
+steps of fill, a ``window`` of whole DP periods it measures, and a ``tail`` for the drain;
+shorter segments are simulated whole. A flushing schedule (GPipe, 1F1B) drains at every step,
+so a drain point changes nothing: the run is ``overhead + steps · period``, the overhead being
+its first step's. A run that fits in one measuring segment is simulated whole.
+
+Which resource binds is measured, not guessed (``with_gains``): the steady state is simulated
+again with each resource twice as good (FLOP rate, PP bandwidth, DP bandwidth, half the
+latency); the one whose doubling gains most binds (``none`` if no doubling gains 5%). A link
+that is handed more bytes than it can send in the window (busy share > 1) has no steady state:
+its queue grows for as long as the run lasts, and the row says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from meshlearn.config import RunConfig
+from meshlearn.mesh.compute import DEVICES
+from meshlearn.mesh.schedule import feed_lookahead
+from meshlearn.plan.cost import CostRun, Window, simulate
+from meshlearn.plan.memory import WorkerMemory, largest
+from meshlearn.train.assemble import pipeline_in_flight
+
+RESOURCES = ("compute", "PP link", "DP link", "latency")
+
+
+@dataclass(frozen=True)
+class Horizon:
+    """Steps of one measuring segment: fill, the measured window, the drain."""
+
+    warm: int
+    window: int
+    tail: int
+
+    @property
+    def steps(self) -> int:
+        return self.warm + self.window + self.tail
+
+
+def horizon(cfg: RunConfig) -> Horizon:
+    """The fill covers the pipeline's feed-ahead (async) and the DP strategy's lag (a sparse
+    round is applied ``delay`` updates after it starts, a DiLoCo sync ``overlap`` updates after
+    it starts); the window is a whole number of DP periods (a sparse round every ``every``
+    updates, a DiLoCo sync every ``H``), at least 1 step (2 under async). A flushing schedule's
+    steps repeat from the second on: the first is the fill."""
+    mesh, dp = cfg.mesh, cfg.dp
+    flush = mesh.schedule != "async"
+    updates = 1 if flush else mesh.microbatches // mesh.update_every
+    period, lag = {"sparse": (dp.every, dp.delay + dp.every),
+                   "diloco": (dp.inner_steps, dp.overlap)}.get(dp.name, (1, 0))
+    period_steps = period // math.gcd(period, updates)
+    lag_steps = math.ceil(lag / updates)
+    if flush:
+        warm, tail, least = 1 + lag_steps, 0, 1
+    else:
+        ahead = feed_lookahead(max(pipeline_in_flight(cfg)), mesh.microbatches)
+        warm, tail, least = ahead + lag_steps + 1, ahead, 2
+    return Horizon(warm, period_steps * math.ceil(least / period_steps), tail)
+
+
+def segment_lengths(cfg: RunConfig) -> Counter:
+    """How many segments of each length a run of ``train.steps`` has between drain points."""
+    train, steps = cfg.train, cfg.train.steps
+    periods = [train.eval_every, train.checkpoint_every, cfg.subspace_update.every]
+    points = sorted({steps} | {k for p in periods if p for k in range(p, steps, p)})
+    return Counter(b - a for a, b in zip([0, *points], points, strict=False))
+
+
+@dataclass
+class Prediction:
+    """The planner's answer for one configuration."""
+
+    tokens_per_s: float  # over the whole run of train.steps, drain points included
+    steady_tokens_per_s: float  # between drain points
+    window: Window  # the steady state: bytes, busy shares, bubble
+    overhead_s: float  # per segment: fill and drain beyond the steady steps
+    whole_run: bool  # simulated whole (train.steps fits one measuring segment)
+    steps_simulated: int
+    memory: WorkerMemory
+    memory_worker: str
+    stash_versions: int
+    in_flight_peak: int
+    binds: str = ""  # see ``with_gains``
+    gains: dict[str, float] = field(default_factory=dict)  # tokens/s × when a resource doubles
+
+
+def _facts(cfg: RunConfig, run: CostRun) -> dict:
+    memory, where = largest(cfg, run.workers, run.source.micro)
+    return {"memory": memory, "memory_worker": where,
+            "stash_versions": max(w.stash_peak for w in run.workers.values()),
+            "in_flight_peak": max(w.in_flight_peak for w in run.workers.values())}
+
+
+@functools.lru_cache(maxsize=512)
+def steady(cfg: RunConfig, mask_keep: float | None = None) -> Prediction:
+    """The steady state between drain points (a method row, a point of the sweep, a doubled
+    resource); remembered per configuration, as rows, sweeps and doublings often coincide."""
+    h = horizon(cfg)
+    run = CostRun(cfg, h.steps, drain_at=h.steps, mask_keep=mask_keep)  # the drain comes later
+    start = run.run(h.warm)
+    window = run.window(start, run.run(h.window))
+    return Prediction(window.tokens_per_s, window.tokens_per_s, window, 0.0, False,
+                      h.warm + h.window, **_facts(cfg, run))
+
+
+def predict(cfg: RunConfig, mask_keep: float | None = None) -> Prediction:
+    """Tokens/s of ``cfg``'s whole run, and its steady state, from the shortest simulation that
+    shows them."""
+    h, steps = horizon(cfg), cfg.train.steps
+    if steps <= h.steps:
+        run, window = simulate(cfg, steps, mask_keep)
+        return Prediction(window.tokens_per_s, window.tokens_per_s, window, 0.0, True, steps,
+                          **_facts(cfg, run))
+    run = CostRun(cfg, h.steps, drain_at=h.steps, mask_keep=mask_keep)
+    start = run.run(h.warm)
+    window = run.window(start, run.run(h.window))
+    period = window.sim_s / window.steps
+    overhead = run.run(h.tail).sim_s - h.steps * period
+    simulated = h.steps
+    if cfg.mesh.schedule != "async":  # every step drains: a drain point adds nothing
+        total_s = overhead + steps * period
+    else:
+        total_s = 0.0
+        for length, count in segment_lengths(cfg).items():
+            if length >= h.warm + h.tail:
+                total_s += count * (overhead + length * period)
+            else:  # too short to reach the steady state: simulated as it is
+                short = CostRun(cfg, length, drain_at=length, mask_keep=mask_keep)
+                total_s += count * short.run(length).sim_s
+                simulated += length
+    tokens = steps * run.tokens_per_step
+    return Prediction(tokens / total_s, window.tokens_per_s, window, overhead, False, simulated,
+                      **_facts(cfg, run))
+
+
+def doubled(cfg: RunConfig, resource: str) -> RunConfig:
+    """``cfg`` with one resource twice as good (per-link overrides are left as they are)."""
+    link, links = cfg.link, cfg.links
+    if resource == "compute":
+        peak = cfg.sim.peak_tflops or DEVICES[cfg.sim.device][0]
+        return dataclasses.replace(cfg, sim=dataclasses.replace(cfg.sim, peak_tflops=2 * peak))
+    if resource == "PP link":
+        return dataclasses.replace(cfg, links=dataclasses.replace(
+            links, pp_bandwidth_mbit=2 * (links.pp_bandwidth_mbit or link.bandwidth_mbit)))
+    if resource == "DP link":
+        return dataclasses.replace(cfg, links=dataclasses.replace(
+            links, dp_bandwidth_mbit=2 * (links.dp_bandwidth_mbit or link.bandwidth_mbit)))
+    pp = links.pp_latency_ms if links.pp_latency_ms >= 0 else link.latency_ms
+    dp = links.dp_latency_ms if links.dp_latency_ms >= 0 else link.latency_ms
+    return dataclasses.replace(cfg, link=dataclasses.replace(link, latency_ms=link.latency_ms / 2),
+                               links=dataclasses.replace(links, pp_latency_ms=pp / 2, dp_latency_ms=dp / 2))
+
+
+def with_gains(cfg: RunConfig, p: Prediction, mask_keep: float | None = None) -> Prediction:
+    """``p`` with the steady-state gain of doubling each resource (DP only when D > 1)."""
+    base = p.steady_tokens_per_s
+    gains = {resource: steady(doubled(cfg, resource), mask_keep).steady_tokens_per_s / base
+             for resource in RESOURCES if resource != "DP link" or cfg.mesh.replicas > 1}
+    best = max(gains, key=gains.get)
+    binds = best if gains[best] >= 1.05 else "none"
+    w = p.window
+    for link, share in (("PP link", w.pp_link_share), ("DP link", w.dp_link_share)):
+        if share > 1.0:  # handed bytes faster than it sends them: its queue only grows
+            binds = f"{link} oversubscribed ×{share:.1f}"
+    return dataclasses.replace(p, gains=gains, binds=binds)
+
+
+__all__ = ["Horizon", "Prediction", "horizon", "predict", "segment_lengths", "steady", "with_gains"]
