@@ -54,7 +54,7 @@ def predicted(paper: str, label: str, sets: list[str], mask_keep: float | None =
     w = p.window
     return {"paper": paper, "setting": label, "tokens_per_s": p.tokens_per_s,
             "bytes_per_token_pp": w.bytes_pp / w.tokens, "bytes_per_token_dp": w.bytes_dp / w.tokens,
-            "bubble": w.bubble_fraction, "steps_simulated": p.steps_simulated,
+            "idle": w.idle_fraction, "steps_simulated": p.steps_simulated,
             "cpu_s": time.process_time() - started}
 
 
@@ -106,7 +106,7 @@ def main() -> None:
                            "train.batch_size=128"])]
     columns = [("paper", "paper", ""), ("setting", "setting", ""), ("tokens_per_s", "tokens/s", ",.0f"),
                ("bytes_per_token_pp", "B/token PP", ",.0f"), ("bytes_per_token_dp", "B/token DP", ",.0f"),
-               ("bubble", "bubble", ".2f"), ("steps_simulated", "steps simulated", "d"),
+               ("idle", "idle", ".2f"), ("steps_simulated", "steps simulated", "d"),
                ("cpu_s", "CPU s", ".2f")]
     timing = [("paper", "full `meshlearn plan` table", ""), ("rows", "method rows", "d"),
               ("sweep_points", "sweep points", "d"), ("cpu_s", "CPU s (this machine)", ".1f")]

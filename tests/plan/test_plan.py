@@ -38,7 +38,7 @@ def test_cost_only_equals_real_simulator(tmp_path, extra):
     assert window.tokens_per_s == pytest.approx(summary["sim_tokens_per_s"], rel=1e-6)
     assert window.bytes_pp / window.tokens == pytest.approx(summary["bytes_per_token_pp"], rel=1e-9)
     assert window.bytes_dp / window.tokens == pytest.approx(summary["bytes_per_token_dp"], rel=1e-9)
-    assert window.bubble_fraction == pytest.approx(summary["bubble_fraction"], rel=1e-6)
+    assert window.idle_fraction == pytest.approx(summary["idle_fraction"], rel=1e-6)
 
 
 def test_subspace_codec_bytes_equal(tmp_path):

@@ -165,7 +165,7 @@ class ElasticDriver(DistDriver):
         return {}
 
     def summary_fields(self, tokens: int, wall_s: float) -> dict:
-        return {"sim_time_s": None, "sim_tokens_per_s": None, "bubble_fraction": None,
+        return {"sim_time_s": None, "sim_tokens_per_s": None, "idle_fraction": None,
                 "compute_model": f"real: elastic, {self.mesh.world_size} processes at start over "
                                  f"{self.comm}, one torchft quorum per stage, "
                                  f"shaping={self.cfg.dist.shaping}",

@@ -163,7 +163,7 @@ class Window:
     compute_share: float  # the busiest worker's compute time / sim_s
     pp_link_share: float  # the busiest PP link's serialization time / sim_s
     dp_link_share: float  # the busiest DP link's
-    bubble_fraction: float  # idle share of all workers' time
+    idle_fraction: float  # idle share of all workers' time
 
     @property
     def tokens_per_s(self) -> float:

@@ -40,7 +40,7 @@ def row(label: str, cfg: RunConfig, p: Prediction) -> dict:
                       "stashes": memory.stash / 1e9, "total": memory.total / 1e9,
                       "worker": p.memory_worker},
         "fits": memory.total <= DEVICE_MEMORY_GB[cfg.sim.device] * 1e9,
-        "bubble_fraction": window.bubble_fraction, "binds": p.binds,
+        "idle_fraction": window.idle_fraction, "binds": p.binds,
         "gain_if_doubled": dict(p.gains),
         "busy_share": {"compute": window.compute_share, "pp_link": window.pp_link_share,
                        "dp_link": window.dp_link_share},

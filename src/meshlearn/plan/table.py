@@ -37,12 +37,12 @@ def header(result: dict) -> str:
 
 def format_table(result: dict) -> str:
     cols = ["method", "tokens/s", "B/tok PP", "B/tok DP", "memory/worker (w+g+opt+act+stash)", "fits",
-            "bubble", "binds (tokens/s × if doubled)"]
+            "idle", "binds (tokens/s × if doubled)"]
     lines = []
     for r in [result["given"], *result["methods"]]:
         lines.append([r["method"], f"{r['tokens_per_s']:,.0f}", _bytes(r["bytes_per_token_pp"]),
                       _bytes(r["bytes_per_token_dp"]), _memory(r["memory_gb"]),
-                      "yes" if r["fits"] else "NO", f"{r['bubble_fraction']:.2f}", _binds(r)])
+                      "yes" if r["fits"] else "NO", f"{r['idle_fraction']:.2f}", _binds(r)])
     widths = [max(len(x[i]) for x in [cols, *lines]) for i in range(len(cols))]
     fmt = "  ".join(f"{{:<{w}}}" if i in (0, len(cols) - 1) else f"{{:>{w}}}" for i, w in enumerate(widths))
     body = "\n".join(fmt.format(*x) for x in [cols, *lines])
@@ -50,7 +50,7 @@ def format_table(result: dict) -> str:
     legend = (f"\nas given: {given['tokens_per_s']:,.0f} tokens/s over train.steps = "
               f"{result['config']['train_steps']} (drain points included; steady state "
               f"{given['steady_tokens_per_s']:,.0f}); method rows: steady state.\n"
-              "bubble: idle share of all workers' time. binds: the resource whose doubling "
+              "idle: share of all workers' time. binds: the resource whose doubling "
               "(FLOP rate, PP or DP bandwidth, half the latency) raises tokens/s most (none: no "
               "doubling gains 5%); oversubscribed: a link handed more bytes than it can send, "
               "whose queue grows for as long as the run lasts (no steady state).")
