@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import DEMO, ROOT, markdown_table, write_results
+from common import DEMO, ROOT, demo_config, finished_run, markdown_table, write_results
 
 from meshlearn.compressibility.evaluate import validation_loss
 from meshlearn.config import load_config
@@ -65,12 +65,20 @@ finally:
 
 def demo_overrides(steps: int, every: int) -> list[str]:
     return ["optim.name=muon", f"train.steps={steps}", f"protocol.every_steps={every}",
-            "train.checkpoint_every=0", "protocol.keep_snapshots=2"]
+            "protocol.keep_snapshots=2"]
 
 
-def train_run(out: Path, overrides: list[str]) -> dict:
-    """One demo run in its own process; its summary plus the process's peak RSS."""
+def train_run(out: Path, overrides: list[str], measured: bool = True) -> dict:
+    """One demo run in its own process; its summary plus the process's peak RSS (a run this
+    script already finished in ``out`` with the same config is reused; with ``measured``, only
+    if it was run by this script, which measured its RSS)."""
     rss = out.with_suffix(".rss")
+    done = finished_run(out, demo_config(*overrides))
+    if done is not None and not measured:
+        return done
+    if done is not None and rss.is_file() and out.with_suffix(".wall").is_file():
+        return done | {"peak_rss_mb": int(rss.read_text()) / 1024,
+                       "process_wall_s": float(out.with_suffix(".wall").read_text())}
     sets = [x for o in overrides for x in ("--set", o)]
     cmd = [sys.executable, "-c", RSS_WRAPPER, "-", "train", "--config", str(DEMO), *sets,
            "--out", str(out), "--overwrite"]
@@ -78,6 +86,7 @@ def train_run(out: Path, overrides: list[str]) -> dict:
     subprocess.run(cmd, check=True, cwd=ROOT, env={**__import__("os").environ, "RSS_OUT": str(rss)})
     summary = json.loads((out / "summary.json").read_text())
     summary["process_wall_s"] = time.perf_counter() - started
+    out.with_suffix(".wall").write_text(str(summary["process_wall_s"]))
     summary["peak_rss_mb"] = int(rss.read_text()) / 1024
     return summary
 
@@ -106,12 +115,10 @@ def attack_rows(run_dir: Path, pairs: dict[str, str], out: Path) -> tuple[list[d
         for attack in ATTACKS:
             r = attack_run(run_dir, attack, pair, out_dir=out / label)
             raw[f"{label}/{attack}"] = r
-            alternating = next(a["val_loss"] for a in r["assignments"]
-                               if a["stages_from"] == [r["snapshots"][s % 2] for s in range(4)])
             rows.append({"pair": label, "snapshots": " + ".join(r["snapshots"]), "attack": attack,
                          "real": r["real_val_loss"], "random_init": r["random_init_val_loss"],
-                         "unigram": r["unigram_val_loss"], "stitched_best": r["stitched_val_loss"],
-                         "best_mix": " ".join(r["best_assignment"]), "alternating": alternating,
+                         "unigram": r["unigram_val_loss"], "stitched_best": r["best_mix_val_loss"],
+                         "best_mix": " ".join(r["best_assignment"]), "alternating": r["stitched_val_loss"],
                          "recovered": r["recovered_fraction"]})
     return rows, raw
 
@@ -135,6 +142,7 @@ def covariance_vs_traffic(run_dir: Path, counts: list[int]) -> list[dict]:
         r = attack_snapshots("covariance", pair, val, alternating_only=True)
         rows.append({"passive_tokens": n, "alternating": r["stitched_val_loss"],
                      "aligned": sum(x["aligned_fraction"] for x in r["bridges"]) / len(r["bridges"]),
+                     "variance_aligned": sum(x["variance_aligned"] for x in r["bridges"]) / len(r["bridges"]),
                      "probe_rel_error": sum(x["probe_rel_error"] for x in r["bridges"]) / len(r["bridges"])})
         print(f"covariance, {n} passive tokens: {rows[-1]}", flush=True)
     return rows
@@ -250,30 +258,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--overhead-steps", type=int, default=50,
+                        help="steps of the three side-by-side runs that measure the cost")
     parser.add_argument("--traffic", default="2048,8192,32768",
                         help="passive tokens per boundary for the covariance attack")
     parser.add_argument("--finetune-steps", type=int, default=150)
     parser.add_argument("--finetune-eval", type=int, default=10)
-    parser.add_argument("--smollm", action="store_true")
+    parser.add_argument("--smollm", action="store_true", help="also SmolLM2-135M (eval only)")
+    parser.add_argument("--smollm-only", action="store_true",
+                        help="only SmolLM2-135M, written to docs/results/unextractable_smollm.*")
     parser.add_argument("--smollm-stages", type=int, default=5)
     parser.add_argument("--smollm-windows", type=int, default=4)
     parser.add_argument("--smollm-passive", type=int, default=4096)
     parser.add_argument("--runs", help="folder for the three runs (default: a temporary one)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.smollm_only:
+        payload = {"smollm": smollm(args.smollm_stages, args.smollm_windows, 256, args.smollm_passive)}
+        write_results("unextractable_smollm", payload, render_smollm(payload["smollm"]))
+        return
     base = Path(args.runs) if args.runs else Path(tempfile.mkdtemp(prefix="meshlearn-unextract-"))
     base.mkdir(parents=True, exist_ok=True)
-    common = demo_overrides(args.steps, args.every)
-    summaries = {name: train_run(base / name, [*common, f"protocol.morph={name}"])
+    common = demo_overrides(args.overhead_steps, args.every)
+    summaries = {name: train_run(base / f"overhead-{name}", [*common, f"protocol.morph={name}"])
                  for name in ("off", "none", "orthogonal")}
-    morph_dir = base / "orthogonal"
+    morph_dir = base / "attack-run"
+    attacked = train_run(morph_dir, [*demo_overrides(args.steps, args.every), "protocol.morph=orthogonal"],
+                         measured=False)
     files = list_snapshots(morph_dir / SNAPSHOT_DIR)
     names = [f"{e}@{s}" for e, s, _ in files]
     pairs = {"same step": f"{names[-2]},{names[-1]}", "1 morph + drift": f"{names[1]},{names[-1]}"}
     attacks, raw = attack_rows(morph_dir, pairs, base / "attack")
     covariance = covariance_vs_traffic(morph_dir, [int(n) for n in args.traffic.split(",")])
     tuned = finetune_fraction(morph_dir, args.finetune_steps, args.finetune_eval)
-    payload = {"steps": args.steps, "every": args.every, "overhead": overhead_rows(summaries),
+    payload = {"steps": args.steps, "every": args.every, "overhead_steps": args.overhead_steps,
+               "attack_run": {k: attacked[k] for k in ("final_val_loss", "steps", "protocol_morphs",
+                                                       "protocol_snapshot_bytes", "wall_time_s")},
+               "overhead": overhead_rows(summaries),
                "attacks": attacks, "attack_results": raw, "covariance_vs_traffic": covariance,
                "finetune": tuned, "snapshots": names}
     if args.smollm:
@@ -283,7 +304,8 @@ def main() -> None:
 
 def render(p: dict) -> str:
     parts = [f"# Unextractable protocol models: demo model, {p['steps']} steps, a morph every "
-             f"{p['every']}\n", "## Cost of morphing (measured side by side)\n",
+             f"{p['every']}\n",
+             f"## Cost of morphing (three {p['overhead_steps']}-step runs side by side)\n",
              markdown_table(p["overhead"], [
                  ("run", "protocol.morph", ""), ("val_loss", "val loss", ".4f"),
                  ("wall_s", "wall s", ".1f"), ("sim_time_s", "virtual s", ".2f"),
@@ -301,24 +323,29 @@ def render(p: dict) -> str:
              "\n## Covariance attack vs passive traffic (same-step pair, alternating)\n",
              markdown_table(p["covariance_vs_traffic"], [
                  ("passive_tokens", "passive tokens / boundary", "d"), ("alternating", "val loss", ".4f"),
-                 ("aligned", "aligned directions", ".3f"), ("probe_rel_error", "probe rel. error", ".3f")])]
+                 ("aligned", "directions aligned (cos > 0.9)", ".3f"),
+                 ("variance_aligned", "variance-weighted cos", ".3f"),
+                 ("probe_rel_error", "probe rel. error", ".3f")])]
     f = p["finetune"]
     parts.append(f"\n## Fine-tuning the stitched model\n\ntarget (real model) {f['target_val_loss']:.4f}; "
                  f"steps to reach it: stitched {f['stitched']['steps_to_target']}, from random init "
                  f"{f['scratch']['steps_to_target']} (of {f['steps']}); fraction {f['fraction']}\n")
     if "smollm" in p:
-        s = p["smollm"]
-        rows = [{"model": k, "val_loss": v} for k, v in (
+        parts.append(render_smollm(p["smollm"]))
+    return "\n".join(parts)
+
+
+def render_smollm(s: dict) -> str:
+    rows = [{"model": k, "val_loss": v} for k, v in (
             ("real (protocol model, epoch 2)", s["real_val_loss"]),
             ("random init", s["random_init_val_loss"]), ("token counts", s["unigram_val_loss"]),
             ("uniform", s["uniform"]),
             *((f"{a}, alternating", s["attacks"][a]["stitched_val_loss"]) for a in ATTACKS),
             *((f"stitch, single cut after stage {c['cut_after_stage']}", c["val_loss"])
               for c in s["attacks"]["stitch"]["single_cut"]))]
-        parts += [f"\n## SmolLM2-135M, {s['stages']} stages, {s['windows']} × {s['seq_len']} tokens "
-                  "of Hamlet validation\n", markdown_table(rows, [("model", "model", ""),
-                                                                  ("val_loss", "nats/token", ".4f")])]
-    return "\n".join(parts)
+    return "\n".join([f"\n## SmolLM2-135M, {s['stages']} stages, {s['windows']} × {s['seq_len']} tokens "
+                      f"of Hamlet validation, {s['passive_tokens']} traffic tokens\n",
+                      markdown_table(rows, [("model", "model", ""), ("val_loss", "nats/token", ".4f")])])
 
 
 if __name__ == "__main__":

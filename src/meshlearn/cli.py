@@ -220,13 +220,16 @@ def _attack(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{args.attack} on snapshots {' + '.join(result['snapshots'])}: stitched "
-          f"{result['stitched_val_loss']:.4f} (best of {len(result['assignments'])}, stages from "
-          f"{' '.join(result['best_assignment'])}), real {result['real_val_loss']:.4f}, random init "
-          f"{result['random_init_val_loss']:.4f}, token counts alone {result['unigram_val_loss']:.4f} "
-          "nats/token")
-    print(f"recovered {result['recovered_fraction']:.3f} of the gap from random init to the real "
-          f"model: {'a working model' if result['recovered'] else 'no better than random init'}")
+    print(f"{args.attack} on snapshots {' + '.join(result['snapshots'])}: stitched (alternating) "
+          f"{result['stitched_val_loss']:.4f}, best of {len(result['assignments'])} mixes "
+          f"{result['best_mix_val_loss']:.4f} (stages from {' '.join(result['best_assignment'])}); "
+          f"real {result['real_val_loss']:.4f}, random init {result['random_init_val_loss']:.4f}, "
+          f"token counts alone {result['unigram_val_loss']:.4f} nats/token")
+    for prefix, what in (("", "stitched"), ("best_mix_", "best mix")):
+        print(f"{what}: recovered {result[prefix + 'recovered_fraction']:.3f} of the gap from random "
+              f"init to the real model; "
+              f"{'better' if result[prefix + 'recovered'] else 'no better'} than random init, "
+              f"{'better' if result[prefix + 'beats_token_counts'] else 'no better'} than token counts")
     return 0
 
 

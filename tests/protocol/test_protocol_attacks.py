@@ -100,8 +100,10 @@ def test_attack_stitch_command_reports_no_better_than_random_init(morph_run, cap
     assert result["snapshots"] == ["5@24", "6@24"] and len(result["assignments"]) == 14
     assert result["real_val_loss"] < result["random_init_val_loss"] - 1.0
     alternating = next(r for r in result["assignments"] if r["stages_from"] == ["5@24", "6@24"] * 2)
-    assert alternating["val_loss"] >= result["random_init_val_loss"] - 0.05
-    assert result["stitched_val_loss"] == min(r["val_loss"] for r in result["assignments"])
+    assert result["stitched_val_loss"] == alternating["val_loss"]
+    assert result["stitched_val_loss"] >= result["random_init_val_loss"] - 0.05
+    assert not result["recovered"] and not result["beats_token_counts"]
+    assert result["best_mix_val_loss"] == min(r["val_loss"] for r in result["assignments"])
     assert (morph_run / "attack" / "stitch.json").is_file()
 
 

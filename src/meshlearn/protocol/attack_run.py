@@ -3,8 +3,11 @@ snapshots a morphing run kept (``protocol/snapshots.py``), scored on the run's v
 against the real model and the run's own random initialization.
 
 The attacker holds two snapshots, a (older) and b (newer), and takes each stage from one of them.
-Every mix but the two whole ones is tried (or only the alternating one, a, b, a, ...: every
-boundary crosses epochs); ``stitched_val_loss`` is the best of them, the attacker's best result.
+``stitched_val_loss`` is the alternating assembly a, b, a, ...: every stage comes from a different
+epoch than its neighbours, so every pipeline boundary crosses epochs (the paper's stitching).
+Every other mix but the two whole ones is tried too (unless ``alternating_only``), and the best
+of all is reported beside it (``best_mix_val_loss``): a mix keeps some neighbours from one epoch,
+so part of the model works as trained.
 Where a boundary crosses epochs, ``bridge`` and ``covariance`` insert their estimate of the basis
 change there (``protocol/attacks.py``); ``stitch`` inserts nothing.
 """
@@ -53,12 +56,17 @@ def fit_bridge(attack: str, a: Snapshot, b: Snapshot, boundary: int) -> dict:
                 "probe_rel_error": relative_error(pa, pb, t)}
     t = covariance_alignment(a.passive[boundary], b.passive[boundary])
     best = procrustes(pa, pb)  # the best orthogonal bridge, to score the estimate against
-    aligned = torch.diagonal(t.T @ best)
+    # Per eigendirection u_i of a's traffic: the cosine between where the estimate and where the
+    # best bridge send it (u_iᵀ·T̂ vs u_iᵀ·T*), and those cosines weighted by the variance along u_i.
+    x = a.passive[boundary].double()
+    values, vectors = torch.linalg.eigh(torch.cov(x.T))
+    cosines = torch.diagonal(vectors.T @ t @ best.T @ vectors)
     return {"T": t, "method": "eigenbasis matching with sign fixing",
             "passive_tokens": [len(a.passive[boundary]), len(b.passive[boundary])],
             "probe_rel_error": relative_error(pa, pb, t),
             "procrustes_probe_rel_error": relative_error(pa, pb, best),
-            "aligned_fraction": float((aligned > 0.9).double().mean())}
+            "aligned_fraction": float((cosines > 0.9).double().mean()),
+            "variance_aligned": float((values.clamp_min(0) * cosines).sum() / values.clamp_min(0).sum())}
 
 
 def attack_snapshots(attack: str, snaps: tuple[Snapshot, Snapshot], val: list[Batch],
@@ -86,10 +94,12 @@ def attack_snapshots(attack: str, snaps: tuple[Snapshot, Snapshot], val: list[Ba
         results.append({"stages_from": [snaps[a].name for a in assignment],
                         "val_loss": validation_loss(model, val)})
     best = min(results, key=lambda r: r["val_loss"])
+    alternating = [snaps[s % 2].name for s in range(stages)]
     return {
         "attack": attack,
         "snapshots": [s.name for s in snaps],
-        "stitched_val_loss": best["val_loss"],
+        "stitched_val_loss": next(r["val_loss"] for r in results if r["stages_from"] == alternating),
+        "best_mix_val_loss": best["val_loss"],
         "best_assignment": best["stages_from"],
         "assignments": results,
         "real_val_loss": validation_loss(Bridged(modules[1], []), val),
@@ -116,11 +126,16 @@ def unigram_loss(train_tokens, vocab_size: int, val: list[Batch]) -> float:
 
 
 def verdict(result: dict) -> dict:
-    """The headline fields: how much of the gap between random init and the real model the
-    attacker closed (0: none, 1: all), and whether it beat random init by the issue's margin."""
-    real, rand, got = result["real_val_loss"], result["random_init_val_loss"], result["stitched_val_loss"]
-    return {"recovered_fraction": (rand - got) / (rand - real) if rand != real else float("nan"),
-            "recovered": got < rand - RECOVERED_MARGIN}
+    """The headline fields, for the alternating assembly and the best mix: how much of the gap
+    between random init and the real model the attacker closed (0: none, 1: all), whether it beat
+    random init by the issue's margin, and whether it beat counting tokens (no weights at all)."""
+    real, rand, counts = (result[k] for k in ("real_val_loss", "random_init_val_loss", "unigram_val_loss"))
+    out = {}
+    for prefix, got in (("", result["stitched_val_loss"]), ("best_mix_", result["best_mix_val_loss"])):
+        out |= {f"{prefix}recovered_fraction": (rand - got) / (rand - real) if rand != real else float("nan"),
+                f"{prefix}recovered": got < rand - RECOVERED_MARGIN,
+                f"{prefix}beats_token_counts": got < counts}
+    return out
 
 
 def choose_pair(run_dir: Path, pair: str | None) -> tuple[Path, Path]:
