@@ -138,3 +138,25 @@ def test_bad_snapshot_names_are_one_line(morph_run, capsys):
     assert main(["attack", "stitch", str(morph_run), "--snapshots", "1@2,6@24"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--snapshots" in err and "5@24" in err
+
+
+def test_a_resumed_run_keeps_the_snapshots_an_uninterrupted_one_keeps(tiny_corpus, tmp_path):
+    """Snapshots written after the checkpoint a run resumes from are redone, not kept beside the
+    new ones (the newest files would otherwise be stale)."""
+    run = ["optim.name=muon", "mesh.stages=2", "train.steps=8", "protocol.morph=orthogonal",
+           "protocol.every_steps=2", "protocol.traffic_tokens=64", "train.checkpoint_every=4"]
+    Trainer(tiny_config(tiny_corpus, *run), tmp_path / "a", progress=False).train()
+    Trainer(tiny_config(tiny_corpus, *run, "train.stop_at_step=6"), tmp_path / "b",
+            progress=False).train()
+    kept = list_snapshots(tmp_path / "b" / SNAPSHOT_DIR)
+    assert [(e, s) for e, s, _ in kept] == [(2, 6), (3, 6)]
+    # As if the run had gone on to a morph after step 7 and crashed before its next checkpoint.
+    stale = tmp_path / "b" / SNAPSHOT_DIR / "epoch-0009-step-000007.pt"
+    stale.write_bytes(kept[-1][2].read_bytes())
+    Trainer(tiny_config(tiny_corpus, *run), tmp_path / "b", resume=True, progress=False).train()
+    assert not stale.exists()
+    a, b = (list_snapshots(tmp_path / x / SNAPSHOT_DIR) for x in "ab")
+    assert [(e, s) for e, s, _ in a] == [(e, s) for e, s, _ in b] == [(3, 8), (4, 8)]
+    for (_, _, pa), (_, _, pb) in zip(a, b, strict=True):
+        sa, sb = load_snapshot(pa), load_snapshot(pb)
+        assert all(torch.equal(sa.stages[1][k], sb.stages[1][k]) for k in sa.stages[1])
