@@ -13,7 +13,7 @@
    morphed twice; real vs stitched (alternating and every single-cut mix) vs random init on the
    validation split of Hamlet, in nats/token, plus the bridge and covariance attacks.
 
-    python bench/unextractable.py                 # about 15 minutes on 2 cores
+    python bench/unextractable.py --runs DIR      # about 50 minutes from nothing on 2 busy cores
     python bench/unextractable.py --smollm        # + SmolLM2-135M
 """
 
@@ -97,7 +97,7 @@ def overhead_rows(summaries: dict[str, dict]) -> list[dict]:
         morphs = s.get("protocol_morphs", 0)
         rows.append({
             "run": name, "val_loss": s["final_val_loss"], "wall_s": s["wall_time_s"],
-            "sim_time_s": s["sim_time_s"], "bytes_pp_mb": s["bytes_pp"] / 1e6,
+            "sim_time_s": s["sim_time_s"], "bytes_pp_mb": s["bytes_per_token_pp"] * s["tokens"] / 1e6,
             "morphs": morphs,
             "morph_wall_ms": 1e3 * s["protocol_morph_wall_s"] / morphs if morphs else 0.0,
             "morph_bytes_kb": s.get("protocol_morph_bytes", 0) / morphs / 1e3 if morphs else 0.0,
@@ -113,7 +113,9 @@ def attack_rows(run_dir: Path, pairs: dict[str, str], out: Path) -> tuple[list[d
     rows, raw = [], {}
     for label, pair in pairs.items():
         for attack in ATTACKS:
-            r = attack_run(run_dir, attack, pair, out_dir=out / label)
+            done = out / label / f"{attack}.json"  # this script's own result of an earlier call
+            r = json.loads(done.read_text()) if done.is_file() else attack_run(
+                run_dir, attack, pair, out_dir=out / label)
             raw[f"{label}/{attack}"] = r
             rows.append({"pair": label, "snapshots": " + ".join(r["snapshots"]), "attack": attack,
                          "real": r["real_val_loss"], "random_init": r["random_init_val_loss"],
@@ -167,6 +169,7 @@ def finetune(model: torch.nn.Module, cfg, tokens, val, target: float, steps: int
         if (t + 1) % eval_every == 0:
             curve.append((t + 1, validation_loss(model, val)))
     reached = None
+    target += 1e-6 * abs(target)  # the from-scratch loop is the run's own trajectory, to rounding
     for (s0, v0), (s1, v1) in zip(curve, curve[1:], strict=False):
         if v0 <= target:
             reached = s0
@@ -254,6 +257,15 @@ def _assemble(snaps: list[Snapshot], mix: tuple[int, ...]) -> torch.nn.Module:
     return Bridged([snaps[a].modules()[s] for s, a in enumerate(mix)], [])
 
 
+def cached(path: Path, compute):
+    """A phase's result: computed once per runs folder (so a later failure costs no rerun)."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    result = compute()
+    path.write_text(json.dumps(result))
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
@@ -289,8 +301,10 @@ def main() -> None:
     names = [f"{e}@{s}" for e, s, _ in files]
     pairs = {"same step": f"{names[-2]},{names[-1]}", "1 morph + drift": f"{names[1]},{names[-1]}"}
     attacks, raw = attack_rows(morph_dir, pairs, base / "attack")
-    covariance = covariance_vs_traffic(morph_dir, [int(n) for n in args.traffic.split(",")])
-    tuned = finetune_fraction(morph_dir, args.finetune_steps, args.finetune_eval)
+    covariance = cached(base / "covariance.json", lambda: covariance_vs_traffic(
+        morph_dir, [int(n) for n in args.traffic.split(",")]))
+    tuned = cached(base / "finetune.json", lambda: finetune_fraction(
+        morph_dir, args.finetune_steps, args.finetune_eval))
     payload = {"steps": args.steps, "every": args.every, "overhead_steps": args.overhead_steps,
                "attack_run": {k: attacked[k] for k in ("final_val_loss", "steps", "protocol_morphs",
                                                        "protocol_snapshot_bytes", "wall_time_s")},
