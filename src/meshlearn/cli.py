@@ -1,5 +1,5 @@
-"""The ``meshlearn`` command: train, resume, config, report, sample, export, compress, plan. A thin
-entry point over the library; every error a user can fix is one line and exit code 2."""
+"""The ``meshlearn`` command: train, resume, config, report, sample, export, compress, plan,
+attack. A thin entry point over the library; every error a user can fix is one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -263,6 +263,31 @@ def _floats(flag: str, text: str) -> tuple[float, ...]:
         raise ConfigError(flag, text, "comma-separated numbers") from None
 
 
+def _attack(args: argparse.Namespace) -> int:
+    import json
+
+    from meshlearn.protocol.attack_run import attack_run
+
+    if not (Path(args.run) / "config.toml").is_file():
+        raise ConfigError("attack", args.run, "not a run folder (no config.toml in it)")
+    result = attack_run(Path(args.run), args.attack, args.snapshots, args.alternating,
+                        Path(args.out) if args.out else None)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{args.attack} on snapshots {' + '.join(result['snapshots'])}: stitched (alternating) "
+          f"{result['stitched_val_loss']:.4f}, best of {len(result['assignments'])} mixes "
+          f"{result['best_mix_val_loss']:.4f} (stages from {' '.join(result['best_assignment'])}); "
+          f"real {result['real_val_loss']:.4f}, random init {result['random_init_val_loss']:.4f}, "
+          f"token counts alone {result['unigram_val_loss']:.4f} nats/token")
+    for prefix, what in (("", "stitched"), ("best_mix_", "best mix")):
+        print(f"{what}: recovered {result[prefix + 'recovered_fraction']:.3f} of the gap from random "
+              f"init to the real model; "
+              f"{'better' if result[prefix + 'recovered'] else 'no better'} than random init, "
+              f"{'better' if result[prefix + 'beats_token_counts'] else 'no better'} than token counts")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshlearn", description=meshlearn.__doc__)
     parser.add_argument("--version", action="version", version=f"meshlearn {meshlearn.__version__}")
@@ -364,6 +389,20 @@ def build_parser() -> argparse.ArgumentParser:
                           help="train-split sequences of seq_len tokens for asvd/svdllm (default: 64)")
     compress.add_argument("--out", help="output folder (default: RUN/compress)")
     compress.set_defaults(func=_compress)
+
+    attack = sub.add_parser("attack", help="assemble a model from the stage snapshots of a morphing "
+                                           "run (protocol models; docs/unextractable.md)")
+    attack.add_argument("attack", choices=["stitch", "bridge", "covariance"],
+                        help="stitch: stages as collected; bridge: fit the basis change from identical "
+                             "inputs at two times; covariance: align boundary covariances (passive)")
+    attack.add_argument("run", help="run folder trained with protocol.morph = orthogonal or lowcond")
+    attack.add_argument("--snapshots", metavar="E@S,E@S",
+                        help="the two snapshots to combine, EPOCH@STEP (default: the two newest)")
+    attack.add_argument("--alternating", action="store_true",
+                        help="only stages from a, b, a, ... (default: every mix of the two)")
+    attack.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    attack.add_argument("--out", help="output folder (default: RUN/attack)")
+    attack.set_defaults(func=_attack)
     return parser
 
 

@@ -19,6 +19,8 @@ def test_default_is_off_and_keys_parse():
     (["protocol.morph=rotate"], "protocol.morph", "allowed: ['off', 'none', 'orthogonal', 'lowcond']"),
     (["protocol.every_steps=0"], "protocol.every_steps", "must be >= 1"),
     (["protocol.epsilon=0"], "protocol.epsilon", "in (0, 1]"),
+    (["protocol.keep_snapshots=-1"], "protocol.keep_snapshots", "must be >= 0"),
+    (["protocol.traffic_tokens=0"], "protocol.traffic_tokens", "must be >= 1"),
     (MORPH + ["codec.name=subspace", "model.subspace_rank=16"], "codec.name", "open detail 5"),
     (["protocol.morph=none", "codec.name=subspace", "model.subspace_rank=16"], "codec.name",
      "public basis U"),

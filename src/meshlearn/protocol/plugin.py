@@ -6,11 +6,17 @@ to the lower one's, over their link: the simulator charges its bytes and time li
 (``SimDriver.send_control``), and the receiver folds only what arrived. The virtual clock does
 not charge the folds' compute (measured here as ``protocol_morph_wall_s``: the paper's ~0.05 s
 per morph is mostly drawing the fp64 transforms).
+
+With ``protocol.keep_snapshots > 0`` it also keeps, in ``RUN/protocol/``, replica 0's stages just
+before and after each of the last morphs with samples of their boundary traffic
+(``protocol/snapshots.py``): what the attack commands need. Its cost is measured apart
+(``protocol_snapshot_wall_s``), since it is no part of the protocol.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -23,6 +29,14 @@ from meshlearn.models.llama import Decoder
 from meshlearn.protocol.model import ProtocolDecoder, protocol_model
 from meshlearn.protocol.morph import StageMorph, morph_mesh
 from meshlearn.protocol.settings import ProtocolConfig
+from meshlearn.protocol.snapshots import (
+    SNAPSHOT_DIR,
+    list_snapshots,
+    prune_snapshots,
+    take_snapshot,
+    traffic_windows,
+    write_snapshot,
+)
 from meshlearn.protocol.transforms import Transform
 
 
@@ -40,9 +54,10 @@ class MorphCallback(Callback):
     with the bytes the transforms cost on the pipeline links."""
 
     def __init__(self, cfg: ProtocolConfig, seed: int, workers: dict[WorkerId, Worker], driver,
-                 mesh: MeshShape):
+                 mesh: MeshShape, snapshots: SnapshotKeeper | None = None):
         self.cfg = cfg
         self.seed = seed
+        self.snapshots = snapshots
         self.workers = workers
         self.driver = driver
         self.mesh = mesh
@@ -58,6 +73,8 @@ class MorphCallback(Callback):
         if done % self.cfg.every_steps:
             return []  # a drain point someone else asked for
         assert self.driver.drained, "morphs happen at drain points only"
+        if self.snapshots is not None:
+            self.snapshots.take(self.epoch, done)
         started = time.perf_counter()
         stats = morph_mesh(self.morphs, self.mesh, self.cfg.morph, self.cfg.epsilon, self.seed,
                            self.epoch, self._sender(done))
@@ -65,6 +82,9 @@ class MorphCallback(Callback):
         self.epoch += 1
         self.bytes += stats.boundary_bytes
         self.wall_s += wall
+        if self.snapshots is not None:
+            self.snapshots.take(self.epoch, done)
+            self.snapshots.prune()
         return [{"kind": "event", "step": done, "event": "protocol_morph", "epoch": self.epoch,
                  "transforms": stats.transforms, "morph_bytes": stats.boundary_bytes,
                  "morph_wall_s": wall}]
@@ -93,12 +113,54 @@ class MorphCallback(Callback):
         master_bytes = max((sum(t.numel() * t.element_size() for t in m.master.tensors.values())
                             for m in self.morphs.values()), default=0)
         return {"protocol_morphs": self.epoch, "protocol_morph_bytes": self.bytes,
-                "protocol_morph_wall_s": self.wall_s, "protocol_master_bytes_peak": master_bytes}
+                "protocol_morph_wall_s": self.wall_s, "protocol_master_bytes_peak": master_bytes,
+                **(self.snapshots.summary() if self.snapshots is not None else {})}
+
+
+class SnapshotKeeper:
+    """Writes replica 0's stages with their boundary traffic into ``RUN/protocol/`` (before and
+    after each morph) and keeps the files of the last ``keep`` morphs."""
+
+    def __init__(self, cfg, run_dir: Path, workers: dict[WorkerId, Worker], resume_step: int | None):
+        self.cfg = cfg  # the resolved RunConfig
+        self.folder = Path(run_dir) / SNAPSHOT_DIR
+        for _, step, path in list_snapshots(self.folder):
+            if resume_step is not None and step > resume_step:
+                path.unlink()  # written after the checkpoint this run resumes from: redone
+        self.stages = [workers[WorkerId(0, s)].module for s in range(cfg.mesh.stages)]
+        self._tokens = None
+        self.wall_s = 0.0
+
+    def _train_tokens(self):
+        if self._tokens is None:  # read once, at the first snapshot (as the curvature probe does)
+            from meshlearn.train.assemble import load_corpus
+
+            self._tokens = load_corpus(self.cfg, self.folder.parent).splits.train
+        return self._tokens
+
+    def take(self, epoch: int, step: int) -> None:
+        started = time.perf_counter()
+        tokens, p, seq_len = self._train_tokens(), self.cfg.protocol, self.cfg.model.seq_len
+        passive = traffic_windows(tokens, p.traffic_tokens, seq_len, self.cfg.seed, "traffic",
+                                  epoch, step)
+        probe = traffic_windows(tokens, p.traffic_tokens, seq_len, self.cfg.seed, "probe")
+        write_snapshot(self.folder, take_snapshot(self.stages, epoch, step, passive, probe))
+        self.wall_s += time.perf_counter() - started
+
+    def prune(self) -> None:
+        prune_snapshots(self.folder, 2 * self.cfg.protocol.keep_snapshots)
+
+    def summary(self) -> dict:
+        files = list(self.folder.glob("epoch-*-step-*.pt"))
+        return {"protocol_snapshot_wall_s": self.wall_s,
+                "protocol_snapshot_bytes": sum(f.stat().st_size for f in files)}
 
 
 def protocol_plugin(ctx: PluginContext) -> MorphCallback | None:
     cfg = ctx.cfg
     if cfg.protocol.morph in ("off", "none"):
         return None
+    keeps = cfg.protocol.keep_snapshots > 0 and ctx.writer
     return MorphCallback(cfg.protocol, cfg.seed, ctx.workers, ctx.driver,
-                         MeshShape(cfg.mesh.replicas, cfg.mesh.stages))
+                         MeshShape(cfg.mesh.replicas, cfg.mesh.stages),
+                         SnapshotKeeper(cfg, ctx.run_dir, ctx.workers, ctx.resume_step) if keeps else None)

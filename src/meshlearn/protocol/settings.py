@@ -33,6 +33,18 @@ class ProtocolConfig:
     epsilon: float = 0.01
     """Half-width of the log singular values of a ``lowcond`` transform (κ ≤ e^{2ε}): 0.01 is
     harmless in the paper, 0.1 and 0.5 hurt. Unused by the other morphs."""
+    keep_snapshots: int = 1
+    """Morphs whose stage snapshots the run folder keeps for the attack commands (``meshlearn
+    attack``; docs/unextractable.md): for each of the last N morphs, replica 0's stages just
+    before and just after it (two epochs), with boundary traffic samples, in ``protocol/``. Each
+    snapshot holds the model's parameters and basis matrices (fp32) plus the traffic; 0 keeps none.
+    What an attacker who rejoins could have collected, kept so its attacks can be measured."""
+    traffic_tokens: int = 2048
+    """Tokens of boundary traffic each snapshot keeps per pipeline boundary, twice: the activations
+    on fresh training windows (what a passive holder of the next stage sees; the covariance attack)
+    and on fixed probe windows, the same in every snapshot (identical inputs at two times; the
+    bridge attack). Costs traffic_tokens · d_model · 4 bytes per boundary and kind; the bridge needs
+    more than d_model, the covariance attack improves with more."""
 
 
 def validate_protocol(cfg: Any, require: Callable[[bool, str, Any, str], None]) -> None:
@@ -44,6 +56,10 @@ def validate_protocol(cfg: Any, require: Callable[[bool, str, Any, str], None]) 
     require(p.every_steps >= 1, "protocol.every_steps", p.every_steps, "must be >= 1")
     require(math.isfinite(p.epsilon) and 0 < p.epsilon <= 1, "protocol.epsilon", p.epsilon,
             "in (0, 1] (κ ≤ e^{2ε}; the paper: 0.01 harmless, 0.1 and 0.5 hurt)")
+    require(p.keep_snapshots >= 0, "protocol.keep_snapshots", p.keep_snapshots,
+            "must be >= 0 (morphs whose before/after stage snapshots are kept; 0: none)")
+    require(p.traffic_tokens >= 1, "protocol.traffic_tokens", p.traffic_tokens,
+            "must be >= 1 (tokens of boundary traffic per snapshot and boundary)")
     if p.morph == "off":
         return
     off = "or protocol.morph = off"
