@@ -60,4 +60,6 @@ def render_report(
         plots.plot_bytes_per_token(runs, out / "bytes_per_token.png"),
         plots.plot_link_utilization(runs, out / "link_utilization.png"),
     ]
+    if (curvature := plots.plot_curvature(runs, out / "curvature.png")) is not None:
+        plot_paths.append(curvature)
     return write_html(runs, plot_paths, out / INDEX_NAME)
