@@ -16,7 +16,7 @@ written to docs/results/warmup.{json,md} with a run report (plots) under docs/re
 
 Spikes: ``meshlearn.warmup.find_spikes`` (train loss above its running EMA by more than δ nats).
 
-    python bench/warmup.py [--lrs 3e-3,1e-2,3e-2,1e-1] [--lr X] [--reuse]
+    python bench/warmup.py [--lrs 3e-3,1e-2,3e-2,1e-1,3e-1,1] [--lr X] [--steps N] [--reuse]
 """
 
 from __future__ import annotations
@@ -156,28 +156,30 @@ def render(group: str, rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--lrs", default="3e-3,1e-2,3e-2,1e-1", help="baseline peak lrs of the sweep")
+    parser.add_argument("--lrs", default="3e-3,1e-2,3e-2,1e-1,3e-1,1", help="baseline peak lrs of the sweep")
+    parser.add_argument("--steps", type=int, default=0, help="train.steps (default: the config's)")
     parser.add_argument("--lr", type=float, default=0.0, help="comparison lr (default: from the sweep)")
-    parser.add_argument("--curvature-every", type=int, default=10)
-    parser.add_argument("--pipeline-curvature-every", type=int, default=25)
+    parser.add_argument("--curvature-every", type=int, default=20)
+    parser.add_argument("--pipeline-curvature-every", type=int, default=50)
     parser.add_argument("--reuse", action="store_true", help="keep runs in bench/out/warmup/ that finished "
                                                              "with the same config")
     args = parser.parse_args()
     started = time.perf_counter()
-    sweep = [run("sweep", f"baseline-lr{lr}", [f"train.lr={lr}"], args.reuse)
+    steps = [f"train.steps={args.steps}"] if args.steps else []
+    sweep = [run("sweep", f"baseline-lr{lr:g}", [*steps, f"train.lr={lr}"], args.reuse)
              for lr in (float(x) for x in args.lrs.split(","))]
     lr = args.lr or choose_lr(sweep)
-    tracked = [f"train.lr={lr}", f"curvature.every={args.curvature_every}"]
+    tracked = [*steps, f"train.lr={lr}", f"curvature.every={args.curvature_every}"]
     single = [run("single", name, [*tracked, *extra], args.reuse) for name, extra in METHODS.items()]
     same = next((r for r in sweep if r["lr"] == lr), None)
     tracker_neutral = None if same is None else same["losses"] == single[0]["losses"]
-    piped = [f"train.lr={lr}", f"curvature.every={args.pipeline_curvature_every}", *PIPELINE]
+    piped = [*steps, f"train.lr={lr}", f"curvature.every={args.pipeline_curvature_every}", *PIPELINE]
     pipeline = [run("pipeline", name, [*piped, *METHODS[name]], args.reuse) for name in PIPELINE_METHODS]
     reports = {group: render(group, rows) for group, rows in
                (("sweep", sweep), ("single", single), ("pipeline", pipeline))}
     total = time.perf_counter() - started
 
-    cfg = load_config(CONFIG, [])
+    cfg = load_config(CONFIG, steps)
     setup = (f"`configs/warmup.toml`: {cfg.model.n_layer} layers, d_model {cfg.model.d_model}, "
              f"{cfg.model.n_head} heads, seq {cfg.model.seq_len}, batch {cfg.train.batch_size}, byte "
              f"Shakespeare, AdamW (β₁ 0.9, β₂ 0.95, wd {cfg.optim.weight_decay}), grad clip "
@@ -186,7 +188,8 @@ def main() -> None:
              f"(interleaved), 4 groups unlocked every {cfg.warmup.unlock_every} steps from step "
              f"{cfg.train.warmup_steps}. Spike: train loss > its EMA (β {SPIKE_EMA_BETA}) over the steps "
              f"before + {SPIKE_DELTA_NATS} nats, consecutive steps counted once.")
-    md = [f"# Architecture warm-up bench\n\n`python bench/warmup.py --lrs {args.lrs}` "
+    md = [f"# Architecture warm-up bench\n\n`python bench/warmup.py --lrs {args.lrs}"
+          f"{f' --steps {args.steps}' if args.steps else ''}` "
           f"({total / 60:.0f} min on one CPU thread). {setup}\n",
           f"## 1. Baseline LR sweep (tracker off)\n\n{markdown_table(table_rows(sweep), BASE_COLUMNS)}\n\n"
           f"Comparison lr: **{lr:g}** ({'--lr' if args.lr else 'lowest swept lr that spikes or diverges'}). "
