@@ -1,5 +1,6 @@
 """Bad input fails before any work, naming the field, the value and what is allowed."""
 
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,9 @@ def test_defaults_and_overrides_parse_into_field_types():
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     cfg = load_config(path)
-    assert (cfg.mesh.stages, cfg.mesh.replicas) == (4, 2)
+    for section, values in tomllib.loads(path.read_text()).items():  # the file's values arrive
+        if isinstance(values, dict):
+            assert all(getattr(getattr(cfg, section), k) == v for k, v in values.items()), section
 
 
 @pytest.mark.parametrize("override,field,hint", [
@@ -71,8 +74,5 @@ def test_every_key_is_reachable_by_set():
 
 def test_the_package_license_is_an_spdx_string():
     """A TOML table for project.license makes setuptools print a deprecation banner on every install."""
-    import tomllib
-    from pathlib import Path
-
     project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     assert project["project"]["license"] == "Apache-2.0"

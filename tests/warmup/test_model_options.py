@@ -2,9 +2,14 @@
 
 import dataclasses
 
+import pytest
 import torch
+from tiny import reference_run, tiny_config
 
+from meshlearn.config import ConfigError
+from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import DecoderConfig, init_model
+from meshlearn.train import Trainer
 
 CFG = DecoderConfig(vocab_size=32, n_layer=2, d_model=32, n_head=2, seq_len=16)
 
@@ -48,3 +53,28 @@ def test_qk_norm_normalises_queries_and_keys():
     plain.load_state_dict({k: v for k, v in model.state_dict().items()
                            if "q_norm" not in k and "k_norm" not in k})
     assert not torch.allclose(plain(tokens()), out)  # the option is live
+
+
+REMEDIES = ["model.qk_norm=true", "model.attn_softcap=2.0", "model.logit_softcap=3.0"]
+
+
+def test_the_options_reach_every_stage_from_config_and_match_the_unsplit_model(tiny_corpus, tmp_path):
+    """``--set model.*`` builds the stages with the options (small caps, so they bind), and a
+    2-stage mesh still reproduces the unsplit model built from the same config."""
+    cfg = tiny_config(tiny_corpus, "mesh.stages=2", *REMEDIES)
+    trainer = Trainer(cfg, tmp_path, progress=False)
+    first, last = (trainer.workers[WorkerId(0, s)].module for s in (0, 1))
+    assert all(b.attn.softcap == 2.0 and hasattr(b.attn, "q_norm")
+               for m in (first, last) for b in m.layers.values())
+    assert last.cfg.logit_softcap == 3.0
+    mesh_losses = [trainer.step() for _ in range(3)]
+    ref_losses, _ = reference_run(trainer, 3)
+    assert max(abs(a - b) for a, b in zip(mesh_losses, ref_losses, strict=True)) <= 1e-5
+    plain = Trainer(tiny_config(tiny_corpus, "mesh.stages=2"), tmp_path / "plain", progress=False)
+    assert abs(plain.step() - mesh_losses[0]) > 1e-3  # the options change the function
+
+
+@pytest.mark.parametrize("key", ["attn_softcap", "logit_softcap"])
+def test_a_negative_softcap_is_refused(tiny_corpus, key):
+    with pytest.raises(ConfigError, match=f"model.{key}"):
+        tiny_config(tiny_corpus, f"model.{key}=-1")

@@ -1,5 +1,6 @@
 """Checks of the model.* keys that pretrained checkpoints brought (GQA, tied embeddings, RoPE θ,
-norm ε, init), one line each; config.py calls ``validate_model`` with its ``require``."""
+norm ε, init) and of the stability options (soft-caps), one line each; config.py calls
+``validate_model`` with its ``require``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ def validate_model(cfg, require) -> None:
             f"0 (= model.n_head) or a divisor of model.n_head = {m.n_head}: {kv_ok}")
     require(m.rope_theta > 1, "model.rope_theta", m.rope_theta, "must be > 1 (the RoPE frequency base)")
     require(0 < m.norm_eps < 1, "model.norm_eps", m.norm_eps, "must be in (0, 1) (RMSNorm's epsilon)")
+    for key in ("attn_softcap", "logit_softcap"):  # a negative cap would silently mean "off"
+        require(getattr(m, key) >= 0, f"model.{key}", getattr(m, key), "must be >= 0 (0 = off)")
     if m.tie_embeddings:
         require(stages == 1, "model.tie_embeddings", m.tie_embeddings,
                 f"the embedding (stage 0) and the head (stage {stages - 1}) cannot share one weight "

@@ -114,6 +114,12 @@ def staleness_note(runs: Sequence[RunData]) -> str:
             "async 1F1B settles at P − 1 − s on stage s (0 on the last), more with mesh.in_flight > P − s.")
 
 
+def curvature_note(runs: Sequence[RunData]) -> str:
+    return ("The curvature tracker's top Hessian eigenvalue, plain beside gradient descent's 2/η and "
+            "Adam-preconditioned beside (2 + 2β₁)/((1 − β₁)η): a curve at its dashed line is at the "
+            "edge of stability. Per-stage values are diagonal blocks, lower bounds on the full λ_max.")
+
+
 def flags_note(runs: Sequence[RunData]) -> str:
     attacked = [r.label for r in runs if (t := trust_summary(r)) and t.get("attackers")]
     truth = (f"ground truth from the attack harness ({', '.join(attacked)})" if attacked else

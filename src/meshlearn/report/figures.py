@@ -58,6 +58,8 @@ FIGURES: list[FigureSpec] = [
                "computed with (staleness 0)"),
     FigureSpec("verifier_flags", "Verifier flags per worker", plots_trust.plot_flags_per_worker,
                explain.flags_note, "no run verified its messages (verify.name = none)"),
+    FigureSpec("curvature", "Curvature and its stability thresholds", plots_training.plot_curvature,
+               explain.curvature_note, "no run tracked curvature (curvature.every = 0)"),
 ]
 
 

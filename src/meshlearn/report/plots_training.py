@@ -1,12 +1,21 @@
-"""Per-step training signals over all runs: learning rate and gradient norm, throughput, staleness."""
+"""Per-step training signals over all runs: learning rate and gradient norm, throughput, staleness,
+curvature."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
-from meshlearn.report.plots import new_figure, plain_log_ticks, run_color, save_png, series
-from meshlearn.report.records import RunData
+from meshlearn.report.plots import (
+    LOSS_LABEL,
+    new_figure,
+    no_data,
+    plain_log_ticks,
+    run_color,
+    save_png,
+    series,
+)
+from meshlearn.report.records import RunData, read_metrics
 from meshlearn.report.units import as_number
 
 
@@ -100,4 +109,53 @@ def plot_staleness(runs: Sequence[RunData], out_path: Path) -> Path | None:
     ax.set_title("Staleness of the applied gradients")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small", ncol=2)
+    return save_png(fig, out_path)
+
+
+def _curvature_records(run: RunData) -> list[dict]:
+    """The run's ``curvature`` records (the tracker's, ``curvature.every`` > 0), read from its
+    metrics here so that RunData stays as it is for runs without them."""
+    return [r for r in read_metrics(run.path) if r.get("kind") == "curvature"]
+
+
+def plot_curvature(runs: Sequence[RunData], out_path: Path) -> Path | None:
+    """Train loss beside the curvature tracker's estimates and their stability thresholds, or None
+    when no run tracked curvature.
+
+    Panels share the step axis: the loss; λ_max(H) (solid) with gradient descent's 2/η (dashed);
+    λ_max(P^{-1/2}HP^{-1/2}) with Adam's (2 + 2β₁)/((1 − β₁)η). A curve that meets its threshold
+    line is at the edge of stability (ratio 1); spikes in the loss should sit where it does."""
+    tracked = [(i, run, records) for i, run in enumerate(runs) if (records := _curvature_records(run))]
+    if not tracked:
+        return None
+    fig = new_figure(7.5, 8.0)
+    loss_ax, gd_ax, adam_ax = fig.subplots(3, 1, sharex=True)
+    panels = ((gd_ax, "lambda_max", "gd_threshold", "λ_max(H)", "2/η"),
+              (adam_ax, "lambda_max_precond", "adam_threshold", "λ_max(P^-½HP^-½)", "(2+2β₁)/((1−β₁)η)"))
+    drawn: list[tuple] = []  # threshold curves already on the axes (runs at one lr share them)
+    for i, run, records in tracked:
+        color = run_color(i)
+        xs, ys = series(run.train_records, "step", "train_loss")
+        loss_ax.plot(xs, ys, color=color, lw=0.8, label=run.label)
+        for ax, key, threshold, _, _ in panels:
+            positive = [r for r in records if (as_number(r.get(key)) or 0.0) > 0]  # log axis
+            xs, ys = series(positive, "step", key)
+            if xs:
+                ax.plot(xs, ys, color=color, lw=1.4, marker=".", ms=3)
+            xs, ys = series(records, "step", threshold)
+            if xs and (ax, xs, ys) not in drawn:
+                drawn.append((ax, xs, ys))
+                ax.plot(xs, ys, color=color, lw=1.0, ls="--")
+    loss_ax.set_ylabel(LOSS_LABEL)
+    loss_ax.set_title("Train loss; curvature (solid) and its stability threshold (dashed)")
+    loss_ax.legend(fontsize="small")
+    for ax, key, _, name, bound in panels:
+        ax.set_ylabel(f"{name}  vs  {bound}")
+        if ax.lines:
+            ax.set_yscale("log")
+        else:
+            no_data(ax, f"no {key} records")
+    for ax in (loss_ax, gd_ax, adam_ax):
+        ax.grid(True, alpha=0.3)
+    adam_ax.set_xlabel("optimizer step")
     return save_png(fig, out_path)
