@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from meshlearn.cli import main
+from meshlearn.compress.codecs import MessageContext
+from meshlearn.compress.mask import MaskCodec
 from meshlearn.config import load_config
 from meshlearn.plan.cost import simulate
 from meshlearn.plan.mask import mask_wire_values
@@ -80,6 +83,11 @@ def test_segments_and_horizon():
 
 def test_mask_wire_values():
     assert mask_wire_values(0.05, 2048) == 102 and mask_wire_values(1.0, 7) == 7
+    # the planner's count is the real codec's: its payload holds exactly that many values per token
+    codec = MaskCodec(d_model=576, keep=0.05)
+    x = torch.randn(2, 8, 576)
+    payload = codec.encode(x, "act", None, MessageContext(step=3, microbatch=1, boundary=0))
+    assert payload.tensors["values"].numel() == 2 * 8 * mask_wire_values(0.05, 576)
     with pytest.raises(ValueError, match="keep"):
         mask_wire_values(0.0, 64)
 

@@ -1,12 +1,12 @@
-"""The random-mask codec's wire size, for the planner, until the codec itself is registered.
+"""The mask codec's wire size on meta tensors, for the planner.
 
-Mesh adaptation (docs: /work/shared/methods/mesh_adaptation.md) sends, per token and boundary,
-only the kept entries of the activation (forward) and of its gradient (backward): round(keep·d)
-values in the wire dtype, and no indices (the receiver regenerates the mask from a shared key).
-``mask_wire_values`` is that rule in one place; ``MaskCostCodec`` puts a meta tensor of that size
-on the wire so the simulator charges it like any codec's message. When ``codec.name = "mask"``
-exists, the planner should build that codec on meta tensors instead (as it does for every
-registered codec) and this module goes.
+The mask codec (``codec.name = "mask"``, compress/mask.py) sends, per token and boundary, only the
+kept entries of the activation and of its gradient, in the wire dtype, no indices. Its own
+``encode`` needs a message context and computes the mask (a PRF over every entry), which a
+cost-only run on the meta device cannot do, so ``MaskCostCodec`` puts a meta tensor of the codec's
+own size on the wire — the fixed form's K = ``kept_channels(keep, d)``, the codec's rule, not a
+second formula — and the simulator charges it like any codec's message. (The Bernoulli form's count
+varies per message; its mean is the same K.)
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from __future__ import annotations
 import torch
 
 from meshlearn.compress.codecs import Encoded, Kind
+from meshlearn.compress.mask import kept_channels
 
 
 def mask_wire_values(keep: float, d_model: int) -> int:
-    """Values one token sends across a boundary, in each direction, at keep rate ``keep``."""
+    """Values one token sends across a boundary, in each direction, at keep rate ``keep`` (the
+    mask codec's K; at least 1, as the codec refuses a keep that keeps nothing)."""
     if not 0.0 < keep <= 1.0:
         raise ValueError(f"mask keep = {keep!r}: must be in (0, 1] (M95 is keep 0.05)")
-    return max(1, round(keep * d_model))
+    return max(1, kept_channels(keep, d_model))
 
 
 class MaskCostCodec:
