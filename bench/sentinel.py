@@ -372,6 +372,7 @@ def main() -> None:
         " --observe none" if args.observe == "none" else "") + (f" --only {args.only}" if only else "") + (
         f" --tag {args.tag}" if args.tag else "") + "".join(f" --set {o}" for o in args.overrides) + (
         " --reuse" if args.reuse else "")
+    observed = any(f"{label}/observe" in runs for label, _, _ in specs)
     parts = [
         f"SENTINEL on the demo mesh (4 stages × {args.replicas} replicas), {args.steps} steps per run; the "
         f"attacker is {attacker} = 1 of {args.replicas} workers of stage {attacker.stage} "
@@ -380,8 +381,9 @@ def main() -> None:
         f"**The detector, per message** (`verify.ban=false`: flagged messages are quarantined but nobody "
         f"is banned, so the attacker sends for the whole second half). Every message scored after "
         f"warm-up ({verify.warmup_steps} steps) counts; a positive is a message the attack changed. "
-        f"Messages of a microbatch that an earlier flag already quarantined are skipped, not scored.",
-        detector,
+        f"Messages of a microbatch that an earlier flag already quarantined are skipped, not scored."
+        if observed else "The detector per message was not scored (`--observe none`).",
+        *([detector] if observed else []),
         "**The defence, end to end** (SENTINEL defaults, bans on). A ban ends the attack, so the "
         "per-message precision here is the few attacked messages before the ban against every false "
         "flag of the run.",
