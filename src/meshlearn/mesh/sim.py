@@ -468,16 +468,6 @@ class SimDriver:
         """Nothing to wait for: every worker lives in this process."""
 
 
-class CostSimDriver(SimDriver):
-    """The simulator in cost-only mode (``meshlearn plan``) over ``CostWorker``s: the same event
-    loop, links and collectives; the all-reduce counts the bytes of the gradients every replica
-    holds after a backward (each trainable parameter's, as ``average_gradients`` does) instead of
-    averaging values."""
-
-    def _average_gradients(self, replicas: list[Worker]) -> int:
-        return replicas[0].trainable_bytes
-
-
 def _collective(worker: Worker) -> bool:
     """Whether the worker's update runs the built-in all-reduce (no strategy, or ``allreduce``)."""
     return worker.dp is None or worker.dp.collective

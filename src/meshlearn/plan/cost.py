@@ -25,10 +25,10 @@ from meshlearn.dp.cost import build_cost_strategy
 from meshlearn.mesh.compute import ComputeModel
 from meshlearn.mesh.network import Network
 from meshlearn.mesh.schedule import build_plan
-from meshlearn.mesh.sim import CostSimDriver
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.mesh.worker import CostWorker, StepWork
+from meshlearn.mesh.worker import StepWork
 from meshlearn.models.split import build_stage
+from meshlearn.plan.cost_worker import CostSimDriver, CostWorker
 from meshlearn.plan.mask import MaskCostCodec
 from meshlearn.train.assemble import build_network, pipeline_in_flight
 

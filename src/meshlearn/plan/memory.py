@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from meshlearn.config import RunConfig
 from meshlearn.mesh.compute import StageShape
-from meshlearn.mesh.worker import CostWorker
+from meshlearn.plan.cost_worker import CostWorker
 
 # Optimizer state in bytes per parameter (fp32): AdamW/NAdamW two moments; SGD its momentum (if
 # any); Muon/NuMuon one momentum for matrices (their AdamW part for 1-D tensors is ~1% of a stage).
