@@ -1,19 +1,16 @@
-"""Warm-started curvature estimates over a run: one power-iteration state per named parameter set.
+"""Warm-started curvature estimates over a run: one Lanczos state per named parameter set.
 
-Each estimate starts from the previous one's eigenvector (Theorem 1 of the paper: the top
-eigenvector moves by at most ‖ΔH‖/γ between steps, so a few products suffice; fewer than 5 per step
-in the paper). Vectors are kept per parameter *name*, so a parameter set that grows (a block
-unlocked by architecture warm-up) keeps its old components and starts the new ones at random. For
-the preconditioned estimate the previous vector is carried into the new preconditioner first:
-v ← P_k^{1/2} P_{k−1}^{−1/2} v_{k−1}. State: one parameter-sized vector per estimate, plus the
-previous P for preconditioned ones.
+Each estimate starts from the previous one's top Ritz vector (Theorem 1 of the paper: the top
+eigenvector moves by at most ‖ΔH‖/γ between steps), so when the Hessian moved little the residual
+test stops after a few products; ``iters`` caps the products of one estimate. Vectors are kept per
+parameter *name*, so a parameter set that grows (a block unlocked by architecture warm-up) keeps its
+old components and starts the new ones at random. For the preconditioned estimate the previous
+vector is carried into the new preconditioner first: v ← P_k^{1/2} P_{k−1}^{−1/2} v_{k−1}. State:
+one parameter-sized vector per estimate, plus the previous P for preconditioned ones.
 
-Power iteration finds the eigenvalue of largest magnitude. When that is negative (a saddle
-direction, or early Adam steps with tiny second moments), or when the iteration did not settle
-(relative residual above ``RESIDUAL_RERUN``: eigenvalues of both signs with similar magnitudes make
-it oscillate), the estimate reruns on A − σI with σ = λ_neg (or −‖A‖), whose dominant eigenvalue is
-λ_max − σ, so the value reported is the top (algebraically largest) eigenvalue — the one the
-stability thresholds are about; ``Eigen.hvps`` counts both runs.
+Lanczos returns the top (algebraically largest) eigenvalue whatever the signs, so there is no
+shifted rerun: the value is the top Ritz value, flagged ``converged`` when its relative residual
+‖Av − θv‖/|θ| is ≤ ``tol``. An unconverged value is a lower bound on λ_max, never an overshoot.
 """
 
 from __future__ import annotations
@@ -23,14 +20,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from meshlearn.curvature.power import Eigen, HessianOperator, power_iteration
-
-RESIDUAL_RERUN = 0.1
+from meshlearn.curvature.lanczos import lanczos
+from meshlearn.curvature.power import Eigen, HessianOperator
 
 
 class CurvatureTracker:
-    def __init__(self, iters: int, seed: int):
-        self.iters = iters
+    def __init__(self, iters: int, seed: int, tol: float = 1e-2):
+        self.iters, self.tol = iters, tol
         self.generator = torch.Generator().manual_seed(seed)
         self.vectors: dict[str, dict[str, Tensor]] = {}  # estimate → parameter name → component
         self.precond: dict[str, dict[str, Tensor]] = {}  # estimate → parameter name → previous P
@@ -57,20 +53,11 @@ class CurvatureTracker:
                  precond: Sequence[Tensor] | None = None) -> Eigen:
         """Warm-started λ_max of H (or of P^{-1/2} H P^{-1/2}) restricted to ``indices`` of the
         operator's parameters (all of them: the full value; one stage's: a diagonal block)."""
+        indices = list(indices)
         params = [operator.params[i] for i in indices]
         v0 = self.start(key, names, params, precond)
-        eig = power_iteration(lambda v: operator(v, indices), v0, self.iters, precond)
+        eig = lanczos(lambda v: operator(v, indices), v0, self.iters, precond, self.tol)
         self.vectors[key] = {n: x.detach().clone() for n, x in zip(names, eig.vector, strict=True)}
-        if eig.value < 0 or eig.residual > RESIDUAL_RERUN:
-            top = f"{key}+"
-            start = self.start(top, names, params, precond)
-            shift = eig.value if eig.value < 0 and eig.residual <= RESIDUAL_RERUN else -eig.scale
-            pos = power_iteration(lambda v: operator(v, indices), start, self.iters, precond,
-                                  shift=shift)
-            self.vectors[top] = {n: x.detach().clone() for n, x in zip(names, pos.vector, strict=True)}
-            if precond is not None:
-                self.precond[top] = {n: p.detach().clone() for n, p in zip(names, precond, strict=True)}
-            eig = Eigen(pos.value, pos.vector, pos.history, eig.hvps + pos.hvps, pos.residual, eig.scale)
         if precond is not None:
             self.precond[key] = {n: p.detach().clone() for n, p in zip(names, precond, strict=True)}
         return eig
