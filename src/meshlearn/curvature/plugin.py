@@ -74,26 +74,33 @@ class CurvatureCallback(Callback):
         betas = [g["betas"] for w in self.workers for g in w.optimizer.param_groups if "betas" in g]
         return lr, betas[0][0] if betas else 0.9
 
-    def measure(self, done: int) -> dict:
-        """One round of estimates; returns the metrics record."""
-        started = time.perf_counter()
-        self._probe()
+    def tracked(self) -> tuple[list[tuple[str, torch.Tensor]], list[int], list[torch.Tensor | None]]:
+        """What the estimates cover: the trainable (name, parameter) pairs of replica 0's stages in
+        order, the stage of each, and Adam's P for each (None without state, or when
+        ``curvature.preconditioned`` is off)."""
         named, stage_of = [], []
         for s, worker in enumerate(self.workers):
             for name, p in worker.module.named_parameters():
                 if p.requires_grad:
                     named.append((name, p))
                     stage_of.append(s)
-        names = [n for n, _ in named]
-        operator = HessianOperator(self._loss, [p for _, p in named])
-        everything = list(range(len(named)))
-        pre = [None] * len(named)
+        pre: list[torch.Tensor | None] = [None] * len(named)
         if self.c.preconditioned:
             for s, w in enumerate(self.workers):
-                idx = [i for i in everything if stage_of[i] == s]
+                idx = [i for i in range(len(named)) if stage_of[i] == s]
                 for i, p in zip(idx, adam_preconditioner(w.optimizer, [named[i][1] for i in idx]),
                                 strict=True):
                     pre[i] = p
+        return named, stage_of, pre
+
+    def measure(self, done: int) -> dict:
+        """One round of estimates; returns the metrics record."""
+        started = time.perf_counter()
+        self._probe()
+        named, stage_of, pre = self.tracked()
+        names = [n for n, _ in named]
+        operator = HessianOperator(self._loss, [p for _, p in named])
+        everything = list(range(len(named)))
         with_state = [i for i in everything if pre[i] is not None]
         record: dict = {"kind": "curvature", "step": done}
         full = self.tracker.estimate("full", operator, everything, names)
