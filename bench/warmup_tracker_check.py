@@ -29,6 +29,8 @@ from meshlearn.curvature.power import Vector, random_vector
 from meshlearn.train import Trainer
 
 OLD_BUDGET = 5  # the power-iteration tracker's curvature.iters
+REF_TOL = 1e-7  # below the fp32 floor: the reference spans the whole --iters Krylov space, so a
+# larger eigenvalue the tracker's few products missed would show up in it
 LABELS = {"lambda_max": "H", "lambda_max_precond": "G", "lambda_max_stage": "H stages",
           "lambda_max_precond_stage": "G stages"}
 KEYS = tuple(LABELS)
@@ -67,12 +69,13 @@ def check(src: Path, iters: int) -> dict:
 
         everything = list(range(len(named)))
         started = time.perf_counter()
-        ref = lanczos(operator, start(everything), iters, tol=1e-4)
+        ref = lanczos(operator, start(everything), iters, tol=REF_TOL)
         ref_s = time.perf_counter() - started
         hy = operator(ref.vector)  # one more product: the residual checked explicitly, not from T
         explicit = (sum(float((h.double() - ref.value * y.double()).square().sum())
                         for h, y in zip(hy, ref.vector, strict=True)) ** 0.5 / abs(ref.value))
-        ref_pre = lanczos(sub(with_state), start(with_state), iters, [pre[i] for i in with_state], tol=1e-4)
+        ref_pre = lanczos(sub(with_state), start(with_state), iters, [pre[i] for i in with_state],
+                          tol=REF_TOL)
         paper = power_iteration(operator, start(everything), OLD_BUDGET, tol=1e-12)
         shift = -paper.scale  # the old fallback's σ = −‖A‖ (its estimate from the first pass)
         old = power_iteration(lambda v: [y - shift * x for y, x in zip(operator(v), v, strict=True)],
@@ -86,10 +89,10 @@ def check(src: Path, iters: int) -> dict:
     row = {
         "run": str(src.relative_to(ROOT)) if src.is_relative_to(ROOT) else str(src),
         "step": last["step"], "probe_loss": operator.loss, "ref_iters": iters,
-        "ref_lambda_max": ref.value, "ref_converged": ref.converged, "ref_residual": ref.residual,
+        "ref_lambda_max": ref.value, "ref_residual": ref.residual,
         "ref_iterations": ref.iterations, "ref_lambda_min": ref.bottom, "ref_s": ref_s,
         "ref_residual_explicit": explicit,
-        "ref_lambda_max_precond": ref_pre.value, "ref_precond_converged": ref_pre.converged,
+        "ref_lambda_max_precond": ref_pre.value, "ref_precond_residual": ref_pre.residual,
         "ref_precond_iterations": ref_pre.iterations,
         "tracker_lambda_max": last["lambda_max"], "tracker_converged": last.get("lambda_max_converged"),
         "tracker_residual": last.get("lambda_max_residual"), "tracker_iters": last.get("lambda_max_iters"),
@@ -115,8 +118,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = [check(run.resolve(), args.iters) for run in args.runs]
     table = [{"run": r["run"].split("/warmup/")[-1], "step": r["step"],
-              "ref": f"{r['ref_lambda_max']:.4g} ({'conv' if r['ref_converged'] else 'UNCONV'}, "
-                     f"{r['ref_iterations']} it, res {r['ref_residual_explicit']:.1g})",
+              "ref": f"{r['ref_lambda_max']:.4g} ({r['ref_iterations']} it, res "
+                     f"{r['ref_residual_explicit']:.1g})",
               "ref_min": f"{r['ref_lambda_min']:.4g}",
               "tracker": f"{r['tracker_lambda_max']:.4g} ({'conv' if r['tracker_converged'] else 'UNCONV'}, "
                          f"{r['tracker_iters']} it)",
@@ -135,9 +138,9 @@ def main() -> None:
                ("unconv", "unconverged estimates over the run", "")]
     md = (f"# Curvature tracker check\n\n`python bench/warmup_tracker_check.py "
           f"{' '.join(r['run'] for r in rows)} --iters {args.iters}`\n\n"
-          f"Reference: cold-start Lanczos, at most {args.iters} iterations to a relative residual of "
-          f"1e-4, on the run's final weights, Adam state and probe batch (res: its relative residual "
-          f"recomputed with one more product). The tracker's value is its last "
+          f"Reference: cold-start Lanczos, {args.iters} iterations (unless its relative residual "
+          f"reaches {REF_TOL:g}), on the run's final weights, Adam state and probe batch (res: its "
+          f"relative residual recomputed with one more product). The tracker's value is its last "
           f"logged estimate (the same weights). 'power iteration' is the paper's estimator with the old "
           f"tracker's budget; 'old fallback' is its shifted rerun (res = residual relative to the "
           f"shifted eigenvalue, what the old tracker logged).\n\n{markdown_table(table, columns)}\n")
