@@ -52,6 +52,13 @@ def dense_hessian(loss_fn, params) -> torch.Tensor:
     return torch.stack(rows)
 
 
+@pytest.fixture(scope="module")
+def saddle():
+    """tiny_problem(0) (its negative end dominates) and its dense Hessian, built once (664 HVPs)."""
+    _, params, loss_fn = tiny_problem()
+    return params, loss_fn, dense_hessian(loss_fn, params)
+
+
 def flat(vs):
     return torch.cat([v.reshape(-1) for v in vs])
 
@@ -116,9 +123,9 @@ def test_lanczos_finds_the_top_of_a_known_spectrum_whose_negative_end_dominates(
     assert abs((old.value - 1000.0) - 1.0) > 0.3  # and its value was far off the top
 
 
-def test_an_estimate_capped_too_low_is_flagged_unconverged():
-    _, params, loss_fn = tiny_problem()
-    truth = torch.linalg.eigvalsh(dense_hessian(loss_fn, params))[-1].item()
+def test_an_estimate_capped_too_low_is_flagged_unconverged(saddle):
+    params, loss_fn, h = saddle
+    truth = torch.linalg.eigvalsh(h)[-1].item()
     few = top_eigenvalue(loss_fn, params, iters=4, generator=torch.Generator().manual_seed(0))
     enough = top_eigenvalue(loss_fn, params, iters=30, generator=torch.Generator().manual_seed(0))
     assert not few.converged and few.residual > 1e-2 and few.iterations == 4
@@ -127,9 +134,8 @@ def test_an_estimate_capped_too_low_is_flagged_unconverged():
     assert abs(enough.value - truth) / truth < 0.01
 
 
-def test_top_eigenvalue_matches_a_dense_hessian_whose_negative_end_dominates():
-    _, params, loss_fn = tiny_problem()
-    h = dense_hessian(loss_fn, params)
+def test_top_eigenvalue_matches_a_dense_hessian_whose_negative_end_dominates(saddle):
+    params, loss_fn, h = saddle
     assert torch.allclose(h, h.T, atol=1e-8)
     eigs = torch.linalg.eigvalsh(h)
     dominant = eigs[eigs.abs().argmax()].item()

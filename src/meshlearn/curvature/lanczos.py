@@ -81,9 +81,7 @@ def lanczos(hvp: Callable[[Vector], Vector], v0: Sequence[Tensor], iters: int,
     alphas: list[float] = []
     betas: list[float] = []
     history: list[float] = []
-    theta, vectors = torch.zeros(1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64)
-    residual_abs, bottom_abs = 0.0, 0.0
-    for j in range(iters):
+    for j in range(iters):  # iters >= 1: theta, vectors and the residuals are always set
         w = apply(basis[j])
         alpha = _dot(basis[j], w)
         w -= alpha * basis[j]
