@@ -10,6 +10,7 @@ from tiny import tiny_config
 
 from meshlearn.config import ConfigError
 from meshlearn.curvature import (
+    CurvatureTracker,
     HessianOperator,
     adam_threshold,
     lanczos,
@@ -226,6 +227,31 @@ def test_stability_thresholds():
     assert stability_ratio(38 / 1e-3, 1e-3, 0.9) == pytest.approx(1.0)
 
 
+def test_a_full_estimate_below_one_of_its_blocks_reruns_from_that_block():
+    """A warm start that is an eigenvector of the full H for a lower eigenvalue converges at once,
+    to the wrong (lower) value; the diagonal blocks expose it and the rerun recovers the top."""
+    gen = torch.Generator().manual_seed(0)
+    mats = []
+    for top in (5.0, 3.0):
+        q, _ = torch.linalg.qr(torch.randn(30, 30, dtype=torch.float64, generator=gen))
+        mats.append(q @ torch.diag(torch.cat([torch.tensor([top], dtype=torch.float64),
+                                              torch.linspace(-2.0, 1.0, 29, dtype=torch.float64)])) @ q.T)
+    x = [torch.randn(30, dtype=torch.float64, generator=gen, requires_grad=True) for _ in mats]
+    op = HessianOperator(lambda: sum(0.5 * xi @ a @ xi for xi, a in zip(x, mats, strict=True)), x)
+    tracker = CurvatureTracker(iters=40, seed=0, tol=1e-6)
+    names = ["a", "b"]
+    blocks = {f"stage{s}": tracker.estimate(f"stage{s}", op, [s], [names[s]]) for s in (0, 1)}
+    assert [round(b.value, 6) for b in blocks.values()] == [5.0, 3.0]
+    start_b = [torch.zeros(30, dtype=torch.float64), tracker.vectors["stage1"]["b"]]  # block b's top
+    stuck = tracker.estimate("full", op, [0, 1], names, v0=start_b)
+    assert stuck.converged and abs(stuck.value - 3.0) < 1e-6  # converged, but not to the top
+    fixed, reran = tracker.reconcile("full", op, [0, 1], names, stuck, blocks)
+    assert reran and fixed.converged and abs(fixed.value - 5.0) < 1e-6
+    assert fixed.hvps > stuck.hvps
+    again, reran = tracker.reconcile("full", op, [0, 1], names, fixed, blocks)
+    assert not reran and again is fixed
+
+
 # --- the plugin ----------------------------------------------------------------------------------
 
 
@@ -273,6 +299,7 @@ def test_per_stage_values_are_lower_bounds_on_the_full_value_in_the_simulator(ti
     assert len(curv) == 2
     tol = cfg.curvature.tol
     for r in curv:
+        assert "lambda_max_restarted" in r and "lambda_max_precond_restarted" in r
         for key in ("lambda_max", "lambda_max_precond"):
             assert r[f"{key}_converged"] and r[f"{key}_stage_converged"] == [True] * 4, (r["step"], key)
             assert max(r[f"{key}_stage"]) <= r[key] * (1 + tol), (r["step"], key)

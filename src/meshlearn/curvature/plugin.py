@@ -104,23 +104,29 @@ class CurvatureCallback(Callback):
         with_state = [i for i in everything if pre[i] is not None]
         record: dict = {"kind": "curvature", "step": done}
         full = self.tracker.estimate("full", operator, everything, names)
+        full_pre = self._estimate("full_precond", operator, with_state, names, pre)
+        if self.c.per_stage and len(self.workers) > 1:
+            stages = range(len(self.workers))
+            blocks = {f"stage{s}": self._estimate(f"stage{s}", operator,
+                                                  [i for i in everything if stage_of[i] == s], names)
+                      for s in stages}
+            full, record["lambda_max_restarted"] = self.tracker.reconcile(
+                "full", operator, everything, names, full, blocks)
+            record |= flagged_list("lambda_max_stage", list(blocks.values()))
+            if with_state:
+                blocks = {f"stage{s}_precond": self._estimate(
+                    f"stage{s}_precond", operator, [i for i in with_state if stage_of[i] == s], names, pre)
+                    for s in stages}
+                full_pre, record["lambda_max_precond_restarted"] = self.tracker.reconcile(
+                    "full_precond", operator, with_state, [names[i] for i in with_state], full_pre,
+                    blocks, [pre[i] for i in with_state])
+                record |= flagged_list("lambda_max_precond_stage", list(blocks.values()))
         record |= flagged("lambda_max", full)
         record |= {"lambda_min": full.bottom, "lambda_min_converged": full.bottom_residual <= self.c.tol}
         if with_state:
-            record |= flagged("lambda_max_precond",
-                              self._estimate("full_precond", operator, with_state, names, pre))
+            record |= flagged("lambda_max_precond", full_pre)
             record["precond_fraction"] = (sum(named[i][1].numel() for i in with_state)
                                           / sum(p.numel() for _, p in named))
-        if self.c.per_stage and len(self.workers) > 1:
-            stages = range(len(self.workers))
-            record |= flagged_list("lambda_max_stage", [
-                self._estimate(f"stage{s}", operator, [i for i in everything if stage_of[i] == s], names)
-                for s in stages])
-            if with_state:
-                record |= flagged_list("lambda_max_precond_stage", [
-                    self._estimate(f"stage{s}_precond", operator,
-                                   [i for i in with_state if stage_of[i] == s], names, pre)
-                    for s in stages])
         lr, beta1 = self._lr_beta1(done)
         record |= {"lr": lr, "gd_threshold": gd_threshold(lr), "gd_ratio": lr * record["lambda_max"] / 2}
         # the ratios inherit their estimate's flag (lambda_max_converged, lambda_max_precond_converged)

@@ -50,17 +50,41 @@ class CurvatureTracker:
         return v
 
     def estimate(self, key: str, operator: HessianOperator, indices: Sequence[int], names: Sequence[str],
-                 precond: Sequence[Tensor] | None = None) -> Eigen:
+                 precond: Sequence[Tensor] | None = None, v0: Sequence[Tensor] | None = None) -> Eigen:
         """Warm-started λ_max of H (or of P^{-1/2} H P^{-1/2}) restricted to ``indices`` of the
-        operator's parameters (all of them: the full value; one stage's: a diagonal block)."""
+        operator's parameters (all of them: the full value; one stage's: a diagonal block);
+        ``v0`` overrides the warm start."""
         indices = list(indices)
         params = [operator.params[i] for i in indices]
-        v0 = self.start(key, names, params, precond)
+        if v0 is None:
+            v0 = self.start(key, names, params, precond)
         eig = lanczos(lambda v: operator(v, indices), v0, self.iters, precond, self.tol)
         self.vectors[key] = {n: x.detach().clone() for n, x in zip(names, eig.vector, strict=True)}
         if precond is not None:
             self.precond[key] = {n: p.detach().clone() for n, p in zip(names, precond, strict=True)}
         return eig
+
+    def reconcile(self, key: str, operator: HessianOperator, indices: Sequence[int], names: Sequence[str],
+                  full: Eigen, blocks: dict[str, Eigen | None],
+                  precond: Sequence[Tensor] | None = None) -> tuple[Eigen, bool]:
+        """The full estimate ``key``, checked against converged estimates of its diagonal blocks
+        (``blocks``: tracker key → estimate). A block's λ_max cannot exceed the full one, so a block
+        above the full value by more than ``tol`` means the warm start locked onto a lower
+        eigenvector (it happens after a new direction overtakes the old top: measured on 4 stages
+        after an unlock). Then the full estimate reruns from that block's Ritz vector, zero
+        elsewhere, whose Rayleigh quotient is the block's value, so the rerun's Ritz value is at
+        least that. Returns (estimate, whether it reran); the rerun's ``hvps`` include the first run's."""
+        done = [k for k, e in blocks.items() if e is not None and e.converged]
+        best = max(done, key=lambda k: blocks[k].value, default=None)
+        if best is None or blocks[best].value <= full.value + self.tol * abs(full.value):
+            return full, False
+        part = self.vectors[best]
+        params = [operator.params[i] for i in indices]
+        v0 = [part[n].to(p.dtype) if n in part else torch.zeros_like(p)
+              for n, p in zip(names, params, strict=True)]
+        eig = self.estimate(key, operator, indices, names, precond, v0=v0)
+        eig.hvps += full.hvps
+        return eig, True
 
     def state_dict(self) -> dict:
         return {"vectors": self.vectors, "precond": self.precond, "generator": self.generator.get_state()}
