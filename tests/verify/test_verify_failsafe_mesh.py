@@ -95,25 +95,27 @@ def decisions(run_dir) -> list[dict]:
             if r.get("kind") == "decision"]
 
 
-def test_an_attack_begun_inside_the_warm_up_is_suspended_from_the_next_step_without_strikes(
+def test_an_attack_begun_inside_the_warm_up_is_suspended_at_once_and_banned_on_peer_evidence(
         tiny_corpus, tmp_path):
-    """Before warm-up_suspend, an attack begun inside the warm-up ran unchecked until the fences
+    """Before warmup_suspend, an attack begun inside the warm-up ran unchecked until the fences
     opened and its values in the windows lifted the calibrated fence (+0.71 nats on the demo).
     Now the sender that stands out from its peers is quarantined from the next step on, nobody
-    honest is, and nobody is banned before the fences open (no strikes during warm-up)."""
+    honest is, and after ``strikes`` = 3 such steps in a row it is banned, inside the warm-up."""
     start, warmup = 4, 10
     overrides = [*BASE, *FOUR, "train.steps=11", f"verify.warmup_steps={warmup}",
-                 *attacked("bias", "attack.start_step=4")]
+                 *attacked("bias", f"attack.start_step={start}")]
     summary = Trainer(tiny_config(tiny_corpus, *overrides), tmp_path, progress=False).train()
     suspended = [d for d in decisions(tmp_path) if d["reason"] == "suspended"]
     assert {d["src"] for d in suspended} == {str(ATTACKER)}
-    steps = {d["step"] for d in suspended}  # 1-based: the attack's first step is start + 1
-    assert steps == set(range(start + 2, warmup + 1))
-    assert all(b["step"] > warmup for b in summary["banned_workers"])
+    # 1-based steps: the attack's first is start + 1, seen at its end; suspended for the next two
+    assert {d["step"] for d in suspended} == {start + 2, start + 3}
+    [ban] = summary["banned_workers"]
+    assert (ban["worker"], ban["step"], ban["metric"]) == (str(ATTACKER), start + 3, "peers")
+    assert not ban["honest"]
     # Negative control: without it the same attacker's warm-up messages are all accepted.
     off = Trainer(tiny_config(tiny_corpus, *overrides, "verify.warmup_suspend=false"),
                   tmp_path / "off", progress=False).train()
-    assert off["banned_workers"] == [] or off["banned_workers"][0]["step"] > warmup
+    assert all(b["step"] > warmup for b in off["banned_workers"])
     attacker = [d for d in decisions(tmp_path / "off") if d["src"] == str(ATTACKER)
                 and start < d["step"] - 1 < warmup]
     assert attacker and all(d["action"] == "warmup" for d in attacker)

@@ -211,28 +211,33 @@ class Ledger:
                     and step >= self.cfg.warmup_steps and e.src not in self.banned):
                 continue
             boundary, kind = e.verifier
-            stage = e.src.stage
-            if self.honest_stage(stage):
-                alert = self._alert(e.src, step, "honest_stage", count,
-                                    f"{count} strikes against a worker of stage {stage}, which the "
-                                    "threat model assumes honest: not banned (false positives or an "
-                                    "attack the statistics attribute wrongly)")
-            elif self.stage_bans(stage) >= self.budget:
-                minority = " (no honest majority at 2 replicas)" if self.mesh.replicas <= 2 else ""
-                alert = self._alert(e.src, step, "budget", count,
-                                    f"stage {stage} has {self.mesh.replicas} replicas and "
-                                    f"{self.stage_bans(stage)} ban(s) already; the ban budget is "
-                                    f"{self.budget} (a strict minority): not banned, its flagged "
-                                    "messages are still quarantined" + minority)
-            else:
-                ban = Ban(e.src, step, e.reason.split(",")[0], f"s{boundary}|s{boundary + 1}", kind, count)
-                self.banned[e.src] = ban
-                self.bans.append(ban)
-                bans.append(ban)
-                continue
-            if alert is not None:
-                alerts.append(alert)
+            ban, alert = self.decide(e.src, step, count, e.reason.split(",")[0],
+                                     f"s{boundary}|s{boundary + 1}", kind)
+            bans += [ban] if ban is not None else []
+            alerts += [alert] if alert is not None else []
         return bans, alerts
+
+    def decide(self, wid: WorkerId, step: int, strikes: int, metric: str, boundary: str,
+               kind: Kind) -> tuple[Ban | None, Alert | None]:
+        """Ban ``wid`` on ``strikes`` pieces of evidence, unless the threat model forbids it (a
+        stage assumed honest, or the stage's ban budget spent): then alert, once per cause."""
+        stage = wid.stage
+        if self.honest_stage(stage):
+            return None, self._alert(wid, step, "honest_stage", strikes,
+                                     f"{strikes} strikes against a worker of stage {stage}, which the "
+                                     "threat model assumes honest: not banned (false positives or an "
+                                     "attack the statistics attribute wrongly)")
+        if self.stage_bans(stage) >= self.budget:
+            minority = " (no honest majority at 2 replicas)" if self.mesh.replicas <= 2 else ""
+            return None, self._alert(wid, step, "budget", strikes,
+                                     f"stage {stage} has {self.mesh.replicas} replicas and "
+                                     f"{self.stage_bans(stage)} ban(s) already; the ban budget is "
+                                     f"{self.budget} (a strict minority): not banned, its flagged "
+                                     "messages are still quarantined" + minority)
+        ban = Ban(wid, step, metric, boundary, kind, strikes)
+        self.banned[wid] = ban
+        self.bans.append(ban)
+        return ban, None
 
     def _alert(self, wid: WorkerId, step: int, cause: str, strikes: int, detail: str) -> Alert | None:
         if (wid, cause) in self.alerted:

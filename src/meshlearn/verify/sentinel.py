@@ -133,6 +133,7 @@ class Sentinel:
         # ``views``: the set as it stood after step t closed.
         self.suspended: frozenset[WorkerId] = frozenset()
         self.suspensions: dict[int, frozenset[WorkerId]] = {}
+        self.suspended_steps: dict[WorkerId, int] = {}  # consecutive warm-up steps standing out
 
     # the ledger's state, under the names the trust layer and older callers use
     @property
@@ -178,7 +179,7 @@ class Sentinel:
             return self.suspended
         return self.suspensions[self.view_step(step)]
 
-    def _peer_outliers(self, scored: list[Scored]) -> frozenset[WorkerId]:
+    def _peer_outliers(self, scored: list[Scored]) -> dict[WorkerId, tuple[int, str]]:
         """Senders all of whose messages on some boundary and direction stood out from their peers'
         in this step: each one's excess (``peer_excess``) at least ``verify.ban_margin``
         fence-widths, leaving out messages explained by an earlier message of their chain that
@@ -187,7 +188,8 @@ class Sentinel:
         steps, where a window's fence is far too wide to see an attack); "all" because an honest
         worker's excess is large on a microbatch or two at most (measured on the demo: attackers'
         smallest excess 2.2, honest ones' below 1). At most the threat model's minority of a stage
-        (the largest), never the stages assumed honest."""
+        (the largest), never the stages assumed honest. Each with the boundary and direction
+        where it stood out most."""
         margin = self.cfg.ban_margin
         explained = upstream_suspects(scored, self.mesh.stages, lambda p: p.excess >= margin)
         excesses: dict[tuple[WorkerId, tuple[int, str]], list[float]] = {}
@@ -195,16 +197,18 @@ class Sentinel:
             if (e.reason not in SANITY and e.reason != "banned" and e.suspicion != float("inf")
                     and id(e) not in explained):
                 excesses.setdefault((e.src, e.verifier), []).append(e.excess)
-        standing_out: dict[WorkerId, float] = {}
-        for (src, _), values in excesses.items():
+        standing_out: dict[WorkerId, tuple[float, tuple[int, str]]] = {}
+        for (src, verifier), values in sorted(excesses.items()):
             excess = min(values)
-            if excess >= margin and not self.ledger.honest_stage(src.stage):
-                standing_out[src] = max(standing_out.get(src, excess), excess)
-        suspended = []
-        for stage in {w.stage for w in standing_out}:
-            ranked = sorted((w for w in standing_out if w.stage == stage), key=lambda w: -standing_out[w])
-            suspended += ranked[:self.ledger.budget]
-        return frozenset(suspended)
+            if (excess >= margin and not self.ledger.honest_stage(src.stage)
+                    and excess > standing_out.get(src, (-1.0, verifier))[0]):
+                standing_out[src] = (excess, verifier)
+        suspended: dict[WorkerId, tuple[int, str]] = {}
+        for stage in sorted({w.stage for w in standing_out}):
+            ranked = sorted((w for w in standing_out if w.stage == stage),
+                            key=lambda w: (-standing_out[w][0], w))
+            suspended |= {w: standing_out[w][1] for w in ranked[:self.ledger.budget]}
+        return suspended
 
     def _view(self, step: int) -> dict[tuple[int, str], View] | None:
         """The verifiers' views for messages of ``step`` (None: the live state)."""
@@ -274,7 +278,18 @@ class Sentinel:
         attribute(scored, self.mesh.stages, self.cfg.explain_level)
         peer_excess(scored)
         bans, alerts = self.ledger.enter(step, scored, voided)
-        self.suspended = self._peer_outliers(scored) if self.cfg.warmup_suspend else frozenset()
+        outliers = self._peer_outliers(scored) if self.cfg.warmup_suspend else {}
+        self.suspended = frozenset(outliers)
+        self.suspended_steps = {w: self.suspended_steps.get(w, 0) + 1 for w in outliers}
+        for wid, (boundary, kind) in sorted(outliers.items()):
+            # Standing out from its peers for ``strikes`` warm-up steps in a row is a ban: the
+            # evidence is one sender against the honest majority, not a fence still uncalibrated.
+            if (self.cfg.ban and step < self.cfg.warmup_steps and wid not in self.banned
+                    and self.suspended_steps[wid] >= self.cfg.strikes):
+                ban, alert = self.ledger.decide(wid, step, self.suspended_steps[wid], "peers",
+                                                f"s{boundary}|s{boundary + 1}", kind)
+                bans += [ban] if ban is not None else []
+                alerts += [alert] if alert is not None else []
         outcome = StepOutcome(decisions, bans, [f"s{b}|s{b + 1} {kind}" for b, kind in sorted(stale)],
                               alerts, rewarmed)
         self.dropped = {k for k in self.dropped if k[0] > step}
@@ -289,6 +304,8 @@ class Sentinel:
     def readmit(self, wid: WorkerId) -> None:
         """A replacement took over a banned slot: it starts with a clean record."""
         self.ledger.readmit(wid)
+        self.suspended = self.suspended - {wid}
+        self.suspended_steps.pop(wid, None)
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -391,7 +408,8 @@ class Sentinel:
         return {"verifiers": {f"{b}:{k}": v.state_dict() for (b, k), v in self.verifiers.items()},
                 "ledger": self.ledger.state_dict(), "clock": self.clock.state_dict(),
                 "synced": self.synced, "closed": self.closed,
-                "suspended": sorted(str(w) for w in self.suspended)}
+                "suspended": sorted(str(w) for w in self.suspended),
+                "suspended_steps": {str(w): n for w, n in sorted(self.suspended_steps.items())}}
 
     def load_state_dict(self, state: dict) -> None:
         for (b, k), verifier in self.verifiers.items():
@@ -401,5 +419,6 @@ class Sentinel:
             self.clock.load_state_dict(state["clock"])
         self.synced, self.closed = state.get("synced", 0), state.get("closed", -1)
         self.suspended = frozenset(WorkerId.parse(w) for w in state.get("suspended", []))
+        self.suspended_steps = {WorkerId.parse(w): n for w, n in state.get("suspended_steps", {}).items()}
         self.views.clear()
         self.suspensions.clear()

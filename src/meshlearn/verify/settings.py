@@ -38,7 +38,8 @@ class VerifyConfig:
     """During warm-up, a sender whose messages on some boundary stand out from its peers' in the
     same step (median excess ≥ ``ban_margin`` fence-widths; at most a minority of a stage, never
     the first or last) is suspended: its messages of the next step are quarantined, without strikes,
-    and kept out of the windows, until a step in which it no longer stands out. The windows' own
+    and kept out of the windows, until a step in which it no longer stands out; suspended for
+    ``strikes`` steps in a row, it is banned (within ``ban_budget``). The windows' own
     fences cannot do this: early distances trend so fast that a fence on them is far too wide.
     Without it, an attack begun inside the warm-up runs unchecked until the fences open, and its
     values in the windows lift the calibrated fence (measured on the demo at 4 replicas: bias from
