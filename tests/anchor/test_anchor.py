@@ -150,7 +150,7 @@ def test_late_arrivals_beyond_the_cap_are_dropped(tiny_corpus, tmp_path, bandwid
     passes = summary["anchor_passes"]  # t = 0, 2, 4, 6
     assert passes == 4
     shares = passes * 4  # one per fast worker
-    accounted = summary["anchor_delivered"] + summary["anchor_dropped_late"] + summary["anchor_pending_at_end"]
+    accounted = sum(summary[k] for k in ("anchor_delivered", "anchor_dropped_late", "anchor_pending_at_end"))
     assert accounted == shares
     if delivered:
         assert summary["anchor_delivered"] > 0 and summary["spectral_anchor_accepted"] > 0
