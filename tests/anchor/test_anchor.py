@@ -15,6 +15,7 @@ from meshlearn.data import global_batch
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder
 from meshlearn.models.split import merge_stages
+from meshlearn.optim.spectral import SpectralCorrection
 from meshlearn.train import Trainer
 
 # A masked fast circuit (keep 1/4) on P = 2, D = 2: the anchor's gradients are the only clean ones.
@@ -186,6 +187,38 @@ def test_alpha_one_with_an_anchor_is_the_base_optimizer(tiny_corpus, tmp_path):
     w0 = WorkerId(0, 0)
     assert not all(torch.equal(p, q) for p, q in zip(plain.workers[w0].module.parameters(),
                                                      mixed.workers[w0].module.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(("mode", "sets"), [
+    ("A", ["dp.name=powersgd", "dp.rank=4"]),
+    ("B", ["dp.name=diloco", "dp.compress=powersgd", "dp.rank=4", "dp.inner_steps=2"]),
+])
+def test_the_note_dp_modes_put_the_filter_after_the_average_or_on_local_gradients(
+        tiny_corpus, tmp_path, monkeypatch, mode, sets):
+    """Mode A (PowerSGD per update): the filter sees the replicas' common averaged gradient. Mode B
+    (streaming DiLoCo, compressed pseudo-gradients): it sees each replica's own local gradient."""
+    seen: dict[tuple[WorkerId, int], torch.Tensor] = {}
+    original = SpectralCorrection.correct
+    owner = {}
+
+    def spy(self):
+        wid, worker = owner[id(self)]
+        name = next(iter(self.params))
+        seen[(wid, worker.version)] = self.params[name].grad.clone()
+        original(self)
+
+    monkeypatch.setattr(SpectralCorrection, "correct", spy)
+    run = Trainer(tiny_config(tiny_corpus, *FAST, *ANCHOR, *sets, "train.steps=4"), tmp_path / "run",
+                  progress=False)
+    owner.update({id(w.spectral): (wid, w) for wid, w in run.workers.items()})
+    summary = run.train()
+    assert summary["dp_rounds"] > 0 and summary["anchor_delivered"] > 0
+    assert summary["spectral_corrected_steps"] > 0
+    pairs = [(seen[(WorkerId(0, s), v)], seen[(WorkerId(1, s), v)]) for s in range(2) for v in range(4)]
+    if mode == "A":
+        assert all(torch.equal(a, b) for a, b in pairs)
+    else:
+        assert not any(torch.equal(a, b) for a, b in pairs)
 
 
 def test_a_resumed_anchored_run_equals_an_uninterrupted_one(tiny_corpus, tmp_path):
