@@ -15,7 +15,7 @@ register_plugin("subspace_update", basis_update_plugin)
 register_plugin("trust", trust_plugin)
 register_plugin("wire", wire_rejects_plugin)
 register_plugin("curvature", curvature_plugin)  # after warm-up's unlocks at the same drain point
-register_plugin("anchor", anchor_plugin)  # at step ends: reads the clocks, feeds the correction
 register_plugin("protocol", protocol_plugin)  # at a drain point, morphs just before evaluation
+register_plugin("anchor", anchor_plugin)  # at step ends: reads the clocks, feeds the correction
 register_plugin("timeline", timeline_plugin)  # records nothing itself: arms the driver's recorder
 register_plugin("tensorboard", tensorboard_plugin)  # off by default; sees the records as logged

@@ -249,6 +249,8 @@ def test_a_resumed_anchored_run_equals_an_uninterrupted_one(tiny_corpus, tmp_pat
     (["anchor.z=1"], "anchor.z = 1: the anchor feeds the spectral correction"),
     (["anchor.z=1", "optim.spectral.enabled=true", "backend=dist"],
      "anchor.z = 1: the anchor circuit runs in the simulator only"),
+    (["anchor.z=1", "optim.spectral.enabled=true", "protocol.morph=orthogonal", "optim.name=muon"],
+     "anchor.z = 1: with protocol.morph = 'orthogonal'"),
     (["anchor.z=1", "optim.spectral.enabled=true", "anchor.delay=40"],
      "anchor.delay = 40: at most optim.spectral.max_staleness = 30"),
 ])

@@ -76,6 +76,9 @@ def validate_anchor(cfg: Any, require: Callable[[bool, str, Any, str], None]) ->
     require(cfg.backend == "sim", "anchor.z", a.z,
             "the anchor circuit runs in the simulator only (backend = sim); the distributed driver "
             "has no anchor processes yet")
+    require(cfg.protocol.morph in ("off", "none"), "anchor.z", a.z,
+            f"with protocol.morph = {cfg.protocol.morph!r} a morph between hand-off and arrival would "
+            "put the anchor's gradients in another basis than the weights'; use protocol.morph = off")
     require(cfg.optim.spectral.max_staleness >= a.delay, "anchor.delay", a.delay,
             f"at most optim.spectral.max_staleness = {cfg.optim.spectral.max_staleness}, which "
             "would drop every arrival")
