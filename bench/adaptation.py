@@ -144,7 +144,8 @@ def markdown(args, table: list[dict], pretrain: dict, wall_s: float) -> str:
         markdown_table(table, COLUMNS),
         "",
         f"- M95 + anchor vs dense validation loss: {m95a['val_end'] / dense['val_end'] - 1:+.1%} "
-        f"(the issue's goal at full scale: within 2%); M95 alone {m95['val_end'] / dense['val_end'] - 1:+.1%}.",
+        "(the issue's goal at full scale: within 2%); M95 alone "
+        f"{m95['val_end'] / dense['val_end'] - 1:+.1%}.",
         f"- M95 ÷ dense + DP virtual tokens/s: {m95['tokens_per_s'] / dp['tokens_per_s']:.2f}× "
         "(paper: 13.6×); M95 + anchor ÷ dense: "
         f"{m95a['tokens_per_s'] / dense['tokens_per_s']:.2f}× (paper: 42×). At this size, measured, not "
@@ -170,9 +171,9 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     OUT.mkdir(parents=True, exist_ok=True)
-    pre_cfg = load_config(DEMO, ["mesh.replicas=1", "mesh.schedule=1f1b", f"train.steps={args.pretrain_steps}",
-                                 f"train.eval_every={args.pretrain_steps}", "train.checkpoint_every=0",
-                                 "codec.name=bf16"])
+    pre_cfg = load_config(DEMO, ["mesh.replicas=1", "mesh.schedule=1f1b", "codec.name=bf16",
+                                 f"train.steps={args.pretrain_steps}", "train.checkpoint_every=0",
+                                 f"train.eval_every={args.pretrain_steps}"])
     pretrain = run(pre_cfg, OUT / "pretrain", args.reuse)
     base = [f"model.init={OUT / 'pretrain'}", f"mesh.stages={args.stages}", f"mesh.replicas={args.replicas}",
             "mesh.schedule=async", f"train.steps={args.steps}", f"train.eval_every={args.steps}",
