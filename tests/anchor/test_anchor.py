@@ -12,6 +12,7 @@ from tiny import tiny_config
 from meshlearn.anchor.circuit import AnchorCircuit
 from meshlearn.config import ConfigError
 from meshlearn.data import global_batch
+from meshlearn.mesh.compute import stage_shape
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder
 from meshlearn.models.split import merge_stages
@@ -258,3 +259,29 @@ def test_bad_anchor_settings_are_refused_with_one_line(tiny_corpus, overrides, h
     with pytest.raises(ConfigError) as err:
         tiny_config(tiny_corpus, *overrides)
     assert str(err.value).startswith(hint) and "\n" not in str(err.value)
+
+
+def test_a_pass_charges_its_own_compute_and_counts_its_bytes_exactly(tiny_corpus, tmp_path):
+    """One pass at P = 2, M = 2, D = 2, bf16 wire: the anchor stages are busy exactly the compute
+    model's F + B per microbatch, and its bytes are the snapshot (2 B per parameter, plus 8 B per
+    sequence id on the first and last stage), the boundary (both directions, 2 B per element) and
+    the gradients (2 B per targeted element, to each of the D fast replicas)."""
+    run = Trainer(tiny_config(tiny_corpus, *FAST, "anchor.z=1", "anchor.wire_dtype=bf16"),
+                  tmp_path / "run", progress=False)
+    circuit = run.plugins["anchor"].circuit  # pass t = 0 ran when the plugin was built
+    cfg, compute = run.cfg, run.driver.compute
+    micro = cfg.train.batch_size // cfg.mesh.replicas // cfg.mesh.microbatches
+    for s, module in enumerate(circuit.modules):
+        shape = stage_shape(module)
+        expected = cfg.mesh.microbatches * sum(compute.compute_s(shape, k, micro, 0.0) for k in "FB")
+        assert circuit.busy_s[WorkerId(2, s)] == pytest.approx(expected, rel=1e-12)
+    params = sum(p.numel() for m in circuit.modules for p in m.parameters())
+    sequences = cfg.train.batch_size // cfg.mesh.replicas
+    assert circuit.bytes.snapshot == 2 * params + 2 * 8 * sequences
+    boundary = sequences * cfg.model.seq_len * cfg.model.d_model  # all M microbatches, one boundary
+    assert circuit.bytes.boundary == 2 * 2 * boundary
+    targeted = sum(p.numel() for w in (run.workers[WorkerId(0, s)] for s in range(2))
+                   for p in w.spectral.params.values())
+    assert circuit.bytes.gradients == 2 * 2 * targeted
+    assert sum(link.bytes_sent for link in circuit.links.values()) == circuit.bytes.total
+    assert run.driver.network.bytes_on_axis("pp") == run.driver.network.bytes_on_axis("dp") == 0

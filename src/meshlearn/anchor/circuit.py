@@ -162,9 +162,6 @@ class AnchorCircuit:
                                    random.Random(f"{self.seed}:anchor:{src}->{dst}"))
         return self.links[key]
 
-    def _send(self, src: WorkerId, dst: WorkerId, at: float, nbytes: int) -> float:
-        return self.link(src, dst).transmit(at, nbytes)
-
     @torch.no_grad()
     def _load(self, weights: list[dict[str, Tensor]], dtype: torch.dtype) -> list[int]:
         """Put the snapshot into the anchor's stages (as the wire delivers it); its bytes per stage."""
@@ -190,7 +187,9 @@ class AnchorCircuit:
         for s, nbytes in enumerate(self._load(weights, dtype)):
             nbytes += ids_bytes if s in (0, P - 1) else 0
             self.bytes.snapshot += nbytes
-            free.append(max(self.clock[me[s]], self._send(WorkerId(0, s), me[s], sent_at[s], nbytes)))
+            free.append(max(self.clock[me[s]], self.link(WorkerId(0, s), me[s]).transmit(sent_at[s], nbytes)))
+        device = next(self.modules[0].parameters()).device  # the stages' own (the batch is on CPU)
+        batches = [(x.to(device), y.to(device)) for x, y in batches]
         done = anchor_gradients(self.modules, batches, self.targets, dtype)
         shapes = [stage_shape(m) for m in self.modules]
         micro = batches[0][0].shape[0]
@@ -211,7 +210,7 @@ class AnchorCircuit:
                 if s + 1 < P:
                     nbytes = done.boundary_numel[m] * dtype.itemsize
                     self.bytes.boundary += nbytes
-                    act[s + 1][m] = self._send(me[s], me[s + 1], end, nbytes)
+                    act[s + 1][m] = self.link(me[s], me[s + 1]).transmit(end, nbytes)
         grad = [[0.0] * M for _ in range(P)]
         arrival: dict[WorkerId, float] = {}
         for m in range(M):
@@ -220,13 +219,13 @@ class AnchorCircuit:
                 if s > 0:
                     nbytes = done.boundary_numel[m] * dtype.itemsize
                     self.bytes.boundary += nbytes
-                    grad[s - 1][m] = self._send(me[s], me[s - 1], end, nbytes)
+                    grad[s - 1][m] = self.link(me[s], me[s - 1]).transmit(end, nbytes)
         received = []
         for s in range(P):
             nbytes = sum(g.numel() for g in done.grads[s].values()) * dtype.itemsize
             for r in range(self.replicas):
                 self.bytes.gradients += nbytes
-                arrival[WorkerId(r, s)] = self._send(me[s], WorkerId(r, s), free[s], nbytes)
+                arrival[WorkerId(r, s)] = self.link(me[s], WorkerId(r, s)).transmit(free[s], nbytes)
             received.append({n: on_wire(g, dtype) for n, g in done.grads[s].items()})
             self.clock[me[s]] = free[s]
         return AnchorPass(z, step, received, arrival)
