@@ -142,7 +142,7 @@ def test_the_anchor_never_delays_the_fast_circuit(tiny_corpus, tmp_path):
 @pytest.mark.parametrize(("bandwidth", "max_late", "delivered"), [
     ("0", 0, True),  # PP links' speed: on time
     ("5", 0, False),  # 1/20 of the PP links: every arrival misses its due step, the cap
-    ("5", 30, True),  # the same anchor with a wide cap: delivered, late
+    ("5", 20, True),  # the same anchor with a wide cap: delivered, late
 ])
 def test_late_arrivals_beyond_the_cap_are_dropped(tiny_corpus, tmp_path, bandwidth, max_late, delivered):
     run = Trainer(tiny_config(tiny_corpus, *FAST, "train.steps=8", "anchor.z=1", "anchor.delay=2",
@@ -253,7 +253,9 @@ def test_a_resumed_anchored_run_equals_an_uninterrupted_one(tiny_corpus, tmp_pat
     (["anchor.z=1", "optim.spectral.enabled=true", "protocol.morph=orthogonal", "optim.name=muon"],
      "anchor.z = 1: with protocol.morph = 'orthogonal'"),
     (["anchor.z=1", "optim.spectral.enabled=true", "anchor.delay=40"],
-     "anchor.delay = 40: at most optim.spectral.max_staleness = 30"),
+     "anchor.max_late = 10: anchor.delay = 40 exceeds optim.spectral.max_staleness = 30"),
+    (["anchor.z=1", "optim.spectral.enabled=true", "anchor.delay=25"],
+     "anchor.max_late = 10: anchor.delay + anchor.max_late = 35 exceeds optim.spectral.max_staleness = 30"),
 ])
 def test_bad_anchor_settings_are_refused_with_one_line(tiny_corpus, overrides, hint):
     with pytest.raises(ConfigError) as err:

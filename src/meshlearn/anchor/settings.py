@@ -30,8 +30,9 @@ class AnchorConfig:
     folded in (the paper: 20; quality falls with K). >= 1."""
     max_late: int = 10
     """Steps past its due step (t + K) after which an arrival is dropped (counted in
-    ``anchor_dropped_late``); the note's cap of about 30 steps of staleness is K + max_late. If
-    summary.json shows drops, the anchor is too slow for K: raise ``anchor.z`` or K."""
+    ``anchor_dropped_late``); the note's cap of about 30 steps of staleness is K + max_late, which
+    must stay within ``optim.spectral.max_staleness``. If summary.json shows drops, the anchor is
+    too slow for K: raise ``anchor.z`` or K."""
     targets: str = ""
     """Comma-separated matrices whose gradients the anchor sends, from those of
     ``optim.spectral.targets`` (empty = all of them)."""
@@ -79,6 +80,10 @@ def validate_anchor(cfg: Any, require: Callable[[bool, str, Any, str], None]) ->
     require(cfg.protocol.morph in ("off", "none"), "anchor.z", a.z,
             f"with protocol.morph = {cfg.protocol.morph!r} a morph between hand-off and arrival would "
             "put the anchor's gradients in another basis than the weights'; use protocol.morph = off")
-    require(cfg.optim.spectral.max_staleness >= a.delay, "anchor.delay", a.delay,
-            f"at most optim.spectral.max_staleness = {cfg.optim.spectral.max_staleness}, which "
+    staleness = cfg.optim.spectral.max_staleness
+    require(a.delay + a.max_late <= staleness, "anchor.max_late", a.max_late,
+            f"anchor.delay + anchor.max_late = {a.delay + a.max_late} exceeds optim.spectral."
+            f"max_staleness = {staleness}, which would drop what the anchor delivers late; at most "
+            f"{staleness - a.delay}" if staleness >= a.delay else
+            f"anchor.delay = {a.delay} exceeds optim.spectral.max_staleness = {staleness}, which "
             "would drop every arrival")
