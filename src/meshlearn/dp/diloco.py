@@ -10,6 +10,11 @@ for; otherwise it runs behind the inner steps and is dropped if it misses its de
 
 With H = 1, one fragment, no overlap, α = 1 and an outer step of lr 1 without momentum,
 θ_outer ← mean of θ_local: synchronous parameter averaging (= all-reduce under plain SGD).
+
+Under a change of basis W ← L·W (a protocol model's morph) the outer weights and the outer
+momentum (a sum of weight differences) move as weights (``basis_state``); a merge still pending
+(``overlap`` > 0) reads θ_outer when it applies, so it lands in the new basis too. All of it is
+linear, so DiLoCo on the morphed model is the morphed DiLoCo trajectory for any invertible L.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshlearn.basis import BasisTensor
 from meshlearn.dp.base import DPStrategy, Key
 from meshlearn.mesh.messages import Message
 
@@ -36,6 +42,7 @@ class StreamingDiLoCo(DPStrategy):
                  overlap: int, outer_lr: float, outer_momentum: float, merge_weight: float,
                  deadline_s: float | None):
         super().__init__(me, replicas)
+        self.names = [name for name, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
         self.H, self.overlap = inner_steps, overlap
         self.outer_lr, self.mu, self.alpha = outer_lr, outer_momentum, merge_weight
@@ -117,6 +124,13 @@ class StreamingDiLoCo(DPStrategy):
                 p = self.params[i]
                 p.data.copy_(self.alpha * self.outer[i] + (1.0 - self.alpha) * p.data
                              if self.alpha < 1 else self.outer[i])
+
+    def basis_state(self) -> dict[str, BasisTensor]:
+        out = {}
+        for n, outer, momentum in zip(self.names, self.outer, self.momentum, strict=True):
+            out[f"outer.{n}"] = BasisTensor(n, "weight", outer)
+            out[f"momentum.{n}"] = BasisTensor(n, "weight", momentum)  # sums of weight differences
+        return out
 
     def state_dict(self) -> dict:
         return super().state_dict() | {"outer": self.outer, "momentum": self.momentum,

@@ -15,7 +15,10 @@ layer → head. For a transform T at a boundary (row-vector convention of the me
 
 Only W_o and W_down among the trainable matrices change; their Muon momentum follows the
 gradient's map (G ↦ T⁻¹·G here, G·T^{−T} in the note): M ← T⁻¹·M, which for orthogonal T is the
-weight's own map, so Muon on the morphed model is the morphed Muon trajectory.
+weight's own map, so Muon on the morphed model is the morphed Muon trajectory. Every other piece
+of state kept in a writer's basis follows the same way, by its kind (``meshlearn.basis``): the
+worker's DP strategy (PowerSGD error feedback, DiLoCo's outer weights and momentum) and plugins'
+state (the curvature tracker's warm-start vectors) are listed to the morph as ``holders``.
 
 Every fold happens on a :class:`MasterCopy` (fp64 by default) and is then cast back into the
 working tensors, so the error stays at one rounding of the master however many morphs there are.
@@ -23,12 +26,13 @@ working tensors, so the error stays at one rounding of the master however many m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from meshlearn.basis import BasisTensor
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.protocol.transforms import Transform, draw, seeded_generator
 
@@ -36,37 +40,56 @@ WRITERS = ("attn.o.weight", "mlp.down.weight")
 """The trainable matrices a morph multiplies (each layer's residual writers)."""
 BASES = ("emb_basis", ".basis", "_skip")
 """Name endings of the non-trainable basis matrices (B_emb, every R, every S)."""
-MOMENTUM = "#momentum"
+
+Holder = Callable[[], Mapping[str, BasisTensor]]
+"""Lists some state kept in parameters' bases (called at every morph: tensors may be replaced)."""
+
+
+def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holder:
+    """The optimizer's first moment of every parameter (``momentum_buffer``: Muon, NuMuon), a
+    gradient sum. (Morphs refuse optimizers with elementwise second moments.)"""
+    def listing() -> dict[str, BasisTensor]:
+        out = {}
+        for name, p in module.named_parameters():
+            state = optimizer.state.get(p, {}) if optimizer is not None else {}
+            if "momentum_buffer" in state:  # absent before the first optimizer step
+                out[name] = BasisTensor(name, "gradient", state["momentum_buffer"])
+        return out
+    return listing
 
 
 class MasterCopy:
     """High-precision copies of every tensor a morph multiplies in one stage module: the basis
-    buffers, the residual writers and their Muon momentum buffers (``optimizer.state[p]``).
+    buffers, the residual writers and all state kept in a writer's basis (``holders``: the
+    optimizer's momentum, the DP strategy's buffers, plugins' vectors).
 
-    ``open`` brings the masters up to date: a tensor seen for the first time is copied; one the
-    optimizer changed since the last ``close`` has that change added (master += working −
-    cast(master)), so training between morphs is kept exactly and, without training, the master
-    is untouched. ``close`` casts the masters back into the working tensors, in place.
+    ``open`` brings the masters up to date: a tensor seen for the first time is copied; one
+    changed since the last ``close`` has that change added (master += working − cast(master)), so
+    training between morphs is kept exactly and, without training, the master is untouched.
+    ``close`` casts the masters back into the working tensors, in place.
     ``dtype = working dtype`` is folding without a master (the drift control of the tests).
     """
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+    def __init__(self, module: nn.Module, holders: Mapping[str, Holder],
                  dtype: torch.dtype = torch.float64):
         self.module = module
-        self.optimizer = optimizer
+        self.holders = dict(holders)
         self.dtype = dtype
         self.tensors: dict[str, Tensor] = {}
+        self.state_of: dict[str, list[tuple[str, str]]] = {}  # writer → [(master key, kind)]
 
     def working(self) -> dict[str, Tensor]:
-        """Name → the live tensor (parameter data, buffer, momentum buffer)."""
+        """Name → the live tensor (parameter data, buffer, state); also fills ``state_of``."""
         out = {name: buf for name, buf in self.module.named_buffers() if name.endswith(BASES)}
-        for name, p in self.module.named_parameters():
-            if not name.endswith(WRITERS):
-                continue
-            out[name] = p.data
-            state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
-            if "momentum_buffer" in state:
-                out[name + MOMENTUM] = state["momentum_buffer"]
+        writers = [name for name, _ in self.module.named_parameters() if name.endswith(WRITERS)]
+        out |= {name: p.data for name, p in self.module.named_parameters() if name in writers}
+        self.state_of = {name: [] for name in writers}
+        for holder, listing in self.holders.items():
+            for key, state in listing().items():
+                if state.param in self.state_of:
+                    master_key = f"{state.param}#{holder}:{key}"
+                    out[master_key] = state.tensor
+                    self.state_of[state.param].append((master_key, state.kind))
         return out
 
     def open(self) -> dict[str, Tensor]:
@@ -93,9 +116,10 @@ class StageMorph:
     """The folds of one worker's stage module (see the module docstring's table)."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 master_dtype: torch.dtype = torch.float64):
+                 master_dtype: torch.dtype = torch.float64, holders: Mapping[str, Holder] | None = None):
         self.module = module
-        self.master = MasterCopy(module, optimizer, master_dtype)
+        holders = {"optimizer": optimizer_state(module, optimizer), **(holders or {})}
+        self.master = MasterCopy(module, holders, master_dtype)
         self.layers = sorted(module.layers, key=int)
         self._m: dict[str, Tensor] = {}
 
@@ -124,9 +148,11 @@ class StageMorph:
         self._m[name] = t.to(master.dtype) @ master
 
     def _writer(self, name: str, t: Transform) -> None:
+        """W ← Tᵀ·W; state in W's basis by its kind: weights as W, gradients by T⁻¹ (= Tᵀ when
+        orthogonal)."""
         self._left(name, t.matrix.T)
-        if name + MOMENTUM in self._m:  # absent before the first optimizer step
-            self._left(name + MOMENTUM, t.inverse)
+        for key, kind in self.master.state_of[name]:
+            self._left(key, t.matrix.T if kind == "weight" else t.inverse)
 
     def _layer_exit(self, key: str, t: Transform) -> None:
         self._writer(f"layers.{key}.mlp.down.weight", t)

@@ -16,6 +16,7 @@ before and after each of the last morphs with samples of their boundary traffic
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
 from meshlearn.models.llama import Decoder
 from meshlearn.protocol.model import ProtocolDecoder, protocol_model
-from meshlearn.protocol.morph import StageMorph, morph_mesh
+from meshlearn.protocol.morph import Holder, StageMorph, morph_mesh
 from meshlearn.protocol.settings import ProtocolConfig
 from meshlearn.protocol.snapshots import (
     SNAPSHOT_DIR,
@@ -48,20 +49,34 @@ def stage_modules(cfg, stages: list[Decoder]) -> list[Decoder | ProtocolDecoder]
     return [protocol_model(stage, cfg.seed) for stage in stages]
 
 
+def state_holders(w: WorkerId, worker: Worker, callbacks: dict[str, Callback]) -> dict[str, Holder]:
+    """What besides the optimizer keeps state in worker ``w``'s parameter bases: its DP strategy
+    and the plugins registered before this one (``basis_state``, ``meshlearn.basis``)."""
+    holders: dict[str, Holder] = {}
+    if worker.dp is not None:
+        holders["dp"] = worker.dp.basis_state
+    for name, callback in callbacks.items():
+        holders[f"plugin.{name}"] = partial(callback.basis_state, w)
+    return holders
+
+
 class MorphCallback(Callback):
     """Morphs every boundary every ``every_steps`` steps. Usage: set ``protocol.morph =
     orthogonal`` (and optim.name = muon); the events ``protocol_morph`` in metrics.jsonl say when,
     with the bytes the transforms cost on the pipeline links."""
 
     def __init__(self, cfg: ProtocolConfig, seed: int, workers: dict[WorkerId, Worker], driver,
-                 mesh: MeshShape, snapshots: SnapshotKeeper | None = None):
+                 mesh: MeshShape, snapshots: SnapshotKeeper | None = None,
+                 callbacks: dict[str, Callback] | None = None):
         self.cfg = cfg
         self.seed = seed
         self.snapshots = snapshots
         self.workers = workers
         self.driver = driver
         self.mesh = mesh
-        self.morphs = {w: StageMorph(worker.module, worker.optimizer) for w, worker in workers.items()}
+        self.morphs = {w: StageMorph(worker.module, worker.optimizer,
+                                     holders=state_holders(w, worker, callbacks or {}))
+                       for w, worker in workers.items()}
         self.epoch = 0  # morphs applied so far
         self.bytes = 0
         self.wall_s = 0.0
@@ -163,4 +178,5 @@ def protocol_plugin(ctx: PluginContext) -> MorphCallback | None:
     keeps = cfg.protocol.keep_snapshots > 0 and ctx.writer
     return MorphCallback(cfg.protocol, cfg.seed, ctx.workers, ctx.driver,
                          MeshShape(cfg.mesh.replicas, cfg.mesh.stages),
-                         SnapshotKeeper(cfg, ctx.run_dir, ctx.workers, ctx.resume_step) if keeps else None)
+                         SnapshotKeeper(cfg, ctx.run_dir, ctx.workers, ctx.resume_step) if keeps else None,
+                         dict(ctx.callbacks))

@@ -15,6 +15,8 @@ from typing import Any
 
 MORPHS = ("off", "none", "orthogonal", "lowcond")
 MORPH_OPTIMIZERS = ("muon", "numuon")
+MORPH_DP = ("allreduce", "powersgd", "diloco")
+"""DP strategies whose state follows a morph (``basis_state``; docs/protocol.md)."""
 
 
 @dataclass(frozen=True)
@@ -80,12 +82,9 @@ def validate_protocol(cfg: Any, require: Callable[[bool, str, Any, str], None]) 
     require(cfg.backend == "sim", "backend", cfg.backend,
             "morphs run in the simulator only so far (the distributed driver does not carry "
             "transforms yet); use backend = sim or protocol.morph = none")
-    require(cfg.dp.name == "allreduce", "dp.name", cfg.dp.name,
-            "morphs do not yet transform a DP strategy's basis-dependent state (error feedback, "
-            "warm-start factors, anchors); use dp.name = allreduce or protocol.morph = none")
+    require(cfg.dp.name in MORPH_DP, "dp.name", cfg.dp.name,
+            f"morphs work with {list(MORPH_DP)}: sparse averaging mixes slices of coordinates, "
+            "which do not follow a change of basis; use one of those or protocol.morph = none")
     require(cfg.verify.name == "none", "verify.name", cfg.verify.name,
             "morphs do not yet reset the verifiers' activation statistics; use verify.name = none "
             "or protocol.morph = none")
-    require(cfg.curvature.every == 0, "curvature.every", cfg.curvature.every,
-            "the curvature probe's power-iteration vectors live in the old basis; set 0 or "
-            "protocol.morph = none")
