@@ -1,5 +1,6 @@
-"""Morphs as a trainer plugin: every ``protocol.every_steps`` steps, at a drain point it asks for,
-every boundary of the mesh gets a fresh transform (``protocol/morph.py``).
+"""Morphs as a trainer plugin: every ``protocol.every_steps`` steps (or ``every_tokens`` tokens, or
+``every_seconds`` of virtual time: ``protocol/schedule.py``), at a drain point it asks for, every
+boundary of the mesh gets a fresh transform (``protocol/morph.py``).
 
 Each pipeline boundary's transform travels as a ``morph`` message from the upper stage's replica
 to the lower one's, over their link: the simulator charges its bytes and time like any message
@@ -22,13 +23,14 @@ from pathlib import Path
 import torch
 
 from meshlearn.compress.codecs import Encoded
-from meshlearn.hooks import Callback, PluginContext
+from meshlearn.hooks import Callback, PluginContext, StepOutput
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
 from meshlearn.models.llama import Decoder
 from meshlearn.protocol.model import ProtocolDecoder, protocol_model
 from meshlearn.protocol.morph import Holder, StageMorph, morph_mesh
+from meshlearn.protocol.schedule import MorphSchedule
 from meshlearn.protocol.settings import ProtocolConfig
 from meshlearn.protocol.snapshots import (
     SNAPSHOT_DIR,
@@ -60,15 +62,22 @@ def state_holders(w: WorkerId, worker: Worker, callbacks: dict[str, Callback]) -
     return holders
 
 
+def run_clock(driver) -> float:
+    """The run's clock in seconds: the simulator's virtual time at the last step's end."""
+    return driver.record_fields()["sim_time_s"]
+
+
 class MorphCallback(Callback):
-    """Morphs every boundary every ``every_steps`` steps. Usage: set ``protocol.morph =
-    orthogonal`` (and optim.name = muon); the events ``protocol_morph`` in metrics.jsonl say when,
-    with the bytes the transforms cost on the pipeline links."""
+    """Morphs every boundary on its schedule. Usage: set ``protocol.morph = orthogonal`` (and
+    optim.name = muon); the events ``protocol_morph`` in metrics.jsonl say when, with the bytes
+    the transforms cost on the pipeline links."""
 
     def __init__(self, cfg: ProtocolConfig, seed: int, workers: dict[WorkerId, Worker], driver,
                  mesh: MeshShape, snapshots: SnapshotKeeper | None = None,
-                 callbacks: dict[str, Callback] | None = None):
+                 callbacks: dict[str, Callback] | None = None, tokens_per_step: int = 0):
         self.cfg = cfg
+        self.schedule = MorphSchedule(cfg, tokens_per_step, lambda: run_clock(driver),
+                                      getattr(driver, "lookahead", 0))
         self.seed = seed
         self.snapshots = snapshots
         self.workers = workers
@@ -82,10 +91,14 @@ class MorphCallback(Callback):
         self.wall_s = 0.0
 
     def drains_after(self, done: int) -> bool:
-        return done % self.cfg.every_steps == 0
+        return self.schedule.drains_after(done)
+
+    def on_step_end(self, step: int, report) -> StepOutput:
+        self.schedule.step_end(step + 1)
+        return StepOutput()
 
     def on_drain(self, done: int) -> list[dict]:
-        if done % self.cfg.every_steps:
+        if not self.schedule.due(done):
             return []  # a drain point someone else asked for
         assert self.driver.drained, "morphs happen at drain points only"
         if self.snapshots is not None:
@@ -94,6 +107,7 @@ class MorphCallback(Callback):
         stats = morph_mesh(self.morphs, self.mesh, self.cfg.morph, self.cfg.epsilon, self.seed,
                            self.epoch, self._sender(done))
         wall = time.perf_counter() - started
+        self.schedule.morphed()
         self.epoch += 1
         self.bytes += stats.boundary_bytes
         self.wall_s += wall
@@ -114,13 +128,14 @@ class MorphCallback(Callback):
         return send
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "bytes": self.bytes,
+        return {"epoch": self.epoch, "bytes": self.bytes, "schedule": self.schedule.state_dict(),
                 "masters": {str(w): m.master.state_dict() for w, m in self.morphs.items()}}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state is None:
             return
         self.epoch, self.bytes = state["epoch"], state["bytes"]
+        self.schedule.load_state_dict(state["schedule"])
         for w, master in state["masters"].items():
             self.morphs[WorkerId.parse(w)].master.load_state_dict(master)
 
@@ -179,4 +194,4 @@ def protocol_plugin(ctx: PluginContext) -> MorphCallback | None:
     return MorphCallback(cfg.protocol, cfg.seed, ctx.workers, ctx.driver,
                          MeshShape(cfg.mesh.replicas, cfg.mesh.stages),
                          SnapshotKeeper(cfg, ctx.run_dir, ctx.workers, ctx.resume_step) if keeps else None,
-                         dict(ctx.callbacks))
+                         dict(ctx.callbacks), cfg.train.batch_size * cfg.model.seq_len)
