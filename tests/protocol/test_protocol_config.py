@@ -27,7 +27,9 @@ def test_default_is_off_and_keys_parse():
     (["protocol.morph=none", "model.subspace_rank=16"], "model.subspace_rank", "dense"),
     (["protocol.morph=orthogonal"], "optim.name", "morphs need muon or numuon"),
     (["protocol.morph=lowcond", "optim.name=adamw"], "optim.name", "second moments"),
-    (MORPH + ["backend=dist"], "backend", "simulator only"),
+    (MORPH + ["backend=dist"], "protocol.keep_snapshots", "keeps no attack snapshots"),
+    (MORPH + ["backend=dist", "protocol.keep_snapshots=0", "protocol.every_seconds=30"],
+     "protocol.every_seconds", "virtual clock"),
     (MORPH + ["dp.name=sparse"], "dp.name", "slices of coordinates"),
     (["protocol.morph=none", "warmup.enabled=true"], "warmup.enabled", "warm-up"),
 ])

@@ -208,27 +208,34 @@ def direct(src: WorkerId, dst: WorkerId, t: Transform) -> tuple[Tensor, bool]:
     return t.matrix, t.orthogonal
 
 
+def stage_transforms(kind: str, d: int, epsilon: float, seed: int, stage: int, epoch: int,
+                     slots: int, boundary: bool) -> tuple[list[Transform], Transform | None]:
+    """Stage ``stage``'s transforms of epoch ``epoch``: its ``slots`` internal ones, then (with
+    ``boundary``) the one of the boundary below it, all from the stage's own generator (``seed``,
+    stage, epoch), so every replica of the stage, in any process, draws the same ones."""
+    generator = seeded_generator(seed, "protocol-morph", stage, epoch)
+    internal = [draw(kind, d, epsilon, generator) for _ in range(slots)]
+    return internal, draw(kind, d, epsilon, generator) if boundary else None
+
+
 def morph_mesh(morphs: dict[WorkerId, StageMorph], mesh: MeshShape, kind: str, epsilon: float,
                seed: int, epoch: int, send: Send = direct) -> MorphStats:
     """One morph epoch over every worker in ``morphs`` (all of them: the simulator). Stage s draws
-    its internal transforms and the transform of the boundary below it from its own generator
-    (``seed``, stage, ``epoch``), so all its replicas fold the same ones; each replica of stage s
-    sends its boundary transform to the same replica of stage s + 1, which folds the inverse."""
+    its internal transforms and the transform of the boundary below it (``stage_transforms``), so
+    all its replicas fold the same ones; each replica of stage s sends its boundary transform to
+    the same replica of stage s + 1, which folds the inverse."""
     stats = MorphStats()
     for morph in morphs.values():
         morph.open()
     for s in range(mesh.stages):
         replicas = [morphs[w] for w in mesh.stage_replicas(s)]
-        d = replicas[0].module.cfg.d_model
-        generator = seeded_generator(seed, "protocol-morph", s, epoch)
-        internal = [draw(kind, d, epsilon, generator) for _ in range(replicas[0].internal_slots)]
+        internal, boundary = stage_transforms(kind, replicas[0].module.cfg.d_model, epsilon, seed, s,
+                                              epoch, replicas[0].internal_slots, s + 1 < mesh.stages)
         for morph in replicas:
             morph.fold_internal(iter(internal))
-        stats.transforms += len(internal)
-        if s + 1 == mesh.stages:
+        stats.transforms += len(internal) + (boundary is not None)
+        if boundary is None:
             continue
-        boundary = draw(kind, d, epsilon, generator)  # the upper side generates it
-        stats.transforms += 1
         for src in mesh.stage_replicas(s):
             dst = WorkerId(src.replica, s + 1)
             morphs[src].fold_exit(boundary)
@@ -238,3 +245,35 @@ def morph_mesh(morphs: dict[WorkerId, StageMorph], mesh: MeshShape, kind: str, e
     for morph in morphs.values():
         morph.close()
     return stats
+
+
+def morph_worker(morph: StageMorph, me: WorkerId, mesh: MeshShape, kind: str, epsilon: float, seed: int,
+                 epoch: int, send: Callable[[WorkerId, WorkerId, Transform], None],
+                 receive: Callable[[WorkerId, WorkerId], tuple[Tensor, bool]]) -> MorphStats:
+    """One worker's part of a morph epoch, in a process that holds only it (the distributed
+    driver): the transforms ``morph_mesh`` draws for its stage, folded in its order (the entry
+    side first, so the masters are bitwise the simulator's). The previous stage's boundary
+    transform comes in by ``receive(src, me)``; this stage's goes to replica ``me.replica`` of the
+    next stage by ``send``. So the stages morph in a chain, and a process draws only its own
+    stage's transforms and sees only the one of the boundary above it."""
+    stats = MorphStats()
+    morph.open()
+    if me.stage > 0:
+        morph.fold_entry(*receive(WorkerId(me.replica, me.stage - 1), me))
+    internal, boundary = stage_transforms(kind, morph.module.cfg.d_model, epsilon, seed, me.stage, epoch,
+                                          morph.internal_slots, me.stage + 1 < mesh.stages)
+    morph.fold_internal(iter(internal))
+    stats.transforms = len(internal) + (boundary is not None)
+    if boundary is not None:
+        morph.fold_exit(boundary)
+        send(me, WorkerId(me.replica, me.stage + 1), boundary)
+        stats.boundary_bytes = boundary.matrix.numel() * boundary.matrix.element_size()
+    morph.close()
+    return stats
+
+
+def epoch_stats(mesh: MeshShape, stage_layers: list[int], d: int) -> MorphStats:
+    """What one epoch over the whole mesh draws and sends (``morph_mesh``'s stats), from the
+    shape alone: a process that morphs only its own worker reports the mesh's totals with it."""
+    slots = [2 * n - 1 + (s == 0) + (s == mesh.stages - 1) for s, n in enumerate(stage_layers)]
+    return MorphStats(sum(slots) + mesh.stages - 1, (mesh.stages - 1) * mesh.replicas * d * d * 8)

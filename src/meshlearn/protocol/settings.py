@@ -95,9 +95,16 @@ def validate_protocol(cfg: Any, require: Callable[[bool, str, Any, str], None]) 
     require(cfg.optim.name in MORPH_OPTIMIZERS, "optim.name", cfg.optim.name,
             f"morphs need {' or '.join(MORPH_OPTIMIZERS)}: Adam-style second moments cannot follow "
             "a change of basis (method note, Training); or protocol.morph = none")
-    require(cfg.backend == "sim", "backend", cfg.backend,
-            "morphs run in the simulator only so far (the distributed driver does not carry "
-            "transforms yet); use backend = sim or protocol.morph = none")
+    if cfg.backend != "sim":
+        require(p.keep_snapshots == 0, "protocol.keep_snapshots", p.keep_snapshots,
+                "the distributed driver keeps no attack snapshots (they need every stage in one "
+                "process); set 0 under backend = dist, or use backend = sim")
+        require(p.every_seconds == 0, "protocol.every_seconds", p.every_seconds,
+                "seconds are the simulator's virtual clock; under backend = dist use "
+                "protocol.every_steps or protocol.every_tokens")
+        require(not cfg.elastic.enabled, "elastic.enabled", cfg.elastic.enabled,
+                "elastic membership does not carry morphs (a joining worker's masters); set false "
+                "or protocol.morph = none")
     require(cfg.dp.name in MORPH_DP, "dp.name", cfg.dp.name,
             f"morphs work with {list(MORPH_DP)}: sparse averaging mixes slices of coordinates, "
             "which do not follow a change of basis; use one of those or protocol.morph = none")
