@@ -219,11 +219,13 @@ def stage_transforms(kind: str, d: int, epsilon: float, seed: int, stage: int, e
 
 
 def morph_mesh(morphs: dict[WorkerId, StageMorph], mesh: MeshShape, kind: str, epsilon: float,
-               seed: int, epoch: int, send: Send = direct) -> MorphStats:
+               seed: int, epoch: int, send: Send = direct,
+               boundaries: dict[int, Transform] | None = None) -> MorphStats:
     """One morph epoch over every worker in ``morphs`` (all of them: the simulator). Stage s draws
     its internal transforms and the transform of the boundary below it (``stage_transforms``), so
     all its replicas fold the same ones; each replica of stage s sends its boundary transform to
-    the same replica of stage s + 1, which folds the inverse."""
+    the same replica of stage s + 1, which folds the inverse. ``boundaries`` (stage → T): a
+    transform the sending stage chose from its own traffic instead (a whitening morph)."""
     stats = MorphStats()
     for morph in morphs.values():
         morph.open()
@@ -236,6 +238,7 @@ def morph_mesh(morphs: dict[WorkerId, StageMorph], mesh: MeshShape, kind: str, e
         stats.transforms += len(internal) + (boundary is not None)
         if boundary is None:
             continue
+        boundary = (boundaries or {}).get(s, boundary)
         for src in mesh.stage_replicas(s):
             dst = WorkerId(src.replica, s + 1)
             morphs[src].fold_exit(boundary)
