@@ -1,15 +1,16 @@
 """The whitening-morph defence against the passive covariance attack, on a trained protocol model
 served with static weights (the note's hard case: all the traffic an attacker wants, no drift).
 
-From a morphing run's newest snapshot (default: the demo run of bench/unextractable.py), two morph
-epochs a and b, each morph either orthogonal (the protocol's default) or whitening at every
-pipeline boundary (T = C^{−1/2}·Q, C the sender's covariance of its own outgoing traffic on
-calibration windows it served, ``protocol/transforms.whitening``; internal boundaries stay
-orthogonal). An attacker holding the stages of both epochs, alternating a b a b, bridges every
-boundary by covariance alignment from passive traffic of each epoch (different windows), or, as a
-control, by the direct bridge from identical inputs. Scored on the run's validation batches.
+From a morphing run's newest snapshot (the demo run ``DIR/demo`` of ``bench/unextractable.py
+--runs DIR``), two morph epochs a and b, each morph either orthogonal (the protocol's default) or
+whitening at every pipeline boundary (T = C^{−1/2}·Q, C the sender's covariance of its own
+outgoing traffic on calibration windows it served, ``protocol/transforms.whitening``; internal
+boundaries stay orthogonal). An attacker holding the stages of both epochs, alternating a b a b,
+bridges every boundary by covariance alignment from passive traffic of each epoch (different
+windows), or, as a control, by the direct bridge from identical inputs. Scored on the run's
+validation batches.
 
-    flock /tmp/meshlearn-bench.lock python bench/whitening_defence.py --run /tmp/ux/demo
+    flock /tmp/meshlearn-bench.lock python bench/whitening_defence.py --run DIR/demo   # → docs/results/
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def morph(stages, morphs, mesh, scheme: str, epoch: int, calibration, shrinkage:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run", default="/tmp/ux/demo", help="a morphing run folder with snapshots")
+    parser.add_argument("--run", required=True, help="a morphing run folder with snapshots (DIR/demo)")
     parser.add_argument("--passive", default="2048,8192,32768", help="attacker's passive tokens per epoch")
     parser.add_argument("--calibration", type=int, default=8192, help="defender's tokens per whitening")
     parser.add_argument("--shrinkage", type=float, default=0.1)
