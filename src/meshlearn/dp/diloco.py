@@ -14,6 +14,11 @@ PowerSGD factors with error feedback (``dp.lowrank``): a sync is two rounds, P u
 
 With H = 1, one fragment, no overlap, α = 1 and an outer step of lr 1 without momentum,
 θ_outer ← mean of θ_local: synchronous parameter averaging (= all-reduce under plain SGD).
+
+Under a change of basis W ← L·W (a protocol model's morph) the outer weights and the outer
+momentum (a sum of weight differences) move as weights (``basis_state``); a merge still pending
+(``overlap`` > 0) reads θ_outer when it applies, so it lands in the new basis too. All of it is
+linear, so DiLoCo on the morphed model is the morphed DiLoCo trajectory for any invertible L.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshlearn.basis import BasisTensor
 from meshlearn.dp.base import DPStrategy, Key
 from meshlearn.dp.lowrank import LowRankCompressor
 from meshlearn.mesh.messages import Message
@@ -42,6 +48,7 @@ class StreamingDiLoCo(DPStrategy):
                  overlap: int, outer_lr: float, outer_momentum: float, merge_weight: float,
                  deadline_s: float | None, compress: str = "none", rank: int = 4, seed: int = 0):
         super().__init__(me, replicas)
+        self.names = [name for name, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
         self.H, self.overlap = inner_steps, overlap
         self.outer_lr, self.mu, self.alpha = outer_lr, outer_momentum, merge_weight
@@ -152,6 +159,13 @@ class StreamingDiLoCo(DPStrategy):
                 p = self.params[i]
                 p.data.copy_(self.alpha * self.outer[i] + (1.0 - self.alpha) * p.data
                              if self.alpha < 1 else self.outer[i])
+
+    def basis_state(self) -> dict[str, BasisTensor]:
+        out = {}
+        for n, outer, momentum in zip(self.names, self.outer, self.momentum, strict=True):
+            out[f"outer.{n}"] = BasisTensor(n, "weight", outer)
+            out[f"momentum.{n}"] = BasisTensor(n, "weight", momentum)  # sums of weight differences
+        return out
 
     def state_dict(self) -> dict:
         compressors = [c.state_dict() for c in self.compressors or ()]
