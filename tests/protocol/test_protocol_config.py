@@ -31,6 +31,7 @@ def test_default_is_off_and_keys_parse():
     (MORPH + ["backend=dist", "protocol.keep_snapshots=0", "protocol.every_seconds=30"],
      "protocol.every_seconds", "virtual clock"),
     (MORPH + ["dp.name=sparse"], "dp.name", "slices of coordinates"),
+    (MORPH + ["dp.name=diloco", "dp.compress=powersgd"], "dp.compress", "error feedback"),
     (["protocol.morph=none", "warmup.enabled=true"], "warmup.enabled", "warm-up"),
 ])
 def test_refusals_name_the_key_in_one_line(overrides, key, hint):

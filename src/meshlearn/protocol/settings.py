@@ -108,6 +108,9 @@ def validate_protocol(cfg: Any, require: Callable[[bool, str, Any, str], None]) 
     require(cfg.dp.name in MORPH_DP, "dp.name", cfg.dp.name,
             f"morphs work with {list(MORPH_DP)}: sparse averaging mixes slices of coordinates, "
             "which do not follow a change of basis; use one of those or protocol.morph = none")
+    require(cfg.dp.compress == "none", "dp.compress", cfg.dp.compress,
+            "compressed DiLoCo keeps PowerSGD error feedback and factors of the pseudo-gradients, "
+            "which morphs do not transform yet; set dp.compress = none or protocol.morph = none")
     require(cfg.verify.name == "none", "verify.name", cfg.verify.name,
             "morphs do not yet reset the verifiers' activation statistics; use verify.name = none "
             "or protocol.morph = none")
