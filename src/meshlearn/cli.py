@@ -143,20 +143,30 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from meshlearn.sample import sample_from_run
+    from meshlearn.sample import Generation, sample_from_run
 
     if args.tokens < 1:
         raise ConfigError("--tokens", args.tokens, "must be >= 1 (tokens to generate)")
     if not (args.temperature > 0 and args.temperature < float("inf")):
         raise ConfigError("--temperature", args.temperature,
                           "must be a finite number > 0 (1: the model's distribution; lower: greedier)")
+    if args.stages < 1:
+        raise ConfigError("--stages", args.stages, "must be >= 1 (pipeline stages of the protocol model)")
+    if args.morph_every_tokens < 1:
+        raise ConfigError("--morph-every-tokens", args.morph_every_tokens, "must be >= 1")
+    if not 0 < args.epsilon <= 1:
+        raise ConfigError("--epsilon", args.epsilon, "in (0, 1] (lowcond: κ ≤ e^{2ε})")
+    how = Generation(args.temperature, args.seed, args.greedy, args.morph, args.stages,
+                     args.morph_every_tokens, args.epsilon)
     if (Path(args.run) / "config.toml").is_file():
-        print(sample_from_run(Path(args.run), args.prompt, args.tokens, args.temperature, args.seed))
+        print(sample_from_run(Path(args.run), args.prompt, args.tokens, how))
         return 0
     from meshlearn.sample import sample_from_pretrained
 
     try:
-        text = sample_from_pretrained(args.run, args.prompt, args.tokens, args.temperature, args.seed)
+        text = sample_from_pretrained(args.run, args.prompt, args.tokens, how)
+    except ConfigError:
+        raise  # a flag that does not fit the model (--stages)
     except ValueError as err:
         raise ConfigError("sample", args.run, f"not a run folder, and not a model: {err}") from None
     print(text)
@@ -337,6 +347,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="softmax temperature (> 0): 1 samples the model's distribution, lower "
                              "is more conservative (default 0.8)")
     sample.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default 0)")
+    sample.add_argument("--greedy", action="store_true", help="take the most likely token (no sampling)")
+    sample.add_argument("--morph", choices=["off", "none", "orthogonal", "lowcond"], default="off",
+                        help="serve as a protocol-model pipeline whose stages morph during generation "
+                             "(docs/protocol.md; none: the pipeline without morphs; default off)")
+    sample.add_argument("--stages", type=int, default=2,
+                        help="pipeline stages with --morph; must divide the model's layers (default 2)")
+    sample.add_argument("--morph-every-tokens", type=int, default=16,
+                        help="generated tokens between morphs (default 16)")
+    sample.add_argument("--epsilon", type=float, default=0.01, help="ε of --morph lowcond (default 0.01)")
     sample.set_defaults(func=_sample)
 
     export = sub.add_parser("export", help="write a run's model, or any model.init value, as a folder "

@@ -19,6 +19,7 @@ from typing import Any
 
 import tomli_w
 
+from meshlearn.anchor.settings import AnchorConfig, validate_anchor
 from meshlearn.compress.registry import CodecConfig, validate_codec
 from meshlearn.curvature.settings import CurvatureConfig, validate_curvature
 from meshlearn.distributed.settings import DistConfig, validate_dist
@@ -114,6 +115,7 @@ class RunConfig:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     curvature: CurvatureConfig = field(default_factory=CurvatureConfig)
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
 
 
@@ -394,4 +396,5 @@ def validate(cfg: RunConfig) -> None:
     validate_dp(cfg, _require)
     validate_warmup(cfg, _require)
     validate_curvature(cfg, _require)
+    validate_anchor(cfg, _require)
     validate_report(cfg, _require)

@@ -12,6 +12,9 @@ The trainer then calls the callbacks at fixed points:
 - ``on_drain(done)``: at a drain point, before evaluation and checkpoint; returns event records.
 - ``on_record(record)``: every record the writing process logs (train, eval, events), as it goes
   to metrics.jsonl; for loggers that mirror it elsewhere (TensorBoard). It must not change it.
+- ``basis_state(worker)``: state the callback keeps in the basis of that worker's parameters
+  (``meshlearn.basis``), for a plugin that changes the basis (a protocol model's morph, which
+  sees the callbacks registered before it in ``PluginContext.callbacks``).
 - ``state_dict`` / ``load_state_dict``: saved in checkpoints under the plugin's name.
 - ``summary``: fields merged into summary.json. ``close``: at the end of the loop.
 
@@ -38,6 +41,7 @@ class PluginContext:
     driver: Any  # the run's Driver (attach message monitors here)
     resume_step: int | None  # the step a resumed run continues from; None for a fresh run
     writer: bool  # whether this process writes the run's files
+    callbacks: dict = field(default_factory=dict)  # the callbacks built so far (registration order)
 
 
 @dataclass
@@ -62,6 +66,11 @@ class Callback:
 
     def on_record(self, record: dict) -> None:
         """See a record the run just logged (only in the process that writes the run's files)."""
+
+    def basis_state(self, worker: Any) -> dict:
+        """``{key: BasisTensor}``: what this callback keeps in the basis of ``worker``'s (a
+        WorkerId's) parameters; a morph transforms it in place. Default: nothing."""
+        return {}
 
     def state_dict(self) -> Any:
         return None
@@ -90,9 +99,9 @@ def register_plugin(name: str, factory: PluginFactory) -> None:
 def build_callbacks(ctx: PluginContext) -> dict[str, Callback]:
     """The callbacks of this run, in registration order."""
     importlib.import_module("meshlearn.plugins")  # the built-in methods register themselves
-    callbacks = {}
+    callbacks = ctx.callbacks
     for name, factory in _PLUGINS.items():
         callback = factory(ctx)
         if callback is not None:
             callbacks[name] = callback
-    return callbacks
+    return dict(callbacks)

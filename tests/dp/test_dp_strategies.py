@@ -11,6 +11,7 @@ import torch
 from tiny import tiny_config
 
 from meshlearn.config import ConfigError
+from meshlearn.dp.diloco import StreamingDiLoCo
 from meshlearn.dp.powersgd import PowerSGD
 from meshlearn.dp.sparse import SparseAveraging, ema_coefficient, partition, parts_per_epoch
 from meshlearn.mesh.topology import WorkerId
@@ -239,6 +240,55 @@ def test_powersgd_at_full_rank_equals_the_allreduce():
     assert phase0 == 5 * 1 + 5 + 5 + 5 + 3 * 1 + 3 and phase1 == 7 + 5
 
 
+# --- streaming DiLoCo with PowerSGD-compressed pseudo-gradients (dp.compress) -------------------
+
+
+def diloco(module, r, replicas, **kw):
+    opts = dict(inner_steps=2, fragments=2, overlap=0, outer_lr=0.7, outer_momentum=0.9,
+                merge_weight=0.5, deadline_s=None, seed=5)
+    return StreamingDiLoCo(WorkerId(r, 0), replicas, module, **(opts | kw))
+
+
+@pytest.mark.parametrize(("rank", "equal"), [(64, True), (1, False)])
+def test_compressed_diloco_at_full_rank_equals_the_uncompressed_mean(rank, equal):
+    """Full rank: the factors' product is the pseudo-gradients' mean, so every replica's weights and
+    outer weights follow plain streaming DiLoCo; rank 1 does not (the negative control)."""
+    D = 3
+    plain_mods, packed_mods = modules(D), modules(D)
+    plain = [diloco(m, r, D) for r, m in enumerate(plain_mods)]
+    packed = [diloco(m, r, D, compress="powersgd", rank=rank) for r, m in enumerate(packed_mods)]
+    run_rounds(plain_mods, plain, 6)
+    run_rounds(packed_mods, packed, 6)
+    gap = max((flat(a) - flat(b)).abs().max().item() for a, b in zip(plain_mods, packed_mods, strict=True))
+    assert (gap < 1e-5) == equal, gap
+    assert all(s.rounds == 6 and s.dropped == 0 for s in packed)  # 6 updates × 1 fragment each
+
+
+def test_compressed_diloco_keeps_the_error_and_a_dropped_sync_leaves_it():
+    """Error feedback: after a sync each replica keeps e = M − P·Qᵀ; a sync dropped halfway (round
+    1 missed) changes neither e, nor Q, nor the outer weights."""
+    D = 2
+    mods = modules(D)
+    strategies = [diloco(m, r, D, compress="powersgd", rank=1, fragments=1, inner_steps=1)
+                  for r, m in enumerate(mods)]
+    run_rounds(mods, strategies, 1)
+    c = strategies[0].compressors[0]
+    assert c.error and all(e.abs().max() > 0 for e in c.error.values())
+    before = ({i: e.clone() for i, e in c.error.items()}, {i: q.clone() for i, q in c.q.items()},
+              [o.clone() for o in strategies[0].outer])
+    drift(mods, 1)
+    round0 = [m for s in strategies for m in s.post_step(1)]
+    round1 = [m for m in round0 for m in strategies[m.dst.replica].receive(m)]
+    assert round1 and all(m.microbatch == 1 for m in round1)  # key (u, F + f): round 1 of fragment 0
+    assert strategies[0].post_wait(1) == (1, 1)  # overlap 0: update 1 waits for round 1
+    strategies[0].expire((1, 1))
+    assert strategies[0].post_wait(1) is None and strategies[0].dropped == 1
+    strategies[0].receive(next(m for m in round1 if m.dst.replica == 0))  # a straggler: ignored
+    assert all(torch.equal(before[0][i], c.error[i]) for i in c.error)
+    assert all(torch.equal(before[1][i], c.q[i]) for i in c.q)
+    assert all(torch.equal(a, b) for a, b in zip(before[2], strategies[0].outer, strict=True))
+
+
 # --- whole runs ----------------------------------------------------------------------------------
 
 PLAIN = ["mesh.stages=2", "mesh.replicas=2", "optim.name=sgd", "optim.weight_decay=0",
@@ -271,6 +321,8 @@ def params(trainer):
     ["dp.name=diloco", "dp.inner_steps=1", "dp.fragments=1", "dp.overlap=0", "dp.merge_weight=1",
      "dp.outer_lr=1", "dp.outer_momentum=0"],
     ["dp.name=powersgd", "dp.rank=1000"],
+    ["dp.name=diloco", "dp.compress=powersgd", "dp.rank=1000", "dp.inner_steps=1", "dp.fragments=1",
+     "dp.overlap=0", "dp.merge_weight=1", "dp.outer_lr=1", "dp.outer_momentum=0"],
 ])
 def test_exact_settings_equal_the_allreduce_under_plain_sgd(tiny_corpus, tmp_path, schedule, strategy):
     ref, _ = run(tiny_corpus, tmp_path, "ref", f"mesh.schedule={schedule}")
@@ -294,11 +346,13 @@ def test_sparse_with_a_fraction_drifts_and_evaluates_the_average(tiny_corpus, tm
     assert summary["dp_rounds"] == 4 * 4 and summary["dp_dropped_rounds"] == 0  # 4 workers × 4 updates
 
 
-@pytest.mark.parametrize("strategy", ["sparse", "powersgd", "diloco"])
+@pytest.mark.parametrize("strategy", ["sparse", "powersgd", "diloco", "diloco+powersgd"])
 def test_dp_bytes_equal_the_strategy_formula(tiny_corpus, tmp_path, strategy):
     sets = {"sparse": ["dp.fraction=0.3", "dp.delay=2"], "powersgd": ["dp.rank=2"],
-            "diloco": ["dp.inner_steps=2", "dp.fragments=2", "dp.overlap=1"]}[strategy]
-    trainer, summary = run(tiny_corpus, tmp_path, "x", f"dp.name={strategy}", *sets)
+            "diloco": ["dp.inner_steps=2", "dp.fragments=2", "dp.overlap=1"],
+            "diloco+powersgd": ["dp.inner_steps=2", "dp.fragments=2", "dp.overlap=1",
+                                "dp.compress=powersgd", "dp.rank=2"]}[strategy]
+    trainer, summary = run(tiny_corpus, tmp_path, "x", f"dp.name={strategy.split('+')[0]}", *sets)
     steps, D = 4, 2
     expected = 0
     for worker in trainer.workers.values():
@@ -307,8 +361,11 @@ def test_dp_bytes_equal_the_strategy_formula(tiny_corpus, tmp_path, strategy):
             values = sum(s.round_numel(r) for r in range(steps))
         elif strategy == "powersgd":
             values = steps * sum(s.wire_values())
-        else:
+        elif s.compressors is None:
             values = sum(s.fragment_numel(f) for u in range(steps) for f in s.syncing(u))
+        else:  # two rounds per sync: P, then Q
+            values = sum(sum(s.compressors[f].wire_values()) for u in range(steps) for f in s.syncing(u))
+            assert values < sum(s.fragment_numel(f) for u in range(steps) for f in s.syncing(u))
         expected += 4 * values * (D - 1)
     assert summary["bytes_per_token_dp"] * summary["tokens"] == expected
     assert expected > 0
@@ -328,7 +385,9 @@ def test_missed_deadlines_drop_rounds_and_never_block(tiny_corpus, tmp_path):
 def test_bad_dp_settings_name_the_key(tiny_corpus):
     for sets, key in [(["dp.name=gossip"], "dp.name"), (["dp.fraction=0"], "dp.fraction"),
                       (["dp.rule=mean"], "dp.rule"), (["dp.delay=-1"], "dp.delay"),
-                      (["dp.overlap=10"], "dp.overlap"), (["dp.ema_m=1"], "dp.ema_m")]:
+                      (["dp.overlap=10"], "dp.overlap"), (["dp.ema_m=1"], "dp.ema_m"),
+                      (["dp.compress=topk"], "dp.compress"),
+                      (["dp.name=sparse", "dp.compress=powersgd"], "dp.compress")]:
         with pytest.raises(ConfigError) as err:
             tiny_config(tiny_corpus, *sets)
         assert err.value.key == key

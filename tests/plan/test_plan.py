@@ -32,6 +32,7 @@ def _real(cfg, tmp_path):
     ["mesh.schedule=async", "dp.name=sparse"],
     ["dp.name=powersgd"],
     ["dp.name=diloco", "dp.inner_steps=2"],
+    ["dp.name=diloco", "dp.inner_steps=2", "dp.compress=powersgd"],
     ["mesh.schedule=gpipe", "codec.name=int8"],
 ], ids=lambda e: "+".join(e) or "demo")
 def test_cost_only_equals_real_simulator(tmp_path, extra):

@@ -27,9 +27,11 @@ def test_default_is_off_and_keys_parse():
     (["protocol.morph=none", "model.subspace_rank=16"], "model.subspace_rank", "dense"),
     (["protocol.morph=orthogonal"], "optim.name", "morphs need muon or numuon"),
     (["protocol.morph=lowcond", "optim.name=adamw"], "optim.name", "second moments"),
-    (MORPH + ["backend=dist"], "backend", "simulator only"),
-    (MORPH + ["dp.name=powersgd"], "dp.name", "dp.name = allreduce"),
-    (MORPH + ["curvature.every=5"], "curvature.every", "old basis"),
+    (MORPH + ["backend=dist"], "protocol.keep_snapshots", "keeps no attack snapshots"),
+    (MORPH + ["backend=dist", "protocol.keep_snapshots=0", "protocol.every_seconds=30"],
+     "protocol.every_seconds", "virtual clock"),
+    (MORPH + ["dp.name=sparse"], "dp.name", "slices of coordinates"),
+    (MORPH + ["dp.name=diloco", "dp.compress=powersgd"], "dp.compress", "error feedback"),
     (["protocol.morph=none", "warmup.enabled=true"], "warmup.enabled", "warm-up"),
 ])
 def test_refusals_name_the_key_in_one_line(overrides, key, hint):
@@ -37,6 +39,11 @@ def test_refusals_name_the_key_in_one_line(overrides, key, hint):
         load_config(None, overrides)
     assert err.value.key == key
     assert hint in str(err.value) and "\n" not in str(err.value)
+
+
+def test_morphs_take_the_dp_strategies_and_plugins_whose_state_follows_them():
+    for extra in (["dp.name=powersgd"], ["dp.name=diloco"], ["curvature.every=5"]):
+        assert load_config(None, MORPH + extra).protocol.morph == "orthogonal"
 
 
 def test_protocol_model_without_morphs_takes_any_optimizer():

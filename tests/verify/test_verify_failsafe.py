@@ -254,6 +254,30 @@ def test_explained_flags_are_quarantined_but_earn_no_strike():
     assert any(d.explained_by for d in outcome.decisions)
 
 
+def peer(src: WorkerId, kind: str, mb: int, excess: float) -> Scored:
+    decision = Decision(5, mb, kind, src, src, "warmup")
+    boundary = src.stage if kind == "act" else src.stage - 1
+    return Scored(src, mb, kind, (boundary, kind), False, "", excess, decision, excess=excess,
+                  provisional=True)
+
+
+def test_warm_up_suspension_takes_senders_that_stand_out_on_every_message_and_no_one_else():
+    """The peer check behind ``verify.warmup_suspend``: every message of the sender on a boundary
+    must stand out (an honest one does on a microbatch or two), a worker downstream of one that
+    does is explained, at most a minority of a stage goes, never the stages assumed honest."""
+    s = sentinel(MeshShape(replicas=4, stages=4))
+    attacker, downstream, noisy = WorkerId(1, 1), WorkerId(1, 2), WorkerId(2, 1)
+    entries = [peer(attacker, "act", mb, 3.0) for mb in range(4)]
+    entries += [peer(downstream, "act", mb, 2.5) for mb in range(4)]  # computed on the attacker's
+    entries += [peer(noisy, "act", mb, 4.0 if mb < 2 else 0.1) for mb in range(4)]
+    entries += [peer(WorkerId(r, 0), "act", mb, 5.0 if r == 3 else 0.0) for r in range(4) for mb in range(4)]
+    assert set(s._peer_outliers(entries)) == {attacker}
+    two = [peer(WorkerId(r, 1), "act", mb, 2.0 + r) for r in (1, 2) for mb in range(4)]
+    assert set(s._peer_outliers(two)) == {WorkerId(2, 1)}  # budget 1 at 4 replicas: the larger excess
+    pair = sentinel(MeshShape(replicas=2, stages=4))
+    assert pair._peer_outliers([peer(attacker, "act", mb, 3.0) for mb in range(4)]) == {}
+
+
 # --- robust fences ---------------------------------------------------------------------------
 
 

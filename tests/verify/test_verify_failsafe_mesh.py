@@ -88,3 +88,40 @@ def test_per_stage_and_per_boundary_tables_add_up(tiny_corpus, tmp_path):
     assert trust["stages"]["s1"]["attackers"] == 1 and trust["stages"]["s1"]["bans"] == 1
     assert trust["stages"]["s0"]["bans"] == trust["stages"]["s3"]["bans"] == 0
     assert trust["verifier_cost"]["messages"] > 0 and trust["verifier_cost"]["cpu_s"] > 0
+
+
+def decisions(run_dir) -> list[dict]:
+    return [r for r in (json.loads(line) for line in (run_dir / "verify.jsonl").read_text().splitlines())
+            if r.get("kind") == "decision"]
+
+
+def test_an_attack_begun_inside_the_warm_up_is_suspended_at_once_and_banned_on_peer_evidence(
+        tiny_corpus, tmp_path):
+    """Before warmup_suspend, an attack begun inside the warm-up ran unchecked until the fences
+    opened and its values in the windows lifted the calibrated fence (+0.71 nats on the demo).
+    Now the sender that stands out from its peers is quarantined from the next step on, nobody
+    honest is, and after ``strikes`` = 3 such steps in a row it is banned, inside the warm-up."""
+    start, warmup = 4, 10
+    overrides = [*BASE, *FOUR, "train.steps=11", f"verify.warmup_steps={warmup}",
+                 *attacked("bias", f"attack.start_step={start}")]
+    summary = Trainer(tiny_config(tiny_corpus, *overrides), tmp_path, progress=False).train()
+    suspended = [d for d in decisions(tmp_path) if d["reason"] == "suspended"]
+    assert {d["src"] for d in suspended} == {str(ATTACKER)}
+    # 1-based steps: the attack's first is start + 1, seen at its end; suspended for the next two
+    assert {d["step"] for d in suspended} == {start + 2, start + 3}
+    [ban] = summary["banned_workers"]
+    assert (ban["worker"], ban["step"], ban["metric"]) == (str(ATTACKER), start + 3, "peers")
+    assert not ban["honest"]
+    # Negative control: without it the same attacker's warm-up messages are all accepted.
+    off = Trainer(tiny_config(tiny_corpus, *overrides, "verify.warmup_suspend=false"),
+                  tmp_path / "off", progress=False).train()
+    assert all(b["step"] > warmup for b in off["banned_workers"])
+    attacker = [d for d in decisions(tmp_path / "off") if d["src"] == str(ATTACKER)
+                and start < d["step"] - 1 < warmup]
+    assert attacker and all(d["action"] == "warmup" for d in attacker)
+
+
+def test_a_clean_warm_up_suspends_nobody(tiny_corpus, tmp_path):
+    cfg = tiny_config(tiny_corpus, *BASE, *FOUR, "train.steps=10")
+    Trainer(cfg, tmp_path, progress=False).train()
+    assert not [d for d in decisions(tmp_path) if d["reason"] == "suspended"]

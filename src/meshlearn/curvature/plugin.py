@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from meshlearn.basis import BasisTensor
 from meshlearn.curvature.power import (
     Eigen,
     HessianOperator,
@@ -154,6 +155,19 @@ class CurvatureCallback(Callback):
 
     def on_drain(self, done: int) -> list[dict]:
         return [self.measure(done)] if done % self.c.every == 0 else []
+
+    def basis_state(self, worker: WorkerId) -> dict[str, BasisTensor]:
+        """The warm-start vectors of replica 0's stage ``worker.stage`` (tangent vectors: they move
+        as weights), so that a protocol model's morph carries them into the new basis; a vector
+        left in the old one would start the next estimate from a different direction. (The
+        preconditioned estimates' previous P is Adam's and elementwise; morphs refuse Adam on the
+        matrices they multiply, so it never covers one.)"""
+        if worker.replica != 0:
+            return {}
+        names = {name for name, _ in self.workers[worker.stage].module.named_parameters()}
+        return {f"{key}/{name}": BasisTensor(name, "weight", vector)
+                for key, vectors in self.tracker.vectors.items()
+                for name, vector in vectors.items() if name in names}
 
     def state_dict(self) -> dict:
         return {"tracker": self.tracker.state_dict(), "evals": self.evals, "hvps": self.hvps,

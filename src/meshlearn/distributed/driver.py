@@ -106,6 +106,9 @@ class DistDriver:
         self.transport = Transport(self.me, self.mesh, link_groups, pacers, device, health,
                                    self.deadlines.message_s, relay=relay)
         self.capacity, self.eval_capacity = buffer_capacities(cfg)
+        # A control message at a drain point (a protocol model's boundary transform: d×d fp64).
+        self.control_capacity = PREFIX_BYTES + HEADER_ROOM + 8 * cfg.model.d_model ** 2
+        self._bytes_mark: tuple[int, int] | None = None  # counters at the previous step's end
         # With a verifier: its verdicts (verify/verdicts.py) and the attackers' ground truth travel
         # through the rendezvous store, on a client of the main thread's own.
         self.verdicts = (VerdictBoard(health, self.deadlines.collective_s, cleanup=self.writes_records)
@@ -136,7 +139,9 @@ class DistDriver:
         """
         worker = self.worker
         self._feed(step, source)
-        pp_before, dp_before = self._bytes("pp"), self._bytes("dp")
+        # From the previous step's end, so control messages sent at the drain point in between
+        # (send_control) are in this step's bytes, as in the simulator.
+        pp_before, dp_before = self._bytes_mark or (self._bytes("pp"), self._bytes("dp"))
         rows = None
         while worker.steps_done <= step:
             action = worker.next_action()
@@ -157,6 +162,7 @@ class DistDriver:
                     self._send(message, self.capacity)
         if self.dp is not None and source.next_drain(step) == step:
             self._dp_settle()
+        self._bytes_mark = (self._bytes("pp"), self._bytes("dp"))
         stats = worker.pop_stats(step)
         if worker.plan.flushes:
             return [self._report(step, rows)]
@@ -167,6 +173,31 @@ class DistDriver:
         first = step - len(self.pending) + 1
         self.pending = []
         return [self._report(first + i, gathered[:, i]) for i in range(gathered.shape[1])]
+
+    @property
+    def drained(self) -> bool:
+        """This process's worker has nothing in flight (the other workers are other processes')."""
+        return self.worker.idle
+
+    def send_control(self, message: Message) -> None:
+        """Send a control message at a drain point (a protocol model's boundary transform) on its
+        pipeline link: shaped and counted like any message (in the next step's bytes); returns at
+        once."""
+        self.transport.send(message, self.control_capacity)
+
+    def receive_control(self, src: WorkerId, kind: str, what: str) -> Message:
+        """The next control message from ``src`` at a drain point, waited for like any message
+        (``what`` names it in a timeout); DP stragglers that arrive first go to their strategy."""
+        self.transport.expect(src, 1, self.control_capacity)
+        while True:
+            message = self.transport.next_message(what, src)
+            if message.kind == "dp":
+                self._dp_deliver(message)
+                continue
+            if message.kind != kind or message.src != src:
+                raise RuntimeError(f"worker {self.me}: waited for {what} from {src} at a drain point, "
+                                   f"got a {message.kind!r} message from {message.src}")
+            return message
 
     def _feed(self, step: int, source) -> None:
         """The simulator's feeding rule, for this worker: data up to the next drain point (or a

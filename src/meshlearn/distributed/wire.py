@@ -101,6 +101,6 @@ def unpack(buffer: torch.Tensor, peer: WorkerId) -> Message:
                           skip=bool(header.get("skip", False)), version=int(header.get("version", 0)))
     except (KeyError, ValueError, TypeError, WireError) as err:
         raise WireError(f"malformed message from {peer}: {type(err).__name__}: {err}") from None
-    if message.src != peer or message.kind not in ("act", "grad", "dp"):
+    if message.src != peer or message.kind not in ("act", "grad", "dp", "morph"):
         raise WireError(f"message from {peer} claims to be a {message.kind!r} from {message.src}")
     return message

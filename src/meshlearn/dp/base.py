@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from meshlearn.basis import BasisTensor
 from meshlearn.compress.codecs import Encoded
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import WorkerId
@@ -97,6 +98,12 @@ class DPStrategy:
         """Messages each peer sends this worker for the rounds of update ``u`` (the DistDriver
         posts that many receives per DP link)."""
         return 0
+
+    def basis_state(self) -> dict[str, BasisTensor]:
+        """The state this strategy keeps in its parameters' bases (``meshlearn.basis``), listed
+        so that a protocol model's morph transforms it with the weights; it is called at drain
+        points, when no round is open. Default: none (all-reduce keeps no state)."""
+        return {}
 
     @property
     def idle(self) -> bool:

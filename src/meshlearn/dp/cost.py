@@ -73,6 +73,9 @@ class CostPowerSGD(PowerSGD):
 
 
 class CostDiLoCo(StreamingDiLoCo):
+    def _round0_numel(self, f: int) -> int:
+        return self.fragment_numel(f) if self.compressors is None else self.compressors[f].wire_values()[0]
+
     def post_step(self, u: int) -> list[Message]:
         if self.replicas == 1:
             return []
@@ -80,12 +83,17 @@ class CostDiLoCo(StreamingDiLoCo):
         for f in self.syncing(u):
             self.pending[(u, f)] = Sync(f)
             self.rounds += 1
-            out += self.share((u, f), _values(self.fragment_numel(f)), u + 1)
+            out += self.share((u, f), _values(self._round0_numel(f)), u + 1)
         return out
 
     def on_complete(self, key: Key) -> list[Message]:
         self.exchange.mean(key)
-        self.pending[key].merged = []
+        sync = self.pending[self.sync_key(key)]
+        if self.compressors is not None and not sync.factored:  # dp.compress: round 1 (Q) next
+            sync.factored = True
+            size = self.compressors[sync.fragment].wire_values()[1]
+            return self.share((key[0], len(self.fragments) + sync.fragment), _values(size), key[0] + 1)
+        sync.merged = []
         return []
 
     def apply(self, u: int) -> None:

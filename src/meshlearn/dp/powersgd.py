@@ -10,12 +10,19 @@ Per matrix gradient G (n × m, a tensor viewed as (shape[0], rest)), r = min(dp.
 Vectors (norm gains) travel uncompressed in phase 0. Both phases are waited for (the update needs
 Ĝ). At r = min(n, m) the factors span the mean gradient's columns and Ĝ is the all-reduce's mean.
 Wire: phase 0 sends Σ n·r + Σ vector sizes fp32 values to each peer, phase 1 Σ m·r.
+
+Under a change of basis of a weight's output side (W ← L·W, a protocol model's morph; torch's
+(out, in) layout) the error e moves as a gradient (``basis_state``). The warm-start Q lives on the
+input side and needs nothing: with G' = L^{−T}·G, P' = L^{−T}·P spans the image of P, so
+Ĝ' = P'P'ᵀ·M' = L^{−T}·Ĝ for orthogonal L (the QR may flip P's column signs, which Q then
+carries; Ĝ does not see them).
 """
 
 from __future__ import annotations
 
 import torch
 
+from meshlearn.basis import BasisTensor
 from meshlearn.dp.base import DPStrategy
 from meshlearn.mesh.messages import Message
 
@@ -26,6 +33,7 @@ class PowerSGD(DPStrategy):
 
     def __init__(self, me, replicas, module: torch.nn.Module, *, rank: int, seed: int):
         super().__init__(me, replicas)
+        self.names = [name for name, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
         self.rank = rank
         self.matrices = [i for i, p in enumerate(self.params) if p.dim() >= 2]
@@ -127,6 +135,11 @@ class PowerSGD(DPStrategy):
 
     def expects(self, u: int) -> int:
         return 2 if self.replicas > 1 else 0
+
+    def basis_state(self) -> dict[str, BasisTensor]:
+        # Matrices only: vectors keep no error, and a morph multiplies matrices.
+        return {f"error.{self.names[i]}": BasisTensor(self.names[i], "gradient", e)
+                for i, e in self.error.items() if self.params[i].dim() == 2}
 
     def state_dict(self) -> dict:
         return super().state_dict() | {"q": dict(self.q), "error": dict(self.error)}

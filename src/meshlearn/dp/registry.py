@@ -45,8 +45,12 @@ def _diloco(cfg: DPConfig, worker, profile) -> DPStrategy:
     strategy = StreamingDiLoCo(
         worker.id, worker.mesh.replicas, worker.module, inner_steps=cfg.inner_steps,
         fragments=cfg.fragments, overlap=cfg.overlap, outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum, merge_weight=cfg.merge_weight, deadline_s=None)
-    nbytes = 4 * max(strategy.fragment_numel(f) for f in range(len(strategy.fragments)))
+        outer_momentum=cfg.outer_momentum, merge_weight=cfg.merge_weight, deadline_s=None,
+        compress=cfg.compress, rank=cfg.rank, seed=cfg.seed)
+    if strategy.compressors is None:
+        nbytes = 4 * max(strategy.fragment_numel(f) for f in range(len(strategy.fragments)))
+    else:  # the larger of a sync's two rounds
+        nbytes = 4 * max(max(c.wire_values()) for c in strategy.compressors)
     strategy._deadline_s = _deadline(cfg, nbytes, profile)
     return strategy
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 STRATEGIES = ("allreduce", "sparse", "powersgd", "diloco")
 RULES = ("avg", "delta", "ema")
 EMA_INITS = ("first_round", "per_coordinate")
+COMPRESSIONS = ("none", "powersgd")
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,12 @@ class DPConfig:
       the background and applied ``dp.delay`` updates later by ``dp.rule``.
     - ``powersgd``: gradients compressed to rank ``dp.rank`` with error feedback and a warm start.
     - ``diloco``: streaming DiLoCo: ``dp.fragments`` parameter fragments, each synced every
-      ``dp.inner_steps`` updates at staggered offsets through an outer Nesterov step.
+      ``dp.inner_steps`` updates at staggered offsets through an outer Nesterov step; with
+      ``dp.compress = powersgd`` its pseudo-gradients travel as rank-``dp.rank`` factors.
+
+    The method note of mesh adaptation names two DP modes (docs/adaptation.md): A, per-update
+    gradient averaging before the spectral filter = ``powersgd``; B, streaming DiLoCo with
+    compressed pseudo-gradients and the filter on local gradients = ``diloco`` + ``compress``.
     """
 
     name: str = "allreduce"
@@ -83,6 +89,9 @@ class DPConfig:
     """diloco: Nesterov momentum of the outer step (0 = plain SGD)."""
     merge_weight: float = 0.5
     """diloco: α of the merge θ_local ← α·θ_outer + (1−α)·θ_local (1 = take the outer weights)."""
+    compress: str = "none"
+    """diloco: ``none`` (the pseudo-gradient's fp32 mean) or ``powersgd`` (rank ``dp.rank`` factors
+    with error feedback and a warm start, two rounds per sync; vectors travel whole)."""
 
 
 def validate_dp(cfg, require) -> None:
@@ -111,3 +120,7 @@ def validate_dp(cfg, require) -> None:
     require(dp.outer_lr > 0, "dp.outer_lr", dp.outer_lr, "must be > 0")
     require(0 <= dp.outer_momentum < 1, "dp.outer_momentum", dp.outer_momentum, "in [0, 1)")
     require(0 < dp.merge_weight <= 1, "dp.merge_weight", dp.merge_weight, "in (0, 1]")
+    require(dp.compress in COMPRESSIONS, "dp.compress", dp.compress, f"allowed: {list(COMPRESSIONS)}")
+    require(dp.compress == "none" or dp.name == "diloco", "dp.compress", dp.compress,
+            f"compresses diloco's pseudo-gradients only (dp.name = {dp.name!r}; powersgd "
+            "compresses gradients itself)")

@@ -318,26 +318,57 @@ class Decoder(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 greedy: bool = False) -> torch.Tensor:
         """Sample continuations of ``idx`` (B, T); needs the whole model (embedding and head).
-
-        A KV cache makes each token cost one position. The model knows ``seq_len`` positions (its
-        training window): when the cache is full, it restarts from the last ``seq_len // 2`` tokens
-        (one forward of half a window), so every token sees at least half a window of context and
-        a long sample costs about twice its cached steps, not a whole window per token."""
-        keep = max(1, self.cfg.seq_len // 2)
+        The loop and its KV cache: :func:`generate_tokens`."""
         cache = KVCache()
-        logits = self(idx[:, -self.cfg.seq_len:], cache)[:, -1, :]
-        for _ in range(max_new_tokens):
-            logits = logits / max(temperature, 1e-6)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
-            if cache.length < self.cfg.seq_len:
-                logits = self(idx[:, -1:], cache)[:, -1, :]
-            else:
+
+        def forward(ids: torch.Tensor, restart: bool) -> torch.Tensor:
+            nonlocal cache
+            if restart:
                 cache = KVCache()
-                logits = self(idx[:, -keep:], cache)[:, -1, :]
-        return idx
+            return self(ids, cache)
+
+        return generate_tokens(forward, self.cfg.seq_len, idx, max_new_tokens, temperature, top_k,
+                               generator, greedy)
+
+
+def generate_tokens(forward, seq_len: int, idx: torch.Tensor, max_new_tokens: int,
+                    temperature: float = 1.0, top_k: int | None = None,
+                    generator: torch.Generator | None = None, greedy: bool = False,
+                    after_token=None) -> torch.Tensor:
+    """The generation loop of any decoder held as ``forward(ids, restart) → logits (B, T, V)``,
+    which continues its KV cache (a fresh one when ``restart``); ``after_token(n, logits)`` sees
+    the logits each of the n-th token was drawn from, after it is drawn (a protocol pipeline
+    morphs there). ``greedy`` takes the argmax instead of sampling.
+
+    A KV cache makes each token cost one position. The model knows ``seq_len`` positions (its
+    training window): when the cache is full, it restarts from the last ``seq_len // 2`` tokens
+    (one forward of half a window), so every token sees at least half a window of context and a
+    long sample costs about twice its cached steps, not a whole window per token."""
+    keep = max(1, seq_len // 2)
+    context = idx[:, -seq_len:]
+    cached = context.shape[1]
+    logits = forward(context, True)[:, -1, :]
+    for n in range(1, max_new_tokens + 1):
+        if greedy:
+            token = logits.argmax(dim=-1, keepdim=True)
+        else:
+            scaled = logits / max(temperature, 1e-6)
+            if top_k is not None:
+                kth = torch.topk(scaled, min(top_k, scaled.size(-1))).values[:, -1:]
+                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+            token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, token], dim=1)
+        if after_token is not None:
+            after_token(n, logits)
+        if n == max_new_tokens:
+            break  # the last token's logits are never needed
+        if cached < seq_len:
+            logits = forward(idx[:, -1:], False)[:, -1, :]
+            cached += 1
+        else:
+            logits = forward(idx[:, -keep:], True)[:, -1, :]
+            cached = min(keep, idx.shape[1])
+    return idx

@@ -18,8 +18,8 @@ zero-started EMA would shrink the first spectra by 1 − β_anc).
 Entry point for the anchor circuit: ``receive_anchor(name, grad, step, now)``. Arrivals are indexed
 by the step they were computed for; one more than ``max_staleness`` steps old, or older than the last
 one folded in, is dropped. Until something arrives a matrix has no basis and its gradient passes
-unchanged, so without an anchor circuit (meshlearn has none yet) the correction is inert: the run
-is the base optimizer's, bit for bit.
+unchanged, so without an anchor circuit (``anchor.z = 0``) the correction is inert: the run is the
+base optimizer's, bit for bit. The simulator's anchor circuit (``meshlearn.anchor``) feeds it.
 
 Usage, with or without the mesh::
 
@@ -47,7 +47,8 @@ class SpectralConfig:
 
     enabled: bool = False
     """Attach the correction to every worker's optimizer. Inert until anchor gradients arrive
-    (no anchor circuit feeds it yet: a run with it on equals one without)."""
+    (``anchor.z`` > 0 runs the anchor circuit that sends them; without it a run with the
+    correction on equals one without)."""
     alpha: float = 0.3
     """Weight of the raw gradient in the blend α·G + (1 − α)·G_filt, in [0, 1]. 1 = the base
     optimizer; 0 trusts the (stale) anchor geometry fully (the paper: 0 → 0.26, 0.3 → 0.32, 1 → 0.18

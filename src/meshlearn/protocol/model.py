@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from meshlearn.models.llama import Attention, Decoder, DecoderConfig, SwiGLU, rope_tables
+from meshlearn.models.llama import Attention, Decoder, DecoderConfig, KVCache, SwiGLU, rope_tables
 from meshlearn.protocol.transforms import haar_orthogonal, seeded_generator
 
 
@@ -63,8 +63,9 @@ class ProtocolBlock(nn.Module):
         self.mlp = SwiGLU(cfg)
         self.register_buffer("mlp_skip", torch.eye(d))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x @ self.attn_skip + self.attn(self.attn_norm(x), cos, sin)  # (B, T, d) in basis C
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, key: str = "") -> torch.Tensor:
+        h = x @ self.attn_skip + self.attn(self.attn_norm(x), cos, sin, cache, key)  # (B, T, d) in basis C
         return h @ self.mlp_skip + self.mlp(self.mlp_norm(h))  # in basis B
 
 
@@ -95,12 +96,18 @@ class ProtocolDecoder(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) → residual (B, T, d) → ... → logits (B, T, V), depending on the parts held."""
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Token ids (B, T) → residual (B, T, d) → ... → logits (B, T, V), depending on the parts held.
+        With ``cache`` (generation) the tokens continue the cached ones. The cache holds keys and
+        values, which live in the fixed basis behind Q₁ (q, k, v never change), so a morph between
+        two tokens leaves it valid."""
+        tokens = x.shape[1]
         if self.tok_emb is not None:
             x = self.tok_emb(x) @ self.emb_basis  # (B, T, d)
-        for block in self.layers.values():
-            x = block(x, self.rope_cos, self.rope_sin)
+        for name, block in self.layers.items():
+            x = block(x, self.rope_cos, self.rope_sin, cache, name)
+        if cache is not None:
+            cache.length += tokens
         if self.head is not None:
             x = self.head(self.norm(x))  # (B, T, V)
             if self.cfg.logit_softcap > 0:

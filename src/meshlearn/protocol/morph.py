@@ -15,7 +15,10 @@ layer → head. For a transform T at a boundary (row-vector convention of the me
 
 Only W_o and W_down among the trainable matrices change; their Muon momentum follows the
 gradient's map (G ↦ T⁻¹·G here, G·T^{−T} in the note): M ← T⁻¹·M, which for orthogonal T is the
-weight's own map, so Muon on the morphed model is the morphed Muon trajectory.
+weight's own map, so Muon on the morphed model is the morphed Muon trajectory. Every other piece
+of state kept in a writer's basis follows the same way, by its kind (``meshlearn.basis``): the
+worker's DP strategy (PowerSGD error feedback, DiLoCo's outer weights and momentum) and plugins'
+state (the curvature tracker's warm-start vectors) are listed to the morph as ``holders``.
 
 Every fold happens on a :class:`MasterCopy` (fp64 by default) and is then cast back into the
 working tensors, so the error stays at one rounding of the master however many morphs there are.
@@ -23,12 +26,13 @@ working tensors, so the error stays at one rounding of the master however many m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from meshlearn.basis import BasisTensor
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.protocol.transforms import Transform, draw, seeded_generator
 
@@ -36,37 +40,56 @@ WRITERS = ("attn.o.weight", "mlp.down.weight")
 """The trainable matrices a morph multiplies (each layer's residual writers)."""
 BASES = ("emb_basis", ".basis", "_skip")
 """Name endings of the non-trainable basis matrices (B_emb, every R, every S)."""
-MOMENTUM = "#momentum"
+
+Holder = Callable[[], Mapping[str, BasisTensor]]
+"""Lists some state kept in parameters' bases (called at every morph: tensors may be replaced)."""
+
+
+def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holder:
+    """The optimizer's first moment of every parameter (``momentum_buffer``: Muon, NuMuon), a
+    gradient sum. (Morphs refuse optimizers with elementwise second moments.)"""
+    def listing() -> dict[str, BasisTensor]:
+        out = {}
+        for name, p in module.named_parameters():
+            state = optimizer.state.get(p, {}) if optimizer is not None else {}
+            if "momentum_buffer" in state:  # absent before the first optimizer step
+                out[name] = BasisTensor(name, "gradient", state["momentum_buffer"])
+        return out
+    return listing
 
 
 class MasterCopy:
     """High-precision copies of every tensor a morph multiplies in one stage module: the basis
-    buffers, the residual writers and their Muon momentum buffers (``optimizer.state[p]``).
+    buffers, the residual writers and all state kept in a writer's basis (``holders``: the
+    optimizer's momentum, the DP strategy's buffers, plugins' vectors).
 
-    ``open`` brings the masters up to date: a tensor seen for the first time is copied; one the
-    optimizer changed since the last ``close`` has that change added (master += working −
-    cast(master)), so training between morphs is kept exactly and, without training, the master
-    is untouched. ``close`` casts the masters back into the working tensors, in place.
+    ``open`` brings the masters up to date: a tensor seen for the first time is copied; one
+    changed since the last ``close`` has that change added (master += working − cast(master)), so
+    training between morphs is kept exactly and, without training, the master is untouched.
+    ``close`` casts the masters back into the working tensors, in place.
     ``dtype = working dtype`` is folding without a master (the drift control of the tests).
     """
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+    def __init__(self, module: nn.Module, holders: Mapping[str, Holder],
                  dtype: torch.dtype = torch.float64):
         self.module = module
-        self.optimizer = optimizer
+        self.holders = dict(holders)
         self.dtype = dtype
         self.tensors: dict[str, Tensor] = {}
+        self.state_of: dict[str, list[tuple[str, str]]] = {}  # writer → [(master key, kind)]
 
     def working(self) -> dict[str, Tensor]:
-        """Name → the live tensor (parameter data, buffer, momentum buffer)."""
+        """Name → the live tensor (parameter data, buffer, state); also fills ``state_of``."""
         out = {name: buf for name, buf in self.module.named_buffers() if name.endswith(BASES)}
-        for name, p in self.module.named_parameters():
-            if not name.endswith(WRITERS):
-                continue
-            out[name] = p.data
-            state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
-            if "momentum_buffer" in state:
-                out[name + MOMENTUM] = state["momentum_buffer"]
+        writers = [name for name, _ in self.module.named_parameters() if name.endswith(WRITERS)]
+        out |= {name: p.data for name, p in self.module.named_parameters() if name in writers}
+        self.state_of = {name: [] for name in writers}
+        for holder, listing in self.holders.items():
+            for key, state in listing().items():
+                if state.param in self.state_of:
+                    master_key = f"{state.param}#{holder}:{key}"
+                    out[master_key] = state.tensor
+                    self.state_of[state.param].append((master_key, state.kind))
         return out
 
     def open(self) -> dict[str, Tensor]:
@@ -93,9 +116,10 @@ class StageMorph:
     """The folds of one worker's stage module (see the module docstring's table)."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 master_dtype: torch.dtype = torch.float64):
+                 master_dtype: torch.dtype = torch.float64, holders: Mapping[str, Holder] | None = None):
         self.module = module
-        self.master = MasterCopy(module, optimizer, master_dtype)
+        holders = {"optimizer": optimizer_state(module, optimizer), **(holders or {})}
+        self.master = MasterCopy(module, holders, master_dtype)
         self.layers = sorted(module.layers, key=int)
         self._m: dict[str, Tensor] = {}
 
@@ -124,9 +148,11 @@ class StageMorph:
         self._m[name] = t.to(master.dtype) @ master
 
     def _writer(self, name: str, t: Transform) -> None:
+        """W ← Tᵀ·W; state in W's basis by its kind: weights as W, gradients by T⁻¹ (= Tᵀ when
+        orthogonal)."""
         self._left(name, t.matrix.T)
-        if name + MOMENTUM in self._m:  # absent before the first optimizer step
-            self._left(name + MOMENTUM, t.inverse)
+        for key, kind in self.master.state_of[name]:
+            self._left(key, t.matrix.T if kind == "weight" else t.inverse)
 
     def _layer_exit(self, key: str, t: Transform) -> None:
         self._writer(f"layers.{key}.mlp.down.weight", t)
@@ -182,27 +208,37 @@ def direct(src: WorkerId, dst: WorkerId, t: Transform) -> tuple[Tensor, bool]:
     return t.matrix, t.orthogonal
 
 
+def stage_transforms(kind: str, d: int, epsilon: float, seed: int, stage: int, epoch: int,
+                     slots: int, boundary: bool) -> tuple[list[Transform], Transform | None]:
+    """Stage ``stage``'s transforms of epoch ``epoch``: its ``slots`` internal ones, then (with
+    ``boundary``) the one of the boundary below it, all from the stage's own generator (``seed``,
+    stage, epoch), so every replica of the stage, in any process, draws the same ones."""
+    generator = seeded_generator(seed, "protocol-morph", stage, epoch)
+    internal = [draw(kind, d, epsilon, generator) for _ in range(slots)]
+    return internal, draw(kind, d, epsilon, generator) if boundary else None
+
+
 def morph_mesh(morphs: dict[WorkerId, StageMorph], mesh: MeshShape, kind: str, epsilon: float,
-               seed: int, epoch: int, send: Send = direct) -> MorphStats:
+               seed: int, epoch: int, send: Send = direct,
+               boundaries: dict[int, Transform] | None = None) -> MorphStats:
     """One morph epoch over every worker in ``morphs`` (all of them: the simulator). Stage s draws
-    its internal transforms and the transform of the boundary below it from its own generator
-    (``seed``, stage, ``epoch``), so all its replicas fold the same ones; each replica of stage s
-    sends its boundary transform to the same replica of stage s + 1, which folds the inverse."""
+    its internal transforms and the transform of the boundary below it (``stage_transforms``), so
+    all its replicas fold the same ones; each replica of stage s sends its boundary transform to
+    the same replica of stage s + 1, which folds the inverse. ``boundaries`` (stage → T): a
+    transform the sending stage chose from its own traffic instead (a whitening morph)."""
     stats = MorphStats()
     for morph in morphs.values():
         morph.open()
     for s in range(mesh.stages):
         replicas = [morphs[w] for w in mesh.stage_replicas(s)]
-        d = replicas[0].module.cfg.d_model
-        generator = seeded_generator(seed, "protocol-morph", s, epoch)
-        internal = [draw(kind, d, epsilon, generator) for _ in range(replicas[0].internal_slots)]
+        internal, boundary = stage_transforms(kind, replicas[0].module.cfg.d_model, epsilon, seed, s,
+                                              epoch, replicas[0].internal_slots, s + 1 < mesh.stages)
         for morph in replicas:
             morph.fold_internal(iter(internal))
-        stats.transforms += len(internal)
-        if s + 1 == mesh.stages:
+        stats.transforms += len(internal) + (boundary is not None)
+        if boundary is None:
             continue
-        boundary = draw(kind, d, epsilon, generator)  # the upper side generates it
-        stats.transforms += 1
+        boundary = (boundaries or {}).get(s, boundary)
         for src in mesh.stage_replicas(s):
             dst = WorkerId(src.replica, s + 1)
             morphs[src].fold_exit(boundary)
@@ -212,3 +248,35 @@ def morph_mesh(morphs: dict[WorkerId, StageMorph], mesh: MeshShape, kind: str, e
     for morph in morphs.values():
         morph.close()
     return stats
+
+
+def morph_worker(morph: StageMorph, me: WorkerId, mesh: MeshShape, kind: str, epsilon: float, seed: int,
+                 epoch: int, send: Callable[[WorkerId, WorkerId, Transform], None],
+                 receive: Callable[[WorkerId, WorkerId], tuple[Tensor, bool]]) -> MorphStats:
+    """One worker's part of a morph epoch, in a process that holds only it (the distributed
+    driver): the transforms ``morph_mesh`` draws for its stage, folded in its order (the entry
+    side first, so the masters are bitwise the simulator's). The previous stage's boundary
+    transform comes in by ``receive(src, me)``; this stage's goes to replica ``me.replica`` of the
+    next stage by ``send``. So the stages morph in a chain, and a process draws only its own
+    stage's transforms and sees only the one of the boundary above it."""
+    stats = MorphStats()
+    morph.open()
+    if me.stage > 0:
+        morph.fold_entry(*receive(WorkerId(me.replica, me.stage - 1), me))
+    internal, boundary = stage_transforms(kind, morph.module.cfg.d_model, epsilon, seed, me.stage, epoch,
+                                          morph.internal_slots, me.stage + 1 < mesh.stages)
+    morph.fold_internal(iter(internal))
+    stats.transforms = len(internal) + (boundary is not None)
+    if boundary is not None:
+        morph.fold_exit(boundary)
+        send(me, WorkerId(me.replica, me.stage + 1), boundary)
+        stats.boundary_bytes = boundary.matrix.numel() * boundary.matrix.element_size()
+    morph.close()
+    return stats
+
+
+def epoch_stats(mesh: MeshShape, stage_layers: list[int], d: int) -> MorphStats:
+    """What one epoch over the whole mesh draws and sends (``morph_mesh``'s stats), from the
+    shape alone: a process that morphs only its own worker reports the mesh's totals with it."""
+    slots = [2 * n - 1 + (s == 0) + (s == mesh.stages - 1) for s, n in enumerate(stage_layers)]
+    return MorphStats(sum(slots) + mesh.stages - 1, (mesh.stages - 1) * mesh.replicas * d * d * 8)

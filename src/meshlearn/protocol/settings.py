@@ -15,6 +15,8 @@ from typing import Any
 
 MORPHS = ("off", "none", "orthogonal", "lowcond")
 MORPH_OPTIMIZERS = ("muon", "numuon")
+MORPH_DP = ("allreduce", "powersgd", "diloco")
+"""DP strategies whose state follows a morph (``basis_state``; docs/protocol.md)."""
 
 
 @dataclass(frozen=True)
@@ -27,9 +29,19 @@ class ProtocolConfig:
     (training stays exact under Muon). ``lowcond``: a low-condition transform (κ ≤ e^{2ε}); training
     is no longer exact, and ε ≥ 0.1 hurts (the paper)."""
     every_steps: int = 10
-    """Steps between morphs, each at a drain point the plugin asks for. The paper morphs every
-    0.5M tokens in training; each morph drains an async pipeline, so under mesh.schedule = async
-    keep it a multiple of train.eval_every or large enough that the drains cost little."""
+    """Steps between morphs, each at a drain point the plugin asks for (unused when
+    ``every_tokens`` or ``every_seconds`` is set). Each morph drains an async pipeline, so under
+    mesh.schedule = async keep it a multiple of train.eval_every or large enough that the drains
+    cost little."""
+    every_tokens: int = 0
+    """Training tokens between morphs instead of steps (the paper: 500000 in training); a morph
+    follows the step whose tokens cross the next multiple. 0: use every_steps."""
+    every_seconds: float = 0.0
+    """Seconds of the run's clock between morphs instead of steps (the paper: 30 in inference).
+    The clock is the simulator's virtual time (``sim_time_s``), not this machine's. A morph falls
+    due at the step end where the clock passes the mark and happens at the next drain point, at
+    most the driver's feed look-ahead (a few steps) later (``protocol/schedule.py``). 0: use
+    every_steps."""
     epsilon: float = 0.01
     """Half-width of the log singular values of a ``lowcond`` transform (κ ≤ e^{2ε}): 0.01 is
     harmless in the paper, 0.1 and 0.5 hurt. Unused by the other morphs."""
@@ -54,6 +66,12 @@ def validate_protocol(cfg: Any, require: Callable[[bool, str, Any, str], None]) 
     p = cfg.protocol
     require(p.morph in MORPHS, "protocol.morph", p.morph, f"allowed: {list(MORPHS)}")
     require(p.every_steps >= 1, "protocol.every_steps", p.every_steps, "must be >= 1")
+    require(p.every_tokens >= 0, "protocol.every_tokens", p.every_tokens,
+            "must be >= 0 (training tokens between morphs; 0: use protocol.every_steps)")
+    require(math.isfinite(p.every_seconds) and p.every_seconds >= 0, "protocol.every_seconds",
+            p.every_seconds, "a finite number of seconds >= 0 (0: use protocol.every_steps)")
+    require(not (p.every_tokens and p.every_seconds), "protocol.every_seconds", p.every_seconds,
+            f"set one schedule: protocol.every_tokens = {p.every_tokens} is set too (0 turns one off)")
     require(math.isfinite(p.epsilon) and 0 < p.epsilon <= 1, "protocol.epsilon", p.epsilon,
             "in (0, 1] (κ ≤ e^{2ε}; the paper: 0.01 harmless, 0.1 and 0.5 hurt)")
     require(p.keep_snapshots >= 0, "protocol.keep_snapshots", p.keep_snapshots,
@@ -77,15 +95,22 @@ def validate_protocol(cfg: Any, require: Callable[[bool, str, Any, str], None]) 
     require(cfg.optim.name in MORPH_OPTIMIZERS, "optim.name", cfg.optim.name,
             f"morphs need {' or '.join(MORPH_OPTIMIZERS)}: Adam-style second moments cannot follow "
             "a change of basis (method note, Training); or protocol.morph = none")
-    require(cfg.backend == "sim", "backend", cfg.backend,
-            "morphs run in the simulator only so far (the distributed driver does not carry "
-            "transforms yet); use backend = sim or protocol.morph = none")
-    require(cfg.dp.name == "allreduce", "dp.name", cfg.dp.name,
-            "morphs do not yet transform a DP strategy's basis-dependent state (error feedback, "
-            "warm-start factors, anchors); use dp.name = allreduce or protocol.morph = none")
+    if cfg.backend != "sim":
+        require(p.keep_snapshots == 0, "protocol.keep_snapshots", p.keep_snapshots,
+                "the distributed driver keeps no attack snapshots (they need every stage in one "
+                "process); set 0 under backend = dist, or use backend = sim")
+        require(p.every_seconds == 0, "protocol.every_seconds", p.every_seconds,
+                "seconds are the simulator's virtual clock; under backend = dist use "
+                "protocol.every_steps or protocol.every_tokens")
+        require(not cfg.elastic.enabled, "elastic.enabled", cfg.elastic.enabled,
+                "elastic membership does not carry morphs (a joining worker's masters); set false "
+                "or protocol.morph = none")
+    require(cfg.dp.name in MORPH_DP, "dp.name", cfg.dp.name,
+            f"morphs work with {list(MORPH_DP)}: sparse averaging mixes slices of coordinates, "
+            "which do not follow a change of basis; use one of those or protocol.morph = none")
+    require(cfg.dp.compress == "none", "dp.compress", cfg.dp.compress,
+            "compressed DiLoCo keeps PowerSGD error feedback and factors of the pseudo-gradients, "
+            "which morphs do not transform yet; set dp.compress = none or protocol.morph = none")
     require(cfg.verify.name == "none", "verify.name", cfg.verify.name,
             "morphs do not yet reset the verifiers' activation statistics; use verify.name = none "
             "or protocol.morph = none")
-    require(cfg.curvature.every == 0, "curvature.every", cfg.curvature.every,
-            "the curvature probe's power-iteration vectors live in the old basis; set 0 or "
-            "protocol.morph = none")

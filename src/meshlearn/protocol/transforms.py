@@ -48,6 +48,23 @@ def low_condition(d: int, epsilon: float, generator: torch.Generator) -> Transfo
     return Transform(matrix, inverse, orthogonal=False)
 
 
+def whitening(cov: Tensor, generator: torch.Generator, shrinkage: float = 0.1) -> Transform:
+    """T = C^{−1/2}·Q: whitens traffic of covariance C (X·T has covariance I), then a Haar rotation.
+    The defence against passive covariance alignment (docs/unextractable.md): an orthogonal morph
+    keeps the spectrum of the boundary covariance, whose eigenvectors then identify the basis change
+    between two epochs; after a whitening morph every direction has variance 1, so there is nothing
+    to match (to second order). ``shrinkage`` δ whitens with (1 − δ)·C + δ·(tr C / d)·I instead, which
+    bounds κ(T) = √κ(C) for a stream with a few huge directions (it leaves those partly visible)."""
+    cov = cov.double()
+    d = cov.shape[0]
+    cov = (1 - shrinkage) * cov + shrinkage * torch.trace(cov) / d * torch.eye(d, dtype=cov.dtype)
+    values, vectors = torch.linalg.eigh((cov + cov.T) / 2)
+    q = haar_orthogonal(d, generator).matrix
+    inv_sqrt = (vectors * values.rsqrt()) @ vectors.T
+    sqrt = (vectors * values.sqrt()) @ vectors.T
+    return Transform(inv_sqrt @ q, q.T @ sqrt, orthogonal=False)
+
+
 def draw(kind: str, d: int, epsilon: float, generator: torch.Generator) -> Transform:
     """``kind``: ``orthogonal`` or ``lowcond`` (protocol.morph)."""
     if kind == "orthogonal":

@@ -54,10 +54,10 @@ def run_sample(run: RunData) -> Sample:
         return Sample(None, f"not generated: the model is too large to sample while rendering (limit "
                             f"{MAX_PARAMS / 1e6:.0f}M parameters); run meshlearn sample {run.path} > "
                             f"{run.path / SAMPLES_FILE}")
-    from meshlearn.sample import sample_from_run  # torch and the model: only when sampling
+    from meshlearn.sample import Generation, sample_from_run  # torch and the model: only when sampling
 
     try:
-        text = sample_from_run(run.path, "", SAMPLE_TOKENS, TEMPERATURE, SEED)
+        text = sample_from_run(run.path, "", SAMPLE_TOKENS, Generation(TEMPERATURE, SEED))
     except (FileNotFoundError, ValueError, KeyError, RuntimeError) as err:
         return Sample(None, f"could not sample from the checkpoint: {err}")
     return Sample(printable(text), f"generated from the final checkpoint: {SAMPLE_TOKENS} tokens, "

@@ -27,6 +27,7 @@ downstream got honest workers banned by the hundred, first stage included):
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -124,6 +125,7 @@ class Scored:
     suspicion: float  # BoundaryVerifier.score: 0 at the windows' medians, 1 at the fences
     decision: Decision
     excess: float = float("inf")  # suspicion minus the median of the same step's peer messages
+    provisional: bool = False  # a warm-up message (accepted, or quarantined as suspended): no strike
 
     def chain_index(self, stages: int) -> int:
         """Position in its microbatch's causal chain: activations by stage, then gradients back."""
@@ -148,20 +150,29 @@ def peer_excess(scored: list[Scored]) -> None:
             e.excess = e.suspicion - median
 
 
-def attribute(scored: list[Scored], stages: int, level: float) -> None:
-    """Mark flagged messages whose anomaly an earlier suspect message of their chain explains."""
+def upstream_suspects(scored: list[Scored], stages: int,
+                      suspect: Callable[[Scored], bool]) -> dict[int, Scored]:
+    """For each message (by ``id``) with an earlier ``suspect`` message of its chain from another
+    worker, the most suspicious of them: what explains its anomaly."""
     chains: dict[tuple[int, int, int], list[Scored]] = {}
     for e in scored:
         chains.setdefault((e.decision.step, e.src.replica, e.microbatch), []).append(e)
+    worst: dict[int, Scored] = {}
     for chain in chains.values():
         chain.sort(key=lambda e: e.chain_index(stages))
         for i, e in enumerate(chain):
-            if not e.flagged or e.own_fault:
-                continue
-            suspects = [p for p in chain[:i] if p.src != e.src and p.suspicion >= level]
+            suspects = [p for p in chain[:i] if p.src != e.src and suspect(p)]
             if suspects:
-                worst = max(suspects, key=lambda p: p.suspicion)
-                e.decision.explained_by = f"{worst.src} {worst.kind}"
+                worst[id(e)] = max(suspects, key=lambda p: p.suspicion)
+    return worst
+
+
+def attribute(scored: list[Scored], stages: int, level: float) -> None:
+    """Mark flagged messages whose anomaly an earlier suspect message of their chain explains."""
+    suspects = upstream_suspects(scored, stages, lambda p: p.suspicion >= level)
+    for e in scored:
+        if e.flagged and not e.own_fault and id(e) in suspects:
+            e.decision.explained_by = f"{suspects[id(e)].src} {suspects[id(e)].kind}"
 
 
 class Ledger:
@@ -189,6 +200,8 @@ class Ledger:
         within the budget; alert beyond it."""
         bans, alerts = [], []
         for e in sorted(scored, key=lambda e: (e.src, e.microbatch, e.kind)):
+            if e.provisional:  # only the peer check reads it (Sentinel._peer_outliers)
+                continue
             history = self.history.setdefault(e.src, deque(maxlen=self.cfg.strike_history))
             strike = (e.flagged and e.verifier not in voided and not e.decision.explained_by
                       and (self.cfg.ban_margin <= 0 or e.excess >= self.cfg.ban_margin))
@@ -198,28 +211,33 @@ class Ledger:
                     and step >= self.cfg.warmup_steps and e.src not in self.banned):
                 continue
             boundary, kind = e.verifier
-            stage = e.src.stage
-            if self.honest_stage(stage):
-                alert = self._alert(e.src, step, "honest_stage", count,
-                                    f"{count} strikes against a worker of stage {stage}, which the "
-                                    "threat model assumes honest: not banned (false positives or an "
-                                    "attack the statistics attribute wrongly)")
-            elif self.stage_bans(stage) >= self.budget:
-                minority = " (no honest majority at 2 replicas)" if self.mesh.replicas <= 2 else ""
-                alert = self._alert(e.src, step, "budget", count,
-                                    f"stage {stage} has {self.mesh.replicas} replicas and "
-                                    f"{self.stage_bans(stage)} ban(s) already; the ban budget is "
-                                    f"{self.budget} (a strict minority): not banned, its flagged "
-                                    "messages are still quarantined" + minority)
-            else:
-                ban = Ban(e.src, step, e.reason.split(",")[0], f"s{boundary}|s{boundary + 1}", kind, count)
-                self.banned[e.src] = ban
-                self.bans.append(ban)
-                bans.append(ban)
-                continue
-            if alert is not None:
-                alerts.append(alert)
+            ban, alert = self.decide(e.src, step, count, e.reason.split(",")[0],
+                                     f"s{boundary}|s{boundary + 1}", kind)
+            bans += [ban] if ban is not None else []
+            alerts += [alert] if alert is not None else []
         return bans, alerts
+
+    def decide(self, wid: WorkerId, step: int, strikes: int, metric: str, boundary: str,
+               kind: Kind) -> tuple[Ban | None, Alert | None]:
+        """Ban ``wid`` on ``strikes`` pieces of evidence, unless the threat model forbids it (a
+        stage assumed honest, or the stage's ban budget spent): then alert, once per cause."""
+        stage = wid.stage
+        if self.honest_stage(stage):
+            return None, self._alert(wid, step, "honest_stage", strikes,
+                                     f"{strikes} strikes against a worker of stage {stage}, which the "
+                                     "threat model assumes honest: not banned (false positives or an "
+                                     "attack the statistics attribute wrongly)")
+        if self.stage_bans(stage) >= self.budget:
+            minority = " (no honest majority at 2 replicas)" if self.mesh.replicas <= 2 else ""
+            return None, self._alert(wid, step, "budget", strikes,
+                                     f"stage {stage} has {self.mesh.replicas} replicas and "
+                                     f"{self.stage_bans(stage)} ban(s) already; the ban budget is "
+                                     f"{self.budget} (a strict minority): not banned, its flagged "
+                                     "messages are still quarantined" + minority)
+        ban = Ban(wid, step, metric, boundary, kind, strikes)
+        self.banned[wid] = ban
+        self.bans.append(ban)
+        return ban, None
 
     def _alert(self, wid: WorkerId, step: int, cause: str, strikes: int, detail: str) -> Alert | None:
         if (wid, cause) in self.alerted:

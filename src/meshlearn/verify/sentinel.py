@@ -61,7 +61,17 @@ from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.verify.boundary import ROBUST_GROUP, SANITY, BoundaryVerifier, Verdict, View, combine
 from meshlearn.verify.cost import VerifierClock
-from meshlearn.verify.ledger import Action, Alert, Ban, Decision, Ledger, Scored, attribute, peer_excess
+from meshlearn.verify.ledger import (
+    Action,
+    Alert,
+    Ban,
+    Decision,
+    Ledger,
+    Scored,
+    attribute,
+    peer_excess,
+    upstream_suspects,
+)
 from meshlearn.verify.settings import (
     DECISION_LOGS,
     GRAD_ACTIONS,
@@ -118,6 +128,12 @@ class Sentinel:
         self.synced = 0
         self.closed = -1
         self.views: dict[int, dict[tuple[int, str], View]] = {}
+        # The warm-up's suspensions (``verify.warmup_suspend``): senders that stood out from their
+        # peers in a closed step, quarantined without strikes until they no longer do. Keyed like
+        # ``views``: the set as it stood after step t closed.
+        self.suspended: frozenset[WorkerId] = frozenset()
+        self.suspensions: dict[int, frozenset[WorkerId]] = {}
+        self.suspended_steps: dict[WorkerId, int] = {}  # consecutive warm-up steps standing out
 
     # the ledger's state, under the names the trust layer and older callers use
     @property
@@ -155,6 +171,44 @@ class Sentinel:
         flight, so the next steps are scored against the live state again."""
         self.synced = done
         self.views.clear()
+        self.suspensions.clear()
+
+    def _suspended(self, step: int) -> frozenset[WorkerId]:
+        """The senders suspended for messages of ``step``: the set of the step its views come from."""
+        if not self.lag or self.view_step(step) >= self.closed:
+            return self.suspended
+        return self.suspensions[self.view_step(step)]
+
+    def _peer_outliers(self, scored: list[Scored]) -> dict[WorkerId, tuple[int, str]]:
+        """Senders all of whose messages on some boundary and direction stood out from their peers'
+        in this step: each one's excess (``peer_excess``) at least ``verify.ban_margin``
+        fence-widths, leaving out messages explained by an earlier message of their chain that
+        stood out in the same way (the honest worker downstream of an attacker). The comparison is
+        among messages of one step, so it holds while every distance still trends (the early
+        steps, where a window's fence is far too wide to see an attack); "all" because an honest
+        worker's excess is large on a microbatch or two at most (measured on the demo: attackers'
+        smallest excess 2.2, honest ones' below 1). At most the threat model's minority of a stage
+        (the largest), never the stages assumed honest. Each with the boundary and direction
+        where it stood out most."""
+        margin = self.cfg.ban_margin
+        explained = upstream_suspects(scored, self.mesh.stages, lambda p: p.excess >= margin)
+        excesses: dict[tuple[WorkerId, tuple[int, str]], list[float]] = {}
+        for e in scored:
+            if (e.reason not in SANITY and e.reason != "banned" and e.suspicion != float("inf")
+                    and id(e) not in explained):
+                excesses.setdefault((e.src, e.verifier), []).append(e.excess)
+        standing_out: dict[WorkerId, tuple[float, tuple[int, str]]] = {}
+        for (src, verifier), values in sorted(excesses.items()):
+            excess = min(values)
+            if (excess >= margin and not self.ledger.honest_stage(src.stage)
+                    and excess > standing_out.get(src, (-1.0, verifier))[0]):
+                standing_out[src] = (excess, verifier)
+        suspended: dict[WorkerId, tuple[int, str]] = {}
+        for stage in sorted({w.stage for w in standing_out}):
+            ranked = sorted((w for w in standing_out if w.stage == stage),
+                            key=lambda w: (-standing_out[w][0], w))
+            suspended |= {w: standing_out[w][1] for w in ranked[:self.ledger.budget]}
+        return suspended
 
     def _view(self, step: int) -> dict[tuple[int, str], View] | None:
         """The verifiers' views for messages of ``step`` (None: the live state)."""
@@ -179,6 +233,7 @@ class Sentinel:
         fences, attribute flags, enter strikes, decide bans (or alerts)."""
         if self.lag:  # keep the state later messages may still be scored against
             self.views[self.closed] = {key: v.view() for key, v in self.verifiers.items()}
+            self.suspensions[self.closed] = self.suspended
         scored = [e for e in self.scored if e.decision.step == step]
         self.scored = [e for e in self.scored if e.decision.step != step]
         decisions = [d for d in self.decisions if d.step == step]
@@ -223,6 +278,18 @@ class Sentinel:
         attribute(scored, self.mesh.stages, self.cfg.explain_level)
         peer_excess(scored)
         bans, alerts = self.ledger.enter(step, scored, voided)
+        outliers = self._peer_outliers(scored) if self.cfg.warmup_suspend else {}
+        self.suspended = frozenset(outliers)
+        self.suspended_steps = {w: self.suspended_steps.get(w, 0) + 1 for w in outliers}
+        for wid, (boundary, kind) in sorted(outliers.items()):
+            # Standing out from its peers for ``strikes`` warm-up steps in a row is a ban: the
+            # evidence is one sender against the honest majority, not a fence still uncalibrated.
+            if (self.cfg.ban and step < self.cfg.warmup_steps and wid not in self.banned
+                    and self.suspended_steps[wid] >= self.cfg.strikes):
+                ban, alert = self.ledger.decide(wid, step, self.suspended_steps[wid], "peers",
+                                                f"s{boundary}|s{boundary + 1}", kind)
+                bans += [ban] if ban is not None else []
+                alerts += [alert] if alert is not None else []
         outcome = StepOutcome(decisions, bans, [f"s{b}|s{b + 1} {kind}" for b, kind in sorted(stale)],
                               alerts, rewarmed)
         self.dropped = {k for k in self.dropped if k[0] > step}
@@ -231,11 +298,14 @@ class Sentinel:
         self.closed = max(self.closed, step)
         oldest = self.view_step(step + 1)  # the oldest view a message still to come may need
         self.views = {t: v for t, v in self.views.items() if t >= oldest}
+        self.suspensions = {t: v for t, v in self.suspensions.items() if t >= oldest}
         return outcome
 
     def readmit(self, wid: WorkerId) -> None:
         """A replacement took over a banned slot: it starts with a clean record."""
         self.ledger.readmit(wid)
+        self.suspended = self.suspended - {wid}
+        self.suspended_steps.pop(wid, None)
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -265,13 +335,16 @@ class Sentinel:
         verdict, summary = verifier.check(values, fences_on=not warm, received=received, view=view)
         flagged = verdict.flagged(self.cfg.min_metrics)
         reason = verdict.reason(view.thresholds) if flagged else ""
+        if warm and not flagged and message.src in self._suspended(message.step):
+            flagged, reason = True, "suspended"
         action: Action = "flag" if flagged else ("warmup" if warm else "accept")
         decision = self._decide(message, action, reason, verdict.distances, view.thresholds)
         order = (message.microbatch, message.src.replica)
-        if action != "warmup":
+        if action != "warmup" or self.cfg.warmup_suspend:  # warm-up messages: for the peer check
             suspicion = float("inf") if verdict.sanity else verifier.score(verdict.distances, view)
             self.scored.append(Scored(message.src, message.microbatch, message.kind,
-                                      (boundary, message.kind), flagged, reason, suspicion, decision))
+                                      (boundary, message.kind), flagged, reason, suspicion, decision,
+                                      provisional=reason == "suspended" or action == "warmup"))
         if flagged:
             verifier.reject(order, summary, verdict.gain, step=message.step)
             return self._quarantine(message, view, values, key)
@@ -300,7 +373,7 @@ class Sentinel:
         senders: dict[tuple[int, str], dict[WorkerId, bool]] = {}
         fired: dict[tuple[int, str], set[str]] = {}
         for e in scored:
-            fence_flag = e.flagged and e.reason not in SANITY and e.reason != "banned"
+            fence_flag = e.flagged and e.reason not in (*SANITY, "banned", "suspended")
             by_sender = senders.setdefault(e.verifier, {})
             by_sender[e.src] = by_sender.get(e.src, False) or fence_flag
             if fence_flag:
@@ -334,7 +407,9 @@ class Sentinel:
         """At a drain point (every step closed, no view kept): the live state is all there is."""
         return {"verifiers": {f"{b}:{k}": v.state_dict() for (b, k), v in self.verifiers.items()},
                 "ledger": self.ledger.state_dict(), "clock": self.clock.state_dict(),
-                "synced": self.synced, "closed": self.closed}
+                "synced": self.synced, "closed": self.closed,
+                "suspended": sorted(str(w) for w in self.suspended),
+                "suspended_steps": {str(w): n for w, n in sorted(self.suspended_steps.items())}}
 
     def load_state_dict(self, state: dict) -> None:
         for (b, k), verifier in self.verifiers.items():
@@ -343,4 +418,7 @@ class Sentinel:
         if "clock" in state:
             self.clock.load_state_dict(state["clock"])
         self.synced, self.closed = state.get("synced", 0), state.get("closed", -1)
+        self.suspended = frozenset(WorkerId.parse(w) for w in state.get("suspended", []))
+        self.suspended_steps = {WorkerId.parse(w): n for w, n in state.get("suspended_steps", {}).items()}
         self.views.clear()
+        self.suspensions.clear()

@@ -1,0 +1,163 @@
+"""The anchor circuit as a trainer plugin (``anchor.z > 0``): hand-offs and arrivals at step ends.
+
+Every ``anchor.delay`` = K steps (t = 0, K, 2K, ...) the plugin hands an anchor replica fast
+replica 0's weights as they stand when step t begins (at step t − 1's end; at the start for t = 0)
+and the ids of step t's batch; the pass runs at once in this process (``AnchorCircuit``) and
+yields per fast worker the virtual time its stage's gradients arrive. At each step end the plugin
+folds into each fast worker's spectral correction (``Worker.spectral.receive_anchor``) every
+gradient that is due (computed for step t, now ≥ t + K) and has arrived by that worker's own
+virtual clock; one still missing ``anchor.max_late`` steps past its due step is dropped and
+counted. The fast circuit never waits: the plugin reads the driver's clocks and never moves them.
+
+Why step ends: an arrival is folded in before the worker's next optimizer step that the trainer
+can see, so the worker uses exactly what had arrived by then (under the async schedule a worker
+already ahead of the step's end has applied updates that could have used it: the plugin is at
+worst one step late, never early).
+
+Under async the stages' weights at a step's end belong to slightly different versions (each
+stage's own): the pass uses each stage's current weights, as a real hand-off would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from meshlearn.anchor.circuit import AnchorCircuit
+from meshlearn.anchor.settings import anchor_targets
+from meshlearn.hooks import Callback, PluginContext, StepOutput
+from meshlearn.mesh.topology import WorkerId
+
+
+@dataclass
+class Delivery:
+    """One fast worker's share of a pass, until it is folded in or dropped."""
+
+    step: int  # computed for this step's weights and batch
+    worker: WorkerId
+    arrival_s: float
+    grads: dict[str, torch.Tensor]
+
+
+@dataclass
+class AnchorCounters:
+    delivered: int = 0  # deliveries folded in (one per fast worker and pass)
+    dropped_late: int = 0  # deliveries still missing max_late steps past their due step
+    staleness_sum: int = 0  # Σ (step folded in − step computed for) over the delivered
+
+
+class AnchorCallback(Callback):
+    def __init__(self, cfg: Any, workers: dict, driver: Any, run_dir: Any, fresh: bool):
+        self.cfg, self.a = cfg, cfg.anchor
+        self.workers, self.driver = workers, driver
+        stages, replicas = cfg.mesh.stages, cfg.mesh.replicas
+        wanted = set(anchor_targets(cfg))
+        fast = [workers[WorkerId(0, s)] for s in range(stages)]
+        targets = [[n for n in w.spectral.params if n.split(".")[-2] in wanted] for w in fast]
+        pp = driver.network.axes.get("pp", driver.network.default)
+        profile = replace(pp, bandwidth_mbit=self.a.bandwidth_mbit or pp.bandwidth_mbit,
+                          latency_ms=self.a.latency_ms if self.a.latency_ms >= 0 else pp.latency_ms)
+        self.circuit = AnchorCircuit([w.module for w in fast], targets, self.a.z, replicas,
+                                     driver.compute, profile, self.a.wire_dtype, cfg.seed)
+        self.run_dir = run_dir
+        self.train_tokens = None
+        self.pending: list[Delivery] = []
+        self.counters = AnchorCounters()
+        self.steps_seen = 0
+        if fresh:
+            self._hand_off(0)
+
+    # --- hand-offs and arrivals --------------------------------------------------------------
+
+    def _batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Replica 0's microbatches of ``step``, exactly as the trainer cuts them."""
+        from meshlearn.data import global_batch, shard_batch
+        from meshlearn.train.assemble import load_corpus
+
+        cfg = self.cfg
+        if self.train_tokens is None:
+            self.train_tokens = load_corpus(cfg, self.run_dir).splits.train
+        x, y = global_batch(self.train_tokens, step, cfg.train.batch_size, cfg.model.seq_len, cfg.seed)
+        return shard_batch(x, y, cfg.mesh.replicas, cfg.mesh.microbatches)[0]
+
+    def _hand_off(self, step: int) -> None:
+        stages = self.cfg.mesh.stages
+        fast = [WorkerId(0, s) for s in range(stages)]
+        weights = [{n: p.detach() for n, p in self.workers[w].module.named_parameters()} for w in fast]
+        sent_at = [self.driver.clock.now[w] for w in fast]
+        result = self.circuit.run_pass(step, weights, sent_at, self._batches(step))
+        for wid, arrival in result.arrival_s.items():
+            self.pending.append(Delivery(step, wid, arrival, result.grads[wid.stage]))
+
+    def _deliver(self, now: int) -> dict[str, int]:
+        """Fold in what is due and has arrived by each worker's clock; drop what is too late."""
+        kept, delivered, dropped = [], 0, 0
+        for d in self.pending:
+            late = now - (d.step + self.a.delay)
+            if late < 0:
+                kept.append(d)
+            elif d.arrival_s <= self.driver.clock.now[d.worker] and late <= self.a.max_late:
+                spectral = self.workers[d.worker].spectral
+                for name, grad in d.grads.items():
+                    spectral.receive_anchor(name, grad, step=d.step, now=now)
+                delivered += 1
+                self.counters.staleness_sum += now - d.step
+            elif late >= self.a.max_late:
+                dropped += 1  # not there yet, and next time it would be past the cap
+            else:
+                kept.append(d)
+        self.pending = kept
+        self.counters.delivered += delivered
+        self.counters.dropped_late += dropped
+        return {"delivered": delivered, "dropped_late": dropped}
+
+    # --- the hooks ---------------------------------------------------------------------------
+
+    def on_step_end(self, step: int, report: Any) -> StepOutput:
+        now = step + 1  # the next step to run: what arrived by now is used from its update on
+        self.steps_seen = now
+        events = self._deliver(now)
+        if now % self.a.delay == 0 and now < self.cfg.train.steps:
+            self._hand_off(now)
+        records = []
+        if any(events.values()):
+            records.append({"kind": "anchor", "step": now, **events})
+        return StepOutput({"bytes_anchor": self.circuit.bytes.total}, records)
+
+    def summary(self) -> dict:
+        c, b = self.counters, self.circuit.bytes
+        tokens = self.steps_seen * self.cfg.train.batch_size * self.cfg.model.seq_len
+        out = {"anchor_passes": self.circuit.passes, "anchor_delivered": c.delivered,
+               "anchor_dropped_late": c.dropped_late, "anchor_pending_at_end": len(self.pending),
+               "anchor_mean_staleness": c.staleness_sum / c.delivered if c.delivered else None,
+               "anchor_bytes_snapshot": b.snapshot, "anchor_bytes_boundary": b.boundary,
+               "anchor_bytes_gradients": b.gradients,
+               "bytes_per_token_anchor": b.total / tokens if tokens else 0.0,
+               "anchor_busy_s": {str(w): t for w, t in sorted(self.circuit.busy_s.items())}}
+        for worker in self.workers.values():  # the correction's own counters, over every worker
+            for key, value in worker.spectral.summary().items():
+                out[key] = out.get(key, 0) + value
+        return out
+
+    def state_dict(self) -> dict:
+        return {"circuit": self.circuit.state(), "counters": vars(self.counters).copy(),
+                "steps_seen": self.steps_seen,
+                "pending": [{"step": d.step, "worker": str(d.worker), "arrival_s": d.arrival_s,
+                             "grads": d.grads} for d in self.pending]}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state is None:
+            return
+        self.circuit.load_state(state["circuit"])
+        self.counters = AnchorCounters(**state["counters"])
+        self.steps_seen = state["steps_seen"]
+        self.pending = [Delivery(d["step"], WorkerId.parse(d["worker"]), d["arrival_s"], d["grads"])
+                        for d in state["pending"]]
+
+
+def anchor_plugin(ctx: PluginContext) -> Callback | None:
+    if ctx.cfg.anchor.z == 0:
+        return None
+    return AnchorCallback(ctx.cfg, ctx.workers, ctx.driver, ctx.run_dir, fresh=ctx.resume_step is None)

@@ -1,0 +1,89 @@
+"""The anchor circuit's config section (``anchor.*``) and its checks. Kept free of torch so the
+config tree can import it; ``validate_anchor`` is called by ``config.validate``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+WIRE_DTYPES = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class AnchorConfig:
+    """Z anchor replicas of the pipeline (docs/adaptation.md). Config keys under ``anchor.``.
+
+    Every ``delay`` steps the fast circuit hands an anchor replica (in turn) its current weights
+    and the step's batch; the anchor runs an unmasked forward/backward through its own P stages
+    over its own links and sends the gradients of the targeted matrices to every fast replica of
+    each stage. A gradient computed for step t is folded into the spectral correction at the first
+    step end ≥ t + ``delay`` by which it has arrived on the virtual clock; the fast circuit never
+    waits for it. Needs ``optim.spectral.enabled``. Simulator only (``backend = sim``).
+    """
+
+    z: int = 0
+    """Anchor replicas (0 = no anchor circuit; the paper: 1). Each has its own clock, so Z > 1 lets
+    the anchor keep up when one pass takes longer than ``delay`` fast steps."""
+    delay: int = 20
+    """K: steps between hand-offs, and the age of the weights a gradient was computed on when it is
+    folded in (the paper: 20; quality falls with K). >= 1."""
+    max_late: int = 10
+    """Steps past its due step (t + K) after which an arrival is dropped (counted in
+    ``anchor_dropped_late``); the note's cap of about 30 steps of staleness is K + max_late, which
+    must stay within ``optim.spectral.max_staleness``. If summary.json shows drops, the anchor is
+    too slow for K: raise ``anchor.z`` or K."""
+    targets: str = ""
+    """Comma-separated matrices whose gradients the anchor sends, from those of
+    ``optim.spectral.targets`` (empty = all of them)."""
+    wire_dtype: str = "bf16"
+    """What the weight snapshot, the anchor's boundary tensors and its gradients travel as (bf16 or
+    fp32). bf16 rounds the snapshot the anchor computes on; fp32 makes its gradient the unsplit
+    model's exactly."""
+    bandwidth_mbit: float = 0.0
+    """Bandwidth of the anchor's own links (its pipeline links, and those to the fast replicas);
+    0 = the PP links' (``links.pp_bandwidth_mbit`` or ``link.bandwidth_mbit``)."""
+    latency_ms: float = -1.0
+    """One-way latency of the anchor's links; -1 = the PP links'."""
+
+
+def anchor_targets(cfg: Any) -> tuple[str, ...]:
+    """The matrix names (q, k, ...) the anchor sends: ``anchor.targets``, else the correction's."""
+    from_spectral = tuple(t.strip() for t in cfg.optim.spectral.targets.split(",") if t.strip())
+    own = tuple(t.strip() for t in cfg.anchor.targets.split(",") if t.strip())
+    return own or from_spectral
+
+
+def validate_anchor(cfg: Any, require: Callable[[bool, str, Any, str], None]) -> None:
+    """Checks of ``anchor.*`` (``require(ok, key, value, allowed)`` raises the ConfigError)."""
+    a = cfg.anchor
+    require(a.z >= 0, "anchor.z", a.z, "must be >= 0 (0 = no anchor circuit)")
+    require(a.delay >= 1, "anchor.delay", a.delay, "must be >= 1 (steps)")
+    require(a.max_late >= 0, "anchor.max_late", a.max_late, "must be >= 0 (steps)")
+    require(a.wire_dtype in WIRE_DTYPES, "anchor.wire_dtype", a.wire_dtype, f"allowed: {list(WIRE_DTYPES)}")
+    require(a.bandwidth_mbit >= 0, "anchor.bandwidth_mbit", a.bandwidth_mbit,
+            "must be > 0, or 0 for the PP links' bandwidth")
+    require(a.latency_ms >= 0 or a.latency_ms == -1, "anchor.latency_ms", a.latency_ms,
+            "must be >= 0, or -1 for the PP links' latency")
+    spectral = tuple(t.strip() for t in cfg.optim.spectral.targets.split(",") if t.strip())
+    unknown = [t for t in anchor_targets(cfg) if t not in spectral]
+    require(not unknown, "anchor.targets", a.targets,
+            f"names from optim.spectral.targets = {cfg.optim.spectral.targets!r} (the correction "
+            f"receives only those); not there: {unknown}")
+    if a.z == 0:
+        return
+    require(cfg.optim.spectral.enabled, "anchor.z", a.z,
+            "the anchor feeds the spectral correction: set optim.spectral.enabled = true")
+    require(cfg.backend == "sim", "anchor.z", a.z,
+            "the anchor circuit runs in the simulator only (backend = sim); the distributed driver "
+            "has no anchor processes yet")
+    require(cfg.protocol.morph in ("off", "none"), "anchor.z", a.z,
+            f"with protocol.morph = {cfg.protocol.morph!r} a morph between hand-off and arrival would "
+            "put the anchor's gradients in another basis than the weights'; use protocol.morph = off")
+    staleness = cfg.optim.spectral.max_staleness
+    require(a.delay + a.max_late <= staleness, "anchor.max_late", a.max_late,
+            f"anchor.delay + anchor.max_late = {a.delay + a.max_late} exceeds optim.spectral."
+            f"max_staleness = {staleness}, which would drop what the anchor delivers late; at most "
+            f"{staleness - a.delay}" if staleness >= a.delay else
+            f"anchor.delay = {a.delay} exceeds optim.spectral.max_staleness = {staleness}, which "
+            "would drop every arrival")
