@@ -46,8 +46,12 @@ ATTN_SOFTCAP = {"attn-softcap-50": ["model.attn_softcap=50"]}  # --attn-softcap:
 # path costs about 1.6x a step here (measured on a trial run), so it is optional
 PIPELINE = ["mesh.stages=4", "mesh.microbatches=4", "mesh.schedule=1f1b"]
 PIPELINE_METHODS = ("baseline", "arch-warmup")
-CURVATURE_KEYS = ("step", "lambda_max", "lambda_max_precond", "lambda_max_stage", "lambda_max_precond_stage",
-                  "gd_threshold", "adam_threshold", "gd_ratio", "stability_ratio", "lambda_max_residual")
+CURVATURE_KEYS = ("step", "lambda_max", "lambda_max_converged", "lambda_max_residual", "lambda_max_iters",
+                  "lambda_min", "lambda_max_precond", "lambda_max_precond_converged",
+                  "lambda_max_precond_iters",
+                  "lambda_max_stage", "lambda_max_stage_converged", "lambda_max_precond_stage",
+                  "lambda_max_precond_stage_converged", "gd_threshold", "adam_threshold", "gd_ratio",
+                  "stability_ratio", "curvature_hvps")
 
 
 def run(group: str, name: str, overrides: list[str], reuse: bool) -> dict:
@@ -89,19 +93,30 @@ def run(group: str, name: str, overrides: list[str], reuse: bool) -> dict:
 
 
 def curvature_stats(curv: list[dict], train_wall_s: float, step_wall_s: float) -> dict:
-    """Peaks of the estimates and ratios, and the tracker's cost beside the training step's."""
-    def peak(key: str) -> float | None:
-        values = [r[key] for r in curv if r.get(key) is not None]
+    """Peaks of the converged estimates and ratios (an unconverged value is a lower bound, not a
+    value), how many were unconverged, and the tracker's cost beside the training step's."""
+    def converged(key: str) -> list[dict]:
+        return [r for r in curv if r.get(key) is not None and r.get(f"{key}_converged") is not False]
+
+    def peak(key: str, flag: str) -> float | None:
+        values = [r[key] for r in converged(flag) if r.get(key) is not None]
         return max(values) if values else None
 
-    ratios = [r["stability_ratio"] for r in curv if r.get("stability_ratio") is not None]
+    ratios = [r["stability_ratio"] for r in converged("lambda_max_precond")
+              if r.get("stability_ratio") is not None]
     seconds = sum(r["curvature_s"] for r in curv)
     hvps = sum(r["curvature_hvps"] for r in curv)
+    unconverged = {key: sum(r.get(f"{key}_converged") is False for r in curv)
+                   for key in ("lambda_max", "lambda_max_precond")}
     return {
         "curvature": [{k: r.get(k) for k in CURVATURE_KEYS} for r in curv],
-        "peak_lambda_max": peak("lambda_max"), "peak_lambda_max_precond": peak("lambda_max_precond"),
-        "peak_gd_ratio": peak("gd_ratio"), "peak_stability_ratio": peak("stability_ratio"),
+        "peak_lambda_max": peak("lambda_max", "lambda_max"),
+        "peak_lambda_max_precond": peak("lambda_max_precond", "lambda_max_precond"),
+        "peak_gd_ratio": peak("gd_ratio", "lambda_max"),
+        "peak_stability_ratio": peak("stability_ratio", "lambda_max_precond"),
         "estimates_unstable": sum(s > 1 for s in ratios), "estimates": len(curv),
+        "unconverged_lambda_max": unconverged["lambda_max"],
+        "unconverged_lambda_max_precond": unconverged["lambda_max_precond"],
         "tracker_s_per_estimate": seconds / len(curv), "hvps_per_estimate": hvps / len(curv),
         "tracker_s_per_hvp": seconds / max(1, hvps),
         "tracker_over_step": seconds / len(curv) / step_wall_s,
@@ -136,6 +151,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
                       "lam_pre": fmt(r["peak_lambda_max_precond"], ".3g"),
                       "gd_ratio": fmt(r["peak_gd_ratio"], ".3g"), "S": fmt(r["peak_stability_ratio"], ".3g"),
                       "unstable": f"{r['estimates_unstable']}/{r['estimates']}",
+                      "unconv": f"{r['unconverged_lambda_max']} / {r['unconverged_lambda_max_precond']}",
                       "tracker": f"{r['tracker_s_per_estimate']:.2f} s = {r['tracker_over_step']:.1f} steps",
                       "fraction": f"{100 * r['tracker_fraction']:.0f}%"}
         out.append(cells)
@@ -146,8 +162,9 @@ BASE_COLUMNS = [("run", "run", ""), ("lr", "peak lr", ".0e"), ("val", "final val
                 ("min_train", "min train loss", ""), ("spikes", "spikes", "d"),
                 ("spike_steps", "at steps", ""), ("excursion", "max ℓ − EMA", ""),
                 ("step_s", "s/step (wall)", ".3f")]
-CURV_COLUMNS = [("lam", "peak λ_max(H)", ""), ("gd_ratio", "peak η·λ/2", ""),
-                ("lam_pre", "peak λ_max(G)", ""), ("S", "peak S", ""), ("unstable", "estimates S > 1", ""),
+CURV_COLUMNS = [("unconv", "unconverged H / G", ""), ("lam", "peak λ_max(H)", ""),
+                ("gd_ratio", "peak η·λ/2", ""), ("lam_pre", "peak λ_max(G)", ""), ("S", "peak S", ""),
+                ("unstable", "estimates S > 1", ""),
                 ("tracker", "tracker per estimate", ""), ("fraction", "tracker / training", "")]
 
 
@@ -201,8 +218,11 @@ def main() -> None:
           f"## 2. Single process at lr {lr:g}, tracker every {args.curvature_every} steps\n\n"
           f"{markdown_table(table_rows(single), BASE_COLUMNS + CURV_COLUMNS)}\n\n"
           f"G = P^-½HP^-½ (Adam's preconditioner). S = η·λ_max(G)(1−β₁)/(2+2β₁): stable while < 1; "
-          f"η·λ_max(H)/2 is gradient descent's ratio. Tracker neutral (baseline identical to the sweep's "
-          f"run at this lr): {tracker_neutral}. Plots: "
+          f"η·λ_max(H)/2 is gradient descent's ratio. Lanczos, at most {cfg.curvature.iters} "
+          f"products per estimate to a relative residual of {cfg.curvature.tol:g}; peaks and S counts are "
+          f"over converged estimates only; 'unconverged' counts the estimates flagged unconverged "
+          f"(lower bounds, hollow in the plots), of 'estimates S > 1''s total. Tracker neutral "
+          f"(baseline identical to the sweep's run at this lr): {tracker_neutral}. Plots: "
           f"[loss and curvature]({reports['single']}/curvature.png), "
           f"[loss]({reports['single']}/loss_vs_step.png).\n",
           f"## 3. Pipeline, mesh.stages = 4 (1F1B, simulator), tracker every "

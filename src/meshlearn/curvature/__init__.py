@@ -1,6 +1,9 @@
 """Online curvature: λ_max of the loss Hessian and of the Adam-preconditioned Hessian by
-warm-started power iteration with Hessian-vector products (see docs/warmup.md)."""
+warm-started Lanczos with Hessian-vector products (power iteration as an option; see
+docs/warmup.md)."""
 
+from meshlearn.curvature.estimate import METHODS, top_eigenvalue
+from meshlearn.curvature.lanczos import lanczos
 from meshlearn.curvature.power import (
     Eigen,
     HessianOperator,
@@ -9,12 +12,12 @@ from meshlearn.curvature.power import (
     gd_threshold,
     power_iteration,
     stability_ratio,
-    top_eigenvalue,
 )
 from meshlearn.curvature.settings import CurvatureConfig, validate_curvature
 from meshlearn.curvature.tracker import CurvatureTracker
 
 __all__ = [
+    "METHODS",
     "CurvatureConfig",
     "CurvatureTracker",
     "Eigen",
@@ -22,6 +25,7 @@ __all__ = [
     "adam_preconditioner",
     "adam_threshold",
     "gd_threshold",
+    "lanczos",
     "power_iteration",
     "stability_ratio",
     "top_eigenvalue",

@@ -1,17 +1,20 @@
-"""The curvature tracker as a trainer plugin: every ``curvature.every`` steps, at a drain point it
-asks for (weights settled), warm-started power iteration on a fixed probe batch.
+"""The curvature tracker as a trainer plugin: every ``curvature.every`` steps, at a drain point it asks
+for (weights settled), warm-started Lanczos on a fixed probe batch.
 
 It runs on replica 0's stages chained in this process (the simulator holds them all), through the
 true model: boundary codecs are left out, so it measures the model's curvature, not the codec's.
 Estimates: the full model (``lambda_max``), and with P > 1 each stage's diagonal Hessian block
 (``lambda_max_stage``), whose HVP flows through the whole pipeline but moves only that stage's
 parameters. A diagonal block's top eigenvalue is a lower bound on the full one (a Rayleigh quotient
-restricted to the block; for converged estimates), so per-stage values understate it; both are
-logged. The preconditioned values use each stage's Adam state and cover the parameters that have
-one (``precond_fraction`` of the parameters tracked): not a block unlocked at this very drain point
-(no step yet), nor Muon's hidden matrices (no diagonal preconditioner); that too is a diagonal
-block. The cost is the tracker's wall time, reported per estimate and in summary.json; it is not
-charged to the virtual clock.
+restricted to the block), so per-stage values understate it; both are logged. Every value carries a
+convergence flag (``<key>_converged``, a list for per-stage keys): an unconverged value is the top
+Ritz value, a lower bound on its λ_max, not the value itself. The smallest Ritz value of the full
+estimate is logged too (``lambda_min``): when |λ_min| > λ_max, power iteration would find λ_min. The
+preconditioned values use each stage's Adam state and cover the parameters that have one
+(``precond_fraction`` of the parameters tracked): not a block unlocked at this very drain point (no
+step yet), nor Muon's hidden matrices (no diagonal preconditioner); that too is a diagonal block.
+The cost is the tracker's wall time, reported per estimate and in summary.json; it is not charged to
+the virtual clock.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from meshlearn.basis import BasisTensor
 from meshlearn.curvature.power import (
+    Eigen,
     HessianOperator,
     adam_preconditioner,
     adam_threshold,
@@ -43,7 +47,7 @@ class CurvatureCallback(Callback):
         self.cfg, self.c, self.run_dir = cfg, cfg.curvature, run_dir
         stages = cfg.mesh.stages
         self.workers = [workers[WorkerId(0, s)] for s in range(stages)]
-        self.tracker = CurvatureTracker(self.c.iters, cfg.seed * 7919 + 17)
+        self.tracker = CurvatureTracker(self.c.iters, cfg.seed * 7919 + 17, self.c.tol)
         self.probe: tuple[torch.Tensor, torch.Tensor] | None = None
         self.evals, self.hvps, self.wall_s = 0, 0, 0.0
 
@@ -71,46 +75,62 @@ class CurvatureCallback(Callback):
         betas = [g["betas"] for w in self.workers for g in w.optimizer.param_groups if "betas" in g]
         return lr, betas[0][0] if betas else 0.9
 
-    def measure(self, done: int) -> dict:
-        """One round of estimates; returns the metrics record."""
-        started = time.perf_counter()
-        self._probe()
+    def tracked(self) -> tuple[list[tuple[str, torch.Tensor]], list[int], list[torch.Tensor | None]]:
+        """What the estimates cover: the trainable (name, parameter) pairs of replica 0's stages in
+        order, the stage of each, and Adam's P for each (None without state, or when
+        ``curvature.preconditioned`` is off)."""
         named, stage_of = [], []
         for s, worker in enumerate(self.workers):
             for name, p in worker.module.named_parameters():
                 if p.requires_grad:
                     named.append((name, p))
                     stage_of.append(s)
-        names = [n for n, _ in named]
-        operator = HessianOperator(self._loss, [p for _, p in named])
-        everything = list(range(len(named)))
-        pre = [None] * len(named)
+        pre: list[torch.Tensor | None] = [None] * len(named)
         if self.c.preconditioned:
             for s, w in enumerate(self.workers):
-                idx = [i for i in everything if stage_of[i] == s]
+                idx = [i for i in range(len(named)) if stage_of[i] == s]
                 for i, p in zip(idx, adam_preconditioner(w.optimizer, [named[i][1] for i in idx]),
                                 strict=True):
                     pre[i] = p
+        return named, stage_of, pre
+
+    def measure(self, done: int) -> dict:
+        """One round of estimates; returns the metrics record."""
+        started = time.perf_counter()
+        self._probe()
+        named, stage_of, pre = self.tracked()
+        names = [n for n, _ in named]
+        operator = HessianOperator(self._loss, [p for _, p in named])
+        everything = list(range(len(named)))
         with_state = [i for i in everything if pre[i] is not None]
         record: dict = {"kind": "curvature", "step": done}
         full = self.tracker.estimate("full", operator, everything, names)
-        record["lambda_max"], record["lambda_max_residual"] = full.value, full.residual
-        if with_state:
-            record["lambda_max_precond"] = self._estimate("full_precond", operator, with_state, names, pre)
-            record["precond_fraction"] = (sum(named[i][1].numel() for i in with_state)
-                                          / sum(p.numel() for _, p in named))
+        full_pre = self._estimate("full_precond", operator, with_state, names, pre)
         if self.c.per_stage and len(self.workers) > 1:
             stages = range(len(self.workers))
-            record["lambda_max_stage"] = [
-                self._estimate(f"stage{s}", operator, [i for i in everything if stage_of[i] == s], names)
-                for s in stages]
+            blocks = {f"stage{s}": self._estimate(f"stage{s}", operator,
+                                                  [i for i in everything if stage_of[i] == s], names)
+                      for s in stages}
+            full, record["lambda_max_restarted"] = self.tracker.reconcile(
+                "full", operator, everything, names, full, blocks)
+            record |= flagged_list("lambda_max_stage", list(blocks.values()))
             if with_state:
-                record["lambda_max_precond_stage"] = [
-                    self._estimate(f"stage{s}_precond", operator,
-                                   [i for i in with_state if stage_of[i] == s], names, pre)
-                    for s in stages]
+                blocks = {f"stage{s}_precond": self._estimate(
+                    f"stage{s}_precond", operator, [i for i in with_state if stage_of[i] == s], names, pre)
+                    for s in stages}
+                full_pre, record["lambda_max_precond_restarted"] = self.tracker.reconcile(
+                    "full_precond", operator, with_state, [names[i] for i in with_state], full_pre,
+                    blocks, [pre[i] for i in with_state])
+                record |= flagged_list("lambda_max_precond_stage", list(blocks.values()))
+        record |= flagged("lambda_max", full)
+        record |= {"lambda_min": full.bottom, "lambda_min_converged": full.bottom_residual <= self.c.tol}
+        if with_state:
+            record |= flagged("lambda_max_precond", full_pre)
+            record["precond_fraction"] = (sum(named[i][1].numel() for i in with_state)
+                                          / sum(p.numel() for _, p in named))
         lr, beta1 = self._lr_beta1(done)
         record |= {"lr": lr, "gd_threshold": gd_threshold(lr), "gd_ratio": lr * record["lambda_max"] / 2}
+        # the ratios inherit their estimate's flag (lambda_max_converged, lambda_max_precond_converged)
         if with_state:
             record |= {"adam_threshold": adam_threshold(lr, beta1),
                        "stability_ratio": stability_ratio(record["lambda_max_precond"], lr, beta1)}
@@ -122,11 +142,11 @@ class CurvatureCallback(Callback):
         return record
 
     def _estimate(self, key: str, operator: HessianOperator, idx: list[int], names: list[str],
-                  pre: list | None = None) -> float | None:
+                  pre: list | None = None) -> Eigen | None:
         if not idx:
             return None
         precond = None if pre is None else [pre[i] for i in idx]
-        return self.tracker.estimate(key, operator, idx, [names[i] for i in idx], precond).value
+        return self.tracker.estimate(key, operator, idx, [names[i] for i in idx], precond)
 
     # --- the hooks ---------------------------------------------------------------------------
 
@@ -161,6 +181,20 @@ class CurvatureCallback(Callback):
     def summary(self) -> dict:
         return {"curvature_evals": self.evals, "curvature_hvps": self.hvps, "curvature_wall_s": self.wall_s,
                 "curvature_s_per_eval": self.wall_s / self.evals if self.evals else None}
+
+
+def flagged(key: str, eig: Eigen | None) -> dict:
+    """``key`` (the top Ritz value), ``key_converged``, ``key_residual`` and ``key_iters``."""
+    if eig is None:
+        return {key: None}
+    return {key: eig.value, f"{key}_converged": eig.converged, f"{key}_residual": eig.residual,
+            f"{key}_iters": eig.iterations}
+
+
+def flagged_list(key: str, eigs: list[Eigen | None]) -> dict:
+    """The per-stage form of :func:`flagged`: one entry per stage in each list."""
+    return {key: [None if e is None else e.value for e in eigs],
+            f"{key}_converged": [None if e is None else e.converged for e in eigs]}
 
 
 def curvature_plugin(ctx: PluginContext) -> CurvatureCallback | None:

@@ -1,5 +1,4 @@
-"""The top eigenvalue of the loss Hessian (or of the Adam-preconditioned Hessian) by power iteration
-with Hessian-vector products, warm-started from the previous estimate's eigenvector.
+"""Hessian-vector products, the estimate record, and power iteration (the paper's estimator).
 
 Hv = ∇_θ(∇_θL · v) by double backward: one forward and a backward with ``create_graph`` build ∇L
 once (:class:`HessianOperator`), then every product is one more backward pass through that graph
@@ -8,8 +7,10 @@ the graph is built (fused kernels lack double backward); the loss must be determ
 batch, no dropout), or the iteration chases noise.
 
 Power iteration returns the eigenvalue of largest *magnitude* (the Rayleigh quotient vᵀHv of its
-vector): for a training loss that is the top positive eigenvalue unless a negative one is larger in
-magnitude (early in training, near a saddle); the sign of the value says which.
+vector): the top positive eigenvalue only while no negative one is larger in magnitude, which at
+high learning rates is not the case. The tracker and :func:`~meshlearn.curvature.top_eigenvalue`
+therefore use Lanczos (``curvature/lanczos.py``); power iteration stays for ``method="power"``
+and as the reference for the paper's procedure.
 
 The preconditioned variant iterates on G = P^{-1/2} H P^{-1/2} with P = diag(√v̂ + ε), Adam's
 denominator with the bias correction exactly as the update uses it; Adam is stable while
@@ -65,73 +66,62 @@ class HessianOperator:
 
 @dataclass
 class Eigen:
-    """A power-iteration result: ``value`` (the last Rayleigh quotient), its unit ``vector``, the
-    Rayleigh quotient after every iteration and the Hessian-vector products spent."""
+    """An eigenvalue estimate: ``value``, its unit ``vector`` (the next warm start), the estimate
+    after every iteration and the Hessian-vector products spent."""
 
     value: float
     vector: Vector
     history: list[float] = field(default_factory=list)
     hvps: int = 0
-    residual: float = 0.0
-    """‖Av − λv‖/|λ| at the last iteration: small once converged; large when eigenvalues of
-    opposite sign and similar magnitude make the iteration oscillate."""
+    residual: float = float("inf")
+    """‖Av − θv‖/|θ| for the returned θ and v: A has an eigenvalue within residual·|θ| of θ."""
     scale: float = 0.0
-    """The largest ‖Av‖ seen (unit v): an estimate of ‖A‖ = max |eigenvalue|."""
+    """An estimate of ‖A‖ = max |eigenvalue| (a lower bound on it)."""
+    converged: bool = False
+    """``residual`` ≤ the tolerance the estimate was asked for. An unconverged value must not be
+    read as λ_max (a Lanczos one is still a lower bound on it)."""
+    iterations: int = 0
+    bottom: float | None = None
+    """Lanczos only: the smallest Ritz value (the negative end of the spectrum; an upper bound on
+    λ_min), with its own relative residual ``bottom_residual``."""
+    bottom_residual: float | None = None
 
     def __float__(self) -> float:
         return self.value
 
 
 def power_iteration(hvp: Callable[[Vector], Vector], v0: Sequence[Tensor], iters: int,
-                    precond: Sequence[Tensor] | None = None, tol: float = 0.0,
-                    shift: float = 0.0) -> Eigen:
-    """``iters`` steps of w = Av, λ = vᵀw, v = w/‖w‖ from ``v0``, with A = H (or P^{-1/2} H P^{-1/2}
-    with ``precond`` = P, per tensor) minus ``shift``·I; the values reported are A's plus the
-    shift. A shift at (or below) the most negative eigenvalue makes the top *positive* eigenvalue
-    the dominant one. ``tol`` > 0 stops early once λ changes by at most tol·|λ| between two
-    iterations."""
+                    precond: Sequence[Tensor] | None = None, tol: float = 1e-2) -> Eigen:
+    """At most ``iters`` steps of w = Av, λ = vᵀw, v = w/‖w‖ from ``v0``, with A = H (or
+    P^{-1/2} H P^{-1/2} with ``precond`` = P, per tensor), stopping once the relative residual
+    ‖Av − λv‖/|λ| of the current vector is ≤ ``tol``. Converges to the eigenvalue of largest
+    magnitude, whatever its sign."""
     scale = None if precond is None else [p.rsqrt() for p in precond]
     n0 = norm(v0)
     if n0 == 0:
         raise ValueError("power iteration needs a non-zero start vector")
     v = [x / n0 for x in v0]
     history: list[float] = []
-    residual, top = 0.0, 0.0
+    residual, top, best = float("inf"), 0.0, v
     for _ in range(iters):
         w = hvp(v if scale is None else [s * x for s, x in zip(scale, v, strict=True)])
         if scale is not None:
             w = [s * x for s, x in zip(scale, w, strict=True)]
-        if shift:
-            w = [y - shift * x for y, x in zip(w, v, strict=True)]
-        history.append(dot(v, w) + shift)
+        lam = dot(v, w)
+        history.append(lam)
+        residual = norm([y - lam * x for y, x in zip(w, v, strict=True)]) / max(abs(lam), 1e-300)
+        best = v  # the vector λ and the residual belong to
         n = norm(w)
-        if n == 0:
-            break
-        lam = history[-1] - shift
-        residual = norm([y - lam * x for y, x in zip(w, v, strict=True)]) / max(abs(lam), 1e-30)
         top = max(top, n)
-        v = [x / n for x in w]
-        if tol and len(history) > 1 and abs(history[-1] - history[-2]) <= tol * abs(history[-1]):
+        if n == 0 or residual <= tol:
             break
-    return Eigen(history[-1] if history else 0.0, v, history, len(history), residual, top)
+        v = [x / n for x in w]
+    return Eigen(history[-1] if history else 0.0, best, history, len(history), residual, top,
+                 residual <= tol, len(history))
 
 
 def random_vector(like: Sequence[Tensor], generator: torch.Generator | None = None) -> Vector:
     return [torch.randn(p.shape, generator=generator, dtype=p.dtype) for p in like]
-
-
-def top_eigenvalue(loss_fn: Callable[[], Tensor], params: Sequence[Tensor], iters: int = 20,
-                   v0: Sequence[Tensor] | None = None, precond: Sequence[Tensor] | None = None,
-                   generator: torch.Generator | None = None, tol: float = 0.0) -> Eigen:
-    """λ_max of the Hessian of ``loss_fn()`` (a scalar) with respect to ``params``, by ``iters``
-    power iterations. ``v0``: the start (a previous ``Eigen.vector`` for a warm start; default
-    random from ``generator``). ``precond``: Adam's P = √v̂ + ε per parameter, for
-    λ_max(P^{-1/2} H P^{-1/2}) (see :func:`adam_preconditioner`). Use ``float(result)`` or
-    ``result.value``; ``result.vector`` is the eigenvector estimate."""
-    params = list(params)
-    operator = HessianOperator(loss_fn, params)
-    start = random_vector(params, generator) if v0 is None else list(v0)
-    return power_iteration(operator, start, iters, precond, tol)
 
 
 def adam_preconditioner(optimizer: torch.optim.Optimizer,

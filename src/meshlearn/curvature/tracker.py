@@ -1,19 +1,16 @@
-"""Warm-started curvature estimates over a run: one power-iteration state per named parameter set.
+"""Warm-started curvature estimates over a run: one Lanczos state per named parameter set.
 
-Each estimate starts from the previous one's eigenvector (Theorem 1 of the paper: the top
-eigenvector moves by at most ‖ΔH‖/γ between steps, so a few products suffice; fewer than 5 per step
-in the paper). Vectors are kept per parameter *name*, so a parameter set that grows (a block
-unlocked by architecture warm-up) keeps its old components and starts the new ones at random. For
-the preconditioned estimate the previous vector is carried into the new preconditioner first:
-v ← P_k^{1/2} P_{k−1}^{−1/2} v_{k−1}. State: one parameter-sized vector per estimate, plus the
-previous P for preconditioned ones.
+Each estimate starts from the previous one's top Ritz vector (Theorem 1 of the paper: the top
+eigenvector moves by at most ‖ΔH‖/γ between steps), so when the Hessian moved little the residual
+test stops after a few products; ``iters`` caps the products of one estimate. Vectors are kept per
+parameter *name*, so a parameter set that grows (a block unlocked by architecture warm-up) keeps its
+old components and starts the new ones at random. For the preconditioned estimate the previous
+vector is carried into the new preconditioner first: v ← P_k^{1/2} P_{k−1}^{−1/2} v_{k−1}. State:
+one parameter-sized vector per estimate, plus the previous P for preconditioned ones.
 
-Power iteration finds the eigenvalue of largest magnitude. When that is negative (a saddle
-direction, or early Adam steps with tiny second moments), or when the iteration did not settle
-(relative residual above ``RESIDUAL_RERUN``: eigenvalues of both signs with similar magnitudes make
-it oscillate), the estimate reruns on A − σI with σ = λ_neg (or −‖A‖), whose dominant eigenvalue is
-λ_max − σ, so the value reported is the top (algebraically largest) eigenvalue — the one the
-stability thresholds are about; ``Eigen.hvps`` counts both runs.
+Lanczos returns the top (algebraically largest) eigenvalue whatever the signs, so there is no
+shifted rerun: the value is the top Ritz value, flagged ``converged`` when its relative residual
+‖Av − θv‖/|θ| is ≤ ``tol``. An unconverged value is a lower bound on λ_max, never an overshoot.
 """
 
 from __future__ import annotations
@@ -23,14 +20,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from meshlearn.curvature.power import Eigen, HessianOperator, power_iteration
-
-RESIDUAL_RERUN = 0.1
+from meshlearn.curvature.lanczos import lanczos
+from meshlearn.curvature.power import Eigen, HessianOperator
 
 
 class CurvatureTracker:
-    def __init__(self, iters: int, seed: int):
-        self.iters = iters
+    def __init__(self, iters: int, seed: int, tol: float = 1e-2):
+        self.iters, self.tol = iters, tol
         self.generator = torch.Generator().manual_seed(seed)
         self.vectors: dict[str, dict[str, Tensor]] = {}  # estimate → parameter name → component
         self.precond: dict[str, dict[str, Tensor]] = {}  # estimate → parameter name → previous P
@@ -54,26 +50,41 @@ class CurvatureTracker:
         return v
 
     def estimate(self, key: str, operator: HessianOperator, indices: Sequence[int], names: Sequence[str],
-                 precond: Sequence[Tensor] | None = None) -> Eigen:
+                 precond: Sequence[Tensor] | None = None, v0: Sequence[Tensor] | None = None) -> Eigen:
         """Warm-started λ_max of H (or of P^{-1/2} H P^{-1/2}) restricted to ``indices`` of the
-        operator's parameters (all of them: the full value; one stage's: a diagonal block)."""
+        operator's parameters (all of them: the full value; one stage's: a diagonal block);
+        ``v0`` overrides the warm start."""
+        indices = list(indices)
         params = [operator.params[i] for i in indices]
-        v0 = self.start(key, names, params, precond)
-        eig = power_iteration(lambda v: operator(v, indices), v0, self.iters, precond)
+        if v0 is None:
+            v0 = self.start(key, names, params, precond)
+        eig = lanczos(lambda v: operator(v, indices), v0, self.iters, precond, self.tol)
         self.vectors[key] = {n: x.detach().clone() for n, x in zip(names, eig.vector, strict=True)}
-        if eig.value < 0 or eig.residual > RESIDUAL_RERUN:
-            top = f"{key}+"
-            start = self.start(top, names, params, precond)
-            shift = eig.value if eig.value < 0 and eig.residual <= RESIDUAL_RERUN else -eig.scale
-            pos = power_iteration(lambda v: operator(v, indices), start, self.iters, precond,
-                                  shift=shift)
-            self.vectors[top] = {n: x.detach().clone() for n, x in zip(names, pos.vector, strict=True)}
-            if precond is not None:
-                self.precond[top] = {n: p.detach().clone() for n, p in zip(names, precond, strict=True)}
-            eig = Eigen(pos.value, pos.vector, pos.history, eig.hvps + pos.hvps, pos.residual, eig.scale)
         if precond is not None:
             self.precond[key] = {n: p.detach().clone() for n, p in zip(names, precond, strict=True)}
         return eig
+
+    def reconcile(self, key: str, operator: HessianOperator, indices: Sequence[int], names: Sequence[str],
+                  full: Eigen, blocks: dict[str, Eigen | None],
+                  precond: Sequence[Tensor] | None = None) -> tuple[Eigen, bool]:
+        """The full estimate ``key``, checked against converged estimates of its diagonal blocks
+        (``blocks``: tracker key → estimate). A block's λ_max cannot exceed the full one, so a block
+        above the full value by more than ``tol`` means the warm start locked onto a lower
+        eigenvector (it happens after a new direction overtakes the old top: measured on 4 stages
+        after an unlock). Then the full estimate reruns from that block's Ritz vector, zero
+        elsewhere, whose Rayleigh quotient is the block's value, so the rerun's Ritz value is at
+        least that. Returns (estimate, whether it reran); the rerun's ``hvps`` include the first run's."""
+        done = [k for k, e in blocks.items() if e is not None and e.converged]
+        best = max(done, key=lambda k: blocks[k].value, default=None)
+        if best is None or blocks[best].value <= full.value + self.tol * abs(full.value):
+            return full, False
+        part = self.vectors[best]
+        params = [operator.params[i] for i in indices]
+        v0 = [part[n].to(p.dtype) if n in part else torch.zeros_like(p)
+              for n, p in zip(names, params, strict=True)]
+        eig = self.estimate(key, operator, indices, names, precond, v0=v0)
+        eig.hvps += full.hvps
+        return eig, True
 
     def state_dict(self) -> dict:
         return {"vectors": self.vectors, "precond": self.precond, "generator": self.generator.get_state()}

@@ -117,7 +117,9 @@ def staleness_note(runs: Sequence[RunData]) -> str:
 def curvature_note(runs: Sequence[RunData]) -> str:
     return ("The curvature tracker's top Hessian eigenvalue, plain beside gradient descent's 2/η and "
             "Adam-preconditioned beside (2 + 2β₁)/((1 − β₁)η): a curve at its dashed line is at the "
-            "edge of stability. Per-stage values are diagonal blocks, lower bounds on the full λ_max.")
+            "edge of stability. Hollow markers are unconverged estimates (lower bounds on λ_max); negative "
+            "values are left off the log axis. Per-stage values are diagonal blocks, lower bounds on "
+            "the full λ_max.")
 
 
 def flags_note(runs: Sequence[RunData]) -> str:

@@ -118,13 +118,22 @@ def _curvature_records(run: RunData) -> list[dict]:
     return [r for r in read_metrics(run.path) if r.get("kind") == "curvature"]
 
 
+def split_by_convergence(records: Sequence[dict], key: str) -> tuple[list[dict], list[dict]]:
+    """(converged, unconverged) curvature records for estimate ``key``, by its ``<key>_converged``
+    flag; a record without the flag (a run from before the flag existed) counts as converged."""
+    loose = [r for r in records if r.get(f"{key}_converged") is False]
+    return [r for r in records if r.get(f"{key}_converged") is not False], loose
+
+
 def plot_curvature(runs: Sequence[RunData], out_path: Path) -> Path | None:
     """Train loss beside the curvature tracker's estimates and their stability thresholds, or None
     when no run tracked curvature.
 
     Panels share the step axis: the loss; λ_max(H) (solid) with gradient descent's 2/η (dashed);
     λ_max(P^{-1/2}HP^{-1/2}) with Adam's (2 + 2β₁)/((1 − β₁)η). A curve that meets its threshold
-    line is at the edge of stability (ratio 1); spikes in the loss should sit where it does."""
+    line is at the edge of stability (ratio 1); spikes in the loss should sit where it does.
+    Hollow markers are estimates flagged unconverged (``<key>_converged`` false): lower bounds on
+    λ_max, not its value; filled ones converged (or come from a run that logged no flag)."""
     tracked = [(i, run, records) for i, run in enumerate(runs) if (records := _curvature_records(run))]
     if not tracked:
         return None
@@ -141,13 +150,19 @@ def plot_curvature(runs: Sequence[RunData], out_path: Path) -> Path | None:
             positive = [r for r in records if (as_number(r.get(key)) or 0.0) > 0]  # log axis
             xs, ys = series(positive, "step", key)
             if xs:
-                ax.plot(xs, ys, color=color, lw=1.4, marker=".", ms=3)
+                ax.plot(xs, ys, color=color, lw=1.0)
+            settled, loose = split_by_convergence(positive, key)
+            for points, face in ((loose, "none"), (settled, color)):
+                xs, ys = series(points, "step", key)
+                if xs:
+                    ax.plot(xs, ys, ls="none", marker="o", ms=4, mec=color, mfc=face)
             xs, ys = series(records, "step", threshold)
             if xs and (ax, xs, ys) not in drawn:
                 drawn.append((ax, xs, ys))
                 ax.plot(xs, ys, color=color, lw=1.0, ls="--")
     loss_ax.set_ylabel(LOSS_LABEL)
-    loss_ax.set_title("Train loss; curvature (solid) and its stability threshold (dashed)")
+    loss_ax.set_title("Train loss; curvature (solid; hollow = unconverged, a lower bound) and its "
+                      "stability threshold (dashed)", fontsize="small")
     loss_ax.legend(fontsize="small")
     for ax, key, _, name, bound in panels:
         ax.set_ylabel(f"{name}  vs  {bound}")
