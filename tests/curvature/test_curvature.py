@@ -252,6 +252,26 @@ def test_a_full_estimate_below_one_of_its_blocks_reruns_from_that_block():
     assert not reran and again is fixed
 
 
+def test_a_warm_start_on_a_lower_eigenvector_still_finds_the_top():
+    """The previous Ritz vector is an exact eigenvector of a lower eigenvalue (the top moved):
+    started on it alone Lanczos converges there at once; the tracker's warm start mixes in a random
+    share (``WARM_MIX``), so the Krylov space sees the top and the estimate gets it."""
+    gen = torch.Generator().manual_seed(1)
+    q, _ = torch.linalg.qr(torch.randn(40, 40, dtype=torch.float64, generator=gen))
+    eigenvalues = torch.cat([torch.tensor([6.0, 4.0], dtype=torch.float64),
+                             torch.linspace(-3.0, 1.0, 38, dtype=torch.float64)])
+    a = q @ torch.diag(eigenvalues) @ q.T
+    x = torch.randn(40, dtype=torch.float64, generator=gen, requires_grad=True)
+    op = HessianOperator(lambda: 0.5 * x @ a @ x, [x])
+    lower = q[:, 1].clone()  # the eigenvector of 4.0
+    stuck = lanczos(lambda v: op(v, [0]), [lower], 30, None, 1e-6)
+    assert stuck.converged and abs(stuck.value - 4.0) < 1e-6  # the negative control
+    tracker = CurvatureTracker(iters=30, seed=0, tol=1e-6)
+    tracker.vectors["full"] = {"x": lower}
+    found = tracker.estimate("full", op, [0], ["x"])
+    assert found.converged and abs(found.value - 6.0) < 1e-6
+
+
 # --- the plugin ----------------------------------------------------------------------------------
 
 

@@ -23,6 +23,9 @@ from torch import Tensor
 from meshlearn.curvature.lanczos import lanczos
 from meshlearn.curvature.power import Eigen, HessianOperator
 
+WARM_MIX = 0.3
+"""Weight of the random unit vector mixed into each warm start (``CurvatureTracker.start``)."""
+
 
 class CurvatureTracker:
     def __init__(self, iters: int, seed: int, tol: float = 1e-2):
@@ -33,21 +36,30 @@ class CurvatureTracker:
 
     def start(self, key: str, names: Sequence[str], params: Sequence[Tensor],
               precond: Sequence[Tensor] | None) -> list[Tensor]:
-        """The warm start of estimate ``key`` (random components where there is no previous one)."""
+        """The warm start of estimate ``key``: the previous Ritz vector plus ``WARM_MIX`` of a fresh
+        random unit vector (random components where there is no previous one). Started on the
+        previous vector alone, Lanczos can converge on that eigenvector while a larger eigenvalue
+        has overtaken it (its Krylov space barely sees other directions): measured, a converged
+        preconditioned estimate 13% below a cold start (docs/warmup.md). The random share keeps
+        every direction in the Krylov space at the price of a few more products."""
         old = self.vectors.get(key, {})
         prev_p = self.precond.get(key, {})
-        v = []
+        numel = max(1, sum(q.numel() for q in params))
+        warm, fresh = [], []
         for i, (name, p) in enumerate(zip(names, params, strict=True)):
+            noise = torch.randn(p.shape, generator=self.generator, dtype=torch.float64) / numel ** 0.5
             if name in old and old[name].shape == p.shape:
-                x = old[name]
+                x = old[name].to(torch.float64)
                 if precond is not None and name in prev_p:
-                    x = x * (precond[i] / prev_p[name]).sqrt()
+                    x = x * (precond[i] / prev_p[name]).sqrt().to(torch.float64)
             else:
-                x = torch.randn(p.shape, generator=self.generator, dtype=torch.float64)
-                if old:  # match the scale of a unit vector spread over the whole set
-                    x = x * (1.0 / max(1, sum(q.numel() for q in params)) ** 0.5)
-            v.append(x.to(p.dtype))
-        return v
+                x = noise if not old else torch.zeros_like(noise)
+            warm.append(x)
+            fresh.append(noise)
+        if not old:
+            return [x.to(p.dtype) for x, p in zip(warm, params, strict=True)]
+        norm = sum(float((x * x).sum()) for x in warm) ** 0.5 or 1.0
+        return [(x / norm + WARM_MIX * r).to(p.dtype) for x, r, p in zip(warm, fresh, params, strict=True)]
 
     def estimate(self, key: str, operator: HessianOperator, indices: Sequence[int], names: Sequence[str],
                  precond: Sequence[Tensor] | None = None, v0: Sequence[Tensor] | None = None) -> Eigen:
