@@ -239,3 +239,20 @@ def test_evaluation_is_unmasked(tiny_corpus, tmp_path):
     with torch.no_grad():
         dense = [Decoder.loss(merged(x), y).item() for x, y in trainer.val_batches]
     assert abs(trainer.last_val_loss - sum(dense) / len(dense)) <= 1e-6
+
+
+@pytest.mark.parametrize("options", ["codec.mask=fixed", "codec.mask=bernoulli", "codec.rescale=true"])
+def test_keep_one_is_the_dense_bf16_run_exactly(tiny_corpus, tmp_path, options):
+    """keep = 1 masks nothing: every loss and every weight of an async P = 4, D = 2 run equal
+    those of the bf16 codec's run bit for bit (a dropped channel or a scale ≠ 1 would show)."""
+    mesh = ["mesh.stages=4", "mesh.replicas=2", "mesh.schedule=async", "train.steps=3"]
+    runs = {}
+    for name, sets in {"bf16": ["codec.name=bf16"],
+                       "mask": ["codec.name=mask", "codec.keep=1.0", options]}.items():
+        trainer = Trainer(tiny_config(tiny_corpus, *mesh, *sets), tmp_path / name, progress=False)
+        losses = [trainer.step() for _ in range(3)]
+        weights = [trainer.workers[WorkerId(r, s)].module.state_dict() for r in range(2) for s in range(4)]
+        runs[name] = losses, weights
+    (dense_losses, dense_weights), (mask_losses, mask_weights) = runs["bf16"], runs["mask"]
+    assert mask_losses == dense_losses
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(dense_weights, mask_weights, strict=True) for k in a)
