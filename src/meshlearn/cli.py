@@ -221,6 +221,7 @@ def _compress(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
+    from meshlearn.plan.parallel import default_processes
     from meshlearn.plan.planner import plan
     from meshlearn.plan.presets import MODELS, preset_overrides
     from meshlearn.plan.table import format_table, write_plot
@@ -238,6 +239,8 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigError("--mask-keep", args.mask_keep, "keep rates in (0, 1], e.g. 0.05,0.1")
     if not sweep or any(b <= 0 for b in sweep):
         raise ConfigError("--sweep", args.sweep, "bandwidths in Mbit/s > 0, e.g. 25,100,400")
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError("--jobs", args.jobs, "processes for the simulations: >= 1")
     tied = bool(args.model and MODELS[args.model].get("tie_embeddings"))
     if args.model:  # the preset goes under --set: ``model.*`` keys given there win
         given = {s.split("=", 1)[0].strip() for s in args.set}
@@ -249,7 +252,7 @@ def _plan(args: argparse.Namespace) -> int:
     if cfg.model.vocab_size <= 0:
         cfg = load_config(args.config, [*sets, "model.vocab_size=256"])  # the byte tokenizer
     try:
-        result = plan(cfg, args.subspace_rank, keeps, sweep)
+        result = plan(cfg, args.subspace_rank, keeps, sweep, args.jobs or default_processes())
     except ValueError as err:
         raise UsageError(str(err)) from None
     if tied and cfg.mesh.stages > 1:
@@ -395,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="link bandwidths of the plot, Mbit/s, comma-separated (default 25,100,400,1600)")
     plan.add_argument("--plot", default="plan.png", help="PNG of tokens/s vs link bandwidth per method "
                                                          "(default plan.png; none: no plot)")
+    plan.add_argument("--jobs", type=int, default=None,
+                      help="processes the simulations run on (default: the CPUs available; the numbers "
+                           "do not depend on it)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.set_defaults(func=_plan)
 

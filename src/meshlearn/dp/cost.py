@@ -51,6 +51,10 @@ def _values(n: int) -> torch.Tensor:
 
 
 class CostPowerSGD(PowerSGD):
+    @staticmethod
+    def _initial_q(m: int, r: int, gen: torch.Generator) -> torch.Tensor:
+        return torch.empty(m, r, device="meta")  # its shape is all the wire size needs
+
     def wire_values(self) -> tuple[int, int]:
         if not hasattr(self, "_wire"):  # shapes never change: counted once
             self._wire = super().wire_values()
@@ -142,9 +146,11 @@ def build_cost_strategy(cfg, worker, profile) -> DPStrategy:
         strategy._numel = {}  # round sizes by part (they depend on round_no % parts only)
         nbytes = 4 * max(strategy.round_numel(r) for r in range(strategy.parts))
         strategy._deadline_s = _deadline(cfg, nbytes, profile)
+    elif cfg.name == "powersgd":  # the registry's rule, without drawing a random Q on meta
+        strategy = CostPowerSGD(worker.id, worker.mesh.replicas, worker.module, rank=cfg.rank, seed=cfg.seed)
     else:
         strategy = BUILDERS[cfg.name](cfg, worker, profile)
-        cost_class = {"powersgd": CostPowerSGD, "diloco": CostDiLoCo}.get(cfg.name)
+        cost_class = {"diloco": CostDiLoCo}.get(cfg.name)
         if cost_class is not None:
             strategy.__class__ = cost_class  # built by the registry's own rule, then made cost-only
     strategy.exchange = CostExchange(worker.id, worker.mesh.replicas)

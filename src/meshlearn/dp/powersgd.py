@@ -43,9 +43,13 @@ class PowerSGD(DPStrategy):
         self.error: dict[int, torch.Tensor] = {}
         for i in self.matrices:
             n, m = self.shape(i)
-            self.q[i] = torch.randn(m, min(rank, n, m), generator=gen)  # identical on every replica
+            self.q[i] = self._initial_q(m, min(rank, n, m), gen)  # identical on every replica
         self._work: dict[int, dict] = {}
         self._done: set[int] = set()
+
+    @staticmethod
+    def _initial_q(m: int, r: int, gen: torch.Generator) -> torch.Tensor:
+        return torch.randn(m, r, generator=gen)
 
     def shape(self, i: int) -> tuple[int, int]:
         p = self.params[i]

@@ -91,6 +91,7 @@ class SimDriver:
         # Steps whose every update has finished on the virtual clock, per worker (a worker applies an
         # update when its collective completes, but the update's compute ends later).
         self.steps_done = {w: worker.steps_done for w, worker in workers.items()}
+        self._target, self._lagging = -1, set()  # the step run_step runs, and who has not done it
         self.now = 0.0
         self.flushes = next(iter(workers.values())).plan.flushes
         in_flight = max((w.plan.in_flight for w in workers.values() if isinstance(w.plan, AsyncPlan)),
@@ -130,9 +131,13 @@ class SimDriver:
                                                     self.network.bytes_on_axis("dp"))
         wait_before = self.dp_wait_s
         self._feed(step, source)
+        # Workers that have not finished ``step``: kept as a set (a min over every worker per
+        # event made large meshes' event loops slow).
+        self._target = step
+        self._lagging = {w for w, done in self.steps_done.items() if done <= step}
         for wid in self.workers:
             self._try_start(wid, self.clock.now[wid])
-        while min(self.steps_done.values()) <= step:
+        while self._lagging:
             if not self.events:
                 stuck = [str(w) for w, done in self.steps_done.items() if done <= step]
                 raise RuntimeError(f"pipeline deadlock: workers {stuck} wait for messages that never come")
@@ -176,7 +181,7 @@ class SimDriver:
             wid, outgoing = payload
             self.clock.now[wid] = now
             self.busy.discard(wid)
-            self.steps_done[wid] = self.workers[wid].steps_done
+            self._set_done(wid)
             for message in outgoing:
                 self._push(self._transmit(message, now), "arrive", message)
             self._try_start(wid, now)
@@ -207,6 +212,11 @@ class SimDriver:
             message = payload
             self.workers[message.dst].receive(message)
             self._try_start(message.dst, now)
+
+    def _set_done(self, wid: WorkerId) -> None:
+        done = self.steps_done[wid] = self.workers[wid].steps_done
+        if done > self._target:
+            self._lagging.discard(wid)
 
     def _transmit(self, message: Message, now: float) -> float:
         """Queue ``message`` on its link at ``now``; return its arrival time."""
@@ -376,7 +386,7 @@ class SimDriver:
         for stale in [k for k in started if k[0] < u - 64]:
             del started[stale]
         self.clock.now[wid] = max(self.clock.now[wid], now)
-        self.steps_done[wid] = worker.steps_done
+        self._set_done(wid)
         self._try_start(wid, now)
 
     def _average_gradients(self, replicas: list[Worker]) -> int:

@@ -117,6 +117,8 @@ class CostSource:
         return configured_drain(self.cfg, done, self.steps)
 
     def next_drain(self, step: int) -> int:
+        if self.drain_at is not None:
+            return max(step, self.drain_at - 1)
         t = step
         while not self.drains_after(t + 1):
             t += 1

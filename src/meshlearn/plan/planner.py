@@ -17,7 +17,8 @@ import time
 from meshlearn.config import RunConfig
 from meshlearn.mesh.compute import DEVICE_MEMORY_GB, DEVICES
 from meshlearn.plan.methods import given_label, methods, replace, subspace_rank
-from meshlearn.plan.steady import Prediction, predict, steady, with_gains
+from meshlearn.plan.parallel import run_all
+from meshlearn.plan.steady import Prediction, doublings, with_gains
 
 SWEEP_MBIT = (25.0, 100.0, 400.0, 1600.0)
 MASK_KEEP = (0.05,)
@@ -71,10 +72,10 @@ def describe(cfg: RunConfig) -> dict:
 
 
 def plan(cfg: RunConfig, rank: int = 0, keeps: tuple[float, ...] = MASK_KEEP,
-         sweep: tuple[float, ...] = SWEEP_MBIT) -> dict:
-    """The planner's whole answer as a JSON-able object."""
+         sweep: tuple[float, ...] = SWEEP_MBIT, processes: int = 1) -> dict:
+    """The planner's whole answer as a JSON-able object; its simulations run on ``processes``
+    processes (``plan.parallel``: the same numbers whatever the count)."""
     started = time.perf_counter()
-    given = with_gains(cfg, predict(cfg))
     notes = ["mask rows: the planner's stand-in for the mask codec (plan.mask: round(keep·d) "
              "values per token in codec.wire_dtype, no indices); the anchor circuit is not modelled"]
     for key, on in [("verify.name", cfg.verify.name != "none"), ("warmup.enabled", cfg.warmup.enabled),
@@ -83,9 +84,19 @@ def plan(cfg: RunConfig, rank: int = 0, keeps: tuple[float, ...] = MASK_KEEP,
             notes.append(f"{key}: not modelled by the planner (its time is not in these numbers)")
     variants, skipped = methods(cfg, subspace_rank(cfg, rank), keeps)
     notes += [f"skipped {s}" for s in skipped]
-    rows = [row(v.label, v.cfg, with_gains(v.cfg, steady(v.cfg, v.mask_keep), v.mask_keep))
+    jobs = [("predict", cfg, None)] + [("steady", c, None) for c in doublings(cfg).values()]
+    for v in variants:
+        jobs += [("steady", c, v.mask_keep) for c in (v.cfg, *doublings(v.cfg).values())]
+        jobs += [("steady", with_bandwidth(v.cfg, mbit), v.mask_keep) for mbit in sweep]
+    done = run_all(jobs, processes)
+
+    def lookup(c: RunConfig, keep: float | None) -> Prediction:
+        return done[("steady", c, keep)]
+
+    given = with_gains(cfg, done[("predict", cfg, None)], lookup=lookup)
+    rows = [row(v.label, v.cfg, with_gains(v.cfg, lookup(v.cfg, v.mask_keep), v.mask_keep, lookup))
             for v in variants]
-    curves = {v.label: [steady(with_bandwidth(v.cfg, mbit), v.mask_keep).tokens_per_s for mbit in sweep]
+    curves = {v.label: [lookup(with_bandwidth(v.cfg, mbit), v.mask_keep).tokens_per_s for mbit in sweep]
               for v in variants}
     given_row = row(given_label(cfg), cfg, given)
     given_row["steady_tokens_per_s"] = given_row["tokens_per_s"]
@@ -96,7 +107,8 @@ def plan(cfg: RunConfig, rank: int = 0, keeps: tuple[float, ...] = MASK_KEEP,
             "methods": rows,
             "sweep": {"bandwidth_mbit": list(sweep), "tokens_per_s": curves,
                       "pp": {v.label: v.pp for v in variants}},
-            "notes": notes, "planner_s": time.perf_counter() - started}
+            "notes": notes, "planner_s": time.perf_counter() - started,
+            "simulations": len(set(jobs)), "processes": processes}
 
 
 __all__ = ["plan", "with_bandwidth"]

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshlearn.config import RunConfig
@@ -33,6 +34,8 @@ from meshlearn.plan.memory import WorkerMemory, largest
 from meshlearn.train.assemble import pipeline_in_flight
 
 RESOURCES = ("compute", "PP link", "DP link", "latency")
+MAX_STEPS = 64  # steps the steady-state search measures at most (``measure``)
+FAR = 10**9  # a drain point no measurement reaches
 
 
 @dataclass(frozen=True)
@@ -102,39 +105,81 @@ def _facts(cfg: RunConfig, run: CostRun) -> dict:
             "in_flight_peak": max(w.in_flight_peak for w in run.workers.values())}
 
 
+def period(durations: list[float], unit: int) -> int | None:
+    """The shortest p (a multiple of ``unit``) with which the last 2p steps' virtual durations
+    repeat (to 1e-9: differences of a clock that only grows). None: no such p yet. Bytes are
+    not compared: a message sent near a step's end is counted in either step."""
+    n = len(durations)
+    for p in range(unit, n // 2 + 1, unit):
+        if all(math.isclose(durations[-k], durations[-k - p], rel_tol=1e-9, abs_tol=1e-12)
+               for k in range(1, p + 1)):
+            return p
+    return None
+
+
+def measure(run: CostRun, h: Horizon) -> Window:
+    """The steady state: after the fill, step until the steps repeat (``period``) and measure one
+    whole period. The horizon's window alone is not enough: a pipeline deeper than a step's
+    microbatches (P > M) finishes its steps in a pattern that repeats every few steps (32 stages
+    of 8 microbatches: every 4), and a window of one pattern's first steps is not its mean. Past
+    ``MAX_STEPS`` without a repeat, the mean over the latest whole windows."""
+    marks = [run.run(h.warm)]
+    durations: list[float] = []
+    while True:
+        marks.append(run.run(1))
+        durations.append(marks[-1].sim_s - marks[-2].sim_s)
+        p = period(durations, h.window)
+        if p is None and len(durations) >= MAX_STEPS:
+            p = len(durations) // 2 // h.window * h.window
+        if p is not None:
+            return run.window(marks[-1 - p], marks[-1])
+
+
 @functools.lru_cache(maxsize=512)
 def steady(cfg: RunConfig, mask_keep: float | None = None) -> Prediction:
     """The steady state between drain points (a method row, a point of the sweep, a doubled
     resource); remembered per configuration, as rows, sweeps and doublings often coincide."""
     h = horizon(cfg)
-    run = CostRun(cfg, h.steps, drain_at=h.steps, mask_keep=mask_keep)  # the drain comes later
-    start = run.run(h.warm)
-    window = run.window(start, run.run(h.window))
-    return Prediction(window.tokens_per_s, window.tokens_per_s, window, 0.0, False,
-                      h.warm + h.window, **_facts(cfg, run))
+    run = CostRun(cfg, FAR, drain_at=FAR, mask_keep=mask_keep)  # the drain comes later
+    window = measure(run, h)
+    return Prediction(window.tokens_per_s, window.tokens_per_s, window, 0.0, False, run.done,
+                      **_facts(cfg, run))
 
 
 def predict(cfg: RunConfig, mask_keep: float | None = None) -> Prediction:
     """Tokens/s of ``cfg``'s whole run, and its steady state, from the shortest simulation that
-    shows them."""
+    shows them: one segment of the fill, the steps ``measure`` needed to see the steady
+    state, and the drain; its time beyond the steady steps is the overhead of every segment."""
     h, steps = horizon(cfg), cfg.train.steps
     if steps <= h.steps:
         run, window = simulate(cfg, steps, mask_keep)
         return Prediction(window.tokens_per_s, window.tokens_per_s, window, 0.0, True, steps,
                           **_facts(cfg, run))
-    run = CostRun(cfg, h.steps, drain_at=h.steps, mask_keep=mask_keep)
-    start = run.run(h.warm)
-    window = run.window(start, run.run(h.window))
-    period = window.sim_s / window.steps
-    overhead = run.run(h.tail).sim_s - h.steps * period
-    simulated = h.steps
+    run = CostRun(cfg, FAR, drain_at=FAR, mask_keep=mask_keep)
+    window = measure(run, h)
+    measured, segment = run.done, run.done + h.tail
+    if steps <= segment:  # shorter than the segment that shows the steady state
+        run, whole = simulate(cfg, steps, mask_keep)
+        return Prediction(whole.tokens_per_s, window.tokens_per_s, window, 0.0, True, steps,
+                          **_facts(cfg, run))
+    period_s = window.sim_s / window.steps
+    # The drain moves to ``segment``. Exact while nothing past it has been fed yet (the feed
+    # reaches ``tail`` steps ahead); else the segment is simulated again with its drain.
+    run.source.drain_at = segment
+    simulated = segment
+    if run.driver.fed >= segment:
+        run = CostRun(cfg, segment, drain_at=segment, mask_keep=mask_keep)
+        run.run(measured)
+        simulated += measured
+    overhead = run.run(h.tail).sim_s - segment * period_s
+    fill = measured - window.steps + h.tail  # steps outside the steady state in a segment
     if cfg.mesh.schedule != "async":  # every step drains: a drain point adds nothing
-        total_s = overhead + steps * period
+        total_s = overhead + steps * period_s
     else:
         total_s = 0.0
         for length, count in segment_lengths(cfg).items():
-            if length >= h.warm + h.tail:
-                total_s += count * (overhead + length * period)
+            if length >= fill:
+                total_s += count * (overhead + length * period_s)
             else:  # too short to reach the steady state: simulated as it is
                 short = CostRun(cfg, length, drain_at=length, mask_keep=mask_keep)
                 total_s += count * short.run(length).sim_s
@@ -162,11 +207,19 @@ def doubled(cfg: RunConfig, resource: str) -> RunConfig:
                                links=dataclasses.replace(links, pp_latency_ms=pp / 2, dp_latency_ms=dp / 2))
 
 
-def with_gains(cfg: RunConfig, p: Prediction, mask_keep: float | None = None) -> Prediction:
-    """``p`` with the steady-state gain of doubling each resource (DP only when D > 1)."""
+def doublings(cfg: RunConfig) -> dict[str, RunConfig]:
+    """``cfg`` with each resource doubled (DP only when D > 1): the runs ``with_gains`` needs."""
+    return {resource: doubled(cfg, resource) for resource in RESOURCES
+            if resource != "DP link" or cfg.mesh.replicas > 1}
+
+
+def with_gains(cfg: RunConfig, p: Prediction, mask_keep: float | None = None,
+               lookup: Callable[[RunConfig, float | None], Prediction] = steady) -> Prediction:
+    """``p`` with the steady-state gain of doubling each resource (DP only when D > 1);
+    ``lookup``: where the doubled runs' predictions come from (``steady`` unless already run)."""
     base = p.steady_tokens_per_s
-    gains = {resource: steady(doubled(cfg, resource), mask_keep).steady_tokens_per_s / base
-             for resource in RESOURCES if resource != "DP link" or cfg.mesh.replicas > 1}
+    gains = {resource: lookup(c, mask_keep).steady_tokens_per_s / base
+             for resource, c in doublings(cfg).items()}
     best = max(gains, key=gains.get)
     binds = best if gains[best] >= 1.05 else "none"
     w = p.window
@@ -176,4 +229,5 @@ def with_gains(cfg: RunConfig, p: Prediction, mask_keep: float | None = None) ->
     return dataclasses.replace(p, gains=gains, binds=binds)
 
 
-__all__ = ["Horizon", "Prediction", "horizon", "predict", "segment_lengths", "steady", "with_gains"]
+__all__ = ["Horizon", "Prediction", "doublings", "horizon", "measure", "period", "predict", "segment_lengths",
+           "steady", "with_gains"]

@@ -55,8 +55,9 @@ def format_table(result: dict) -> str:
               "doubling gains 5%); oversubscribed: a link handed more bytes than it can send, "
               "whose queue grows for as long as the run lasts (no steady state).")
     notes = "\n".join(f"note: {n}" for n in result["notes"])
-    return header(result) + "\n" + body + "\n" + legend + ("\n\n" + notes if notes else "") + \
-        f"\nplanner: {result['planner_s']:.1f} s"
+    processes = f"{result['processes']} process{'es' if result['processes'] > 1 else ''}"
+    timing = f"\nplanner: {result['planner_s']:.1f} s ({result['simulations']} simulations on {processes})"
+    return header(result) + "\n" + body + "\n" + legend + ("\n\n" + notes if notes else "") + timing
 
 
 def write_plot(result: dict, path: Path) -> Path:
