@@ -83,9 +83,11 @@ def more_noise(stream: Stream) -> None:
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
-@pytest.mark.parametrize("change", [scale_up(1.1), scale_up(2.0), more_noise], ids=["x1.1", "x2", "noise"])
+@pytest.mark.parametrize("change", [scale_up(1.1), scale_up(2.0), more_noise, scale_up(1000.0)],
+                         ids=["x1.1", "x2", "noise", "x1000"])
 def test_all_senders_driven_out_of_the_fence_resume_within_the_bound(replicas, change):
-    """The documented bound: at most lock_steps + 1 consecutive steps with a majority flagged."""
+    """The documented bound: at most lock_steps + 1 consecutive steps with a majority flagged.
+    ×1000 is past the norm check's ratio (100): every message fails a sanity check, not a fence."""
     cfg = VerifyConfig()
     shares, outcomes = locked_run(replicas, change)
     assert longest_majority_flagged(shares) <= cfg.lock_steps + 1
@@ -98,6 +100,14 @@ def test_without_rewarm_the_same_change_locks_the_boundary_for_good():
     """The failure mode the bound removes (lock_steps too large to ever re-warm)."""
     shares, _ = locked_run(3, more_noise, lock_steps=10_000)
     assert longest_majority_flagged(shares) >= 25 and min(shares[-10:]) > 0.5
+
+
+def test_without_renorm_a_norm_change_of_every_sender_locks_the_boundary_for_good(monkeypatch):
+    """The norm lock found at 2 replicas (a bias attack begun in warm-up grew stage 1's
+    activations past the ratio): only accepted norms update the median, so it never moved again."""
+    monkeypatch.setattr(Sentinel, "_stale_norms", staticmethod(lambda scored: set()))
+    shares, _ = locked_run(2, scale_up(1000.0))
+    assert min(shares[31:]) == 1.0
 
 
 def test_rewarm_recalibrates_and_still_catches_a_gross_attack_afterwards():

@@ -106,6 +106,7 @@ class BoundaryVerifier:
         self.pending: dict[int, list[tuple[tuple[int, int], Summary, dict[str, float], float]]] = {}
         self.rejected: dict[int, list[tuple[tuple[int, int], Summary]]] = {}
         self.gains: dict[int, list[tuple[bool, float]]] = {}
+        self.off_norms: dict[int, list[float]] = {}  # norms of messages the norm check refused
 
     def view(self) -> View:
         """The live state, frozen (what ``check`` reads when it is given no view)."""
@@ -179,8 +180,11 @@ class BoundaryVerifier:
             self.gains.setdefault(step, []).append((True, gain))
 
     def reject(self, order: tuple[int, int], summary: Summary | None, gain: float | None = None,
-               step: int = 0) -> None:
-        """A flagged message: kept aside only in case its step's reference turns out stale."""
+               step: int = 0, off_norm: float | None = None) -> None:
+        """A flagged message: kept aside only in case its step's reference (or, ``off_norm``: the
+        norm of a message the norm check refused, its norm median) turns out stale."""
+        if off_norm is not None:
+            self.off_norms.setdefault(step, []).append(off_norm)
         if summary is not None:
             self.rejected.setdefault(step, []).append((order, summary))
         if gain is not None:
@@ -194,6 +198,7 @@ class BoundaryVerifier:
             out[0].extend(self.pending.pop(t, []))
             out[1].extend(self.rejected.pop(t, []))
             out[2].extend(self.gains.pop(t, []))
+            self.off_norms.pop(t, None)
         return out
 
     def commit(self, step: int | None = None) -> None:
@@ -220,6 +225,17 @@ class BoundaryVerifier:
             gain, weight = statistics.median(accepted_gains), self.beta ** len(accepted_gains)
             self.gain_reference = gain if self.gain_reference is None else \
                 weight * self.gain_reference + (1 - weight) * gain
+        self._close_step()
+
+    def renorm(self, step: int) -> None:
+        """The norm check refused a majority of the senders in step ``step``: every norm moved
+        together (a regime change: activations that grew a hundredfold), so the median restarts
+        from that step's refused norms; its accepted ones join at ``commit``. Without it the median
+        never moves again (only accepted norms update it) and the boundary refuses everything for
+        good: measured at 2 replicas, a bias attack begun inside the warm-up grew stage 1's
+        activations past the ratio and every one of them was dropped for the remaining 72 steps."""
+        self.norms.clear()
+        self.norms.extend(self.off_norms.pop(step, []))
         self._close_step()
 
     def rebase(self, step: int | None = None) -> None:

@@ -239,6 +239,8 @@ class Sentinel:
         decisions = [d for d in self.decisions if d.step == step]
         self.decisions = [d for d in self.decisions if d.step != step]
         stale, voided, fired = self._stale_references(scored) if self.cfg.majority_rebase else ({}, set(), {})
+        for key in self._stale_norms(scored):
+            self.verifiers[key].renorm(step)
         rewarmed = []
         # Boundaries that scored nothing this step (every microbatch dropped before reaching them)
         # while another was mostly flagged: the regime change that stales one boundary's state
@@ -346,7 +348,8 @@ class Sentinel:
                                       (boundary, message.kind), flagged, reason, suspicion, decision,
                                       provisional=reason == "suspended" or action == "warmup"))
         if flagged:
-            verifier.reject(order, summary, verdict.gain, step=message.step)
+            verifier.reject(order, summary, verdict.gain, step=message.step,
+                            off_norm=verdict.norm if verdict.sanity == "norm" else None)
             return self._quarantine(message, view, values, key)
         verifier.accept(order, tuple(values.shape), summary, verdict.distances, verdict.norm, verdict.gain,
                         step=message.step)
@@ -381,6 +384,18 @@ class Sentinel:
         stale = {key: by_sender for key, by_sender in senders.items()
                  if len(by_sender) >= 2 and 2 * sum(by_sender.values()) > len(by_sender)}
         return stale, {key for key in stale if len(senders[key]) >= 3}, fired
+
+    @staticmethod
+    def _stale_norms(scored: list[Scored]) -> set[tuple[int, str]]:
+        """Verifiers where the norm check refused a message of a strict majority of (2 or more)
+        senders this step: the norm median went stale, not the senders (``BoundaryVerifier.renorm``).
+        With 2 senders an attacker alone cannot cause it (the honest one must be refused too)."""
+        senders: dict[tuple[int, str], dict[WorkerId, bool]] = {}
+        for e in scored:
+            by_sender = senders.setdefault(e.verifier, {})
+            by_sender[e.src] = by_sender.get(e.src, False) or e.reason == "norm"
+        return {key for key, by_sender in senders.items()
+                if len(by_sender) >= 2 and 2 * sum(by_sender.values()) > len(by_sender)}
 
     def _quarantine(self, message: Message, view: View, values: torch.Tensor,
                     key: tuple[int, int, int]) -> tuple[Message, torch.Tensor | None]:
