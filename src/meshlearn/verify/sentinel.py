@@ -280,13 +280,16 @@ class Sentinel:
         attribute(scored, self.mesh.stages, self.cfg.explain_level)
         peer_excess(scored)
         bans, alerts = self.ledger.enter(step, scored, voided)
-        outliers = self._peer_outliers(scored) if self.cfg.warmup_suspend else {}
+        # Only while a later message can still be warm (its view before the warm-up's last step):
+        # after that the fences take over and the peer check would be wasted work.
+        warming = self.cfg.warmup_suspend and step < self.cfg.warmup_steps - 1
+        outliers = self._peer_outliers(scored) if warming else {}
         self.suspended = frozenset(outliers)
         self.suspended_steps = {w: self.suspended_steps.get(w, 0) + 1 for w in outliers}
         for wid, (boundary, kind) in sorted(outliers.items()):
             # Standing out from its peers for ``strikes`` warm-up steps in a row is a ban: the
             # evidence is one sender against the honest majority, not a fence still uncalibrated.
-            if (self.cfg.ban and step < self.cfg.warmup_steps and wid not in self.banned
+            if (self.cfg.ban and wid not in self.banned
                     and self.suspended_steps[wid] >= self.cfg.strikes):
                 ban, alert = self.ledger.decide(wid, step, self.suspended_steps[wid], "peers",
                                                 f"s{boundary}|s{boundary + 1}", kind)
