@@ -3,6 +3,8 @@ robust fences, and symmetric corruptions seen where they happen. Synthetic strea
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -268,7 +270,7 @@ def peer(src: WorkerId, kind: str, mb: int, excess: float) -> Scored:
     decision = Decision(5, mb, kind, src, src, "warmup")
     boundary = src.stage if kind == "act" else src.stage - 1
     return Scored(src, mb, kind, (boundary, kind), False, "", excess, decision, excess=excess,
-                  provisional=True)
+                  provisional=True, open_fences=True)
 
 
 def test_warm_up_suspension_takes_senders_that_stand_out_on_every_message_and_no_one_else():
@@ -282,6 +284,8 @@ def test_warm_up_suspension_takes_senders_that_stand_out_on_every_message_and_no
     entries += [peer(noisy, "act", mb, 4.0 if mb < 2 else 0.1) for mb in range(4)]
     entries += [peer(WorkerId(r, 0), "act", mb, 5.0 if r == 3 else 0.0) for r in range(4) for mb in range(4)]
     assert set(s._peer_outliers(entries)) == {attacker}
+    # Where every fence is closed the fences decide: the same messages suspend nobody.
+    assert s._peer_outliers([dataclasses.replace(e, open_fences=False) for e in entries]) == {}
     two = [peer(WorkerId(r, 1), "act", mb, 2.0 + r) for r in (1, 2) for mb in range(4)]
     assert set(s._peer_outliers(two)) == {WorkerId(2, 1)}  # budget 1 at 4 replicas: the larger excess
     pair = sentinel(MeshShape(replicas=2, stages=4))
@@ -358,7 +362,7 @@ def test_symmetric_corruptions_are_flagged_at_their_own_message_and_banned(name)
     for pairs in ("coh,gain", ""):
         s, gen = sentinel(mesh, pair_metrics=pairs), torch.Generator().manual_seed(0)
         flags = {}
-        for step in range(24):
+        for step in range(25):  # 3 attack steps: statistical flags make one strike per step
             residual_step(s, mesh, step, gen,
                           lambda kind, wid, x, step=step: corrupt(kind, x) if step >= 22 and wid == ATTACKER
                           else x)
