@@ -129,8 +129,9 @@ class Sentinel:
         self.closed = -1
         self.views: dict[int, dict[tuple[int, str], View]] = {}
         # Suspensions while fences are open (``verify.warmup_suspend``: the warm-up and every
-        # re-warm-up): senders that stood out from their peers in a closed step, quarantined without strikes until they no longer do. Keyed like
-        # ``views``: the set as it stood after step t closed.
+        # re-warm-up): senders that stood out from their peers in a closed step, quarantined
+        # without strikes until they no longer do. Keyed like ``views``: the set as it stood
+        # after step t closed.
         self.suspended: frozenset[WorkerId] = frozenset()
         self.suspensions: dict[int, frozenset[WorkerId]] = {}
         self.suspended_steps: dict[WorkerId, int] = {}  # consecutive open-fence steps standing out
@@ -180,22 +181,22 @@ class Sentinel:
         return self.suspensions[self.view_step(step)]
 
     def _peer_outliers(self, scored: list[Scored]) -> dict[WorkerId, tuple[int, str]]:
-        """Senders all of whose messages on some boundary and direction with open fences (the
-        warm-up, or a re-warm-up there) stood out from their peers' in this step: each one's excess (``peer_excess``) at least ``verify.ban_margin``
-        fence-widths, leaving out messages explained by an earlier message of their chain that
-        stood out in the same way (the honest worker downstream of an attacker). The comparison is
-        among messages of one step, so it holds while every distance still trends (the early
-        steps, where a window's fence is far too wide to see an attack); "all" because an honest
-        worker's excess is large on a microbatch or two at most (measured on the demo: attackers'
-        smallest excess 2.2, honest ones' below 1). At most the threat model's minority of a stage
-        (the largest), never the stages assumed honest. Each with the boundary and direction
-        where it stood out most."""
+        """Senders all of whose messages on some boundary and direction with open fences (the warm-up,
+        or a re-warm-up there) stood out from their peers' in this step: each one's excess
+        (``peer_excess``) at least ``verify.ban_margin`` fence-widths, leaving out messages explained
+        by an earlier message of their chain that stood out in the same way (the honest worker
+        downstream of an attacker). The comparison is among messages of one step, so it holds while
+        every distance still trends (the early steps, where a window's fence is far too wide to see an
+        attack); "all" because an honest worker's excess is large on a microbatch or two at most
+        (measured on the demo: attackers' smallest excess 2.2, honest ones' below 1). At most the
+        threat model's minority of a stage (the largest), never the stages assumed honest. Each with
+        the boundary and direction where it stood out most."""
         margin = self.cfg.ban_margin
         explained = upstream_suspects(scored, self.mesh.stages, lambda p: p.excess >= margin)
         excesses: dict[tuple[WorkerId, tuple[int, str]], list[float]] = {}
         for e in scored:
-            if (e.open_fences and e.reason not in SANITY and e.reason != "banned" and e.suspicion != float("inf")
-                    and id(e) not in explained):
+            if (e.open_fences and e.reason not in SANITY and e.reason != "banned"
+                    and e.suspicion != float("inf") and id(e) not in explained):
                 excesses.setdefault((e.src, e.verifier), []).append(e.excess)
         standing_out: dict[WorkerId, tuple[float, tuple[int, str]]] = {}
         for (src, verifier), values in sorted(excesses.items()):

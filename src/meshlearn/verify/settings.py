@@ -35,18 +35,17 @@ class VerifyConfig:
     demo with 50: most false flags of a clean run fell in the 30 steps after warm-up, while the
     loss still falls fast."""
     warmup_suspend: bool = True
-    """While fences are open (the warm-up, and a boundary's re-warm-up), a sender whose messages on
-    such a boundary all stand out from its peers' in the same step (excess ≥ ``ban_margin`` fence-widths; at most a minority of a stage, never
-    the first or last) is suspended: its messages of the next step are quarantined, without strikes,
-    and kept out of the windows, until a step in which it no longer stands out; suspended for
-    ``strikes`` steps in a row, it is banned (within ``ban_budget``). The windows' own
-    fences cannot do this: early distances trend so fast that a fence on them is far too wide.
-    Without it, an attack begun inside the warm-up runs unchecked until the fences open, and its
-    values in the windows lift the calibrated fence (measured on the demo at 4 replicas: bias from
-    step 21 of a 40-step warm-up, banned 25 steps after the fences opened, +0.71 nats against the
-    clean run; and a drift begun after warm-up that set off a re-warm-up was accepted through
-    it, then banned 26 steps after it began, +0.07). At 2 replicas there is no honest majority to
-    compare with: nobody is suspended."""
+    """While fences are open (the warm-up, and a boundary's re-warm-up), a sender whose messages on such a
+    boundary all stand out from its peers' in the same step (excess ≥ ``ban_margin`` fence-widths; at most a
+    minority of a stage, never the first or last) is suspended: its messages of the next step are quarantined,
+    without strikes, and kept out of the windows, until a step in which it no longer stands out; suspended for
+    ``strikes`` steps in a row, it is banned (within ``ban_budget``). The windows' own fences cannot do this:
+    early distances trend so fast that a fence on them is far too wide. Without it, an attack begun inside the
+    warm-up runs unchecked until the fences open, and its values in the windows lift the calibrated fence
+    (measured on the demo at 4 replicas: bias from step 21 of a 40-step warm-up, banned 25 steps after the
+    fences opened, +0.71 nats against the clean run; and a drift begun after warm-up that set off a re-warm-up
+    was accepted through it, then banned 26 steps after it began, +0.07). At 2 replicas there is no honest
+    majority to compare with: nobody is suspended."""
     beta_act: float = 0.9
     """EMA factor of the forward-activation reference, per accepted message (paper: 0.9)."""
     beta_grad: float = 0.8
