@@ -297,7 +297,9 @@ def main() -> None:
     parser.add_argument("--observe", choices=("all", "none"), default="all",
                         help="also train each attack flag-only (verify.ban=false) to score the detector "
                              "per message; wire forgeries never need it (receivers reject them)")
-    parser.add_argument("--only", default="", help="comma-separated attack labels to run (and no overhead)")
+    parser.add_argument("--only", default="",
+                        help="attack labels to run (and no overhead), comma-separated, or semicolon-"
+                             "separated when a label has a comma (\"permute, gradients only;zeros\")")
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
                         help="config override for every run (repeatable), e.g. codec.name=subspace")
     parser.add_argument("--tag", default="", help="suffix of the results files")
@@ -306,7 +308,7 @@ def main() -> None:
                              "and source (each run is kept there as it finishes, so an interrupted "
                              "bench resumes)")
     args = parser.parse_args()
-    only = [label.strip() for label in args.only.split(",") if label.strip()]
+    only = [label.strip() for label in args.only.split(";" if ";" in args.only else ",") if label.strip()]
     chosen = [name.strip() for name in args.harness.split(",") if name.strip()]
     unknown = [name for name in chosen if name not in HARNESSES]
     if unknown or not chosen:

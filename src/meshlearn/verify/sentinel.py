@@ -128,12 +128,13 @@ class Sentinel:
         self.synced = 0
         self.closed = -1
         self.views: dict[int, dict[tuple[int, str], View]] = {}
-        # The warm-up's suspensions (``verify.warmup_suspend``): senders that stood out from their
-        # peers in a closed step, quarantined without strikes until they no longer do. Keyed like
-        # ``views``: the set as it stood after step t closed.
+        # Suspensions while fences are open (``verify.warmup_suspend``: the warm-up and every
+        # re-warm-up): senders that stood out from their peers in a closed step, quarantined
+        # without strikes until they no longer do. Keyed like ``views``: the set as it stood
+        # after step t closed.
         self.suspended: frozenset[WorkerId] = frozenset()
         self.suspensions: dict[int, frozenset[WorkerId]] = {}
-        self.suspended_steps: dict[WorkerId, int] = {}  # consecutive warm-up steps standing out
+        self.suspended_steps: dict[WorkerId, int] = {}  # consecutive open-fence steps standing out
 
     # the ledger's state, under the names the trust layer and older callers use
     @property
@@ -180,22 +181,22 @@ class Sentinel:
         return self.suspensions[self.view_step(step)]
 
     def _peer_outliers(self, scored: list[Scored]) -> dict[WorkerId, tuple[int, str]]:
-        """Senders all of whose messages on some boundary and direction stood out from their peers'
-        in this step: each one's excess (``peer_excess``) at least ``verify.ban_margin``
-        fence-widths, leaving out messages explained by an earlier message of their chain that
-        stood out in the same way (the honest worker downstream of an attacker). The comparison is
-        among messages of one step, so it holds while every distance still trends (the early
-        steps, where a window's fence is far too wide to see an attack); "all" because an honest
-        worker's excess is large on a microbatch or two at most (measured on the demo: attackers'
-        smallest excess 2.2, honest ones' below 1). At most the threat model's minority of a stage
-        (the largest), never the stages assumed honest. Each with the boundary and direction
-        where it stood out most."""
+        """Senders all of whose messages on some boundary and direction with open fences (the warm-up,
+        or a re-warm-up there) stood out from their peers' in this step: each one's excess
+        (``peer_excess``) at least ``verify.ban_margin`` fence-widths, leaving out messages explained
+        by an earlier message of their chain that stood out in the same way (the honest worker
+        downstream of an attacker). The comparison is among messages of one step, so it holds while
+        every distance still trends (the early steps, where a window's fence is far too wide to see an
+        attack); "all" because an honest worker's excess is large on a microbatch or two at most
+        (measured on the demo: attackers' smallest excess 2.2, honest ones' below 1). At most the
+        threat model's minority of a stage (the largest), never the stages assumed honest. Each with
+        the boundary and direction where it stood out most."""
         margin = self.cfg.ban_margin
         explained = upstream_suspects(scored, self.mesh.stages, lambda p: p.excess >= margin)
         excesses: dict[tuple[WorkerId, tuple[int, str]], list[float]] = {}
         for e in scored:
-            if (e.reason not in SANITY and e.reason != "banned" and e.suspicion != float("inf")
-                    and id(e) not in explained):
+            if (e.open_fences and e.reason not in SANITY and e.reason != "banned"
+                    and e.suspicion != float("inf") and id(e) not in explained):
                 excesses.setdefault((e.src, e.verifier), []).append(e.excess)
         standing_out: dict[WorkerId, tuple[float, tuple[int, str]]] = {}
         for (src, verifier), values in sorted(excesses.items()):
@@ -280,9 +281,9 @@ class Sentinel:
         attribute(scored, self.mesh.stages, self.cfg.explain_level)
         peer_excess(scored)
         bans, alerts = self.ledger.enter(step, scored, voided)
-        # Only while a later message can still be warm (its view before the warm-up's last step):
-        # after that the fences take over and the peer check would be wasted work.
-        warming = self.cfg.warmup_suspend and step < self.cfg.warmup_steps - 1
+        # Only while fences are open somewhere (the warm-up, a re-warm-up): elsewhere the fences
+        # decide and the peer check would be wasted work.
+        warming = self.cfg.warmup_suspend and any(e.open_fences for e in scored)
         outliers = self._peer_outliers(scored) if warming else {}
         self.suspended = frozenset(outliers)
         self.suspended_steps = {w: self.suspended_steps.get(w, 0) + 1 for w in outliers}
@@ -336,11 +337,12 @@ class Sentinel:
         # Fences open once the view is past warm-up (calibrated): under async, lag steps later.
         warm = (message.step < self.cfg.warmup_steps
                 or self.view_step(message.step) < self.cfg.warmup_steps - 1)
+        open_fences = warm or bool(view.rewarming)
         received = self.received.get((*key, message.kind, message.src.stage))
         verdict, summary = verifier.check(values, fences_on=not warm, received=received, view=view)
         flagged = verdict.flagged(self.cfg.min_metrics)
         reason = verdict.reason(view.thresholds) if flagged else ""
-        if warm and not flagged and message.src in self._suspended(message.step):
+        if open_fences and not flagged and message.src in self._suspended(message.step):
             flagged, reason = True, "suspended"
         action: Action = "flag" if flagged else ("warmup" if warm else "accept")
         decision = self._decide(message, action, reason, verdict.distances, view.thresholds)
@@ -349,7 +351,8 @@ class Sentinel:
             suspicion = float("inf") if verdict.sanity else verifier.score(verdict.distances, view)
             self.scored.append(Scored(message.src, message.microbatch, message.kind,
                                       (boundary, message.kind), flagged, reason, suspicion, decision,
-                                      provisional=reason == "suspended" or action == "warmup"))
+                                      provisional=reason == "suspended" or action == "warmup",
+                                      open_fences=open_fences))
         if flagged:
             verifier.reject(order, summary, verdict.gain, step=message.step,
                             off_norm=verdict.norm if verdict.sanity == "norm" else None)

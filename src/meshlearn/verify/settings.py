@@ -35,16 +35,17 @@ class VerifyConfig:
     demo with 50: most false flags of a clean run fell in the 30 steps after warm-up, while the
     loss still falls fast."""
     warmup_suspend: bool = True
-    """During warm-up, a sender whose messages on some boundary stand out from its peers' in the
-    same step (median excess ≥ ``ban_margin`` fence-widths; at most a minority of a stage, never
-    the first or last) is suspended: its messages of the next step are quarantined, without strikes,
-    and kept out of the windows, until a step in which it no longer stands out; suspended for
-    ``strikes`` steps in a row, it is banned (within ``ban_budget``). The windows' own
-    fences cannot do this: early distances trend so fast that a fence on them is far too wide.
-    Without it, an attack begun inside the warm-up runs unchecked until the fences open, and its
-    values in the windows lift the calibrated fence (measured on the demo at 4 replicas: bias from
-    step 21 of a 40-step warm-up, banned 25 steps after the fences opened, +0.71 nats against the
-    clean run). At 2 replicas there is no honest majority to compare with: nobody is suspended."""
+    """While fences are open (the warm-up, and a boundary's re-warm-up), a sender whose messages on such a
+    boundary all stand out from its peers' in the same step (excess ≥ ``ban_margin`` fence-widths; at most a
+    minority of a stage, never the first or last) is suspended: its messages of the next step are quarantined,
+    without strikes, and kept out of the windows, until a step in which it no longer stands out; suspended for
+    ``strikes`` steps in a row, it is banned (within ``ban_budget``). The windows' own fences cannot do this:
+    early distances trend so fast that a fence on them is far too wide. Without it, an attack begun inside the
+    warm-up runs unchecked until the fences open, and its values in the windows lift the calibrated fence
+    (measured on the demo at 4 replicas: bias from step 21 of a 40-step warm-up, banned 25 steps after the
+    fences opened, +0.71 nats against the clean run; and a drift begun after warm-up that set off a re-warm-up
+    was accepted through it, then banned 26 steps after it began, +0.07). At 2 replicas there is no honest
+    majority to compare with: nobody is suspended."""
     beta_act: float = 0.9
     """EMA factor of the forward-activation reference, per accepted message (paper: 0.9)."""
     beta_grad: float = 0.8
@@ -85,9 +86,12 @@ class VerifyConfig:
     window: int = 256
     """Accepted distances per metric kept for the fence (and message norms for the sanity check)."""
     strikes: int = 3
-    """Flags within a worker's last ``strike_history`` scored messages that ban it (1 = ban at once)."""
-    strike_history: int = 20
-    """Length of the per-worker history the strikes are counted in."""
+    """Strikes within a worker's last ``strike_history`` steps that ban it (1 = ban at once). A
+    strike is a pair-distance or sanity flag, or a step in which a strict majority of the worker's
+    messages on one boundary and direction were flagged by the statistical fences (one flag among
+    several honest messages is the heavy tail of honest gradients, not evidence)."""
+    strike_history: int = 10
+    """Steps of the per-worker history the strikes are counted in."""
     ban: bool = True
     """False keeps flagging and quarantining messages but never bans: the attacker keeps sending, so
     the detector is measured per message over a whole attack (the bench's message-level numbers)."""
