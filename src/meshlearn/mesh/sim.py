@@ -280,12 +280,7 @@ class SimDriver:
         for stage in sorted({w.stage for w in group} if _collective(self.workers[group[0]]) else ()):
             replicas = self.mesh.stage_replicas(stage)
             nbytes = self._average_gradients([self.workers[w] for w in replicas])
-            if len(replicas) > 1:
-                start = max(ready[w] for w in replicas)
-                step = self.waiting[replicas[0]].microbatch // self.workers[replicas[0]].microbatches
-                self._charge_allreduce(replicas, start, nbytes, step)
-                seconds = ring_allreduce_s(nbytes, len(replicas), self.network.link(*replicas[:2]).profile)
-                ready |= {w: start + seconds for w in replicas}
+            ready |= self._allreduce(replicas, ready, nbytes)
         if self.flushes:
             # Global-norm clipping needs every stage's norm: a scalar exchange, modeled as one latency.
             if _drifts(self.workers[group[0]]):  # replicas differ: each clips by its own norm
@@ -388,6 +383,19 @@ class SimDriver:
         self.clock.now[wid] = max(self.clock.now[wid], now)
         self._set_done(wid)
         self._try_start(wid, now)
+
+    def _allreduce(self, replicas: list[WorkerId], ready: dict[WorkerId, float],
+                   nbytes: int) -> dict[WorkerId, float]:
+        """One stage's ring all-reduce of ``nbytes``: it starts once every replica is ready, is
+        charged to the ring's links, and returns when each replica has the average (nothing for
+        one replica)."""
+        if len(replicas) == 1:
+            return {}
+        start = max(ready[w] for w in replicas)
+        step = self.waiting[replicas[0]].microbatch // self.workers[replicas[0]].microbatches
+        self._charge_allreduce(replicas, start, nbytes, step)
+        seconds = ring_allreduce_s(nbytes, len(replicas), self.network.link(*replicas[:2]).profile)
+        return {w: start + seconds for w in replicas}
 
     def _average_gradients(self, replicas: list[Worker]) -> int:
         """The built-in all-reduce's arithmetic; returns its fp32 bytes (CostSimDriver: bytes only)."""

@@ -8,6 +8,10 @@ formula: time is the virtual clock's, bytes are the links' counters, busy time t
 
 ``simulate(cfg, steps)`` is a whole run with the trainer's drain points (evaluation, checkpoints,
 basis updates, the end): what ``meshlearn train`` would report on the virtual clock.
+
+When the replicas are mirror images (``plan.mirror.mirrors``: symmetric links), only replica 0's
+row is simulated (``MirrorSimDriver``): the same numbers from 1/D of the events. ``mirror=False``
+simulates every replica (what the tests compare it with).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from meshlearn.mesh.worker import StepWork
 from meshlearn.models.split import build_stage
 from meshlearn.plan.cost_worker import CostSimDriver, CostWorker
 from meshlearn.plan.mask import MaskCostCodec
+from meshlearn.plan.mirror import MirrorSimDriver, mirrors
 from meshlearn.train.assemble import build_network, pipeline_in_flight
 
 
@@ -82,14 +87,15 @@ def dp_profile(network: Network, mesh: MeshShape, wid: WorkerId):
     return max(profiles, key=lambda p: (p.serialization_s(1 << 20) + p.latency_s))
 
 
-def build_cost_workers(cfg: RunConfig, network: Network,
-                       mask_keep: float | None = None) -> dict[WorkerId, CostWorker]:
+def build_cost_workers(cfg: RunConfig, network: Network, mask_keep: float | None = None,
+                       row: bool = False) -> dict[WorkerId, CostWorker]:
+    """Every worker of ``cfg``'s mesh (``row``: replica 0's only, each built for the whole mesh)."""
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
     codec = cost_codec(cfg, mask_keep)
     stages = meta_stages(cfg.model, mesh.stages)
     depths = pipeline_in_flight(cfg)
     workers = {}
-    for wid in mesh.workers():
+    for wid in MeshShape(1, mesh.stages).workers() if row else mesh.workers():
         optimizer = NoArithmetic(cfg.train.lr)
         plan = build_plan(cfg.mesh.schedule, wid.stage, mesh.stages, cfg.mesh.microbatches,
                           depths[wid.stage], cfg.mesh.update_every)
@@ -104,11 +110,12 @@ def build_cost_workers(cfg: RunConfig, network: Network,
 class CostSource:
     """The trainer's WorkSource without data: each step's microbatch sizes and its drain points.
     ``drain_at``: a single drain after that many steps instead of the configured ones (a
-    steady-state measurement); None: the trainer's drain points for a run of ``steps``."""
+    steady-state measurement); None: the trainer's drain points for a run of ``steps``.
+    ``row``: work for replica 0's row only (``plan.mirror``)."""
 
-    def __init__(self, cfg: RunConfig, steps: int, drain_at: int | None = None):
+    def __init__(self, cfg: RunConfig, steps: int, drain_at: int | None = None, row: bool = False):
         self.cfg, self.steps, self.drain_at = cfg, steps, drain_at
-        self.mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+        self.mesh = MeshShape(1 if row else cfg.mesh.replicas, cfg.mesh.stages)
         self.micro = cfg.train.batch_size // cfg.mesh.replicas // cfg.mesh.microbatches
 
     def drains_after(self, done: int) -> bool:
@@ -173,20 +180,23 @@ class Window:
 
 
 class CostRun:
-    """One cost-only simulation, stepped by the caller."""
+    """One cost-only simulation, stepped by the caller (``mirror``: one replica row when the
+    replicas are mirror images, see ``plan.mirror``)."""
 
     def __init__(self, cfg: RunConfig, steps: int, drain_at: int | None = None,
-                 mask_keep: float | None = None):
+                 mask_keep: float | None = None, mirror: bool = True):
         if cfg.sim.compute != "device":
             raise ValueError("sim.compute = 'measured' times real compute; the planner needs the "
                              "device model (sim.compute = device)")
         self.cfg = cfg
         self.mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
         network = build_network(cfg)
-        self.workers = build_cost_workers(cfg, network, mask_keep)
-        self.driver = CostSimDriver(self.mesh, self.workers, network, ComputeModel(cfg.sim, cfg.model),
-                                    cfg.train.grad_clip)
-        self.source = CostSource(cfg, steps, drain_at)
+        self.mirrored = mirror and mirrors(cfg)
+        self.workers = build_cost_workers(cfg, network, mask_keep, row=self.mirrored)
+        driver = MirrorSimDriver if self.mirrored else CostSimDriver
+        self.driver = driver(self.mesh, self.workers, network, ComputeModel(cfg.sim, cfg.model),
+                             cfg.train.grad_clip)
+        self.source = CostSource(cfg, steps, drain_at, row=self.mirrored)
         self.done = 0
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
 
@@ -201,7 +211,7 @@ class CostRun:
         return Counters(self.done, self.driver.clock.step_end, dict(self.driver.clock.busy_s),
                         {k: link.busy_s for k, link in links.items()},
                         {k: link.axis for k, link in links.items()},
-                        self.driver.network.bytes_on_axis("pp"), self.driver.network.bytes_on_axis("dp"))
+                        self.driver.bytes_on_axis("pp"), self.driver.bytes_on_axis("dp"))
 
     def window(self, a: Counters, b: Counters) -> Window:
         seconds = b.sim_s - a.sim_s
@@ -215,10 +225,11 @@ class CostRun:
                       1.0 - sum(busy.values()) / (len(busy) * seconds))
 
 
-def simulate(cfg: RunConfig, steps: int, mask_keep: float | None = None) -> tuple[CostRun, Window]:
+def simulate(cfg: RunConfig, steps: int, mask_keep: float | None = None,
+             mirror: bool = True) -> tuple[CostRun, Window]:
     """A whole run of ``steps`` steps of ``cfg`` with its drain points, in cost-only mode."""
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
-    run = CostRun(cfg, steps, mask_keep=mask_keep)
+    run = CostRun(cfg, steps, mask_keep=mask_keep, mirror=mirror)
     start = run.counters()
     return run, run.window(start, run.run(steps))
 

@@ -104,3 +104,7 @@ class CostSimDriver(SimDriver):
 
     def _average_gradients(self, replicas: list[Worker]) -> int:
         return replicas[0].trainable_bytes
+
+    def bytes_on_axis(self, axis: str) -> int:
+        """Bytes the mesh's links sent on ``axis`` (``plan.mirror``: from one row's)."""
+        return self.network.bytes_on_axis(axis)

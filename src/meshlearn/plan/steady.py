@@ -136,30 +136,31 @@ def measure(run: CostRun, h: Horizon) -> Window:
 
 
 @functools.lru_cache(maxsize=512)
-def steady(cfg: RunConfig, mask_keep: float | None = None) -> Prediction:
+def steady(cfg: RunConfig, mask_keep: float | None = None, mirror: bool = True) -> Prediction:
     """The steady state between drain points (a method row, a point of the sweep, a doubled
-    resource); remembered per configuration, as rows, sweeps and doublings often coincide."""
+    resource); remembered per configuration, as rows, sweeps and doublings often coincide.
+    ``mirror``: one replica row when the replicas are mirror images (``plan.mirror``)."""
     h = horizon(cfg)
-    run = CostRun(cfg, FAR, drain_at=FAR, mask_keep=mask_keep)  # the drain comes later
+    run = CostRun(cfg, FAR, drain_at=FAR, mask_keep=mask_keep, mirror=mirror)  # the drain comes later
     window = measure(run, h)
     return Prediction(window.tokens_per_s, window.tokens_per_s, window, 0.0, False, run.done,
                       **_facts(cfg, run))
 
 
-def predict(cfg: RunConfig, mask_keep: float | None = None) -> Prediction:
+def predict(cfg: RunConfig, mask_keep: float | None = None, mirror: bool = True) -> Prediction:
     """Tokens/s of ``cfg``'s whole run, and its steady state, from the shortest simulation that
     shows them: one segment of the fill, the steps ``measure`` needed to see the steady
     state, and the drain; its time beyond the steady steps is the overhead of every segment."""
     h, steps = horizon(cfg), cfg.train.steps
     if steps <= h.steps:
-        run, window = simulate(cfg, steps, mask_keep)
+        run, window = simulate(cfg, steps, mask_keep, mirror)
         return Prediction(window.tokens_per_s, window.tokens_per_s, window, 0.0, True, steps,
                           **_facts(cfg, run))
-    run = CostRun(cfg, FAR, drain_at=FAR, mask_keep=mask_keep)
+    run = CostRun(cfg, FAR, drain_at=FAR, mask_keep=mask_keep, mirror=mirror)
     window = measure(run, h)
     measured, segment = run.done, run.done + h.tail
     if steps <= segment:  # shorter than the segment that shows the steady state
-        run, whole = simulate(cfg, steps, mask_keep)
+        run, whole = simulate(cfg, steps, mask_keep, mirror)
         return Prediction(whole.tokens_per_s, window.tokens_per_s, window, 0.0, True, steps,
                           **_facts(cfg, run))
     period_s = window.sim_s / window.steps
@@ -168,7 +169,7 @@ def predict(cfg: RunConfig, mask_keep: float | None = None) -> Prediction:
     run.source.drain_at = segment
     simulated = segment
     if run.driver.fed >= segment:
-        run = CostRun(cfg, segment, drain_at=segment, mask_keep=mask_keep)
+        run = CostRun(cfg, segment, drain_at=segment, mask_keep=mask_keep, mirror=mirror)
         run.run(measured)
         simulated += measured
     overhead = run.run(h.tail).sim_s - segment * period_s
@@ -181,7 +182,7 @@ def predict(cfg: RunConfig, mask_keep: float | None = None) -> Prediction:
             if length >= fill:
                 total_s += count * (overhead + length * period_s)
             else:  # too short to reach the steady state: simulated as it is
-                short = CostRun(cfg, length, drain_at=length, mask_keep=mask_keep)
+                short = CostRun(cfg, length, drain_at=length, mask_keep=mask_keep, mirror=mirror)
                 total_s += count * short.run(length).sim_s
                 simulated += length
     tokens = steps * run.tokens_per_step
