@@ -170,8 +170,9 @@ def test_a_replacement_joins_heals_from_a_live_peer_and_contributes(tiny_corpus,
     assert result["code"] == 0
     events = json.loads((run / WORKERS_FILE).read_text())["r1s0"]["events"]
     kinds = [e["event"] for e in events]
-    assert kinds == ["joined", "left", "joined", "finished"], events
+    assert kinds == ["joined", "left", "joined", "contributes", "finished"], events
     joined_at = events[2]["step"]
+    assert events[3]["step"] == joined_at  # one stage: its row is complete at once, it trains
     assert f"joined at step {joined_at + 1}, healed from a live replica" in output
     rows = records(run)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
