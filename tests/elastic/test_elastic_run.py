@@ -62,6 +62,12 @@ def test_killed_stage_replica_leaves_and_the_others_finish(tiny_corpus, tmp_path
     assert all(math.isfinite(r["train_loss"]) for r in committed)
     assert len(rows) - len(committed) <= 1  # at most the step the kill landed in is lost
     assert committed[-1]["train_loss"] < committed[0]["train_loss"]
+    # The data follows the participants: committed steps train batches 0, 1, 2, … each once (the
+    # batch of a step that did not commit is trained by the next one), split over the agreed rows.
+    assert [r["batch"] for r in committed] == list(range(len(committed)))
+    for r, following in zip(rows, rows[1:], strict=False):
+        assert following["batch"] == r["batch"] + r["committed"]
+    assert rows[0]["rows"] == [0, 1] and rows[-1]["rows"] == [0]
     members = json.loads((run / WORKERS_FILE).read_text())
     assert members["r1s1"]["events"][-1]["why"] == "killed by SIGKILL"
     assert members["r1s0"]["events"][-1]["why"] == "left: its pipeline row broke"

@@ -35,7 +35,7 @@ from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.checkpoints import ElasticCheckpoints
 from meshlearn.elastic.links import RowLinks
 from meshlearn.elastic.quorum import CommitVote, QuorumStep, StageQuorum
-from meshlearn.elastic.rows import RowAgreement
+from meshlearn.elastic.rows import RowAgreement, whole_batch
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.sim import StepReport
 from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm
@@ -68,6 +68,7 @@ class ElasticDriver(DistDriver):
         self.formed = False  # a quorum is already formed for the coming step (a joiner's first)
         self.rows: tuple[int, ...] = ()  # the rows that train the coming step (agreed)
         self.batch_index = 0  # the global batch the coming step trains: committed steps so far
+        self.trained_batch = 0  # the one the last step trained (its record's ``batch``)
         self.sequences = 0  # sequences this worker trains in the coming step (0: spectating)
         self.linked = False
         self.contributed_at: int | None = None  # the first step this process's row trained
@@ -188,8 +189,8 @@ class ElasticDriver(DistDriver):
             hold_until(allreduce_release_at(self.network.link(self.me, self.ring_next), self.epoch,
                                             time.monotonic(), nbytes, current.participants, self.shaped))
         loss_sum, loss_count, contributors, sequences = flat[-4:].tolist()
-        current.mean_ok = (summed and contributors == len(self.rows)
-                           and sequences == self.cfg.train.batch_size)
+        batch = self.cfg.train.batch_size
+        current.mean_ok = summed and whole_batch(contributors, sequences, self.rows, batch)
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -200,6 +201,7 @@ class ElasticDriver(DistDriver):
         current.stage_commit = self.quorum.should_commit() and current.mean_ok
         current.committed = self.vote.decide(step, self.me, current.participants, current.stage_commit)
         began = time.perf_counter()
+        self.trained_batch = self.batch_index
         if current.committed:
             coef = clip_coefficient(sq_norm, stage_clip_norm(self.cfg.train.grad_clip, self.mesh.stages))
             worker.apply_update(action, coef, sq_norm)
@@ -222,7 +224,7 @@ class ElasticDriver(DistDriver):
         current = self.current
         if current is None:
             return {}
-        return {"participants": current.participants, "rows": list(self.rows),
+        return {"participants": current.participants, "rows": list(self.rows), "batch": self.trained_batch,
                 "committed": current.committed, "quorum_s": current.quorum_s}
 
     @torch.no_grad()

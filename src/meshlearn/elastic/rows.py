@@ -78,3 +78,10 @@ class RowAgreement:
         rows = tuple(r for r, n in enumerate(present) if n == self.stages)
         return decode_rows(self.store.compare_set(f"{key}/fixed", "", encode_rows(rows)))
 
+
+
+def whole_batch(contributors: float, sequences: float, rows: tuple[int, ...], batch_size: int) -> bool:
+    """A stage's verdict on its summed counts: every agreed row's replica of the stage contributed
+    (spectators add 0) and together they trained the whole global batch, each sequence once. Only
+    then may the step commit; the mean of the summed gradients divides by ``contributors``."""
+    return bool(rows) and contributors == len(rows) and sequences == batch_size
