@@ -142,3 +142,51 @@ def test_a_replacement_row_joins_heals_spectates_and_trains(tiny_corpus, tmp_pat
     # Healed, then spectated, then trained: bit for bit the state of the live replica of its stage.
     for s in range(2):
         _assert_identical(_shard(final, f"r0s{s}"), _shard(final, f"r1s{s}"), f"stage {s}")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_after_a_row_left_is_complete_and_resumes_exactly(tiny_corpus, tmp_path):
+    """Row 1 leaves (r1s1 SIGKILLed); the checkpoints after that list row 0's shards, written by
+    r0s1 (agreed, no barrier of the departed). Resumed from one, the run starts row 0 only (the
+    membership of the checkpoint; row 1's slots are free for joiners) and trains every later step
+    bit for bit as the original did."""
+    import shutil
+
+    cfg = tiny_config(tiny_corpus, *ELASTIC, "train.steps=12", "train.checkpoint_every=2",
+                      "dist.keep_checkpoints=10")
+    run, again = tmp_path / "run", tmp_path / "again"
+    result: dict = {}
+    try:
+        with deadline(180, "the elastic run that loses a row, and its resume"):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
+            thread.start()
+            _wait(lambda: _last_record(run) >= 2, 60, "two steps")
+            os.kill(_members(run)["r1s1"]["pid"], signal.SIGKILL)
+            thread.join()
+            assert result["code"] == 0
+            folders = sorted((run / "checkpoints").iterdir())
+            listed = {int(f.name.removeprefix("step-")): json.loads((f / MANIFEST).read_text())["shards"]
+                      for f in folders}
+            after = [step for step, shards in sorted(listed.items()) if shards == ["r0s0", "r0s1"]]
+            assert after and after[-1] == 12 and after[0] < 12, listed  # complete, row 0 only
+            resume_at = after[0]
+            shutil.copytree(run, again)
+            for folder in (again / "checkpoints").iterdir():
+                if int(folder.name.removeprefix("step-")) > resume_at:
+                    shutil.rmtree(folder)
+            assert launch(cfg, again, resume=True) == 0
+    finally:
+        kill_leftovers(run)
+        kill_leftovers(again)
+    original, resumed = records(run), records(again)
+    assert [r["step"] for r in resumed] == list(range(1, 13))
+    tail = slice(resume_at, 12)
+    assert [r["train_loss"] for r in resumed[tail]] == [r["train_loss"] for r in original[tail]]  # exactly
+    assert [r["batch"] for r in resumed[tail]] == [r["batch"] for r in original[tail]]
+    members = _members(again)
+    assert [e["event"] for e in members["r1s0"]["events"]] == ["absent"]
+    assert members["r0s0"]["events"][-1]["event"] == "finished"
+    for s in range(2):
+        a = _shard(run / "checkpoints" / "step-000012", f"r0s{s}")
+        b = _shard(again / "checkpoints" / "step-000012", f"r0s{s}")
+        _assert_identical(a, b, f"stage {s} at the end")
