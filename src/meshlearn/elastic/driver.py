@@ -134,6 +134,7 @@ class ElasticDriver(DistDriver):
         self.transport = Transport(self.me, self.mesh, groups, pacers, self.device, self.health,
                                    self.deadlines.message_s)
         self.health.watch({self.mesh.rank(WorkerId(self.me.replica, s)) for s in range(self.mesh.stages)})
+        check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")  # the links' sockets too
         self.linked = True
         self.contributed_at = step
         if self.joined_at is not None:
