@@ -17,7 +17,7 @@ ELASTIC_SCHEDULES = ("gpipe", "1f1b")
 
 @dataclass(frozen=True)
 class ElasticConfig:
-    """Stage replicas may leave (and, later, join) mid-run: one torchft quorum per pipeline stage.
+    """Stage replicas leave and rows join mid-run: one torchft quorum per pipeline stage.
     Config keys under ``elastic.``; needs ``backend = "dist"`` and the ``[elastic]`` extra."""
 
     enabled: bool = False
