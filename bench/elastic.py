@@ -3,7 +3,14 @@
 The demo model on P=2 stages × D=2 replicas, every link 100 Mbit/s with 20 ms one-way latency,
 sender-paced (``dist.shaping=sender``), four processes on this machine. Four runs, one after the
 other: the fixed-membership DistDriver; elastic with nobody failing; elastic with worker r1s1
-SIGKILLed once the writer has logged ``--fail-after`` steps; the same with SIGSTOP instead.
+SIGKILLed once the writer has logged ``--fail-after`` steps; the same with SIGSTOP instead; and a
+join run: r1s1 SIGKILLed (row 1 leaves), then one ``meshlearn worker --join`` per stage started at
+once, the run ended by a graceful stop (SIGTERM) a few steps after row 1 trains again.
+
+**Join-to-first-contribution**: from starting the joiners' processes to the wall time at which
+their row's first step began (``contributes`` in ``workers.json``; both stages report the same
+step), beside the time to the heal of each (``joined``): process start, imports, model, the
+stage's next quorum and the transfer of a peer's state.
 
 Reported: the median wall time per step (steps after the first), the quorum's own median time per
 step (``quorum_s``: asking the stage's lighthouse until the quorum formed), and for the failure
@@ -25,6 +32,8 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -77,6 +86,65 @@ def run(steps: int, elastic: bool, fault: signal.Signals | None, fail_after: int
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _events(run_dir: Path, name: str, kind: str) -> list[dict]:
+    events = json.loads((run_dir / WORKERS_FILE).read_text())[name]["events"]
+    return [e for e in events if e["event"] == kind and (kind != "joined" or "generation" in e)]
+
+
+def _until(predicate, what: str, seconds: float = 300.0) -> None:
+    end = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < end, f"{what} did not happen within {seconds:.0f} s"
+        time.sleep(0.05)
+
+
+def join_run(fail_after: int) -> dict:
+    """Row 1 leaves, a replacement row joins (both joiners at once); the times of its join."""
+    cfg = demo_config(*overrides(100_000, True))
+    root = Path(tempfile.mkdtemp(prefix="meshlearn-elastic-join-"))
+    run_dir, source = root / "run", root / "run.toml"
+    save_config(cfg, source)
+    argv = ["--config", str(source), "--out", str(run_dir)]
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.setdefault(
+        "code", launch_local(argv, cfg, run_dir, out=io.StringIO())))
+    thread.start()
+    joiners = []
+    try:
+        _until(lambda: len(train_records(run_dir)) >= fail_after, "the first steps")
+        os.kill(json.loads((run_dir / WORKERS_FILE).read_text())["r1s1"]["pid"], signal.SIGKILL)
+        _until(lambda: all(json.loads((run_dir / WORKERS_FILE).read_text())[n]["events"][-1]["event"]
+                           == "left" for n in ("r1s0", "r1s1")), "row 1's departure")
+        address = json.loads((run_dir / "elastic.json").read_text())["store"]
+        env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+        started = time.time()
+        for i in range(2):
+            with (root / f"join{i}.log").open("w") as log:
+                joiners.append(subprocess.Popen([sys.executable, "-m", "meshlearn.distributed.worker",
+                                                 "--join", address, "--out", str(run_dir)],
+                                                env=env, stdout=log, stderr=subprocess.STDOUT))
+        _until(lambda: all(_events(run_dir, n, "contributes") for n in ("r1s0", "r1s1")),
+               "row 1's first step")
+        first = _events(run_dir, "r1s0", "contributes")[0]
+        _until(lambda: len(train_records(run_dir)) >= first["step"] + 3, "three steps with row 1")
+        os.kill(json.loads((run_dir / WORKERS_FILE).read_text())["r0s0"]["pid"], signal.SIGTERM)
+        for j in joiners:
+            j.wait(timeout=120)
+        thread.join()
+        assert result["code"] == 0, f"run failed: {result}"
+        rows = train_records(run_dir)
+        healed = {n: _events(run_dir, n, "joined")[0] for n in ("r1s0", "r1s1")}
+        return {"heal_s": {n: e["at"] - started for n, e in healed.items()},
+                "heal_step": {n: e["step"] + 1 for n, e in healed.items()},
+                "contribution_s": first["at"] - started, "contribution_step": first["step"] + 1,
+                "after": [r for r in rows if r["step"] > first["step"]]}
+    finally:
+        for j in joiners:
+            if j.poll() is None:
+                j.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def failover_s(rows: list[dict], clean_step_s: float) -> tuple[float, list[int]]:
     first = next(i for i, r in enumerate(rows) if not r["committed"] or r["participants"] < 2)
     last = next(i for i in range(first, len(rows)) if rows[i]["committed"] and rows[i]["participants"] < 2)
@@ -93,6 +161,7 @@ def main() -> None:
     clean = run(args.steps, True, None, 0)
     killed = run(args.steps, True, signal.SIGKILL, args.fail_after)
     stopped = run(args.steps, True, signal.SIGSTOP, args.fail_after)
+    joined = join_run(args.fail_after)
     step = {name: statistics.median(r["step_wall_s"] for r in rows[1:])
             for name, rows in [("fixed", fixed), ("elastic", clean)]}
     quorum = statistics.median(r["quorum_s"] for r in clean[1:])
@@ -114,14 +183,24 @@ def main() -> None:
                                       ("quorum_s", "median quorum s/step", ".4f"),
                                       ("failover_s", "failover s", ".2f"), ("lost", "steps lost", "")])
     overhead = step["elastic"] - step["fixed"]
+    heal = ", ".join(f"{n} {joined['heal_s'][n]:.1f} s (step {joined['heal_step'][n]})"
+                     for n in sorted(joined["heal_s"]))
+    after = joined["after"]
+    markdown += (f"\n\n**Join** (row 1 killed, one `--join` per stage started together): healed {heal}; "
+                 f"**join-to-first-contribution {joined['contribution_s']:.1f} s** (row 1 trains from "
+                 f"step {joined['contribution_step']}); the {len(after)} steps after it: rows "
+                 f"{sorted({tuple(r['rows']) for r in after})}, all committed: "
+                 f"{all(r['committed'] for r in after)}, median "
+                 f"{statistics.median(r['step_wall_s'] for r in after):.3f} s/step.")
     markdown += (f"\n\nDemo model, P=2 × D=2, 100 Mbit/s, 20 ms, {args.steps} steps, dist.dead_after_s=2, "
                  f"dist.timeout_s=10, load average {os.getloadavg()[0]:.1f}. Elastic overhead per step: "
                  f"{overhead:+.3f} s ({overhead / step['fixed'] * 100:+.1f}%).")
     write_results("elastic", {"args": vars(args), "median_step_s": step, "median_quorum_s": quorum,
                               "failover_kill_s": kill_s, "lost_kill": kill_lost,
                               "failover_stop_s": stop_s, "lost_stop": stop_lost,
+                              "join": {k: v for k, v in joined.items() if k != "after"},
                               "records": {"fixed": fixed, "elastic": clean, "kill": killed,
-                                          "stop": stopped}}, markdown)
+                                          "stop": stopped, "join_after": joined["after"]}}, markdown)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ def kill_leftovers(run_dir: Path) -> None:
     if not path.is_file():
         return
     for info in json.loads(path.read_text()).values():
+        if info["pid"] is None:  # an elastic slot nobody held (absent on resume)
+            continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(info["pid"], signal.SIGKILL)
 

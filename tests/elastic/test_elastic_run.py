@@ -62,6 +62,12 @@ def test_killed_stage_replica_leaves_and_the_others_finish(tiny_corpus, tmp_path
     assert all(math.isfinite(r["train_loss"]) for r in committed)
     assert len(rows) - len(committed) <= 1  # at most the step the kill landed in is lost
     assert committed[-1]["train_loss"] < committed[0]["train_loss"]
+    # The data follows the participants: committed steps train batches 0, 1, 2, … each once (the
+    # batch of a step that did not commit is trained by the next one), split over the agreed rows.
+    assert [r["batch"] for r in committed] == list(range(len(committed)))
+    for r, following in zip(rows, rows[1:], strict=False):
+        assert following["batch"] == r["batch"] + r["committed"]
+    assert rows[0]["rows"] == [0, 1] and rows[-1]["rows"] == [0]
     members = json.loads((run / WORKERS_FILE).read_text())
     assert members["r1s1"]["events"][-1]["why"] == "killed by SIGKILL"
     assert members["r1s0"]["events"][-1]["why"] == "left: its pipeline row broke"
@@ -170,8 +176,9 @@ def test_a_replacement_joins_heals_from_a_live_peer_and_contributes(tiny_corpus,
     assert result["code"] == 0
     events = json.loads((run / WORKERS_FILE).read_text())["r1s0"]["events"]
     kinds = [e["event"] for e in events]
-    assert kinds == ["joined", "left", "joined", "finished"], events
+    assert kinds == ["joined", "left", "joined", "contributes", "finished"], events
     joined_at = events[2]["step"]
+    assert events[3]["step"] == joined_at  # one stage: its row is complete at once, it trains
     assert f"joined at step {joined_at + 1}, healed from a live replica" in output
     rows = records(run)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))

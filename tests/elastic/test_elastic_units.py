@@ -22,6 +22,7 @@ from meshlearn.elastic.binding import (
 )
 from meshlearn.elastic.listeners import listening
 from meshlearn.elastic.quorum import CommitVote
+from meshlearn.elastic.rows import RowAgreement, whole_batch
 from meshlearn.elastic.settings import ElasticConfig, derive_timeouts
 from meshlearn.mesh.topology import WorkerId
 
@@ -37,6 +38,13 @@ def test_bad_elastic_config_names_the_field(tiny_corpus, override, field):
     with pytest.raises(ConfigError) as err:
         tiny_config(tiny_corpus, *ELASTIC, override)
     assert str(err.value).startswith(f"{field} = ")
+
+
+def test_the_batch_must_split_over_any_number_of_rows(tiny_corpus):
+    """3 replicas × 2 microbatches: 6 sequences split over 3 rows or 1, not over 2 (2 rows × 2)."""
+    with pytest.raises(ConfigError) as err:
+        tiny_config(tiny_corpus, *ELASTIC, "mesh.replicas=3", "train.batch_size=6")
+    assert str(err.value).startswith("train.batch_size = 6: ") and "k = 2" in str(err.value)
 
 
 def test_elastic_is_off_by_default_and_timeouts_come_from_the_link():
@@ -99,6 +107,45 @@ def test_a_stage_without_replicas_stops_the_run_with_its_name():
     vote = CommitVote(BoundStore("127.0.0.1", 10).store, stages=2, deadline_s=0.3)
     with pytest.raises(RuntimeError, match="no replica of stage 1 is left"):
         vote.decide(7, WorkerId(0, 0), 1, True)
+
+
+def _agree_all(quorums: dict[WorkerId, int], stages: int, replicas: int, deadline_s: float = 5.0):
+    store = BoundStore("127.0.0.1", 10).store
+    results = {}
+
+    def one(wid, participants):
+        results[wid] = RowAgreement(store, stages, replicas, deadline_s).agree(3, wid, participants)
+
+    threads = [threading.Thread(target=one, args=item) for item in quorums.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_the_rows_of_a_step_are_those_with_every_stage_in_its_quorum():
+    full = _agree_all({WorkerId(r, s): 2 for r in range(2) for s in range(2)}, stages=2, replicas=2)
+    assert set(full.values()) == {(0, 1)}
+    # Row 1 has joined stage 0 only (stage 1's quorum is r0s1 alone): it spectates, everyone agrees.
+    half = _agree_all({WorkerId(0, 0): 2, WorkerId(1, 0): 2, WorkerId(0, 1): 1}, stages=2, replicas=2)
+    assert set(half.values()) == {(0,)} and len(half) == 3
+
+
+def test_a_step_whose_stage_has_no_quorum_stops_with_its_name():
+    agreement = RowAgreement(BoundStore("127.0.0.1", 10).store, stages=2, replicas=2, deadline_s=0.3)
+    with pytest.raises(RuntimeError, match="no replica of stage 1 is left"):
+        agreement.agree(3, WorkerId(0, 0), 1)
+
+
+@pytest.mark.parametrize(("contributors", "sequences", "rows", "ok"), [
+    (2.0, 8.0, (0, 1), True),   # both rows trained their half
+    (1.0, 8.0, (0,), True),     # one row, a spectator beside it (it adds 0 and 0)
+    (1.0, 4.0, (0, 1), False),  # an agreed row is missing: half the batch untrained
+    (2.0, 8.0, (0,), False),    # a replica trained that was not agreed: counted twice
+    (0.0, 0.0, (), False)])     # nobody trains
+def test_a_stage_says_yes_only_for_the_whole_batch_from_the_agreed_rows(contributors, sequences, rows, ok):
+    assert whole_batch(contributors, sequences, rows, batch_size=8) is ok
 
 
 # Last in this file: torchft's background threads outlive the test and slow what follows.

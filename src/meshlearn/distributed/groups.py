@@ -10,6 +10,7 @@ validation loss) get a group of the workers alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -26,6 +27,25 @@ def verifier_rank(cfg, mesh: MeshShape) -> int | None:
 def world_size(cfg, mesh: MeshShape) -> int:
     """Processes of the run: the workers, plus the verifier when verifying."""
     return mesh.world_size + (verifier_rank(cfg, mesh) is not None)
+
+
+@dataclass(frozen=True)
+class PairGroup:
+    """A two-rank gloo group of its own over a store, outside the world group (an elastic row's
+    pipeline link: its processes may have started long after the world group was formed).
+    ``peer``: the other end's rank in this group (0 or 1); the transport addresses it so."""
+
+    pg: dist.ProcessGroup
+    peer: int
+
+
+def pair_group(store: dist.Store, rank: int, interface: str, timeout_s: float) -> PairGroup:
+    """Rendezvous with the other end over ``store`` (a prefix unique to the link); blocks until it
+    is there or ``timeout_s`` passes. ``interface``: the one gloo may use (elastic.host's)."""
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
+    options._timeout = timedelta(seconds=timeout_s)
+    return PairGroup(dist.ProcessGroupGloo(store, rank, 2, options), 1 - rank)
 
 
 @dataclass

@@ -79,6 +79,11 @@ class Health:
         self._stop.set()
         self._thread.join(timeout=self.heartbeat_s + 5.0)
 
+    def watch(self, ranks: set[int]) -> None:
+        """Elastic: from now on only these ranks' deaths concern this worker (its row, once the
+        row trains; a joiner watches none of its row before, when its slots may hold the dead)."""
+        self.scope = set(ranks)
+
     def check(self) -> None:
         """Raise WorkerFailure if the run is over; called between the steps of every wait."""
         if self.failure is not None:

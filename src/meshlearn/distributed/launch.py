@@ -36,8 +36,10 @@ from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.elastic.binding import BoundStore, check_bound
 from meshlearn.elastic.membership import (
     LIGHTHOUSES_ENV,
+    STARTED_ENV,
     WORKERS_FILE,
     publish_run,
+    resume_absent,
     start_lighthouses,
     watch_elastic,
 )
@@ -84,15 +86,19 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
     ctx = mp.get_context("forkserver")
     # torch._dynamo is what building an optimizer imports lazily: ~1.5 s of CPU once, not per worker.
     ctx.set_forkserver_preload(["meshlearn.distributed.worker", "torch._dynamo"])
+    # An elastic resume starts the rows its checkpoint was written by (elastic/checkpoints.py).
+    absent = resume_absent(cfg, run_dir) if cfg.elastic.enabled and "--resume" in worker_argv else []
+    ranks = [rank for rank in range(world) if process_name(mesh, rank) not in absent]
     procs = []
-    for rank in range(world):
+    for rank in ranks:
         name = process_name(mesh, rank)
         env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
                "MASTER_ADDR": host, "MASTER_PORT": str(store.port),
                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
                "MESHLEARN_STORE_OWNER": f"the launcher's store at {host}:{store.port}",
-               LIGHTHOUSES_ENV: ",".join(address for _, address in lighthouses)}
+               LIGHTHOUSES_ENV: ",".join(address for _, address in lighthouses),
+               STARTED_ENV: str(len(ranks))}
         log = logs / f"{name}.log"
         with log.open("a") as f:
             f.write(f"--- meshlearn worker {name} (rank {rank}) {' '.join(worker_argv)}\n")
@@ -100,7 +106,10 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
         proc.start()
         procs.append(proc)
     membership = {p.name: {"rank": rank, "pid": p.pid, "events": [{"event": "joined", "step": 0}]}
-                  for rank, p in enumerate(procs)}
+                  for rank, p in zip(ranks, procs, strict=True)}
+    for name in absent:
+        membership[name] = {"rank": mesh.rank(WorkerId.parse(name)), "pid": None,
+                            "events": [{"event": "absent", "why": "not in the checkpoint resumed from"}]}
     atomic_write_json(run_dir / WORKERS_FILE, membership)
     if cfg.elastic.enabled:
         check_bound(os.getpid(), host, "the launcher")
@@ -111,7 +120,7 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
             timeouts = derive_timeouts(cfg.elastic, cfg.dist, cfg.link)
             return watch_elastic(procs, store, membership, run_dir,
                                  logs / f"{WorkerId(0, mesh.stages - 1)}.log", out,
-                                 grace_s=timeouts.quorum_s + timeouts.heartbeat_s + 10.0)
+                                 grace_s=timeouts.quorum_s + timeouts.heartbeat_s + 10.0, absent=absent)
         codes = _watch(procs, cfg, logs / f"{mesh.worker(0)}.log", out)
     except BaseException as err:  # a second Ctrl-C, or a caller's timeout: never leave workers behind
         _stop(procs, signal.SIGTERM, wait_s=5.0)

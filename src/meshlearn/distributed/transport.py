@@ -32,6 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshlearn.distributed.groups import PairGroup
 from meshlearn.distributed.health import Health, WorkerFailure, gist
 from meshlearn.distributed.shaping import Pacer, hold_until
 from meshlearn.distributed.wire import PREFIX_BYTES, pack, prefix, read_prefix, unpack
@@ -52,6 +53,19 @@ class Broken:
 
 
 Link = tuple[WorkerId, WorkerId]
+
+
+def _isend(buffer: torch.Tensor, dst: int, group, tag: int):
+    """A world sub-group is addressed by global rank; a ``PairGroup`` by its own (elastic rows)."""
+    if isinstance(group, PairGroup):
+        return dist.isend(buffer, group=group.pg, group_dst=group.peer, tag=tag)
+    return dist.isend(buffer, dst, group=group, tag=tag)
+
+
+def _irecv(buffer: torch.Tensor, src: int, group, tag: int):
+    if isinstance(group, PairGroup):
+        return dist.irecv(buffer, group=group.pg, group_src=group.peer, tag=tag)
+    return dist.irecv(buffer, src, group=group, tag=tag)
 
 
 class Transport:
@@ -192,11 +206,11 @@ class Transport:
                 buffer = pack(message, self.device)  # while the link still "carries" it
                 hold_until(release)  # the link model says the message arrives now
                 if buffer.numel() <= capacity:
-                    works = [dist.isend(buffer, dst, group=group, tag=MESSAGE_TAG)]
+                    works = [_isend(buffer, dst, group, MESSAGE_TAG)]
                 else:  # a notice that fits, then the buffer where no posted receive can catch it
                     notice = prefix(-1, buffer.numel(), self.device)
-                    works = [dist.isend(notice, dst, group=group, tag=MESSAGE_TAG),
-                             dist.isend(buffer, dst, group=group, tag=OVERSIZE_TAG)]
+                    works = [_isend(notice, dst, group, MESSAGE_TAG),
+                             _isend(buffer, dst, group, OVERSIZE_TAG)]
                 for work in works:
                     work.wait(timeout)
             except Exception as err:  # noqa: BLE001 — reported to the main thread, which raises
@@ -221,13 +235,13 @@ class Transport:
                 for received in range(count):
                     while len(posted) < WINDOW and received + len(posted) < count:
                         buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-                        posted.append((buffer, dist.irecv(buffer, src, group=group, tag=MESSAGE_TAG)))
+                        posted.append((buffer, _irecv(buffer, src, group, MESSAGE_TAG)))
                     buffer, work = posted.popleft()
                     work.wait(timeout)
                     header_len, size = read_prefix(buffer)
                     if header_len < 0:  # oversize notice: the message follows on its own tag
                         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-                        dist.irecv(buffer, src, group=group, tag=OVERSIZE_TAG).wait(timeout)
+                        _irecv(buffer, src, group, OVERSIZE_TAG).wait(timeout)
                     if self.device.type == "cuda":
                         torch.cuda.current_stream(self.device).synchronize()
                     message = unpack(buffer, peer)

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -88,9 +89,8 @@ def start_session(cfg: RunConfig) -> Session:
         # gloo's sockets on elastic.host's interface only; a dead peer outside this worker's
         # pipeline row is not this worker's failure.
         os.environ["GLOO_SOCKET_IFNAME"] = interface_of(cfg.elastic.host)
-        me = mesh.worker(rank)
-        scope = {mesh.rank(WorkerId(me.replica, s)) for s in range(mesh.stages)}
-    if os.environ.get(JOIN_ENV) != "1":  # a joiner has no place in the fixed world group
+        scope = {rank}  # its row's ranks once the row trains (elastic/driver.py: _link_row)
+    if not cfg.elastic.enabled:  # elastic rows link over the store: no world group (joiners)
         dist.init_process_group(comm, timeout=timedelta(seconds=cfg.dist.init_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -107,8 +107,8 @@ def start_session(cfg: RunConfig) -> Session:
 def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
     """This process's worker and its groups. Group creation is collective: same order everywhere."""
     mesh, me = session.mesh, session.me
-    # Elastic runs: torchft owns the DP axis (and a joiner has no place in the fixed world group).
-    groups = build_groups(cfg, mesh, session.rank, dp_groups=not cfg.elastic.enabled)
+    # Elastic runs: torchft owns the DP axis, and each row links its own stages (elastic/links.py).
+    groups = None if cfg.elastic.enabled else build_groups(cfg, mesh, session.rank)
     # Every process builds the same seeded unsplit model and keeps its stage: identical replicas.
     stages = stage_modules(cfg, split_model(init_model(cfg.model, cfg.seed), mesh.stages))
     module = stages[me.stage].to(session.device)
@@ -116,7 +116,7 @@ def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
     if cfg.elastic.enabled:
         from meshlearn.elastic.worker import build_elastic_driver
 
-        return build_elastic_driver(cfg, session, worker, groups.links)
+        return build_elastic_driver(cfg, session, worker)
     return DistDriver(cfg, worker, session.health, session.device, session.comm, groups.dp, groups.links,
                       workers_group=groups.workers, relay=verifier_rank(cfg, mesh))
 
@@ -188,10 +188,22 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
 
 
 def _train_tokenizer_once(cfg: RunConfig, run_dir: Path, session: Session) -> None:
-    """BPE is trained by rank 0 and cached in the run folder; the others wait, then load it."""
+    """BPE is trained by rank 0 and cached in the run folder; the others wait, then load it
+    (elastic runs have no world group: they wait on a key of the store)."""
     if session.rank == 0:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         load_corpus(cfg, Path(run_dir))
+        if cfg.elastic.enabled:
+            session.health.store.set("tokenizer/ready", "1")
+    if cfg.elastic.enabled:
+        end = time.monotonic() + cfg.dist.init_timeout_s
+        while not session.health.store.check(["tokenizer/ready"]):
+            session.health.check()
+            if time.monotonic() > end:
+                raise TimeoutError(f"rank 0's tokenizer did not come within dist.init_timeout_s = "
+                                   f"{cfg.dist.init_timeout_s:g} s")
+            time.sleep(0.05)
+        return
     work = dist.barrier(async_op=True)
     session.health.wait_work(work, "the wait for rank 0's tokenizer", cfg.dist.init_timeout_s)
 

@@ -3,19 +3,26 @@
 What changes against the fixed-membership DistDriver (the pipeline, its messages and shaping
 are the same code):
 
-- each step starts with the stage's quorum (``StageQuorum.begin``); the gradient mean runs over
-  its participants (torchft's all-reduce), not over a fixed ``dp`` group;
+- each step starts with the stage's quorum (``StageQuorum.begin``), then the rows that train the
+  step are agreed (``RowAgreement``: rows every stage of which is in its quorum); they split the
+  step's global batch (``data_plan``); the other live replicas spectate (``Worker.spectate``);
+- the gradients are summed over the quorum (torchft's all-reduce) with two counts beside them,
+  contributing replicas and sequences trained: the mean divides by the former, and a stage says
+  yes only if the latter is the whole global batch;
 - no collective spans the mesh: clipping is per stage at ``train.grad_clip / √P`` (as under
   ``async``), and the step's report is built from this worker's own numbers; the last stages put
   their loss sum and count beside the gradients, so the run's writer, ``r0s{P-1}``, logs the mean
-  train loss over every live last stage;
+  train loss over every contributing last stage;
 - a step commits in every stage or in none (``CommitVote``); a step that does not commit leaves
-  every worker's weights and optimizer state as they were (``Worker.discard_update``);
-- a worker whose pipeline partner is gone leaves the run (exit code 4); the other replicas go on.
+  every worker's weights and optimizer state as they were (``Worker.discard_update``), and its
+  global batch is trained again by the next step (``batch_index`` counts committed steps);
+- pipeline links are pair groups of the row's own (``RowLinks``), built at the first step the row
+  trains; a worker whose pipeline partner is gone leaves the run (exit code 4); the others go on.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -23,8 +30,12 @@ import torch
 
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.shaping import allreduce_release_at, hold_until
+from meshlearn.distributed.transport import Transport
 from meshlearn.elastic.binding import check_bound
+from meshlearn.elastic.checkpoints import ElasticCheckpoints
+from meshlearn.elastic.links import RowLinks
 from meshlearn.elastic.quorum import CommitVote, QuorumStep, StageQuorum
+from meshlearn.elastic.rows import RowAgreement, whole_batch
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.sim import StepReport
 from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm
@@ -34,45 +45,63 @@ from meshlearn.models.llama import Decoder
 
 
 class ElasticDriver(DistDriver):
-    """This process's worker; ``quorum`` and ``vote`` are built by ``distributed.worker``."""
+    """This process's worker; its quorum, vote, row agreement and links are built by
+    ``elastic.worker``. ``generation``: how many processes held this slot before this one."""
 
-    def __init__(self, cfg, worker, health, device, comm, link_groups, quorum: StageQuorum,
-                 vote: CommitVote, progress):
-        super().__init__(cfg, worker, health, device, comm, None, link_groups)
+    def __init__(self, cfg, worker, health, device, comm, quorum: StageQuorum, vote: CommitVote,
+                 rows: RowAgreement, links: RowLinks, progress):
+        super().__init__(cfg, worker, health, device, comm, None, {})  # links: at the first step trained
         self.quorum = quorum
         self.vote = vote
+        self.agreement = rows
+        self.links = links
+        self.generation = links.generation
         self.progress = progress  # the run store: this worker's last step, for workers.json
         self.writes_records = self.me == WorkerId(0, self.mesh.stages - 1)
         self.current: QuorumStep | None = None
         self.report: StepReport | None = None
         self.uncommitted = 0  # steps this worker trained whose update was dropped everywhere
+        self.spectated = 0  # steps this worker applied without training (its row incomplete)
         self.quorum_s = 0.0
         self.next_step = 0  # the step this worker is about to run (what a joiner is healed to)
         self.joined_at: int | None = None  # set when healed from a peer: the step to train from
         self.formed = False  # a quorum is already formed for the coming step (a joiner's first)
+        self.rows: tuple[int, ...] = ()  # the rows that train the coming step (agreed)
+        self.batch_index = 0  # the global batch the coming step trains: committed steps so far
+        self.trained_batch = 0  # the one the last step trained (its record's ``batch``)
+        self.sequences = 0  # sequences this worker trains in the coming step (0: spectating)
+        self.linked = False
+        self.contributed_at: int | None = None  # the first step this process's row trained
+        self.checkpoint_membership = ElasticCheckpoints(progress, self.mesh, self.me, lambda: self.rows,
+                                                        self.deadlines.collective_s)
 
     # --- joining: what a live peer hands a new replica of its stage (torchft's healing) ---------
 
     def heal_state(self) -> dict:
         """Called by torchft in a live replica, at the quorum of step ``next_step``."""
-        return {"worker": self.worker.state_dict(), "step": self.next_step, "busy_s": self.busy_s}
+        return {"worker": self.worker.state_dict(), "step": self.next_step, "busy_s": self.busy_s,
+                "batch_index": self.batch_index}
 
     def load_heal_state(self, state: dict) -> None:
         self.worker.load_state_dict(state["worker"])
         self.joined_at = state["step"]
+        self.batch_index = state["batch_index"]
 
     def join(self) -> None:
         """A new replica: take part in the stage's next quorum, which heals it from a live peer;
-        ``joined_at`` is then the step it trains from (the Trainer starts there)."""
+        ``joined_at`` is then the step it runs from (the Trainer starts there)."""
         self.current = self.quorum.begin()
         self.formed = True
         check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")
         if self.joined_at is None:
             raise RuntimeError(f"{self.me} joined a quorum of {self.current.participants} replicas "
                                "but was not healed: nobody in it had trained yet")
-        self.progress.set(f"elastic/joined/{self.me}", str(self.joined_at))
+        self.progress.set(f"elastic/joined/{self.me}/{self.generation}",
+                          json.dumps({"step": self.joined_at, "pid": os.getpid(), "at": time.time()}))
         print(f"meshlearn worker {self.me}: joined at step {self.joined_at + 1}, healed from a live "
               f"replica of stage {self.me.stage} ({self.current.participants} in the quorum)", flush=True)
+
+    # --- one step: the quorum, the rows that train it, then train or spectate ------------------
 
     def run_step(self, step: int, source) -> list[StepReport]:
         self.next_step = step
@@ -84,38 +113,100 @@ class ElasticDriver(DistDriver):
         if first:  # every socket of torchft's exists now: prove none is on another address
             check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")
         self.quorum_s += self.current.quorum_s
-        reports = super().run_step(step, source)
+        self.rows = self.agreement.agree(step, self.me, self.current.participants)
+        trains = self.me.replica in self.rows
+        if trains and not self.linked:
+            self._link_row(step)
+        reports = super().run_step(step, source) if trains else [self._spectate(step, source)]
         self.progress.set(f"progress/{self.me}", str(step + 1))
         return reports
 
+    def data_plan(self, step: int) -> tuple[int, tuple[int, ...]]:
+        """(the global batch step ``step`` trains, the rows that split it): see ``Trainer.work``."""
+        return self.batch_index, self.rows
+
+    def _link_row(self, step: int) -> None:
+        """The first step this row trains: its pipeline links, and its partners' deaths become
+        this worker's concern (before, the slots beside it may still name dead processes)."""
+        groups = self.links.build()
+        pacers = self.transport.pacers
+        self.transport.close()
+        self.transport = Transport(self.me, self.mesh, groups, pacers, self.device, self.health,
+                                   self.deadlines.message_s)
+        self.health.watch({self.mesh.rank(WorkerId(self.me.replica, s)) for s in range(self.mesh.stages)})
+        check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")  # the links' sockets too
+        self.linked = True
+        self.contributed_at = step
+        if self.joined_at is not None:
+            self.progress.set(f"elastic/contributes/{self.me}/{self.generation}",
+                              json.dumps({"step": step, "at": time.time()}))
+
+    def _feed(self, step: int, source) -> None:
+        """Only the coming step (its split follows the rows agreed for it); receives for it posted.
+        ``next_drain`` is asked as the fixed driver asks it: it claims the step for a stop request
+        (train/signals.py) and learns of one."""
+        source.next_drain(step)
+        work = source.work(step)[self.me]
+        self.worker.feed(work)
+        self.fed = step
+        M = self.cfg.mesh.microbatches
+        self.sequences = work.microbatch_size * M
+        if self.sequences:
+            if self.prev:
+                self.transport.expect(self.prev, M, self.capacity)
+            if self.next:
+                self.transport.expect(self.next, M, self.capacity)
+        self.worker.horizon = (step + 1) * M
+
+    def _spectate(self, step: int, source) -> StepReport:
+        """A step this worker's row does not train: zero gradients into the stage's sum, then the
+        update every replica of the stage applies."""
+        self._feed(step, source)
+        pp_before, dp_before = self._bytes_mark or (self._bytes("pp"), self._bytes("dp"))
+        self._flush_update(self.worker.spectate(), pp_before, dp_before)
+        self._bytes_mark = (self._bytes("pp"), self._bytes("dp"))
+        self.worker.pop_stats(step)
+        self.spectated += 1
+        return self.report
+
     def _flush_update(self, action, pp_before: int, dp_before: int) -> None:
-        """Mean over the quorum (loss sum and count ride along), stage clip, the vote, the update."""
+        """Sum over the quorum of the gradients, the loss sum and count, the number of contributing
+        replicas and of sequences trained; the mean divides by the contributing replicas. The
+        stage says yes only if every agreed row's replica contributed and the whole global batch
+        was trained (so no sequence of a committed step is missing or counted twice). Then the
+        stage clip, the vote, the update (or its discard, everywhere)."""
         worker, current = self.worker, self.current
         step = action.microbatch // self.cfg.mesh.microbatches
         stats = worker.stats.get(step, StepStats())
         grads = worker.grads()
         losses = list(stats.losses.values())
         flat = torch.cat([g.reshape(-1) for g in grads] +
-                         [torch.tensor([sum(losses), len(losses)], dtype=grads[0].dtype)])
+                         [torch.tensor([sum(losses), len(losses), float(self.sequences > 0), self.sequences],
+                                       dtype=grads[0].dtype)])
         started = time.monotonic()
-        current.mean_ok = self.quorum.mean(flat)
+        summed = self.quorum.sum(flat)
         nbytes = flat.numel() * flat.element_size()
         if self.ring_next is not None:  # the ring model's time, as the fixed driver holds it
             hold_until(allreduce_release_at(self.network.link(self.me, self.ring_next), self.epoch,
                                             time.monotonic(), nbytes, current.participants, self.shaped))
+        loss_sum, loss_count, contributors, sequences = flat[-4:].tolist()
+        batch = self.cfg.train.batch_size
+        current.mean_ok = summed and whole_batch(contributors, sequences, self.rows, batch)
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.div_(max(contributors, 1.0))
             offset += g.numel()
-        loss_sum, loss_count = flat[-2].item(), flat[-1].item()
         self.dp_wait_s += time.monotonic() - started
         sq_norm = worker.grad_sq_norm()
         current.stage_commit = self.quorum.should_commit() and current.mean_ok
         current.committed = self.vote.decide(step, self.me, current.participants, current.stage_commit)
         began = time.perf_counter()
+        self.trained_batch = self.batch_index
         if current.committed:
             coef = clip_coefficient(sq_norm, stage_clip_norm(self.cfg.train.grad_clip, self.mesh.stages))
             worker.apply_update(action, coef, sq_norm)
+            self.batch_index += 1
         else:
             self.uncommitted += 1
             worker.discard_update(action)
@@ -134,14 +225,17 @@ class ElasticDriver(DistDriver):
         current = self.current
         if current is None:
             return {}
-        return {"participants": current.participants, "committed": current.committed,
-                "quorum_s": current.quorum_s}
+        return {"participants": current.participants, "rows": list(self.rows), "batch": self.trained_batch,
+                "committed": current.committed, "quorum_s": current.quorum_s}
 
     @torch.no_grad()
     def evaluate(self, batches) -> float | None:
         """Through this worker's own pipeline row (the rows are identical replicas at a committed
-        step); the last stage has the loss, the others return None."""
+        step); the last stage has the loss, the others return None. A row that has not trained
+        yet has no links: it skips evaluation (only the writer's row logs one)."""
         worker = self.worker
+        if not self.linked:
+            return None
         if self.prev:
             self.transport.expect(self.prev, len(batches), self.eval_capacity)
         losses = []
@@ -169,15 +263,23 @@ class ElasticDriver(DistDriver):
                 "compute_model": f"real: elastic, {self.mesh.world_size} processes at start over "
                                  f"{self.comm}, one torchft quorum per stage, "
                                  f"shaping={self.cfg.dist.shaping}",
-                "uncommitted_steps": self.uncommitted, "quorum_s_total": self.quorum_s,
+                "uncommitted_steps": self.uncommitted, "spectated_steps": self.spectated,
+                "quorum_s_total": self.quorum_s,
                 "links": []}
 
     def barrier(self, what: str) -> None:
-        """No mesh-wide barrier: membership may have changed. (A checkpoint's manifest may thus
-        name a shard that a departed worker never writes: that checkpoint stays incomplete.)"""
+        """No mesh-wide barrier: membership may have changed (checkpoints agree on their shards
+        through ``checkpoint_membership`` instead)."""
+
+    def state(self) -> dict:
+        return super().state() | {"batch_index": self.batch_index}
+
+    def load_state(self, state: dict) -> None:
+        super().load_state(state)
+        self.batch_index = state["batch_index"]
 
     def close(self) -> None:
-        self.progress.set(f"elastic/finished/{self.me}", str(self.next_step + 1))
+        self.progress.set(f"elastic/finished/{self.me}/{self.generation}", str(self.next_step + 1))
         self.transport.drain(self.deadlines.message_s)
         self.quorum.shutdown()
         self.health.finish()

@@ -4,14 +4,22 @@ Unlike the fixed-membership launcher, a worker that exits does not end the run: 
 recorded in ``workers.json`` (the worker, its exit status, the last step it finished) and the
 others go on. The run succeeds if at least one pipeline row — every stage of one replica —
 trained to the end.
+
+Slots and generations: slot ``rRsS`` is held by one process at a time; the launcher's own is
+generation 0, each joiner that takes the slot over the next one. When generation g leaves, the
+launcher marks it free (``free_key``); a joiner takes it with compare-and-set on ``taken_key``
+(two joiners never take the same one), and reports its join, its first step trained and its end
+in the store, which the launcher copies to ``workers.json``.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing.connection
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -19,6 +27,7 @@ import torch.distributed as dist
 
 from meshlearn.distributed.health import EXIT_LEFT, EXIT_PEER_FAILURE
 from meshlearn.elastic.binding import start_lighthouse
+from meshlearn.elastic.links import generation_key
 from meshlearn.elastic.settings import derive_timeouts
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train.files import atomic_write_json
@@ -26,6 +35,8 @@ from meshlearn.train.files import atomic_write_json
 LIGHTHOUSES_ENV = "MESHLEARN_LIGHTHOUSES"  # the stages' lighthouse addresses, comma-separated
 LIGHTHOUSES_KEY = "elastic/lighthouses"  # the same, in the run's store, for joiners
 JOIN_ENV = "MESHLEARN_JOIN"  # "1" in a process started by `meshlearn worker --join`
+GENERATION_ENV = "MESHLEARN_GENERATION"  # the slot's generation this process holds (joiners: >= 1)
+STARTED_ENV = "MESHLEARN_STARTED"  # how many workers the launcher started (resume: the checkpoint's)
 RUN_FILE = "elastic.json"  # in the run folder: the store's address, for `meshlearn worker --join`
 WORKERS_FILE = "workers.json"  # worker → rank, pid, and its membership events (joined, left)
 
@@ -37,14 +48,40 @@ def start_lighthouses(cfg, host: str) -> list[tuple[object, str]]:
             for _ in range(cfg.mesh.stages)]
 
 
-def left_key(wid: WorkerId) -> str:
-    """Set in the run's store (to the last step it finished) once worker ``wid`` has left."""
-    return f"elastic/left/{wid}"
+def free_key(wid: WorkerId, generation: int) -> str:
+    """Set (to the last step it finished) once generation ``generation`` of slot ``wid`` has left."""
+    return f"elastic/free/{wid}/{generation}"
+
+
+def taken_key(wid: WorkerId, generation: int) -> str:
+    """The pid of the joiner that took slot ``wid`` after generation ``generation`` left."""
+    return f"elastic/taken/{wid}/{generation}"
+
+
+def resume_absent(cfg, run_dir: Path) -> list[str]:
+    """The workers a resumed elastic run does not start: those of rows its latest complete
+    checkpoint does not list (they had left when it was taken)."""
+    from meshlearn.elastic.checkpoints import listed_rows
+    from meshlearn.train.checkpoint import MANIFEST, latest_complete
+
+    folder = latest_complete(run_dir)
+    if folder is None:
+        return []
+    rows = listed_rows(json.loads((folder / MANIFEST).read_text())["shards"])
+    return [str(WorkerId(r, s)) for r in range(cfg.mesh.replicas) if r not in rows
+            for s in range(cfg.mesh.stages)]
+
+
+def stopped_by_signal(code: int) -> bool:
+    """A graceful stop (SIGINT/SIGTERM): the worker stopped at the agreed step, with a checkpoint."""
+    return code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
 def describe_exit(code: int) -> str:
     if code == 0:
         return "finished"
+    if stopped_by_signal(code):
+        return f"stopped by {signal.Signals(code - 128).name}, with a checkpoint"
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
     if code == EXIT_LEFT:
@@ -88,18 +125,35 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@dataclass
+class Slot:
+    """One worker slot as the launcher follows it: its current holder and how it ended."""
+
+    name: str
+    generation: int = 0
+    proc: object | None = None  # the launcher's own child (generation 0)
+    pid: int | None = None  # a joiner holding it (generation >= 1), not this process's child
+    joined: bool = False  # the joiner said it healed (``elastic/joined/...``)
+    contributes: bool = False  # the joiner's row trained a step (``elastic/contributes/...``)
+    code: int | None = None  # the last holder's end: 0 finished, else left (None: holds it now)
+
+
 def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Path, echo_log: Path,
-                  out: TextIO, grace_s: float) -> int:
-    """Wait for every worker, logging each exit and each join; 0 if some pipeline row finished
-    every stage. Once a worker has finished, the others have ``grace_s`` to exit too; a worker still
-    there then (frozen, say: SIGSTOP) is killed and logged as such. Joiners (``meshlearn worker
-    --join``) are not this process's children: they are found through the store, watched by pid,
-    and report their own end there."""
+                  out: TextIO, grace_s: float, absent: list[str] = ()) -> int:
+    """Wait for every worker, logging each exit, each join and each joiner's first step trained;
+    0 if some pipeline row finished every stage. Once a worker has finished, the others have
+    ``grace_s`` to exit too; a worker still there then (frozen, say: SIGSTOP) is killed and logged
+    as such. Joiners (``meshlearn worker --join``) are not this process's children: they are found
+    through the store, watched by pid, and report their own end there. ``absent``: slots with no
+    process at start (a resume from a checkpoint they were not in), free for joiners at once."""
     from meshlearn.distributed.launch import _echo, _stop
 
     prefixed = dist.PrefixStore("meshlearn/0/", store)
-    codes: dict[str, int] = {}
-    joiners: dict[str, int] = {}  # slot → pid of the process that took it
+    slots = {p.name: Slot(p.name, proc=p) for p in procs}
+    for name in absent:
+        slots[name] = Slot(name, code=EXIT_LEFT)
+        prefixed.set(generation_key(WorkerId.parse(name)), "0")
+        prefixed.set(free_key(WorkerId.parse(name), 0), str(_last_step(prefixed, name)))
     killed: set[str] = set()
     finished_at: float | None = None
     position = 0
@@ -108,34 +162,47 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
         membership[name]["events"].append(event)
         atomic_write_json(run_dir / WORKERS_FILE, membership)
 
-    while len(codes) < len(procs) or any(_alive(pid) for pid in joiners.values()):
+    def ended(slot: Slot, code: int, why: str) -> None:
+        code = 0 if stopped_by_signal(code) else code  # it ran to the run's (agreed) last step
+        slot.code = code
+        step = _last_step(prefixed, slot.name)
+        if code != 0:  # free for a joiner before workers.json says it left
+            prefixed.set(free_key(WorkerId.parse(slot.name), slot.generation), str(step))
+        record(slot.name, {"event": "finished" if code == 0 else "left", "step": step, "why": why})
+        if code != 0:
+            out.write(f"meshlearn: worker {slot.name} left after step {step} ({why}); the others go on\n")
+
+    while any(slot.code is None for slot in slots.values()):  # a holder whose end is not recorded
         position = _echo(echo_log, position, out)
-        for p in procs:
-            if p.name in codes or p.exitcode is None:
-                continue
-            codes[p.name] = p.exitcode
-            step = _last_step(prefixed, p.name)
-            what = ("killed by the launcher: no answer after the run ended" if p.name in killed
-                    else describe_exit(p.exitcode))
-            record(p.name, {"event": "finished" if p.exitcode == 0 else "left", "step": step, "why": what})
-            if p.exitcode != 0:
-                prefixed.set(left_key(WorkerId.parse(p.name)), str(step))  # a free slot for a joiner
-                out.write(f"meshlearn: worker {p.name} left after step {step} ({what}); the others go on\n")
-        for name in [n for n in codes if n not in joiners and codes[n] != 0]:
-            key = f"elastic/taken/{name}"
-            if prefixed.check([key]) and prefixed.check([f"elastic/joined/{name}"]):
-                joiners[name] = pid = int(prefixed.get(key).decode())
-                step = int(prefixed.get(f"elastic/joined/{name}").decode())
-                membership[name]["pid"] = pid
-                record(name, {"event": "joined", "step": step, "pid": pid})
-                out.write(f"meshlearn: worker {name} joined at step {step + 1} (pid {pid})\n")
-        for name, pid in list(joiners.items()):
-            if codes.get(name, 0) != 0 and not _alive(pid):
-                done = prefixed.check([f"elastic/finished/{name}"])
-                codes[name] = 0 if done else 1
-                record(name, {"event": "finished" if done else "left", "step": _last_step(prefixed, name),
-                              "why": "finished" if done else "exited before the end"})
-        if finished_at is None and 0 in codes.values():
+        for slot in slots.values():
+            wid, g = WorkerId.parse(slot.name), slot.generation
+            if slot.code is None and slot.proc is not None and slot.proc.exitcode is not None:
+                code = slot.proc.exitcode
+                ended(slot, code, "killed by the launcher: no answer after the run ended"
+                      if slot.name in killed else describe_exit(code))
+            elif slot.code is None and slot.pid is not None:
+                joined, contributes = (f"elastic/{what}/{slot.name}/{g}"
+                                       for what in ("joined", "contributes"))
+                if not slot.joined and prefixed.check([joined]):
+                    slot.joined = True
+                    info = json.loads(prefixed.get(joined).decode())
+                    record(slot.name, {"event": "joined", "step": info["step"], "pid": slot.pid,
+                                       "generation": g, "at": info["at"]})
+                    out.write(f"meshlearn: worker {slot.name} joined at step {info['step'] + 1} "
+                              f"(pid {slot.pid})\n")
+                if not slot.contributes and prefixed.check([contributes]):
+                    slot.contributes = True
+                    info = json.loads(prefixed.get(contributes).decode())
+                    record(slot.name, {"event": "contributes", "step": info["step"], "at": info["at"]})
+                if not _alive(slot.pid):
+                    done = prefixed.check([f"elastic/finished/{slot.name}/{g}"])
+                    ended(slot, 0 if done else 1, "finished" if done else "exited before the end")
+            elif slot.code not in (None, 0) and prefixed.check([taken_key(wid, g)]):
+                slot.generation, slot.proc, slot.code = g + 1, None, None  # a joiner took it
+                slot.pid = int(prefixed.get(taken_key(wid, g)).decode())
+                slot.joined = slot.contributes = False
+                membership[slot.name]["pid"] = slot.pid
+        if finished_at is None and any(slot.code == 0 for slot in slots.values()):
             finished_at = time.monotonic()
         if finished_at is not None and time.monotonic() - finished_at > grace_s:
             stragglers = [p for p in procs if p.exitcode is None]
@@ -147,10 +214,12 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
         else:
             time.sleep(0.2)
     _echo(echo_log, position, out)
+    codes = {name: slot.code for name, slot in slots.items() if slot.code is not None}
     rows: dict[int, list[int]] = {}
     for name, code in codes.items():
         rows.setdefault(WorkerId.parse(name).replica, []).append(code)
-    if any(all(code == 0 for code in row) for row in rows.values()):
+    stages = len({WorkerId.parse(name).stage for name in slots})
+    if any(len(row) == stages and all(code == 0 for code in row) for row in rows.values()):
         return 0
     print(_failure_report(codes, killed, run_dir), file=sys.stderr)
     return 1

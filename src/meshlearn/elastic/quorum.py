@@ -38,8 +38,8 @@ class QuorumStep:
 class StageQuorum:
     """This stage replica's torchft Manager (its store, process group and server on ``host``)."""
 
-    def __init__(self, me: WorkerId, host: str, lighthouse: str, timeouts: ElasticTimeouts,
-                 min_replicas: int, state_dict, load_state_dict):
+    def __init__(self, me: WorkerId, replica_id: str, host: str, lighthouse: str,
+                 timeouts: ElasticTimeouts, min_replicas: int, state_dict, load_state_dict):
         require_torchft()
         from torchft.checkpointing.pg_transport import PGTransport
 
@@ -53,7 +53,7 @@ class StageQuorum:
             quorum_timeout=timedelta(seconds=timeouts.quorum_s),
             connect_timeout=timedelta(seconds=timeouts.quorum_s), rank=0, world_size=1,
             store_addr=host, store_port=self.store.port, lighthouse_addr=lighthouse,
-            replica_id=str(me), checkpoint_transport=PGTransport(self.pg, timeout, torch.device("cpu")),
+            replica_id=replica_id, checkpoint_transport=PGTransport(self.pg, timeout, torch.device("cpu")),
             init_sync=False)  # every replica builds the same seeded model: nothing to sync at step 0
 
     def begin(self) -> QuorumStep:
@@ -62,10 +62,11 @@ class StageQuorum:
         self.manager.start_quorum()
         return QuorumStep(self.manager.num_participants(), time.monotonic() - started)
 
-    def mean(self, flat: torch.Tensor) -> bool:
-        """``flat`` ← its mean over the quorum's replicas; False if a participant failed (then
-        ``flat`` is garbage and the step must not commit)."""
-        return bool(self.manager.allreduce(flat).wait())
+    def sum(self, flat: torch.Tensor) -> bool:
+        """``flat`` ← its sum over the quorum's replicas (the caller divides by the contributing
+        ones); False if a participant failed (then ``flat`` is garbage and the step must not
+        commit)."""
+        return bool(self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait())
 
     def should_commit(self) -> bool:
         return self.manager.should_commit()

@@ -17,7 +17,7 @@ ELASTIC_SCHEDULES = ("gpipe", "1f1b")
 
 @dataclass(frozen=True)
 class ElasticConfig:
-    """Stage replicas may leave (and, later, join) mid-run: one torchft quorum per pipeline stage.
+    """Stage replicas leave and rows join mid-run: one torchft quorum per pipeline stage.
     Config keys under ``elastic.``; needs ``backend = "dist"`` and the ``[elastic]`` extra."""
 
     enabled: bool = False
@@ -95,6 +95,12 @@ def validate_elastic(cfg, require) -> None:
             "with elastic.enabled: must be 'allreduce' (other DP strategies are not elastic yet)")
     require(cfg.mesh.replicas >= 2, "mesh.replicas", cfg.mesh.replicas,
             "with elastic.enabled: must be >= 2 (a stage of one replica cannot lose it and go on)")
+    counts = [k for k in range(1, cfg.mesh.replicas + 1)
+              if cfg.train.batch_size % (k * cfg.mesh.microbatches)]
+    require(not counts, "train.batch_size", cfg.train.batch_size,
+            f"with elastic.enabled: must be divisible by k × mesh.microbatches for every number of "
+            f"rows k = 1..mesh.replicas (the rows that train a step split its batch; "
+            f"not for k = {counts[0] if counts else 0})")
     require(cfg.verify.name == "none", "verify.name", cfg.verify.name,
             "with elastic.enabled: must be 'none' (SENTINEL's verifier rank and bans as evictions "
             "are not elastic yet)")

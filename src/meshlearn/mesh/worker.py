@@ -357,6 +357,20 @@ class Worker:
         if (action.microbatch + 1) % self.microbatches == 0:
             del self.work[step]
 
+    def spectate(self) -> Action:
+        """Stand at the coming step's update without running its pipeline, every gradient zero:
+        an elastic replica whose row does not train this step (it joined and waits for the rest
+        of its row) takes part in its stage's mean with nothing, then applies the update its peers
+        apply (``apply_update``), which keeps it identical to them. Returns that update."""
+        assert self.idle and self.plan.flushes, f"{self.id}: spectating needs a flushing plan, when idle"
+        for p in self.module.parameters():
+            p.grad = torch.zeros_like(p)
+        while (planned := self.plan.peek(self.horizon)) is not None and planned[0] != "U":
+            self.plan.advance(planned[0])
+        action = self.next_action()
+        assert action is not None and action.kind == "U", f"{self.id}: no update to spectate"
+        return action
+
     def discard_update(self, action: Action) -> None:
         """Update U ``action`` that the mesh did not commit (an elastic step a replica failed in):
         the gradients are dropped, the weights and optimizer state stay as they were; the plan

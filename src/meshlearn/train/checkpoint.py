@@ -163,24 +163,36 @@ class SingleFileCheckpoint:
 
 
 class ShardedCheckpoint:
-    """``checkpoints/step-NNNNNN/<worker>.pt`` per process, then ``manifest.json`` (written last)."""
+    """``checkpoints/step-NNNNNN/<worker>.pt`` per process, then ``manifest.json`` (written last).
+
+    ``membership`` (elastic runs, where the set of processes changes): after this process's shard
+    is on disk, ``membership.manifest(step)`` returns the shards the manifest lists (those agreed
+    mesh-wide to be written, and written) and whether this process writes it; on resume, a shard
+    the manifest does not list loads ``membership.substitute(shard, listed)`` instead (a replica
+    of the same stage, identical to it at any committed step). Without it: every shard, a barrier
+    of all processes, and ``writer`` writes the manifest."""
 
     def __init__(self, run_dir: Path, shard: str, shards: list[str], barrier: Callable[[str], None],
-                 writer: bool, keep: int = 2):
+                 writer: bool, keep: int = 2, membership=None):
         self.root = Path(run_dir) / CHECKPOINT_DIR
         self.shard = shard
         self.shards = sorted(shards)
         self.barrier = barrier
         self.writer = writer
         self.keep = keep
+        self.membership = membership
 
     def save(self, step: int, common: dict, shard: dict) -> Path:
         folder = self.root / f"step-{step:06d}"
         folder.mkdir(parents=True, exist_ok=True)
         atomic_torch_save(folder / f"{self.shard}.pt", {"common": common} | shard)
-        self.barrier(f"checkpoint of step {step}")  # every shard is on disk
-        if self.writer:
-            atomic_write_json(folder / MANIFEST, {"step": step, "shards": self.shards})
+        if self.membership is not None:
+            shards, writes = self.membership.manifest(step)
+        else:
+            self.barrier(f"checkpoint of step {step}")  # every shard is on disk
+            shards, writes = self.shards, self.writer
+        if writes:
+            atomic_write_json(folder / MANIFEST, {"step": step, "shards": sorted(shards)})
             self._prune(step)
         return folder
 
@@ -191,7 +203,13 @@ class ShardedCheckpoint:
                 if (self.root.parent / CHECKPOINT).is_file() else ""
             raise FileNotFoundError(f"--resume {self.root.parent}: no complete checkpoint in "
                                     f"{self.root}{hint}")
-        state = load_checkpoint_file(folder / f"{self.shard}.pt", ("common", "workers"))
+        name = self.shard
+        listed = json.loads((folder / MANIFEST).read_text())["shards"]
+        if name not in listed and self.membership is not None:
+            name = self.membership.substitute(name, listed)
+        state = load_checkpoint_file(folder / f"{name}.pt", ("common", "workers"))
+        if name != self.shard:  # a replica's state, under this worker's name
+            state["workers"] = {self.shard: state["workers"][name]}
         return state["common"], state
 
     def _prune(self, newest: int) -> None:

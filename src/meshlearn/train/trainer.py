@@ -65,7 +65,8 @@ class Trainer:
         self.checkpoints = (SingleFileCheckpoint(self.run_dir) if self.driver.shard is None else
                             ShardedCheckpoint(self.run_dir, self.driver.shard,
                                               [str(w) for w in self.mesh.workers()], self.driver.barrier,
-                                              self.writer, self.cfg.dist.keep_checkpoints))
+                                              self.writer, self.cfg.dist.keep_checkpoints,
+                                              getattr(self.driver, "checkpoint_membership", None)))
         self.val_batches = validation_batches(self.corpus.splits.val, self.cfg.train.eval_batches,
                                               self.cfg.train.batch_size, self.cfg.model.seq_len)
         self.totals = Totals()
@@ -202,19 +203,24 @@ class Trainer:
         return stop is not None and stop.stop_after is not None and done >= stop.stop_after + 1
 
     def work(self, step: int) -> dict[WorkerId, StepWork]:
-        """Step ``step``'s work for this process's workers: replica r takes slice r of the global
-        batch, cut into microbatches, with the step's learning-rate factor."""
+        """Step ``step``'s work for this process's workers: the rows that train it take the slices
+        of its global batch in row order (every replica, unless the driver says otherwise: an
+        elastic driver's ``data_plan`` names the rows and the batch, which stays the same until a
+        step commits), cut into microbatches, with the step's learning-rate factor. A worker whose
+        row does not train the step gets no data (it spectates)."""
         cfg = self.cfg
-        x, y = global_batch(self.corpus.splits.train, step, cfg.train.batch_size, cfg.model.seq_len,
+        index, rows = (self.driver.data_plan(step) if hasattr(self.driver, "data_plan")
+                       else (step, tuple(range(self.mesh.replicas))))
+        x, y = global_batch(self.corpus.splits.train, index, cfg.train.batch_size, cfg.model.seq_len,
                             cfg.seed)
         factor = lr_factor(step, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
-        shards = shard_batch(x, y, self.mesh.replicas, cfg.mesh.microbatches)
+        shards = shard_batch(x, y, len(rows), cfg.mesh.microbatches) if rows else []
         works = {}
         for wid in self.workers:
-            micro = shards[wid.replica]
+            micro = shards[sorted(rows).index(wid.replica)] if wid.replica in rows else []
             works[wid] = StepWork(
                 step=step,
-                microbatch_size=micro[0][0].shape[0],
+                microbatch_size=micro[0][0].shape[0] if micro else 0,
                 lr_factor=factor,
                 tokens=[mx for mx, _ in micro] if wid.stage == 0 else None,
                 targets=[my for _, my in micro] if wid.stage == self.mesh.stages - 1 else None,

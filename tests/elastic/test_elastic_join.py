@@ -1,0 +1,192 @@
+"""A replacement row joins a running mesh of two stages (real processes on loopback, shaped links).
+
+P = 2 × D = 2: r1s1 is SIGKILLed, so row 1 leaves. ``meshlearn worker --join`` is started for
+stage 0 first: it heals there and *spectates* (its row has no stage 1) while row 0 trains on; then
+for stage 1. From the step where both are in their stages' quorums, row 1 trains again: each step
+splits its global batch over both rows. The run is long (``train.steps`` far away) and ends by a
+graceful stop (SIGTERM to one worker: every process stops after the same step, with a checkpoint),
+so nothing in the test depends on how long a process takes to start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
+
+from dist_helpers import deadline, kill_leftovers, launch, records  # noqa: E402
+from tiny import tiny_config  # noqa: E402
+
+from meshlearn.distributed.launch import WORKERS_FILE  # noqa: E402
+from meshlearn.train.checkpoint import MANIFEST, latest_complete  # noqa: E402
+from meshlearn.train.files import read_records  # noqa: E402
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "train.steps=2000", "elastic.enabled=true",
+           "dist.timeout_s=5", "dist.dead_after_s=2"]
+
+
+def _wait(predicate, seconds: float, what: str) -> None:
+    end = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < end, f"{what} did not happen within {seconds} s"
+        time.sleep(0.05)
+
+
+def _members(run: Path) -> dict:
+    return json.loads((run / WORKERS_FILE).read_text())
+
+
+def _event(run: Path, name: str, kind: str) -> dict | None:
+    """The latest ``kind`` event of slot ``name``; a join counts only a joiner's (a generation)."""
+    return next((e for e in reversed(_members(run)[name]["events"])
+                 if e["event"] == kind and (kind != "joined" or "generation" in e)), None)
+
+
+def _last_record(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    steps = [r["step"] for r in read_records(path) if r["kind"] == "train"] if path.exists() else []
+    return steps[-1] if steps else 0
+
+
+def _join(address: str, run: Path, log: Path) -> subprocess.Popen:
+    """``meshlearn worker --join``, its output in ``log`` (read at the end)."""
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "meshlearn.distributed.worker", "--join", address, "--out", str(run)],
+            env=os.environ | {"PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"},
+            stdout=out, stderr=subprocess.STDOUT)
+
+
+def _shard(folder: Path, name: str) -> dict:
+    return torch.load(folder / f"{name}.pt", weights_only=False)["workers"][name]
+
+
+def _assert_identical(a: dict, b: dict, what: str) -> None:
+    for key, tensor in a["module"].items():
+        assert torch.equal(tensor, b["module"][key]), f"{what}: {key}"
+    for (pa, sa), (pb, sb) in zip(a["optimizer"]["state"].items(), b["optimizer"]["state"].items(),
+                                  strict=True):
+        assert pa == pb and all(torch.equal(sa[k], sb[k]) for k in sa), f"{what}: optimizer {pa}"
+    assert a["version"] == b["version"], what
+
+
+@pytest.mark.slow
+def test_a_replacement_row_joins_heals_spectates_and_trains(tiny_corpus, tmp_path):
+    cfg = tiny_config(tiny_corpus, *ELASTIC)
+    run = tmp_path / "run"
+    result: dict = {}
+    joiners: list[subprocess.Popen] = []
+    try:
+        with deadline(240, "the elastic run with a replacement row"):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
+            thread.start()
+            _wait(lambda: _last_record(run) >= 2, 60, "two steps")
+            os.kill(_members(run)["r1s1"]["pid"], signal.SIGKILL)
+            _wait(lambda: all(_event(run, n, "left") for n in ("r1s0", "r1s1")), 60, "row 1's departure")
+            address = json.loads((run / "elastic.json").read_text())["store"]
+            joiners.append(_join(address, run, tmp_path / "join0.log"))  # r1s0: first free in row order
+            _wait(lambda: _event(run, "r1s0", "joined") is not None, 90, "r1s0's join")
+            healed = _event(run, "r1s0", "joined")["step"]
+            _wait(lambda: _last_record(run) >= healed + 3, 60, "three steps with r1s0 spectating")
+            joiners.append(_join(address, run, tmp_path / "join1.log"))  # takes r1s1
+            _wait(lambda: all(_event(run, n, "contributes") for n in ("r1s0", "r1s1")), 90,
+                  "row 1 training again")
+            trains = _event(run, "r1s0", "contributes")["step"]
+            _wait(lambda: _last_record(run) >= trains + 4, 60, "four steps with row 1 training")
+            os.kill(_members(run)["r0s0"]["pid"], signal.SIGTERM)  # a graceful stop, mesh-wide
+            for j in joiners:
+                j.wait(timeout=60)
+            thread.join()
+    finally:
+        for j in joiners:
+            if j.poll() is None:
+                j.kill()
+        kill_leftovers(run)
+    outputs = [(tmp_path / f"join{i}.log").read_text() for i in range(2)]
+    assert [j.returncode for j in joiners] == [128 + signal.SIGTERM] * 2, outputs  # the graceful stop
+    assert result["code"] == 0
+    assert f"joined at step {healed + 1}, healed from a live replica of stage 0" in outputs[0]
+    members = _members(run)
+    for name in ("r1s0", "r1s1"):
+        kinds = [e["event"] for e in members[name]["events"]]
+        assert kinds == ["joined", "left", "joined", "contributes", "finished"], members[name]
+        assert members[name]["events"][2]["generation"] == 1
+    # Row 1 trains from one step in both stages, agreed; r1s0 spectated the steps before it.
+    assert _event(run, "r1s1", "contributes")["step"] == trains
+    assert trains >= healed + 3
+    rows = records(run)
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(1, len(rows) + 1))
+    by_step = {r["step"]: r for r in rows}
+    assert all(by_step[s]["rows"] == [0] for s in range(healed + 1, trains + 1))  # r1s0 spectates
+    after = [by_step[s] for s in range(trains + 1, len(rows) + 1)]
+    assert all(r["rows"] == [0, 1] and r["committed"] and r["participants"] == 2 for r in after)
+    committed = [r for r in rows if r["committed"]]
+    assert all(math.isfinite(r["train_loss"]) for r in committed)
+    # The stop's checkpoint is complete after the membership change: every stage of both rows.
+    final = latest_complete(run)
+    assert final is not None and int(final.name.removeprefix("step-")) == len(rows)
+    assert json.loads((final / MANIFEST).read_text())["shards"] == ["r0s0", "r0s1", "r1s0", "r1s1"]
+    # Healed, then spectated, then trained: bit for bit the state of the live replica of its stage.
+    for s in range(2):
+        _assert_identical(_shard(final, f"r0s{s}"), _shard(final, f"r1s{s}"), f"stage {s}")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_after_a_row_left_is_complete_and_resumes_exactly(tiny_corpus, tmp_path):
+    """Row 1 leaves (r1s1 SIGKILLed); the checkpoints after that list row 0's shards, written by
+    r0s1 (agreed, no barrier of the departed). Resumed from one, the run starts row 0 only (the
+    membership of the checkpoint; row 1's slots are free for joiners) and trains every later step
+    bit for bit as the original did."""
+    import shutil
+
+    cfg = tiny_config(tiny_corpus, *ELASTIC, "train.steps=12", "train.checkpoint_every=2",
+                      "dist.keep_checkpoints=10")
+    run, again = tmp_path / "run", tmp_path / "again"
+    result: dict = {}
+    try:
+        with deadline(180, "the elastic run that loses a row, and its resume"):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
+            thread.start()
+            _wait(lambda: _last_record(run) >= 2, 60, "two steps")
+            os.kill(_members(run)["r1s1"]["pid"], signal.SIGKILL)
+            thread.join()
+            assert result["code"] == 0
+            folders = sorted((run / "checkpoints").iterdir())
+            listed = {int(f.name.removeprefix("step-")): json.loads((f / MANIFEST).read_text())["shards"]
+                      for f in folders}
+            after = [step for step, shards in sorted(listed.items()) if shards == ["r0s0", "r0s1"]]
+            assert after and after[-1] == 12 and after[0] < 12, listed  # complete, row 0 only
+            resume_at = after[0]
+            shutil.copytree(run, again)
+            for folder in (again / "checkpoints").iterdir():
+                if int(folder.name.removeprefix("step-")) > resume_at:
+                    shutil.rmtree(folder)
+            assert launch(cfg, again, resume=True) == 0
+    finally:
+        kill_leftovers(run)
+        kill_leftovers(again)
+    original, resumed = records(run), records(again)
+    assert [r["step"] for r in resumed] == list(range(1, 13))
+    tail = slice(resume_at, 12)
+    assert [r["train_loss"] for r in resumed[tail]] == [r["train_loss"] for r in original[tail]]  # exactly
+    assert [r["batch"] for r in resumed[tail]] == [r["batch"] for r in original[tail]]
+    members = _members(again)
+    assert [e["event"] for e in members["r1s0"]["events"]] == ["absent"]
+    assert members["r0s0"]["events"][-1]["event"] == "finished"
+    for s in range(2):
+        a = _shard(run / "checkpoints" / "step-000012", f"r0s{s}")
+        b = _shard(again / "checkpoints" / "step-000012", f"r0s{s}")
+        _assert_identical(a, b, f"stage {s} at the end")
