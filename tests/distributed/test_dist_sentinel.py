@@ -147,7 +147,8 @@ def test_a_published_verdict_is_the_outcome_the_verifier_decided():
     alert = Alert(WorkerId(0, 1), 4, "budget", 3, "no honest majority")
     rejection = Rejection(4, "act", 0, WorkerId(1, 1), WorkerId(1, 2), "index: ids in [-1, 9]")
     outcome = StepOutcome([d], [ban], ["s1|s2 grad"], [alert], ["s1|s2 grad: l2n"])
-    record = json.loads(json.dumps(verdict_record(4, outcome, [WorkerId(0, 2)], [rejection], {"cpu_s": 0.5})))
+    record = json.loads(json.dumps(verdict_record(4, outcome, {WorkerId(1, 2): WorkerId(0, 2)}, [rejection],
+                                                  {"cpu_s": 0.5})))
     remote = RemoteSentinel(lambda step: record if step == 4 else {})
     assert remote.end_step(4) == outcome
     assert remote.donor(WorkerId(1, 2)) == WorkerId(0, 2)

@@ -4,9 +4,12 @@ Per step these are small JSON values (a few kB of decisions): ``verdict/<t>``, p
 verifier once it has seen all of step t's messages and closed the step, read by every worker at
 the step's end (the trust plugin's ``on_step_end``); ``truth/<t>/<worker>``, the messages an
 attacker's own process changed in step t (the harness's ground truth), read by the process that
-writes the records. Every read waits with a deadline and checks liveness, so a dead verifier or
-attacker ends the run with its name instead of a hang. Old keys are deleted by the reader that
-knows nobody needs them any more (a flushing step's end is a barrier of all workers).
+writes the records; under async ``drained/<t>``, posted by rank 0 when the pipeline drains after
+step t, before that drain's gather, read by the verifier. Every read waits with a deadline and
+checks liveness, so a dead verifier or attacker ends the run with its name instead of a hang. Old
+keys are deleted by the one that knows nobody needs them any more: under a flushing schedule the
+records' writer (a step's end is a barrier of all workers), under async the verifier, which knows
+the drain points.
 """
 
 from __future__ import annotations
@@ -45,6 +48,20 @@ class VerdictBoard:
             # Every worker read step − 1's verdict before its update of this step (a barrier).
             self.store.delete_key(f"verdict/{step - 1}")
         return record
+
+    def post_drained(self, step: int) -> None:
+        """Async: the pipeline drains after ``step`` (rank 0, before the drain's gather)."""
+        self.store.set(f"drained/{step}", "1")
+
+    def drained(self, step: int) -> bool:
+        """Whether a drain point followed ``step`` (exact once a message of step + 1 was seen)."""
+        return self.store.check([f"drained/{step}"])
+
+    def forget(self, steps) -> None:
+        """Async: delete the verdicts (and drain marks) of ``steps``, which every worker has read."""
+        for step in steps:
+            self.store.delete_key(f"verdict/{step}")
+            self.store.delete_key(f"drained/{step}")
 
     def publish_truth(self, step: int, wid: WorkerId, keys: set) -> None:
         self.store.set(f"truth/{step}/{wid}", json.dumps(sorted(keys)))
