@@ -15,9 +15,7 @@ from dist_helpers import deadline, kill_leftovers, launch, records
 from tiny import tiny_config
 
 from meshlearn.compress.wire_checks import Rejection
-from meshlearn.config import ConfigError
 from meshlearn.distributed.verifier import Slots, evaluates_after
-from meshlearn.distributed.worker import run
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
 from meshlearn.verify.ledger import Alert, Ban, Decision
@@ -154,9 +152,3 @@ def test_a_published_verdict_is_the_outcome_the_verifier_decided():
     assert remote.donor(WorkerId(1, 2)) == WorkerId(0, 2)
     assert remote.pop_rejections() == [rejection] and remote.pop_rejections() == []
     assert remote.clock.summary() == {"cpu_s": 0.5}
-
-
-def test_a_verified_dist_run_does_not_resume_yet(tiny_corpus, tmp_path):
-    cfg = tiny_config(tiny_corpus, *MESH, "backend=dist")
-    with pytest.raises(ConfigError, match="cannot resume"):
-        run(cfg, tmp_path, resume=True)

@@ -18,6 +18,7 @@ from dist_helpers import deadline, kill_leftovers, launch, records
 from test_dist_sentinel import MESH, both, decisions
 from tiny import tiny_config
 
+from meshlearn.train import Trainer
 from meshlearn.verify.verdicts import RemoteSentinel
 
 ASYNC = [*MESH, "mesh.schedule=async"]
@@ -27,8 +28,8 @@ def assert_same_async_decisions(sim, dist) -> None:
     """Every decision equal (distances to 1e-4), but flag ≡ banned for a banned worker's messages
     after its ban's step and up to its replacement."""
     banned = {}  # worker → (decided at, replaced after), 1-based steps
-    for ban in records(sim, "ban"):
-        banned[ban["worker"]] = (ban["step"], ban["replaced_after_step"])
+    for ban in records(sim, "ban"):  # (flushing schedules: replaced at the ban's own step)
+        banned[ban["worker"]] = (ban["step"], ban.get("replaced_after_step", ban["step"]))
 
     def action(d: dict) -> tuple:
         window = banned.get(d["src"])
@@ -118,3 +119,35 @@ def test_a_ban_asks_for_the_simulators_drain_point_once_its_verdict_is_read():
     assert not any(remote.ban_drain_due(d) for d in range(30))
     remote.learn_through(5)  # nothing fetched twice
     assert fetched == list(range(21))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["async", "1f1b"])
+def test_an_attacked_verified_dist_run_resumes_exactly(tiny_corpus, tmp_path, schedule):
+    """Stopped at a checkpoint after the ban was carried out, resumed: the verifier's state (its
+    references, fences, ledger) comes back from rank 0's shard, and the run ends where the
+    simulator's uninterrupted run ends (about 25 s each)."""
+    overrides = [*MESH, f"mesh.schedule={schedule}", "mesh.replicas=3", "train.batch_size=12",
+                 "train.steps=12", "train.eval_every=6", "train.checkpoint_every=9", "attack.kind=zeros",
+                 "attack.workers=r1s1", "attack.start_step=5"]
+    cfg = tiny_config(tiny_corpus, *overrides)
+    Trainer(cfg, tmp_path / "sim", progress=False).train()
+    dist = tmp_path / "dist"
+    try:
+        with deadline(150, "the stopped and the resumed dist runs"):
+            assert launch(cfg, dist, "train.stop_at_step=9") == 0
+            assert launch(cfg, dist, "train.stop_at_step=0", resume=True) == 0
+    finally:
+        kill_leftovers(dist)
+    sim = tmp_path / "sim"
+    assert [r["step"] for r in records(dist)] == list(range(1, 13))
+    assert_same_async_decisions(sim, dist)
+    [ban] = records(dist, "ban")
+    assert (ban["worker"], ban["step"], ban.get("replaced_after_step", 7)) == (
+        "r1s1", 7, 9 if schedule == "async" else 7)
+    for ra, rb in zip(records(sim), records(dist), strict=True):
+        assert ra["train_loss"] == pytest.approx(rb["train_loss"], abs=1e-5)
+    assert [r["val_loss"] for r in records(sim, "eval")] == pytest.approx(
+        [r["val_loss"] for r in records(dist, "eval")], abs=1e-5)
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (sim, dist))
+    assert a["banned_workers"] == b["banned_workers"] and a["trust"]["messages"] == b["trust"]["messages"]

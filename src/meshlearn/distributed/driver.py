@@ -122,8 +122,13 @@ class DistDriver(PipelineEvaluation):
         # every process feeds equally far ahead.
         deepest = pipeline_in_flight(cfg)[0] if isinstance(worker.plan, AsyncPlan) else 1
         self.lookahead = feed_lookahead(deepest, cfg.mesh.microbatches)
-        self.remote_sentinel = (RemoteSentinel(self.verdicts.verdict, 0 if flushes else self.lookahead)
-                                if relay is not None and cfg.verify.name == "sentinel" else None)
+        self.remote_sentinel = None
+        if relay is not None and cfg.verify.name == "sentinel":
+            board = self.verdicts
+            self.remote_sentinel = RemoteSentinel(
+                board.verdict, 0 if flushes else self.lookahead,
+                snapshot=board.verifier_state if self.writes_records else None,
+                restore=board.post_resume_state if self.writes_records else None)
         # Steps fed ahead of the one running. Verified async: only what this stage's plan can
         # reach before the running step ends (its own depth), so that a drain point a ban asks for
         # is known from verdicts the verifier has already posted (see _feed).

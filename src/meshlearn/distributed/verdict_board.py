@@ -9,7 +9,9 @@ step t, before that drain's gather, read by the verifier. Every read waits with 
 checks liveness, so a dead verifier or attacker ends the run with its name instead of a hang. Old
 keys are deleted by the one that knows nobody needs them any more: under a flushing schedule the
 records' writer (a step's end is a barrier of all workers), under async the verifier, which knows
-the drain points.
+the drain points. For checkpoints, the verifier's state crosses it too: rank 0 asks for it at a
+checkpoint (``state_request`` → ``state/<done>``) and keeps it in its own shard, and hands it back
+on resume (``resume_state``), so the checkpoint layout and its completeness rule stay the workers'.
 """
 
 from __future__ import annotations
@@ -63,6 +65,33 @@ class VerdictBoard:
             self.store.delete_key(f"verdict/{step}")
             self.store.delete_key(f"drained/{step}")
 
+    def verifier_state(self, done: int) -> bytes:
+        """Rank 0, at a checkpoint after ``done`` steps: the verifier's state there."""
+        self.store.set("state_request", str(done))
+        key = f"state/{done}"
+        blob = self._get(key, f"the verifier's state after step {done}")
+        self.store.delete_key(key)
+        return blob
+
+    def state_requested(self) -> int | None:
+        """The verifier: the steps done of a checkpoint waiting for its state (None: none)."""
+        if not self.store.check(["state_request"]):
+            return None
+        done = int(self.store.get("state_request"))
+        self.store.delete_key("state_request")
+        return done
+
+    def post_state(self, done: int, blob: bytes) -> None:
+        self.store.set(f"state/{done}", blob)
+
+    def post_resume_state(self, blob: bytes) -> None:
+        """Rank 0 on resume: the verifier's state from its checkpoint shard."""
+        self.store.set("resume_state", blob)
+
+    def resume_state(self, deadline_s: float) -> bytes:
+        """The verifier on resume: waits for rank 0 to load its shard."""
+        return self._get("resume_state", "the verifier's state from rank 0's checkpoint", deadline_s)
+
     def publish_truth(self, step: int, wid: WorkerId, keys: set) -> None:
         self.store.set(f"truth/{step}/{wid}", json.dumps(sorted(keys)))
 
@@ -73,13 +102,14 @@ class VerdictBoard:
         self.store.delete_key(key)
         return keys
 
-    def _get(self, key: str, what: str) -> bytes:
-        end = time.monotonic() + self.deadline_s
+    def _get(self, key: str, what: str, deadline_s: float | None = None) -> bytes:
+        deadline_s = self.deadline_s if deadline_s is None else deadline_s
+        end = time.monotonic() + deadline_s
         while not self.store.check([key]):
             self.health.check()
             if time.monotonic() >= end:
                 raise WorkerFailure(self.health.explain(
-                    f"{what} did not come within {self.deadline_s:.1f} s"))
+                    f"{what} did not come within {deadline_s:.1f} s"))
             time.sleep(POLL_S)
         return self.store.get(key)
 

@@ -62,7 +62,7 @@ from meshlearn.distributed.groups import Link, build_groups
 from meshlearn.distributed.health import EXIT_PEER_FAILURE, WorkerFailure
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.transport import Broken, Transport
-from meshlearn.distributed.verdict_board import VerdictBoard
+from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch_state
 from meshlearn.distributed.worker import Session, _train_tokenizer_once
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.schedule import feed_lookahead
@@ -140,6 +140,9 @@ class Relay:
         self.opened = 0  # async: the latest step whose first message came through
         self.forgettable = -1  # async: verdicts up to this step may be deleted at the next drain
         self.forgotten = -1  # ... and up to this one already were
+        self.drained_at = 0  # async: the steps done at the last drain point carried out here
+        self.closed = 0  # steps closed
+        self.cpu_started = time.process_time()  # the relay's own CPU (every thread) from here on
 
     def run(self) -> None:
         """Until every worker has finished (its ``done`` key): a link whose worker finished may
@@ -151,8 +154,10 @@ class Relay:
                 self.handle(item)
             elif isinstance(item, Broken) and not self._finished(item.link[0]):
                 raise WorkerFailure(self.health.abort(item.message))
-            elif item is None and self._all_done():
-                return
+            elif item is None:
+                self.answer_state_request()
+                if self._all_done():
+                    return
             if (error := self.transport.send_error()) is not None:
                 raise WorkerFailure(self.health.abort(error))
 
@@ -204,33 +209,68 @@ class Relay:
                   f"{ban.metric}, {ban.strikes} strikes); "
                   + ("replaced at the next drain point" if self.deferred else
                      f"its replacement loads {replacements[ban.worker]}'s state"), flush=True)
-        record = verdict_record(step, outcome, replacements, self.guard.pop_rejections(),
-                                self.sentinel.clock.summary())
+        self.closed += 1
+        record = verdict_record(step, outcome, replacements, self.guard.pop_rejections(), self.cost())
         self.board.post_verdict(step, record)
         if evaluates_after(self.cfg, step):
             self.slots.expect_evaluation(self.eval_batches)
 
+    def cost(self) -> dict:
+        """The inspections' CPU time (``VerifierClock``), and the whole process's since the relay
+        started: receiving, checking, inspecting, forwarding, closing steps (every thread)."""
+        process = time.process_time() - self.cpu_started
+        return self.sentinel.clock.summary() | {
+            "process_cpu_s": process, "steps_closed": self.closed,
+            "process_cpu_s_per_step": process / self.closed if self.closed else None}
+
     def open(self, step: int) -> None:
         """Async: the first message of ``step`` came through, so whether step − 1 ended in a drain
         point is on the store (rank 0 posts it before that drain's gather, which every sender of
-        a step-``step`` message had left). There, as ``TrustLayer.on_drain``: the pending slots
-        are readmitted (their donors went with the verdict) and the view lag restarts."""
+        a step-``step`` message had left)."""
         assert step == self.opened + 1, f"step {step + 1} opened after step {self.opened + 1}"
         self.opened = step
-        if not self.board.drained(step - 1):
-            return
-        assert step - 1 not in self.seen, f"a drain point after step {step}, which is still open"
+        if self.drained_at != step and self.board.drained(step - 1):
+            self.drain(step)
+
+    def drain(self, done: int) -> None:
+        """Async, at the drain point after ``done`` steps, as ``TrustLayer.on_drain``: the pending
+        slots are readmitted (their donors went with the verdict) and the view lag restarts."""
+        assert done - 1 not in self.seen, f"a drain point after step {done}, which is still open"
         donors = self._drain_donors()
         for ban in self.pending:
             self.sentinel.readmit(ban.worker)
-            print(f"verifier: drain point after step {step}: {ban.worker} (banned at step {ban.step + 1}) "
+            print(f"verifier: drain point after step {done}: {ban.worker} (banned at step {ban.step + 1}) "
                   f"replaced, loading {donors[ban.worker]}'s state", flush=True)
         self.pending = []
-        self.sentinel.drained(step)
+        self.sentinel.drained(done)
+        self.drained_at = done
         # Every worker left this drain's gather, so each has read every verdict up to the
         # previous drain point (read at that drain, before it went on).
         self.board.forget(range(self.forgotten + 1, self.forgettable + 1))
-        self.forgotten, self.forgettable = self.forgettable, step - 1
+        self.forgotten, self.forgettable = self.forgettable, done - 1
+
+    # --- checkpoints: the state goes into rank 0's shard (verdict_board.py) ----------------------
+
+    def answer_state_request(self) -> None:
+        """At a checkpoint (a drain point: nothing in flight, so this idle verifier sees it): the
+        drain carried out first (async; it would otherwise wait for the next step's first message),
+        then everything a resumed verifier needs."""
+        done = self.board.state_requested()
+        if done is None:
+            return
+        if self.deferred and self.drained_at != done:
+            self.drain(done)
+        state = {"sentinel": self.sentinel.state_dict(), "done": done}
+        self.board.post_state(done, torch_bytes(state).numpy().tobytes())
+
+    def restore(self, blob: bytes) -> None:
+        """On resume: the state at the checkpoint's drain point (after its drain was carried out)."""
+        state = torch_state(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        self.sentinel.load_state_dict(state["sentinel"])
+        done = state["done"]
+        self.slots.trained = {link: done * self.microbatches for link in self.slots.trained}
+        self.opened = self.drained_at = done
+        self.forgotten = self.forgettable = done - 1  # a fresh store: nothing to delete before
 
     def _drain_donors(self) -> dict[WorkerId, WorkerId]:
         """The donor of each pending ban if the pipeline drains now: chosen one by one, each slot
@@ -261,13 +301,16 @@ def run_verifier(cfg: RunConfig, run_dir: Path, resume: bool, session) -> int:
                                      cfg.model.seq_len)
         groups = build_groups(cfg, session.mesh, session.rank)
         relay = Relay(cfg, session, groups.links, len(batches))
+        if resume:  # rank 0 hands back the state it kept in its checkpoint shard
+            relay.restore(relay.board.resume_state(cfg.dist.init_timeout_s))
         print(f"verifier (rank {session.rank}): SENTINEL on {len(groups.links)} pipeline links, "
               f"{relay.per_step} messages a step", flush=True)
         started = time.monotonic()
         relay.run()
-        cost = relay.sentinel.clock.summary()
+        cost = relay.cost()
         print(f"verifier: done, {relay.relayed} messages in {time.monotonic() - started:.1f} s, "
-              f"{cost['cpu_s']:.2f} s CPU inspecting, {len(relay.sentinel.bans)} ban(s)", flush=True)
+              f"{cost['cpu_s']:.2f} s CPU inspecting, {cost['process_cpu_s']:.2f} s CPU in all, "
+              f"{len(relay.sentinel.bans)} ban(s)", flush=True)
         session.health.finish()
         code = 0
     except WorkerFailure as err:

@@ -344,7 +344,7 @@ class TrustLayer:
             wid = WorkerId.parse(w)
             if wid in self.attacks:
                 self.attacks[wid].load_state_dict(attack_state)
-                if self.attacks[wid].stopped_at is not None:
+                if self.attacks[wid].stopped_at is not None and wid in self.workers:  # dist: its process
                     self.workers[wid].tamper = self.workers[wid].forge = None
         self.messages = {k: Confusion(**c) for k, c in state["messages"].items()}
         self.warmup_messages = state["warmup_messages"]

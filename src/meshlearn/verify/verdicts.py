@@ -20,7 +20,6 @@ verifier as ``TrustLayer.on_drain`` would choose them there.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from meshlearn.compress.wire_checks import Rejection
 from meshlearn.mesh.topology import WorkerId
@@ -83,9 +82,15 @@ class RemoteSentinel:
     verifier's view lag L under async (0: steps do not overlap).
     """
 
-    def __init__(self, fetch: Callable[[int], dict], lag: int = 0):
+    def __init__(self, fetch: Callable[[int], dict], lag: int = 0,
+                 snapshot: Callable[[int], bytes] | None = None,
+                 restore: Callable[[bytes], None] | None = None):
         self.fetch = fetch
         self.lag = lag
+        # The records' writer only: the verifier's own state at a drain point (``snapshot(done)``),
+        # kept in that worker's checkpoint shard, and handed back to it on resume (``restore``).
+        self.snapshot = snapshot
+        self.restore = restore
         self.clock = _Clock()
         self.donors: dict[WorkerId, WorkerId] = {}
         self.rejections: list[Rejection] = []  # the verifier's guard's, for the wire plugin
@@ -136,7 +141,13 @@ class RemoteSentinel:
         rejections, self.rejections = self.rejections, []
         return rejections
 
-    def state_dict(self) -> Any:
-        """The verifier's state lives in its own process (a dist run with verification does not
-        resume yet, see docs/sentinel.md)."""
-        return None
+    def state_dict(self) -> dict:
+        """At a drain point (a checkpoint): how far the verdicts were read, and — in the records'
+        writer — the verifier process's whole state there, so that a resumed run goes on exactly."""
+        return {"learned": self.learned, "synced": self.synced,
+                "verifier": self.snapshot(self.synced) if self.snapshot is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.learned, self.synced = state["learned"], state["synced"]
+        if self.restore is not None and state["verifier"] is not None:
+            self.restore(state["verifier"])
