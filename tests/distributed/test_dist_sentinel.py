@@ -15,9 +15,7 @@ from dist_helpers import deadline, kill_leftovers, launch, records
 from tiny import tiny_config
 
 from meshlearn.compress.wire_checks import Rejection
-from meshlearn.config import ConfigError
 from meshlearn.distributed.verifier import Slots, evaluates_after
-from meshlearn.distributed.worker import run
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
 from meshlearn.verify.ledger import Alert, Ban, Decision
@@ -147,15 +145,10 @@ def test_a_published_verdict_is_the_outcome_the_verifier_decided():
     alert = Alert(WorkerId(0, 1), 4, "budget", 3, "no honest majority")
     rejection = Rejection(4, "act", 0, WorkerId(1, 1), WorkerId(1, 2), "index: ids in [-1, 9]")
     outcome = StepOutcome([d], [ban], ["s1|s2 grad"], [alert], ["s1|s2 grad: l2n"])
-    record = json.loads(json.dumps(verdict_record(4, outcome, [WorkerId(0, 2)], [rejection], {"cpu_s": 0.5})))
+    record = json.loads(json.dumps(verdict_record(4, outcome, {WorkerId(1, 2): WorkerId(0, 2)}, [rejection],
+                                                  {"cpu_s": 0.5})))
     remote = RemoteSentinel(lambda step: record if step == 4 else {})
     assert remote.end_step(4) == outcome
     assert remote.donor(WorkerId(1, 2)) == WorkerId(0, 2)
     assert remote.pop_rejections() == [rejection] and remote.pop_rejections() == []
     assert remote.clock.summary() == {"cpu_s": 0.5}
-
-
-def test_a_verified_dist_run_does_not_resume_yet(tiny_corpus, tmp_path):
-    cfg = tiny_config(tiny_corpus, *MESH, "backend=dist")
-    with pytest.raises(ConfigError, match="cannot resume"):
-        run(cfg, tmp_path, resume=True)

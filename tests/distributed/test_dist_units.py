@@ -92,8 +92,8 @@ def test_dist_settings_are_checked_up_front():
     with pytest.raises(ConfigError, match="backend"):
         load_config(None, ["backend=mpi"])
     load_config(None, ["backend=dist", "verify.name=sentinel"])  # the verifier process relays
+    load_config(None, ["backend=dist", "verify.name=sentinel", "mesh.schedule=async"])
     for overrides, key in [(["attack.kind=zeros", "attack.workers=r0s1", "mesh.stages=4"], "attack.kind"),
-                           (["verify.name=sentinel", "mesh.schedule=async"], "mesh.schedule"),
                            (["verify.name=sentinel", "dp.name=diloco"], "dp.name"),
                            (["verify.name=sentinel", "dist.comm=nccl"], "dist.comm")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

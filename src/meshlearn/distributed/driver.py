@@ -17,6 +17,7 @@ the attackers' ground truth through ``exchange_truth`` and a ban's donor through
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 
@@ -108,10 +109,10 @@ class DistDriver(PipelineEvaluation):
         self._bytes_mark: tuple[int, int] | None = None  # counters at the previous step's end
         # With a verifier: its verdicts (verify/verdicts.py) and the attackers' ground truth travel
         # through the rendezvous store, on a client of the main thread's own.
-        self.verdicts = (VerdictBoard(health, self.deadlines.collective_s, cleanup=self.writes_records)
+        flushes = worker.plan.flushes
+        self.verdicts = (VerdictBoard(health, self.deadlines.collective_s,
+                                      cleanup=self.writes_records and flushes)
                          if relay is not None else None)
-        self.remote_sentinel = (RemoteSentinel(self.verdicts.verdict)
-                                if relay is not None and cfg.verify.name == "sentinel" else None)
         self.busy_s = 0.0
         self.rows: torch.Tensor | None = None  # the last step's gather, for the summary
         self.rejections = 0  # messages this worker's guard refused (each also logged to stderr)
@@ -121,6 +122,19 @@ class DistDriver(PipelineEvaluation):
         # every process feeds equally far ahead.
         deepest = pipeline_in_flight(cfg)[0] if isinstance(worker.plan, AsyncPlan) else 1
         self.lookahead = feed_lookahead(deepest, cfg.mesh.microbatches)
+        self.remote_sentinel = None
+        if relay is not None and cfg.verify.name == "sentinel":
+            board = self.verdicts
+            self.remote_sentinel = RemoteSentinel(
+                board.verdict, 0 if flushes else self.lookahead,
+                snapshot=board.verifier_state if self.writes_records else None,
+                restore=board.post_resume_state if self.writes_records else None)
+        # Steps fed ahead of the one running. Verified async: only what this stage's plan can
+        # reach before the running step ends (its own depth), so that a drain point a ban asks for
+        # is known from verdicts the verifier has already posted (see _feed).
+        self.feed_ahead = self.lookahead
+        if self.remote_sentinel is not None and isinstance(worker.plan, AsyncPlan):
+            self.feed_ahead = math.ceil(worker.plan.in_flight / cfg.mesh.microbatches)
         self.stats = 2 * cfg.mesh.microbatches  # where the stats start in a row
         self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
 
@@ -164,8 +178,12 @@ class DistDriver(PipelineEvaluation):
         if worker.plan.flushes:
             return [self._report(step, rows)]
         self.pending.append(self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before))
+        if self.remote_sentinel is not None:  # a ban at step − L asks for a drain after this one
+            self.remote_sentinel.learn_through(step - self.lookahead)
         if source.next_drain(step) != step:
             return []
+        if self.remote_sentinel is not None and self.writes_records:
+            self.verdicts.post_drained(step)  # before the gather: ahead of any next-step message
         gathered = self._gather(torch.stack(self.pending))  # (world, steps, row)
         first = step - len(self.pending) + 1
         self.pending = []
@@ -198,8 +216,17 @@ class DistDriver(PipelineEvaluation):
 
     def _feed(self, step: int, source) -> None:
         """The simulator's feeding rule, for this worker: data up to the next drain point (or a
-        lookahead that covers the first stage's in-flight depth); receives posted for all of it."""
-        last = min(source.next_drain(step), step + self.lookahead)
+        lookahead that covers the first stage's in-flight depth); receives posted for all of it.
+
+        With a verifier under async a ban at step b drains the pipeline after step b + L (L =
+        ``lookahead``, the simulator's rule), so feeding up to step f needs the verdicts through
+        f − 1 − L. This stage feeds only ``feed_ahead`` steps ahead — its plan forwards at most
+        ``in_flight`` microbatches past the running step, so its order is the simulator's — and
+        the verdicts it needs are then already posted, or nearly: stage 0 forwards step u only
+        after it finished step u − L, and every later stage only after stage 0 did."""
+        if self.remote_sentinel is not None and not self.worker.plan.flushes:
+            self.remote_sentinel.learn_through(step + self.feed_ahead - 1 - self.lookahead)
+        last = min(source.next_drain(step), step + self.feed_ahead)
         M = self.cfg.mesh.microbatches
         while self.fed < last:
             self.fed += 1

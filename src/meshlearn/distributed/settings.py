@@ -92,9 +92,6 @@ def validate_dist(cfg, require) -> None:
                 "needs verify.name = 'sentinel' with backend = 'dist' (unverified attacks run in the "
                 "simulator only)")
         if verifying:  # the verifier process relays the pipeline (distributed/verifier.py)
-            require(cfg.mesh.schedule != "async", "mesh.schedule", cfg.mesh.schedule,
-                    "with verify.name = 'sentinel' and backend = 'dist': gpipe or 1f1b (the dist "
-                    "verifier closes each step when its messages are in; async runs in the simulator)")
             require(cfg.dp.name == "allreduce", "dp.name", cfg.dp.name,
                     "must be 'allreduce' with verify.name = 'sentinel' and backend = 'dist'")
             require(dist.comm != "nccl", "dist.comm", dist.comm,

@@ -4,9 +4,14 @@ Per step these are small JSON values (a few kB of decisions): ``verdict/<t>``, p
 verifier once it has seen all of step t's messages and closed the step, read by every worker at
 the step's end (the trust plugin's ``on_step_end``); ``truth/<t>/<worker>``, the messages an
 attacker's own process changed in step t (the harness's ground truth), read by the process that
-writes the records. Every read waits with a deadline and checks liveness, so a dead verifier or
-attacker ends the run with its name instead of a hang. Old keys are deleted by the reader that
-knows nobody needs them any more (a flushing step's end is a barrier of all workers).
+writes the records; under async ``drained/<t>``, posted by rank 0 when the pipeline drains after
+step t, before that drain's gather, read by the verifier. Every read waits with a deadline and
+checks liveness, so a dead verifier or attacker ends the run with its name instead of a hang. Old
+keys are deleted by the one that knows nobody needs them any more: under a flushing schedule the
+records' writer (a step's end is a barrier of all workers), under async the verifier, which knows
+the drain points. For checkpoints, the verifier's state crosses it too: rank 0 asks for it at a
+checkpoint (``state_request`` → ``state/<done>``) and keeps it in its own shard, and hands it back
+on resume (``resume_state``), so the checkpoint layout and its completeness rule stay the workers'.
 """
 
 from __future__ import annotations
@@ -46,6 +51,47 @@ class VerdictBoard:
             self.store.delete_key(f"verdict/{step - 1}")
         return record
 
+    def post_drained(self, step: int) -> None:
+        """Async: the pipeline drains after ``step`` (rank 0, before the drain's gather)."""
+        self.store.set(f"drained/{step}", "1")
+
+    def drained(self, step: int) -> bool:
+        """Whether a drain point followed ``step`` (exact once a message of step + 1 was seen)."""
+        return self.store.check([f"drained/{step}"])
+
+    def forget(self, steps) -> None:
+        """Async: delete the verdicts (and drain marks) of ``steps``, which every worker has read."""
+        for step in steps:
+            self.store.delete_key(f"verdict/{step}")
+            self.store.delete_key(f"drained/{step}")
+
+    def verifier_state(self, done: int) -> bytes:
+        """Rank 0, at a checkpoint after ``done`` steps: the verifier's state there."""
+        self.store.set("state_request", str(done))
+        key = f"state/{done}"
+        blob = self._get(key, f"the verifier's state after step {done}")
+        self.store.delete_key(key)
+        return blob
+
+    def state_requested(self) -> int | None:
+        """The verifier: the steps done of a checkpoint waiting for its state (None: none)."""
+        if not self.store.check(["state_request"]):
+            return None
+        done = int(self.store.get("state_request"))
+        self.store.delete_key("state_request")
+        return done
+
+    def post_state(self, done: int, blob: bytes) -> None:
+        self.store.set(f"state/{done}", blob)
+
+    def post_resume_state(self, blob: bytes) -> None:
+        """Rank 0 on resume: the verifier's state from its checkpoint shard."""
+        self.store.set("resume_state", blob)
+
+    def resume_state(self, deadline_s: float) -> bytes:
+        """The verifier on resume: waits for rank 0 to load its shard."""
+        return self._get("resume_state", "the verifier's state from rank 0's checkpoint", deadline_s)
+
     def publish_truth(self, step: int, wid: WorkerId, keys: set) -> None:
         self.store.set(f"truth/{step}/{wid}", json.dumps(sorted(keys)))
 
@@ -56,13 +102,14 @@ class VerdictBoard:
         self.store.delete_key(key)
         return keys
 
-    def _get(self, key: str, what: str) -> bytes:
-        end = time.monotonic() + self.deadline_s
+    def _get(self, key: str, what: str, deadline_s: float | None = None) -> bytes:
+        deadline_s = self.deadline_s if deadline_s is None else deadline_s
+        end = time.monotonic() + deadline_s
         while not self.store.check([key]):
             self.health.check()
             if time.monotonic() >= end:
                 raise WorkerFailure(self.health.explain(
-                    f"{what} did not come within {self.deadline_s:.1f} s"))
+                    f"{what} did not come within {deadline_s:.1f} s"))
             time.sleep(POLL_S)
         return self.store.get(key)
 

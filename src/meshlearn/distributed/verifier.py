@@ -6,8 +6,9 @@ the ledger — and relays the pipeline, store and forward: worker (r, s) → ver
 (r, s ± 1), each hop on a two-rank group of its own per direction (``groups.py``), so a worker
 receives pipeline messages from the verifier only. Per message, in arrival order:
 
-1. the *slot*: which step the message belongs to is read off its link's arrival count (each link
-   carries M messages per step in order under the flushing schedules), never off its header;
+1. the *slot*: which step the message belongs to is read off its link's arrival count, never off
+   its header — every schedule sends a link's messages in microbatch order, M per step (async
+   included: forwards and backwards run in order), so message n of a link is of step n // M;
    after a step that ends in evaluation, replica 0's forward links carry the validation batches
    next, relayed unverified (the simulator does not verify evaluation either);
 2. the receiver's checks, before anything decodes it: the route (a message's kind and destination
@@ -19,16 +20,29 @@ receives pipeline messages from the verifier only. Per message, in arrival order
    link's profile).
 
 Once all 2·(P − 1)·D·M messages of step t went through (dropped microbatches still send, their
-later messages neutralized), it closes the step — ``Sentinel.end_step``, each ban's donor from its
-ledger, the readmission of the replacement — and posts the verdict on the store
-(``verdict_board.py``), which every worker reads at its step's end: the trust plugin scores it,
-logs it (rank 0) and carries the bans out (the donor's state crosses the stage's DP group).
-The flushing schedules guarantee that no message of step t + 1 exists before step t closed, so
-the decisions are the simulator's. The verifier is trusted; it sees payloads, never weights.
+later messages neutralized), it closes the step — ``Sentinel.end_step`` — and posts the verdict on
+the store (``verdict_board.py``). Steps close in order: each link carries step t's messages before
+step t + 1's.
+
+- Flushing schedules: no message of step t + 1 exists before step t closed; every step ends at a
+  drain point, so each ban's donor is chosen and the slot readmitted at the close, and every
+  worker reads the verdict at its step's end (the trust plugin scores it, logs it (rank 0) and
+  carries the bans out: the donor's state crosses the stage's DP group).
+- ``async``: steps overlap. The Sentinel lags its view by the workers' feed lookahead L, as in
+  the simulator (a step-u message exists only once stage 0 has finished step u − L − 1, whose
+  messages all came through here first). A ban is pending until the next drain point; rank 0
+  posts each drain point on the store before the drain's gather (``drained/<t>``), so the
+  verifier learns whether step t drained when step t + 1's first message arrives — none can
+  exist before — and only then readmits the pending slots and restarts its lag
+  (``Sentinel.drained``), the simulator's ``TrustLayer.on_drain``. The donors are chosen at every
+  close while a ban is pending, as that drain would choose them, and go with the verdict.
+
+The verifier is trusted; it sees payloads, never weights.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import sys
@@ -48,11 +62,13 @@ from meshlearn.distributed.groups import Link, build_groups
 from meshlearn.distributed.health import EXIT_PEER_FAILURE, WorkerFailure
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.transport import Broken, Transport
-from meshlearn.distributed.verdict_board import VerdictBoard
+from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch_state
 from meshlearn.distributed.worker import Session, _train_tokenizer_once
 from meshlearn.mesh.messages import Message
-from meshlearn.mesh.topology import MeshShape
-from meshlearn.train.assemble import load_corpus, resolve
+from meshlearn.mesh.schedule import feed_lookahead
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.train.assemble import load_corpus, pipeline_in_flight, resolve
+from meshlearn.verify.ledger import Ban
 from meshlearn.verify.sentinel import Sentinel
 from meshlearn.verify.trust import choose_donor
 from meshlearn.verify.verdicts import verdict_record
@@ -117,6 +133,16 @@ class Relay:
         self.seen: dict[int, int] = {}
         self.board = board or VerdictBoard(self.health, deadlines.collective_s)
         self.relayed = 0
+        self.deferred = cfg.mesh.schedule == "async"  # bans wait for a drain point
+        if self.deferred:  # the workers' feed lookahead (DistDriver.lookahead), as in the simulator
+            self.sentinel.set_lag(feed_lookahead(pipeline_in_flight(cfg)[0], self.microbatches))
+        self.pending: list[Ban] = []  # async: decided, carried out at the next drain point
+        self.opened = 0  # async: the latest step whose first message came through
+        self.forgettable = -1  # async: verdicts up to this step may be deleted at the next drain
+        self.forgotten = -1  # ... and up to this one already were
+        self.drained_at = 0  # async: the steps done at the last drain point carried out here
+        self.closed = 0  # steps closed
+        self.cpu_started = time.process_time()  # the relay's own CPU (every thread) from here on
 
     def run(self) -> None:
         """Until every worker has finished (its ``done`` key): a link whose worker finished may
@@ -128,8 +154,10 @@ class Relay:
                 self.handle(item)
             elif isinstance(item, Broken) and not self._finished(item.link[0]):
                 raise WorkerFailure(self.health.abort(item.message))
-            elif item is None and self._all_done():
-                return
+            elif item is None:
+                self.answer_state_request()
+                if self._all_done():
+                    return
             if (error := self.transport.send_error()) is not None:
                 raise WorkerFailure(self.health.abort(error))
 
@@ -139,6 +167,8 @@ class Relay:
         if step is None:  # a validation batch: relayed as it is, to its link's destination
             self.transport.send(dataclasses.replace(message, dst=link[1]), self.eval_capacity, shaped=False)
             return
+        if self.deferred and step > self.opened:
+            self.open(step)
         message = self.admit(message, link, step)
         delivered = self.sentinel.inspect(message)
         self.transport.send(delivered, self.capacity, shaped=False)
@@ -161,21 +191,96 @@ class Relay:
                                    payload=self.guard.neutral(kind, self.guard.shape(self.micro)))
 
     def close(self, step: int) -> None:
-        """``Sentinel.end_step``, the donors and readmissions (``TrustLayer``'s order in the
-        simulator, where a flushing schedule's bans are carried out between steps), the verdict."""
+        """``Sentinel.end_step`` and the verdict. Flushing schedules drain after every step: each
+        ban's donor and readmission at once (``TrustLayer``'s order in the simulator, where bans
+        are carried out between steps). Async: the donors the next drain would choose now."""
         del self.seen[step]
         outcome = self.sentinel.end_step(step)
-        donors = []
+        if self.deferred:
+            self.pending += outcome.bans
+            replacements = self._drain_donors()
+        else:
+            replacements = {}
+            for ban in outcome.bans:
+                replacements[ban.worker] = choose_donor(self.sentinel, self.mesh, ban.worker)
+                self.sentinel.readmit(ban.worker)
         for ban in outcome.bans:
-            donors.append(choose_donor(self.sentinel, self.mesh, ban.worker))
-            self.sentinel.readmit(ban.worker)
-            print(f"verifier: step {step + 1}: banned {ban.worker} ({ban.boundary} {ban.kind} {ban.metric}, "
-                  f"{ban.strikes} strikes); its replacement loads {donors[-1]}'s state", flush=True)
-        record = verdict_record(step, outcome, donors, self.guard.pop_rejections(),
-                                self.sentinel.clock.summary())
+            print(f"verifier: step {step + 1}: banned {ban.worker} ({ban.boundary} {ban.kind} "
+                  f"{ban.metric}, {ban.strikes} strikes); "
+                  + ("replaced at the next drain point" if self.deferred else
+                     f"its replacement loads {replacements[ban.worker]}'s state"), flush=True)
+        self.closed += 1
+        record = verdict_record(step, outcome, replacements, self.guard.pop_rejections(), self.cost())
         self.board.post_verdict(step, record)
         if evaluates_after(self.cfg, step):
             self.slots.expect_evaluation(self.eval_batches)
+
+    def cost(self) -> dict:
+        """The inspections' CPU time (``VerifierClock``), and the whole process's since the relay
+        started: receiving, checking, inspecting, forwarding, closing steps (every thread)."""
+        process = time.process_time() - self.cpu_started
+        return self.sentinel.clock.summary() | {
+            "process_cpu_s": process, "steps_closed": self.closed,
+            "process_cpu_s_per_step": process / self.closed if self.closed else None}
+
+    def open(self, step: int) -> None:
+        """Async: the first message of ``step`` came through, so whether step − 1 ended in a drain
+        point is on the store (rank 0 posts it before that drain's gather, which every sender of
+        a step-``step`` message had left)."""
+        assert step == self.opened + 1, f"step {step + 1} opened after step {self.opened + 1}"
+        self.opened = step
+        if self.drained_at != step and self.board.drained(step - 1):
+            self.drain(step)
+
+    def drain(self, done: int) -> None:
+        """Async, at the drain point after ``done`` steps, as ``TrustLayer.on_drain``: the pending
+        slots are readmitted (their donors went with the verdict) and the view lag restarts."""
+        assert done - 1 not in self.seen, f"a drain point after step {done}, which is still open"
+        donors = self._drain_donors()
+        for ban in self.pending:
+            self.sentinel.readmit(ban.worker)
+            print(f"verifier: drain point after step {done}: {ban.worker} (banned at step {ban.step + 1}) "
+                  f"replaced, loading {donors[ban.worker]}'s state", flush=True)
+        self.pending = []
+        self.sentinel.drained(done)
+        self.drained_at = done
+        # Every worker left this drain's gather, so each has read every verdict up to the
+        # previous drain point (read at that drain, before it went on).
+        self.board.forget(range(self.forgotten + 1, self.forgettable + 1))
+        self.forgotten, self.forgettable = self.forgettable, done - 1
+
+    # --- checkpoints: the state goes into rank 0's shard (verdict_board.py) ----------------------
+
+    def answer_state_request(self) -> None:
+        """At a checkpoint (a drain point: nothing in flight, so this idle verifier sees it): the
+        drain carried out first (async; it would otherwise wait for the next step's first message),
+        then everything a resumed verifier needs."""
+        done = self.board.state_requested()
+        if done is None:
+            return
+        if self.deferred and self.drained_at != done:
+            self.drain(done)
+        state = {"sentinel": self.sentinel.state_dict(), "done": done}
+        self.board.post_state(done, torch_bytes(state).numpy().tobytes())
+
+    def restore(self, blob: bytes) -> None:
+        """On resume: the state at the checkpoint's drain point (after its drain was carried out)."""
+        state = torch_state(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        self.sentinel.load_state_dict(state["sentinel"])
+        done = state["done"]
+        self.slots.trained = {link: done * self.microbatches for link in self.slots.trained}
+        self.opened = self.drained_at = done
+        self.forgotten = self.forgettable = done - 1  # a fresh store: nothing to delete before
+
+    def _drain_donors(self) -> dict[WorkerId, WorkerId]:
+        """The donor of each pending ban if the pipeline drains now: chosen one by one, each slot
+        readmitted before the next choice (``TrustLayer.on_drain``), on a copy of the ledger."""
+        ledger = copy.deepcopy(self.sentinel.ledger)
+        donors = {}
+        for ban in self.pending:
+            donors[ban.worker] = choose_donor(ledger, self.mesh, ban.worker)
+            ledger.readmit(ban.worker)
+        return donors
 
     def _finished(self, wid) -> bool:
         """Whether a worker has finished: then its end of a link closing is no failure."""
@@ -196,13 +301,16 @@ def run_verifier(cfg: RunConfig, run_dir: Path, resume: bool, session) -> int:
                                      cfg.model.seq_len)
         groups = build_groups(cfg, session.mesh, session.rank)
         relay = Relay(cfg, session, groups.links, len(batches))
+        if resume:  # rank 0 hands back the state it kept in its checkpoint shard
+            relay.restore(relay.board.resume_state(cfg.dist.init_timeout_s))
         print(f"verifier (rank {session.rank}): SENTINEL on {len(groups.links)} pipeline links, "
               f"{relay.per_step} messages a step", flush=True)
         started = time.monotonic()
         relay.run()
-        cost = relay.sentinel.clock.summary()
+        cost = relay.cost()
         print(f"verifier: done, {relay.relayed} messages in {time.monotonic() - started:.1f} s, "
-              f"{cost['cpu_s']:.2f} s CPU inspecting, {len(relay.sentinel.bans)} ban(s)", flush=True)
+              f"{cost['cpu_s']:.2f} s CPU inspecting, {cost['process_cpu_s']:.2f} s CPU in all, "
+              f"{len(relay.sentinel.bans)} ban(s)", flush=True)
         session.health.finish()
         code = 0
     except WorkerFailure as err:

@@ -23,7 +23,9 @@ scoring only; ``Sentinel`` runs in the verifier process and the layer holds a ``
 (``verify/verdicts.py``) that returns the verifier's published outcome of each step. The driver
 supplies what crosses processes: ``exchange_truth`` (each attacker's ground truth, for the
 process that writes the records) and ``copy_worker_state`` (a donor's state over the stage's DP
-group, at the step's end, where every worker of a flushing schedule is idle).
+group, at the step's end, where every worker of a flushing schedule is idle; under async at the
+drain point). An async dist run reports its steps only at drain points, so there the drain a ban
+needs comes from verdicts the driver read ahead (``RemoteSentinel.ban_drain_due``).
 
 Per-worker attacks from Python::
 
@@ -42,6 +44,7 @@ from meshlearn.compress.registry import build_codec
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
 from meshlearn.verify.attacks import Attack, build_attacks
+from meshlearn.verify.ledger import Ledger
 from meshlearn.verify.sentinel import Alert, Ban, Decision, Sentinel
 from meshlearn.verify.verdicts import RemoteSentinel
 
@@ -200,8 +203,12 @@ class TrustLayer:
         return out
 
     def drains_after(self, done: int) -> bool:
-        """A pending ban asks for a drain point once the fed work is done (never earlier)."""
-        return bool(self.pending_bans) and done >= self.drain_at
+        """A pending ban asks for a drain point once the fed work is done (never earlier). Under
+        dist the verdicts are read ahead, before the step ends here (``RemoteSentinel``)."""
+        if self.pending_bans and done >= self.drain_at:
+            return True
+        remote = isinstance(self.sentinel, RemoteSentinel)
+        return self.deferred and remote and self.sentinel.ban_drain_due(done)
 
     def on_drain(self, done: int) -> list[dict]:
         """At a drain point: carry out pending bans (the workers are idle now) and restart the
@@ -337,7 +344,7 @@ class TrustLayer:
             wid = WorkerId.parse(w)
             if wid in self.attacks:
                 self.attacks[wid].load_state_dict(attack_state)
-                if self.attacks[wid].stopped_at is not None:
+                if self.attacks[wid].stopped_at is not None and wid in self.workers:  # dist: its process
                     self.workers[wid].tamper = self.workers[wid].forge = None
         self.messages = {k: Confusion(**c) for k, c in state["messages"].items()}
         self.warmup_messages = state["warmup_messages"]
@@ -353,9 +360,10 @@ class TrustLayer:
         self.stages = {k: Confusion(**c) for k, c in state.get("stages", {}).items()}
 
 
-def choose_donor(sentinel: Sentinel, mesh: MeshShape, wid: WorkerId) -> WorkerId:
+def choose_donor(sentinel: Sentinel | Ledger, mesh: MeshShape, wid: WorkerId) -> WorkerId:
     """The replica of banned ``wid``'s stage with the fewest recent strikes (itself if it has no
-    peer): the one whose state the replacement loads. The dist verifier chooses with this too."""
+    peer): the one whose state the replacement loads. The dist verifier chooses with this too (on
+    a copy of the ledger, whose ``banned`` and ``history`` these are, for a drain still to come)."""
     peers = [w for w in mesh.stage_replicas(wid.stage) if w != wid and w not in sentinel.banned]
     if not peers:
         return wid
