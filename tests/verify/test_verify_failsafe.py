@@ -15,7 +15,7 @@ from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.verify.cost import VerifierClock
 from meshlearn.verify.distances import coherence, log_gain
 from meshlearn.verify.fence import calibrated_k, tukey_threshold
-from meshlearn.verify.ledger import Decision, Scored, attribute
+from meshlearn.verify.ledger import Decision, Ledger, Scored, attribute
 from meshlearn.verify.sentinel import Sentinel, VerifyConfig
 
 CODEC = IdentityCodec()
@@ -264,6 +264,36 @@ def test_explained_flags_are_quarantined_but_earn_no_strike():
     # explain_level 0: any upstream message above its window's median explains the flag
     assert sum(s.history[victim]) < 3
     assert any(d.explained_by for d in outcome.decisions)
+
+
+def sent(src: WorkerId, mb: int, reason: str = "", excess: float = 5.0, explained: str = "") -> Scored:
+    """One activation message of ``src`` at step 25, flagged for ``reason`` (none: accepted)."""
+    decision = Decision(25, mb, "act", src, src, "flag" if reason else "accept", reason)
+    decision.explained_by = explained
+    return Scored(src, mb, "act", (src.stage, "act"), bool(reason), reason, excess, decision, excess=excess)
+
+
+def test_a_strike_is_a_majority_of_a_step_s_statistical_flags_or_one_own_fault_flag():
+    """``Ledger.step_strikes``: statistical flags strike once per boundary and direction when they
+    are a strict majority of the sender's messages there (explained ones left out); pair and sanity
+    flags strike one each; voided boundaries and flags within ``ban_margin`` of the peers none."""
+    ledger = Ledger(VerifyConfig(name="sentinel", warmup_steps=20), MeshShape(replicas=4, stages=4))
+    w = WorkerId(1, 1)
+
+    def strikes(reasons, voided=(), **kw):
+        return ledger.step_strikes([sent(w, mb, r, **kw) for mb, r in enumerate(reasons)], set(voided))[w][0]
+
+    assert strikes(["l2n", "l2n", "", ""]) == 0  # half is no majority
+    assert strikes(["l2n", "l2n", "l2n", ""]) == 1  # one strike for the boundary, not three
+    assert strikes(["coh", "norm", "", ""]) == 2  # the sender's own fault: one each
+    assert strikes(["l2n"] * 4, voided=[(1, "act")]) == 0
+    assert strikes(["l2n"] * 4, excess=0.5) == 0  # does not stand out from its peers
+    explained = [sent(w, 0, "l2n", explained="r1s0 act"), sent(w, 1, "l2n"), sent(w, 2, "l2n"),
+                 sent(w, 3, "")]
+    assert ledger.step_strikes(explained, set())[w][0] == 1  # 2 of the 3 left: a majority
+    # Strikes add up over steps: the third step with a majority bans (after warm-up).
+    bans = [ledger.enter(step, [sent(w, mb, "l2n") for mb in range(4)], set())[0] for step in (25, 26, 27)]
+    assert [len(b) for b in bans] == [0, 0, 1] and list(ledger.history[w]) == [1, 1, 1]
 
 
 def peer(src: WorkerId, kind: str, mb: int, excess: float) -> Scored:

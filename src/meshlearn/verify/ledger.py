@@ -187,7 +187,8 @@ class Ledger:
         self.cfg = cfg
         self.mesh = mesh
         self.budget = cfg.budget(mesh.replicas)
-        self.history: dict[WorkerId, deque[bool]] = {}
+        # strikes per closed step in which the worker had non-provisional scored messages
+        self.history: dict[WorkerId, deque[int]] = {}
         self.banned: dict[WorkerId, Ban] = {}  # banned and not yet replaced
         self.bans: list[Ban] = []
         self.alerts: list[Alert] = []
@@ -226,11 +227,12 @@ class Ledger:
         chain explains it and it stands out from its peers (``ban_margin``). An eligible message
         whose fault is its own (``own_fault``: a pair distance or a sanity failure, which honest
         traffic almost never trips) is one strike. Statistical flags (the four distances, the gain)
-        count once per boundary and direction, and only when they are a strict majority of the sender's scored
-        messages there this step (leaving out those explained upstream): honest gradients are heavy-tailed,
-        and an honest last-stage replica whose fence sat a little low collected 3 single flags in 5 steps of a
-        clean run (measured, seed 1 at 4 replicas: an alert, a ban one stage earlier), while an attack the
-        distances see is flagged on (nearly) all of its messages."""
+        count once per boundary and direction, and only when they are a strict majority of the
+        sender's scored messages there this step (leaving out those explained upstream and its
+        own-fault strikes): honest gradients are heavy-tailed, and an honest last-stage replica
+        whose fence sat a little low collected 3 single flags in 5 steps of a clean run (measured,
+        seed 1 at 4 replicas: an alert, a ban one stage earlier), while an attack the distances see
+        is flagged on (nearly) all of its messages."""
         margin = self.cfg.ban_margin
         own: dict[WorkerId, list[Scored]] = {}
         groups: dict[tuple[WorkerId, tuple[int, Kind]], list[int]] = {}  # [scored, eligible]

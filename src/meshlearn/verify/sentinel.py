@@ -288,7 +288,7 @@ class Sentinel:
         self.suspended = frozenset(outliers)
         self.suspended_steps = {w: self.suspended_steps.get(w, 0) + 1 for w in outliers}
         for wid, (boundary, kind) in sorted(outliers.items()):
-            # Standing out from its peers for ``strikes`` warm-up steps in a row is a ban: the
+            # Standing out from its peers for ``strikes`` open-fence steps in a row is a ban: the
             # evidence is one sender against the honest majority, not a fence still uncalibrated.
             if (self.cfg.ban and wid not in self.banned
                     and self.suspended_steps[wid] >= self.cfg.strikes):
