@@ -300,14 +300,17 @@ class Ledger:
         self.alerted = {(w, c) for w, c in self.alerted if w != wid}
 
     def state_dict(self) -> dict:
-        return {"history": {str(w): list(h) for w, h in self.history.items()},
+        return {"history_unit": "steps", "history": {str(w): list(h) for w, h in self.history.items()},
                 "banned": [str(w) for w in self.banned],
                 "bans": [vars(b) | {"worker": str(b.worker)} for b in self.bans],
                 "alerts": [vars(a) | {"worker": str(a.worker)} for a in self.alerts]}
 
     def load_state_dict(self, state: dict) -> None:
+        # Before session 6 a history held one flag per message: not comparable with per-step
+        # strike counts, so such a record restarts clean rather than banning on old evidence.
+        histories = state["history"] if state.get("history_unit") == "steps" else {}
         self.history = {WorkerId.parse(w): deque(h, maxlen=self.cfg.strike_history)
-                        for w, h in state["history"].items()}
+                        for w, h in histories.items()}
         self.bans = [Ban(**(b | {"worker": WorkerId.parse(b["worker"])})) for b in state["bans"]]
         self.alerts = [Alert(**(a | {"worker": WorkerId.parse(a["worker"])}))
                        for a in state.get("alerts", [])]
