@@ -238,7 +238,7 @@ class ElasticDriver(DistDriver):
     def evaluate(self, batches) -> float | None:
         """Through this worker's own pipeline row (the rows are identical replicas at a committed
         step); the last stage has the loss, the others return None. A row that has not trained
-        yet has no links: it skips evaluation (only the writer's row logs one)."""
+        yet has no links: it skips evaluation (the step's records' claimant logs its own value)."""
         worker = self.worker
         if not self.linked:
             return None
