@@ -39,25 +39,29 @@ def _train_records(run: Path) -> int:
     return sum(r["kind"] == "train" for r in read_records(path)) if path.exists() else 0
 
 
-def test_killed_stage_replica_leaves_and_the_others_finish(tiny_corpus, tmp_path):
-    cfg = tiny_config(tiny_corpus, *ELASTIC)
+@pytest.mark.parametrize("killed", ["r1s1", "r0s1"])
+def test_killed_stage_replica_leaves_and_the_others_finish(tiny_corpus, tmp_path, killed):
+    """r0s1 is the last stage of row 0, the first step's records' writer: after row 0 leaves, row
+    1's last stage writes them (each step's records exactly once, evaluation included)."""
+    cfg = tiny_config(tiny_corpus, *ELASTIC, "train.eval_every=3")
     run = tmp_path / "run"
     result = {}
+    gone, kept = (1, 0) if killed == "r1s1" else (0, 1)
     try:
         with deadline(120, "the elastic run with a kill"):
             thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
             thread.start()
             _wait(lambda: _train_records(run) >= 2, 60, "two committed steps")
-            pid = json.loads((run / WORKERS_FILE).read_text())["r1s1"]["pid"]
+            pid = json.loads((run / WORKERS_FILE).read_text())[killed]["pid"]
             os.kill(pid, signal.SIGKILL)
             thread.join()
     finally:
         kill_leftovers(run)
     assert result["code"] == 0
     rows = records(run)
-    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["step"] for r in rows] == list(range(1, 9))  # every step once, none lost or twice
     assert all(r["participants"] == 2 for r in rows[:2])
-    assert rows[-1]["participants"] == 1  # replica 1's row is gone from every later quorum
+    assert rows[-1]["participants"] == 1  # the killed replica's row is gone from every later quorum
     committed = [r for r in rows if r["committed"]]
     assert all(math.isfinite(r["train_loss"]) for r in committed)
     assert len(rows) - len(committed) <= 1  # at most the step the kill landed in is lost
@@ -67,15 +71,19 @@ def test_killed_stage_replica_leaves_and_the_others_finish(tiny_corpus, tmp_path
     assert [r["batch"] for r in committed] == list(range(len(committed)))
     for r, following in zip(rows, rows[1:], strict=False):
         assert following["batch"] == r["batch"] + r["committed"]
-    assert rows[0]["rows"] == [0, 1] and rows[-1]["rows"] == [0]
+    assert rows[0]["rows"] == [0, 1] and rows[-1]["rows"] == [kept]
+    evals = records(run, "eval")
+    assert [r["step"] for r in evals] == [3, 6, 8]  # after the kill too, each once
+    assert all(math.isfinite(r["val_loss"]) for r in evals[1:])
     members = json.loads((run / WORKERS_FILE).read_text())
-    assert members["r1s1"]["events"][-1]["why"] == "killed by SIGKILL"
-    assert members["r1s0"]["events"][-1]["why"] == "left: its pipeline row broke"
-    assert members["r1s0"]["events"][-1]["step"] >= 2
-    for name in ("r0s0", "r0s1"):
+    assert members[killed]["events"][-1]["why"] == "killed by SIGKILL"
+    assert members[f"r{gone}s0"]["events"][-1]["why"] == "left: its pipeline row broke"
+    assert members[f"r{gone}s0"]["events"][-1]["step"] >= 2
+    for name in (f"r{kept}s0", f"r{kept}s1"):
         assert members[name]["events"][-1] == {"event": "finished", "step": 8, "why": "finished"}
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["uncommitted_steps"] == len(rows) - len(committed)
+    assert summary["final_train_loss"] is not None
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Elastic pieces without a training run: config validation, derived timeouts, the listening
-addresses of torchft's components (read from /proc), the cross-stage commit vote."""
+addresses of torchft's components (read from /proc), the cross-stage commit vote, the records'
+writer of each step."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ from meshlearn.elastic.binding import (
 )
 from meshlearn.elastic.listeners import listening
 from meshlearn.elastic.quorum import CommitVote
+from meshlearn.elastic.records import ElasticRecords
 from meshlearn.elastic.rows import RowAgreement, whole_batch
 from meshlearn.elastic.settings import ElasticConfig, derive_timeouts
-from meshlearn.mesh.topology import WorkerId
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.train.files import read_records
 
 ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "elastic.enabled=true"]
 
@@ -175,3 +178,29 @@ def test_torchft_components_listen_on_the_configured_address_only(monkeypatch):
     finally:
         manager.shutdown(wait=False)
         server.shutdown()
+
+
+def test_each_steps_records_are_written_once_and_follow_the_live_rows(tmp_path):
+    """r0s1 (the preferred writer while row 0 trains) writes step 1's records at once; it dies
+    before claiming step 2's: r1s1 claims them after step 3's quorum, then writes from there on."""
+    store = BoundStore("127.0.0.1", 10).store
+    path = tmp_path / "metrics.jsonl"
+    rows = {"now": (0, 1)}
+    sinks = {w: ElasticRecords(store, MeshShape(2, 2), w, lambda: rows["now"])
+             for w in (WorkerId(0, 1), WorkerId(1, 1), WorkerId(1, 0))}
+    for sink in sinks.values():
+        sink.attach(path)
+    r0, r1, first = sinks[WorkerId(0, 1)], sinks[WorkerId(1, 1)], sinks[WorkerId(1, 0)]
+    for sink in (r1, r0, first):
+        sink.write(1, {"kind": "train", "step": 1, "by": str(sink.me)})
+    r0.write(1, {"kind": "eval", "step": 1, "by": "r0s1"})
+    r1.write(1, {"kind": "eval", "step": 1, "by": "r1s1"})
+    r1.after_quorum(1)  # r0s1 claimed step 1: r1s1's copies are dropped
+    r1.write(2, {"kind": "train", "step": 2, "by": "r1s1"})  # r0s1 is killed before its own
+    rows["now"] = (1,)
+    r1.after_quorum(2)
+    r1.write(3, {"kind": "train", "step": 3, "by": "r1s1"})
+    r1.close()
+    assert [(r["kind"], r["step"], r["by"]) for r in read_records(path)] == [
+        ("train", 1, "r0s1"), ("eval", 1, "r0s1"), ("train", 2, "r1s1"), ("train", 3, "r1s1")]
+    assert r1.holds(3) and not r0.holds(3) and not first.holds(1)

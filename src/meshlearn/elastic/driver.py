@@ -11,8 +11,9 @@ are the same code):
   yes only if the latter is the whole global batch;
 - no collective spans the mesh: clipping is per stage at ``train.grad_clip / √P`` (as under
   ``async``), and the step's report is built from this worker's own numbers; the last stages put
-  their loss sum and count beside the gradients, so the run's writer, ``r0s{P-1}``, logs the mean
-  train loss over every contributing last stage;
+  their loss sum and count beside the gradients, so every last stage holds the mean train loss
+  over the contributing ones, and one of them, agreed per step, writes the step's records
+  (``ElasticRecords``);
 - a step commits in every stage or in none (``CommitVote``); a step that does not commit leaves
   every worker's weights and optimizer state as they were (``Worker.discard_update``), and its
   global batch is trained again by the next step (``batch_index`` counts committed steps);
@@ -35,6 +36,7 @@ from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.checkpoints import ElasticCheckpoints
 from meshlearn.elastic.links import RowLinks
 from meshlearn.elastic.quorum import CommitVote, QuorumStep, StageQuorum
+from meshlearn.elastic.records import ElasticRecords
 from meshlearn.elastic.rows import RowAgreement, whole_batch
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.sim import StepReport
@@ -57,7 +59,10 @@ class ElasticDriver(DistDriver):
         self.links = links
         self.generation = links.generation
         self.progress = progress  # the run store: this worker's last step, for workers.json
+        # writes config.toml, run.json and starts metrics.jsonl; the records of each step are
+        # written by the process that claims them (``records``), the summary by the last one's
         self.writes_records = self.me == WorkerId(0, self.mesh.stages - 1)
+        self.records = ElasticRecords(progress, self.mesh, self.me, lambda: self.rows)
         self.current: QuorumStep | None = None
         self.report: StepReport | None = None
         self.uncommitted = 0  # steps this worker trained whose update was dropped everywhere
@@ -114,6 +119,7 @@ class ElasticDriver(DistDriver):
             check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")
         self.quorum_s += self.current.quorum_s
         self.rows = self.agreement.agree(step, self.me, self.current.participants)
+        self.records.after_quorum(step)  # before the all-reduce: the file stays in step order
         trains = self.me.replica in self.rows
         if trains and not self.linked:
             self._link_row(step)
@@ -232,7 +238,7 @@ class ElasticDriver(DistDriver):
     def evaluate(self, batches) -> float | None:
         """Through this worker's own pipeline row (the rows are identical replicas at a committed
         step); the last stage has the loss, the others return None. A row that has not trained
-        yet has no links: it skips evaluation (only the writer's row logs one)."""
+        yet has no links: it skips evaluation (the step's records' claimant logs its own value)."""
         worker = self.worker
         if not self.linked:
             return None

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from meshlearn.atomic import atomic_torch_save, atomic_write_json, atomic_write_text
 
-__all__ = ["MetricsLog", "atomic_torch_save", "atomic_write_json", "atomic_write_text", "read_records"]
+__all__ = ["MetricsLog", "atomic_torch_save", "atomic_write_json", "append_record", "atomic_write_text",
+           "read_records"]
 
 
 class MetricsLog:
@@ -26,14 +28,27 @@ class MetricsLog:
             atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
         elif keep_until_step is None:
             atomic_write_text(path, "")
-        self._file = path.open("a")
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        os.write(self._fd, _line(record))
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """One record appended with a single ``O_APPEND`` write: records that several processes append
+    to one file (an elastic run's writers, one per step) never interleave within a line."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, _line(record))
+    finally:
+        os.close(fd)
+
+
+def _line(record: dict[str, Any]) -> bytes:
+    return (json.dumps(record) + "\n").encode()
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

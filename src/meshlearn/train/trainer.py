@@ -91,12 +91,17 @@ class Trainer:
         if state is not None:
             self._load_state(state)
         self.metrics = None
+        # A driver whose records' writer changes with membership (elastic) takes every record and
+        # writes those it claims; the others' records go to ``metrics``.
+        self.sink = getattr(self.driver, "records", None)
         if self.writer:
             # run.json first: it records the keys changed since the previous start's config.toml
             record_start(self.run_dir, to_dict(self.cfg), self.totals.step if resume else None)
             save_config(self.cfg, self.run_dir / "config.toml")
             self.metrics = MetricsLog(self.run_dir / "metrics.jsonl",
                                       keep_until_step=self.totals.step if resume else None)
+        if self.sink is not None:
+            self.sink.attach(self.run_dir / "metrics.jsonl")
         self.progress = ProgressLine(self.cfg.train.steps) if progress and self.writer else None
 
     # --- the loop ----------------------------------------------------------------------------
@@ -124,12 +129,14 @@ class Trainer:
         finally:
             for callback in self.plugins.values():
                 callback.close()
+            if self.sink is not None:
+                self.sink.close()
             if self.metrics:
                 self.metrics.close()
             if self.progress:
                 self.progress.close()
         summary = self.summary()
-        if self.writer:
+        if self._writes_summary():
             atomic_write_json(self.run_dir / "summary.json", summary)
         return summary
 
@@ -243,8 +250,11 @@ class Trainer:
         record = {"tokens": totals.tokens} | record | {**self.driver.record_fields(),
                    "wall_time_s": totals.wall_s, "bytes_pp": totals.bytes_pp,
                    "bytes_dp": totals.bytes_dp}
-        if self.metrics:
+        if self.sink is not None:
+            self.sink.write(self.totals.step, record)
+        elif self.metrics:
             self.metrics.write(record)
+        if self.metrics:
             for callback in self.plugins.values():
                 callback.on_record(record)
         if self.progress:
@@ -253,7 +263,7 @@ class Trainer:
     def summary(self) -> dict:
         totals = self.totals
         recent = ([r["train_loss"] for r in _recent_train(self.run_dir, 10) if r["train_loss"] is not None]
-                  if self.writer else [])
+                  if self._writes_summary() else [])
         summary = {
             "name": self.cfg.name or self.run_dir.name,
             "steps": totals.step,
@@ -269,6 +279,10 @@ class Trainer:
         for callback in self.plugins.values():
             summary |= callback.summary()
         return summary
+
+    def _writes_summary(self) -> bool:
+        """The records' writer; under a sink, the process that wrote the last step's records."""
+        return self.sink.holds(self.totals.step) if self.sink is not None else self.writer
 
     # --- checkpoints -------------------------------------------------------------------------
 

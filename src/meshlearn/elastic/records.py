@@ -1,0 +1,84 @@
+"""Who writes an elastic run's records: one live process per step, agreed through the run's store.
+
+Every last-stage replica in its stage's quorum holds the same record of a step: the train loss is
+the mean over the contributing last stages (it rides in the all-reduce, spectators add zeros), and
+``grad_norm``, ``participants``, ``rows``, ``batch`` and ``committed`` come from the summed values
+and the agreed rows (only wall times and byte counters are the process's own). So any of them can
+write it. The records of the step after ``done`` steps (train, eval, plugin events) are claimed
+with compare-and-set on ``records/{done}``, and only the claimant appends them to ``metrics.jsonl``:
+
+- the *preferred* writer, the last stage of the lowest row that trained the step, claims at once
+  (its first record of the step) and writes each record as it comes;
+- every other last stage keeps its records of the step; after the next step's quorum has formed
+  (``after_quorum``) — or at the end of the run (``close``) — it claims them if nobody has: the
+  preferred writer died (or was left out of that quorum) before it claimed. The first claim wins.
+
+Order in the file: a fallback claimant writes during the next step, before its stage's all-reduce,
+and that all-reduce is what every last stage needs to finish the next step; so a step's records are
+in the file before any of the next step's. Each record is one ``O_APPEND`` write (``append_record``).
+What is lost: a claimant killed between winning the claim and its append (one store round trip).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.train.files import append_record
+
+
+class ElasticRecords:
+    """The Trainer's records sink in one elastic worker. ``rows()``: the rows that trained the step
+    just run (the driver's agreed value)."""
+
+    def __init__(self, store: dist.Store, mesh: MeshShape, me: WorkerId, rows):
+        self.store = store
+        self.me = me
+        self.rows = rows
+        self.eligible = me.stage == mesh.stages - 1  # only a last stage has the losses
+        self.path: Path | None = None
+        self.held: set[int] = set()  # the steps (done counts) whose records this process writes
+        self.pending: dict[int, list[dict]] = {}  # records of a step nobody has claimed for us yet
+        self.lost: set[int] = set()  # steps whose claim another process won
+
+    def attach(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, done: int, record: dict) -> None:
+        """A record of the step after ``done`` steps."""
+        if not self.eligible or self.path is None or done in self.lost:
+            return
+        if done in self.held:
+            append_record(self.path, record)
+            return
+        self.pending.setdefault(done, []).append(record)
+        rows = self.rows()
+        if rows and self.me == WorkerId(min(rows), self.me.stage):
+            self._claim(done)
+
+    def after_quorum(self, step: int) -> None:
+        """Step ``step`` (0-based) has its quorum: the records of the steps before it that nobody
+        claimed are this process's to write, if it claims them first."""
+        for done in sorted(d for d in self.pending if d <= step):
+            self._claim(done)
+
+    def close(self) -> None:
+        for done in sorted(self.pending):
+            self._claim(done)
+
+    def holds(self, done: int) -> bool:
+        """Whether this process wrote the records of the step after ``done`` steps."""
+        return done in self.held
+
+    def _claim(self, done: int) -> None:
+        records = self.pending.pop(done)
+        mine = str(self.me)
+        winner = self.store.compare_set(f"records/{done}", "", mine)
+        if (winner.decode() if isinstance(winner, bytes) else str(winner)) != mine:
+            self.lost.add(done)
+            return
+        self.held.add(done)
+        for record in records:
+            append_record(self.path, record)
