@@ -102,6 +102,7 @@ def rows(args) -> dict[str, list[str]]:
         "anchor.z=1",
         f"anchor.delay={args.anchor_delay}",
         f"anchor.max_late={args.anchor_delay}",
+        f"anchor.bandwidth_mbit={args.anchor_bandwidth}",
     ]
     return {
         "dense": ["codec.name=bf16"],
@@ -245,6 +246,8 @@ def markdown(
     lines += [markdown_table([start_row, *table], COLUMNS), ""]
     for lr in dict.fromkeys(r["lr"] for r in table):
         at = {r["row"]: r for r in table if r["lr"] == lr}
+        if not {"dense", "dense + DP", "M95", "M95 + anchor"} <= set(at):
+            continue
         dense, dp, m95, m95a = at["dense"], at["dense + DP"], at["M95"], at["M95 + anchor"]
         lines.append(
             f"- lr {lr:g}: dense gains {start - dense['val_end']:.4f} nats over the start; "
@@ -285,6 +288,12 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--inner-steps", type=int, default=10)
     parser.add_argument("--anchor-delay", type=int, default=5)
+    parser.add_argument("--anchor-bandwidth", type=float, default=0.0,
+                        help="Mbit/s of the anchor's own links (0 = the PP links')")
+    parser.add_argument("--rows", default="", help="comma-separated row names to run (default: all six)")
+    parser.add_argument("--dense-from", default="",
+                        help="a results JSON of this script whose dense rows the ratios use (with --rows)")
+    parser.add_argument("--results", default="adaptation_smollm2", help="name under docs/results/")
     parser.add_argument("--sample-tokens", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -304,7 +313,10 @@ def main() -> None:
     )
     start, table = None, []
     for lr in lrs:
+        wanted = [n.strip() for n in args.rows.split(",") if n.strip()]
         for name, sets in rows(args).items():
+            if wanted and name not in wanted:
+                continue
             cfg = load_config(None, [*base_sets(args, lr, args.steps), *mesh_sets(args), *sets])
             run_dir = OUT / f"lr{lr:g}_{name.replace(' ', '').replace('+', '_')}"
             trainer, summary, wall = train(cfg, run_dir, evaluate_start=start is None)
@@ -317,8 +329,9 @@ def main() -> None:
                 f"{summary['sim_tokens_per_s']:.1f} tokens/s, {wall:.0f} s",
                 flush=True,
             )
+    references = json.loads(Path(args.dense_from).read_text())["rows"] if args.dense_from else table
     for row in table:
-        dense = next(r for r in table if r["lr"] == row["lr"] and r["row"] == "dense")
+        dense = next(r for r in references if r["lr"] == row["lr"] and r["row"] == "dense")
         row["gain"] = start - row["val_end"]
         row["vs_dense"] = row["val_end"] / dense["val_end"] - 1
         row["speedup"] = row["tokens_per_s"] / dense["tokens_per_s"]
@@ -332,7 +345,7 @@ def main() -> None:
         "wall_s": wall,
         "training_tokens_per_row": args.steps * args.batch_size * args.seq_len,
     }
-    write_results("adaptation_smollm2", payload, markdown(args, start, start_sample, table, probes, wall))
+    write_results(args.results, payload, markdown(args, start, start_sample, table, probes, wall))
     print(dumps({"wall_s": wall}))
 
 
