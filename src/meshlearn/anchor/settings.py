@@ -19,7 +19,8 @@ class AnchorConfig:
     over its own links and sends the gradients of the targeted matrices to every fast replica of
     each stage. A gradient computed for step t is folded into the spectral correction at the first
     step end ≥ t + ``delay`` by which it has arrived on the virtual clock; the fast circuit never
-    waits for it. Needs ``optim.spectral.enabled``. Simulator only (``backend = sim``).
+    waits for it. Needs ``optim.spectral.enabled``. Under ``backend = dist`` the Z × P anchor
+    stages are processes of their own (distributed/anchor.py).
     """
 
     z: int = 0
@@ -74,9 +75,11 @@ def validate_anchor(cfg: Any, require: Callable[[bool, str, Any, str], None]) ->
         return
     require(cfg.optim.spectral.enabled, "anchor.z", a.z,
             "the anchor feeds the spectral correction: set optim.spectral.enabled = true")
-    require(cfg.backend == "sim", "anchor.z", a.z,
-            "the anchor circuit runs in the simulator only (backend = sim); the distributed driver "
-            "has no anchor processes yet")
+    require(cfg.backend == "sim" or cfg.verify.name == "none", "anchor.z", a.z,
+            f"under backend = dist the anchor circuit and verify.name = {cfg.verify.name!r} are not "
+            "combined (the verifier relays the pipeline links only); use verify.name = none")
+    require(cfg.backend == "sim" or not cfg.elastic.enabled, "anchor.z", a.z,
+            "under backend = dist the anchor circuit needs a fixed mesh: set elastic.enabled = false")
     require(cfg.protocol.morph in ("off", "none"), "anchor.z", a.z,
             f"with protocol.morph = {cfg.protocol.morph!r} a morph between hand-off and arrival would "
             "put the anchor's gradients in another basis than the weights'; use protocol.morph = off")

@@ -2,12 +2,14 @@
 
 from meshlearn.data.batches import (
     TokenSplits,
+    batch_offsets,
     check_split_length,
     encode_corpus,
     global_batch,
     shard_batch,
     split_tokens,
     validation_batches,
+    windows,
 )
 from meshlearn.data.corpus import is_token_file, load_text, load_tokens_bin, shakespeare_dir
 from meshlearn.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, build_tokenizer
@@ -17,6 +19,7 @@ __all__ = [
     "ByteTokenizer",
     "TokenSplits",
     "Tokenizer",
+    "batch_offsets",
     "build_tokenizer",
     "check_split_length",
     "encode_corpus",
@@ -28,4 +31,5 @@ __all__ = [
     "shard_batch",
     "split_tokens",
     "validation_batches",
+    "windows",
 ]

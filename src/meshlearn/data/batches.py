@@ -60,7 +60,7 @@ def check_split_length(splits: TokenSplits, seq_len: int) -> None:
         )
 
 
-def _windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> Batch:
+def windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> Batch:
     """Gather windows tokens[o : o + seq_len + 1] and split them into inputs and targets."""
     idx = offsets[:, None] + np.arange(seq_len + 1)[None, :]
     buf = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
@@ -83,10 +83,15 @@ def global_batch(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, s
     steps), so every replica, any microbatch split, and a resumed run all see the same batch.
     y is x shifted left by one token.
     """
+    return windows(tokens, batch_offsets(tokens, step, batch_size, seq_len, seed), seq_len)
+
+
+def batch_offsets(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int) -> np.ndarray:
+    """The start offsets of ``global_batch``'s sequences: its ids (what an anchor is handed instead
+    of the tokens, 8 bytes per sequence)."""
     n = _n_offsets(tokens, seq_len)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + step) & 0xFFFF_FFFF_FFFF_FFFF)
-    offsets = torch.randint(0, n, (batch_size,), generator=gen).numpy()
-    return _windows(tokens, offsets, seq_len)
+    return torch.randint(0, n, (batch_size,), generator=gen).numpy()
 
 
 def shard_batch(
@@ -125,7 +130,7 @@ def validation_batches(
     """
     n = _n_offsets(tokens, seq_len)
     offsets = np.linspace(0, n - 1, n_batches * batch_size).round().astype(np.int64)
-    x, y = _windows(tokens, offsets, seq_len)
+    x, y = windows(tokens, offsets, seq_len)
     return [
         (x[i * batch_size : (i + 1) * batch_size], y[i * batch_size : (i + 1) * batch_size])
         for i in range(n_batches)

@@ -137,6 +137,7 @@ class DistDriver(PipelineEvaluation):
             self.feed_ahead = math.ceil(worker.plan.in_flight / cfg.mesh.microbatches)
         self.stats = 2 * cfg.mesh.microbatches  # where the stats start in a row
         self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
+        self.anchor = None  # an AnchorClient (distributed/anchor.py) with anchor.z > 0
 
     # --- one step ----------------------------------------------------------------------------
 
@@ -149,6 +150,8 @@ class DistDriver(PipelineEvaluation):
         every pending step's report comes back at once.
         """
         worker = self.worker
+        if self.anchor is not None:
+            self.anchor.step_start(step)
         self._feed(step, source)
         # From the previous step's end, so control messages sent at the drain point in between
         # (send_control) are in this step's bytes, as in the simulator.
@@ -173,6 +176,8 @@ class DistDriver(PipelineEvaluation):
                     self._send(message, self.capacity)
         if self.dp is not None and source.next_drain(step) == step:
             self._dp_settle()
+        if self.anchor is not None:  # what has arrived is used from the next update on; no wait
+            self.anchor.step_end(step)
         self._bytes_mark = (self._bytes("pp"), self._bytes("dp"))
         stats = worker.pop_stats(step)
         if worker.plan.flushes:
@@ -513,12 +518,15 @@ class DistDriver(PipelineEvaluation):
         if self.dp is None:
             return {}
         keys = list(self.dp.summary())
-        mine = torch.tensor([self.dp_wait_s, *self.dp.summary().values()], dtype=torch.float64)
-        kept = self.rows
-        rows = self._gather(mine[None])[:, 0]
-        self.rows = kept
-        totals = rows.sum(0).tolist()
+        totals = self.sum_over_workers([self.dp_wait_s, *self.dp.summary().values()])
         return {"dp_wait_s": totals[0], **{k: int(v) for k, v in zip(keys, totals[1:], strict=True)}}
+
+    def sum_over_workers(self, values: list[float]) -> list[float]:
+        """Each value summed over every worker process (a collective: all of them call it)."""
+        kept = self.rows
+        rows = self._gather(torch.tensor(values, dtype=torch.float64)[None])[:, 0]
+        self.rows = kept
+        return rows.sum(0).tolist()
 
     def state(self) -> dict:
         return {"network": self.network.state(), "busy_s": self.busy_s}
@@ -569,3 +577,5 @@ class DistDriver(PipelineEvaluation):
         self.barrier("last step")
         self.health.finish()
         self.transport.close()
+        if self.anchor is not None:
+            self.anchor.close()

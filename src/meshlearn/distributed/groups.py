@@ -24,9 +24,27 @@ def verifier_rank(cfg, mesh: MeshShape) -> int | None:
     return mesh.world_size if cfg.verify.name == "sentinel" else None
 
 
+def anchors(cfg) -> int:
+    """Anchor replicas that run as processes of their own (``anchor.z`` of a dist run)."""
+    return cfg.anchor.z if cfg.backend == "dist" else 0
+
+
+def anchor_id(mesh: MeshShape, z: int, stage: int) -> WorkerId:
+    """Anchor replica z's stage, numbered after the D fast replicas (the simulator's numbering)."""
+    return WorkerId(mesh.replicas + z, stage)
+
+
+def rank_of(mesh: MeshShape, wid: WorkerId) -> int:
+    """A worker's rank, or an anchor stage's: the Z × P ranks after the workers, z-major."""
+    if wid.replica < mesh.replicas:
+        return mesh.rank(wid)
+    return mesh.world_size + (wid.replica - mesh.replicas) * mesh.stages + wid.stage
+
+
 def world_size(cfg, mesh: MeshShape) -> int:
-    """Processes of the run: the workers, plus the verifier when verifying."""
-    return mesh.world_size + (verifier_rank(cfg, mesh) is not None)
+    """Processes of the run: the workers, plus the verifier when verifying, plus Z × P anchor
+    stages with an anchor circuit (the two are not combined: anchor/settings.py)."""
+    return mesh.world_size + (verifier_rank(cfg, mesh) is not None) + anchors(cfg) * mesh.stages
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,7 @@ class Groups:
     dp: object | None = None  # the replicas of this worker's stage (None for the verifier)
     workers: object | None = None  # the workers' collectives; None: the default group (no verifier)
     links: dict[Link, object] = field(default_factory=dict)
+    anchor_links: dict[Link, object] = field(default_factory=dict)  # the anchor circuit's own
 
 
 def build_groups(cfg, mesh: MeshShape, rank: int, dp_groups: bool = True) -> Groups:
@@ -68,7 +87,7 @@ def build_groups(cfg, mesh: MeshShape, rank: int, dp_groups: bool = True) -> Gro
         group = dist.new_group([mesh.rank(w) for w in mesh.stage_replicas(s)])
         if me is not None and me.stage == s:
             groups.dp = group
-    if verifier is not None:
+    if verifier is not None or anchors(cfg):
         groups.workers = dist.new_group(list(range(mesh.world_size)))
     for r in range(mesh.replicas):
         for s in range(mesh.stages - 1):
@@ -98,4 +117,24 @@ def build_groups(cfg, mesh: MeshShape, rank: int, dp_groups: bool = True) -> Gro
                         group = dist.new_group([mesh.rank(src), mesh.rank(dst)])
                         if me in (src, dst):
                             groups.links[(src, dst)] = group
+    for src, dst in anchor_link_list(mesh, anchors(cfg)):
+        group = dist.new_group([rank_of(mesh, src), rank_of(mesh, dst)])
+        if rank in (rank_of(mesh, src), rank_of(mesh, dst)):
+            groups.anchor_links[(src, dst)] = group
     return groups
+
+
+def anchor_link_list(mesh: MeshShape, z_count: int) -> list[Link]:
+    """The anchor circuit's directed links, in one order: per anchor replica z and stage s, the
+    snapshot fast (0, s) → anchor (z, s), the anchor pipeline (z, s) ↔ (z, s + 1), and the gradients
+    anchor (z, s) → fast (r, s) for every fast replica r."""
+    links = []
+    for z in range(z_count):
+        for s in range(mesh.stages):
+            a = anchor_id(mesh, z, s)
+            links.append((WorkerId(0, s), a))
+            if s + 1 < mesh.stages:
+                b = anchor_id(mesh, z, s + 1)
+                links += [(a, b), (b, a)]
+            links += [(a, WorkerId(r, s)) for r in range(mesh.replicas)]
+    return links

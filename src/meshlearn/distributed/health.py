@@ -34,10 +34,16 @@ class WorkerFailure(RuntimeError):
     """The run cannot go on: a worker died, went silent, failed, or missed a deadline."""
 
 
-def process_name(mesh: MeshShape, rank: int) -> str:
-    """A rank's name in errors: its worker id, or ``verifier`` for the rank after the workers (the
-    SENTINEL process a run with verification adds, see distributed/verifier.py)."""
-    return str(mesh.worker(rank)) if rank < mesh.world_size else "verifier"
+def process_name(mesh: MeshShape, rank: int, anchors: int = 0) -> str:
+    """A rank's name in errors: its worker id; with ``anchors`` (anchor.z) anchor replicas, ``a{z}s{s}``
+    for the Z × P ranks after the workers (distributed/anchor.py); else ``verifier`` for the rank
+    after the workers (the SENTINEL process a run with verification adds, distributed/verifier.py)."""
+    if rank < mesh.world_size:
+        return str(mesh.worker(rank))
+    if anchors:
+        z, s = divmod(rank - mesh.world_size, mesh.stages)
+        return f"a{z}s{s}"
+    return "verifier"
 
 
 class Health:
@@ -47,12 +53,13 @@ class Health:
 
     def __init__(self, store: dist.Store, mesh: MeshShape, rank: int, heartbeat_s: float,
                  dead_after_s: float, store_owner: str, grace_s: float = 5.0, world: int | None = None,
-                 scope: set[int] | None = None):
+                 scope: set[int] | None = None, anchors: int = 0):
         self.store = store
         self.mesh = mesh
         self.rank = rank
         self.world = world or mesh.world_size
-        self.name = process_name(mesh, rank)
+        self.anchors = anchors
+        self.name = process_name(mesh, rank, anchors)
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self.store_owner = store_owner
@@ -159,7 +166,7 @@ class Health:
                     last_value[rank], last_change[rank] = value, now
                 elif (now - last_change[rank] > self.dead_after_s and self._watched(rank)
                       and not self._finished(rank)):
-                    dead = process_name(self.mesh, rank)
+                    dead = process_name(self.mesh, rank, self.anchors)
                     self._fail(self.abort(f"worker {dead} stopped answering: no heartbeat for "
                                           f"{now - last_change[rank]:.1f} s (rank {rank}; noticed by "
                                           f"{self.name}; limit {self.dead_after_s:.1f} s = "

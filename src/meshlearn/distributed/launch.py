@@ -30,7 +30,7 @@ from typing import TextIO
 import torch.distributed as dist
 
 from meshlearn.config import RunConfig
-from meshlearn.distributed.groups import world_size
+from meshlearn.distributed.groups import anchors, world_size
 from meshlearn.distributed.health import ABORT_KEY, EXIT_PEER_FAILURE, process_name
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.elastic.binding import BoundStore, check_bound
@@ -88,10 +88,10 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
     ctx.set_forkserver_preload(["meshlearn.distributed.worker", "torch._dynamo"])
     # An elastic resume starts the rows its checkpoint was written by (elastic/checkpoints.py).
     absent = resume_absent(cfg, run_dir) if cfg.elastic.enabled and "--resume" in worker_argv else []
-    ranks = [rank for rank in range(world) if process_name(mesh, rank) not in absent]
+    ranks = [rank for rank in range(world) if process_name(mesh, rank, anchors(cfg)) not in absent]
     procs = []
     for rank in ranks:
-        name = process_name(mesh, rank)
+        name = process_name(mesh, rank, anchors(cfg))
         env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
                "MASTER_ADDR": host, "MASTER_PORT": str(store.port),

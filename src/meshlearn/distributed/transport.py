@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshlearn.distributed.groups import PairGroup
+from meshlearn.distributed.groups import PairGroup, rank_of
 from meshlearn.distributed.health import Health, WorkerFailure, gist
 from meshlearn.distributed.shaping import Pacer, hold_until
 from meshlearn.distributed.wire import PREFIX_BYTES, pack, prefix, read_prefix, unpack
@@ -93,7 +93,7 @@ class Transport:
 
         def remote(peer: WorkerId) -> int:
             relayed = relay is not None and me is not None and peer.stage != me.stage
-            return relay if relayed else mesh.rank(peer)
+            return relay if relayed else rank_of(mesh, peer)
 
         for (src, dst), group in groups.items():
             if me is None:  # the relay: in from src, out to dst

@@ -18,7 +18,7 @@ import json
 import torch
 
 from meshlearn.compress.codecs import Encoded
-from meshlearn.mesh.messages import Message
+from meshlearn.mesh.messages import ANCHOR_KINDS, Message
 from meshlearn.mesh.topology import WorkerId
 
 _DTYPES = {str(dt).removeprefix("torch."): dt for dt in (
@@ -37,6 +37,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+KINDS = ("act", "grad", "dp", "morph", *ANCHOR_KINDS)
 PREFIX_BYTES = 16  # int64 header length, int64 body length
 
 
@@ -101,6 +102,6 @@ def unpack(buffer: torch.Tensor, peer: WorkerId) -> Message:
                           skip=bool(header.get("skip", False)), version=int(header.get("version", 0)))
     except (KeyError, ValueError, TypeError, WireError) as err:
         raise WireError(f"malformed message from {peer}: {type(err).__name__}: {err}") from None
-    if message.src != peer or message.kind not in ("act", "grad", "dp", "morph"):
+    if message.src != peer or message.kind not in KINDS:
         raise WireError(f"message from {peer} claims to be a {message.kind!r} from {message.src}")
     return message

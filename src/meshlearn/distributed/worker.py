@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from meshlearn.config import ConfigError, RunConfig, load_config
 from meshlearn.distributed.driver import DistDriver
-from meshlearn.distributed.groups import build_groups, verifier_rank, world_size
+from meshlearn.distributed.groups import anchor_id, anchors, build_groups, verifier_rank, world_size
 from meshlearn.distributed.health import EXIT_PEER_FAILURE, Health, WorkerFailure, process_name, store_client
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.elastic.membership import JOIN_ENV
@@ -47,10 +47,12 @@ class Session:
     world: int
     local_world: int
     mesh: MeshShape
-    me: WorkerId | None  # None: the verifier process
+    me: WorkerId | None  # None: the verifier process, or an anchor stage
     device: torch.device
     comm: str
     health: Health
+    run_dir: Path
+    anchor: WorkerId | None = None  # an anchor stage's id (distributed/anchor.py)
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -63,14 +65,15 @@ def _env_int(name: str, default: int | None = None) -> int:
     return int(value)
 
 
-def start_session(cfg: RunConfig) -> Session:
+def start_session(cfg: RunConfig, run_dir: Path) -> Session:
     """Join the process group (deadline: dist.init_timeout_s) and start the heartbeat."""
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
     expected = world_size(cfg, mesh)
     if world != expected:
-        extra = " + 1 verifier (verify.name = sentinel)" if expected > mesh.world_size else ""
+        extra = (f" + anchor.z × mesh.stages = {anchors(cfg) * mesh.stages} anchor stages" if anchors(cfg)
+                 else " + 1 verifier (verify.name = sentinel)" if expected > mesh.world_size else "")
         raise ConfigError("mesh", f"{mesh.replicas}×{mesh.stages}",
                           f"needs {expected} processes (mesh.replicas × mesh.stages{extra}) but "
                           f"WORLD_SIZE = {world}")
@@ -98,10 +101,14 @@ def start_session(cfg: RunConfig) -> Session:
     store = store_client(host, port, deadlines.dead_after_s)
     owner = os.environ.get("MESHLEARN_STORE_OWNER", f"rendezvous store at {host}:{port}")
     health = Health(store, mesh, rank, cfg.dist.heartbeat_s, deadlines.dead_after_s, owner, world=world,
-                    scope=scope)
+                    scope=scope, anchors=anchors(cfg))
     health.start()
-    me = mesh.worker(rank) if rank < mesh.world_size else None  # None: the verifier
-    return Session(rank, world, local_world, mesh, me, device, comm, health)
+    me = mesh.worker(rank) if rank < mesh.world_size else None  # None: the verifier, or an anchor
+    anchor = None
+    if me is None and anchors(cfg):
+        z, s = divmod(rank - mesh.world_size, mesh.stages)
+        anchor = anchor_id(mesh, z, s)
+    return Session(rank, world, local_world, mesh, me, device, comm, health, Path(run_dir), anchor)
 
 
 def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
@@ -117,25 +124,38 @@ def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
         from meshlearn.elastic.worker import build_elastic_driver
 
         return build_elastic_driver(cfg, session, worker)
-    return DistDriver(cfg, worker, session.health, session.device, session.comm, groups.dp, groups.links,
-                      workers_group=groups.workers, relay=verifier_rank(cfg, mesh))
+    driver = DistDriver(cfg, worker, session.health, session.device, session.comm, groups.dp, groups.links,
+                        workers_group=groups.workers, relay=verifier_rank(cfg, mesh))
+    if anchors(cfg):
+        from meshlearn.distributed.anchor import AnchorClient
+
+        driver.anchor = AnchorClient(cfg, worker, groups.anchor_links, session.health, session.device,
+                                     session.run_dir)
+    return driver
 
 
 def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
     """Train this process's worker; returns the exit code (never hangs: every wait has a deadline)."""
     cfg = dataclasses.replace(cfg, backend="dist")  # recorded in config.toml: --resume stays dist
+    if resume and anchors(cfg):
+        raise ConfigError("--resume", str(run_dir), "a dist run with an anchor circuit (anchor.z > 0) cannot "
+                                                    "resume yet (its passes in flight are not checkpointed)")
     try:
-        session = start_session(cfg)
+        session = start_session(cfg, run_dir)
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 — e.g. a peer that never came up
         rank = os.environ.get("RANK", "?")
         mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
-        name = process_name(mesh, int(rank)) if rank.isdigit() else "?"
+        name = process_name(mesh, int(rank), anchors(cfg)) if rank.isdigit() else "?"
         print(f"meshlearn worker {name} (rank {rank}): error: could not join the run within "
               f"dist.init_timeout_s = {cfg.dist.init_timeout_s:g} s: {type(err).__name__}: "
               f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}", file=sys.stderr)
         return 1
+    if session.anchor is not None:
+        from meshlearn.distributed.anchor import run_anchor
+
+        return run_anchor(cfg, run_dir, session)
     if session.me is None:
         from meshlearn.distributed.verifier import run_verifier  # it uses this module's helpers
 
@@ -166,7 +186,8 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
             print(f"done: {summary['steps']} steps, val loss {summary['final_val_loss']:.4f}, "
                   f"{summary['wall_tokens_per_s']:.0f} tok/s wall over {session.world} processes → {run_dir}")
         flush()
-        if cfg.elastic.enabled:  # peers may be gone: tearing the world group down could block
+        if cfg.elastic.enabled or anchors(cfg):  # peers may be gone, or a receive from an anchor
+            # still posted: tearing the world group down could block
             os._exit(stop.exit_code if trainer.interrupted else 0)
         dist.destroy_process_group()
         return stop.exit_code if trainer.interrupted else 0

@@ -10,18 +10,21 @@ import torch
 from meshlearn.compress.codecs import Encoded, MessageContext
 from meshlearn.mesh.topology import WorkerId
 
+ANCHOR_KINDS = ("anchor_weights", "anchor_act", "anchor_grad", "anchor_share")
+
 
 @dataclass
 class Message:
     """A forward activation (``act``) or a backward gradient (``grad``) of one microbatch, or a
     data-parallel strategy's part of a round (``dp``, between replicas of one stage), or a control
-    message sent at a drain point (``morph``: a protocol model's boundary transform).
+    message sent at a drain point (``morph``: a protocol model's boundary transform), or one of the
+    anchor circuit's under ``backend = dist`` (``ANCHOR_KINDS``: distributed/anchor.py).
 
     ``step`` and ``microbatch`` (0..M-1 within the step) name the microbatch; under the async
     schedule messages of several steps are in flight at once, so receivers key them by both. A
     ``dp`` message carries its round key there instead: (the update that started it, its phase)."""
 
-    kind: Literal["act", "grad", "dp", "morph"]
+    kind: Literal["act", "grad", "dp", "morph", "anchor_weights", "anchor_act", "anchor_grad", "anchor_share"]
     step: int
     microbatch: int
     src: WorkerId

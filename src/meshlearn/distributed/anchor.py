@@ -1,0 +1,414 @@
+"""The anchor circuit under ``backend = dist``: Z × P anchor processes with links of their own.
+
+The simulator's circuit (``anchor/circuit.py``) in real processes. Anchor replica z's stage s is
+rank D·P + z·P + s (``groups.rank_of``); it holds stage s's module and nothing else (no optimizer:
+its gradient is "geometry, not an update"). Its links, each a two-rank group (``groups.anchor_link_list``):
+the snapshot fast (0, s) → anchor (z, s), the anchor pipeline (z, s) ↔ (z, s ± 1), and the
+gradients anchor (z, s) → fast (r, s) for every fast replica r. Every sender paces its messages to
+the anchor links' profile (``anchor.bandwidth_mbit`` / ``latency_ms``), as the simulator's links.
+
+A pass, for hand-off step t (t = 0, K, 2K, ... < train.steps; anchor replica (t / K) mod Z):
+
+1. at its step t − 1's end (t = 0: before the first step) fast worker (0, s) sends its stage's
+   weights in ``anchor.wire_dtype``; stages 0 and P − 1 add the ids of replica 0's share of step
+   t's batch (8 bytes per sequence: their start offsets, never the tokens);
+2. the anchor stages run GPipe over the fast circuit's microbatches, nothing masked: every
+   boundary carries the whole activation forward and the whole gradient back in the wire dtype;
+3. each anchor stage sends the gradients of its targeted matrices (the mean loss over the share,
+   as the fast circuit normalizes it) to every fast replica of its stage.
+
+The fast side (``AnchorClient``) never waits for any of it: the driver calls ``step_end`` when its
+worker has applied a step's updates; it takes what has already arrived (a non-blocking poll of its
+own transport, apart from the pipeline's), folds each share due (now ≥ t + K) into the worker's
+spectral correction, and drops one still missing ``anchor.max_late`` steps past its due step: the
+simulator's rule, with "arrived by the worker's clock" read on the wall clock. At the end a worker
+neither drains its anchor links nor waits for a pass in flight. The anchor processes end when
+every worker has finished (their ``done`` keys).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from meshlearn.anchor.circuit import WIRE
+from meshlearn.anchor.settings import anchor_targets
+from meshlearn.compress.codecs import Encoded
+from meshlearn.data import batch_offsets, shard_batch, windows
+from meshlearn.distributed.groups import Link, anchor_id, build_groups, rank_of
+from meshlearn.distributed.health import EXIT_PEER_FAILURE, Health, WorkerFailure, store_client
+from meshlearn.distributed.shaping import Pacer
+from meshlearn.distributed.transport import Transport
+from meshlearn.distributed.wire import PREFIX_BYTES
+from meshlearn.hooks import Callback
+from meshlearn.mesh.messages import Message
+from meshlearn.mesh.network import Link as LinkModel
+from meshlearn.mesh.network import LinkProfile, build_network
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.models.llama import Decoder
+from meshlearn.optim.spectral import SpectralCorrection
+
+POLL_S = 0.05  # how often an anchor stage waiting for a message looks at liveness and the end
+# A posted receive on an anchor link may wait as long as the link is slow: the run's end and the
+# heartbeats bound it, not a message deadline (this is only the transport's backstop).
+WAIT_S = 7 * 24 * 3600.0
+HEADER_ROOM = 64 * 1024
+IDS = "__ids__"  # the batch ids' tensor in a snapshot (no parameter is named so)
+
+
+def hand_offs(cfg) -> list[int]:
+    """Every hand-off step of the run, in order: 0, K, 2K, ... below train.steps."""
+    return list(range(0, cfg.train.steps, cfg.anchor.delay))
+
+
+def passes_of(cfg, z: int) -> list[int]:
+    """The hand-off steps anchor replica z takes (round-robin over Z)."""
+    return [t for i, t in enumerate(hand_offs(cfg)) if i % cfg.anchor.z == z]
+
+
+def anchor_profile(cfg, mesh: MeshShape) -> LinkProfile:
+    """The anchor links' profile: ``anchor.bandwidth_mbit`` / ``latency_ms``, else the PP links'."""
+    network = build_network(cfg.link, cfg.links, mesh, cfg.seed)
+    pp = network.axes.get("pp", network.default)
+    a = cfg.anchor
+    return replace(pp, bandwidth_mbit=a.bandwidth_mbit or pp.bandwidth_mbit,
+                   latency_ms=a.latency_ms if a.latency_ms >= 0 else pp.latency_ms)
+
+
+def target_names(cfg, module: Decoder) -> list[str]:
+    """The matrices of ``module`` whose anchor gradients travel: the correction's, narrowed by
+    ``anchor.targets`` (the simulator's choice, in the same order)."""
+    wanted = set(anchor_targets(cfg))
+    return [n for n in SpectralCorrection(module.named_parameters(), cfg.optim.spectral).params
+            if n.split(".")[-2] in wanted]
+
+
+def capacity(cfg) -> int:
+    """Receive buffers of the anchor links: one microbatch's fp32 activation plus header room;
+    snapshots and gradient shares are larger and take the transport's oversize path."""
+    micro = cfg.train.batch_size // cfg.mesh.replicas // cfg.mesh.microbatches
+    return PREFIX_BYTES + HEADER_ROOM + micro * cfg.model.seq_len * cfg.model.d_model * 4
+
+
+def build_transport(cfg, me: WorkerId, mesh: MeshShape, links: dict[Link, object], health: Health,
+                    device: torch.device) -> Transport:
+    """A transport over this process's anchor links, every send paced to the anchor profile with
+    the simulator's per-link seeded stream."""
+    profile, epoch = anchor_profile(cfg, mesh), time.monotonic()
+    shaped = cfg.dist.shaping == "sender"
+    pacers = {dst: Pacer(LinkModel(src, dst, "anchor", profile,
+                                   random.Random(f"{cfg.seed}:anchor:{src}->{dst}")), epoch, shaped)
+              for src, dst in links if src == me}
+    return Transport(me, mesh, links, pacers, device, health, WAIT_S)
+
+
+def message(kind: str, step: int, microbatch: int, src: WorkerId, dst: WorkerId,
+            tensors: dict[str, Tensor]) -> Message:
+    return Message(kind, step, microbatch, src, dst, Encoded(tensors, (), torch.float32))
+
+
+@dataclass
+class AnchorCounters:
+    delivered: int = 0  # shares folded in (one per fast worker and pass)
+    dropped_late: int = 0  # shares still missing max_late steps past their due step
+    staleness_sum: int = 0  # Σ (step folded in − step computed for) over the delivered
+
+
+class AnchorClient:
+    """A fast worker's side of the anchor circuit; see the module docstring. ``links``: this
+    worker's anchor links (``Groups.anchor_links``)."""
+
+    def __init__(self, cfg, worker, links: dict[Link, object], health: Health, device: torch.device,
+                 run_dir: Path):
+        self.cfg, self.a = cfg, cfg.anchor
+        self.worker = worker
+        self.me = worker.id
+        self.mesh = worker.mesh
+        self.dtype = WIRE[self.a.wire_dtype]
+        self.transport = build_transport(cfg, self.me, self.mesh, links, health, device)
+        for z in range(self.a.z):
+            self.transport.expect_link((anchor_id(self.mesh, z, self.me.stage), self.me),
+                                       len(passes_of(cfg, z)), capacity(cfg))
+        self.arrived: dict[int, dict[str, Tensor]] = {}  # hand-off step → its share, until folded
+        self.outstanding: list[int] = []  # hand-offs made whose share is neither folded nor dropped
+        self.settled: set[int] = set()  # folded or dropped: a later arrival is ignored
+        self.counters = AnchorCounters()
+        self.run_dir = run_dir  # the corpus (and a BPE tokenizer's cache) for the batch ids
+        self.train_tokens = None
+        self.started = False
+
+    # --- the driver's calls ------------------------------------------------------------------
+
+    def step_start(self, step: int) -> None:
+        """Before the first step: the hand-off of step 0."""
+        if not self.started:
+            self.started = True
+            self._hand_off(step)
+
+    def step_end(self, step: int) -> None:
+        """This worker applied step ``step``'s updates: fold in, drop, and hand off the next."""
+        now = step + 1  # the next step to run: what arrived by now is used from its update on
+        self._poll()
+        kept = []
+        for t in sorted(self.outstanding):
+            late = now - (t + self.a.delay)
+            if late < 0:
+                kept.append(t)
+            elif t in self.arrived and late <= self.a.max_late:
+                for name, grad in self.arrived.pop(t).items():
+                    self.worker.spectral.receive_anchor(name, grad, step=t, now=now)
+                self.counters.delivered += 1
+                self.counters.staleness_sum += now - t
+                self.settled.add(t)
+            elif late >= self.a.max_late:
+                self.arrived.pop(t, None)
+                self.counters.dropped_late += 1  # not there yet, and next time past the cap
+                self.settled.add(t)
+            else:
+                kept.append(t)
+        self.outstanding = kept
+        if now % self.a.delay == 0 and now < self.cfg.train.steps:
+            self._hand_off(now)
+
+    def close(self) -> None:
+        """No drain: a snapshot still held by a slow link, or a pass in flight, is abandoned."""
+        self.transport.close()
+
+    # --- inside ------------------------------------------------------------------------------
+
+    def _hand_off(self, step: int) -> None:
+        self.outstanding.append(step)
+        if self.me.replica != 0:
+            return
+        z = hand_offs(self.cfg).index(step) % self.a.z
+        tensors = {n: p.detach().to(self.dtype, copy=True) for n, p in self.worker.module.named_parameters()}
+        if self.me.stage in (0, self.mesh.stages - 1):
+            tensors[IDS] = torch.from_numpy(self._ids(step))
+        dst = anchor_id(self.mesh, z, self.me.stage)
+        self.transport.send(message("anchor_weights", step, z, self.me, dst, tensors), capacity(self.cfg))
+
+    def _ids(self, step: int):
+        """Replica 0's rows of step ``step``'s batch: their start offsets (int64)."""
+        from meshlearn.train.assemble import load_corpus
+
+        cfg = self.cfg
+        if self.train_tokens is None:
+            self.train_tokens = load_corpus(cfg, self.run_dir).splits.train
+        offsets = batch_offsets(self.train_tokens, step, cfg.train.batch_size, cfg.model.seq_len, cfg.seed)
+        return offsets[: cfg.train.batch_size // cfg.mesh.replicas].astype("int64")
+
+    def _poll(self) -> None:
+        """Take every share that has already arrived; never waits."""
+        while (item := self.transport.next_message("nothing", self.me, time.monotonic())) is not None:
+            if item.kind != "anchor_share":
+                raise RuntimeError(f"worker {self.me}: a {item.kind!r} message on an anchor link "
+                                   f"from {item.src}")
+            if item.step not in self.settled:
+                self.arrived[item.step] = {n: t.to(torch.float32) for n, t in item.payload.tensors.items()}
+
+    def totals(self) -> list[float]:
+        """This worker's counters, in ``TOTALS`` order (summed over the workers for the summary)."""
+        c = self.counters
+        snapshot = sum(p.link.bytes_sent for p in self.transport.pacers.values())
+        return [c.delivered, c.dropped_late, c.staleness_sum, len(self.outstanding), snapshot]
+
+
+TOTALS = ("delivered", "dropped_late", "staleness_sum", "pending", "bytes_snapshot")
+
+
+class DistAnchorCallback(Callback):
+    """The trainer's view of the anchor circuit under dist: its summary (the fold-ins happen in
+    the driver, at each of the worker's step ends). Counters are summed over the worker
+    processes; the anchors' passes and bytes come from what they posted on the store."""
+
+    def __init__(self, cfg, driver):
+        self.cfg, self.driver = cfg, driver
+
+    def summary(self) -> dict:
+        client, mesh = self.driver.anchor, self.driver.mesh
+        spectral = client.worker.spectral.summary()
+        sums = self.driver.sum_over_workers([*client.totals(), *spectral.values()])
+        c = dict(zip(TOTALS, sums[:len(TOTALS)], strict=True))
+        store = store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                             self.cfg.dist.init_timeout_s)
+        posted = {}
+        for z in range(self.cfg.anchor.z):
+            for s in range(mesh.stages):
+                key = f"anchor/{rank_of(mesh, anchor_id(mesh, z, s))}"
+                posted[(z, s)] = json.loads(store.get(key)) if store.check([key]) else {}
+        passes = sum(min(posted[(z, s)].get("passes", 0) for s in range(mesh.stages))
+                     for z in range(self.cfg.anchor.z))
+        boundary = sum(p.get("boundary", 0) for p in posted.values())
+        gradients = sum(p.get("gradients", 0) for p in posted.values())
+        tokens = self.cfg.train.steps * self.cfg.train.batch_size * self.cfg.model.seq_len
+        total = c["bytes_snapshot"] + boundary + gradients
+        out = {"anchor_passes": passes, "anchor_delivered": int(c["delivered"]),
+               "anchor_dropped_late": int(c["dropped_late"]), "anchor_pending_at_end": int(c["pending"]),
+               "anchor_mean_staleness": c["staleness_sum"] / c["delivered"] if c["delivered"] else None,
+               "anchor_bytes_snapshot": int(c["bytes_snapshot"]), "anchor_bytes_boundary": boundary,
+               "anchor_bytes_gradients": gradients,
+               "bytes_per_token_anchor": total / tokens if tokens else 0.0}
+        return out | {k: int(v) for k, v in zip(spectral, sums[len(TOTALS):], strict=True)}
+
+
+class AnchorStage:
+    """Anchor replica z's stage s: waits for snapshots, runs its part of each pass, sends."""
+
+    def __init__(self, cfg, me: WorkerId, mesh: MeshShape, module: Decoder, links: dict[Link, object],
+                 health: Health, train_tokens, store):
+        self.cfg, self.me, self.mesh = cfg, me, mesh
+        self.z, self.s = me.replica - mesh.replicas, me.stage
+        self.module = module
+        self.targets = target_names(cfg, module)
+        self.dtype = WIRE[cfg.anchor.wire_dtype]
+        self.health = health
+        self.train_tokens = train_tokens
+        self.store = store
+        self.rank = rank_of(mesh, me)
+        self.transport = build_transport(cfg, me, mesh, links, health, torch.device("cpu"))
+        passes, M = len(passes_of(cfg, self.z)), cfg.mesh.microbatches
+        self.transport.expect_link((WorkerId(0, self.s), me), passes, capacity(cfg))
+        if self.s > 0:
+            self.transport.expect_link((anchor_id(mesh, self.z, self.s - 1), me), passes * M, capacity(cfg))
+        if self.s + 1 < mesh.stages:
+            self.transport.expect_link((anchor_id(mesh, self.z, self.s + 1), me), passes * M, capacity(cfg))
+        self.inbox: dict[tuple[str, int, int], Message] = {}
+        self.passes = 0
+        self.bytes_boundary = 0
+        self.bytes_gradients = 0
+
+    def run(self) -> None:
+        """Every pass of this anchor replica, until the workers have all finished."""
+        for t in passes_of(self.cfg, self.z):
+            snapshot = self._wait("anchor_weights", t, self.z)
+            if snapshot is None:
+                return
+            if not self._pass(t, snapshot):
+                return
+            self.passes += 1
+            self.store.set(f"anchor/{self.rank}", json.dumps(
+                {"passes": self.passes, "boundary": self.bytes_boundary, "gradients": self.bytes_gradients}))
+        self._wait(None, -1, -1)  # nothing more to do: wait for the end
+
+    def _pass(self, t: int, snapshot: Message) -> bool:
+        cfg, module, P, M = self.cfg, self.module, self.mesh.stages, self.cfg.mesh.microbatches
+        tensors = dict(snapshot.payload.tensors)
+        ids = tensors.pop(IDS, None)
+        with torch.no_grad():
+            params = dict(module.named_parameters())
+            for name, value in tensors.items():
+                params[name].copy_(value.to(torch.float32))
+        micro = None
+        if ids is not None:
+            x, y = windows(self.train_tokens, ids.numpy(), cfg.model.seq_len)
+            micro = shard_batch(x, y, 1, M)[0]
+        module.zero_grad(set_to_none=True)
+        inputs, outputs = [], []
+        for m in range(M):  # GPipe: every forward, then every backward, in microbatch order
+            if self.s == 0:
+                h = micro[m][0]
+            else:
+                arrival = self._wait("anchor_act", t, m)
+                if arrival is None:
+                    return False
+                h = arrival.payload.tensors["x"].to(torch.float32).requires_grad_(True)
+            out = module(h)
+            if self.s == P - 1:
+                out = Decoder.loss(out, micro[m][1]) / M  # the mean over the microbatches
+            else:
+                self._send("anchor_act", t, m, anchor_id(self.mesh, self.z, self.s + 1), out.detach())
+            inputs.append(h)
+            outputs.append(out)
+        for m in range(M):
+            if self.s == P - 1:
+                outputs[m].backward()
+            else:
+                arrival = self._wait("anchor_grad", t, m)
+                if arrival is None:
+                    return False
+                outputs[m].backward(arrival.payload.tensors["x"].to(torch.float32))
+            if self.s > 0:
+                self._send("anchor_grad", t, m, anchor_id(self.mesh, self.z, self.s - 1), inputs[m].grad)
+        params = dict(module.named_parameters())
+        share = {n: params[n].grad.detach().to(self.dtype) for n in self.targets
+                 if params[n].grad is not None}
+        for r in range(self.mesh.replicas):
+            out = message("anchor_share", t, self.z, self.me, WorkerId(r, self.s), share)
+            self.bytes_gradients += out.wire_bytes
+            self.transport.send(out, capacity(cfg))
+        module.zero_grad(set_to_none=True)
+        return True
+
+    def _send(self, kind: str, t: int, m: int, dst: WorkerId, x: Tensor) -> None:
+        out = message(kind, t, m, self.me, dst, {"x": x.detach().to(self.dtype)})
+        self.bytes_boundary += out.wire_bytes
+        self.transport.send(out, capacity(self.cfg))
+
+    def _wait(self, kind: str | None, step: int, microbatch: int) -> Message | None:
+        """The message (kind, step, microbatch), buffering others; None once every worker finished
+        (a pass the fast circuit no longer needs is abandoned)."""
+        key = (kind, step, microbatch)
+        while key not in self.inbox:
+            self.health.check()
+            item = self.transport.next_arrival(POLL_S)
+            if isinstance(item, Message):
+                self.inbox[(item.kind, item.step, item.microbatch)] = item
+                continue
+            if self._workers_done():  # then a closed link or a failed send is no failure
+                return None
+            if item is not None:  # Broken: a link closed while the workers still run
+                raise WorkerFailure(self.health.abort(item.message))
+            if (error := self.transport.send_error()) is not None:
+                raise WorkerFailure(self.health.abort(error))
+        return self.inbox.pop(key)
+
+    def _workers_done(self) -> bool:
+        return self.store.check([f"done/{rank}" for rank in range(self.mesh.world_size)])
+
+
+def run_anchor(cfg, run_dir: Path, session) -> int:
+    """An anchor rank's whole life; ends the process (posted receives stay in C++ threads)."""
+    from meshlearn.distributed.worker import _train_tokenizer_once
+    from meshlearn.models.split import init_model, split_model
+    from meshlearn.protocol.plugin import stage_modules
+    from meshlearn.train.assemble import load_corpus, resolve
+
+    me = session.anchor
+    name = session.health.name
+    try:
+        if cfg.data.tokenizer in ("bpe", "model"):
+            _train_tokenizer_once(cfg, run_dir, session)  # a collective of every rank
+        corpus = load_corpus(cfg, Path(run_dir))
+        cfg = resolve(cfg, corpus.vocab_size)
+        groups = build_groups(cfg, session.mesh, session.rank)
+        module = stage_modules(cfg, split_model(init_model(cfg.model, cfg.seed), cfg.mesh.stages))[me.stage]
+        store = store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                             cfg.dist.init_timeout_s)
+        stage = AnchorStage(cfg, me, session.mesh, module, groups.anchor_links, session.health,
+                            corpus.splits.train, store)
+        print(f"anchor {name} (rank {session.rank}): stage {me.stage} of anchor replica {stage.z}, "
+              f"{len(passes_of(cfg, stage.z))} passes due", flush=True)
+        stage.run()
+        print(f"anchor {name}: done, {stage.passes} passes", flush=True)
+        session.health.finish()
+        code = 0
+    except WorkerFailure as err:
+        print(f"meshlearn anchor {name}: error: {err}", file=sys.stderr)
+        code = EXIT_PEER_FAILURE
+    except BaseException as err:  # noqa: BLE001 — our own failure: publish it, naming ourselves
+        traceback.print_exc()
+        message_ = session.health.abort(f"anchor {name} failed: {type(err).__name__}: {err}")
+        print(f"meshlearn anchor {name}: error: {message_}", file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

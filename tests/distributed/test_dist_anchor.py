@@ -1,0 +1,79 @@
+"""The anchor circuit under dist: Z × P anchor processes of their own reproduce the simulator's
+anchored run, and anchor links far slower than the mesh never delay the fast circuit."""
+
+from __future__ import annotations
+
+import json
+
+from dist_helpers import deadline, kill_leftovers, launch, records
+from tiny import tiny_config
+
+from meshlearn.train import Trainer
+
+# A masked fast circuit (keep 1/4) on P = 2, D = 2, 1F1B; the fast links are slow (50 ms) so that
+# K = 2 steps give the anchor's pass (fast links of its own) a wide margin to arrive in time.
+FAST = ["mesh.stages=2", "mesh.replicas=2", "mesh.schedule=1f1b", "codec.name=mask", "codec.keep=0.25",
+        "optim.spectral.enabled=true", "link.latency_ms=50", "train.steps=6", "train.eval_every=6"]
+ANCHOR = ["anchor.z=1", "anchor.delay=2", "anchor.max_late=2", "anchor.wire_dtype=fp32"]
+
+
+def run_both(cfg, tmp_path, what: str):
+    sim = Trainer(cfg, tmp_path / "sim", progress=False).train()
+    try:
+        with deadline(90, what):
+            assert launch(cfg, tmp_path / "dist") == 0, sorted((tmp_path / "dist" / "logs").iterdir())
+    finally:
+        kill_leftovers(tmp_path / "dist")
+    return sim, json.loads((tmp_path / "dist" / "summary.json").read_text())
+
+
+def test_an_anchored_dist_run_equals_the_sim_run(tiny_corpus, tmp_path):
+    """Passes at t = 0, 2, 4 each reach all four fast workers by K = 2 steps later (the anchor
+    links are unshaped), in both drivers: the corrected losses, norms and bytes are the
+    simulator's; the anchor's bytes (snapshots with batch ids, its boundaries, its gradients) too."""
+    cfg = tiny_config(tiny_corpus, *FAST, *ANCHOR, "anchor.bandwidth_mbit=10000", "anchor.latency_ms=0")
+    sim, dist = run_both(cfg, tmp_path, "the anchored P=2 D=2 dist run")
+    for summary in (sim, dist):
+        assert summary["anchor_passes"] == 3
+        assert summary["anchor_delivered"] == 3 * 4 and summary["anchor_pending_at_end"] == 0
+        assert summary["anchor_mean_staleness"] == 2 and summary["anchor_dropped_late"] == 0
+        assert summary["spectral_anchor_accepted"] > 0 and summary["spectral_corrected_steps"] > 0
+    for key in ("anchor_bytes_snapshot", "anchor_bytes_boundary", "anchor_bytes_gradients",
+                "spectral_anchor_accepted", "spectral_corrected_steps"):
+        assert sim[key] == dist[key], key
+    a, b = records(tmp_path / "sim"), records(tmp_path / "dist")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    for ra, rb in zip(a, b, strict=True):
+        assert abs(ra["train_loss"] - rb["train_loss"]) <= 1e-5
+        assert abs(ra["grad_norm"] - rb["grad_norm"]) <= 1e-5 * ra["grad_norm"]
+        assert (ra["bytes_pp"], ra["bytes_dp"]) == (rb["bytes_pp"], rb["bytes_dp"])
+    (va,), (vb,) = records(tmp_path / "sim", "eval"), records(tmp_path / "dist", "eval")
+    assert abs(va["val_loss"] - vb["val_loss"]) <= 1e-5
+    # The correction changed the run: without the anchor the losses differ after the first fold-in.
+    plain = Trainer(tiny_config(tiny_corpus, *FAST), tmp_path / "plain", progress=False)
+    plain.train()
+    assert max(abs(ra["train_loss"] - rp["train_loss"])
+               for ra, rp in zip(a, records(tmp_path / "plain"), strict=True)) > 1e-4
+
+
+def test_slow_anchor_links_never_delay_the_fast_circuit(tiny_corpus, tmp_path):
+    """Anchor links at 0.01 Mbit/s (a stage's snapshot takes minutes to arrive) and no grace
+    (max_late = 0): the fast processes finish without waiting for any of it, every share is
+    dropped, and their run is the anchor-free simulator run (a correction with no arrival is the
+    base optimizer, bit for bit)."""
+    cfg = tiny_config(tiny_corpus, *FAST, *ANCHOR, "anchor.bandwidth_mbit=0.01", "anchor.max_late=0")
+    try:
+        with deadline(90, "the slow-anchor P=2 D=2 dist run"):
+            assert launch(cfg, tmp_path / "dist") == 0, sorted((tmp_path / "dist" / "logs").iterdir())
+    finally:
+        kill_leftovers(tmp_path / "dist")
+    dist = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    assert dist["anchor_delivered"] == 0 and dist["anchor_passes"] == 0
+    assert dist["anchor_dropped_late"] == 3 * 4 and dist["anchor_pending_at_end"] == 0
+    assert dist["spectral_anchor_accepted"] == 0
+    plain = Trainer(tiny_config(tiny_corpus, *FAST), tmp_path / "plain", progress=False)
+    plain.train()
+    a, b = records(tmp_path / "plain"), records(tmp_path / "dist")
+    for ra, rb in zip(a, b, strict=True):
+        assert abs(ra["train_loss"] - rb["train_loss"]) <= 1e-5
+        assert (ra["bytes_pp"], ra["bytes_dp"]) == (rb["bytes_pp"], rb["bytes_dp"])
