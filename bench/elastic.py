@@ -58,9 +58,10 @@ def train_records(run_dir: Path) -> list[dict]:
     return [r for r in read_records(path) if r["kind"] == "train"] if path.exists() else []
 
 
-def run(steps: int, elastic: bool, fault: signal.Signals | None, fail_after: int) -> list[dict]:
-    cfg = demo_config(*overrides(steps, elastic))
-    root = Path(tempfile.mkdtemp(prefix="meshlearn-elastic-bench-"))
+def launch_in_thread(cfg, prefix: str) -> tuple[Path, Path, threading.Thread, dict]:
+    """Launch ``cfg`` in a fresh temporary folder on a thread of this process: (the folder, its run
+    folder, the thread, and the dict whose ``code`` the launcher's exit code lands in)."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
     run_dir, source = root / "run", root / "run.toml"
     save_config(cfg, source)
     argv = ["--config", str(source), "--out", str(run_dir)]
@@ -68,6 +69,12 @@ def run(steps: int, elastic: bool, fault: signal.Signals | None, fail_after: int
     thread = threading.Thread(target=lambda: result.setdefault(
         "code", launch_local(argv, cfg, run_dir, out=io.StringIO())))
     thread.start()
+    return root, run_dir, thread, result
+
+
+def run(steps: int, elastic: bool, fault: signal.Signals | None, fail_after: int) -> list[dict]:
+    root, run_dir, thread, result = launch_in_thread(demo_config(*overrides(steps, elastic)),
+                                                     "meshlearn-elastic-bench-")
     pid = None
     try:
         if fault is not None:
@@ -101,14 +108,7 @@ def _until(predicate, what: str, seconds: float = 300.0) -> None:
 def join_run(fail_after: int) -> dict:
     """Row 1 leaves, a replacement row joins (both joiners at once); the times of its join."""
     cfg = demo_config(*overrides(100_000, True))
-    root = Path(tempfile.mkdtemp(prefix="meshlearn-elastic-join-"))
-    run_dir, source = root / "run", root / "run.toml"
-    save_config(cfg, source)
-    argv = ["--config", str(source), "--out", str(run_dir)]
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.setdefault(
-        "code", launch_local(argv, cfg, run_dir, out=io.StringIO())))
-    thread.start()
+    root, run_dir, thread, result = launch_in_thread(cfg, "meshlearn-elastic-join-")
     joiners = []
     try:
         _until(lambda: len(train_records(run_dir)) >= fail_after, "the first steps")
