@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from meshlearn.compress.codecs import MessageContext
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.shaping import allreduce_release_at, hold_until
 from meshlearn.distributed.transport import Transport
@@ -251,13 +252,17 @@ class ElasticDriver(DistDriver):
             else:
                 message = self.transport.next_message(f"validation activation {i}", self.prev)
                 ids = message.payload.tensors.get("ids")
-                h = worker.codec.decode(message.payload, "act")
+                # The evaluation context, as in distributed/evaluation.py: codecs that code per
+                # message (the mask codec) are off at evaluation, and values land on this device.
+                h = worker.codec.decode(message.payload, "act",
+                                        MessageContext.evaluation(self.me.stage - 1, self.device))
             out = worker.module(h)
             if worker.is_last:
                 losses.append(Decoder.loss(out, y.to(self.device)).item())
             else:
+                ctx = MessageContext.evaluation(self.me.stage, self.device)
                 self.transport.send(Message("act", -1, i, self.me, self.next,
-                                            worker.codec.encode(out, "act", ids)),
+                                            worker.codec.encode(out, "act", ids, ctx)),
                                     self.eval_capacity, shaped=False)
         return sum(losses) / len(losses) if worker.is_last else None
 
