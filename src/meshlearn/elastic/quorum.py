@@ -88,6 +88,9 @@ class CommitVote:
 
     def decide(self, step: int, me: WorkerId, participants: int, ok: bool) -> bool:
         key = f"commit/{step}"
+        for s in range(self.stages):  # every tally exists before this stage's size says so, so a
+            for what in ("done", "yes"):  # reader's multi_get never blocks on one (it would hold
+                self.store.add(f"{key}/s{s}/{what}", 0)  # the store client: others could not add)
         self.store.set(f"{key}/s{me.stage}/n", str(participants))
         self.store.add(f"{key}/s{me.stage}/yes", int(ok))
         self.store.add(f"{key}/s{me.stage}/done", 1)

@@ -44,6 +44,8 @@ class RowAgreement:
 
     def agree(self, step: int, me: WorkerId, participants: int) -> tuple[int, ...]:
         key = f"rows/{step}"
+        for s in range(self.stages):  # every counter exists before this stage's size says so, so a
+            self.store.add(f"{key}/s{s}/count", 0)  # reader's multi_get never blocks on one
         self.store.add(f"{key}/r{me.replica}", 1)  # before the stage's count: a fixer sees it
         self.store.set(f"{key}/s{me.stage}/n", str(participants))
         self.store.add(f"{key}/s{me.stage}/count", 1)
