@@ -186,10 +186,11 @@ def steps_to_ban(run: dict) -> int | None:
     return None if not steps or None in steps else max(steps)
 
 
-def attack_row(label: str, params: str, target: str, verified: dict, observed: dict | None, unverified: dict,
-               clean: dict) -> dict:
+def attack_row(label: str, params: str, target: str, verified: dict, observed: dict | None,
+               unverified: dict | None, clean: dict) -> dict:
     """Per-message scores from the run without bans (None: not run); bans, damage and the with-ban
-    scores from the other."""
+    scores from the other; the damage without verification from the unverified run (None: not run)."""
+    val_none = unverified and unverified["final_val_loss"]
     messages = verified["trust"]["messages"]["all"]
     unscored = dict.fromkeys(("precision", "recall", "f1", "tp", "fp", "fn", "fpr"))
     detector = observed["trust"]["messages"]["all"] if observed is not None else unscored
@@ -204,10 +205,10 @@ def attack_row(label: str, params: str, target: str, verified: dict, observed: d
             "worker_f1": workers["f1"], "steps_to_ban": steps_to_ban(verified),
             "honest_banned": workers["fp"], "rebased": verified["trust"]["rebased_references"],
             "alert": verified["alert"],
-            "val_sentinel": verified["final_val_loss"], "val_none": unverified["final_val_loss"],
+            "val_sentinel": verified["final_val_loss"], "val_none": val_none,
             "val_clean": clean["final_val_loss"],
             "gap_sentinel": verified["final_val_loss"] - clean["final_val_loss"],
-            "gap_none": unverified["final_val_loss"] - clean["final_val_loss"],
+            "gap_none": None if val_none is None else val_none - clean["final_val_loss"],
             "wire_rejects": verified["wire_rejections"]}
 
 
@@ -251,8 +252,9 @@ def goals(rows: list[dict], clean_demo: dict | None, replicas: int) -> list[str]
     banned, so an alert is what must happen instead."""
     lines = []
     for r in rows:
-        checks = {"SENTINEL ≤ none + 0.02": r["val_sentinel"] <= r["val_none"] + 0.02,
-                  "no honest ban": r["honest_banned"] == 0}
+        checks = {"no honest ban": r["honest_banned"] == 0}
+        if r["val_none"] is not None:
+            checks["SENTINEL ≤ none + 0.02"] = r["val_sentinel"] <= r["val_none"] + 0.02
         if r["wire_rejects"] is None and not r["attack"].startswith("adaptive"):
             if r["f1"] is not None:
                 checks["message F1 ≥ 0.95 (no bans)"] = r["f1"] >= 0.95
@@ -297,6 +299,10 @@ def main() -> None:
     parser.add_argument("--observe", choices=("all", "none"), default="all",
                         help="also train each attack flag-only (verify.ban=false) to score the detector "
                              "per message; wire forgeries never need it (receivers reject them)")
+    parser.add_argument("--verified-only", action="store_true",
+                        help="train each attack with SENTINEL only (no flag-only run, no unverified run: "
+                             "the invariant against no verification is then not checked); the clean "
+                             "runs stay, so damage is still measured against clean")
     parser.add_argument("--only", default="",
                         help="attack labels to run (and no overhead), comma-separated, or semicolon-"
                              "separated when a label has a comma (\"permute, gradients only;zeros\")")
@@ -337,6 +343,8 @@ def main() -> None:
     for label, overrides, _ in specs:
         attacked = [*base, f"attack.workers={attacker}", f"attack.start_step={start}", *overrides]
         jobs[f"{label}/sentinel"] = [*attacked, "verify.name=sentinel"]
+        if args.verified_only:
+            continue
         if args.observe == "all" and not _is_forgery(overrides):
             jobs[f"{label}/observe"] = [*attacked, "verify.name=sentinel", "verify.ban=false"]
         jobs[f"{label}/none"] = [*attacked, "verify.name=none"]
@@ -358,7 +366,7 @@ def main() -> None:
 
     clean = runs["clean/none"]
     rows = [attack_row(label, params, _target(overrides), runs[f"{label}/sentinel"],
-                       runs.get(f"{label}/observe"), runs[f"{label}/none"], clean)
+                       runs.get(f"{label}/observe"), runs.get(f"{label}/none"), clean)
             for label, overrides, params in specs]
     detector, defence = attack_tables(rows)
     fpr_rows = [{"run": f"clean, {args.steps} steps", **_fp(runs["clean/sentinel"])}]
@@ -371,7 +379,8 @@ def main() -> None:
     command = f"python bench/sentinel.py --steps {args.steps} --replicas {args.replicas}" + (
         f" --harness {args.harness}" if chosen != ["main"] else "") + (
         f" --attacker {attacker}" if attacker != ATTACKER else "") + (
-        " --observe none" if args.observe == "none" else "") + (f" --only {args.only}" if only else "") + (
+        " --observe none" if args.observe == "none" else "") + (
+        " --verified-only" if args.verified_only else "") + (f" --only {args.only}" if only else "") + (
         f" --tag {args.tag}" if args.tag else "") + "".join(f" --set {o}" for o in args.overrides) + (
         " --reuse" if args.reuse else "")
     observed = any(f"{label}/observe" in runs for label, _, _ in specs)
@@ -384,7 +393,8 @@ def main() -> None:
         f"is banned, so the attacker sends for the whole second half). Every message scored after "
         f"warm-up ({verify.warmup_steps} steps) counts; a positive is a message the attack changed. "
         f"Messages of a microbatch that an earlier flag already quarantined are skipped, not scored."
-        if observed else "The detector per message was not scored (`--observe none`).",
+        if observed else "The detector per message was not scored (" + (
+            "`--verified-only`: SENTINEL runs only)." if args.verified_only else "`--observe none`)."),
         *([detector] if observed else []),
         "**The defence, end to end** (SENTINEL defaults, bans on). A ban ends the attack, so the "
         "per-message precision here is the few attacked messages before the ban against every false "
@@ -410,6 +420,7 @@ def main() -> None:
     name += f"_{attacker}" if attacker != ATTACKER else ""
     name += f"_r{args.replicas}" if args.replicas != 2 else ""
     name += f"_{args.tag}" if args.tag else ""
+    name += "_verified" if args.verified_only else ""
     write_results(name + ("_" + "_".join(only) if only and not args.tag else ""), payload, "\n\n".join(parts))
 
 
