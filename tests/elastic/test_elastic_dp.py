@@ -24,12 +24,14 @@ from tiny import tiny_config  # noqa: E402
 from meshlearn.distributed.launch import WORKERS_FILE  # noqa: E402
 from meshlearn.train.files import read_records  # noqa: E402
 
+# Long deadlines: the fixed driver drops a round that runs behind past its deadline (the elastic
+# one reduces every round inside its step), and a dropped round would make the runs differ.
 STRATEGIES = {
-    "diloco": ["dp.name=diloco", "dp.inner_steps=2", "dp.fragments=2", "dp.overlap=1"],
+    "diloco": ["dp.name=diloco", "dp.inner_steps=2", "dp.fragments=2", "dp.overlap=1", "dp.deadline_s=60"],
     "diloco_powersgd": ["dp.name=diloco", "dp.inner_steps=2", "dp.compress=powersgd", "dp.rank=2"],
     "powersgd": ["dp.name=powersgd", "dp.rank=2"],
     "sparse": ["dp.name=sparse", "dp.fraction=0.5", "dp.delay=1", "dp.rule=ema", "dp.ema_warm_updates=0",
-               "dp.ema_ramp_end=4"],
+               "dp.ema_ramp_end=4", "dp.deadline_s=60"],
 }
 BASE = ["backend=dist", "mesh.replicas=2", "dist.timeout_s=5", "dist.dead_after_s=2"]
 # P = 2: the elastic driver clips per stage (grad_clip / √P), the fixed one by the norm over the
@@ -77,14 +79,27 @@ def test_elastic_strategy_with_fixed_membership_equals_the_fixed_driver(tiny_cor
     # the fixed driver sums its counters over the processes; the elastic summary is one last
     # stage's own (the same on every replica: every round is in every replica's quorum)
     assert summary["dp_rounds"] == fixed["dp_rounds"] // (2 * stages) > 0
-    assert summary["dp_dropped_rounds"] == 0
-    for name in ("r0s0", f"r1s{stages - 1}"):  # weights and the strategy's state, shard by shard
+    assert summary["dp_dropped_rounds"] == fixed["dp_dropped_rounds"] == 0
+    # Weights and the strategy's whole state (outer weights, momentum, error feedback, Q, pending
+    # rounds) bit for bit: with two replicas every mean is (a + b) / 2 in both drivers.
+    for name in ("r0s0", f"r1s{stages - 1}"):
         x, y = _shard(runs["fixed"], steps, name), _shard(runs["elastic"], steps, name)
         for key, tensor in x["module"].items():
-            assert torch.allclose(tensor, y["module"][key], rtol=0, atol=1e-5), (name, key)
-        if strategy.startswith("diloco"):
-            for u, v in zip(x["dp"]["outer"], y["dp"]["outer"], strict=True):
-                assert torch.allclose(u, v, rtol=0, atol=1e-5), name
+            assert torch.equal(tensor, y["module"][key]), (name, key)
+        a, b = list(_tensors(x["dp"])), list(_tensors(y["dp"]))
+        assert len(a) == len(b) > 0 and all(torch.equal(u, v) for u, v in zip(a, b, strict=True)), name
+
+
+def _tensors(state):
+    """Every tensor of a nested state, in order."""
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from _tensors(value)
+    elif isinstance(state, list | tuple):
+        for value in state:
+            yield from _tensors(value)
 
 
 @pytest.mark.parametrize("strategy", ["diloco", "powersgd"])
@@ -112,8 +127,15 @@ def test_a_killed_replica_leaves_and_the_others_finish_the_strategy(tiny_corpus,
     assert rows[0]["rows"] == [0, 1] and rows[-1]["rows"] == [0] and rows[-1]["participants"] == 1
     committed = [r for r in rows if r["committed"]]
     assert all(math.isfinite(r["train_loss"]) for r in committed)
-    assert len(rows) - len(committed) <= 1  # at most the step the kill landed in
+    # The step the kill landed in; and at most one more: r1s0, spectating (its row is broken), is
+    # still in stage 0's quorum until its heartbeat watch finds r1s1 dead, and then leaves in the
+    # middle of that step's rounds (seen in 1 of ~10 runs).
+    assert len(rows) - len(committed) <= 2
+    # the rounds of an update that did not commit are run again, over the survivors, by the next
+    # step: it trains the same batch
     assert [r["batch"] for r in committed] == list(range(len(committed)))
+    for r, following in zip(rows, rows[1:], strict=False):
+        assert following["batch"] == r["batch"] + r["committed"]
     summary = json.loads((run / "summary.json").read_text())
     # one round per committed update (PowerSGD: two, P and Q): an uncommitted one is retried
     assert summary["dp_rounds"] == len(committed) and summary["dp_dropped_rounds"] == 0
