@@ -129,7 +129,7 @@ def test_a_killed_replica_leaves_and_the_others_finish_the_strategy(tiny_corpus,
     assert all(math.isfinite(r["train_loss"]) for r in committed)
     # The step the kill landed in; and at most one more: r1s0, spectating (its row is broken), is
     # still in stage 0's quorum until its heartbeat watch finds r1s1 dead, and then leaves in the
-    # middle of that step's rounds (seen in 1 of ~10 runs).
+    # middle of that step's rounds (seen in 2 of ~14 runs).
     assert len(rows) - len(committed) <= 2
     # the rounds of an update that did not commit are run again, over the survivors, by the next
     # step: it trains the same batch
