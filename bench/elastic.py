@@ -46,8 +46,8 @@ from meshlearn.distributed.launch import WORKERS_FILE, launch_local
 from meshlearn.train.files import read_records
 
 
-def overrides(steps: int, elastic: bool) -> list[str]:
-    return ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "link.bandwidth_mbit=100",
+def overrides(steps: int, elastic: bool, *extra: str) -> list[str]:
+    return [*extra, "backend=dist", "mesh.stages=2", "mesh.replicas=2", "link.bandwidth_mbit=100",
             "link.latency_ms=20", f"train.steps={steps}", "train.eval_every=100000",
             "train.checkpoint_every=0", "dist.threads=1", "dist.heartbeat_s=0.2",
             "dist.dead_after_s=2", "dist.timeout_s=10", f"elastic.enabled={str(elastic).lower()}"]
@@ -72,8 +72,10 @@ def launch_in_thread(cfg, prefix: str) -> tuple[Path, Path, threading.Thread, di
     return root, run_dir, thread, result
 
 
-def run(steps: int, elastic: bool, fault: signal.Signals | None, fail_after: int) -> list[dict]:
-    root, run_dir, thread, result = launch_in_thread(demo_config(*overrides(steps, elastic)),
+def run(steps: int, elastic: bool, fault: signal.Signals | None, fail_after: int,
+        extra: tuple[str, ...] = ()) -> list[dict]:
+    """One run of ``steps`` (``extra``: more overrides, e.g. a DP strategy); its train records."""
+    root, run_dir, thread, result = launch_in_thread(demo_config(*overrides(steps, elastic, *extra)),
                                                      "meshlearn-elastic-bench-")
     pid = None
     try:

@@ -35,7 +35,7 @@ ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "elastic.enabled=
 @pytest.mark.parametrize(("override", "field"), [
     ("elastic.host=0.0.0.0", "elastic.host"), ("elastic.host=localhost", "elastic.host"),
     ("elastic.min_replicas=3", "elastic.min_replicas"), ("mesh.schedule=async", "mesh.schedule"),
-    ("dp.name=diloco", "dp.name"), ("backend=sim", "elastic.enabled"),
+    ("backend=sim", "elastic.enabled"),
     ("elastic.heartbeat_timeout_s=-1", "elastic.heartbeat_timeout_s")])
 def test_bad_elastic_config_names_the_field(tiny_corpus, override, field):
     with pytest.raises(ConfigError) as err:

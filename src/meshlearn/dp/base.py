@@ -99,6 +99,16 @@ class DPStrategy:
         posts that many receives per DP link)."""
         return 0
 
+    def post_rounds(self, u: int) -> bool:
+        """Whether ``post_step(u)`` starts a round: its values follow the optimizer step, so an
+        elastic update that does not commit must also undo that step (``elastic/rollback.py``)."""
+        return False
+
+    def reset_local(self) -> None:
+        """Forget what is this replica's own rather than its stage's: what a replica healed from a
+        peer must not inherit (the peer's error feedback, its private drift) and what a replica
+        that trains nothing (an elastic spectator) must not accumulate. Default: nothing."""
+
     def basis_state(self) -> dict[str, BasisTensor]:
         """The state this strategy keeps in its parameters' bases (``meshlearn.basis``), listed
         so that a protocol model's morph transforms it with the weights; it is called at drain

@@ -160,6 +160,20 @@ class StreamingDiLoCo(DPStrategy):
                 p.data.copy_(self.alpha * self.outer[i] + (1.0 - self.alpha) * p.data
                              if self.alpha < 1 else self.outer[i])
 
+    def post_rounds(self, u: int) -> bool:
+        return self.replicas > 1 and bool(self.syncing(u))
+
+    @torch.no_grad()
+    def reset_local(self) -> None:
+        """θ_local ← θ_outer (the stage's last synced point: a joiner does not take over its
+        healer's private inner progress, and a spectator's pseudo-gradient is 0), and the
+        compressors' error feedback ← 0 (each replica's own residual). θ_outer, the outer
+        momentum and the compressors' warm-start Q are the stage's: kept."""
+        for p, outer in zip(self.params, self.outer, strict=True):
+            p.data.copy_(outer)
+        for compressor in self.compressors or ():
+            compressor.error = {}
+
     def basis_state(self) -> dict[str, BasisTensor]:
         out = {}
         for n, outer, momentum in zip(self.names, self.outer, self.momentum, strict=True):

@@ -140,6 +140,11 @@ class PowerSGD(DPStrategy):
     def expects(self, u: int) -> int:
         return 2 if self.replicas > 1 else 0
 
+    def reset_local(self) -> None:
+        """Error feedback ← 0: the residual is each replica's own (the warm-start Q, the
+        replicas' common average, is kept)."""
+        self.error = {}
+
     def basis_state(self) -> dict[str, BasisTensor]:
         # Matrices only: vectors keep no error, and a morph multiplies matrices.
         return {f"error.{self.names[i]}": BasisTensor(self.names[i], "gradient", e)

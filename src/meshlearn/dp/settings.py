@@ -71,7 +71,8 @@ class DPConfig:
     """sparse (delay > 0) and diloco (overlap > 0): seconds after a round's start by which every
     peer's part must have arrived, else the round is dropped (its slice waits for its next turn).
     0 = derived from the DP link: twice the modelled transfer of one round. If summary.json shows
-    ``dp_dropped_rounds`` above a few percent of ``dp_rounds``, raise it."""
+    ``dp_dropped_rounds`` above a few percent of ``dp_rounds``, raise it. Not used with
+    elastic.enabled: rounds are reduced inside their step (docs/elastic.md)."""
     seed: int = 1337
     """Seeds the sparse partitions and PowerSGD's initial Q (the same on every replica)."""
     rank: int = 4

@@ -211,6 +211,16 @@ class SparseAveraging(DPStrategy):
             out.append(value)
         return torch.cat(out)
 
+    def post_rounds(self, u: int) -> bool:
+        return self.replicas > 1 and self.starts_round(u)
+
+    def reset_local(self) -> None:
+        """The drift starts anew from here: every open round's snapshot ← the current slice, and
+        the ema of the drift starts over (both are this replica's own); the averages are kept."""
+        self.ema, self.seen, self.ema_started = {}, {}, False
+        for pending in self.pending.values():
+            pending.snapshot = self._gather(self.targets(), self.indices(pending.round_no))
+
     # --- checkpoints --------------------------------------------------------------------------
 
     def state_dict(self) -> dict:

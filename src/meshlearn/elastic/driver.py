@@ -18,7 +18,11 @@ are the same code):
   every worker's weights and optimizer state as they were (``Worker.discard_update``), and its
   global batch is trained again by the next step (``batch_index`` counts committed steps);
 - pipeline links are pair groups of the row's own (``RowLinks``), built at the first step the row
-  trains; a worker whose pipeline partner is gone leaves the run (exit code 4); the others go on.
+  trains; a worker whose pipeline partner is gone leaves the run (exit code 4); the others go on;
+- a message-based DP strategy (DiLoCo, PowerSGD, sparse averaging) runs its rounds as sums over
+  the quorum (``QuorumExchange``) inside the step, before the vote; an update that does not commit
+  is rolled back (``Rollback``) and retried, as the same update ``u`` (committed updates so far), by
+  the next step over the next quorum.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from meshlearn.elastic.checkpoints import ElasticCheckpoints
 from meshlearn.elastic.links import RowLinks
 from meshlearn.elastic.quorum import CommitVote, QuorumStep, StageQuorum
 from meshlearn.elastic.records import ElasticRecords
+from meshlearn.elastic.rollback import Rollback
+from meshlearn.elastic.rounds import QuorumExchange
 from meshlearn.elastic.rows import RowAgreement, whole_batch
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.sim import StepReport
@@ -80,6 +86,9 @@ class ElasticDriver(DistDriver):
         self.contributed_at: int | None = None  # the first step this process's row trained
         self.checkpoint_membership = ElasticCheckpoints(progress, self.mesh, self.me, lambda: self.rows,
                                                         self.deadlines.collective_s)
+        self.round_bytes = 0  # bytes of the coming update's strategy rounds (their all-reduces)
+        if self.dp is not None:  # a message-based strategy: its rounds are sums over the quorum
+            self.dp.exchange = QuorumExchange(self.me, self.mesh.replicas, self._reduce_round)
 
     # --- joining: what a live peer hands a new replica of its stage (torchft's healing) ---------
 
@@ -89,7 +98,11 @@ class ElasticDriver(DistDriver):
                 "batch_index": self.batch_index}
 
     def load_heal_state(self, state: dict) -> None:
+        """The peer's state, less what is the peer's own (``DPStrategy.reset_local``: its error
+        feedback, its drift since the last sync); docs/elastic.md lists what a joiner gets."""
         self.worker.load_state_dict(state["worker"])
+        if self.dp is not None:
+            self.dp.reset_local()
         self.joined_at = state["step"]
         self.batch_index = state["batch_index"]
 
@@ -170,7 +183,11 @@ class ElasticDriver(DistDriver):
         update every replica of the stage applies."""
         self._feed(step, source)
         pp_before, dp_before = self._bytes_mark or (self._bytes("pp"), self._bytes("dp"))
-        self._flush_update(self.worker.spectate(), pp_before, dp_before)
+        action = self.worker.spectate()
+        if self.dp is not None:
+            self._dp_update(action, pp_before, dp_before)
+        else:
+            self._flush_update(action, pp_before, dp_before)
         self._bytes_mark = (self._bytes("pp"), self._bytes("dp"))
         self.worker.pop_stats(step)
         self.spectated += 1
@@ -225,6 +242,84 @@ class ElasticDriver(DistDriver):
                                  grad_norm=sq_norm**0.5, staleness=[])
         return None
 
+    def _dp_update(self, action, pp_before: int, dp_before: int) -> None:
+        """A message-based strategy's update u (committed updates so far, so a step that does not
+        commit is retried as the same update): the step's counts summed over the quorum, then the
+        strategy's phases with their rounds over the quorum (``QuorumExchange``), the stage clip
+        and the optimizer step, and the vote. For an update whose rounds follow the optimizer
+        step (``post_rounds``) the optimizer steps before the vote; whatever does not commit is
+        rolled back (``Rollback``). A spectator adds zeros to every round, applies what its
+        peers apply, and then forgets what would be its own (``reset_local``)."""
+        worker, current, strategy = self.worker, self.current, self.dp
+        step = action.microbatch // self.cfg.mesh.microbatches
+        u = self.batch_index
+        trains = self.sequences > 0
+        rollback = Rollback(worker, weights=strategy.post_rounds(u))
+        strategy.exchange.contributes = trains
+        self.round_bytes = 0
+        started = time.monotonic()
+        losses = list(worker.stats.get(step, StepStats()).losses.values())
+        counts = torch.tensor([sum(losses), len(losses), float(trains), self.sequences], dtype=torch.float64)
+        self._reduce_round(counts)
+        loss_sum, loss_count, contributors, sequences = counts.tolist()
+        current.mean_ok = whole_batch(contributors, sequences, self.rows, self.cfg.train.batch_size)
+        self._no_messages(strategy.pre_step(u), u)
+        if not strategy.pre_ready(u):
+            raise RuntimeError(f"worker {self.me}: update {u + 1}'s DP rounds are not complete")
+        sq_norm = worker.grad_sq_norm()
+        coef = clip_coefficient(sq_norm, stage_clip_norm(self.cfg.train.grad_clip, self.mesh.stages))
+        early = rollback.weights is None  # nothing follows the optimizer step: decide first
+        if early:
+            current.committed = self._decide(step)
+        if current.committed or not early:
+            began = time.perf_counter()
+            worker.apply_update(action, coef, sq_norm)
+            self.busy_s += time.perf_counter() - began
+            self._no_messages(strategy.post_step(u), u)
+        if not early:
+            current.committed = self._decide(step)
+        self.trained_batch = self.batch_index
+        if current.committed:
+            if strategy.post_wait(u) is not None:
+                raise RuntimeError(f"worker {self.me}: a DP round of update {u + 1} is still open")
+            strategy.apply(u)
+            if not trains:
+                strategy.reset_local()
+            self.batch_index += 1
+        else:
+            self.uncommitted += 1
+            if early:
+                worker.discard_update(action)
+            rollback.restore(worker)
+        self.dp_wait_s += time.monotonic() - started
+        mean_loss = loss_sum / loss_count if current.mean_ok and loss_count > 0 else None
+        self.report = StepReport(step=step, losses=[mean_loss] if mean_loss is not None else [],
+                                 sim_s=None, bytes_pp=self._bytes("pp") - pp_before,
+                                 bytes_dp=self._bytes("dp") - dp_before + self.round_bytes,
+                                 grad_norm=sq_norm**0.5, staleness=[])
+
+    def _reduce_round(self, flat: torch.Tensor) -> None:
+        """``flat`` ← its sum over the quorum (garbage if a participant failed: the step then
+        commits nowhere), held for the ring model's time as the gradients' all-reduce is."""
+        self.quorum.sum(flat)
+        nbytes = flat.numel() * flat.element_size()
+        if self.ring_next is not None:
+            hold_until(allreduce_release_at(self.network.link(self.me, self.ring_next), self.epoch,
+                                            time.monotonic(), nbytes, self.current.participants, self.shaped))
+        self.round_bytes += nbytes
+
+    def _decide(self, step: int) -> bool:
+        """This stage's verdict (torchft's, and the whole batch from the agreed rows), then the
+        vote of every stage."""
+        current = self.current
+        current.stage_commit = self.quorum.should_commit() and current.mean_ok
+        return self.vote.decide(step, self.me, current.participants, current.stage_commit)
+
+    def _no_messages(self, messages: list[Message], u: int) -> None:
+        if messages:
+            raise RuntimeError(f"worker {self.me}: update {u + 1}'s DP strategy sent messages; "
+                               "in an elastic run its rounds are sums over the quorum")
+
     def _report(self, step: int, rows) -> StepReport:
         return self.report
 
@@ -270,13 +365,14 @@ class ElasticDriver(DistDriver):
         return {}
 
     def summary_fields(self, tokens: int, wall_s: float) -> dict:
+        strategy = {"dp_wait_s": self.dp_wait_s, **self.dp.summary()} if self.dp is not None else {}
         return {"sim_time_s": None, "sim_tokens_per_s": None, "idle_fraction": None,
                 "compute_model": f"real: elastic, {self.mesh.world_size} processes at start over "
                                  f"{self.comm}, one torchft quorum per stage, "
                                  f"shaping={self.cfg.dist.shaping}",
                 "uncommitted_steps": self.uncommitted, "spectated_steps": self.spectated,
                 "quorum_s_total": self.quorum_s,
-                "links": []}
+                "links": []} | strategy
 
     def barrier(self, what: str) -> None:
         """No mesh-wide barrier: membership may have changed (checkpoints agree on their shards

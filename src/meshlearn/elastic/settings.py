@@ -91,8 +91,6 @@ def validate_elastic(cfg, require) -> None:
             "needs backend = 'dist' (the simulator has fixed membership)")
     require(cfg.mesh.schedule in ELASTIC_SCHEDULES, "mesh.schedule", cfg.mesh.schedule,
             f"with elastic.enabled: allowed: {list(ELASTIC_SCHEDULES)} (async is not elastic yet)")
-    require(cfg.dp.name == "allreduce", "dp.name", cfg.dp.name,
-            "with elastic.enabled: must be 'allreduce' (other DP strategies are not elastic yet)")
     require(cfg.mesh.replicas >= 2, "mesh.replicas", cfg.mesh.replicas,
             "with elastic.enabled: must be >= 2 (a stage of one replica cannot lose it and go on)")
     counts = [k for k in range(1, cfg.mesh.replicas + 1)
