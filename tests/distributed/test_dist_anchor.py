@@ -14,7 +14,8 @@ from meshlearn.train import Trainer
 # K = 2 steps give the anchor's pass (fast links of its own) a wide margin to arrive in time.
 FAST = ["mesh.stages=2", "mesh.replicas=2", "mesh.schedule=1f1b", "codec.name=mask", "codec.keep=0.25",
         "optim.spectral.enabled=true", "link.latency_ms=50", "train.steps=6", "train.eval_every=6"]
-ANCHOR = ["anchor.z=1", "anchor.delay=2", "anchor.max_late=2", "anchor.wire_dtype=fp32"]
+ANCHOR = ["anchor.z=1", "anchor.delay=2", "anchor.max_late=2", "anchor.wire_dtype=fp32",
+          "anchor.send=gradients", "anchor.weights=snapshot"]
 
 
 def run_both(cfg, tmp_path, what: str):
