@@ -116,8 +116,6 @@ def validate_anchor(cfg: Any, require: Callable[[bool, str, Any, str], None]) ->
             f"{staleness - a.delay}" if staleness >= a.delay else
             f"anchor.delay = {a.delay} exceeds optim.spectral.max_staleness = {staleness}, which "
             "would drop every arrival")
-    require(cfg.backend == "sim" or a.send == "gradients", "anchor.send", a.send,
-            "under backend = dist the anchor sends gradients only so far: set anchor.send = gradients")
     if a.weights == "outer":
         require(cfg.backend == "sim", "anchor.weights", a.weights,
                 "under backend = dist the anchor's listening to the DP traffic is not built: "
