@@ -13,6 +13,7 @@ import torch.distributed as dist
 from tiny import tiny_config
 
 from meshlearn.config import ConfigError, load_config
+from meshlearn.distributed.health import Health, WorkerFailure
 from meshlearn.elastic.binding import (
     BoundStore,
     bound_process_group,
@@ -204,3 +205,20 @@ def test_each_steps_records_are_written_once_and_follow_the_live_rows(tmp_path):
     assert [(r["kind"], r["step"], r["by"]) for r in read_records(path)] == [
         ("train", 1, "r0s1"), ("eval", 1, "r0s1"), ("train", 2, "r1s1"), ("train", 3, "r1s1")]
     assert r1.holds(3) and not r0.holds(3) and not first.holds(1)
+
+
+def test_a_partner_death_noticed_while_spectating_is_raised_after_the_step():
+    """``Health.defer``: a spectator finishes its step (its stage's sum) and leaves before the next."""
+    mesh = MeshShape(2, 2)
+    health = Health(BoundStore("127.0.0.1", 10).store, mesh, 0, heartbeat_s=0.05, dead_after_s=1.0,
+                    store_owner="the test's store", scope={0, 1})
+    health.failure = "worker r0s1 stopped answering"
+    with health.defer():
+        health.check()  # inside the spectated step: not raised
+    with pytest.raises(WorkerFailure, match="r0s1 stopped answering"):
+        health.check()  # the next step's start
+    fixed = Health(BoundStore("127.0.0.1", 10).store, mesh, 0, heartbeat_s=0.05, dead_after_s=1.0,
+                   store_owner="the test's store")  # fixed membership: a death ends the run at once
+    fixed.failure = "worker r0s1 stopped answering"
+    with pytest.raises(WorkerFailure), fixed.defer():
+        fixed.check()

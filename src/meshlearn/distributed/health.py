@@ -69,6 +69,7 @@ class Health:
         self.scope = scope
         self.exit_code = EXIT_PEER_FAILURE if scope is None else EXIT_LEFT
         self.failure: str | None = None
+        self.deferring = False
         self.on_exit: Callable[[], None] | None = None  # flushes logs before a forced exit
         self._stop = threading.Event()
         self._keys = [f"hb/{r}" for r in range(self.world)]
@@ -92,9 +93,22 @@ class Health:
         self.scope = set(ranks)
 
     def check(self) -> None:
-        """Raise WorkerFailure if the run is over; called between the steps of every wait."""
-        if self.failure is not None:
+        """Raise WorkerFailure if the run is over; called between the steps of every wait.
+        Elastic: not while ``deferring`` (see ``defer``)."""
+        if self.failure is not None and not self.deferring:
             raise WorkerFailure(self.failure)
+
+    @contextlib.contextmanager
+    def defer(self):
+        """Elastic: a row partner's death noticed inside this block is raised after it. A worker
+        spectating a step exchanges nothing with its row, only sums with its stage's quorum: leaving
+        in the middle would break that sum and lose the step for the whole stage, so it finishes
+        the step and leaves before the next one (``check`` at the step's start)."""
+        self.deferring = self.scope is not None
+        try:
+            yield
+        finally:
+            self.deferring = False
 
     def wait_work(self, work, what: str, deadline_s: float) -> None:
         """Wait for an async collective, checking liveness; ``what`` names it in errors."""

@@ -123,6 +123,7 @@ class ElasticDriver(DistDriver):
     # --- one step: the quorum, the rows that train it, then train or spectate ------------------
 
     def run_step(self, step: int, source) -> list[StepReport]:
+        self.health.check()  # a partner's death noticed while spectating: leave before the quorum
         self.next_step = step
         first = self.current is None
         if self.formed:  # a joiner's first step: its quorum is the one it healed in
@@ -137,7 +138,11 @@ class ElasticDriver(DistDriver):
         trains = self.me.replica in self.rows
         if trains and not self.linked:
             self._link_row(step)
-        reports = super().run_step(step, source) if trains else [self._spectate(step, source)]
+        if trains:
+            reports = super().run_step(step, source)
+        else:
+            with self.health.defer():
+                reports = [self._spectate(step, source)]
         self.progress.set(f"progress/{self.me}", str(step + 1))
         return reports
 
