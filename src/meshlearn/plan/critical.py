@@ -23,6 +23,7 @@ instant) go to the first argument of ``max``: either path is critical then.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from meshlearn.mesh.compute import ComputeModel, StageShape
@@ -43,12 +44,13 @@ class Seconds(float):
         x.g = g
         return x
 
-    @classmethod
-    def of(cls, value: float, part: str) -> Seconds:
-        """``value`` seconds of one resource's cost."""
+    @staticmethod
+    @functools.lru_cache(maxsize=4096)  # a simulation asks for the same few costs over and over
+    def of(value: float, part: str) -> Seconds:
+        """``value`` seconds of one resource's cost (shared: a Seconds is never changed in place)."""
         g = list(_ZERO)
         g[_INDEX[part]] = value
-        return cls(value, tuple(g))
+        return Seconds(value, tuple(g))
 
     def __add__(self, other):
         if type(other) is Seconds:

@@ -44,11 +44,13 @@ FAR = 10**9  # a drain point no measurement reaches
 
 @dataclass(frozen=True)
 class Horizon:
-    """Steps of one measuring segment: fill, the measured window, the drain."""
+    """Steps of one measuring segment: fill, the measured window, the drain; ``period``: steps
+    of one DP period (a steady state repeats in whole ones)."""
 
     warm: int
     window: int
     tail: int
+    period: int = 1
 
     @property
     def steps(self) -> int:
@@ -73,7 +75,7 @@ def horizon(cfg: RunConfig) -> Horizon:
     else:
         ahead = feed_lookahead(max(pipeline_in_flight(cfg)), mesh.microbatches)
         warm, tail, least = ahead + lag_steps + 1, ahead, 2
-    return Horizon(warm, period_steps * math.ceil(least / period_steps), tail)
+    return Horizon(warm, period_steps * math.ceil(least / period_steps), tail, period_steps)
 
 
 def segment_lengths(cfg: RunConfig) -> Counter:
@@ -109,14 +111,15 @@ def _facts(cfg: RunConfig, run: CostRun) -> dict:
             "in_flight_peak": max(w.in_flight_peak for w in run.workers.values())}
 
 
-def period(durations: list[float], unit: int) -> int | None:
-    """The shortest p (a multiple of ``unit``) with which the last 2p steps' virtual durations
-    repeat (to 1e-9: differences of a clock that only grows). None: no such p yet. Bytes are
-    not compared: a message sent near a step's end is counted in either step."""
+def period(durations: list[float], unit: int, least: int = 0) -> int | None:
+    """The shortest p (a multiple of ``unit``) with which the last max(2p, ``least``) steps'
+    virtual durations repeat (to 1e-9: differences of a clock that only grows). None: no such p
+    yet. Bytes are not compared: a message sent near a step's end is counted in either step."""
     n = len(durations)
     for p in range(unit, n // 2 + 1, unit):
-        if all(math.isclose(durations[-k], durations[-k - p], rel_tol=1e-9, abs_tol=1e-12)
-               for k in range(1, p + 1)):
+        seen = max(2 * p, least)
+        if seen <= n and all(math.isclose(durations[-k], durations[-k - p], rel_tol=1e-9, abs_tol=1e-12)
+                             for k in range(1, seen - p + 1)):
             return p
     return None
 
@@ -125,18 +128,21 @@ def measure(run: CostRun, h: Horizon) -> Window:
     """The steady state: after the fill, step until the steps repeat (``period``) and measure one
     whole period. The horizon's window alone is not enough: a pipeline deeper than a step's
     microbatches (P > M) finishes its steps in a pattern that repeats every few steps (32 stages
-    of 8 microbatches: every 4), and a window of one pattern's first steps is not its mean. Past
+    of 8 microbatches: every 4), and a window of one pattern's first steps is not its mean. The
+    period is a whole number of DP periods, seen twice and over at least two horizon windows
+    (an async pipeline's steps alternate: one repeat of one step is no evidence). Past
     ``MAX_STEPS`` without a repeat, the mean over the latest whole windows."""
     marks = [run.run(h.warm)]
     durations: list[float] = []
     while True:
         marks.append(run.run(1))
         durations.append(marks[-1].sim_s - marks[-2].sim_s)
-        p = period(durations, h.window)
+        p = period(durations, h.period, 2 * h.window)
         if p is None and len(durations) >= MAX_STEPS:
             p = len(durations) // 2 // h.window * h.window
-        if p is not None:
-            return run.window(marks[-1 - p], marks[-1])
+        if p is not None:  # whole periods, at least the horizon's window (the fill is the rest)
+            span = p * math.ceil(h.window / p)
+            return run.window(marks[-1 - span], marks[-1])
 
 
 @functools.lru_cache(maxsize=512)
