@@ -13,6 +13,8 @@ import meshlearn
 from meshlearn.config import ConfigError, load_config, to_dict
 from meshlearn.train.preflight import check_corpus, check_run
 
+SWEEP = "25,100,400,1600"  # ``meshlearn plan``'s default bandwidths of the plot, Mbit/s
+
 
 class UsageError(Exception):
     """Bad input found while setting up a run (a corpus too short for a sequence, say): one line."""
@@ -234,10 +236,11 @@ def _plan(args: argparse.Namespace) -> int:
     if args.subspace_rank < 0:
         raise ConfigError("--subspace-rank", args.subspace_rank, "must be >= 1 (0: d_model / 64, at least 8)")
     keeps = _floats("--mask-keep", args.mask_keep)
-    sweep = _floats("--sweep", args.sweep)
+    # The sweep feeds the plot: with --plot none it is simulated only when asked for (--json has it).
+    sweep = () if args.sweep is None and args.plot == "none" else _floats("--sweep", args.sweep or SWEEP)
     if any(not 0 < k <= 1 for k in keeps):
         raise ConfigError("--mask-keep", args.mask_keep, "keep rates in (0, 1], e.g. 0.05,0.1")
-    if not sweep or any(b <= 0 for b in sweep):
+    if args.sweep is not None and not sweep or any(b <= 0 for b in sweep):
         raise ConfigError("--sweep", args.sweep, "bandwidths in Mbit/s > 0, e.g. 25,100,400")
     if args.jobs is not None and args.jobs < 1:
         raise ConfigError("--jobs", args.jobs, "processes for the simulations: >= 1")
@@ -252,7 +255,7 @@ def _plan(args: argparse.Namespace) -> int:
     if cfg.model.vocab_size <= 0:
         cfg = load_config(args.config, [*sets, "model.vocab_size=256"])  # the byte tokenizer
     try:
-        result = plan(cfg, args.subspace_rank, keeps, sweep, args.jobs or default_processes())
+        result = plan(cfg, args.subspace_rank, keeps, sweep, args.jobs or default_processes(), args.binds)
     except ValueError as err:
         raise UsageError(str(err)) from None
     if tied and cfg.mesh.stages > 1:
@@ -394,13 +397,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="k of the subspace rows (default: model.subspace_rank, else d_model/64, >= 8)")
     plan.add_argument("--mask-keep", default="0.05",
                       help="keep rates of the mask rows, comma-separated (default 0.05, the paper's M95)")
-    plan.add_argument("--sweep", default="25,100,400,1600",
-                      help="link bandwidths of the plot, Mbit/s, comma-separated (default 25,100,400,1600)")
+    plan.add_argument("--sweep", default=None,
+                      help=f"link bandwidths of the plot, Mbit/s, comma-separated (default {SWEEP}; "
+                           "with --plot none: no sweep unless given)")
     plan.add_argument("--plot", default="plan.png", help="PNG of tokens/s vs link bandwidth per method "
                                                          "(default plan.png; none: no plot)")
     plan.add_argument("--jobs", type=int, default=None,
                       help="processes the simulations run on (default: the CPUs available; the numbers "
                            "do not depend on it)")
+    plan.add_argument("--binds", choices=("path", "doubling"), default="path",
+                      help="how each row's binding resource is found: path (default: its steady "
+                           "state's critical path, split by resource, from the row's own simulation) "
+                           "or doubling (each resource doubled in a simulation of its own: 4 more "
+                           "simulations per row)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.set_defaults(func=_plan)
 

@@ -108,8 +108,18 @@ def test_cli_json_tokens_per_s_is_the_demo_run(tmp_path, capsys):
     mask = next(r for r in out["methods"] if r["method"].startswith("mask keep=0.05"))
     # round(0.05 · 128) = 6 bf16 values per token, both directions, 3 boundaries
     assert mask["bytes_per_token_pp"] == pytest.approx(6 * 2 * 2 * 3)
-    assert set(out["given"]["gain_if_doubled"]) == {"compute", "PP link", "DP link", "latency"}
+    parts = {"compute", "PP link", "DP link", "latency", "update", "other"}
+    assert set(out["given"]["critical_path"]) == parts
+    assert out["binds_from"] == "path" and out["given"]["gain_if_doubled"] == {}
     assert (tmp_path / "plan.png").stat().st_size > 0
+    # the reference way: every resource doubled in a simulation of its own, the same binds
+    assert main(["plan", "--config", "configs/demo.toml", *sets, "--json", "--plot", "none",
+                 "--binds", "doubling"]) == 0
+    doubled = json.loads(capsys.readouterr().out)
+    assert doubled["sweep"]["bandwidth_mbit"] == []  # no plot: no sweep simulated
+    assert set(doubled["given"]["gain_if_doubled"]) == {"compute", "PP link", "DP link", "latency"}
+    assert [r["binds"] for r in doubled["methods"]] == [r["binds"] for r in out["methods"]]
+    assert [r["tokens_per_s"] for r in doubled["methods"]] == [r["tokens_per_s"] for r in out["methods"]]
 
 
 def test_presets_fit_check_and_table(capsys):

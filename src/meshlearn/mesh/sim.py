@@ -83,8 +83,10 @@ class SimDriver:
         self.waiting: dict[WorkerId, Action] = {}  # workers at an update whose collective is not complete
         # Workers inside a message-based DP strategy's phase (meshlearn.dp.base): (phase, U, since).
         self.dp_wait: dict[WorkerId, tuple[str, Action, float]] = {}
-        # Round starts, per worker (one dict each: forgetting old rounds scans only its own).
+        # Round starts, per worker (one dict each), and their keys in a heap: forgetting old rounds
+        # pops only those (a scan of every key at every update was a hot spot of long runs).
         self.dp_started: dict[WorkerId, dict[tuple[int, int], float]] = {w: {} for w in workers}
+        self._dp_started_keys: dict[WorkerId, list[tuple[int, int]]] = {w: [] for w in workers}
         self._dp_alarms: set[tuple[WorkerId, tuple[int, int]]] = set()
         self.dp_wait_s = 0.0
         self.fed = -1  # the last step whose work the workers have
@@ -335,8 +337,12 @@ class SimDriver:
         self._dp_check(wid, now)
 
     def _dp_send(self, wid: WorkerId, messages: list[Message], now: float) -> None:
+        started = self.dp_started[wid]
         for message in messages:
-            self.dp_started[wid].setdefault((message.step, message.microbatch), now)
+            key = (message.step, message.microbatch)
+            if key not in started:
+                started[key] = now
+                heapq.heappush(self._dp_started_keys[wid], key)
             self._push(self._transmit(message, now), "arrive", message)
 
     def _dp_deliver(self, message: Message, now: float) -> None:
@@ -377,9 +383,9 @@ class SimDriver:
         del self.dp_wait[wid]
         self.dp_wait_s += now - since
         strategy.apply(u)
-        started = self.dp_started[wid]
-        for stale in [k for k in started if k[0] < u - 64]:
-            del started[stale]
+        started, keys = self.dp_started[wid], self._dp_started_keys[wid]
+        while keys and keys[0][0] < u - 64:
+            started.pop(heapq.heappop(keys), None)
         self.clock.now[wid] = max(self.clock.now[wid], now)
         self._set_done(wid)
         self._try_start(wid, now)

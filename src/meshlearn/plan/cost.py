@@ -12,6 +12,10 @@ basis updates, the end): what ``meshlearn train`` would report on the virtual cl
 When the replicas are mirror images (``plan.mirror.mirrors``: symmetric links), only replica 0's
 row is simulated (``MirrorSimDriver``): the same numbers from 1/D of the events. ``mirror=False``
 simulates every replica (what the tests compare it with).
+
+``critical_path=True`` runs the same simulation on seconds that carry their resource
+(``plan.critical``): each window then also says how its critical path splits between compute,
+PP and DP bandwidth, latency and optimizer steps (``Window.path``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepWork
 from meshlearn.models.split import build_stage
 from meshlearn.plan.cost_worker import CostSimDriver, CostWorker
+from meshlearn.plan.critical import Seconds, SensitiveCompute, sensitive_network
 from meshlearn.plan.mask import MaskCostCodec
 from meshlearn.plan.mirror import MirrorSimDriver, mirrors
 from meshlearn.train.assemble import build_network, pipeline_in_flight
@@ -173,6 +178,7 @@ class Window:
     pp_link_share: float  # the busiest PP link's serialization time / sim_s
     dp_link_share: float  # the busiest DP link's
     idle_fraction: float  # idle share of all workers' time
+    path: dict[str, float] | None = None  # the critical path's share per resource (plan.critical)
 
     @property
     def tokens_per_s(self) -> float:
@@ -184,18 +190,20 @@ class CostRun:
     replicas are mirror images, see ``plan.mirror``)."""
 
     def __init__(self, cfg: RunConfig, steps: int, drain_at: int | None = None,
-                 mask_keep: float | None = None, mirror: bool = True):
+                 mask_keep: float | None = None, mirror: bool = True, critical_path: bool = False):
         if cfg.sim.compute != "device":
             raise ValueError("sim.compute = 'measured' times real compute; the planner needs the "
                              "device model (sim.compute = device)")
         self.cfg = cfg
         self.mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
         network = build_network(cfg)
+        compute = ComputeModel(cfg.sim, cfg.model)
+        if critical_path:
+            network, compute = sensitive_network(network), SensitiveCompute(cfg.sim, cfg.model)
         self.mirrored = mirror and mirrors(cfg)
         self.workers = build_cost_workers(cfg, network, mask_keep, row=self.mirrored)
         driver = MirrorSimDriver if self.mirrored else CostSimDriver
-        self.driver = driver(self.mesh, self.workers, network, ComputeModel(cfg.sim, cfg.model),
-                             cfg.train.grad_clip)
+        self.driver = driver(self.mesh, self.workers, network, compute, cfg.train.grad_clip)
         self.source = CostSource(cfg, steps, drain_at, row=self.mirrored)
         self.done = 0
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
@@ -219,17 +227,18 @@ class CostRun:
         shares = {"pp": 0.0, "dp": 0.0}
         for key, axis in b.link_axis.items():
             shares[axis] = max(shares[axis], (b.link_busy_s[key] - a.link_busy_s.get(key, 0.0)) / seconds)
-        return Window(b.steps - a.steps, (b.steps - a.steps) * self.tokens_per_step, seconds,
+        return Window(b.steps - a.steps, (b.steps - a.steps) * self.tokens_per_step, float(seconds),
                       b.bytes_pp - a.bytes_pp, b.bytes_dp - a.bytes_dp,
-                      max(busy.values()) / seconds, shares["pp"], shares["dp"],
-                      1.0 - sum(busy.values()) / (len(busy) * seconds))
+                      float(max(busy.values()) / seconds), float(shares["pp"]), float(shares["dp"]),
+                      float(1.0 - sum(busy.values()) / (len(busy) * seconds)),
+                      seconds.shares() if isinstance(seconds, Seconds) else None)
 
 
 def simulate(cfg: RunConfig, steps: int, mask_keep: float | None = None,
-             mirror: bool = True) -> tuple[CostRun, Window]:
+             mirror: bool = True, critical_path: bool = False) -> tuple[CostRun, Window]:
     """A whole run of ``steps`` steps of ``cfg`` with its drain points, in cost-only mode."""
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
-    run = CostRun(cfg, steps, mask_keep=mask_keep, mirror=mirror)
+    run = CostRun(cfg, steps, mask_keep=mask_keep, mirror=mirror, critical_path=critical_path)
     start = run.counters()
     return run, run.window(start, run.run(steps))
 

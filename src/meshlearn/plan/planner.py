@@ -6,8 +6,10 @@ DP strategies), run just long enough to show the steady state (``plan.steady``).
 
 - ``tokens_per_s``: the configuration as given, over its whole run (drain points included);
 - ``methods``: one row per method combination, in steady state, with what binds it (measured:
-  tokens/s × when each resource doubles);
-- ``sweep``: steady-state tokens/s of each combination with every link at each bandwidth.
+  the steady state's critical path split by resource, ``plan.critical``; or, with
+  ``binds = "doubling"``, tokens/s × when each resource doubles, four more simulations a row);
+- ``sweep``: steady-state tokens/s of each combination with every link at each bandwidth (none
+  asked: no sweep simulated).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from meshlearn.config import RunConfig
 from meshlearn.mesh.compute import DEVICE_MEMORY_GB, DEVICES
 from meshlearn.plan.methods import given_label, methods, replace, subspace_rank
 from meshlearn.plan.parallel import run_all
-from meshlearn.plan.steady import Prediction, doublings, with_gains
+from meshlearn.plan.steady import Prediction, doublings, with_gains, with_path
 
 SWEEP_MBIT = (25.0, 100.0, 400.0, 1600.0)
 MASK_KEEP = (0.05,)
+BINDS = ("path", "doubling")
 
 
 def with_bandwidth(cfg: RunConfig, mbit: float) -> RunConfig:
@@ -42,6 +45,7 @@ def row(label: str, cfg: RunConfig, p: Prediction) -> dict:
                       "worker": p.memory_worker},
         "fits": memory.total <= DEVICE_MEMORY_GB[cfg.sim.device] * 1e9,
         "idle_fraction": window.idle_fraction, "binds": p.binds,
+        "critical_path": dict(window.path or {}),
         "gain_if_doubled": dict(p.gains),
         "busy_share": {"compute": window.compute_share, "pp_link": window.pp_link_share,
                        "dp_link": window.dp_link_share},
@@ -72,9 +76,13 @@ def describe(cfg: RunConfig) -> dict:
 
 
 def plan(cfg: RunConfig, rank: int = 0, keeps: tuple[float, ...] = MASK_KEEP,
-         sweep: tuple[float, ...] = SWEEP_MBIT, processes: int = 1) -> dict:
+         sweep: tuple[float, ...] = SWEEP_MBIT, processes: int = 1, binds: str = "path") -> dict:
     """The planner's whole answer as a JSON-able object; its simulations run on ``processes``
-    processes (``plan.parallel``: the same numbers whatever the count)."""
+    processes (``plan.parallel``: the same numbers whatever the count). ``binds``: ``path``
+    (each row's critical path, from its own simulation) or ``doubling`` (each resource doubled
+    in a simulation of its own: the reference, four more simulations per row)."""
+    if binds not in BINDS:
+        raise ValueError(f"binds = {binds!r}: allowed {list(BINDS)}")
     started = time.perf_counter()
     notes = ["mask rows: the planner's stand-in for the mask codec (plan.mask: round(keep·d) "
              "values per token in codec.wire_dtype, no indices); the anchor circuit is not modelled"]
@@ -84,18 +92,25 @@ def plan(cfg: RunConfig, rank: int = 0, keeps: tuple[float, ...] = MASK_KEEP,
             notes.append(f"{key}: not modelled by the planner (its time is not in these numbers)")
     variants, skipped = methods(cfg, subspace_rank(cfg, rank), keeps)
     notes += [f"skipped {s}" for s in skipped]
-    jobs = [("predict", cfg, None)] + [("steady", c, None) for c in doublings(cfg).values()]
+    path = binds == "path"  # the rows' simulations split their critical path; no doublings
+    jobs = [("predict", cfg, None, path)]
+    rows_run = {(v.cfg, v.mask_keep) for v in variants}
     for v in variants:
-        jobs += [("steady", c, v.mask_keep) for c in (v.cfg, *doublings(v.cfg).values())]
-        jobs += [("steady", with_bandwidth(v.cfg, mbit), v.mask_keep) for mbit in sweep]
+        jobs.append(("steady", v.cfg, v.mask_keep, path))
+        jobs += [("steady", c, v.mask_keep, False) for c in ([] if path else doublings(v.cfg).values())]
+        jobs += [("steady", c, v.mask_keep, False) for c in (with_bandwidth(v.cfg, mbit) for mbit in sweep)
+                 if not (path and (c, v.mask_keep) in rows_run)]  # a sweep point that is a row: its run
+    jobs += [("steady", c, None, False) for c in ([] if path else doublings(cfg).values())]
     done = run_all(jobs, processes)
 
     def lookup(c: RunConfig, keep: float | None) -> Prediction:
-        return done[("steady", c, keep)]
+        return done.get(("steady", c, keep, path)) or done[("steady", c, keep, False)]
 
-    given = with_gains(cfg, done[("predict", cfg, None)], lookup=lookup)
-    rows = [row(v.label, v.cfg, with_gains(v.cfg, lookup(v.cfg, v.mask_keep), v.mask_keep, lookup))
-            for v in variants]
+    def bound(c: RunConfig, p: Prediction, keep: float | None) -> Prediction:
+        return with_path(c, p) if path else with_gains(c, p, keep, lookup)
+
+    given = bound(cfg, done[("predict", cfg, None, path)], None)
+    rows = [row(v.label, v.cfg, bound(v.cfg, lookup(v.cfg, v.mask_keep), v.mask_keep)) for v in variants]
     curves = {v.label: [lookup(with_bandwidth(v.cfg, mbit), v.mask_keep).tokens_per_s for mbit in sweep]
               for v in variants}
     given_row = row(given_label(cfg), cfg, given)
@@ -107,7 +122,7 @@ def plan(cfg: RunConfig, rank: int = 0, keeps: tuple[float, ...] = MASK_KEEP,
             "methods": rows,
             "sweep": {"bandwidth_mbit": list(sweep), "tokens_per_s": curves,
                       "pp": {v.label: v.pp for v in variants}},
-            "notes": notes, "planner_s": time.perf_counter() - started,
+            "notes": notes, "planner_s": time.perf_counter() - started, "binds_from": binds,
             "simulations": len(set(jobs)), "processes": processes}
 
 

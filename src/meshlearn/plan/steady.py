@@ -10,11 +10,15 @@ shorter segments are simulated whole. A flushing schedule (GPipe, 1F1B) drains a
 so a drain point changes nothing: the run is ``overhead + steps · period``, the overhead being
 its first step's. A run that fits in one measuring segment is simulated whole.
 
-Which resource binds is measured, not guessed (``with_gains``): the steady state is simulated
-again with each resource twice as good (FLOP rate, PP bandwidth, DP bandwidth, half the
-latency); the one whose doubling gains most binds (``none`` if no doubling gains 5%). A link
-that is handed more bytes than it can send in the window (busy share > 1) has no steady state:
-its queue grows for as long as the run lasts, and the row says so.
+Which resource binds is measured, not guessed, in one of two ways. ``with_path`` (the
+planner's): the steady state's own critical path, split by resource (``plan.critical``: the
+simulation's seconds carry what they are made of); the resource with the largest share binds,
+``none`` if even halving that share's time would gain under 5% (share < 2 · (1 − 1/1.05)).
+``with_gains`` (the reference it is checked against): the steady state simulated again with
+each resource twice as good (FLOP rate, PP bandwidth, DP bandwidth, half the latency); the one
+whose doubling gains most binds (``none`` if no doubling gains 5%). A link that is handed more
+bytes than it can send in the window (busy share > 1) has no steady state: its queue grows for
+as long as the run lasts, and the row says so.
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ FAR = 10**9  # a drain point no measurement reaches
 
 @dataclass(frozen=True)
 class Horizon:
-    """Steps of one measuring segment: fill, the measured window, the drain."""
+    """Steps of one measuring segment: fill, the measured window, the drain; ``period``: steps
+    of one DP period (a steady state repeats in whole ones)."""
 
     warm: int
     window: int
     tail: int
+    period: int = 1
 
     @property
     def steps(self) -> int:
@@ -69,7 +75,7 @@ def horizon(cfg: RunConfig) -> Horizon:
     else:
         ahead = feed_lookahead(max(pipeline_in_flight(cfg)), mesh.microbatches)
         warm, tail, least = ahead + lag_steps + 1, ahead, 2
-    return Horizon(warm, period_steps * math.ceil(least / period_steps), tail)
+    return Horizon(warm, period_steps * math.ceil(least / period_steps), tail, period_steps)
 
 
 def segment_lengths(cfg: RunConfig) -> Counter:
@@ -105,14 +111,15 @@ def _facts(cfg: RunConfig, run: CostRun) -> dict:
             "in_flight_peak": max(w.in_flight_peak for w in run.workers.values())}
 
 
-def period(durations: list[float], unit: int) -> int | None:
-    """The shortest p (a multiple of ``unit``) with which the last 2p steps' virtual durations
-    repeat (to 1e-9: differences of a clock that only grows). None: no such p yet. Bytes are
-    not compared: a message sent near a step's end is counted in either step."""
+def period(durations: list[float], unit: int, least: int = 0) -> int | None:
+    """The shortest p (a multiple of ``unit``) with which the last max(2p, ``least``) steps'
+    virtual durations repeat (to 1e-9: differences of a clock that only grows). None: no such p
+    yet. Bytes are not compared: a message sent near a step's end is counted in either step."""
     n = len(durations)
     for p in range(unit, n // 2 + 1, unit):
-        if all(math.isclose(durations[-k], durations[-k - p], rel_tol=1e-9, abs_tol=1e-12)
-               for k in range(1, p + 1)):
+        seen = max(2 * p, least)
+        if seen <= n and all(math.isclose(durations[-k], durations[-k - p], rel_tol=1e-9, abs_tol=1e-12)
+                             for k in range(1, seen - p + 1)):
             return p
     return None
 
@@ -121,42 +128,50 @@ def measure(run: CostRun, h: Horizon) -> Window:
     """The steady state: after the fill, step until the steps repeat (``period``) and measure one
     whole period. The horizon's window alone is not enough: a pipeline deeper than a step's
     microbatches (P > M) finishes its steps in a pattern that repeats every few steps (32 stages
-    of 8 microbatches: every 4), and a window of one pattern's first steps is not its mean. Past
+    of 8 microbatches: every 4), and a window of one pattern's first steps is not its mean. The
+    period is a whole number of DP periods, seen twice and over at least two horizon windows
+    (an async pipeline's steps alternate: one repeat of one step is no evidence). Past
     ``MAX_STEPS`` without a repeat, the mean over the latest whole windows."""
     marks = [run.run(h.warm)]
     durations: list[float] = []
     while True:
         marks.append(run.run(1))
         durations.append(marks[-1].sim_s - marks[-2].sim_s)
-        p = period(durations, h.window)
+        p = period(durations, h.period, 2 * h.window)
         if p is None and len(durations) >= MAX_STEPS:
             p = len(durations) // 2 // h.window * h.window
-        if p is not None:
-            return run.window(marks[-1 - p], marks[-1])
+        if p is not None:  # whole periods, at least the horizon's window (the fill is the rest)
+            span = p * math.ceil(h.window / p)
+            return run.window(marks[-1 - span], marks[-1])
 
 
 @functools.lru_cache(maxsize=512)
-def steady(cfg: RunConfig, mask_keep: float | None = None, mirror: bool = True) -> Prediction:
+def steady(cfg: RunConfig, mask_keep: float | None = None, mirror: bool = True,
+           critical_path: bool = False) -> Prediction:
     """The steady state between drain points (a method row, a point of the sweep, a doubled
     resource); remembered per configuration, as rows, sweeps and doublings often coincide.
-    ``mirror``: one replica row when the replicas are mirror images (``plan.mirror``)."""
+    ``mirror``: one replica row when the replicas are mirror images (``plan.mirror``);
+    ``critical_path``: the window also splits its critical path by resource (``plan.critical``)."""
     h = horizon(cfg)
-    run = CostRun(cfg, FAR, drain_at=FAR, mask_keep=mask_keep, mirror=mirror)  # the drain comes later
+    run = CostRun(cfg, FAR, drain_at=FAR, mask_keep=mask_keep, mirror=mirror,  # the drain comes later
+                  critical_path=critical_path)
     window = measure(run, h)
     return Prediction(window.tokens_per_s, window.tokens_per_s, window, 0.0, False, run.done,
                       **_facts(cfg, run))
 
 
-def predict(cfg: RunConfig, mask_keep: float | None = None, mirror: bool = True) -> Prediction:
+def predict(cfg: RunConfig, mask_keep: float | None = None, mirror: bool = True,
+            critical_path: bool = False) -> Prediction:
     """Tokens/s of ``cfg``'s whole run, and its steady state, from the shortest simulation that
     shows them: one segment of the fill, the steps ``measure`` needed to see the steady
-    state, and the drain; its time beyond the steady steps is the overhead of every segment."""
+    state, and the drain; its time beyond the steady steps is the overhead of every segment.
+    ``critical_path``: the steady window splits its critical path by resource."""
     h, steps = horizon(cfg), cfg.train.steps
     if steps <= h.steps:
-        run, window = simulate(cfg, steps, mask_keep, mirror)
+        run, window = simulate(cfg, steps, mask_keep, mirror, critical_path)
         return Prediction(window.tokens_per_s, window.tokens_per_s, window, 0.0, True, steps,
                           **_facts(cfg, run))
-    run = CostRun(cfg, FAR, drain_at=FAR, mask_keep=mask_keep, mirror=mirror)
+    run = CostRun(cfg, FAR, drain_at=FAR, mask_keep=mask_keep, mirror=mirror, critical_path=critical_path)
     window = measure(run, h)
     measured, segment = run.done, run.done + h.tail
     if steps <= segment:  # shorter than the segment that shows the steady state
@@ -172,7 +187,7 @@ def predict(cfg: RunConfig, mask_keep: float | None = None, mirror: bool = True)
         run = CostRun(cfg, segment, drain_at=segment, mask_keep=mask_keep, mirror=mirror)
         run.run(measured)
         simulated += measured
-    overhead = run.run(h.tail).sim_s - segment * period_s
+    overhead = float(run.run(h.tail).sim_s - segment * period_s)
     fill = measured - window.steps + h.tail  # steps outside the steady state in a segment
     if cfg.mesh.schedule != "async":  # every step drains: a drain point adds nothing
         total_s = overhead + steps * period_s
@@ -223,12 +238,31 @@ def with_gains(cfg: RunConfig, p: Prediction, mask_keep: float | None = None,
              for resource, c in doublings(cfg).items()}
     best = max(gains, key=gains.get)
     binds = best if gains[best] >= 1.05 else "none"
-    w = p.window
+    return dataclasses.replace(p, gains=gains, binds=_oversubscribed(p.window, binds))
+
+
+PATH_BINDS = 2 * (1 - 1 / 1.05)  # the least share whose halving can gain 5% (``with_path``)
+
+
+def with_path(cfg: RunConfig, p: Prediction) -> Prediction:
+    """``p`` with the resource that binds it read off its steady state's critical path
+    (``p.window.path``, from a ``critical_path`` simulation): the one of ``RESOURCES`` with the
+    largest share (DP only when D > 1), ``none`` if its share is under ``PATH_BINDS``."""
+    path = p.window.path
+    if path is None:
+        raise ValueError("with_path needs a prediction simulated with critical_path=True")
+    candidates = [r for r in RESOURCES if r != "DP link" or cfg.mesh.replicas > 1]
+    best = max(candidates, key=path.get)
+    binds = best if path[best] >= PATH_BINDS else "none"
+    return dataclasses.replace(p, binds=_oversubscribed(p.window, binds))
+
+
+def _oversubscribed(w: Window, binds: str) -> str:
     for link, share in (("PP link", w.pp_link_share), ("DP link", w.dp_link_share)):
         if share > 1.0:  # handed bytes faster than it sends them: its queue only grows
             binds = f"{link} oversubscribed ×{share:.1f}"
-    return dataclasses.replace(p, gains=gains, binds=binds)
+    return binds
 
 
-__all__ = ["Horizon", "Prediction", "doublings", "horizon", "measure", "period", "predict", "segment_lengths",
-           "steady", "with_gains"]
+__all__ = ["PATH_BINDS", "Horizon", "Prediction", "doublings", "horizon", "measure", "period", "predict",
+           "segment_lengths", "steady", "with_gains", "with_path"]

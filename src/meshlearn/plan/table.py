@@ -16,9 +16,18 @@ def _memory(m: dict) -> str:
     return f"{m['total'] * 1e3:.0f} MB (" + "+".join(f"{x * 1e3:.0f}" for x in parts) + ")"
 
 
+SHORT = {"compute": "comp", "PP link": "PP", "DP link": "DP", "latency": "lat", "update": "upd",
+         "other": "other"}
+
+
 def _binds(r: dict) -> str:
-    short = {"compute": "comp", "PP link": "PP", "DP link": "DP", "latency": "lat"}
-    return f"{r['binds']} (" + " ".join(f"{short[k]} {v:.2f}" for k, v in r["gain_if_doubled"].items()) + ")"
+    """The binding resource with the numbers it was read from: each resource's share of the
+    critical path (the parts under 0.005 left out), or tokens/s × when each doubles."""
+    if r["gain_if_doubled"]:
+        parts = [f"{SHORT[k]} {v:.2f}" for k, v in r["gain_if_doubled"].items()]
+    else:
+        parts = [f"{SHORT[k]} {v:.2f}" for k, v in r["critical_path"].items() if abs(v) >= 0.005]
+    return f"{r['binds']} (" + " ".join(parts) + ")"
 
 
 def header(result: dict) -> str:
@@ -36,8 +45,9 @@ def header(result: dict) -> str:
 
 
 def format_table(result: dict) -> str:
+    doubling = result["binds_from"] == "doubling"
     cols = ["method", "tokens/s", "B/tok PP", "B/tok DP", "memory/worker (w+g+opt+act+stash)", "fits",
-            "idle", "binds (tokens/s × if doubled)"]
+            "idle", "binds (tokens/s × if doubled)" if doubling else "binds (share of the critical path)"]
     lines = []
     for r in [result["given"], *result["methods"]]:
         lines.append([r["method"], f"{r['tokens_per_s']:,.0f}", _bytes(r["bytes_per_token_pp"]),
@@ -50,10 +60,14 @@ def format_table(result: dict) -> str:
     legend = (f"\nas given: {given['tokens_per_s']:,.0f} tokens/s over train.steps = "
               f"{result['config']['train_steps']} (drain points included; steady state "
               f"{given['steady_tokens_per_s']:,.0f}); method rows: steady state.\n"
-              "idle: share of all workers' time. binds: the resource whose doubling "
-              "(FLOP rate, PP or DP bandwidth, half the latency) raises tokens/s most (none: no "
-              "doubling gains 5%); oversubscribed: a link handed more bytes than it can send, "
-              "whose queue grows for as long as the run lasts (no steady state).")
+              "idle: share of all workers' time. " + (
+                  "binds: the resource whose doubling (FLOP rate, PP or DP bandwidth, half the "
+                  "latency) raises tokens/s most (none: no doubling gains 5%); " if doubling else
+                  "binds: the resource with the largest share of the steady state's critical "
+                  "path (compute, PP or DP bandwidth, latency; upd: optimizer steps); doubling "
+                  "it gains at most 1/(1 − share/2) (none: under 5%); ")
+              + "oversubscribed: a link handed more bytes than it can send, whose queue grows "
+              "for as long as the run lasts (no steady state).")
     notes = "\n".join(f"note: {n}" for n in result["notes"])
     processes = f"{result['processes']} process{'es' if result['processes'] > 1 else ''}"
     timing = f"\nplanner: {result['planner_s']:.1f} s ({result['simulations']} simulations on {processes})"
