@@ -18,7 +18,9 @@ are the same code):
   every worker's weights and optimizer state as they were (``Worker.discard_update``), and its
   global batch is trained again by the next step (``batch_index`` counts committed steps);
 - pipeline links are pair groups of the row's own (``RowLinks``), built at the first step the row
-  trains; a worker whose pipeline partner is gone leaves the run (exit code 4); the others go on.
+  trains; a worker whose pipeline partner is gone leaves the run (exit code 4); the others go on;
+- with SENTINEL the links lead to the verifier process, and a ban is an eviction: the banned
+  worker's row leaves before the next step (``Evictions``, elastic/evictions.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from meshlearn.distributed.shaping import allreduce_release_at, hold_until
 from meshlearn.distributed.transport import Transport
 from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.checkpoints import ElasticCheckpoints
+from meshlearn.elastic.evictions import Evictions
 from meshlearn.elastic.links import RowLinks
 from meshlearn.elastic.quorum import CommitVote, QuorumStep, StageQuorum
 from meshlearn.elastic.records import ElasticRecords
@@ -47,7 +50,7 @@ from meshlearn.mesh.worker import StepStats
 from meshlearn.models.llama import Decoder
 
 
-class ElasticDriver(DistDriver):
+class ElasticDriver(Evictions, DistDriver):
     """This process's worker; its quorum, vote, row agreement and links are built by
     ``elastic.worker``. ``generation``: how many processes held this slot before this one."""
 
@@ -80,6 +83,7 @@ class ElasticDriver(DistDriver):
         self.contributed_at: int | None = None  # the first step this process's row trained
         self.checkpoint_membership = ElasticCheckpoints(progress, self.mesh, self.me, lambda: self.rows,
                                                         self.deadlines.collective_s)
+        self.setup_verification(cfg)
 
     # --- joining: what a live peer hands a new replica of its stage (torchft's healing) ---------
 
@@ -110,6 +114,7 @@ class ElasticDriver(DistDriver):
     # --- one step: the quorum, the rows that train it, then train or spectate ------------------
 
     def run_step(self, step: int, source) -> list[StepReport]:
+        self.check_eviction()  # banned at the end of the last step: its row leaves before this one
         self.next_step = step
         first = self.current is None
         if self.formed:  # a joiner's first step: its quorum is the one it healed in
@@ -140,7 +145,9 @@ class ElasticDriver(DistDriver):
         self.transport.close()
         self.transport = Transport(self.me, self.mesh, groups, pacers, self.device, self.health,
                                    self.deadlines.message_s)
-        self.health.watch({self.mesh.rank(WorkerId(self.me.replica, s)) for s in range(self.mesh.stages)})
+        row = {self.mesh.rank(WorkerId(self.me.replica, s)) for s in range(self.mesh.stages)}
+        verifier = {self.mesh.world_size} if self.verdicts is not None else set()  # its rank, after ours
+        self.health.watch(row | verifier)
         check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")  # the links' sockets too
         self.linked = True
         self.contributed_at = step
@@ -241,7 +248,7 @@ class ElasticDriver(DistDriver):
         step); the last stage has the loss, the others return None. A row that has not trained
         yet has no links: it skips evaluation (the step's records' claimant logs its own value)."""
         worker = self.worker
-        if not self.linked:
+        if not self.linked or self.leaving is not None:  # (evicted: its row leaves, sends nothing)
             return None
         if self.prev:
             self.transport.expect(self.prev, len(batches), self.eval_capacity)
