@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -23,11 +21,12 @@ from dist_helpers import deadline, kill_leftovers, launch, records  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
 from meshlearn.distributed.launch import WORKERS_FILE  # noqa: E402
+from meshlearn.distributed.worker import main  # noqa: E402
 from meshlearn.elastic.membership import GENERATION_ENV, LIGHTHOUSES_ENV, RUN_FILE  # noqa: E402
 
 VERIFIED = ["backend=dist", "model.n_layer=3", "mesh.stages=3", "mesh.replicas=3", "train.batch_size=12",
-            "train.steps=8", "train.eval_every=4", "elastic.enabled=true", "dist.timeout_s=10",
-            "dist.dead_after_s=5", "verify.name=sentinel", "verify.warmup_steps=3", "verify.window=16"]
+            "train.steps=8", "train.eval_every=4", "elastic.enabled=true", "dist.timeout_s=5",
+            "dist.dead_after_s=2", "verify.name=sentinel", "verify.warmup_steps=3", "verify.window=16"]
 ATTACK = ["attack.kind=zeros", "attack.workers=r1s1", "attack.start_step=4"]
 
 
@@ -40,18 +39,21 @@ def _banned(run: Path) -> dict | None:
     return next((e for e in _members(run).get("r1s1", {}).get("events", []) if e["event"] == "banned"), None)
 
 
-def _start_again(run: Path, rank: int, generation: int, *argv: str) -> subprocess.CompletedProcess:
-    """A worker process under a given identity (the launcher's environment for it)."""
+def _start_again(run: Path, monkeypatch, capsys, *argv: str) -> tuple[int, str]:
+    """``meshlearn worker ARGV`` in this process under r1s1's first identity (rank 4, generation 0,
+    the launcher's environment for it): its exit code and what it wrote to stderr."""
     host, port = json.loads((run / RUN_FILE).read_text())["store"].rsplit(":", 1)
-    env = os.environ | {"RANK": str(rank), "WORLD_SIZE": "10", "MASTER_ADDR": host, "MASTER_PORT": port,
-                        GENERATION_ENV: str(generation), LIGHTHOUSES_ENV: "unused",
-                        "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
-    return subprocess.run([sys.executable, "-m", "meshlearn.distributed.worker", *argv], env=env,
-                          capture_output=True, text=True, timeout=60)
+    for key, value in {"RANK": "4", "WORLD_SIZE": "10", "MASTER_ADDR": host, "MASTER_PORT": port,
+                       GENERATION_ENV: "0", LIGHTHOUSES_ENV: "unused"}.items():
+        monkeypatch.setenv(key, value)
+    capsys.readouterr()
+    code = main(list(argv))
+    return code, capsys.readouterr().err
 
 
-def test_an_attacker_is_banned_evicted_and_cannot_rejoin_while_the_others_train_on(tiny_corpus, tmp_path):
-    cfg = tiny_config(tiny_corpus, *VERIFIED, *ATTACK, "train.steps=12")
+def test_an_attacker_is_banned_evicted_and_cannot_rejoin_while_the_others_train_on(tiny_corpus, tmp_path,
+                                                                                   monkeypatch, capsys):
+    cfg = tiny_config(tiny_corpus, *VERIFIED, *ATTACK)
     run = tmp_path / "run"
     result: dict = {}
     try:
@@ -63,34 +65,35 @@ def test_an_attacker_is_banned_evicted_and_cannot_rejoin_while_the_others_train_
                 assert time.monotonic() < end, "no ban in workers.json"
                 time.sleep(0.05)
             # While the run goes on: the banned identity (r1s1, generation 0) comes back, and a joiner.
-            again = _start_again(run, 4, 0, "--config", str(run / "config.toml"), "--out", str(run))
-            join = _start_again(run, 4, 0, "--join", json.loads((run / RUN_FILE).read_text())["store"],
-                                "--out", str(run))
+            # While the run goes on (its store answers): the banned identity starts again, and a joiner.
+            again, refused = _start_again(run, monkeypatch, capsys, "--config", str(run / "config.toml"),
+                                          "--out", str(run))
+            join, joined = _start_again(run, monkeypatch, capsys, "--join",
+                                        json.loads((run / RUN_FILE).read_text())["store"], "--out", str(run))
             thread.join()
     finally:
         kill_leftovers(run)
     assert result["code"] == 0
-    refused = again.stderr.strip().splitlines()
-    assert again.returncode == 2 and len(refused) == 1, again.stderr
+    refused = refused.strip().splitlines()
+    assert again == 2 and len(refused) == 1, refused
     assert refused[0].startswith("meshlearn worker: error: MESHLEARN_GENERATION = 0: the identity r1s1.0 "
                                  "(slot r1s1, generation 0) was banned by SENTINEL at step "), refused
     assert "it cannot rejoin" in refused[0]
-    assert join.returncode == 2 and join.stderr.strip().splitlines()[-1].startswith(
-        "meshlearn worker: error: --join = "), join.stderr
-    assert "takes no joiners yet" in join.stderr
+    assert join == 2 and joined.strip().splitlines() == [joined.strip()], joined
+    assert joined.startswith("meshlearn worker: error: --join = ") and "takes no joiners yet" in joined
     summary = json.loads((run / "summary.json").read_text())
     bans = summary["banned_workers"]
     assert [(b["worker"], b["honest"], b["evicted"], b["replaced_from"]) for b in bans] == [
         ("r1s1", False, True, None)]
     ban_step = bans[0]["step"]  # 1-based; the attack starts at step 5 (attack.start_step = 4)
-    assert 5 <= ban_step < 12
+    assert 5 <= ban_step < 8
     assert summary["trust"]["workers"]["fp"] == 0  # no honest worker banned
     rows = records(run)
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows] == list(range(1, 9))
     assert all(r["rows"] == [0, 1, 2] for r in rows[:ban_step])
     assert all(r["rows"] == [0, 2] and r["participants"] == 2 for r in rows[ban_step:])  # evicted next step
     assert all(r["committed"] and math.isfinite(r["train_loss"]) for r in rows)
-    assert [r["batch"] for r in rows] == list(range(12))
+    assert [r["batch"] for r in rows] == list(range(8))
     assert all(math.isfinite(r["val_loss"]) for r in records(run, "eval"))
     members = _members(run)
     events = members["r1s1"]["events"]
@@ -102,7 +105,7 @@ def test_an_attacker_is_banned_evicted_and_cannot_rejoin_while_the_others_train_
         assert members[partner]["events"][-1] == {"event": "left", "step": ban_step,
                                                   "why": "left: its pipeline row broke"}
     for name in ("r0s0", "r0s1", "r0s2", "r2s0", "r2s1", "r2s2"):
-        assert members[name]["events"][-1] == {"event": "finished", "step": 12, "why": "finished"}
+        assert members[name]["events"][-1] == {"event": "finished", "step": 8, "why": "finished"}
     assert members["verifier"]["events"][-1] == {"event": "finished", "why": "finished"}
 
 
