@@ -96,7 +96,7 @@ class RelayMembership:
 
 class Evictions:
     """The ElasticDriver's side of SENTINEL (a mixin): the verdicts, and bans carried out as
-    evictions. Needs ``me``, ``mesh``, ``health``, ``deadlines`` and ``verdicts``."""
+    evictions. Needs the driver's ``me``, ``health``, ``deadlines``, ``quorum`` and ``records``."""
 
     def setup_verification(self, cfg) -> None:
         self.evicted: dict[WorkerId, int] = {}  # banned worker → the step (0-based) of its ban
@@ -120,6 +120,9 @@ class Evictions:
 
     def check_eviction(self) -> None:
         if self.leaving is not None:
+            # Records it holds but has not claimed stay the live last stages' (a claim by a leaving
+            # process would take an evaluation record's step from the one that evaluated).
+            self.records.pending.clear()
             self.quorum.shutdown()
             self.health.finish()  # on purpose: nobody is to take its silence for a failure
             raise self.leaving
