@@ -111,8 +111,12 @@ def test_an_attacker_is_banned_evicted_and_cannot_rejoin_while_the_others_train_
 
 def test_a_clean_verified_elastic_run_evicts_nobody(tiny_corpus, tmp_path):
     """The negative control: the same mesh without the attacker (wide fences: the tiny model's
-    fast first steps flag a few honest messages at the default k = 3)."""
-    cfg = tiny_config(tiny_corpus, *VERIFIED, "verify.fence_k=8", "verify.fence_k_max=16")
+    fast first steps flag a few honest messages at the default k = 3). Wider and longer
+    sequences than the tiny model's: a validation batch (12 × 64 × 64) no longer fits the
+    verifier's training-sized receive buffers with their header room, so evaluation must take the
+    oversize path through the relay."""
+    cfg = tiny_config(tiny_corpus, *VERIFIED, "verify.fence_k=8", "verify.fence_k_max=16",
+                      "model.d_model=64", "model.seq_len=64")
     run = tmp_path / "run"
     try:
         with deadline(120, "the clean verified elastic run"):
@@ -124,6 +128,8 @@ def test_a_clean_verified_elastic_run_evicts_nobody(tiny_corpus, tmp_path):
     assert summary["trust"]["verifier_cost"]["messages"] == 8 * 24  # every message relayed
     rows = records(run)
     assert all(r["rows"] == [0, 1, 2] and r["committed"] for r in rows)
+    assert [r["step"] for r in records(run, "eval")] == [4, 8]
+    assert all(math.isfinite(r["val_loss"]) for r in records(run, "eval"))
     members = _members(run)
     assert all(m["events"][-1]["event"] == "finished" for m in members.values())
     assert not any(e["event"] == "banned" for m in members.values() for e in m["events"])

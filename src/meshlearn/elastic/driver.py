@@ -268,9 +268,11 @@ class ElasticDriver(Evictions, DistDriver):
                 losses.append(Decoder.loss(out, y.to(self.device)).item())
             else:
                 ctx = MessageContext.evaluation(self.me.stage, self.device)
+                # The verifier posts training-sized buffers: a batch goes by the oversize path.
+                capacity = self.capacity if self.verdicts is not None else self.eval_capacity
                 self.transport.send(Message("act", -1, i, self.me, self.next,
                                             worker.codec.encode(out, "act", ids, ctx)),
-                                    self.eval_capacity, shaped=False)
+                                    capacity, shaped=False)
         return sum(losses) / len(losses) if worker.is_last else None
 
     def eval_fields(self) -> dict:
