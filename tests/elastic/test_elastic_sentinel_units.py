@@ -27,6 +27,7 @@ from meshlearn.elastic.links import hops
 from meshlearn.elastic.membership import banned_key
 from meshlearn.elastic.rows import RowAgreement
 from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.report.progress import format_event
 from meshlearn.verify.boundary import BoundaryVerifier
 from meshlearn.verify.ledger import Ban
 from meshlearn.verify.settings import VerifyConfig
@@ -99,6 +100,7 @@ def test_a_ban_makes_the_banned_worker_and_its_row_leave_and_the_others_stop_wai
     trust.driver = other
     entry = trust._carry_out(BAN)
     assert entry["evicted"] and entry["replaced_from"] is None and not entry["honest"]
+    assert format_event(entry).endswith("banned r1s1 (norm on act, 3 strikes); evicted: its row leaves")
 
 
 def test_the_fixed_drivers_truth_exchange_skips_attackers_evicted_before_the_step():
