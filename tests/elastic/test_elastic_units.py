@@ -44,6 +44,13 @@ def test_bad_elastic_config_names_the_field(tiny_corpus, override, field):
     assert str(err.value).startswith(f"{field} = ")
 
 
+def test_sentinel_under_elastic_takes_all_reduce_only(tiny_corpus):
+    with pytest.raises(ConfigError) as err:
+        tiny_config(tiny_corpus, *ELASTIC, "verify.name=sentinel", "dp.name=diloco")
+    assert str(err.value).startswith("dp.name = 'diloco': ") and "verify.name = 'sentinel'" in str(err.value)
+    tiny_config(tiny_corpus, *ELASTIC, "dp.name=diloco")  # each alone is allowed
+
+
 def test_the_batch_must_split_over_any_number_of_rows(tiny_corpus):
     """3 replicas × 2 microbatches: 6 sequences split over 3 rows or 1, not over 2 (2 rows × 2)."""
     with pytest.raises(ConfigError) as err:

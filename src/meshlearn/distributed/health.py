@@ -28,6 +28,7 @@ from meshlearn.mesh.topology import MeshShape
 ABORT_KEY = "abort"
 EXIT_PEER_FAILURE = 3
 EXIT_LEFT = 4  # elastic: this worker left the run (its pipeline partner is gone); the others go on
+EXIT_EVICTED = 5  # elastic with SENTINEL: this worker was banned and left its stage's quorum
 
 
 class WorkerFailure(RuntimeError):
@@ -70,6 +71,7 @@ class Health:
         self.exit_code = EXIT_PEER_FAILURE if scope is None else EXIT_LEFT
         self.failure: str | None = None
         self.deferring = False
+        self.ignored: set[int] = set()  # ranks that left for good (evicted): their silence is no failure
         self.on_exit: Callable[[], None] | None = None  # flushes logs before a forced exit
         self._stop = threading.Event()
         self._keys = [f"hb/{r}" for r in range(self.world)]
@@ -187,8 +189,13 @@ class Health:
                                           f"dist.dead_after_s + a round trip)"))
                     return
 
+    def ignore(self, ranks: set[int]) -> None:
+        """These ranks left the run on purpose (an elastic eviction): their heartbeats stop, which
+        concerns nobody, while a failure elsewhere stays the run's abort."""
+        self.ignored |= set(ranks)
+
     def _watched(self, rank: int) -> bool:
-        return self.scope is None or rank in self.scope
+        return rank not in self.ignored and (self.scope is None or rank in self.scope)
 
     def _finished(self, rank: int) -> bool:
         try:

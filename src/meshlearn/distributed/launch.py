@@ -34,6 +34,7 @@ from meshlearn.distributed.groups import anchors, world_size
 from meshlearn.distributed.health import ABORT_KEY, EXIT_PEER_FAILURE, process_name
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.elastic.binding import BoundStore, check_bound
+from meshlearn.elastic.evictions import refuse_resume_when_verified
 from meshlearn.elastic.membership import (
     LIGHTHOUSES_ENV,
     STARTED_ENV,
@@ -73,6 +74,8 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
     the main module, as with any multiprocessing start method but fork.
     """
     out = out or sys.stdout
+    if cfg.elastic.enabled and "--resume" in worker_argv:
+        refuse_resume_when_verified(cfg, run_dir)
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
     world = world_size(cfg, mesh)  # the workers, and the verifier with verify.name = sentinel
     run_dir = Path(run_dir)
@@ -98,7 +101,7 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
                "MESHLEARN_STORE_OWNER": f"the launcher's store at {host}:{store.port}",
                LIGHTHOUSES_ENV: ",".join(address for _, address in lighthouses),
-               STARTED_ENV: str(len(ranks))}
+               STARTED_ENV: str(sum(r < mesh.world_size for r in ranks))}  # workers (not the verifier)
         log = logs / f"{name}.log"
         with log.open("a") as f:
             f.write(f"--- meshlearn worker {name} (rank {rank}) {' '.join(worker_argv)}\n")
@@ -118,9 +121,11 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
     try:
         if cfg.elastic.enabled:
             timeouts = derive_timeouts(cfg.elastic, cfg.dist, cfg.link)
-            return watch_elastic(procs, store, membership, run_dir,
+            workers = [p for p in procs if p.name != "verifier"]
+            return watch_elastic(workers, store, membership, run_dir,
                                  logs / f"{WorkerId(0, mesh.stages - 1)}.log", out,
-                                 grace_s=timeouts.quorum_s + timeouts.heartbeat_s + 10.0, absent=absent)
+                                 grace_s=timeouts.quorum_s + timeouts.heartbeat_s + 10.0, absent=absent,
+                                 verifier=next((p for p in procs if p.name == "verifier"), None))
         codes = _watch(procs, cfg, logs / f"{mesh.worker(0)}.log", out)
     except BaseException as err:  # a second Ctrl-C, or a caller's timeout: never leave workers behind
         _stop(procs, signal.SIGTERM, wait_s=5.0)

@@ -102,16 +102,22 @@ class VerdictBoard:
         self.store.delete_key(key)
         return keys
 
-    def _get(self, key: str, what: str, deadline_s: float | None = None) -> bytes:
+    def wait_for(self, store, key: str, what: str) -> bytes:
+        """A key of another view of the run's store (a prefix store over the board's), as the board
+        waits for its own (elastic: the agreed rows)."""
+        return self._get(key, what, store=store)
+
+    def _get(self, key: str, what: str, deadline_s: float | None = None, store=None) -> bytes:
         deadline_s = self.deadline_s if deadline_s is None else deadline_s
+        store = store or self.store
         end = time.monotonic() + deadline_s
-        while not self.store.check([key]):
+        while not store.check([key]):
             self.health.check()
             if time.monotonic() >= end:
                 raise WorkerFailure(self.health.explain(
                     f"{what} did not come within {deadline_s:.1f} s"))
             time.sleep(POLL_S)
-        return self.store.get(key)
+        return store.get(key)
 
 
 def torch_bytes(state: dict) -> torch.Tensor:

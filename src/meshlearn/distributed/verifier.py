@@ -59,11 +59,12 @@ from meshlearn.config import RunConfig
 from meshlearn.data import validation_batches
 from meshlearn.distributed.driver import buffer_capacities
 from meshlearn.distributed.groups import Link, build_groups
-from meshlearn.distributed.health import EXIT_PEER_FAILURE, WorkerFailure
+from meshlearn.distributed.health import EXIT_PEER_FAILURE, WorkerFailure, store_client
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.transport import Broken, Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch_state
 from meshlearn.distributed.worker import Session, _train_tokenizer_once
+from meshlearn.elastic.evictions import RelayMembership
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.schedule import feed_lookahead
 from meshlearn.mesh.topology import MeshShape, WorkerId
@@ -83,11 +84,15 @@ def evaluates_after(cfg: RunConfig, step: int) -> bool:
 
 class Slots:
     """Which step each arrival on a link belongs to, from the arrival count alone (a header's step
-    is the sender's claim; the guard checks it against this)."""
+    is the sender's claim; the guard checks it against this). ``trains(step, replica)``: elastic
+    runs, whether that row trains the step (the agreed rows); a link's next step is then the next
+    one its row trains — without it, every step."""
 
-    def __init__(self, links: list[Link], microbatches: int):
+    def __init__(self, links: list[Link], microbatches: int, trains=None):
         self.microbatches = microbatches
+        self.trains = trains
         self.trained = {link: 0 for link in links}  # training messages seen per link
+        self.step = {link: -1 for link in links}  # the step of each link's latest training message
         self.evaluation = {link: 0 for link in links}  # validation batches still due per link
 
     def next(self, link: Link) -> int | None:
@@ -95,14 +100,24 @@ class Slots:
         if self.evaluation[link]:
             self.evaluation[link] -= 1
             return None
-        step = self.trained[link] // self.microbatches
+        if self.trained[link] % self.microbatches == 0:  # the link's first message of a step
+            step = self.step[link] + 1
+            while self.trains is not None and not self.trains(step, link[0].replica):
+                step += 1  # a step its row did not train (the rows of each step are fixed before it runs)
+            self.step[link] = step
         self.trained[link] += 1
-        return step
+        return self.step[link]
 
-    def expect_evaluation(self, batches: int) -> None:
-        """After a step that ends in evaluation: replica 0's forward links carry ``batches`` next."""
+    def restart(self, done: int) -> None:
+        """On resume after ``done`` steps, each trained by every link."""
+        self.trained = {link: done * self.microbatches for link in self.trained}
+        self.step = {link: done - 1 for link in self.trained}
+
+    def expect_evaluation(self, batches: int, rows=(0,)) -> None:
+        """After a step that ends in evaluation: the forward links of ``rows`` carry ``batches``
+        next (replica 0's; elastic runs evaluate through every row that trains)."""
         for src, dst in self.trained:
-            if src.replica == 0 and dst.stage == src.stage + 1:
+            if src.replica in rows and dst.stage == src.stage + 1:
                 self.evaluation[(src, dst)] += batches
 
 
@@ -110,7 +125,7 @@ class Relay:
     """The verifier's loop: receive, check, inspect, forward; close each step and post its verdict."""
 
     def __init__(self, cfg: RunConfig, session: Session, links: dict[Link, tuple], eval_batches: int,
-                 board: VerdictBoard | None = None):
+                 board: VerdictBoard | None = None, membership: RelayMembership | None = None):
         self.cfg = cfg
         self.mesh: MeshShape = session.mesh
         self.health = session.health
@@ -128,8 +143,10 @@ class Relay:
                                    deadlines.message_s)
         for link in links:  # receives stay posted for the whole run, WINDOW ahead per link
             self.transport.expect_link(link, sys.maxsize, self.capacity)
-        self.slots = Slots(list(links), self.microbatches)
-        self.per_step = len(links) * self.microbatches
+        # Elastic runs: the rows agreed per step, and the rows evicted (elastic/evictions.py).
+        self.membership = membership
+        self.slots = Slots(list(links), self.microbatches, membership.trains if membership else None)
+        self.per_step = len(links) * self.microbatches  # with every row in
         self.seen: dict[int, int] = {}
         self.board = board or VerdictBoard(self.health, deadlines.collective_s)
         self.relayed = 0
@@ -163,6 +180,8 @@ class Relay:
 
     def handle(self, message: Message) -> None:
         link = message.link
+        if self._left(link[0]):  # an evicted worker that still sends: nobody receives it any more
+            return
         step = self.slots.next(link)
         if step is None:  # a validation batch: relayed as it is, to its link's destination
             self.transport.send(dataclasses.replace(message, dst=link[1]), self.eval_capacity, shaped=False)
@@ -174,8 +193,20 @@ class Relay:
         self.transport.send(delivered, self.capacity, shaped=False)
         self.relayed += 1
         self.seen[step] = self.seen.get(step, 0) + 1
-        if self.seen[step] == self.per_step:
+        if self.seen[step] == self.expected(step):
             self.close(step)
+
+    def expected(self, step: int) -> int:
+        """The messages of ``step``: every link's M, or (elastic) those of the rows that train it."""
+        if self.membership is None:
+            return self.per_step
+        rows = self.membership.rows(step)
+        return sum(src.replica in rows for src, _ in self.slots.trained) * self.microbatches
+
+    def micro_of(self, step: int) -> int:
+        """Sequences per microbatch in ``step``: the rows that train it split the global batch."""
+        rows = len(self.membership.rows(step)) if self.membership is not None else self.mesh.replicas
+        return self.cfg.train.batch_size // rows // self.microbatches
 
     def admit(self, message: Message, link: Link, step: int) -> Message:
         """The receiver's checks, made here because the verifier decodes first: route, then guard."""
@@ -183,12 +214,12 @@ class Relay:
         kind = "act" if dst.stage > src.stage else "grad"
         if message.kind == kind and message.dst == dst:
             boundary = min(src.stage, dst.stage)  # the receiver's own context (the mask codec needs it)
-            return self.guard.admit(message, step, self.micro, range(self.microbatches),
+            return self.guard.admit(message, step, self.micro_of(step), range(self.microbatches),
                                     lambda _kind, t, m: MessageContext(t, m, boundary, src.replica))
         reason = f"route: a {message.kind!r} for {message.dst} on the link {src}→{dst}"
         self.guard.rejections.append(Rejection(step, kind, message.microbatch, src, dst, reason))
         return dataclasses.replace(message, kind=kind, step=step, dst=dst, skip=True,
-                                   payload=self.guard.neutral(kind, self.guard.shape(self.micro)))
+                                   payload=self.guard.neutral(kind, self.guard.shape(self.micro_of(step))))
 
     def close(self, step: int) -> None:
         """``Sentinel.end_step`` and the verdict. Flushing schedules drain after every step: each
@@ -196,7 +227,13 @@ class Relay:
         are carried out between steps). Async: the donors the next drain would choose now."""
         del self.seen[step]
         outcome = self.sentinel.end_step(step)
-        if self.deferred:
+        if self.membership is not None:  # elastic: a ban is an eviction, the slot stays banned
+            replacements = {}
+            for ban in outcome.bans:
+                self.membership.evict(ban)  # on the store before the verdict that announces it
+                self.health.ignore({self.mesh.rank(WorkerId(ban.worker.replica, s))
+                                    for s in range(self.mesh.stages)})
+        elif self.deferred:
             self.pending += outcome.bans
             replacements = self._drain_donors()
         else:
@@ -207,13 +244,17 @@ class Relay:
         for ban in outcome.bans:
             print(f"verifier: step {step + 1}: banned {ban.worker} ({ban.boundary} {ban.kind} "
                   f"{ban.metric}, {ban.strikes} strikes); "
-                  + ("replaced at the next drain point" if self.deferred else
+                  + (f"evicted: row {ban.worker.replica} leaves its stages' quorums"
+                     if self.membership is not None else
+                     "replaced at the next drain point" if self.deferred else
                      f"its replacement loads {replacements[ban.worker]}'s state"), flush=True)
         self.closed += 1
         record = verdict_record(step, outcome, replacements, self.guard.pop_rejections(), self.cost())
         self.board.post_verdict(step, record)
         if evaluates_after(self.cfg, step):
-            self.slots.expect_evaluation(self.eval_batches)
+            rows = (0,) if self.membership is None else [r for r in self.membership.rows(step)
+                                                         if r not in self.membership.evicted]
+            self.slots.expect_evaluation(self.eval_batches, rows)
 
     def cost(self) -> dict:
         """The inspections' CPU time (``VerifierClock``), and the whole process's since the relay
@@ -268,7 +309,7 @@ class Relay:
         state = torch_state(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
         self.sentinel.load_state_dict(state["sentinel"])
         done = state["done"]
-        self.slots.trained = {link: done * self.microbatches for link in self.slots.trained}
+        self.slots.restart(done)
         self.opened = self.drained_at = done
         self.forgotten = self.forgettable = done - 1  # a fresh store: nothing to delete before
 
@@ -283,11 +324,33 @@ class Relay:
         return donors
 
     def _finished(self, wid) -> bool:
-        """Whether a worker has finished: then its end of a link closing is no failure."""
-        return self.board.store.check([f"done/{self.mesh.rank(wid)}"])
+        """Whether a worker has finished (or was evicted): then its end of a link closing is no failure."""
+        return self._left(wid) or self.board.store.check([f"done/{self.mesh.rank(wid)}"])
+
+    def _left(self, wid: WorkerId) -> bool:
+        """Whether ``wid`` was evicted (elastic): it left the run on purpose."""
+        return self.membership is not None and self.membership.left(wid)
 
     def _all_done(self) -> bool:
-        return self.board.store.check([f"done/{rank}" for rank in range(self.mesh.world_size)])
+        """Every worker still in the run has finished (an evicted one is out of it)."""
+        return self.board.store.check([f"done/{self.mesh.rank(w)}" for w in self.mesh.workers()
+                                       if not self._left(w)])
+
+
+def elastic_relay(cfg: RunConfig, session) -> tuple[dict[Link, tuple], RelayMembership]:
+    """An elastic run's relay: the verifier's pair groups to every worker (elastic/links.py), and
+    the rows the run agrees on per step. Deadline: the workers' first quorum, then the links."""
+    from meshlearn.elastic.binding import interface_of
+    from meshlearn.elastic.links import verifier_links
+    from meshlearn.elastic.settings import derive_timeouts
+
+    timeouts = derive_timeouts(cfg.elastic, cfg.dist, cfg.link)
+    deadline_s = cfg.dist.init_timeout_s + timeouts.quorum_s
+    address = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    links = verifier_links(store_client(*address, deadline_s), session.mesh, interface_of(cfg.elastic.host),
+                           deadline_s)
+    store = store_client(*address, deadline_s)  # the main thread's own (the links' is gloo's)
+    return links, RelayMembership(store, session.mesh, VerdictBoard(session.health, deadline_s, store=store))
 
 
 def run_verifier(cfg: RunConfig, run_dir: Path, resume: bool, session) -> int:
@@ -299,12 +362,15 @@ def run_verifier(cfg: RunConfig, run_dir: Path, resume: bool, session) -> int:
         cfg = resolve(cfg, corpus.vocab_size)
         batches = validation_batches(corpus.splits.val, cfg.train.eval_batches, cfg.train.batch_size,
                                      cfg.model.seq_len)
-        groups = build_groups(cfg, session.mesh, session.rank)
-        relay = Relay(cfg, session, groups.links, len(batches))
+        if cfg.elastic.enabled:  # no world group: pair groups over the store, and the agreed rows
+            links, membership = elastic_relay(cfg, session)
+        else:
+            links, membership = build_groups(cfg, session.mesh, session.rank).links, None
+        relay = Relay(cfg, session, links, len(batches), membership=membership)
         if resume:  # rank 0 hands back the state it kept in its checkpoint shard
             relay.restore(relay.board.resume_state(cfg.dist.init_timeout_s))
-        print(f"verifier (rank {session.rank}): SENTINEL on {len(groups.links)} pipeline links, "
-              f"{relay.per_step} messages a step", flush=True)
+        print(f"verifier (rank {session.rank}): SENTINEL on {len(links)} pipeline links, "
+              f"{relay.per_step} messages a step" + (" with every row in" if membership else ""), flush=True)
         started = time.monotonic()
         relay.run()
         cost = relay.cost()

@@ -92,7 +92,9 @@ def start_session(cfg: RunConfig, run_dir: Path) -> Session:
         # gloo's sockets on elastic.host's interface only; a dead peer outside this worker's
         # pipeline row is not this worker's failure.
         os.environ["GLOO_SOCKET_IFNAME"] = interface_of(cfg.elastic.host)
-        scope = {rank}  # its row's ranks once the row trains (elastic/driver.py: _link_row)
+        # its row's ranks once the row trains (elastic/driver.py: _link_row); the verifier's
+        # failures, and the deaths it sees, are the whole run's (every row's links pass it)
+        scope = {rank} if rank < mesh.world_size else None
     if not cfg.elastic.enabled:  # elastic rows link over the store: no world group (joiners)
         dist.init_process_group(comm, timeout=timedelta(seconds=cfg.dist.init_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
@@ -140,6 +142,12 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
     if resume and anchors(cfg):
         raise ConfigError("--resume", str(run_dir), "a dist run with an anchor circuit (anchor.z > 0) cannot "
                                                     "resume yet (its passes in flight are not checkpointed)")
+    if cfg.elastic.enabled:
+        from meshlearn.elastic.evictions import refuse_banned_start, refuse_resume_when_verified
+
+        if resume:
+            refuse_resume_when_verified(cfg, run_dir)
+        refuse_banned_start(cfg)  # SENTINEL banned this identity: it never comes back
     try:
         session = start_session(cfg, run_dir)
     except ConfigError:
@@ -192,7 +200,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
         dist.destroy_process_group()
         return stop.exit_code if trainer.interrupted else 0
     except WorkerFailure as err:
-        message, code = str(err), session.health.exit_code
+        message, code = str(err), getattr(err, "exit_code", session.health.exit_code)  # evicted: its own
         if code != EXIT_PEER_FAILURE:
             message = f"left the run: {message}"
     except BaseException as err:  # noqa: BLE001 — our own failure: publish it, naming ourselves

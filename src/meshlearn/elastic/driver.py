@@ -22,7 +22,9 @@ are the same code):
 - a message-based DP strategy (DiLoCo, PowerSGD, sparse averaging) runs its rounds as sums over
   the quorum (``QuorumExchange``) inside the step, before the vote; an update that does not commit
   is rolled back (``Rollback``) and retried, as the same update ``u`` (committed updates so far), by
-  the next step over the next quorum.
+  the next step over the next quorum;
+- with SENTINEL the links lead to the verifier process, and a ban is an eviction: the banned
+  worker's row leaves before the next step (``Evictions``, elastic/evictions.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from meshlearn.distributed.shaping import allreduce_release_at, hold_until
 from meshlearn.distributed.transport import Transport
 from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.checkpoints import ElasticCheckpoints
+from meshlearn.elastic.evictions import Evictions
 from meshlearn.elastic.links import RowLinks
 from meshlearn.elastic.quorum import CommitVote, QuorumStep, StageQuorum
 from meshlearn.elastic.records import ElasticRecords
@@ -53,7 +56,7 @@ from meshlearn.mesh.worker import StepStats
 from meshlearn.models.llama import Decoder
 
 
-class ElasticDriver(DistDriver):
+class ElasticDriver(Evictions, DistDriver):
     """This process's worker; its quorum, vote, row agreement and links are built by
     ``elastic.worker``. ``generation``: how many processes held this slot before this one."""
 
@@ -89,6 +92,7 @@ class ElasticDriver(DistDriver):
         self.round_bytes = 0  # bytes of the coming update's strategy rounds (their all-reduces)
         if self.dp is not None:  # a message-based strategy: its rounds are sums over the quorum
             self.dp.exchange = QuorumExchange(self.me, self.mesh.replicas, self._reduce_round)
+        self.setup_verification(cfg)
 
     # --- joining: what a live peer hands a new replica of its stage (torchft's healing) ---------
 
@@ -123,6 +127,7 @@ class ElasticDriver(DistDriver):
     # --- one step: the quorum, the rows that train it, then train or spectate ------------------
 
     def run_step(self, step: int, source) -> list[StepReport]:
+        self.check_eviction()  # banned at the end of the last step: its row leaves before this one
         self.health.check()  # a partner's death noticed while spectating: leave before the quorum
         self.next_step = step
         first = self.current is None
@@ -158,7 +163,9 @@ class ElasticDriver(DistDriver):
         self.transport.close()
         self.transport = Transport(self.me, self.mesh, groups, pacers, self.device, self.health,
                                    self.deadlines.message_s)
-        self.health.watch({self.mesh.rank(WorkerId(self.me.replica, s)) for s in range(self.mesh.stages)})
+        row = {self.mesh.rank(WorkerId(self.me.replica, s)) for s in range(self.mesh.stages)}
+        verifier = {self.mesh.world_size} if self.verdicts is not None else set()  # its rank, after ours
+        self.health.watch(row | verifier)
         check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")  # the links' sockets too
         self.linked = True
         self.contributed_at = step
@@ -341,7 +348,7 @@ class ElasticDriver(DistDriver):
         step); the last stage has the loss, the others return None. A row that has not trained
         yet has no links: it skips evaluation (the step's records' claimant logs its own value)."""
         worker = self.worker
-        if not self.linked:
+        if not self.linked or self.leaving is not None:  # (evicted: its row leaves, sends nothing)
             return None
         if self.prev:
             self.transport.expect(self.prev, len(batches), self.eval_capacity)
@@ -361,9 +368,11 @@ class ElasticDriver(DistDriver):
                 losses.append(Decoder.loss(out, y.to(self.device)).item())
             else:
                 ctx = MessageContext.evaluation(self.me.stage, self.device)
+                # The verifier posts training-sized buffers: a batch goes by the oversize path.
+                capacity = self.capacity if self.verdicts is not None else self.eval_capacity
                 self.transport.send(Message("act", -1, i, self.me, self.next,
                                             worker.codec.encode(out, "act", ids, ctx)),
-                                    self.eval_capacity, shaped=False)
+                                    capacity, shaped=False)
         return sum(losses) / len(losses) if worker.is_last else None
 
     def eval_fields(self) -> dict:

@@ -7,6 +7,13 @@ one per direction and hop, each a rendezvous under a store prefix that names bot
 generations* (a slot's generation counts the processes that have held it: 0 for the one the
 launcher started, then one more per joiner), so a new incarnation of a row never meets a dead
 one's half-built group. A row links once, at the first step it trains.
+
+With SENTINEL (``relayed``) every logical link is two hops through the verifier process, as in the
+fixed-membership driver (``distributed/verifier.py``): worker → verifier on the link's ``in`` pair
+group, verifier → worker on its ``out`` one. Each worker meets only the verifier, in its own
+order (``hops``), and the verifier meets the workers one after the other in rank order, each
+through that worker's hops in the same order, so no rendezvous waits on another (no cycle).
+Such a run takes no joiners (``elastic/evictions.py``), so every slot is generation 0 there.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ class RowLinks:
     """This worker's links to the neighbouring stages of its row."""
 
     def __init__(self, store: dist.Store, mesh: MeshShape, me: WorkerId, generation: int,
-                 interface: str, timeout_s: float):
+                 interface: str, timeout_s: float, relayed: bool = False):
+        self.relayed = relayed
         self.store = store
         self.mesh = mesh
         self.me = me
@@ -39,7 +47,12 @@ class RowLinks:
 
     def build(self) -> dict[tuple[WorkerId, WorkerId], PairGroup]:
         """Rendezvous with each neighbour, lower hop first in every process (a stage in the middle
-        meets its upstream neighbour, then its downstream one: no cycle of waits)."""
+        meets its upstream neighbour, then its downstream one: no cycle of waits). Relayed: this
+        worker's hops to the verifier instead."""
+        if self.relayed:
+            return {link: pair_group(relay_store(self.store, link, hop), 0 if hop == "in" else 1,
+                                     self.interface, self.timeout_s)
+                    for link, hop in hops(self.mesh, self.me)}
         groups = {}
         neighbours = [p for p in (self.mesh.prev_stage(self.me), self.mesh.next_stage(self.me))
                       if p is not None]
@@ -52,3 +65,34 @@ class RowLinks:
                 groups[(src, dst)] = pair_group(prefixed, 0 if self.me == a else 1, self.interface,
                                                 self.timeout_s)
         return groups
+
+
+def hops(mesh: MeshShape, wid: WorkerId) -> list[tuple[tuple[WorkerId, WorkerId], str]]:
+    """Worker ``wid``'s hops to the verifier, in the order it builds them: per neighbour (upstream
+    first), the link from the lower stage, then the one back; ``in`` where ``wid`` sends, ``out``
+    where it receives."""
+    out = []
+    for peer in (mesh.prev_stage(wid), mesh.next_stage(wid)):
+        if peer is None:
+            continue
+        a, b = (peer, wid) if peer.stage < wid.stage else (wid, peer)
+        out += [((src, dst), "in" if src == wid else "out") for src, dst in ((a, b), (b, a))]
+    return out
+
+
+def relay_store(store: dist.Store, link: tuple[WorkerId, WorkerId], hop: str) -> dist.Store:
+    src, dst = link
+    return dist.PrefixStore(f"elastic/relay/{src}>{dst}/{hop}/", store)
+
+
+def verifier_links(store: dist.Store, mesh: MeshShape, interface: str, timeout_s: float
+                   ) -> dict[tuple[WorkerId, WorkerId], tuple[PairGroup, PairGroup]]:
+    """The verifier's side: per logical link, its (receive, send) pair groups. Workers are met in
+    rank order, each through its own hops in its order (so nobody waits on a third process)."""
+    made: dict[tuple[tuple[WorkerId, WorkerId], str], PairGroup] = {}
+    for wid in mesh.workers():
+        for link, hop in hops(mesh, wid):
+            made[(link, hop)] = pair_group(relay_store(store, link, hop), 1 if hop == "in" else 0,
+                                           interface, timeout_s)
+    return {link: (made[(link, "in")], made[(link, "out")])
+            for (link, hop) in made if hop == "in"}

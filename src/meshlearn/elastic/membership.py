@@ -25,7 +25,7 @@ from typing import TextIO
 
 import torch.distributed as dist
 
-from meshlearn.distributed.health import EXIT_LEFT, EXIT_PEER_FAILURE
+from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, EXIT_PEER_FAILURE
 from meshlearn.elastic.binding import start_lighthouse
 from meshlearn.elastic.links import generation_key
 from meshlearn.elastic.settings import derive_timeouts
@@ -51,6 +51,12 @@ def start_lighthouses(cfg, host: str) -> list[tuple[object, str]]:
 def free_key(wid: WorkerId, generation: int) -> str:
     """Set (to the last step it finished) once generation ``generation`` of slot ``wid`` has left."""
     return f"elastic/free/{wid}/{generation}"
+
+
+def banned_key(wid: WorkerId, generation: int) -> str:
+    """Set by SENTINEL's verifier (JSON: step, reason) once holder ``generation`` of ``wid`` is
+    banned: that identity never comes back (elastic/evictions.py)."""
+    return f"elastic/banned/{wid}/{generation}"
 
 
 def taken_key(wid: WorkerId, generation: int) -> str:
@@ -86,6 +92,8 @@ def describe_exit(code: int) -> str:
         return f"killed by {signal.Signals(-code).name}"
     if code == EXIT_LEFT:
         return "left: its pipeline row broke"
+    if code == EXIT_EVICTED:
+        return "evicted: banned by SENTINEL"
     if code == EXIT_PEER_FAILURE:
         return "stopped: a peer failed"
     return f"exit code {code}"
@@ -136,16 +144,19 @@ class Slot:
     joined: bool = False  # the joiner said it healed (``elastic/joined/...``)
     contributes: bool = False  # the joiner's row trained a step (``elastic/contributes/...``)
     code: int | None = None  # the last holder's end: 0 finished, else left (None: holds it now)
+    banned_at: float | None = None  # when the launcher saw SENTINEL's ban of the holder (monotonic)
 
 
 def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Path, echo_log: Path,
-                  out: TextIO, grace_s: float, absent: list[str] = ()) -> int:
+                  out: TextIO, grace_s: float, absent: list[str] = (), verifier=None) -> int:
     """Wait for every worker, logging each exit, each join and each joiner's first step trained;
     0 if some pipeline row finished every stage. Once a worker has finished, the others have
     ``grace_s`` to exit too; a worker still there then (frozen, say: SIGSTOP) is killed and logged
     as such. Joiners (``meshlearn worker --join``) are not this process's children: they are found
     through the store, watched by pid, and report their own end there. ``absent``: slots with no
-    process at start (a resume from a checkpoint they were not in), free for joiners at once."""
+    process at start (a resume from a checkpoint they were not in), free for joiners at once.
+    ``verifier``: SENTINEL's process; a holder it banned is recorded (``banned``), its slot stays
+    closed, and it is killed if it has not left ``grace_s`` after the ban."""
     from meshlearn.distributed.launch import _echo, _stop
 
     prefixed = dist.PrefixStore("meshlearn/0/", store)
@@ -162,11 +173,24 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
         membership[name]["events"].append(event)
         atomic_write_json(run_dir / WORKERS_FILE, membership)
 
+    def note_ban(slot: Slot) -> None:
+        """SENTINEL banned the holder (the verifier wrote it before its verdict): a membership change."""
+        key = banned_key(WorkerId.parse(slot.name), slot.generation)
+        if slot.banned_at is not None or not prefixed.check([key]):
+            return
+        slot.banned_at = time.monotonic()
+        ban = json.loads(prefixed.get(key).decode())
+        record(slot.name, {"event": "banned", "step": ban["step"] + 1, "generation": slot.generation,
+                           "why": ban["reason"]})
+        out.write(f"meshlearn: worker {slot.name} {ban['reason']}: evicted from its stage's quorum, "
+                  f"its slot closed; the others go on\n")
+
     def ended(slot: Slot, code: int, why: str) -> None:
+        note_ban(slot)  # before its exit, if it left before this loop saw the ban
         code = 0 if stopped_by_signal(code) else code  # it ran to the run's (agreed) last step
         slot.code = code
         step = _last_step(prefixed, slot.name)
-        if code != 0:  # free for a joiner before workers.json says it left
+        if code != 0 and slot.banned_at is None:  # free for a joiner before workers.json says it left
             prefixed.set(free_key(WorkerId.parse(slot.name), slot.generation), str(step))
         record(slot.name, {"event": "finished" if code == 0 else "left", "step": step, "why": why})
         if code != 0:
@@ -197,6 +221,12 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
                 if not _alive(slot.pid):
                     done = prefixed.check([f"elastic/finished/{slot.name}/{g}"])
                     ended(slot, 0 if done else 1, "finished" if done else "exited before the end")
+            if slot.code is None:
+                note_ban(slot)
+            if (slot.code is None and slot.banned_at is not None and slot.proc is not None
+                    and time.monotonic() - slot.banned_at > grace_s):
+                killed.add(slot.name)  # banned and still there: the launcher enforces the eviction
+                _stop([slot.proc], signal.SIGKILL, wait_s=5.0)
             elif slot.code not in (None, 0) and prefixed.check([taken_key(wid, g)]):
                 slot.generation, slot.proc, slot.code = g + 1, None, None  # a joiner took it
                 slot.pid = int(prefixed.get(taken_key(wid, g)).decode())
@@ -214,6 +244,12 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
         else:
             time.sleep(0.2)
     _echo(echo_log, position, out)
+    if verifier is not None:  # it ends once every worker still in the run has finished
+        verifier.join(timeout=grace_s)
+        if verifier.exitcode is None:
+            _stop([verifier], signal.SIGKILL, wait_s=5.0)
+        code = verifier.exitcode
+        record("verifier", {"event": "finished" if code == 0 else "left", "why": describe_exit(code)})
     codes = {name: slot.code for name, slot in slots.items() if slot.code is not None}
     rows: dict[int, list[int]] = {}
     for name, code in codes.items():

@@ -76,8 +76,11 @@ class RowAgreement:
         return all(c >= n for c, n in zip(counts, sizes, strict=True))
 
     def _fix(self, key: str) -> tuple[int, ...]:
+        """The complete rows, less those SENTINEL evicted (``evictions.evicted_key``, set by the
+        verifier before the verdict every worker reads first): whatever a banned process still does."""
         present = [int(self.store.add(f"{key}/r{r}", 0)) for r in range(self.replicas)]
-        rows = tuple(r for r, n in enumerate(present) if n == self.stages)
+        rows = tuple(r for r, n in enumerate(present)
+                     if n == self.stages and not self.store.check([f"evicted/r{r}"]))
         return decode_rows(self.store.compare_set(f"{key}/fixed", "", encode_rows(rows)))
 
 

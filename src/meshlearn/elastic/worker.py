@@ -25,6 +25,7 @@ from meshlearn.config import ConfigError, RunConfig, load_config
 from meshlearn.distributed.health import store_client
 from meshlearn.elastic.binding import interface_of
 from meshlearn.elastic.driver import ElasticDriver
+from meshlearn.elastic.evictions import refuse_join_when_verified
 from meshlearn.elastic.links import RowLinks, generation_key
 from meshlearn.elastic.membership import (
     GENERATION_ENV,
@@ -65,7 +66,8 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
                          timeouts, cfg.elastic.min_replicas, lambda: driver[0].heal_state(),
                          lambda state: driver[0].load_heal_state(state))
     store = store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeouts.quorum_s)
-    links = RowLinks(store, mesh, me, generation, interface_of(cfg.elastic.host), timeouts.quorum_s)
+    links = RowLinks(store, mesh, me, generation, interface_of(cfg.elastic.host), timeouts.quorum_s,
+                     relayed=cfg.verify.name == "sentinel")
     links.announce()
     if not joining():
         # Every initial replica heartbeats to its lighthouse before anyone asks for a quorum, so the
@@ -101,6 +103,7 @@ def prepare_join(address: str, run_dir: Path) -> RunConfig:
     host, _, port = address.rpartition(":")
     if not port.isdigit():
         raise ConfigError("--join", address, f"must be HOST:PORT (the store address in {run_dir / RUN_FILE})")
+    refuse_join_when_verified(cfg, address)
     store = store_client(host, int(port), cfg.dist.init_timeout_s)
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
     mine = str(os.getpid())

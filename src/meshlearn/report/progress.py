@@ -56,7 +56,9 @@ def format_event(record: dict[str, Any]) -> str:
     kind, step = record.get("kind"), record.get("step")
     if kind == "ban":
         what = (f"banned {record.get('worker')} ({record.get('metric')} on {record.get('message')}, "
-                f"{record.get('strikes')} strikes); replaced from {record.get('replaced_from')}")
+                f"{record.get('strikes')} strikes); "
+                + ("evicted: its row leaves" if record.get("evicted")
+                   else f"replaced from {record.get('replaced_from')}"))
     elif kind == "alert":
         what = f"SENTINEL alert: {record.get('worker')}: {record.get('detail')}"
     elif kind == "wire_reject":

@@ -119,9 +119,12 @@ class BoundaryVerifier:
         return summarize(values, self.cfg.statistic, self.directions, self.levels)
 
     def sanity(self, values: torch.Tensor, norm: float, view: View | None = None) -> str:
-        """A shape other than the boundary's, non-finite values, or a norm far off the median."""
+        """A shape other than the boundary's, non-finite values, or a norm far off the median. The
+        shape is a sample's (positions × channels): the number of sequences in a microbatch is the
+        receiver's wire guard's to check (it knows the step's layout), and it changes with the rows
+        that train a step under elastic membership."""
         median_norm = self.median_norm if view is None else view.median_norm
-        if self.shape is not None and tuple(values.shape) != self.shape:
+        if self.shape is not None and tuple(values.shape[1:]) != self.shape[1:]:
             return "shape"
         if not math.isfinite(norm):  # one NaN or inf entry (or an overflowing one) makes the norm so
             return "nonfinite"

@@ -24,8 +24,10 @@ scoring only; ``Sentinel`` runs in the verifier process and the layer holds a ``
 supplies what crosses processes: ``exchange_truth`` (each attacker's ground truth, for the
 process that writes the records) and ``copy_worker_state`` (a donor's state over the stage's DP
 group, at the step's end, where every worker of a flushing schedule is idle; under async at the
-drain point). An async dist run reports its steps only at drain points, so there the drain a ban
-needs comes from verdicts the driver read ahead (``RemoteSentinel.ban_drain_due``).
+drain point). An elastic driver supplies ``evict`` instead: the banned worker's row leaves the
+run and nobody takes the slot (``elastic/evictions.py``). An async dist run reports its steps only
+at drain points, so there the drain a ban needs comes from verdicts the driver read ahead
+(``RemoteSentinel.ban_drain_due``).
 
 Per-worker attacks from Python::
 
@@ -246,9 +248,14 @@ class TrustLayer:
             tally.flags += d.flagged
 
     def _carry_out(self, ban: Ban) -> dict:
-        """A fresh honest peer takes the banned slot, with an honest replica's weights and optimizer."""
+        """A fresh honest peer takes the banned slot, with an honest replica's weights and optimizer;
+        under elastic membership (a driver with ``evict``) the banned worker's row leaves instead."""
         wid = ban.worker
-        if isinstance(self.sentinel, RemoteSentinel):
+        evict = getattr(self.driver, "evict", None)
+        donor = None
+        if evict is not None:  # elastic/evictions.py: no replacement, the slot stays closed
+            evict(ban)
+        elif isinstance(self.sentinel, RemoteSentinel):
             donor = self.sentinel.donor(wid)
             self.driver.copy_worker_state(donor, wid)  # a collective of the stage's replicas
         else:
@@ -265,7 +272,9 @@ class TrustLayer:
         if attack is not None and attack.stopped_at is None:
             attack.stop(ban.step)
         self.sentinel.readmit(wid)
-        entry = ban.record() | {"replaced_from": str(donor), "honest": not running}
+        entry = ban.record() | {"replaced_from": None if donor is None else str(donor), "honest": not running}
+        if evict is not None:
+            entry["evicted"] = True
         self.banned.append(entry)
         return {"kind": "ban"} | entry
 
