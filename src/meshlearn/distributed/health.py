@@ -204,9 +204,14 @@ class Health:
             return False
 
     def _fail(self, message: str) -> None:
-        """Record the failure; if the main thread has not exited after ``grace_s``, exit for it."""
+        """Record the failure; if the main thread has not exited after ``grace_s``, exit for it.
+        While it ``defer``s (an elastic spectator inside its stage's sums) the grace starts at the
+        block's end: an exit inside it would break the sum and lose the step for the whole stage."""
         if self.failure is None:
             self.failure = message
+        while self.deferring:  # the block ends with the step (torchft's own timeouts bound it)
+            if self._stop.wait(self.heartbeat_s):
+                return
         if self._stop.wait(self.grace_s):
             return  # the main thread stopped us on its way out
         print(f"meshlearn worker {self.name}: error: {self.failure}", file=sys.stderr, flush=True)
