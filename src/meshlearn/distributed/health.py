@@ -71,7 +71,9 @@ class Health:
         self.exit_code = EXIT_PEER_FAILURE if scope is None else EXIT_LEFT
         self.failure: str | None = None
         self.deferring = False
-        self.ignored: set[int] = set()  # ranks that left for good (evicted): their silence is no failure
+        # ranks whose silence is no failure: evicted ones (left for good), and the elastic verifier's
+        # workers until its links with them are built (they may still be starting)
+        self.ignored: set[int] = set()
         self.on_exit: Callable[[], None] | None = None  # flushes logs before a forced exit
         self._stop = threading.Event()
         self._keys = [f"hb/{r}" for r in range(self.world)]
@@ -193,6 +195,11 @@ class Health:
         """These ranks left the run on purpose (an elastic eviction): their heartbeats stop, which
         concerns nobody, while a failure elsewhere stays the run's abort."""
         self.ignored |= set(ranks)
+
+    def watch_again(self, ranks: set[int]) -> None:
+        """Ranks ignored until now (the elastic verifier's workers, while they may still be
+        starting) concern this process again."""
+        self.ignored -= set(ranks)
 
     def _watched(self, rank: int) -> bool:
         return rank not in self.ignored and (self.scope is None or rank in self.scope)
