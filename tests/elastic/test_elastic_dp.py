@@ -137,7 +137,8 @@ def test_a_killed_replica_leaves_and_the_others_finish_the_strategy(tiny_corpus,
     for r, following in zip(rows, rows[1:], strict=False):
         assert following["batch"] == r["batch"] + r["committed"]
     summary = json.loads((run / "summary.json").read_text())
-    # one round per committed update (PowerSGD: two, P and Q): an uncommitted one is retried
+    # one round per committed update (PowerSGD counts its P and Q phases as one round, at
+    # pre_step); an uncommitted one is rolled back, counter included, and retried
     assert summary["dp_rounds"] == len(committed) and summary["dp_dropped_rounds"] == 0
     members = json.loads((run / WORKERS_FILE).read_text())
     assert members["r1s1"]["events"][-1]["why"] == "killed by SIGKILL"

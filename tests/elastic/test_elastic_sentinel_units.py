@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 from tiny import tiny_config
 
 from meshlearn.config import ConfigError
-from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT
+from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, Health
 from meshlearn.distributed.launch import launch_local
 from meshlearn.distributed.verifier import Slots
 from meshlearn.elastic.binding import BoundStore
@@ -152,3 +153,21 @@ def test_the_sanity_shape_is_a_samples_so_a_changed_row_count_is_no_flag():
     verifier.shape = (2, 16, 32)
     assert verifier.sanity(torch.ones(3, 16, 32), 1.0) == ""
     assert verifier.sanity(torch.ones(2, 16, 31), 1.0) == "shape"
+
+
+def test_the_verifier_watches_the_workers_once_its_links_are_built(tiny_corpus, monkeypatch):
+    """No world group synchronizes an elastic start: the verifier ignores the workers' heartbeats
+    (a slow start is no death) until ``elastic_relay`` has met every one of them."""
+    import meshlearn.distributed.verifier as verifier
+
+    mesh, store = MeshShape(3, 3), BoundStore("127.0.0.1", 10).store
+    health = Health(store, mesh, mesh.world_size, heartbeat_s=0.05, dead_after_s=1.0,
+                    store_owner="the test's store", world=mesh.world_size + 1)
+    health.ignore(set(range(mesh.world_size)))  # as start_session does for the elastic verifier
+    assert not any(health._watched(r) for r in range(mesh.world_size))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.setattr(verifier, "store_client", lambda *args: store)
+    monkeypatch.setattr("meshlearn.elastic.links.verifier_links", lambda *args: {})  # every worker met
+    verifier.elastic_relay(tiny_config(tiny_corpus, *VERIFIED), SimpleNamespace(health=health, mesh=mesh))
+    assert all(health._watched(r) for r in range(mesh.world_size + 1))

@@ -229,3 +229,21 @@ def test_a_partner_death_noticed_while_spectating_is_raised_after_the_step():
     fixed.failure = "worker r0s1 stopped answering"
     with pytest.raises(WorkerFailure), fixed.defer():
         fixed.check()
+
+
+def test_the_monitors_forced_exit_waits_for_a_deferred_step(monkeypatch):
+    """The monitor's exit ``grace_s`` after a failure starts when the spectated step ends, not
+    inside it (an exit there would break the stage's sum, as leaving did)."""
+    import meshlearn.distributed.health as health_module
+
+    health = Health(BoundStore("127.0.0.1", 10).store, MeshShape(2, 2), 0, heartbeat_s=0.01,
+                    dead_after_s=1.0, store_owner="the test's store", grace_s=0.0, scope={0, 1})
+    exits, called = [], threading.Event()
+    monkeypatch.setattr(health_module.os, "_exit",
+                        lambda code: (exits.append((code, health.deferring)), called.set()))
+    with health.defer():
+        monitor = threading.Thread(target=health._fail, args=("worker r0s1 stopped answering",))
+        monitor.start()
+        called.wait(0.5)  # without the deferral the exit comes at once, inside the block
+    monitor.join(10)
+    assert exits == [(health_module.EXIT_LEFT, False)]

@@ -2,18 +2,19 @@
 
 Every ``anchor.delay`` = K steps (t = 0, K, 2K, ...) the plugin hands an anchor replica the weights
 as they stand when step t begins (at step t − 1's end; at the start for t = 0) and the ids of step
-t's batch; the pass runs at once in this process (``AnchorCircuit``) and yields per fast worker
-the virtual time its stage's share arrives. The weights: under ``anchor.weights = outer`` those
-every fast replica agrees on (fast replica 0's strategy's ``agreed_weights``, else its live ones,
-which a non-drifting strategy keeps common), which the anchor follows by listening: at every step
-end fast (0, s) relays the reduced result of its stage's new DP rounds over the anchor's link
-(``relay_bytes``, ``AnchorCircuit.listen``), and the anchor applies the replicas' update itself;
-under ``snapshot`` fast replica 0's live weights, sent at the hand-off. At each step end the plugin
-hands each fast worker's spectral correction every share that is due (computed for step t, now ≥
-t + K) and has arrived by that worker's own virtual clock (``Worker.spectral.receive_basis`` for
-factors, ``receive_anchor`` for gradients); one still missing ``anchor.max_late`` steps past its
-due step is dropped and counted. The fast circuit never waits: the plugin reads the driver's clocks
-and never moves them.
+t's batch; the pass runs at once in this process (``AnchorCircuit``) and yields per fast worker the
+virtual time its stage's share arrives. The weights: under ``anchor.weights = outer`` those every
+fast replica agrees on (fast replica 0's strategy's ``agreed_weights``, else its live ones, which a
+non-drifting strategy keeps common), which the anchor follows by listening: at every step end fast
+(0, s) relays the reduced result of its stage's new DP rounds over the anchor's link
+(``relay_bytes``, ``AnchorCircuit.listen``), and the anchor would apply the replicas' update itself
+— modelled, not replayed: the plugin reads the agreed weights from fast replica 0, what a replay
+computes (docs/adaptation.md); under ``snapshot`` fast replica 0's live weights, sent at the
+hand-off. At each step end the plugin hands each fast worker's spectral correction every share that
+is due (computed for step t, now ≥ t + K) and has arrived by that worker's own virtual clock
+(``Worker.spectral.receive_basis`` for factors, ``receive_anchor`` for gradients); one still missing
+``anchor.max_late`` steps past its due step is dropped and counted. The fast circuit never waits:
+the plugin reads the driver's clocks and never moves them.
 
 Why step ends: an arrival is folded in before the worker's next optimizer step that the trainer
 can see, so the worker uses exactly what had arrived by then (under the async schedule a worker

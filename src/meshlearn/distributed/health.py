@@ -71,7 +71,9 @@ class Health:
         self.exit_code = EXIT_PEER_FAILURE if scope is None else EXIT_LEFT
         self.failure: str | None = None
         self.deferring = False
-        self.ignored: set[int] = set()  # ranks that left for good (evicted): their silence is no failure
+        # ranks whose silence is no failure: evicted ones (left for good), and the elastic verifier's
+        # workers until its links with them are built (they may still be starting)
+        self.ignored: set[int] = set()
         self.on_exit: Callable[[], None] | None = None  # flushes logs before a forced exit
         self._stop = threading.Event()
         self._keys = [f"hb/{r}" for r in range(self.world)]
@@ -194,6 +196,11 @@ class Health:
         concerns nobody, while a failure elsewhere stays the run's abort."""
         self.ignored |= set(ranks)
 
+    def watch_again(self, ranks: set[int]) -> None:
+        """Ranks ignored until now (the elastic verifier's workers, while they may still be
+        starting) concern this process again."""
+        self.ignored -= set(ranks)
+
     def _watched(self, rank: int) -> bool:
         return rank not in self.ignored and (self.scope is None or rank in self.scope)
 
@@ -204,9 +211,14 @@ class Health:
             return False
 
     def _fail(self, message: str) -> None:
-        """Record the failure; if the main thread has not exited after ``grace_s``, exit for it."""
+        """Record the failure; if the main thread has not exited after ``grace_s``, exit for it.
+        While it ``defer``s (an elastic spectator inside its stage's sums) the grace starts at the
+        block's end: an exit inside it would break the sum and lose the step for the whole stage."""
         if self.failure is None:
             self.failure = message
+        while self.deferring:  # the block ends with the step (torchft's own timeouts bound it)
+            if self._stop.wait(self.heartbeat_s):
+                return
         if self._stop.wait(self.grace_s):
             return  # the main thread stopped us on its way out
         print(f"meshlearn worker {self.name}: error: {self.failure}", file=sys.stderr, flush=True)

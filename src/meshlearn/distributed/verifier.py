@@ -349,6 +349,7 @@ def elastic_relay(cfg: RunConfig, session) -> tuple[dict[Link, tuple], RelayMemb
     address = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     links = verifier_links(store_client(*address, deadline_s), session.mesh, interface_of(cfg.elastic.host),
                            deadline_s)
+    session.health.watch_again(set(range(session.mesh.world_size)))  # every worker has met us: running
     store = store_client(*address, deadline_s)  # the main thread's own (the links' is gloo's)
     return links, RelayMembership(store, session.mesh, VerdictBoard(session.health, deadline_s, store=store))
 

@@ -104,6 +104,11 @@ def start_session(cfg: RunConfig, run_dir: Path) -> Session:
     owner = os.environ.get("MESHLEARN_STORE_OWNER", f"rendezvous store at {host}:{port}")
     health = Health(store, mesh, rank, cfg.dist.heartbeat_s, deadlines.dead_after_s, owner, world=world,
                     scope=scope, anchors=anchors(cfg))
+    if cfg.elastic.enabled and scope is None:
+        # The verifier: with no world group to wait for, a worker may still be starting (importing,
+        # on a loaded host) when this watch begins; it watches them once its links are built
+        # (verifier.elastic_relay), so a slow start is not taken for a death that ends the run.
+        health.ignore(set(range(mesh.world_size)))
     health.start()
     me = mesh.worker(rank) if rank < mesh.world_size else None  # None: the verifier, or an anchor
     anchor = None

@@ -202,8 +202,10 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
             wid, g = WorkerId.parse(slot.name), slot.generation
             if slot.code is None and slot.proc is not None and slot.proc.exitcode is not None:
                 code = slot.proc.exitcode
-                ended(slot, code, "killed by the launcher: no answer after the run ended"
-                      if slot.name in killed else describe_exit(code))
+                why = "killed by the launcher: " + ("still there after its ban's grace period"
+                                                    if slot.banned_at is not None else
+                                                    "no answer after the run ended")
+                ended(slot, code, why if slot.name in killed else describe_exit(code))
             elif slot.code is None and slot.pid is not None:
                 joined, contributes = (f"elastic/{what}/{slot.name}/{g}"
                                        for what in ("joined", "contributes"))
