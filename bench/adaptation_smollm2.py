@@ -38,6 +38,7 @@ import argparse
 import fcntl
 import hashlib
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -174,6 +175,7 @@ def run_row(args) -> None:
         "commit": describe_run()["commit"], "val_start": val_start, "val_end": summary["final_val_loss"],
         "masked_val_end": masked, "sample_before": before, "sample_after": sample(model, trainer, args),
         "summary": summary, "wall_s": time.perf_counter() - started,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # Linux: kB
     }
     atomic_write_json(run_dir / "result.json", result)
     print(f"lr {args.lr:g} {args.row}: val {val_start:.4f} → {summary['final_val_loss']:.4f}"
