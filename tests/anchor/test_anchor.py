@@ -22,7 +22,8 @@ from meshlearn.train import Trainer
 # A masked fast circuit (keep 1/4) on P = 2, D = 2: the anchor's gradients are the only clean ones.
 FAST = ["mesh.stages=2", "mesh.replicas=2", "codec.name=mask", "codec.keep=0.25",
         "optim.spectral.enabled=true"]
-ANCHOR = ["anchor.z=1", "anchor.delay=2", "anchor.wire_dtype=fp32"]
+ANCHOR = ["anchor.z=1", "anchor.delay=2", "anchor.wire_dtype=fp32", "anchor.send=gradients",
+          "anchor.weights=snapshot"]
 
 
 def train_records(run_dir) -> list[dict]:
@@ -47,19 +48,24 @@ def weights(trainer: Trainer) -> list[dict]:
             for s in range(trainer.cfg.mesh.stages)]
 
 
-def test_the_anchor_gradient_is_the_unsplit_gradient_on_the_k_steps_old_weights(tiny_corpus, tmp_path):
+@pytest.mark.parametrize("source", ["snapshot", "outer"])
+def test_the_anchor_gradient_is_the_unsplit_gradient_on_the_k_steps_old_weights(tiny_corpus, tmp_path,
+                                                                                source):
     """1F1B, K = 2, β_anc = 0: after step 4 every fast worker's anchor EMA is the gradient computed
     for step 2, i.e. on the weights as step 2 began (those of a 2-step run: nothing was folded in
-    before step 2's update) and step 2's batch, folded in at step 4."""
+    before step 2's update) and step 2's batch, folded in at step 4. Under the all-reduce the
+    replicas' weights are common, so the outer weights are these too, with no snapshot sent."""
     steps = ["mesh.schedule=1f1b", "optim.spectral.beta_anc=0"]
     before = Trainer(tiny_config(tiny_corpus, *FAST, *steps, "train.steps=2"), tmp_path / "two",
                      progress=False)
     before.train()
     oracle = unsplit_gradients(before, weights(before), step=2)
-    run = Trainer(tiny_config(tiny_corpus, *FAST, *ANCHOR, *steps, "train.steps=4"), tmp_path / "four",
-                  progress=False)
+    run = Trainer(tiny_config(tiny_corpus, *FAST, *ANCHOR, *steps, f"anchor.weights={source}",
+                              "train.steps=4"), tmp_path / "four", progress=False)
     summary = run.train()
     assert summary["anchor_passes"] == 2 and summary["anchor_delivered"] == 2 * 4  # t = 0, 2; 4 workers
+    sequence_ids = 2 * 2 * 8 * 4  # 2 passes, first and last stage, 8 B for each of 4 sequences
+    assert (summary["anchor_bytes_snapshot"] == sequence_ids) == (source == "outer")
     assert summary["anchor_mean_staleness"] == 2.0
     compared = 0
     for wid, worker in run.workers.items():
@@ -247,7 +253,7 @@ def test_a_resumed_anchored_run_equals_an_uninterrupted_one(tiny_corpus, tmp_pat
     (["anchor.bandwidth_mbit=-1"], "anchor.bandwidth_mbit = -1.0: must be > 0"),
     (["anchor.latency_ms=-3"], "anchor.latency_ms = -3.0: must be >= 0"),
     (["optim.spectral.targets=q,k", "anchor.targets=q,up"], "anchor.targets = 'q,up': names from"),
-    (["anchor.z=1"], "anchor.z = 1: the anchor feeds the spectral correction"),
+    (["anchor.z=1", "mesh.replicas=2"], "anchor.z = 1: the anchor feeds the spectral correction"),
     (["anchor.z=1", "optim.spectral.enabled=true", "backend=dist", "verify.name=sentinel"],
      "anchor.z = 1: under backend = dist the anchor circuit and verify.name = 'sentinel' are not combined"),
     (["anchor.z=1", "optim.spectral.enabled=true", "backend=dist", "elastic.enabled=true", "mesh.replicas=2"],
@@ -258,6 +264,15 @@ def test_a_resumed_anchored_run_equals_an_uninterrupted_one(tiny_corpus, tmp_pat
      "anchor.max_late = 10: anchor.delay = 40 exceeds optim.spectral.max_staleness = 30"),
     (["anchor.z=1", "optim.spectral.enabled=true", "anchor.delay=25"],
      "anchor.max_late = 10: anchor.delay + anchor.max_late = 35 exceeds optim.spectral.max_staleness = 30"),
+    (["anchor.send=grads"], "anchor.send = 'grads': allowed: ['factors', 'gradients']"),
+    (["anchor.rank=0"], "anchor.rank = 0: must be >= 1"),
+    (["anchor.weights=live"], "anchor.weights = 'live': allowed: ['outer', 'snapshot']"),
+    (["anchor.z=1", "optim.spectral.enabled=true"],
+     "anchor.weights = 'outer': with mesh.replicas = 1 there is no DP synchronization to listen to"),
+    (["anchor.z=1", "optim.spectral.enabled=true", "mesh.replicas=2", "dp.name=sparse"],
+     "anchor.weights = 'outer': under dp.name = 'sparse' the replicas agree on no weights"),
+    (["anchor.z=1", "optim.spectral.enabled=true", "mesh.replicas=2", "backend=dist"],
+     "anchor.weights = 'outer': under backend = dist the anchor's listening"),
 ])
 def test_bad_anchor_settings_are_refused_with_one_line(tiny_corpus, overrides, hint):
     with pytest.raises(ConfigError) as err:
@@ -265,12 +280,16 @@ def test_bad_anchor_settings_are_refused_with_one_line(tiny_corpus, overrides, h
     assert str(err.value).startswith(hint) and "\n" not in str(err.value)
 
 
-def test_a_pass_charges_its_own_compute_and_counts_its_bytes_exactly(tiny_corpus, tmp_path):
+@pytest.mark.parametrize(("mode", "rank"), [("gradients", 0), ("factors", 64), ("factors", 5)])
+def test_a_pass_charges_its_own_compute_and_counts_its_bytes_exactly(tiny_corpus, tmp_path, mode, rank):
     """One pass at P = 2, M = 2, D = 2, bf16 wire: the anchor stages are busy exactly the compute
-    model's F + B per microbatch, and its bytes are the snapshot (2 B per parameter, plus 8 B per
-    sequence id on the first and last stage), the boundary (both directions, 2 B per element) and
-    the gradients (2 B per targeted element, to each of the D fast replicas)."""
-    run = Trainer(tiny_config(tiny_corpus, *FAST, "anchor.z=1", "anchor.wire_dtype=bf16"),
+    model's F + B per microbatch, and its bytes are the hand-off (the snapshot's 2 B per parameter
+    under weights = snapshot, plus 8 B per sequence id on the first and last stage), the boundary
+    (both directions, 2 B per element) and the shares to each of the D fast replicas: 2 B per
+    targeted element (gradients), or r·(m + n + 1) · 2 B per matrix, r = min(rank, m, n) (factors)."""
+    sets = (["anchor.send=gradients", "anchor.weights=snapshot"] if mode == "gradients" else
+            ["anchor.send=factors", f"anchor.rank={rank}", "anchor.weights=outer"])
+    run = Trainer(tiny_config(tiny_corpus, *FAST, "anchor.z=1", "anchor.wire_dtype=bf16", *sets),
                   tmp_path / "run", progress=False)
     circuit = run.plugins["anchor"].circuit  # pass t = 0 ran when the plugin was built
     cfg, compute = run.cfg, run.driver.compute
@@ -281,11 +300,18 @@ def test_a_pass_charges_its_own_compute_and_counts_its_bytes_exactly(tiny_corpus
         assert circuit.busy_s[WorkerId(2, s)] == pytest.approx(expected, rel=1e-12)
     params = sum(p.numel() for m in circuit.modules for p in m.parameters())
     sequences = cfg.train.batch_size // cfg.mesh.replicas
-    assert circuit.bytes.snapshot == 2 * params + 2 * 8 * sequences
+    snapshot = 2 * params if mode == "gradients" else 0
+    assert circuit.bytes.snapshot == snapshot + 2 * 8 * sequences
     boundary = sequences * cfg.model.seq_len * cfg.model.d_model  # all M microbatches, one boundary
     assert circuit.bytes.boundary == 2 * 2 * boundary
-    targeted = sum(p.numel() for w in (run.workers[WorkerId(0, s)] for s in range(2))
-                   for p in w.spectral.params.values())
-    assert circuit.bytes.gradients == 2 * 2 * targeted
+    matrices = [p for s in range(2) for p in run.workers[WorkerId(0, s)].spectral.params.values()]
+    if mode == "gradients":
+        assert circuit.bytes.gradients == 2 * 2 * sum(p.numel() for p in matrices)
+        assert circuit.bytes.factors == 0
+    else:
+        per_replica = sum(min(rank, m, n) * (m + n + 1) * 2 for m, n in (p.shape for p in matrices))
+        assert circuit.bytes.factors == 2 * per_replica and circuit.bytes.gradients == 0
+        assert any(min(p.shape) > rank for p in matrices) == (rank == 5)  # truncated only at rank 5
+    assert circuit.bytes.listen == 0  # nothing synchronized yet
     assert sum(link.bytes_sent for link in circuit.links.values()) == circuit.bytes.total
     assert run.driver.network.bytes_on_axis("pp") == run.driver.network.bytes_on_axis("dp") == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from dist_helpers import deadline, kill_leftovers, launch, records
 from tiny import tiny_config
 
@@ -14,7 +15,8 @@ from meshlearn.train import Trainer
 # K = 2 steps give the anchor's pass (fast links of its own) a wide margin to arrive in time.
 FAST = ["mesh.stages=2", "mesh.replicas=2", "mesh.schedule=1f1b", "codec.name=mask", "codec.keep=0.25",
         "optim.spectral.enabled=true", "link.latency_ms=50", "train.steps=6", "train.eval_every=6"]
-ANCHOR = ["anchor.z=1", "anchor.delay=2", "anchor.max_late=2", "anchor.wire_dtype=fp32"]
+ANCHOR = ["anchor.z=1", "anchor.delay=2", "anchor.max_late=2", "anchor.wire_dtype=fp32",
+          "anchor.send=gradients", "anchor.weights=snapshot"]  # outer weights: the simulator's only
 
 
 def run_both(cfg, tmp_path, what: str):
@@ -27,11 +29,14 @@ def run_both(cfg, tmp_path, what: str):
     return sim, json.loads((tmp_path / "dist" / "summary.json").read_text())
 
 
-def test_an_anchored_dist_run_equals_the_sim_run(tiny_corpus, tmp_path):
+@pytest.mark.parametrize("send", ["gradients", "factors"])
+def test_an_anchored_dist_run_equals_the_sim_run(tiny_corpus, tmp_path, send):
     """Passes at t = 0, 2, 4 each reach all four fast workers by K = 2 steps later (the anchor
     links are unshaped), in both drivers: the corrected losses, norms and bytes are the
-    simulator's; the anchor's bytes (snapshots with batch ids, its boundaries, its gradients) too."""
-    cfg = tiny_config(tiny_corpus, *FAST, *ANCHOR, "anchor.bandwidth_mbit=10000", "anchor.latency_ms=0")
+    simulator's; the anchor's bytes (snapshots with batch ids, its boundaries, its gradients or
+    its factors: rank 3, below min(m, n) = 32, from the EMA the anchor stage keeps) too."""
+    cfg = tiny_config(tiny_corpus, *FAST, *ANCHOR, "anchor.bandwidth_mbit=10000", "anchor.latency_ms=0",
+                      f"anchor.send={send}", "anchor.rank=3")
     sim, dist = run_both(cfg, tmp_path, "the anchored P=2 D=2 dist run")
     for summary in (sim, dist):
         assert summary["anchor_passes"] == 3
@@ -39,8 +44,9 @@ def test_an_anchored_dist_run_equals_the_sim_run(tiny_corpus, tmp_path):
         assert summary["anchor_mean_staleness"] == 2 and summary["anchor_dropped_late"] == 0
         assert summary["spectral_anchor_accepted"] > 0 and summary["spectral_corrected_steps"] > 0
     for key in ("anchor_bytes_snapshot", "anchor_bytes_boundary", "anchor_bytes_gradients",
-                "spectral_anchor_accepted", "spectral_corrected_steps"):
+                "anchor_bytes_factors", "spectral_anchor_accepted", "spectral_corrected_steps"):
         assert sim[key] == dist[key], key
+    assert (sim["anchor_bytes_factors"] > 0) == (send == "factors") != (sim["anchor_bytes_gradients"] > 0)
     a, b = records(tmp_path / "sim"), records(tmp_path / "dist")
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     for ra, rb in zip(a, b, strict=True):

@@ -112,6 +112,42 @@ def test_stale_and_out_of_order_arrivals_are_dropped():
         correction.receive_anchor(name, randn(3, 3), step=20, now=20)
 
 
+def test_an_installed_full_basis_filters_as_the_local_ema_does():
+    """receive_basis with the full thin SVD of M filters as receive_anchor(M) does (the factors
+    are re-orthonormalized on receipt: equal up to rounding); a top-r basis keeps the leading
+    directions; a basis rounded to bf16 still never increases the norm; the staleness rules and
+    the checkpoint are those of receive_anchor."""
+    name = "layers.0.mlp.up.weight"  # (64, 16)
+    local = SpectralCorrection(model().named_parameters(), SpectralConfig())
+    sent = SpectralCorrection(model().named_parameters(), SpectralConfig())
+    ema = low_rank(64, 16, 16)
+    assert local.receive_anchor(name, ema, step=3, now=5)
+    assert sent.receive_basis(name, AnchorBasis.of(ema), step=3, now=5)
+    assert sent.priors[name].ema is None
+    for _ in range(3):
+        grad = randn(64, 16)
+        torch.testing.assert_close(filter_gradient(grad, sent.priors[name].basis, 1e-3),
+                                   filter_gradient(grad, local.priors[name].basis, 1e-3),
+                                   rtol=1e-5, atol=1e-5)
+    top = AnchorBasis.of(ema).top(4)
+    assert (top.u.shape, top.s.shape, top.vh.shape) == ((64, 4), (4,), (4, 16))
+    rounded = AnchorBasis(*(t.to(torch.bfloat16).float() for t in (top.u, top.s, top.vh)))
+    assert sent.receive_basis(name, rounded, step=4, now=5)
+    installed = sent.priors[name].basis
+    torch.testing.assert_close(installed.u.T @ installed.u, torch.eye(4), rtol=0, atol=1e-5)
+    for _ in range(5):
+        grad = randn(64, 16)
+        assert filter_gradient(grad, installed, 0.0).norm() <= grad.norm() * (1 + 1e-6)
+    assert not sent.receive_basis(name, top, step=3, now=5)  # older than the last installed
+    assert not sent.receive_basis(name, top, step=4, now=40)  # 36 steps old
+    with pytest.raises(ValueError, match="anchor basis of"):
+        sent.receive_basis(name, AnchorBasis.of(randn(16, 64)), step=5, now=5)
+    restored = SpectralCorrection(model().named_parameters(), SpectralConfig())
+    restored.load_state_dict(copy.deepcopy(sent.state_dict()))
+    assert torch.equal(restored.priors[name].basis.u, installed.u)
+    assert restored.summary() == sent.summary() and restored.priors[name].last_step == 4
+
+
 def train(alpha: float | None, anchors: bool, steps: int = 3) -> Decoder:
     """AdamW on a fixed batch; ``alpha`` None: no correction attached."""
     net = model()

@@ -1,19 +1,24 @@
 """The anchor circuit in the simulator: clean gradients on stale weights, on resources of its own.
 
 An anchor replica z holds the same P stages as a fast replica. A pass (``AnchorCircuit.run_pass``)
-is handed the fast circuit's weights of some step t (one snapshot per stage, sent from fast replica
-0's stage s over the anchor's own link) and the ids of step t's batch (replica 0's share, as the
-fast circuit cut it into microbatches). It runs a GPipe forward/backward through its stages with
-nothing masked: each boundary carries the whole activation (and the whole gradient back) in
-``anchor.wire_dtype``. It takes no optimizer step: its output is the gradient of the mean loss
-w.r.t. the targeted matrices of every stage, which each anchor stage sends to every fast replica of
-its stage ("geometry, not an update").
+is handed the weights of some step t and the ids of step t's batch (replica 0's share, as the fast
+circuit cut it into microbatches). The weights are either the ones every fast replica agrees on
+(``anchor.weights = outer``: the anchor has followed them by listening, fast replica 0 relaying
+the reduced result of each DP round of its stage, ``listen``, so only the ids travel at the
+hand-off) or fast replica 0's
+current ones, one snapshot per stage sent from its stage s over the anchor's own link
+(``snapshot``). It runs a GPipe forward/backward through its stages with nothing masked: each
+boundary carries the whole activation (and the whole gradient back) in ``anchor.wire_dtype``. It
+takes no optimizer step: its output is the gradient of the mean loss w.r.t. the targeted matrices
+of every stage ("geometry, not an update"). Each anchor stage sends every fast replica of its stage
+either those gradients (``anchor.send = gradients``) or, from the EMA it keeps of them, the top-r
+factors of its thin SVD (``factors``, anchor/factors.py).
 
 The arithmetic is real (``anchor_gradients``); time is virtual. Compute is charged by the run's
 compute model on the anchor stage's own clock, messages on the anchor's own links (anchor stage
-s → s ± 1, fast (0, s) → anchor (z, s) for the snapshot, anchor (z, s) → fast (r, s) for the
-gradients), so nothing here touches a fast worker's clock or link: the fast circuit is never
-delayed. Bytes are counted here, apart from the run's ``bytes_pp`` and ``bytes_dp``.
+s → s ± 1, fast (0, s) → anchor (z, s) for the hand-off and the listening, anchor (z, s) → fast
+(r, s) for the shares), so nothing here touches a fast worker's clock or link: the fast circuit is
+never delayed. Bytes are counted here, apart from the run's ``bytes_pp`` and ``bytes_dp``.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from meshlearn.anchor.factors import AnchorEMA, basis_on_wire, factor_bytes
 from meshlearn.mesh.compute import ComputeModel, stage_shape
 from meshlearn.mesh.network import Link, LinkProfile
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models.llama import Decoder
+from meshlearn.optim.spectral import AnchorBasis
 
 WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -97,23 +104,28 @@ def anchor_gradients(modules: list[Decoder], batches: list[tuple[Tensor, Tensor]
 
 @dataclass
 class AnchorPass:
-    """One pass's result: the gradients of each stage, and when they reach each fast worker."""
+    """One pass's result: what each stage sends, and when it reaches each fast worker."""
 
     replica: int  # z
     step: int  # the step whose weights and batch the pass used
-    grads: list[dict[str, Tensor]]  # per stage, as received (rounded to the wire dtype)
-    arrival_s: dict[WorkerId, float]  # per fast worker (r, s): its stage's gradients fully there
+    # per stage, as received (rounded to the wire dtype): name → gradient (send = gradients) or
+    # name → its EMA's top-r basis (send = factors)
+    shares: list[dict[str, Tensor]] | list[dict[str, AnchorBasis]]
+    arrival_s: dict[WorkerId, float]  # per fast worker (r, s): its stage's share fully there
 
 
 @dataclass
 class AnchorBytes:
-    snapshot: int = 0  # weights, fast (0, s) → anchor (z, s), plus the batch ids
+    snapshot: int = 0  # the hand-off, fast (0, s) → anchor (z, s): the batch ids, and the weights
+    # under weights = snapshot
     boundary: int = 0  # activations and their gradients between anchor stages
-    gradients: int = 0  # anchor (z, s) → fast (r, s)
+    gradients: int = 0  # anchor (z, s) → fast (r, s), send = gradients
+    factors: int = 0  # anchor (z, s) → fast (r, s), send = factors
+    listen: int = 0  # the reduced DP results relayed fast (0, s) → anchor (z, s), weights = outer
 
     @property
     def total(self) -> int:
-        return self.snapshot + self.boundary + self.gradients
+        return self.snapshot + self.boundary + self.gradients + self.factors + self.listen
 
 
 @dataclass
@@ -133,6 +145,11 @@ class AnchorCircuit:
     profile: LinkProfile
     wire: str = "bf16"
     seed: int = 0
+    send: str = "factors"
+    rank: int = 64
+    beta: float = 0.95
+    weights: str = "outer"
+    ema: dict[WorkerId, AnchorEMA] = field(default_factory=dict)  # per anchor stage (send = factors)
     clock: dict[WorkerId, float] = field(default_factory=dict)  # when each anchor stage is free
     busy_s: dict[WorkerId, float] = field(default_factory=dict)
     links: dict[tuple[WorkerId, WorkerId], Link] = field(default_factory=dict)
@@ -146,6 +163,7 @@ class AnchorCircuit:
             for s in range(len(self.modules)):
                 self.clock.setdefault(self.anchor_id(z, s), 0.0)
                 self.busy_s.setdefault(self.anchor_id(z, s), 0.0)
+                self.ema.setdefault(self.anchor_id(z, s), AnchorEMA(self.beta, self.rank))
 
     @property
     def stages(self) -> int:
@@ -164,19 +182,33 @@ class AnchorCircuit:
 
     @torch.no_grad()
     def _load(self, weights: list[dict[str, Tensor]], dtype: torch.dtype) -> list[int]:
-        """Put the snapshot into the anchor's stages (as the wire delivers it); its bytes per stage."""
+        """Put the weights into the anchor's stages; their bytes on the hand-off link per stage.
+        A snapshot arrives rounded to the wire dtype; the outer weights the anchor follows itself
+        (exactly: it applies the same update as the replicas), and nothing travels."""
+        snapshot = self.weights == "snapshot"
         sizes = []
         for module, state in zip(self.modules, weights, strict=True):
             params = dict(module.named_parameters())
             for name, value in state.items():
-                params[name].copy_(on_wire(value, dtype))
-            sizes.append(sum(v.numel() for v in state.values()) * dtype.itemsize)
+                params[name].copy_(on_wire(value, dtype) if snapshot else value)
+            sizes.append(sum(v.numel() for v in state.values()) * dtype.itemsize if snapshot else 0)
         return sizes
+
+    def listen(self, sent_at: list[float], nbytes: list[int]) -> None:
+        """``weights = outer``: per stage s, ``nbytes[s]`` (the reduced result of fast (0, s)'s DP
+        rounds since the last call, relayed at virtual time ``sent_at[s]``) to every anchor
+        replica's stage s on the hand-off link: what the anchor needs to apply the replicas'
+        update itself. A pass starts on a stage only once its link has delivered all of it."""
+        for z in range(self.anchors):
+            for s, n in enumerate(nbytes):
+                if n:
+                    self.bytes.listen += n
+                    self.link(WorkerId(0, s), self.anchor_id(z, s)).transmit(sent_at[s], n)
 
     def run_pass(self, step: int, weights: list[dict[str, Tensor]], sent_at: list[float],
                  batches: list[tuple[Tensor, Tensor]]) -> AnchorPass:
-        """Anchor replica ``turn`` computes on ``weights`` (per stage: name → tensor, fast replica
-        0's, sent from its stage s at virtual time ``sent_at[s]``) and step ``step``'s ``batches``."""
+        """Anchor replica ``turn`` computes on ``weights`` (per stage: name → tensor; handed off from
+        fast (0, s) at virtual time ``sent_at[s]``) and step ``step``'s ``batches``."""
         z, self.turn = self.turn, (self.turn + 1) % self.anchors
         self.passes += 1
         dtype = WIRE[self.wire]
@@ -187,7 +219,10 @@ class AnchorCircuit:
         for s, nbytes in enumerate(self._load(weights, dtype)):
             nbytes += ids_bytes if s in (0, P - 1) else 0
             self.bytes.snapshot += nbytes
-            free.append(max(self.clock[me[s]], self.link(WorkerId(0, s), me[s]).transmit(sent_at[s], nbytes)))
+            link = self.link(WorkerId(0, s), me[s])
+            # Nothing to send (outer weights, a middle stage): ready once the listening is in.
+            ready = link.transmit(sent_at[s], nbytes) if nbytes else link.last_arrival
+            free.append(max(self.clock[me[s]], ready))
         device = next(self.modules[0].parameters()).device  # the stages' own (the batch is on CPU)
         batches = [(x.to(device), y.to(device)) for x, y in batches]
         done = anchor_gradients(self.modules, batches, self.targets, dtype)
@@ -222,11 +257,20 @@ class AnchorCircuit:
                     grad[s - 1][m] = self.link(me[s], me[s - 1]).transmit(end, nbytes)
         received = []
         for s in range(P):
-            nbytes = sum(g.numel() for g in done.grads[s].values()) * dtype.itemsize
+            if self.send == "factors":  # the stage's own EMA, its top-r factors on the wire
+                bases = self.ema[me[s]].fold(done.grads[s])
+                nbytes = sum(factor_bytes(tuple(g.shape), self.rank, dtype.itemsize)
+                             for g in done.grads[s].values())
+                received.append({n: basis_on_wire(b, dtype) for n, b in bases.items()})
+            else:
+                nbytes = sum(g.numel() for g in done.grads[s].values()) * dtype.itemsize
+                received.append({n: on_wire(g, dtype) for n, g in done.grads[s].items()})
             for r in range(self.replicas):
-                self.bytes.gradients += nbytes
+                if self.send == "factors":
+                    self.bytes.factors += nbytes
+                else:
+                    self.bytes.gradients += nbytes
                 arrival[WorkerId(r, s)] = self.link(me[s], WorkerId(r, s)).transmit(free[s], nbytes)
-            received.append({n: on_wire(g, dtype) for n, g in done.grads[s].items()})
             self.clock[me[s]] = free[s]
         return AnchorPass(z, step, received, arrival)
 
@@ -234,7 +278,8 @@ class AnchorCircuit:
         return {"clock": {str(w): t for w, t in self.clock.items()},
                 "busy_s": {str(w): t for w, t in self.busy_s.items()},
                 "links": {f"{s}->{d}": link.state() for (s, d), link in self.links.items()},
-                "bytes": vars(self.bytes).copy(), "turn": self.turn, "passes": self.passes}
+                "bytes": vars(self.bytes).copy(), "turn": self.turn, "passes": self.passes,
+                "ema": {str(w): ema.state() for w, ema in self.ema.items()}}
 
     def load_state(self, state: dict) -> None:
         self.clock = {WorkerId.parse(w): t for w, t in state["clock"].items()}
@@ -244,3 +289,5 @@ class AnchorCircuit:
             self.link(WorkerId.parse(src), WorkerId.parse(dst)).load_state(link_state)
         self.bytes = AnchorBytes(**state["bytes"])
         self.turn, self.passes = state["turn"], state["passes"]
+        for w, ema in state["ema"].items():
+            self.ema[WorkerId.parse(w)].load_state(ema)

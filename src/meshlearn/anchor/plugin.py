@@ -1,13 +1,19 @@
 """The anchor circuit as a trainer plugin (``anchor.z > 0``): hand-offs and arrivals at step ends.
 
-Every ``anchor.delay`` = K steps (t = 0, K, 2K, ...) the plugin hands an anchor replica fast
-replica 0's weights as they stand when step t begins (at step t − 1's end; at the start for t = 0)
-and the ids of step t's batch; the pass runs at once in this process (``AnchorCircuit``) and
-yields per fast worker the virtual time its stage's gradients arrive. At each step end the plugin
-folds into each fast worker's spectral correction (``Worker.spectral.receive_anchor``) every
-gradient that is due (computed for step t, now ≥ t + K) and has arrived by that worker's own
-virtual clock; one still missing ``anchor.max_late`` steps past its due step is dropped and
-counted. The fast circuit never waits: the plugin reads the driver's clocks and never moves them.
+Every ``anchor.delay`` = K steps (t = 0, K, 2K, ...) the plugin hands an anchor replica the weights
+as they stand when step t begins (at step t − 1's end; at the start for t = 0) and the ids of step
+t's batch; the pass runs at once in this process (``AnchorCircuit``) and yields per fast worker
+the virtual time its stage's share arrives. The weights: under ``anchor.weights = outer`` those
+every fast replica agrees on (fast replica 0's strategy's ``agreed_weights``, else its live ones,
+which a non-drifting strategy keeps common), which the anchor follows by listening: at every step
+end fast (0, s) relays the reduced result of its stage's new DP rounds over the anchor's link
+(``relay_bytes``, ``AnchorCircuit.listen``), and the anchor applies the replicas' update itself;
+under ``snapshot`` fast replica 0's live weights, sent at the hand-off. At each step end the plugin
+hands each fast worker's spectral correction every share that is due (computed for step t, now ≥
+t + K) and has arrived by that worker's own virtual clock (``Worker.spectral.receive_basis`` for
+factors, ``receive_anchor`` for gradients); one still missing ``anchor.max_late`` steps past its
+due step is dropped and counted. The fast circuit never waits: the plugin reads the driver's clocks
+and never moves them.
 
 Why step ends: an arrival is folded in before the worker's next optimizer step that the trainer
 can see, so the worker uses exactly what had arrived by then (under the async schedule a worker
@@ -31,6 +37,17 @@ from meshlearn.hooks import Callback, PluginContext, StepOutput
 from meshlearn.mesh.topology import WorkerId
 
 
+def relay_bytes(sent: int, replicas: int, collective: bool) -> int:
+    """The reduced result of DP rounds in which one replica sent ``sent`` bytes: what the anchor
+    receives to follow the agreed weights (``anchor.weights = outer``), one contribution's size.
+    The ring all-reduce (``collective``) sends 2(D − 1) chunks of ⌈N/D⌉ per member, so the result is
+    D·⌈N/D⌉ (N up to the padding of the last chunk); the message strategies send their part to each
+    of the D − 1 peers, so it is ``sent`` / (D − 1)."""
+    if replicas < 2:
+        return 0
+    return sent * replicas // (2 * (replicas - 1)) if collective else sent // (replicas - 1)
+
+
 @dataclass
 class Delivery:
     """One fast worker's share of a pass, until it is folded in or dropped."""
@@ -38,7 +55,7 @@ class Delivery:
     step: int  # computed for this step's weights and batch
     worker: WorkerId
     arrival_s: float
-    grads: dict[str, torch.Tensor]
+    share: dict  # name → gradient (send = gradients) or name → AnchorBasis (send = factors)
 
 
 @dataclass
@@ -60,7 +77,10 @@ class AnchorCallback(Callback):
         profile = replace(pp, bandwidth_mbit=self.a.bandwidth_mbit or pp.bandwidth_mbit,
                           latency_ms=self.a.latency_ms if self.a.latency_ms >= 0 else pp.latency_ms)
         self.circuit = AnchorCircuit([w.module for w in fast], targets, self.a.z, replicas,
-                                     driver.compute, profile, self.a.wire_dtype, cfg.seed)
+                                     driver.compute, profile, self.a.wire_dtype, cfg.seed,
+                                     send=self.a.send, rank=self.a.rank,
+                                     beta=cfg.optim.spectral.beta_anc, weights=self.a.weights)
+        self.dp_seen = [0] * stages  # fast (0, s)'s DP bytes already copied to the anchor
         self.run_dir = run_dir
         self.train_tokens = None
         self.pending: list[Delivery] = []
@@ -82,14 +102,37 @@ class AnchorCallback(Callback):
         x, y = global_batch(self.train_tokens, step, cfg.train.batch_size, cfg.model.seq_len, cfg.seed)
         return shard_batch(x, y, cfg.mesh.replicas, cfg.mesh.microbatches)[0]
 
+    def _weights(self, wid: WorkerId) -> dict[str, torch.Tensor]:
+        """What the anchor computes on for stage ``wid.stage``: the agreed weights (outer) or the
+        live ones (snapshot; and outer under a strategy that keeps the live ones common)."""
+        worker = self.workers[wid]
+        agreed = (worker.dp.agreed_weights() if self.a.weights == "outer" and worker.dp is not None
+                  else None)
+        return agreed or {n: p.detach() for n, p in worker.module.named_parameters()}
+
+    def _listen(self) -> None:
+        """``weights = outer``: relay to the anchor the reduced result of fast (0, s)'s DP rounds
+        since the last step end (``relay_bytes`` of what it sent on its DP links)."""
+        links = self.driver.network.links.values()
+        fast = [WorkerId(0, s) for s in range(self.cfg.mesh.stages)]
+        sent = [sum(link.bytes_sent for link in links if link.axis == "dp" and link.src == w) for w in fast]
+        fresh = [relay_bytes(total - seen, self.cfg.mesh.replicas, self._collective(w))
+                 for total, seen, w in zip(sent, self.dp_seen, fast, strict=True)]
+        self.dp_seen = sent
+        self.circuit.listen([self.driver.clock.now[w] for w in fast], fresh)
+
+    def _collective(self, wid: WorkerId) -> bool:
+        dp = self.workers[wid].dp
+        return dp is None or dp.collective
+
     def _hand_off(self, step: int) -> None:
         stages = self.cfg.mesh.stages
         fast = [WorkerId(0, s) for s in range(stages)]
-        weights = [{n: p.detach() for n, p in self.workers[w].module.named_parameters()} for w in fast]
+        weights = [self._weights(w) for w in fast]
         sent_at = [self.driver.clock.now[w] for w in fast]
         result = self.circuit.run_pass(step, weights, sent_at, self._batches(step))
         for wid, arrival in result.arrival_s.items():
-            self.pending.append(Delivery(step, wid, arrival, result.grads[wid.stage]))
+            self.pending.append(Delivery(step, wid, arrival, result.shares[wid.stage]))
 
     def _deliver(self, now: int) -> dict[str, int]:
         """Fold in what is due and has arrived by each worker's clock; drop what is too late."""
@@ -100,8 +143,9 @@ class AnchorCallback(Callback):
                 kept.append(d)
             elif d.arrival_s <= self.driver.clock.now[d.worker] and late <= self.a.max_late:
                 spectral = self.workers[d.worker].spectral
-                for name, grad in d.grads.items():
-                    spectral.receive_anchor(name, grad, step=d.step, now=now)
+                receive = spectral.receive_basis if self.a.send == "factors" else spectral.receive_anchor
+                for name, value in d.share.items():
+                    receive(name, value, step=d.step, now=now)
                 delivered += 1
                 self.counters.staleness_sum += now - d.step
             elif late >= self.a.max_late:
@@ -119,6 +163,8 @@ class AnchorCallback(Callback):
         now = step + 1  # the next step to run: what arrived by now is used from its update on
         self.steps_seen = now
         events = self._deliver(now)
+        if self.a.weights == "outer":
+            self._listen()
         if now % self.a.delay == 0 and now < self.cfg.train.steps:
             self._hand_off(now)
         records = []
@@ -133,7 +179,8 @@ class AnchorCallback(Callback):
                "anchor_dropped_late": c.dropped_late, "anchor_pending_at_end": len(self.pending),
                "anchor_mean_staleness": c.staleness_sum / c.delivered if c.delivered else None,
                "anchor_bytes_snapshot": b.snapshot, "anchor_bytes_boundary": b.boundary,
-               "anchor_bytes_gradients": b.gradients,
+               "anchor_bytes_gradients": b.gradients, "anchor_bytes_factors": b.factors,
+               "anchor_bytes_listen": b.listen,
                "bytes_per_token_anchor": b.total / tokens if tokens else 0.0,
                "anchor_busy_s": {str(w): t for w, t in sorted(self.circuit.busy_s.items())}}
         for worker in self.workers.values():  # the correction's own counters, over every worker
@@ -143,17 +190,17 @@ class AnchorCallback(Callback):
 
     def state_dict(self) -> dict:
         return {"circuit": self.circuit.state(), "counters": vars(self.counters).copy(),
-                "steps_seen": self.steps_seen,
+                "steps_seen": self.steps_seen, "dp_seen": list(self.dp_seen),
                 "pending": [{"step": d.step, "worker": str(d.worker), "arrival_s": d.arrival_s,
-                             "grads": d.grads} for d in self.pending]}
+                             "share": d.share} for d in self.pending]}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state is None:
             return
         self.circuit.load_state(state["circuit"])
         self.counters = AnchorCounters(**state["counters"])
-        self.steps_seen = state["steps_seen"]
-        self.pending = [Delivery(d["step"], WorkerId.parse(d["worker"]), d["arrival_s"], d["grads"])
+        self.steps_seen, self.dp_seen = state["steps_seen"], list(state["dp_seen"])
+        self.pending = [Delivery(d["step"], WorkerId.parse(d["worker"]), d["arrival_s"], d["share"])
                         for d in state["pending"]]
 
 

@@ -8,19 +8,25 @@ from dataclasses import dataclass
 from typing import Any
 
 WIRE_DTYPES = ("bf16", "fp32")
+SENDS = ("factors", "gradients")
+WEIGHTS = ("outer", "snapshot")
+# DP strategies whose replicas agree on some weights the anchor can follow by listening: the
+# per-update averages keep replicas identical, streaming DiLoCo's outer weights are common.
+AGREEING_DP = ("allreduce", "powersgd", "diloco")
 
 
 @dataclass(frozen=True)
 class AnchorConfig:
     """Z anchor replicas of the pipeline (docs/adaptation.md). Config keys under ``anchor.``.
 
-    Every ``delay`` steps the fast circuit hands an anchor replica (in turn) its current weights
-    and the step's batch; the anchor runs an unmasked forward/backward through its own P stages
-    over its own links and sends the gradients of the targeted matrices to every fast replica of
-    each stage. A gradient computed for step t is folded into the spectral correction at the first
-    step end ≥ t + ``delay`` by which it has arrived on the virtual clock; the fast circuit never
-    waits for it. Needs ``optim.spectral.enabled``. Under ``backend = dist`` the Z × P anchor
-    stages are processes of their own (distributed/anchor.py).
+    Every ``delay`` steps the fast circuit hands an anchor replica (in turn) the step's batch ids
+    (and, with ``weights = snapshot``, its current weights); the anchor runs an unmasked
+    forward/backward through its own P stages over its own links and sends, for the targeted
+    matrices, the top-r factors of its EMA (``send = factors``) or the gradients themselves to
+    every fast replica of each stage. What was computed for step t is handed to the spectral
+    correction at the first step end ≥ t + ``delay`` by which it has arrived on the virtual clock;
+    the fast circuit never waits for it. Needs ``optim.spectral.enabled``. Under ``backend =
+    dist`` the Z × P anchor stages are processes of their own (distributed/anchor.py).
     """
 
     z: int = 0
@@ -38,14 +44,31 @@ class AnchorConfig:
     """Comma-separated matrices whose gradients the anchor sends, from those of
     ``optim.spectral.targets`` (empty = all of them)."""
     wire_dtype: str = "bf16"
-    """What the weight snapshot, the anchor's boundary tensors and its gradients travel as (bf16 or
-    fp32). bf16 rounds the snapshot the anchor computes on; fp32 makes its gradient the unsplit
-    model's exactly."""
+    """What the weight snapshot, the anchor's boundary tensors and its gradients or factors travel
+    as (bf16 or fp32). bf16 rounds the snapshot the anchor computes on; fp32 makes its gradient the
+    unsplit model's exactly."""
     bandwidth_mbit: float = 0.0
     """Bandwidth of the anchor's own links (its pipeline links, and those to the fast replicas);
     0 = the PP links' (``links.pp_bandwidth_mbit`` or ``link.bandwidth_mbit``)."""
     latency_ms: float = -1.0
     """One-way latency of the anchor's links; -1 = the PP links'."""
+    send: str = "factors"
+    """What each anchor stage sends to the fast replicas (open detail 3). ``factors`` (the note's
+    default): the stage keeps the EMA M of each targeted matrix itself (β = optim.spectral.beta_anc),
+    takes its thin SVD on every pass and sends the top ``anchor.rank`` factors U_r, S_r, V_r:
+    r·(m + n + 1) values per matrix instead of m·n. ``gradients`` (the note's simulation mode): the
+    full gradients; each fast worker keeps the EMA and takes the SVD."""
+    rank: int = 64
+    """r of ``send = factors`` (the paper's rank-64 ablation; >= 1). A matrix with min(m, n) <= r
+    sends its full thin SVD; with fp32 wire that is ``send = gradients`` up to rounding."""
+    weights: str = "outer"
+    """What the anchor computes on (open detail 2). ``outer`` (the note's default): the weights
+    every fast replica already agrees on (after each update under dp.name = allreduce / powersgd,
+    streaming DiLoCo's outer weights under diloco); no snapshot travels: fast replica 0 relays the
+    reduced result of each DP round of its stage to the anchor, which applies the same update, and
+    those bytes are charged on the anchor's link (``anchor_bytes_listen``). Needs mesh.replicas >= 2
+    and one of those strategies; the simulator only. ``snapshot``: fast replica 0's current
+    weights, sent per stage every K steps in ``wire_dtype`` (2 B × stage parameters in bf16)."""
 
 
 def anchor_targets(cfg: Any) -> tuple[str, ...]:
@@ -66,6 +89,9 @@ def validate_anchor(cfg: Any, require: Callable[[bool, str, Any, str], None]) ->
             "must be > 0, or 0 for the PP links' bandwidth")
     require(a.latency_ms >= 0 or a.latency_ms == -1, "anchor.latency_ms", a.latency_ms,
             "must be >= 0, or -1 for the PP links' latency")
+    require(a.send in SENDS, "anchor.send", a.send, f"allowed: {list(SENDS)}")
+    require(a.rank >= 1, "anchor.rank", a.rank, "must be >= 1 (the factors' rank r)")
+    require(a.weights in WEIGHTS, "anchor.weights", a.weights, f"allowed: {list(WEIGHTS)}")
     spectral = tuple(t.strip() for t in cfg.optim.spectral.targets.split(",") if t.strip())
     unknown = [t for t in anchor_targets(cfg) if t not in spectral]
     require(not unknown, "anchor.targets", a.targets,
@@ -90,3 +116,13 @@ def validate_anchor(cfg: Any, require: Callable[[bool, str, Any, str], None]) ->
             f"{staleness - a.delay}" if staleness >= a.delay else
             f"anchor.delay = {a.delay} exceeds optim.spectral.max_staleness = {staleness}, which "
             "would drop every arrival")
+    if a.weights == "outer":
+        require(cfg.backend == "sim", "anchor.weights", a.weights,
+                "under backend = dist the anchor's listening to the DP traffic is not built: "
+                "set anchor.weights = snapshot")
+        require(cfg.mesh.replicas >= 2, "anchor.weights", a.weights,
+                "with mesh.replicas = 1 there is no DP synchronization to listen to: "
+                "set anchor.weights = snapshot")
+        require(cfg.dp.name in AGREEING_DP, "anchor.weights", a.weights,
+                f"under dp.name = {cfg.dp.name!r} the replicas agree on no weights: use dp.name "
+                f"from {list(AGREEING_DP)}, or anchor.weights = snapshot")

@@ -14,14 +14,17 @@ A pass, for hand-off step t (t = 0, K, 2K, ... < train.steps; anchor replica (t 
    t's batch (8 bytes per sequence: their start offsets, never the tokens);
 2. the anchor stages run GPipe over the fast circuit's microbatches, nothing masked: every
    boundary carries the whole activation forward and the whole gradient back in the wire dtype;
-3. each anchor stage sends the gradients of its targeted matrices (the mean loss over the share,
-   as the fast circuit normalizes it) to every fast replica of its stage.
+3. each anchor stage sends every fast replica of its stage, for its targeted matrices (the mean
+   loss over the share, as the fast circuit normalizes it), the gradients (``anchor.send =
+   gradients``) or the top-r factors of the EMA of them it keeps itself (``factors``,
+   anchor/factors.py: the simulator's arithmetic).
 
 The fast side (``AnchorClient``) never waits for any of it: the driver calls ``step_end`` when its
 worker has applied a step's updates; it takes what has already arrived (a non-blocking poll of its
-own transport, apart from the pipeline's), folds each share due (now ≥ t + K) into the worker's
-spectral correction, and drops one still missing ``anchor.max_late`` steps past its due step: the
-simulator's rule, with "arrived by the worker's clock" read on the wall clock. At the end a worker
+own transport, apart from the pipeline's), hands each share due (now ≥ t + K) to the worker's
+spectral correction (``receive_basis`` for factors, ``receive_anchor`` for gradients), and drops
+one still missing ``anchor.max_late`` steps past its due step: the simulator's rule, with "arrived
+by the worker's clock" read on the wall clock. At the end a worker
 neither drains its anchor links nor waits for a pass in flight. The anchor processes end when
 every worker has finished (their ``done`` keys).
 """
@@ -41,6 +44,7 @@ import torch
 from torch import Tensor
 
 from meshlearn.anchor.circuit import WIRE
+from meshlearn.anchor.factors import AnchorEMA, pack, unpack
 from meshlearn.anchor.settings import anchor_targets
 from meshlearn.compress.codecs import Encoded
 from meshlearn.data import batch_offsets, shard_batch, windows
@@ -138,7 +142,7 @@ class AnchorClient:
         for z in range(self.a.z):
             self.transport.expect_link((anchor_id(self.mesh, z, self.me.stage), self.me),
                                        len(passes_of(cfg, z)), capacity(cfg))
-        self.arrived: dict[int, dict[str, Tensor]] = {}  # hand-off step → its share, until folded
+        self.arrived: dict[int, dict] = {}  # hand-off step → its share (gradients or bases), until used
         self.outstanding: list[int] = []  # hand-offs made whose share is neither folded nor dropped
         self.settled: set[int] = set()  # folded or dropped: a later arrival is ignored
         self.counters = AnchorCounters()
@@ -164,8 +168,10 @@ class AnchorClient:
             if late < 0:
                 kept.append(t)
             elif t in self.arrived and late <= self.a.max_late:
-                for name, grad in self.arrived.pop(t).items():
-                    self.worker.spectral.receive_anchor(name, grad, step=t, now=now)
+                spectral = self.worker.spectral
+                receive = spectral.receive_basis if self.a.send == "factors" else spectral.receive_anchor
+                for name, value in self.arrived.pop(t).items():
+                    receive(name, value, step=t, now=now)
                 self.counters.delivered += 1
                 self.counters.staleness_sum += now - t
                 self.settled.add(t)
@@ -213,7 +219,9 @@ class AnchorClient:
                 raise RuntimeError(f"worker {self.me}: a {item.kind!r} message on an anchor link "
                                    f"from {item.src}")
             if item.step not in self.settled:
-                self.arrived[item.step] = {n: t.to(torch.float32) for n, t in item.payload.tensors.items()}
+                tensors = item.payload.tensors
+                self.arrived[item.step] = (unpack(tensors) if self.a.send == "factors" else
+                                           {n: t.to(torch.float32) for n, t in tensors.items()})
 
     def totals(self) -> list[float]:
         """This worker's counters, in ``TOTALS`` order (summed over the workers for the summary)."""
@@ -249,13 +257,15 @@ class DistAnchorCallback(Callback):
                      for z in range(self.cfg.anchor.z))
         boundary = sum(p.get("boundary", 0) for p in posted.values())
         gradients = sum(p.get("gradients", 0) for p in posted.values())
+        factors = sum(p.get("factors", 0) for p in posted.values())
         tokens = self.cfg.train.steps * self.cfg.train.batch_size * self.cfg.model.seq_len
-        total = c["bytes_snapshot"] + boundary + gradients
+        total = c["bytes_snapshot"] + boundary + gradients + factors
         out = {"anchor_passes": passes, "anchor_delivered": int(c["delivered"]),
                "anchor_dropped_late": int(c["dropped_late"]), "anchor_pending_at_end": int(c["pending"]),
                "anchor_mean_staleness": c["staleness_sum"] / c["delivered"] if c["delivered"] else None,
                "anchor_bytes_snapshot": int(c["bytes_snapshot"]), "anchor_bytes_boundary": boundary,
-               "anchor_bytes_gradients": gradients,
+               "anchor_bytes_gradients": gradients, "anchor_bytes_factors": factors,
+               "anchor_bytes_listen": 0,  # anchor.weights = outer is the simulator's only
                "bytes_per_token_anchor": total / tokens if tokens else 0.0}
         return out | {k: int(v) for k, v in zip(spectral, sums[len(TOTALS):], strict=True)}
 
@@ -285,6 +295,10 @@ class AnchorStage:
         self.passes = 0
         self.bytes_boundary = 0
         self.bytes_gradients = 0
+        self.bytes_factors = 0
+        # send = factors: this stage's own EMA of its gradients, whose top-r factors it sends
+        self.ema = (AnchorEMA(cfg.optim.spectral.beta_anc, cfg.anchor.rank)
+                    if cfg.anchor.send == "factors" else None)
 
     def run(self) -> None:
         """Every pass of this anchor replica, until the workers have all finished."""
@@ -296,7 +310,8 @@ class AnchorStage:
                 return
             self.passes += 1
             self.store.set(f"anchor/{self.rank}", json.dumps(
-                {"passes": self.passes, "boundary": self.bytes_boundary, "gradients": self.bytes_gradients}))
+                {"passes": self.passes, "boundary": self.bytes_boundary, "gradients": self.bytes_gradients,
+                 "factors": self.bytes_factors}))
         self._wait(None, -1, -1)  # nothing more to do: wait for the end
 
     def _pass(self, t: int, snapshot: Message) -> bool:
@@ -339,11 +354,15 @@ class AnchorStage:
             if self.s > 0:
                 self._send("anchor_grad", t, m, anchor_id(self.mesh, self.z, self.s - 1), inputs[m].grad)
         params = dict(module.named_parameters())
-        share = {n: params[n].grad.detach().to(self.dtype) for n in self.targets
-                 if params[n].grad is not None}
+        grads = {n: params[n].grad.detach() for n in self.targets if params[n].grad is not None}
+        share = (pack(self.ema.fold(grads), self.dtype) if self.ema is not None else
+                 {n: g.to(self.dtype) for n, g in grads.items()})
         for r in range(self.mesh.replicas):
             out = message("anchor_share", t, self.z, self.me, WorkerId(r, self.s), share)
-            self.bytes_gradients += out.wire_bytes
+            if self.ema is not None:
+                self.bytes_factors += out.wire_bytes
+            else:
+                self.bytes_gradients += out.wire_bytes
             self.transport.send(out, capacity(cfg))
         module.zero_grad(set_to_none=True)
         return True

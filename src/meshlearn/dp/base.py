@@ -54,6 +54,13 @@ class DPStrategy:
         self.rounds = 0  # rounds started
         self.dropped = 0  # rounds dropped at their deadline
 
+    def agreed_weights(self) -> dict[str, torch.Tensor] | None:
+        """Weights every replica of this stage holds alike, by parameter name, where the strategy
+        keeps them apart from the live ones (streaming DiLoCo: the outer weights); None where it
+        keeps none (if ``drifts`` is False, the live weights are common after every update). The
+        anchor circuit computes on these under ``anchor.weights = outer``."""
+        return None
+
     def pre_step(self, u: int) -> list[Message]:
         return []
 

@@ -66,6 +66,10 @@ class StreamingDiLoCo(DPStrategy):
             LowRankCompressor([self.params[i].shape for i in frag], rank, seed * 1009 + me.stage * 31 + f)
             for f, frag in enumerate(self.fragments)]
 
+    def agreed_weights(self) -> dict[str, torch.Tensor]:
+        """θ_outer of every fragment as of its last sync: identical on every replica."""
+        return dict(zip(self.names, self.outer, strict=True))
+
     def sync_key(self, key: Key) -> Key:
         """The sync a round key belongs to: (u, f) for round 0, (u, F + f) for round 1."""
         return key[0], key[1] % len(self.fragments)

@@ -15,9 +15,12 @@ gradient units: it depends on the loss normalization and the model size) or ``re
 of each matrix). The first arrival sets M to that gradient (no zero start: with an absolute τ a
 zero-started EMA would shrink the first spectra by 1 − β_anc).
 
-Entry point for the anchor circuit: ``receive_anchor(name, grad, step, now)``. Arrivals are indexed
-by the step they were computed for; one more than ``max_staleness`` steps old, or older than the last
-one folded in, is dropped. Until something arrives a matrix has no basis and its gradient passes
+Two entry points for the anchor circuit: ``receive_anchor(name, grad, step, now)`` folds a clean
+gradient into this worker's own EMA and recomputes the SVD (the note's "simulation mode");
+``receive_basis(name, basis, step, now)`` installs a basis the anchor computed from the EMA it keeps
+itself (its top-r factors, open detail 3: no EMA or SVD here). Arrivals are indexed by the step they
+were computed for; one more than ``max_staleness`` steps old, or older than the last one installed,
+is dropped. Until something arrives a matrix has no basis and its gradient passes
 unchanged, so without an anchor circuit (``anchor.z = 0``) the correction is inert: the run is the
 base optimizer's, bit for bit. The simulator's anchor circuit (``meshlearn.anchor``) feeds it.
 
@@ -102,6 +105,25 @@ class AnchorBasis:
         u, s, vh = torch.linalg.svd(ema.float(), full_matrices=False)
         return cls(u, s, vh)
 
+    def top(self, rank: int) -> AnchorBasis:
+        """The leading ``rank`` singular triplets (all of them if ``rank`` >= min(m, n))."""
+        return AnchorBasis(self.u[:, :rank], self.s[:rank], self.vh[:rank])
+
+    def orthonormalized(self) -> AnchorBasis:
+        """U and V with orthonormal columns again (QR), as received over a narrow wire: the filter's
+        ‖G_filt‖_F ≤ ‖G‖_F needs them orthonormal, and bf16 rounding breaks that slightly. A column's
+        sign does not matter (u_i and v_i each appear twice in the filter)."""
+        u, _ = torch.linalg.qr(self.u.float())
+        v, _ = torch.linalg.qr(self.vh.float().T)
+        return AnchorBasis(u, self.s.float(), v.T)
+
+
+def fold_ema(ema: Tensor | None, grad: Tensor, beta: float) -> Tensor:
+    """M ← β·M + (1 − β)·G in fp32, in place; the first arrival sets M to G (no zero start). Used by
+    the correction (gradients sent) and by the anchor stage itself (factors sent): the same EMA."""
+    grad = grad.detach().to(torch.float32)
+    return grad.clone() if ema is None else ema.mul_(beta).add_(grad, alpha=1 - beta)
+
 
 def damping(s: Tensor, tau: float) -> Tensor:
     """d_i = s_i / (s_i + τ) in [0, 1]; 0 where s_i + τ = 0 (a zero direction with τ = 0)."""
@@ -170,19 +192,46 @@ class SpectralCorrection:
         if tuple(grad.shape) != tuple(param.shape):
             raise ValueError(f"spectral correction: anchor gradient of {name} has shape "
                              f"{tuple(grad.shape)}, the matrix {tuple(param.shape)}")
+        if not self._admit(prior, step, now):
+            return False
+        prior.ema = fold_ema(prior.ema, grad.to(param.device), self.cfg.beta_anc)
+        self._install(prior, AnchorBasis.of(prior.ema), step)
+        return True
+
+    def receive_basis(self, name: str, basis: AnchorBasis, step: int, now: int) -> bool:
+        """Install the basis of matrix ``name`` that the anchor computed from its own EMA for step
+        ``step`` (U: (m, r), s: (r,), Vh: (r, n), as received; re-orthonormalized here). The same
+        staleness and order rules as ``receive_anchor``; no EMA is kept here."""
+        if name not in self.params:
+            raise KeyError(f"spectral correction: {name!r} is not a targeted matrix here; "
+                           f"targeted: {sorted(self.params)}")
+        param, prior = self.params[name], self.priors[name]
+        m, n = param.shape
+        r = basis.s.numel()
+        if basis.u.shape != (m, r) or basis.vh.shape != (r, n) or not 1 <= r <= min(m, n):
+            raise ValueError(f"spectral correction: anchor basis of {name} has U {tuple(basis.u.shape)}, "
+                             f"s {tuple(basis.s.shape)}, Vh {tuple(basis.vh.shape)}; the matrix is "
+                             f"{(m, n)}")
+        if not self._admit(prior, step, now):
+            return False
+        moved = AnchorBasis(basis.u.to(param.device), basis.s.to(param.device), basis.vh.to(param.device))
+        self._install(prior, moved.orthonormalized(), step)
+        return True
+
+    def _admit(self, prior: AnchorPrior, step: int, now: int) -> bool:
+        """Whether an arrival for ``step`` is used at ``now`` (counted if not)."""
         if now - step > self.cfg.max_staleness:
             self.counters.dropped_stale += 1
             return False
         if step < prior.last_step:
             self.counters.dropped_out_of_order += 1
             return False
-        grad = grad.detach().to(device=param.device, dtype=torch.float32)
-        beta = self.cfg.beta_anc
-        prior.ema = grad.clone() if prior.ema is None else prior.ema.mul_(beta).add_(grad, alpha=1 - beta)
-        prior.basis = AnchorBasis.of(prior.ema)
+        return True
+
+    def _install(self, prior: AnchorPrior, basis: AnchorBasis, step: int) -> None:
+        prior.basis = basis
         prior.last_step, prior.arrivals = step, prior.arrivals + 1
         self.counters.accepted += 1
-        return True
 
     @torch.no_grad()
     def correct(self) -> None:
@@ -213,15 +262,23 @@ class SpectralCorrection:
                 "spectral_corrected_steps": c.corrected_steps}
 
     def state_dict(self) -> dict:
-        """The EMAs and their steps (bases are recomputed on load: the SVD is deterministic)."""
-        return {"priors": {name: {"ema": p.ema, "last_step": p.last_step, "arrivals": p.arrivals}
-                           for name, p in self.priors.items() if p.ema is not None},
-                "counters": dict(self.counters.__dict__)}
+        """The EMAs and their steps (bases are recomputed on load: the SVD is deterministic); a
+        basis installed by ``receive_basis`` has no EMA here and is saved itself."""
+        priors = {}
+        for name, p in self.priors.items():
+            if p.basis is None:
+                continue
+            saved = {"ema": p.ema} if p.ema is not None else {"basis": (p.basis.u, p.basis.s, p.basis.vh)}
+            priors[name] = saved | {"last_step": p.last_step, "arrivals": p.arrivals}
+        return {"priors": priors, "counters": dict(self.counters.__dict__)}
 
     def load_state_dict(self, state: dict) -> None:
         for name, saved in state["priors"].items():
-            prior = self.priors[name]
-            prior.ema = saved["ema"].to(self.params[name].device)
-            prior.basis = AnchorBasis.of(prior.ema)
+            prior, device = self.priors[name], self.params[name].device
+            if "ema" in saved:
+                prior.ema = saved["ema"].to(device)
+                prior.basis = AnchorBasis.of(prior.ema)
+            else:
+                prior.basis = AnchorBasis(*(t.to(device) for t in saved["basis"]))
             prior.last_step, prior.arrivals = saved["last_step"], saved["arrivals"]
         self.counters = SpectralCounters(**state["counters"])
