@@ -7,19 +7,21 @@ model's own tokenizer, on a P = ``--stages`` × D = ``--replicas`` fast mesh, as
 linear warm-up then cosine to 0.1 × lr) the rows of ``--rows`` (default: the paper's six, as in
 ``bench/adaptation.py``: dense, dense + DP compression, M90, M90 + anchor, M95, M95 + anchor).
 
-**One row per process.** A row's trainer holds 12 workers' weights and AdamW moments (about 5 GB
-resident); a process that ran row after row grew to 15.5 GB and was OOM-killed in its 11th. So this
-script, as the outer process, runs each row as ``--row NAME --lr LR`` in a child process that takes
-the bench lock (``--lock``) for that row only, and assembles the table from the rows' results. A
-row's process writes its run folder ``bench/out/adaptation_smollm2/<row>_<settings hash>/``
-(metrics.jsonl, summary.json, config.toml; no checkpoint: 3.9 GB each) and, last and atomically,
-``result.json``: the settings it ran with, the validation loss (dense, nats/token) of the
-pretrained start and after adaptation, the masked validation loss after (mask rows: the final
-weights with the run's own mask at every boundary, open detail 7), the summary's throughput, bytes
-and anchor counters, and two samples from replica 0's merged stages, one before training (the
-pretrained start) and one after. A rerun skips every row whose result.json was written with the
-same settings (the whole resolved config but the anchor and spectral sections of a row without
-anchor, plus the prompt and sample length): the table resumes and never mixes settings.
+**One row per process.** A row's trainer holds 12 workers' weights, AdamW moments, the DP strategy's
+state and the async schedule's weight versions (the M90 row peaked at 15.7 GB resident); the process
+that ran row after row was OOM-killed in its 11th, on a machine shared with other jobs. So this
+script, as the outer process, runs each row as ``--row NAME --lr LR`` in a child process (its memory
+is returned when it exits) that takes the bench lock (``--lock``) for that row only, and assembles
+the table from the rows' results. A row's process writes its run folder
+``bench/out/adaptation_smollm2/<row>_<settings hash>/`` (metrics.jsonl, summary.json, config.toml;
+no checkpoint: 3.9 GB each) and, last and atomically, ``result.json``: the settings it ran with, the
+validation loss (dense, nats/token) of the pretrained start and after adaptation, the masked
+validation loss after (mask rows: the final weights with the run's own mask at every boundary, open
+detail 7), the summary's throughput, bytes and anchor counters, and two samples from replica 0's
+merged stages, one before training (the pretrained start) and one after. A rerun skips every row
+whose result.json was written with the same settings (the whole resolved config but the anchor and
+spectral sections of a row without anchor, plus the prompt and sample length): the table resumes and
+never mixes settings.
 
 ``--lrs`` may hold ``probe``: the learning rate among ``--probe-lrs`` whose dense run on one
 worker (P = 1, D = 1, same global batch and sequence length; one row process each) reaches the
@@ -27,9 +29,10 @@ lowest validation loss after ``--probe-steps`` steps. It stands for "a learning 
 adaptation actually moves"; the paper's 2e-5 hardly moves in a budget this small.
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python bench/adaptation_smollm2.py [--steps 20] [--lrs 2e-5,3e-4] \\
-        [--rows "dense,M95"] [--dry-run]
+        [--rows "dense,M95"] [--no-run]
 
-Results go to docs/results/adaptation_smollm2.{json,md} (``--results``): the rows asked for.
+Results go to docs/results/adaptation_smollm2.{json,md} (``--results``): the rows asked for;
+``--no-run`` assembles them from the finished rows alone.
 """
 
 from __future__ import annotations
@@ -192,9 +195,9 @@ def ensure(args, name: str, lr: float) -> dict:
     run_dir = row_dir(name, lr, key)
     result_file = run_dir / "result.json"
     if not result_file.is_file() or json.loads(result_file.read_text())["settings"] != key:
-        if args.dry_run:
-            print(f"to run: lr {lr:g} {name} → {run_dir.name}")
-            return {"row": name, "lr": lr, "missing": "not run yet"}
+        if args.no_run:
+            print(f"not run: lr {lr:g} {name} → {run_dir.name}")
+            return {"row": name, "lr": lr, "missing": "not run"}
         options = [f"--{o.replace('_', '-')}={getattr(args, o)}" for o in ROW_OPTIONS]
         with open(args.lock, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another benchmark runs
@@ -226,6 +229,7 @@ def table_row(result: dict, start: float, dense: dict | None) -> dict:
         "anchor": (f"{s['anchor_delivered']} in / {s['anchor_dropped_late']} late / "
                    f"{s['anchor_pending_at_end']} pending" if "anchor_delivered" in s else "—"),
         "paper_tokens_per_s": paper_tps, "paper_bytes": paper_bpt, "wall_s": result["wall_s"],
+        "peak_rss_gb": result.get("peak_rss_gb", "—"),
         "measured": f"{result['measured_utc']} ({(result['commit'] or '?')[:7]})",
     }
 
@@ -237,7 +241,8 @@ COLUMNS = [
     ("speedup", "÷ dense", ".1f"), ("bytes_pp", "PP B/token", ".0f"), ("bytes_dp", "DP B/token", ".0f"),
     ("bytes_anchor", "anchor B/token", ".0f"), ("binds", "binds", ""), ("anchor", "anchor arrivals", ""),
     ("paper_tokens_per_s", "paper tokens/s", ".0f"), ("paper_bytes", "paper B/token", ".0f"),
-    ("wall_s", "wall (s)", ".0f"), ("measured", "measured UTC (commit)", ""),
+    ("wall_s", "wall (s)", ".0f"), ("peak_rss_gb", "peak RSS (GB)", ".1f"),
+    ("measured", "measured UTC (commit)", ""),
 ]
 
 
@@ -311,7 +316,8 @@ def main() -> None:
     parser.add_argument("--sample-tokens", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lock", default="/tmp/meshlearn-bench.lock", help="held while a row runs")
-    parser.add_argument("--dry-run", action="store_true", help="list the rows to run; run nothing")
+    parser.add_argument("--no-run", action="store_true",
+                        help="run nothing: list the rows not run yet, assemble the table of the others")
     parser.add_argument("--row", default="", help="(a row's process) run this row only")
     parser.add_argument("--lr", type=float, default=0.0, help="(a row's process) its learning rate")
     args = parser.parse_args()
@@ -331,11 +337,9 @@ def main() -> None:
         probes = [ensure(args, "probe", float(lr)) for lr in args.probe_lrs.split(",")]
         ran = [p for p in probes if "missing" not in p]
         if len(ran) < len(probes):
-            sys.exit("--lrs probe: a probe row did not finish; see its run folder")
+            sys.exit("--lrs probe: a probe row has not finished; see its run folder")
         lrs.append(min(ran, key=lambda p: p["val_end"])["lr"])
-    results = [ensure(args, name, lr) for lr in lrs for name in wanted]
-    if not args.dry_run:
-        assemble(args, results, probes)
+    assemble(args, [ensure(args, name, lr) for lr in lrs for name in wanted], probes)
 
 
 if __name__ == "__main__":
