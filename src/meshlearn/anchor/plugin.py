@@ -80,7 +80,7 @@ class AnchorCallback(Callback):
                                      driver.compute, profile, self.a.wire_dtype, cfg.seed,
                                      send=self.a.send, rank=self.a.rank,
                                      beta=cfg.optim.spectral.beta_anc, weights=self.a.weights)
-        self.dp_seen = [0] * stages  # fast (0, s)'s DP bytes already copied to the anchor
+        self.dp_seen = [0] * stages  # what fast (0, s) had sent on its DP links at the last relay
         self.run_dir = run_dir
         self.train_tokens = None
         self.pending: list[Delivery] = []

@@ -41,7 +41,7 @@ class AnchorConfig:
     must stay within ``optim.spectral.max_staleness``. If summary.json shows drops, the anchor is
     too slow for K: raise ``anchor.z`` or K."""
     targets: str = ""
-    """Comma-separated matrices whose gradients the anchor sends, from those of
+    """Comma-separated matrices the anchor sends (their factors or gradients), from those of
     ``optim.spectral.targets`` (empty = all of them)."""
     wire_dtype: str = "bf16"
     """What the weight snapshot, the anchor's boundary tensors and its gradients or factors travel
