@@ -4,57 +4,82 @@ Continual pretraining of the pretrained preset (``model.init = smollm2-135m``, u
 gives the last stage its own copy of the embedding) on the Shakespeare corpus, tokenized by the
 model's own tokenizer, on a P = ``--stages`` × D = ``--replicas`` fast mesh, async schedule,
 200 Mbit/s / 50 ms links, device model (RTX 4090 @ 40%). For each learning rate of ``--lrs`` (AdamW,
-linear warm-up then cosine to 0.1 × lr) six rows, as in ``bench/adaptation.py``: dense, dense + DP
-compression, M90, M90 + anchor, M95, M95 + anchor; plus "no adaptation" (the pretrained start,
-evaluated once: every row starts from these weights, and evaluation is unmasked).
+linear warm-up then cosine to 0.1 × lr) the rows of ``--rows`` (default: the paper's six, as in
+``bench/adaptation.py``: dense, dense + DP compression, M90, M90 + anchor, M95, M95 + anchor).
+
+**One row per process.** A row's trainer holds 12 workers' weights, AdamW moments, the DP strategy's
+state and the async schedule's weight versions (the M90 row peaked at 15.7 GB resident); the process
+that ran row after row was OOM-killed in its 11th, on a machine shared with other jobs. So this
+script, as the outer process, runs each row as ``--row NAME --lr LR`` in a child process (its memory
+is returned when it exits) that takes the bench lock (``--lock``) for that row only, and assembles
+the table from the rows' results. A row's process writes its run folder
+``bench/out/adaptation_smollm2/<row>_<settings hash>/`` (metrics.jsonl, summary.json, config.toml;
+no checkpoint: 3.9 GB each) and, last and atomically, ``result.json``: the settings it ran with, the
+validation loss (dense, nats/token) of the pretrained start and after adaptation, the masked
+validation loss after (mask rows: the final weights with the run's own mask at every boundary, open
+detail 7), the summary's throughput, bytes and anchor counters, and two samples from replica 0's
+merged stages, one before training (the pretrained start) and one after. A rerun skips every row
+whose result.json was written with the same settings (the whole resolved config but the anchor and
+spectral sections of a row without anchor, plus the prompt and sample length): the table resumes and
+never mixes settings.
 
 ``--lrs`` may hold ``probe``: the learning rate among ``--probe-lrs`` whose dense run on one
-worker (P = 1, D = 1, same global batch and sequence length) reaches the lowest validation loss
-after ``--probe-steps`` steps. It stands for "a learning rate at which dense adaptation actually
-moves"; the paper's 2e-5 hardly moves in a budget this small.
+worker (P = 1, D = 1, same global batch and sequence length; one row process each) reaches the
+lowest validation loss after ``--probe-steps`` steps. It stands for "a learning rate at which dense
+adaptation actually moves"; the paper's 2e-5 hardly moves in a budget this small.
 
-Per row: validation loss (nats/token, dense evaluation on the same ``--eval-batches`` batches)
-after adaptation, virtual tokens/s, bytes per token on the PP and DP axes and the anchor's own
-links, the binding resource, and a sample generation from replica 0's merged stages.
+    PYTHONPATH=src OMP_NUM_THREADS=1 python bench/adaptation_smollm2.py [--steps 20] [--lrs 2e-5,3e-4] \\
+        [--rows "dense,M95"] [--no-run]
 
-The runs keep no checkpoints: one would be 3.9 GB here (12 workers' weights and AdamW moments),
-and the samples are taken from the trained workers in the same process.
-
-    flock /tmp/meshlearn-bench.lock env PYTHONPATH=src OMP_NUM_THREADS=1 python bench/adaptation_smollm2.py \\
-        [--steps 30] [--seq-len 64] [--batch-size 4] [--lrs 2e-5,probe]
-
-Runs live in bench/out/adaptation_smollm2/; results go to docs/results/adaptation_smollm2.{json,md}.
+Results go to docs/results/adaptation_smollm2.{json,md} (``--results``): the rows asked for;
+``--no-run`` assembles them from the finished rows alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import hashlib
 import json
+import resource
 import shutil
+import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 from adaptation import PAPER, binding
-from common import ROOT, dumps, markdown_table, write_results
+from adaptation_sweep import masked_val_loss
+from common import ROOT, markdown_table, write_results
 
 from meshlearn.config import RunConfig, load_config, to_dict
 from meshlearn.mesh.topology import WorkerId
-from meshlearn.models.llama import DecoderConfig
+from meshlearn.models.llama import Decoder, DecoderConfig
 from meshlearn.models.split import merge_stages
-from meshlearn.sample import Generation, sample_from_pretrained
+from meshlearn.sample import Generation, generate_text
 from meshlearn.train import Trainer
+from meshlearn.train.files import atomic_write_json, read_records
+from meshlearn.train.provenance import describe_run
 
 OUT = ROOT / "bench" / "out" / "adaptation_smollm2"
 PROMPT = "**KING**  \nWhat news from"
+ROW_NAMES = ["dense", "dense + DP", "M90", "M90 + anchor", "M95", "M95 + anchor"]
+# The options a row's process needs (every other option is the outer process's own).
+ROW_OPTIONS = ["steps", "stages", "replicas", "microbatches", "seq_len", "batch_size", "eval_batches",
+               "probe_steps", "rank", "inner_steps", "anchor_delay", "anchor_bandwidth", "sample_tokens",
+               "seed"]
 
 
 class BenchTrainer(Trainer):
-    """A trainer that writes no checkpoint (3.9 GB each at this size; nothing here resumes)."""
+    """A trainer that writes no checkpoint (3.9 GB each at this size; a row reruns from the start)."""
 
     def save_checkpoint(self) -> Path:
         return self.run_dir
+
+
+# --- the rows' configs ---------------------------------------------------------------------
 
 
 def base_sets(args, lr: float, steps: int) -> list[str]:
@@ -79,274 +104,242 @@ def base_sets(args, lr: float, steps: int) -> list[str]:
     ]
 
 
-def mesh_sets(args) -> list[str]:
-    return [
-        f"mesh.stages={args.stages}",
-        f"mesh.replicas={args.replicas}",
-        "mesh.schedule=async",
-        f"mesh.microbatches={args.microbatches}",
-    ]
-
-
-def rows(args) -> dict[str, list[str]]:
+def row_sets(args, name: str) -> list[str]:
     """The paper's six rows (DP compression: mode B, streaming DiLoCo with PowerSGD; the masked rows
-    compress the DP axis too, as the paper's byte counts imply)."""
-    dp = [
-        "dp.name=diloco",
-        "dp.compress=powersgd",
-        f"dp.rank={args.rank}",
-        f"dp.inner_steps={args.inner_steps}",
-    ]
-    anchor = [
-        "optim.spectral.enabled=true",
-        "anchor.z=1",
-        f"anchor.delay={args.anchor_delay}",
-        f"anchor.max_late={args.anchor_delay}",
-        f"anchor.bandwidth_mbit={args.anchor_bandwidth}",
-    ]
-    return {
-        "dense": ["codec.name=bf16"],
-        "dense + DP": ["codec.name=bf16", *dp],
-        "M90": ["codec.name=mask", "codec.keep=0.1", *dp],
-        "M90 + anchor": ["codec.name=mask", "codec.keep=0.1", *dp, *anchor],
-        "M95": ["codec.name=mask", "codec.keep=0.05", *dp],
-        "M95 + anchor": ["codec.name=mask", "codec.keep=0.05", *dp, *anchor],
-    }
+    compress the DP axis too, as the paper's byte counts imply), on the fast mesh; ``probe``: dense
+    on one worker."""
+    if name == "probe":
+        return ["mesh.stages=1", "mesh.replicas=1", "mesh.schedule=1f1b",
+                f"mesh.microbatches={args.microbatches}", "codec.name=identity"]
+    mesh = [f"mesh.stages={args.stages}", f"mesh.replicas={args.replicas}", "mesh.schedule=async",
+            f"mesh.microbatches={args.microbatches}"]
+    dp = ["dp.name=diloco", "dp.compress=powersgd", f"dp.rank={args.rank}",
+          f"dp.inner_steps={args.inner_steps}"]
+    anchor = ["optim.spectral.enabled=true", "anchor.z=1", f"anchor.delay={args.anchor_delay}",
+              f"anchor.max_late={args.anchor_delay}", f"anchor.bandwidth_mbit={args.anchor_bandwidth}"]
+    keep = {"M90": "0.1", "M95": "0.05"}.get(name.split(" ")[0])
+    codec = ["codec.name=bf16"] if keep is None else ["codec.name=mask", f"codec.keep={keep}"]
+    return [*mesh, *codec, *(dp if name != "dense" else []), *(anchor if name.endswith("anchor") else [])]
 
 
-def train(cfg: RunConfig, run_dir: Path, evaluate_start: bool) -> tuple[BenchTrainer, dict, float]:
+def row_config(args, name: str, lr: float) -> RunConfig:
+    steps = args.probe_steps if name == "probe" else args.steps
+    return load_config(None, [*base_sets(args, lr, steps), *row_sets(args, name)])
+
+
+def settings(cfg: RunConfig, args) -> dict:
+    """What a row's result depends on, as JSON: a row without anchor leaves out the anchor and
+    spectral sections (settings it does not use, so their defaults may change without a rerun)."""
+    config = to_dict(cfg)
+    if cfg.anchor.z == 0:
+        config.pop("anchor")
+        config["optim"].pop("spectral")
+    return json.loads(json.dumps({"config": config, "prompt": PROMPT, "sample_tokens": args.sample_tokens},
+                                 sort_keys=True, default=str))
+
+
+def row_dir(name: str, lr: float, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    slug = name.replace(" ", "").replace("+", "_")
+    return OUT / f"lr{lr:g}_{slug}_{digest}"
+
+
+# --- one row (the child process) -----------------------------------------------------------
+
+
+def replica0_model(trainer: Trainer) -> Decoder:
+    """Replica 0's stages merged into the unsplit model (its RNG draws do not touch the run's)."""
+    stages = [trainer.workers[WorkerId(0, s)].module.state_dict() for s in range(trainer.cfg.mesh.stages)]
+    return merge_stages(DecoderConfig(**to_dict(trainer.cfg)["model"]), stages).eval()
+
+
+def sample(model: Decoder, trainer: Trainer, args) -> str:
+    return generate_text(model, trainer.corpus.tokenizer, PROMPT, args.sample_tokens,
+                         Generation(seed=args.seed))
+
+
+def run_row(args) -> None:
+    """Train one row from the pretrained start and write its result.json (last, atomically)."""
+    cfg = row_config(args, args.row, args.lr)
+    key = settings(cfg, args)
+    run_dir = row_dir(args.row, args.lr, key)
     shutil.rmtree(run_dir, ignore_errors=True)
     started = time.perf_counter()
     trainer = BenchTrainer(cfg, run_dir, progress=False)
-    if evaluate_start:
-        trainer.evaluate()
+    val_start = trainer.evaluate()
+    before = sample(replica0_model(trainer), trainer, args)
     summary = trainer.train()
-    return trainer, summary, time.perf_counter() - started
+    model = replica0_model(trainer)
+    with torch.no_grad():
+        masked = masked_val_loss(model, cfg, trainer.val_batches) if cfg.codec.name == "mask" else None
+    result = {
+        "row": args.row, "lr": args.lr, "settings": key, "run_dir": run_dir.name,
+        "measured_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
+        "commit": describe_run()["commit"], "val_start": val_start, "val_end": summary["final_val_loss"],
+        "masked_val_end": masked, "sample_before": before, "sample_after": sample(model, trainer, args),
+        "summary": summary, "wall_s": time.perf_counter() - started,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # Linux: kB
+    }
+    atomic_write_json(run_dir / "result.json", result)
+    print(f"lr {args.lr:g} {args.row}: val {val_start:.4f} → {summary['final_val_loss']:.4f}"
+          + ("" if masked is None else f" (masked {masked:.4f})") + f", {result['wall_s']:.0f} s", flush=True)
 
 
-def evals(run_dir: Path) -> list[float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["val_loss"] for r in records if r["kind"] == "eval"]
+# --- the table (the outer process) ---------------------------------------------------------
 
 
-def sample(trainer: Trainer, args) -> str:
-    """Replica 0's stages merged into the unsplit model; sampled with the preset's sample below."""
-    stages = [trainer.workers[WorkerId(0, s)].module.state_dict() for s in range(trainer.cfg.mesh.stages)]
-    model = merge_stages(DecoderConfig(**to_dict(trainer.cfg)["model"]), stages).eval()
-    tokenizer = trainer.corpus.tokenizer
-    context = torch.tensor([tokenizer.encode(PROMPT)], dtype=torch.long)
-    how = Generation(seed=args.seed)
-    out = model.generate(
-        context,
-        args.sample_tokens,
-        temperature=how.temperature,
-        top_k=50,
-        generator=torch.Generator().manual_seed(how.seed),
-    )
-    return tokenizer.decode(out[0].tolist())
+def ensure(args, name: str, lr: float) -> dict:
+    """The row's result: read back if its process already ran with these settings, else run it
+    (under the bench lock); a row whose process died is returned with its last logged step."""
+    key = settings(row_config(args, name, lr), args)
+    run_dir = row_dir(name, lr, key)
+    result_file = run_dir / "result.json"
+    if not result_file.is_file() or json.loads(result_file.read_text())["settings"] != key:
+        if args.no_run:
+            print(f"not run: lr {lr:g} {name} → {run_dir.name}")
+            return {"row": name, "lr": lr, "missing": "not run"}
+        options = [f"--{o.replace('_', '-')}={getattr(args, o)}" for o in ROW_OPTIONS]
+        with open(args.lock, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another benchmark runs
+            subprocess.run([sys.executable, __file__, "--row", name, f"--lr={lr!r}", *options], check=False)
+    if result_file.is_file():
+        print(f"done: lr {lr:g} {name} ({run_dir.name})", flush=True)
+        return json.loads(result_file.read_text())
+    train = [r for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == "train"] \
+        if (run_dir / "metrics.jsonl").is_file() else []
+    last = f"died after step {train[-1]['step']} of {args.steps}" if train else "died before step 1"
+    return {"row": name, "lr": lr, "missing": last}
 
 
-def probe(args) -> tuple[float, list[dict]]:
-    """The dense learning rate of ``--probe-lrs`` with the lowest validation loss after
-    ``--probe-steps`` steps on one worker."""
-    results = []
-    for lr in args.probe_lrs:
-        cfg = load_config(
-            None,
-            [
-                *base_sets(args, lr, args.probe_steps),
-                "mesh.stages=1",
-                "mesh.replicas=1",
-                "mesh.schedule=1f1b",
-                f"mesh.microbatches={args.microbatches}",
-                "codec.name=identity",
-            ],
-        )
-        _, summary, wall = train(cfg, OUT / f"probe_{lr:g}", evaluate_start=False)
-        results.append({"lr": lr, "val_end": summary["final_val_loss"], "wall_s": wall})
-        print(f"probe lr {lr:g}: val {summary['final_val_loss']:.4f} ({wall:.0f} s)", flush=True)
-    return min(results, key=lambda r: r["val_end"])["lr"], results
-
-
-def describe(name: str, lr: float, summary: dict, val_end: float, text: str, wall: float) -> dict:
-    paper_tps, paper_bpt = PAPER[name]
+def table_row(result: dict, start: float, dense: dict | None) -> dict:
+    if "missing" in result:
+        return {key: "—" for key, _, _ in COLUMNS} | {"row": result["row"], "lr": result["lr"],
+                                                      "val_end": f"({result['missing']})"}
+    s = result["summary"]
+    paper_tps, paper_bpt = PAPER[result["row"]]
     return {
-        "row": name,
-        "lr": lr,
-        "val_end": val_end,
-        "tokens_per_s": summary["sim_tokens_per_s"],
-        "bytes_pp": summary["bytes_per_token_pp"],
-        "bytes_dp": summary["bytes_per_token_dp"],
-        "bytes_anchor": summary.get("bytes_per_token_anchor", 0.0),
-        "binds": binding(summary),
-        "anchor": (
-            f"{summary['anchor_delivered']} in / {summary['anchor_dropped_late']} late"
-            if "anchor_delivered" in summary
-            else "—"
-        ),
-        "paper_tokens_per_s": paper_tps,
-        "paper_bytes": paper_bpt,
-        "wall_s": wall,
-        "sample": text,
+        "row": result["row"], "lr": result["lr"], "val_end": result["val_end"],
+        "masked_val": "—" if result["masked_val_end"] is None else result["masked_val_end"],
+        "gain": start - result["val_end"],
+        "vs_dense": "—" if dense is None else result["val_end"] / dense["val_end"] - 1,
+        "tokens_per_s": s["sim_tokens_per_s"],
+        "speedup": "—" if dense is None else s["sim_tokens_per_s"] / dense["summary"]["sim_tokens_per_s"],
+        "bytes_pp": s["bytes_per_token_pp"], "bytes_dp": s["bytes_per_token_dp"],
+        "bytes_anchor": s.get("bytes_per_token_anchor", 0.0), "binds": binding(s),
+        "anchor": (f"{s['anchor_delivered']} in / {s['anchor_dropped_late']} late / "
+                   f"{s['anchor_pending_at_end']} pending" if "anchor_delivered" in s else "—"),
+        "paper_tokens_per_s": paper_tps, "paper_bytes": paper_bpt, "wall_s": result["wall_s"],
+        "peak_rss_gb": result.get("peak_rss_gb", "—"),
+        "measured": f"{result['measured_utc']} ({(result['commit'] or '?')[:7]})",
     }
 
 
 COLUMNS = [
-    ("row", "row", ""),
-    ("lr", "lr", "g"),
-    ("val_end", "val after", ".4f"),
-    ("gain", "gain vs start", "+.4f"),
-    ("vs_dense", "÷ dense − 1", "+.2%"),
-    ("tokens_per_s", "virtual tokens/s", ".1f"),
-    ("speedup", "÷ dense", ".1f"),
-    ("bytes_pp", "PP B/token", ".0f"),
-    ("bytes_dp", "DP B/token", ".0f"),
-    ("bytes_anchor", "anchor B/token", ".0f"),
-    ("binds", "binds", ""),
-    ("anchor", "anchor arrivals", ""),
-    ("paper_tokens_per_s", "paper tokens/s", ".0f"),
-    ("paper_bytes", "paper B/token", ".0f"),
-    ("wall_s", "wall (s)", ".0f"),
+    ("row", "row", ""), ("lr", "lr", "g"), ("val_end", "val after", ".4f"),
+    ("masked_val", "masked val after", ".4f"), ("gain", "gain vs start", "+.4f"),
+    ("vs_dense", "÷ dense − 1", "+.2%"), ("tokens_per_s", "virtual tokens/s", ".1f"),
+    ("speedup", "÷ dense", ".1f"), ("bytes_pp", "PP B/token", ".0f"), ("bytes_dp", "DP B/token", ".0f"),
+    ("bytes_anchor", "anchor B/token", ".0f"), ("binds", "binds", ""), ("anchor", "anchor arrivals", ""),
+    ("paper_tokens_per_s", "paper tokens/s", ".0f"), ("paper_bytes", "paper B/token", ".0f"),
+    ("wall_s", "wall (s)", ".0f"), ("peak_rss_gb", "peak RSS (GB)", ".1f"),
+    ("measured", "measured UTC (commit)", ""),
 ]
 
 
-def markdown(
-    args, start: float, start_sample: str, table: list[dict], probes: list[dict], wall: float
-) -> str:
+def assemble(args, results: list[dict], probes: list[dict]) -> None:
+    done = [r for r in results if "missing" not in r]
+    starts = sorted({round(r["val_start"], 6) for r in done})
+    start = done[0]["val_start"] if done else float("nan")
+    befores = {r["sample_before"] for r in done}
+    dense = {r["lr"]: r for r in done if r["row"] == "dense"}
+    table = [table_row(r, start, dense.get(r["lr"])) for r in results]
     tokens = args.steps * args.batch_size * args.seq_len
+    start_row = {key: "—" for key, _, _ in COLUMNS} | {"row": "no adaptation (pretrained start)",
+                                                         "val_end": start, "gain": 0.0}
     lines = [
         "# Mesh adaptation of SmolLM2-135M to Shakespeare (issue 12's table)",
         "",
-        f"`python bench/adaptation_smollm2.py {' '.join(args.argv)}`; wall {wall / 60:.1f} min on 2 "
-        "shared CPU cores (OMP_NUM_THREADS=1).",
-        f"P = {args.stages}, D = {args.replicas} fast replicas, async, {args.microbatches} "
-        f"microbatches, 200 Mbit/s / 50 ms, device model RTX 4090 @ 40%; {args.steps} steps × "
-        f"{args.batch_size} sequences × {args.seq_len} tokens = {tokens:,} training tokens per row; "
-        f"AdamW, warm-up {max(1, args.steps // 10)} steps then cosine to 0.1 × lr; validation "
-        f"{args.eval_batches} × {args.batch_size} × {args.seq_len} tokens (dense evaluation). DP "
-        f"compression: streaming DiLoCo H = {args.inner_steps} with PowerSGD rank {args.rank}. Anchor "
-        f"rows: Z = 1, K = {args.anchor_delay}, cap {args.anchor_delay} steps late, bf16 anchor wire, "
-        "α = 0.3, τ = 1e-3 absolute, β_anc = 0.95.",
+        f"`python bench/adaptation_smollm2.py {' '.join(args.argv)}`: one process per row, on 2 shared "
+        "CPU cores (OMP_NUM_THREADS=1); each row's measurement time and commit are in its last column.",
+        f"P = {args.stages}, D = {args.replicas} fast replicas, async, {args.microbatches} microbatches, "
+        f"200 Mbit/s / 50 ms, device model RTX 4090 @ 40%; {args.steps} steps × {args.batch_size} "
+        f"sequences × {args.seq_len} tokens = **{tokens:,} training tokens per row**; AdamW, warm-up "
+        f"{max(1, args.steps // 10)} steps then cosine to 0.1 × lr; validation {args.eval_batches} × "
+        f"{args.batch_size} × {args.seq_len} tokens, dense evaluation (masked beside it for the mask "
+        f"rows: the final weights with the run's own mask at every boundary). DP compression: streaming "
+        f"DiLoCo H = {args.inner_steps} with PowerSGD rank {args.rank}. Anchor rows: Z = 1, "
+        f"K = {args.anchor_delay}, cap {args.anchor_delay} steps late, anchor links "
+        f"{args.anchor_bandwidth or 200:g} Mbit/s, the anchor and spectral defaults otherwise.",
         "",
-        f"No adaptation (the pretrained start, evaluated once: every row starts there): val **{start:.4f}** "
-        "nats/token.",
+        f"No adaptation (the pretrained start, evaluated by every row before its first step): val "
+        f"**{start:.4f}** nats/token" + ("" if len(starts) <= 1 else f" (rows disagree: {starts})") + ".",
         "",
     ]
     if probes:
-        lines += [
-            "lr probe (dense, P = 1, D = 1, "
-            f"{args.probe_steps} steps): " + ", ".join(f"{p['lr']:g} → {p['val_end']:.4f}" for p in probes),
-            "",
-        ]
-    start_row = {key: "—" for key, _, _ in COLUMNS} | {
-        "row": "no adaptation (pretrained start)",
-        "val_end": start,
-        "gain": 0.0,
-    }
-    lines += [markdown_table([start_row, *table], COLUMNS), ""]
-    for lr in dict.fromkeys(r["lr"] for r in table):
-        at = {r["row"]: r for r in table if r["lr"] == lr}
-        if not {"dense", "dense + DP", "M95", "M95 + anchor"} <= set(at):
-            continue
-        dense, dp, m95, m95a = at["dense"], at["dense + DP"], at["M95"], at["M95 + anchor"]
-        lines.append(
-            f"- lr {lr:g}: dense gains {start - dense['val_end']:.4f} nats over the start; "
-            f"M95 + anchor {m95a['vs_dense']:+.2%} of dense (goal: within 2%), M95 {m95['vs_dense']:+.2%}; "
-            f"M95 ÷ dense + DP tokens/s {m95['tokens_per_s'] / dp['tokens_per_s']:.1f}× (paper 13.6×), "
-            f"M95 + anchor ÷ dense {m95a['speedup']:.1f}× (paper 42×)."
-        )
-    lines += [
-        "",
-        "## Samples",
-        "",
-        f"Prompt `{PROMPT!r}`, {args.sample_tokens} tokens, temperature 0.8, top-k 50, seed {args.seed}.",
-        "",
-        "**Pretrained start:**",
-        "",
-        "```",
-        start_sample,
-        "```",
-        "",
-    ]
-    for r in table:
-        lines += [f"**{r['row']}, lr {r['lr']:g}:**", "", "```", r["sample"], "```", ""]
-    return "\n".join(lines)
+        lines += ["lr probe (dense, P = 1, D = 1, " f"{args.probe_steps} steps): "
+                  + ", ".join(f"{p['lr']:g} → {p['val_end']:.4f}" for p in probes if "missing" not in p), ""]
+    lines += [markdown_table([start_row, *table], COLUMNS), "", "## Samples", "",
+              f"Prompt `{PROMPT!r}`, {args.sample_tokens} tokens, temperature 0.8, top-k 50, "
+              f"seed {args.seed}; replica 0's stages merged.", ""]
+    for before in sorted(befores):
+        lines += ["**Pretrained start** (every row's weights before its first step"
+                  + ("" if len(befores) == 1 else ", rows disagree") + "):", "", "```", before, "```", ""]
+    for r in done:
+        lines += [f"**{r['row']}, lr {r['lr']:g}, after adaptation:**", "", "```", r["sample_after"], "```",
+                  ""]
+    payload = {"args": {k: v for k, v in vars(args).items() if k != "row"}, "val_start": start,
+               "training_tokens_per_row": tokens,
+               "probe": [{k: v for k, v in p.items() if k != "settings"} for p in probes],
+               "rows": [{k: v for k, v in r.items() if k != "settings"} for r in results]}
+    write_results(args.results, payload, "\n".join(lines))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--stages", type=int, default=6)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=4, help="global (all replicas)")
     parser.add_argument("--eval-batches", type=int, default=8)
-    parser.add_argument("--lrs", default="2e-5,probe", help="comma-separated; 'probe' = the probe's pick")
+    parser.add_argument("--lrs", default="2e-5,3e-4", help="comma-separated; 'probe' = the probe's pick")
     parser.add_argument("--probe-lrs", default="1e-4,3e-4,1e-3")
-    parser.add_argument("--probe-steps", type=int, default=6)
+    parser.add_argument("--probe-steps", type=int, default=5)
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--inner-steps", type=int, default=10)
-    parser.add_argument("--anchor-delay", type=int, default=5)
+    parser.add_argument("--anchor-delay", type=int, default=4)
     parser.add_argument("--anchor-bandwidth", type=float, default=0.0,
                         help="Mbit/s of the anchor's own links (0 = the PP links')")
-    parser.add_argument("--rows", default="", help="comma-separated row names to run (default: all six)")
-    parser.add_argument("--dense-from", default="",
-                        help="a results JSON of this script whose dense rows the ratios use (with --rows)")
+    parser.add_argument("--rows", default=",".join(ROW_NAMES), help="comma-separated row names, in order")
     parser.add_argument("--results", default="adaptation_smollm2", help="name under docs/results/")
     parser.add_argument("--sample-tokens", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lock", default="/tmp/meshlearn-bench.lock", help="held while a row runs")
+    parser.add_argument("--no-run", action="store_true",
+                        help="run nothing: list the rows not run yet, assemble the table of the others")
+    parser.add_argument("--row", default="", help="(a row's process) run this row only")
+    parser.add_argument("--lr", type=float, default=0.0, help="(a row's process) its learning rate")
     args = parser.parse_args()
     args.argv = sys.argv[1:]
-    args.probe_lrs = [float(v) for v in args.probe_lrs.split(",")]
-    started = time.perf_counter()
-    OUT.mkdir(parents=True, exist_ok=True)
+    if args.row:
+        run_row(args)
+        return
+    wanted = [n.strip() for n in args.rows.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in ROW_NAMES]
+    if unknown:
+        sys.exit(f"--rows: {unknown} unknown; allowed: {ROW_NAMES}")
     lrs, probes = [], []
     for value in args.lrs.split(","):
-        if value == "probe":
-            picked, probes = probe(args)
-            lrs.append(picked)
-        else:
+        if value != "probe":
             lrs.append(float(value))
-    start_sample = sample_from_pretrained(
-        "smollm2-135m", PROMPT, args.sample_tokens, Generation(seed=args.seed)
-    )
-    start, table = None, []
-    for lr in lrs:
-        wanted = [n.strip() for n in args.rows.split(",") if n.strip()]
-        for name, sets in rows(args).items():
-            if wanted and name not in wanted:
-                continue
-            cfg = load_config(None, [*base_sets(args, lr, args.steps), *mesh_sets(args), *sets])
-            run_dir = OUT / f"lr{lr:g}_{name.replace(' ', '').replace('+', '_')}"
-            trainer, summary, wall = train(cfg, run_dir, evaluate_start=start is None)
-            losses = evals(run_dir)
-            start = losses[0] if start is None else start
-            table.append(describe(name, lr, summary, losses[-1], sample(trainer, args), wall))
-            del trainer
-            print(
-                f"lr {lr:g} {name}: val {start:.4f} → {losses[-1]:.4f}, "
-                f"{summary['sim_tokens_per_s']:.1f} tokens/s, {wall:.0f} s",
-                flush=True,
-            )
-    references = json.loads(Path(args.dense_from).read_text())["rows"] if args.dense_from else table
-    for row in table:
-        dense = next(r for r in references if r["lr"] == row["lr"] and r["row"] == "dense")
-        row["gain"] = start - row["val_end"]
-        row["vs_dense"] = row["val_end"] / dense["val_end"] - 1
-        row["speedup"] = row["tokens_per_s"] / dense["tokens_per_s"]
-    wall = time.perf_counter() - started
-    payload = {
-        "args": {k: v for k, v in vars(args).items()},
-        "val_start": start,
-        "start_sample": start_sample,
-        "probe": probes,
-        "rows": table,
-        "wall_s": wall,
-        "training_tokens_per_row": args.steps * args.batch_size * args.seq_len,
-    }
-    write_results(args.results, payload, markdown(args, start, start_sample, table, probes, wall))
-    print(dumps({"wall_s": wall}))
+            continue
+        probes = [ensure(args, "probe", float(lr)) for lr in args.probe_lrs.split(",")]
+        ran = [p for p in probes if "missing" not in p]
+        if len(ran) < len(probes):
+            sys.exit("--lrs probe: a probe row has not finished; see its run folder")
+        lrs.append(min(ran, key=lambda p: p["val_end"])["lr"])
+    assemble(args, [ensure(args, name, lr) for lr in lrs for name in wanted], probes)
 
 
 if __name__ == "__main__":

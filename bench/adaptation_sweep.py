@@ -74,13 +74,10 @@ def rows() -> dict[str, tuple[str, list[str]]]:
 
 
 @torch.no_grad()
-def masked_val_loss(run_dir: Path, cfg: RunConfig, val_batches: list) -> float | None:
-    """The final weights' validation loss with the run's mask at every boundary (a forward hook
-    multiplying each boundary layer's output by m, and by the codec's rescale factor): the loss on
-    the distribution the fast circuit trained on. None for a run without the mask codec."""
-    if cfg.codec.name != "mask":
-        return None
-    model, _, _ = load_run_model(run_dir)
+def masked_val_loss(model: Decoder, cfg: RunConfig, val_batches: list) -> float:
+    """``model``'s validation loss with the mask of ``cfg`` (a mask-codec run) at every boundary (a
+    forward hook multiplying each boundary layer's output by m, and by the codec's rescale factor):
+    the loss on the distribution the fast circuit trained on."""
     codec = build_codec(cfg.codec, cfg.model)
     ends = [r[-1] for r in stage_layer_ranges(cfg.model.n_layer, cfg.mesh.stages)[:-1]]
     batch = [0]
@@ -139,7 +136,8 @@ def main() -> None:
         run_dir = OUT / "".join(c if c.isalnum() else "_" for c in name)
         result = run(cfg, run_dir, args.reuse)
         losses = train_losses(run_dir)
-        masked = masked_val_loss(run_dir, cfg, val_batches)
+        masked = (masked_val_loss(load_run_model(run_dir)[0], cfg, val_batches)
+                  if cfg.codec.name == "mask" else None)
         results[name] = {"row": name, "reference": reference, "overrides": sets,
                          "val_start": result["val_start"], "val_end": result["val_end"],
                          "masked_val": "—" if masked is None else f"{masked:.4f}",

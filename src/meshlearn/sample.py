@@ -34,7 +34,7 @@ def sample_from_run(run_dir: Path, prompt: str, tokens: int, how: Generation) ->
     tokenizer = load_tokenizer(cfg, run_dir)
     if tokenizer is None:
         raise FileNotFoundError(f"{run_dir}: no tokenizer to decode this run's tokens with")
-    return _generate(model, tokenizer, prompt, tokens, how)
+    return generate_text(model, tokenizer, prompt, tokens, how)
 
 
 def sample_from_pretrained(value: str, prompt: str, tokens: int, how: Generation) -> str:
@@ -46,10 +46,10 @@ def sample_from_pretrained(value: str, prompt: str, tokens: int, how: Generation
     raw = source.tokenizer()
     if raw is None:
         raise ValueError(f"{value}: no tokenizer comes with it")
-    return _generate(load_model(source), BPETokenizer(raw), prompt, tokens, how)
+    return generate_text(load_model(source), BPETokenizer(raw), prompt, tokens, how)
 
 
-def _generate(model, tokenizer, prompt: str, tokens: int, how: Generation) -> str:
+def generate_text(model, tokenizer, prompt: str, tokens: int, how: Generation) -> str:
     """The prompt and its continuation. An empty prompt starts from a start-of-text token where the
     tokenizer has one, else from a newline; that seed is not part of the text returned. With
     morphs, one line of their cost goes to stderr."""

@@ -7,7 +7,7 @@ import torch
 
 from meshlearn.data import ByteTokenizer
 from meshlearn.models.llama import Decoder, DecoderConfig, KVCache
-from meshlearn.sample import Generation, _generate, start_ids
+from meshlearn.sample import Generation, generate_text, start_ids
 
 
 def tiny(**overrides) -> Decoder:
@@ -58,7 +58,7 @@ def test_an_empty_prompt_starts_from_a_newline_and_leaves_it_out():
     tokenizer = ByteTokenizer()
     assert start_ids(tokenizer) == [10]
     model = _byte_model()
-    text = _generate(model, tokenizer, "", 20, Generation(temperature=1.0, seed=0))
+    text = generate_text(model, tokenizer, "", 20, Generation(temperature=1.0, seed=0))
     out = model.generate(torch.tensor([[10]]), 20, top_k=50, generator=torch.Generator().manual_seed(0))
     assert text == tokenizer.decode(out[0, 1:].tolist())  # the 20 sampled tokens, without the seed
 
