@@ -8,6 +8,7 @@ import io
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,3 +63,17 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def wait_until(predicate, seconds: float, what: str) -> None:
+    """Poll ``predicate`` until it holds; fail naming ``what`` after ``seconds``."""
+    end = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < end, f"{what} did not happen within {seconds} s"
+        time.sleep(0.02)
+
+
+def train_records(run: Path) -> int:
+    """Train records written so far (0 before metrics.jsonl exists)."""
+    path = run / "metrics.jsonl"
+    return sum(r["kind"] == "train" for r in read_records(path)) if path.exists() else 0

@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -18,11 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 
-from dist_helpers import deadline, kill_leftovers, launch, records  # noqa: E402
+from dist_helpers import deadline, kill_leftovers, launch, records, train_records, wait_until  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
 from meshlearn.distributed.launch import WORKERS_FILE  # noqa: E402
-from meshlearn.train.files import read_records  # noqa: E402
 
 # Long deadlines: the fixed driver drops a round that runs behind past its deadline (the elastic
 # one reduces every round inside its step), and a dropped round would make the runs differ.
@@ -37,18 +35,6 @@ BASE = ["backend=dist", "mesh.replicas=2", "dist.timeout_s=5", "dist.dead_after_
 # P = 2: the elastic driver clips per stage (grad_clip / √P), the fixed one by the norm over the
 # row's stages, so clipping is off there; with one stage the two clips are the same.
 PIPELINE = ["mesh.stages=2", "train.grad_clip=0"]
-
-
-def _wait(predicate, seconds: float, what: str) -> None:
-    end = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < end, f"{what} did not happen within {seconds} s"
-        time.sleep(0.02)
-
-
-def _train_records(run: Path) -> int:
-    path = run / "metrics.jsonl"
-    return sum(r["kind"] == "train" for r in read_records(path)) if path.exists() else 0
 
 
 def _shard(run: Path, step: int, name: str) -> dict:
@@ -116,7 +102,7 @@ def test_a_killed_replica_leaves_and_the_others_finish_the_strategy(tiny_corpus,
         with deadline(120, f"the elastic {strategy} run with a kill"):
             thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
             thread.start()
-            _wait(lambda: _train_records(run) >= 2, 60, "two committed steps")
+            wait_until(lambda: train_records(run) >= 2, 60, "two committed steps")
             os.kill(json.loads((run / WORKERS_FILE).read_text())["r1s1"]["pid"], signal.SIGKILL)
             thread.join()
     finally:

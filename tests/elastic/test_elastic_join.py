@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 
-from dist_helpers import deadline, kill_leftovers, launch, records  # noqa: E402
+from dist_helpers import deadline, kill_leftovers, launch, records, wait_until  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
 from meshlearn.distributed.launch import WORKERS_FILE  # noqa: E402
@@ -35,13 +34,6 @@ from meshlearn.train.files import read_records  # noqa: E402
 SRC = Path(__file__).resolve().parents[2] / "src"
 ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "train.steps=2000", "elastic.enabled=true",
            "dist.timeout_s=5", "dist.dead_after_s=2"]
-
-
-def _wait(predicate, seconds: float, what: str) -> None:
-    end = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < end, f"{what} did not happen within {seconds} s"
-        time.sleep(0.05)
 
 
 def _members(run: Path) -> dict:
@@ -119,19 +111,19 @@ def test_a_replacement_row_joins_heals_spectates_and_trains(tiny_corpus, tmp_pat
         with deadline(240, "the elastic run with a replacement row"):
             thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
             thread.start()
-            _wait(lambda: _last_record(run) >= 2, 60, "two steps")
+            wait_until(lambda: _last_record(run) >= 2, 60, "two steps")
             os.kill(_members(run)["r1s1"]["pid"], signal.SIGKILL)
-            _wait(lambda: all(_event(run, n, "left") for n in ("r1s0", "r1s1")), 60, "row 1's departure")
+            wait_until(lambda: all(_event(run, n, "left") for n in ("r1s0", "r1s1")), 60, "row 1's departure")
             address = json.loads((run / "elastic.json").read_text())["store"]
             joiners.append(_join(address, run, tmp_path / "join0.log"))  # r1s0: first free in row order
-            _wait(lambda: _event(run, "r1s0", "joined") is not None, 90, "r1s0's join")
+            wait_until(lambda: _event(run, "r1s0", "joined") is not None, 90, "r1s0's join")
             healed = _event(run, "r1s0", "joined")["step"]
-            _wait(lambda: _last_record(run) >= healed + 3, 60, "three steps with r1s0 spectating")
+            wait_until(lambda: _last_record(run) >= healed + 3, 60, "three steps with r1s0 spectating")
             joiners.append(_join(address, run, tmp_path / "join1.log"))  # takes r1s1
-            _wait(lambda: all(_event(run, n, "contributes") for n in ("r1s0", "r1s1")), 90,
+            wait_until(lambda: all(_event(run, n, "contributes") for n in ("r1s0", "r1s1")), 90,
                   "row 1 training again")
             trains = _event(run, "r1s0", "contributes")["step"]
-            _wait(lambda: _last_record(run) >= trains + 4, 60, "four steps with row 1 training")
+            wait_until(lambda: _last_record(run) >= trains + 4, 60, "four steps with row 1 training")
             os.kill(_members(run)["r0s0"]["pid"], signal.SIGTERM)  # a graceful stop, mesh-wide
             for j in joiners:
                 j.wait(timeout=60)
@@ -188,7 +180,7 @@ def test_a_checkpoint_after_a_row_left_is_complete_and_resumes_exactly(tiny_corp
         with deadline(180, "the elastic run that loses a row, and its resume"):
             thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
             thread.start()
-            _wait(lambda: _last_record(run) >= 2, 60, "two steps")
+            wait_until(lambda: _last_record(run) >= 2, 60, "two steps")
             os.kill(_members(run)["r1s1"]["pid"], signal.SIGKILL)
             thread.join()
             assert result["code"] == 0

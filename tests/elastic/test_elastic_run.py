@@ -9,34 +9,20 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 
-from dist_helpers import deadline, kill_leftovers, launch, records  # noqa: E402
+from dist_helpers import deadline, kill_leftovers, launch, records, train_records, wait_until  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
 from meshlearn.distributed.launch import WORKERS_FILE  # noqa: E402
 from meshlearn.train.checkpoint import latest_complete  # noqa: E402
-from meshlearn.train.files import read_records  # noqa: E402
 
 ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "train.steps=8", "elastic.enabled=true",
            "dist.timeout_s=5", "dist.dead_after_s=2"]
-
-
-def _wait(predicate, seconds: float, what: str) -> None:
-    end = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < end, f"{what} did not happen within {seconds} s"
-        time.sleep(0.02)
-
-
-def _train_records(run: Path) -> int:
-    path = run / "metrics.jsonl"
-    return sum(r["kind"] == "train" for r in read_records(path)) if path.exists() else 0
 
 
 @pytest.mark.parametrize("killed", ["r1s1", "r0s1"])
@@ -51,7 +37,7 @@ def test_killed_stage_replica_leaves_and_the_others_finish(tiny_corpus, tmp_path
         with deadline(120, "the elastic run with a kill"):
             thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
             thread.start()
-            _wait(lambda: _train_records(run) >= 2, 60, "two committed steps")
+            wait_until(lambda: train_records(run) >= 2, 60, "two committed steps")
             pid = json.loads((run / WORKERS_FILE).read_text())[killed]["pid"]
             os.kill(pid, signal.SIGKILL)
             thread.join()
@@ -96,7 +82,7 @@ def test_every_replica_of_a_stage_killed_stops_with_its_name_and_resume_is_exact
         with deadline(150, "the elastic run that loses stage 1, and its resume"):
             thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
             thread.start()
-            _wait(lambda: latest_complete(run) is not None and _train_records(run) >= 4, 60,
+            wait_until(lambda: latest_complete(run) is not None and train_records(run) >= 4, 60,
                   "a complete checkpoint")
             members = json.loads((run / WORKERS_FILE).read_text())
             for name in ("r0s1", "r1s1"):
@@ -129,7 +115,7 @@ def test_frozen_stage_replica_is_dropped_by_timeout_and_the_others_finish(tiny_c
         with deadline(150, "the elastic run with a frozen worker"):
             thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
             thread.start()
-            _wait(lambda: _train_records(run) >= 2, 60, "two committed steps")
+            wait_until(lambda: train_records(run) >= 2, 60, "two committed steps")
             os.kill(json.loads((run / WORKERS_FILE).read_text())["r1s1"]["pid"], signal.SIGSTOP)
             thread.join()
     finally:
@@ -164,9 +150,9 @@ def test_a_replacement_joins_heals_from_a_live_peer_and_contributes(tiny_corpus,
         with deadline(150, "the elastic run with a replacement"):
             thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
             thread.start()
-            _wait(lambda: _train_records(run) >= 3, 60, "three committed steps")
+            wait_until(lambda: train_records(run) >= 3, 60, "three committed steps")
             os.kill(json.loads((run / WORKERS_FILE).read_text())["r1s0"]["pid"], signal.SIGKILL)
-            _wait(lambda: len(json.loads((run / WORKERS_FILE).read_text())["r1s0"]["events"]) >= 2, 30,
+            wait_until(lambda: len(json.loads((run / WORKERS_FILE).read_text())["r1s0"]["events"]) >= 2, 30,
                   "r1s0's departure in workers.json")
             address = json.loads((run / "elastic.json").read_text())["store"]
             src = Path(__file__).resolve().parents[2] / "src"
