@@ -124,7 +124,7 @@ def row_sets(args, name: str) -> list[str]:
 
 def row_config(args, name: str, lr: float) -> RunConfig:
     steps = args.probe_steps if name == "probe" else args.steps
-    return load_config(None, [*base_sets(args, lr, steps), *row_sets(args, name)])
+    return load_config(None, [*base_sets(args, lr, steps), *row_sets(args, name), *args.sets])
 
 
 def settings(cfg: RunConfig, args) -> dict:
@@ -199,6 +199,7 @@ def ensure(args, name: str, lr: float) -> dict:
             print(f"not run: lr {lr:g} {name} → {run_dir.name}")
             return {"row": name, "lr": lr, "missing": "not run"}
         options = [f"--{o.replace('_', '-')}={getattr(args, o)}" for o in ROW_OPTIONS]
+        options += [f"--set={o}" for o in args.sets]
         with open(args.lock, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another benchmark runs
             subprocess.run([sys.executable, __file__, "--row", name, f"--lr={lr!r}", *options], check=False)
@@ -316,6 +317,9 @@ def main() -> None:
     parser.add_argument("--sample-tokens", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lock", default="/tmp/meshlearn-bench.lock", help="held while a row runs")
+    parser.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
+                        help="config override for every row (repeatable; part of each row's key, so a "
+                             "variant never mixes with the default rows: give it its own --results)")
     parser.add_argument("--no-run", action="store_true",
                         help="run nothing: list the rows not run yet, assemble the table of the others")
     parser.add_argument("--row", default="", help="(a row's process) run this row only")
