@@ -34,11 +34,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 import time
-import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from torch import Tensor
@@ -49,7 +48,7 @@ from meshlearn.anchor.settings import anchor_targets
 from meshlearn.compress.codecs import Encoded
 from meshlearn.data import batch_offsets, shard_batch, windows
 from meshlearn.distributed.groups import Link, anchor_id, build_groups, rank_of
-from meshlearn.distributed.health import EXIT_PEER_FAILURE, Health, WorkerFailure, store_client
+from meshlearn.distributed.health import Health, WorkerFailure, run_and_exit, store_client
 from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.transport import Transport
 from meshlearn.distributed.wire import PREFIX_BYTES
@@ -394,8 +393,8 @@ class AnchorStage:
         return self.store.check([f"done/{rank}" for rank in range(self.mesh.world_size)])
 
 
-def run_anchor(cfg, run_dir: Path, session) -> int:
-    """An anchor rank's whole life; ends the process (posted receives stay in C++ threads)."""
+def run_anchor(cfg, run_dir: Path, session) -> NoReturn:
+    """An anchor rank's whole life; ends the process (``run_and_exit``)."""
     from meshlearn.distributed.worker import _train_tokenizer_once
     from meshlearn.models.split import init_model, split_model
     from meshlearn.protocol.plugin import stage_modules
@@ -403,7 +402,9 @@ def run_anchor(cfg, run_dir: Path, session) -> int:
 
     me = session.anchor
     name = session.health.name
-    try:
+
+    def life() -> None:
+        nonlocal cfg
         if cfg.data.tokenizer in ("bpe", "model"):
             _train_tokenizer_once(cfg, run_dir, session)  # a collective of every rank
         corpus = load_corpus(cfg, Path(run_dir))
@@ -418,16 +419,5 @@ def run_anchor(cfg, run_dir: Path, session) -> int:
               f"{len(passes_of(cfg, stage.z))} passes due", flush=True)
         stage.run()
         print(f"anchor {name}: done, {stage.passes} passes", flush=True)
-        session.health.finish()
-        code = 0
-    except WorkerFailure as err:
-        print(f"meshlearn anchor {name}: error: {err}", file=sys.stderr)
-        code = EXIT_PEER_FAILURE
-    except BaseException as err:  # noqa: BLE001 — our own failure: publish it, naming ourselves
-        traceback.print_exc()
-        message_ = session.health.abort(f"anchor {name} failed: {type(err).__name__}: {err}")
-        print(f"meshlearn anchor {name}: error: {message_}", file=sys.stderr)
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+
+    run_and_exit(session.health, f"anchor {name}", f"anchor {name}", life)

@@ -18,8 +18,10 @@ import re
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -240,3 +242,25 @@ def store_client(host: str, port: int, timeout_s: float) -> dist.Store:
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"meshlearn/{restart}/", store)
+
+
+def run_and_exit(health: Health, label: str, who: str, body: Callable[[], None]) -> NoReturn:
+    """A side process's whole life (the verifier, an anchor stage): run ``body``, then end the
+    process with its code: 0, EXIT_PEER_FAILURE when another process failed (its message is
+    already the run's), 1 for our own failure, published naming ``who``. ``os._exit``: posted
+    receives stay in C++ threads, and the workers have finished or failed."""
+    try:
+        body()
+        health.finish()
+        code = 0
+    except WorkerFailure as err:
+        print(f"meshlearn {label}: error: {err}", file=sys.stderr)
+        code = EXIT_PEER_FAILURE
+    except BaseException as err:  # noqa: BLE001 — our own failure: publish it, naming ourselves
+        traceback.print_exc()
+        message = health.abort(f"{who} failed: {type(err).__name__}: {err}")
+        print(f"meshlearn {label}: error: {message}", file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

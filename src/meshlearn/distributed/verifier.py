@@ -47,8 +47,8 @@ import dataclasses
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -59,7 +59,7 @@ from meshlearn.config import RunConfig
 from meshlearn.data import validation_batches
 from meshlearn.distributed.driver import buffer_capacities
 from meshlearn.distributed.groups import Link, build_groups
-from meshlearn.distributed.health import EXIT_PEER_FAILURE, WorkerFailure, store_client
+from meshlearn.distributed.health import WorkerFailure, run_and_exit, store_client
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.transport import Broken, Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch_state
@@ -354,9 +354,10 @@ def elastic_relay(cfg: RunConfig, session) -> tuple[dict[Link, tuple], RelayMemb
     return links, RelayMembership(store, session.mesh, VerdictBoard(session.health, deadline_s, store=store))
 
 
-def run_verifier(cfg: RunConfig, run_dir: Path, resume: bool, session) -> int:
-    """The verifier rank's whole life; never returns on failure (ends the process naming itself)."""
-    try:
+def run_verifier(cfg: RunConfig, run_dir: Path, resume: bool, session) -> NoReturn:
+    """The verifier rank's whole life; ends the process (``run_and_exit``)."""
+    def life() -> None:
+        nonlocal cfg
         if cfg.data.tokenizer in ("bpe", "model") and not resume:
             _train_tokenizer_once(cfg, run_dir, session)  # a collective of every rank
         corpus = load_corpus(cfg, Path(run_dir))
@@ -378,16 +379,5 @@ def run_verifier(cfg: RunConfig, run_dir: Path, resume: bool, session) -> int:
         print(f"verifier: done, {relay.relayed} messages in {time.monotonic() - started:.1f} s, "
               f"{cost['cpu_s']:.2f} s CPU inspecting, {cost['process_cpu_s']:.2f} s CPU in all, "
               f"{len(relay.sentinel.bans)} ban(s)", flush=True)
-        session.health.finish()
-        code = 0
-    except WorkerFailure as err:
-        print(f"meshlearn verifier: error: {err}", file=sys.stderr)
-        code = EXIT_PEER_FAILURE
-    except BaseException as err:  # noqa: BLE001 — our own failure: publish it, naming ourselves
-        traceback.print_exc()
-        message = session.health.abort(f"the verifier failed: {type(err).__name__}: {err}")
-        print(f"meshlearn verifier: error: {message}", file=sys.stderr)
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # posted receives stay in C++ threads; the workers have finished or failed
+
+    run_and_exit(session.health, "verifier", "the verifier", life)
