@@ -8,6 +8,7 @@ import io
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,3 +78,19 @@ def train_records(run: Path) -> int:
     """Train records written so far (0 before metrics.jsonl exists)."""
     path = run / "metrics.jsonl"
     return sum(r["kind"] == "train" for r in read_records(path)) if path.exists() else 0
+
+
+def launch_and_signal(cfg: RunConfig, run_dir: Path, worker: str, signum: int, seconds: float) -> int:
+    """Launch, send ``signum`` to ``worker`` (e.g. r1s1) once two steps are committed, and return
+    the launcher's exit code; nothing of the run is left behind."""
+    result: dict[str, int] = {}
+    try:
+        with deadline(seconds, f"the elastic run with {worker} sent signal {signum}"):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run_dir)))
+            thread.start()
+            wait_until(lambda: train_records(run_dir) >= 2, 60, "two committed steps")
+            os.kill(json.loads((run_dir / WORKERS_FILE).read_text())[worker]["pid"], signum)
+            thread.join()
+    finally:
+        kill_leftovers(run_dir)
+    return result["code"]

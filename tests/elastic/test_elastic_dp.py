@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 
-from dist_helpers import deadline, kill_leftovers, launch, records, train_records, wait_until  # noqa: E402
+from dist_helpers import deadline, kill_leftovers, launch, launch_and_signal, records  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
 from meshlearn.distributed.launch import WORKERS_FILE  # noqa: E402
@@ -97,25 +95,14 @@ def test_a_killed_replica_leaves_and_the_others_finish_the_strategy(tiny_corpus,
                                    if strategy == "diloco" else [])
     cfg = tiny_config(tiny_corpus, *BASE, *PIPELINE, "train.steps=8", "elastic.enabled=true", *sets)
     run = tmp_path / "run"
-    result = {}
-    try:
-        with deadline(120, f"the elastic {strategy} run with a kill"):
-            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
-            thread.start()
-            wait_until(lambda: train_records(run) >= 2, 60, "two committed steps")
-            os.kill(json.loads((run / WORKERS_FILE).read_text())["r1s1"]["pid"], signal.SIGKILL)
-            thread.join()
-    finally:
-        kill_leftovers(run)
-    assert result["code"] == 0
+    assert launch_and_signal(cfg, run, "r1s1", signal.SIGKILL, 120) == 0
     rows = records(run)
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert rows[0]["rows"] == [0, 1] and rows[-1]["rows"] == [0] and rows[-1]["participants"] == 1
     committed = [r for r in rows if r["committed"]]
     assert all(math.isfinite(r["train_loss"]) for r in committed)
-    # The step the kill landed in; and at most one more: r1s0, spectating (its row is broken), is
-    # still in stage 0's quorum until its heartbeat watch finds r1s1 dead, and then leaves in the
-    # middle of that step's rounds (seen in 2 of ~14 runs).
+    # The step the kill landed in; two were lost in 2 of ~14 runs before a spectator deferred its
+    # partner's death to its step's end (Health.defer); still allowed, not yet rerun enough to tighten.
     assert len(rows) - len(committed) <= 2
     # the rounds of an update that did not commit are run again, over the survivors, by the next
     # step: it trains the same batch

@@ -15,7 +15,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 
-from dist_helpers import deadline, kill_leftovers, launch, records, train_records, wait_until  # noqa: E402
+from dist_helpers import (  # noqa: E402
+    deadline,
+    kill_leftovers,
+    launch,
+    launch_and_signal,
+    records,
+    train_records,
+    wait_until,
+)
 from tiny import tiny_config  # noqa: E402
 
 from meshlearn.distributed.launch import WORKERS_FILE  # noqa: E402
@@ -31,19 +39,8 @@ def test_killed_stage_replica_leaves_and_the_others_finish(tiny_corpus, tmp_path
     1's last stage writes them (each step's records exactly once, evaluation included)."""
     cfg = tiny_config(tiny_corpus, *ELASTIC, "train.eval_every=3")
     run = tmp_path / "run"
-    result = {}
     gone, kept = (1, 0) if killed == "r1s1" else (0, 1)
-    try:
-        with deadline(120, "the elastic run with a kill"):
-            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
-            thread.start()
-            wait_until(lambda: train_records(run) >= 2, 60, "two committed steps")
-            pid = json.loads((run / WORKERS_FILE).read_text())[killed]["pid"]
-            os.kill(pid, signal.SIGKILL)
-            thread.join()
-    finally:
-        kill_leftovers(run)
-    assert result["code"] == 0
+    assert launch_and_signal(cfg, run, killed, signal.SIGKILL, 120) == 0
     rows = records(run)
     assert [r["step"] for r in rows] == list(range(1, 9))  # every step once, none lost or twice
     assert all(r["participants"] == 2 for r in rows[:2])
@@ -110,17 +107,7 @@ def test_frozen_stage_replica_is_dropped_by_timeout_and_the_others_finish(tiny_c
     timeout find it. The launcher kills the frozen process once the run has ended."""
     cfg = tiny_config(tiny_corpus, *ELASTIC)
     run = tmp_path / "run"
-    result = {}
-    try:
-        with deadline(150, "the elastic run with a frozen worker"):
-            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
-            thread.start()
-            wait_until(lambda: train_records(run) >= 2, 60, "two committed steps")
-            os.kill(json.loads((run / WORKERS_FILE).read_text())["r1s1"]["pid"], signal.SIGSTOP)
-            thread.join()
-    finally:
-        kill_leftovers(run)
-    assert result["code"] == 0
+    assert launch_and_signal(cfg, run, "r1s1", signal.SIGSTOP, 150) == 0
     rows = records(run)
     assert [r["step"] for r in rows] == list(range(1, 9)) and rows[-1]["participants"] == 1
     members = json.loads((run / WORKERS_FILE).read_text())
