@@ -162,7 +162,7 @@ class ElasticDriver(Evictions, DistDriver):
         pacers = self.transport.pacers
         self.transport.close()
         self.transport = Transport(self.me, self.mesh, groups, pacers, self.device, self.health,
-                                   self.deadlines.message_s)
+                                   self.deadlines.message_s, self.max_message_bytes)
         row = {self.mesh.rank(WorkerId(self.me.replica, s)) for s in range(self.mesh.stages)}
         verifier = {self.mesh.world_size} if self.verdicts is not None else set()  # its rank, after ours
         self.health.watch(row | verifier)
