@@ -119,6 +119,19 @@ def test_the_header_belongs_to_the_receivers_step_and_microbatches():
     assert check_header(message, 3, {0, 1}) is None
     assert check_header(message, 4, {0, 1}) == "stale step: message for step 3, receiver at step 4"
     assert check_header(message, 3, {0}) == "microbatch: 1 is not one of this step's [0]"
+    assert check_header(message, 3, {0, 1}, sender=WorkerId(0, 2)) is None
+    assert check_header(message, 3, {0, 1}, sender=WorkerId(1, 2)) == (
+        "route: claims to come from r0s2, sent by r1s2")
+
+
+def test_a_stand_in_for_a_message_that_claims_another_sender_names_the_real_one():
+    guard = WireGuard(codec("identity"), T, D, VOCAB)
+    claim = Message("act", 5, 1, WorkerId(0, 1), WorkerId(1, 2), honest("identity", "act"))
+    out = guard.admit(claim, 5, B, {0, 1}, context, sender=WorkerId(1, 1))
+    assert (out.src, out.skip) == (WorkerId(1, 1), True)
+    [rejection] = guard.pop_rejections()
+    assert rejection.src == WorkerId(1, 1)
+    assert rejection.reason == "route: claims to come from r0s1, sent by r1s1"
 
 
 @pytest.mark.parametrize("name", ["identity", "subspace", "int8", "mask"])
@@ -140,5 +153,6 @@ def test_the_guard_turns_a_forged_message_into_a_quarantined_stand_in(name):
 
 
 def test_every_forgery_has_a_case_here():
-    cases = {"forge_ids", "forge_shape", "forge_dtype", "forge_nonfinite", "forge_oversize", "forge_stale"}
-    assert set(FORGERIES) == cases  # forge_stale is a header lie: tested with the guard above
+    cases = {"forge_ids", "forge_shape", "forge_dtype", "forge_nonfinite", "forge_oversize", "forge_stale",
+             "forge_src"}
+    assert set(FORGERIES) == cases  # forge_stale and forge_src are header lies: tested with the guard above

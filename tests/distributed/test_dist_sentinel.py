@@ -120,6 +120,25 @@ def test_a_forged_message_is_refused_by_the_verifier_with_a_record_not_a_crash(t
     assert_same_decisions(sim, dist)
 
 
+def test_a_message_lying_about_its_sender_is_quarantined_by_the_verifier_and_the_run_goes_on(
+        tiny_corpus, tmp_path):
+    """The header names another sender: the verifier's transport refuses it unread (before, the run
+    ended there) and the relay puts a stand-in in its slot, with the microbatch the link's order
+    gives (GPipe: gradients in descending order); the simulator's guard refuses the same messages."""
+    cfg = tiny_config(tiny_corpus, *MESH, "mesh.replicas=2", "train.steps=5", "mesh.schedule=gpipe",
+                      "attack.kind=forge_src", "attack.workers=r1s1", "attack.start_step=2")
+    sim, dist = both(cfg, tmp_path)
+    fields = ("step", "microbatch", "message", "src", "dst")
+    refused = sorted(tuple(r[f] for f in fields) for r in records(dist, "wire_reject"))
+    assert refused == sorted(tuple(r[f] for f in fields) for r in records(sim, "wire_reject"))
+    assert len(refused) == (5 - 2) * 2 * 2  # r1s1's activations and gradients from step 3 (1-based) on
+    claim = "route: claims to come from r2s1, sent by r1s1"
+    assert {r["reason"] for r in records(sim, "wire_reject")} == {claim}
+    assert all("refused unread" not in r["reason"] and "claims to be a" in r["reason"]
+               for r in records(dist, "wire_reject"))
+    assert_same_decisions(sim, dist)
+
+
 # --- the pure parts -----------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from meshlearn.mesh.schedule import format_table, schedule_table
+from meshlearn.mesh.schedule import build_plan, format_table, schedule_table, send_order
 
 GPIPE_P3_M4 = """\
 F0 F1 F2 F3 B3 B2 B1 B0
@@ -48,3 +48,23 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
 def test_unknown_schedule_lists_the_registered_ones():
     with pytest.raises(ValueError, match=r"mesh.schedule = 'zigzag'.*1f1b.*gpipe"):
         schedule_table("zigzag", 2, 2)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "async"])
+def test_send_order_is_the_order_a_stage_s_plan_runs_its_forwards_and_backwards(name):
+    """What a receiver that cannot read a header relies on: the n-th activation (gradient) a stage
+    sends in a step is microbatch ``send_order(...)[n]``. Checked by running each stage's plan for
+    three steps (async: as many microbatches in flight as 1F1B keeps)."""
+    stages, micro, steps = 3, 4, 3
+    for stage in range(stages):
+        plan = build_plan(name, stage, stages, micro, in_flight=stages - stage, update_every=micro)
+        sent: dict[str, list[int]] = {"F": [], "B": []}
+        while len(sent["B"]) < steps * micro:
+            kind, j = plan.peek(horizon=steps * micro)
+            if kind != "U":
+                sent[kind].append(j)
+            plan.advance(kind)
+        for kind in ("F", "B"):
+            order = send_order(name, stage, stages, kind, micro)
+            assert sent[kind] == [t * micro + m for t in range(steps) for m in order], (stage, kind)
+    assert send_order("gpipe", 0, stages, "B", micro) == [3, 2, 1, 0]  # the one that descends

@@ -123,10 +123,14 @@ def check_payload(payload: Encoded, layout: Layout, vocab_size: int, max_bytes: 
     return None
 
 
-def check_header(message: Message, step: int, microbatches: Collection[int]) -> str | None:
-    """None if the message belongs to the receiver's current step and one of its microbatches."""
+def check_header(message: Message, step: int, microbatches: Collection[int],
+                 sender: WorkerId | None = None) -> str | None:
+    """None if the message belongs to the receiver's current step and one of its microbatches, and
+    (given ``sender``, the worker the link comes from) names that worker as its source."""
     if message.kind not in KINDS:
         return f"kind: {message.kind!r}, expected one of {list(KINDS)}"
+    if sender is not None and message.src != sender:
+        return f"route: claims to come from {message.src}, sent by {sender}"
     if message.step != step:
         return f"stale step: message for step {message.step}, receiver at step {step}"
     if message.microbatch not in microbatches:
@@ -191,8 +195,9 @@ class WireGuard:
         return self.layouts[key]
 
     def check(self, message: Message, step: int, microbatch_size: int,
-              microbatches: Collection[int], ctx: MessageContext | None = None) -> str | None:
-        reason = check_header(message, step, microbatches)
+              microbatches: Collection[int], ctx: MessageContext | None = None,
+              sender: WorkerId | None = None) -> str | None:
+        reason = check_header(message, step, microbatches, sender)
         if reason is not None:
             return reason
         layout = self.layout(message.kind, self.shape(microbatch_size), ctx)
@@ -201,12 +206,15 @@ class WireGuard:
 
     def admit(self, message: Message, step: int, microbatch_size: int,
               microbatches: Collection[int],
-              context: Callable[[Kind, int, int], MessageContext] | None = None) -> Message:
+              context: Callable[[Kind, int, int], MessageContext] | None = None,
+              sender: WorkerId | None = None) -> Message:
         """The message itself if it passes; else a quarantined stand-in for its (kind, microbatch).
 
         ``context(kind, step, microbatch)`` is the receiver's own context of such a message (its
         codec's; None: codecs that need none). The payload is checked against the layout of the
         receiver's step, so a message from another step is refused before its layout matters.
+        ``sender``: the worker the message's link comes from; a header naming another is refused
+        (receivers route by the link, never by the header), and the record names the sender.
 
         The stand-in carries the receiver's step and honest zeros: a zero activation whose
         microbatch the last stage then weighs 0 (``skip``), or a zero gradient — what an honest
@@ -215,11 +223,12 @@ class WireGuard:
         """
         kind: Kind = message.kind if message.kind in KINDS else "act"
         ctx = context(kind, step, message.microbatch) if context is not None else None
-        reason = self.check(message, step, microbatch_size, microbatches, ctx)
+        reason = self.check(message, step, microbatch_size, microbatches, ctx, sender)
         if reason is None:
             return message
-        self.rejections.append(Rejection(step, kind, message.microbatch, message.src, message.dst, reason))
-        return dataclasses.replace(message, kind=kind, step=step,
+        src = message.src if sender is None else sender
+        self.rejections.append(Rejection(step, kind, message.microbatch, src, message.dst, reason))
+        return dataclasses.replace(message, kind=kind, step=step, src=src,
                                    payload=self.neutral(kind, self.shape(microbatch_size), ctx), skip=True)
 
     def neutral(self, kind: Kind, shape: tuple[int, ...], ctx: MessageContext | None = None) -> Encoded:

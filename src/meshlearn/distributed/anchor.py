@@ -51,7 +51,7 @@ from meshlearn.distributed.groups import Link, anchor_id, build_groups, rank_of
 from meshlearn.distributed.health import Health, WorkerFailure, run_and_exit, store_client
 from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.transport import Transport
-from meshlearn.distributed.wire import PREFIX_BYTES
+from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, message_bound
 from meshlearn.hooks import Callback
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import Link as LinkModel
@@ -64,7 +64,6 @@ POLL_S = 0.05  # how often an anchor stage waiting for a message looks at livene
 # A posted receive on an anchor link may wait as long as the link is slow: the run's end and the
 # heartbeats bound it, not a message deadline (this is only the transport's backstop).
 WAIT_S = 7 * 24 * 3600.0
-HEADER_ROOM = 64 * 1024
 IDS = "__ids__"  # the batch ids' tensor in a snapshot (no parameter is named so)
 
 
@@ -103,15 +102,16 @@ def capacity(cfg) -> int:
 
 
 def build_transport(cfg, me: WorkerId, mesh: MeshShape, links: dict[Link, object], health: Health,
-                    device: torch.device) -> Transport:
+                    device: torch.device, stage_params: int) -> Transport:
     """A transport over this process's anchor links, every send paced to the anchor profile with
-    the simulator's per-link seeded stream."""
+    the simulator's per-link seeded stream (``stage_params``: this stage's, which bounds what a
+    snapshot or gradient share may announce)."""
     profile, epoch = anchor_profile(cfg, mesh), time.monotonic()
     shaped = cfg.dist.shaping == "sender"
     pacers = {dst: Pacer(LinkModel(src, dst, "anchor", profile,
                                    random.Random(f"{cfg.seed}:anchor:{src}->{dst}")), epoch, shaped)
               for src, dst in links if src == me}
-    return Transport(me, mesh, links, pacers, device, health, WAIT_S)
+    return Transport(me, mesh, links, pacers, device, health, WAIT_S, message_bound(cfg, stage_params))
 
 
 def message(kind: str, step: int, microbatch: int, src: WorkerId, dst: WorkerId,
@@ -137,7 +137,7 @@ class AnchorClient:
         self.me = worker.id
         self.mesh = worker.mesh
         self.dtype = WIRE[self.a.wire_dtype]
-        self.transport = build_transport(cfg, self.me, self.mesh, links, health, device)
+        self.transport = build_transport(cfg, self.me, self.mesh, links, health, device, worker.n_params)
         for z in range(self.a.z):
             self.transport.expect_link((anchor_id(self.mesh, z, self.me.stage), self.me),
                                        len(passes_of(cfg, z)), capacity(cfg))
@@ -283,7 +283,8 @@ class AnchorStage:
         self.train_tokens = train_tokens
         self.store = store
         self.rank = rank_of(mesh, me)
-        self.transport = build_transport(cfg, me, mesh, links, health, torch.device("cpu"))
+        self.transport = build_transport(cfg, me, mesh, links, health, torch.device("cpu"),
+                                         sum(p.numel() for p in module.parameters()))
         passes, M = len(passes_of(cfg, self.z)), cfg.mesh.microbatches
         self.transport.expect_link((WorkerId(0, self.s), me), passes, capacity(cfg))
         if self.s > 0:

@@ -30,7 +30,7 @@ from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
 from meshlearn.distributed.transport import Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch_state
-from meshlearn.distributed.wire import PREFIX_BYTES
+from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, message_bound
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import build_network, ring_allreduce_bytes_per_member
 from meshlearn.mesh.schedule import AsyncPlan, feed_lookahead
@@ -42,7 +42,6 @@ from meshlearn.mesh.worker import StepStats, Worker
 from meshlearn.train.assemble import pipeline_in_flight
 from meshlearn.verify.verdicts import RemoteSentinel
 
-HEADER_ROOM = 64 * 1024  # bytes for a message's JSON header in the receive buffers
 # A row of the per-step gather: M losses, M flags (1 = loss present; a microbatch a verifier
 # quarantined has none), then these stats, then 3 link slots × (bytes sent, busy seconds).
 _SQ, _BUSY, _PP, _DP, _STALE, _DPWAIT, _LINKS = 0, 1, 2, 3, 4, 5, 6
@@ -101,8 +100,9 @@ class DistDriver(PipelineEvaluation):
             cfg.dist, cfg.link, message_bytes=micro * cfg.model.seq_len * cfg.model.d_model * 4,
             messages_per_step=2 * cfg.mesh.microbatches, grad_bytes=4 * worker.n_params,
             replicas=replicas)
+        self.max_message_bytes = message_bound(cfg, worker.n_params)  # its stage's peers: the same size
         self.transport = Transport(self.me, self.mesh, link_groups, pacers, device, health,
-                                   self.deadlines.message_s, relay=relay)
+                                   self.deadlines.message_s, self.max_message_bytes, relay=relay)
         self.capacity, self.eval_capacity = buffer_capacities(cfg)
         # A control message at a drain point (a protocol model's boundary transform: d×d fp64).
         self.control_capacity = PREFIX_BYTES + HEADER_ROOM + 8 * cfg.model.d_model ** 2

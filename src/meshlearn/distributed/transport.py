@@ -11,6 +11,10 @@ A sender holds each message until its pacer's delivery time (in-process shaping)
 as one buffer. A receiver keeps up to ``WINDOW`` receives posted ahead, each with a capacity both
 ends derive from the config, so the peer's "ready to receive" is already there when a message
 leaves (see wire.py); a larger message goes as a notice plus a buffer on ``OVERSIZE_TAG``.
+A notice is the sender's claim: one announcing more than ``max_message_bytes`` (the largest
+message an honest peer of the run sends, ``wire.message_bound``) is refused before anything is
+allocated, and bytes that do not decode are refused too; either arrives as ``Forged`` and the link
+stays up, so a lying peer can neither exhaust the receiver's memory nor close its link.
 The main thread waits for messages through ``next_message``, which checks liveness and a deadline
 derived from the link profile, and names the peer if either fails.
 
@@ -35,7 +39,7 @@ import torch.distributed as dist
 from meshlearn.distributed.groups import PairGroup, rank_of
 from meshlearn.distributed.health import Health, WorkerFailure, gist
 from meshlearn.distributed.shaping import Pacer, hold_until
-from meshlearn.distributed.wire import PREFIX_BYTES, pack, prefix, read_prefix, unpack
+from meshlearn.distributed.wire import PREFIX_BYTES, WireError, pack, prefix, read_prefix, unpack
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
@@ -53,6 +57,20 @@ class Broken:
 
 
 Link = tuple[WorkerId, WorkerId]
+
+
+@dataclass
+class Forged:
+    """A message a receiver refused without decoding it: an oversize notice beyond the bound, or
+    bytes that are no valid message. The relay quarantines it in its link's slot (``verifier.py``);
+    a worker, which has no stand-in for a message it cannot read, ends the run naming the sender."""
+
+    reason: str  # what was wrong with it
+    link: Link
+
+    @property
+    def message(self) -> str:
+        return f"worker {self.link[0]} sent a message that was refused unread: {self.reason}"
 
 
 def _isend(buffer: torch.Tensor, dst: int, group, tag: int):
@@ -76,12 +94,13 @@ class Transport:
 
     def __init__(self, me: WorkerId | None, mesh: MeshShape, groups: dict[Link, object],
                  pacers: dict[WorkerId, Pacer], device: torch.device, health: Health, message_s: float,
-                 relay: int | None = None):
+                 max_message_bytes: int, relay: int | None = None):
         self.me = me
         self.mesh = mesh
         self.device = device
         self.health = health
         self.message_s = message_s
+        self.max_message_bytes = max_message_bytes
         self.inbox: queue.Queue = queue.Queue()
         self.pacers = pacers
         self._errors: list[str] = []
@@ -124,7 +143,8 @@ class Transport:
         release = self.pacers[message.dst].release_at(message.wire_bytes) if shaped else 0.0
         with self._idle:
             self._pending += 1
-        self._send_q[(message.src, message.dst)].put((message, release, capacity))
+        link = (message.src if self.me is None else self.me, message.dst)  # a worker sends as itself
+        self._send_q[link].put((message, release, capacity))
 
     def expect(self, src: WorkerId, count: int, capacity: int) -> None:
         """Receive ``count`` messages, in order, on the link from ``src``, into buffers of
@@ -136,8 +156,9 @@ class Transport:
         if count:
             self._recv_q[link].put((count, capacity))
 
-    def next_arrival(self, timeout_s: float) -> Message | Broken | None:
-        """The relay's wait: the next message, a receiver's failure, or None after ``timeout_s``.
+    def next_arrival(self, timeout_s: float) -> Message | Broken | Forged | None:
+        """The relay's wait: the next message, a refused one, a receiver's failure, or None after
+        ``timeout_s``.
         Never aborts the run: at the end, peers closing their links is no failure."""
         try:
             return self.inbox.get(timeout=timeout_s)
@@ -171,6 +192,8 @@ class Transport:
                 continue
             if isinstance(item, Broken):
                 raise self.health.link_failure(item.message)
+            if isinstance(item, Forged):  # a lying peer: never a mere broken row
+                raise WorkerFailure(self.health.abort(item.message))
             return item
 
     def drain(self, deadline_s: float) -> None:
@@ -242,11 +265,19 @@ class Transport:
                     work.wait(timeout)
                     header_len, size = read_prefix(buffer)
                     if header_len < 0:  # oversize notice: the message follows on its own tag
+                        if not 0 <= size <= self.max_message_bytes:  # checked before allocating
+                            self.inbox.put(Forged(f"an oversize notice of {size} bytes (no message "
+                                                  f"of this run exceeds {self.max_message_bytes})", link))
+                            continue
                         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
                         _irecv(buffer, src, group, OVERSIZE_TAG).wait(timeout)
                     if self.device.type == "cuda":
                         torch.cuda.current_stream(self.device).synchronize()
-                    message = unpack(buffer, peer)
+                    try:
+                        message = unpack(buffer, peer)
+                    except WireError as err:
+                        self.inbox.put(Forged(str(err), link))
+                        continue
                     message.received_at = time.monotonic()  # a DP round's deadline is judged by it
                     message.link = link  # the relay routes by the link, never by the header's dst
                     self.inbox.put(message)
@@ -254,3 +285,4 @@ class Transport:
                 self.inbox.put(Broken(f"lost the connection to worker {peer} while receiving "
                                       f"from it ({gist(err)}; noticed by {self.me or 'the verifier'})", link))
                 return
+

@@ -7,14 +7,16 @@ the ledger — and relays the pipeline, store and forward: worker (r, s) → ver
 receives pipeline messages from the verifier only. Per message, in arrival order:
 
 1. the *slot*: which step the message belongs to is read off its link's arrival count, never off
-   its header — every schedule sends a link's messages in microbatch order, M per step (async
-   included: forwards and backwards run in order), so message n of a link is of step n // M;
+   its header — every schedule sends a link's messages step by step, M per step (async
+   included), so message n of a link is of step n // M, and of microbatch ``send_order``'s
+   (n mod M)-th (what a message whose header cannot be read is taken for);
    after a step that ends in evaluation, replica 0's forward links carry the validation batches
    next, relayed unverified (the simulator does not verify evaluation either);
 2. the receiver's checks, before anything decodes it: the route (a message's kind and destination
    must be its link's) and ``WireGuard.admit`` with the slot's step — a forged message becomes a
    quarantined stand-in with a rejection record, as in the simulator, where the receiver's guard
-   runs before the monitors;
+   runs before the monitors; bytes the transport refused unread (``Forged``: no valid message, or
+   an oversize notice beyond ``wire.message_bound``) become the same stand-in;
 3. ``Sentinel.inspect``, then the result — the message, a replacement or a skip-marked one — goes
    on to the link's destination (unshaped: the sender's hop already paced it to the logical
    link's profile).
@@ -61,12 +63,13 @@ from meshlearn.distributed.driver import buffer_capacities
 from meshlearn.distributed.groups import Link, build_groups
 from meshlearn.distributed.health import WorkerFailure, run_and_exit, store_client
 from meshlearn.distributed.settings import derive_deadlines
-from meshlearn.distributed.transport import Broken, Transport
+from meshlearn.distributed.transport import Broken, Forged, Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch_state
+from meshlearn.distributed.wire import message_bound
 from meshlearn.distributed.worker import Session, _train_tokenizer_once
 from meshlearn.elastic.evictions import RelayMembership
 from meshlearn.mesh.messages import Message
-from meshlearn.mesh.schedule import feed_lookahead
+from meshlearn.mesh.schedule import feed_lookahead, send_order
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.train.assemble import load_corpus, pipeline_in_flight, resolve
 from meshlearn.verify.ledger import Ban
@@ -140,7 +143,10 @@ class Relay:
         deadlines = derive_deadlines(cfg.dist, cfg.link, message_bytes, 2 * self.microbatches, 0,
                                      self.mesh.replicas)
         self.transport = Transport(None, self.mesh, links, {}, torch.device("cpu"), self.health,
-                                   deadlines.message_s)
+                                   deadlines.message_s, message_bound(cfg, 0))  # acts and grads only
+        # The per-step microbatch of each arrival on a link, for a message whose header is unreadable.
+        self.order = {(s, kind): send_order(cfg.mesh.schedule, s, self.mesh.stages, kind, self.microbatches)
+                      for s in range(self.mesh.stages) for kind in ("F", "B")}
         for link in links:  # receives stay posted for the whole run, WINDOW ahead per link
             self.transport.expect_link(link, sys.maxsize, self.capacity)
         # Elastic runs: the rows agreed per step, and the rows evicted (elastic/evictions.py).
@@ -167,7 +173,7 @@ class Relay:
         while True:
             item = self.transport.next_arrival(POLL_S)
             self.health.check()
-            if isinstance(item, Message):
+            if isinstance(item, Message | Forged):
                 self.handle(item)
             elif isinstance(item, Broken) and not self._finished(item.link[0]):
                 raise WorkerFailure(self.health.abort(item.message))
@@ -178,17 +184,21 @@ class Relay:
             if (error := self.transport.send_error()) is not None:
                 raise WorkerFailure(self.health.abort(error))
 
-    def handle(self, message: Message) -> None:
-        link = message.link
+    def handle(self, item: Message | Forged) -> None:
+        """One arrival, in its link's order: a validation batch goes on as it is; a training
+        message goes through the receiver's checks and SENTINEL to its destination."""
+        link = item.link
         if self._left(link[0]):  # an evicted worker that still sends: nobody receives it any more
             return
         step = self.slots.next(link)
         if step is None:  # a validation batch: relayed as it is, to its link's destination
-            self.transport.send(dataclasses.replace(message, dst=link[1]), self.eval_capacity, shaped=False)
+            if isinstance(item, Forged):  # not verified, and no stand-in for a whole batch
+                raise WorkerFailure(self.health.abort(f"{item.message}, in place of a validation batch"))
+            self.transport.send(dataclasses.replace(item, dst=link[1]), self.eval_capacity, shaped=False)
             return
         if self.deferred and step > self.opened:
             self.open(step)
-        message = self.admit(message, link, step)
+        message = self.admit(item, link, step) if isinstance(item, Message) else self.refuse(item, step)
         delivered = self.sentinel.inspect(message)
         self.transport.send(delivered, self.capacity, shaped=False)
         self.relayed += 1
@@ -215,11 +225,29 @@ class Relay:
         if message.kind == kind and message.dst == dst:
             boundary = min(src.stage, dst.stage)  # the receiver's own context (the mask codec needs it)
             return self.guard.admit(message, step, self.micro_of(step), range(self.microbatches),
-                                    lambda _kind, t, m: MessageContext(t, m, boundary, src.replica))
+                                    lambda _kind, t, m: MessageContext(t, m, boundary, src.replica), src)
         reason = f"route: a {message.kind!r} for {message.dst} on the link {src}→{dst}"
-        self.guard.rejections.append(Rejection(step, kind, message.microbatch, src, dst, reason))
-        return dataclasses.replace(message, kind=kind, step=step, dst=dst, skip=True,
-                                   payload=self.guard.neutral(kind, self.guard.shape(self.micro_of(step))))
+        return self.quarantine(link, step, message.microbatch, reason)
+
+    def refuse(self, forged: Forged, step: int) -> Message:
+        """A message the transport refused unread (bytes that do not decode, or an oversize notice
+        beyond the run's bound) takes its slot as a quarantined stand-in, like one the guard refuses:
+        the receiver gets zeros marked skip, SENTINEL scores the sender on them, and the run goes on.
+        Its microbatch is the slot's (``send_order``): the header that would name it is unreadable."""
+        src, dst = link = forged.link
+        kind = "F" if dst.stage > src.stage else "B"
+        microbatch = self.order[(src.stage, kind)][(self.slots.trained[link] - 1) % self.microbatches]
+        return self.quarantine(link, step, microbatch, forged.reason)
+
+    def quarantine(self, link: Link, step: int, microbatch: int, reason: str) -> Message:
+        """The stand-in for a refused message of ``link`` (zeros in the receiver's own wire format,
+        marked skip) and its rejection record."""
+        src, dst = link
+        kind = "act" if dst.stage > src.stage else "grad"
+        self.guard.rejections.append(Rejection(step, kind, microbatch, src, dst, reason))
+        ctx = MessageContext(step, microbatch, min(src.stage, dst.stage), src.replica)
+        return Message(kind, step, microbatch, src, dst, skip=True,
+                       payload=self.guard.neutral(kind, self.guard.shape(self.micro_of(step)), ctx))
 
     def close(self, step: int) -> None:
         """``Sentinel.end_step`` and the verdict. Flushing schedules drain after every step: each

@@ -39,6 +39,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 KINDS = ("act", "grad", "dp", "morph", *ANCHOR_KINDS)
 PREFIX_BYTES = 16  # int64 header length, int64 body length
+HEADER_ROOM = 64 * 1024  # bytes for a message's JSON header in the receive buffers
+
+
+def message_bound(cfg, stage_params: int) -> int:
+    """The most bytes an honest message of this run can take, with room to spare: a whole batch of
+    fp32 activations and int64 token ids (evaluation), a stage's parameters at 8 bytes each (a DP
+    share or an anchor snapshot or gradient sends them at 4 at most), or a d × d fp64 boundary
+    transform (twice). ``stage_params``: the largest stage's count among the peers this process
+    hears from (0 for the verifier, whose links carry activations and gradients only). A notice
+    announcing more is a lie the receiver refuses before allocating (``transport.py``)."""
+    per_sequence = cfg.model.seq_len * (4 * cfg.model.d_model + 8)
+    return PREFIX_BYTES + HEADER_ROOM + max(cfg.train.batch_size * per_sequence, 8 * stage_params,
+                                            16 * cfg.model.d_model ** 2)
 
 
 def prefix(header_len: int, body_len: int, device: torch.device) -> torch.Tensor:

@@ -168,11 +168,7 @@ class ElasticDriver(Evictions, DistDriver):
         """The first step this row trains (again, after it broke): its pipeline links, and its
         partners' deaths become this worker's concern (before, the slots beside it may still
         name dead processes)."""
-        groups = self.links.build(step)
-        pacers = self.transport.pacers
-        self.transport.close()
-        self.transport = Transport(self.me, self.mesh, groups, pacers, self.device, self.health,
-                                   self.deadlines.message_s)
+        self._replace_transport(self.links.build(step), wait_s=1.0)
         row = {self.mesh.rank(WorkerId(self.me.replica, s)) for s in range(self.mesh.stages)}
         verifier = {self.mesh.world_size} if self.verdicts is not None else set()  # its rank, after ours
         self.health.watch(row | verifier)
@@ -227,13 +223,19 @@ class ElasticDriver(Evictions, DistDriver):
         self.health.forget_row()
         if not self.linked:
             return
-        self.transport.close(wait_s=0)
-        self.transport = Transport(self.me, self.mesh, {}, self.transport.pacers, self.device, self.health,
-                                   self.deadlines.message_s)
+        self._replace_transport({}, wait_s=0)
         self.linked = False
         self._event("spectates", step, why=why)
         print(f"meshlearn worker {self.me}: stops training at step {step + 1} ({why}); it stays in its "
               f"stage's quorum and spectates until its row is complete again", file=sys.stderr, flush=True)
+
+    def _replace_transport(self, groups: dict, wait_s: float) -> None:
+        """Links ``groups`` from now on (none: a broken row's survivor); the old links' threads are
+        waited for up to ``wait_s`` each."""
+        pacers = self.transport.pacers
+        self.transport.close(wait_s)
+        self.transport = Transport(self.me, self.mesh, groups, pacers, self.device, self.health,
+                                   self.deadlines.message_s, self.max_message_bytes)
 
     def _event(self, kind: str, step: int, **fields) -> None:
         """A membership event of this process for the launcher's ``workers.json`` (``membership``):

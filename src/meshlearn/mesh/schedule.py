@@ -212,6 +212,17 @@ def feed_lookahead(deepest_in_flight: int, microbatches: int) -> int:
     return math.ceil(deepest_in_flight / microbatches) + 1
 
 
+def send_order(schedule: str, stage: int, stages: int, kind: Kind, microbatches: int) -> list[int]:
+    """The microbatch (0..M-1) of each message stage ``stage`` sends in a step, in sending order:
+    ``F`` its activations, ``B`` its gradients. A stage sends each as its action ends, so this is
+    the order of those actions in its plan: the table's for a flushing schedule (GPipe's backwards
+    descend), increasing ids for ``async`` (``AsyncPlan`` forwards and backwards in id order). A
+    receiver that cannot read a header learns from it which microbatch the n-th message was."""
+    if schedule == "async":
+        return list(range(microbatches))
+    return [a.microbatch for a in schedule_table(schedule, stages, microbatches)[stage] if a.kind == kind]
+
+
 def build_plan(schedule: str, stage: int, stages: int, microbatches: int, in_flight: int,
                update_every: int) -> StagePlan:
     """The plan of one stage (``in_flight`` and ``update_every`` matter for ``async`` only)."""

@@ -49,6 +49,7 @@ from meshlearn.verify.forgeries import (
     ForgeIds,
     ForgeNonFinite,
     ForgeOversize,
+    ForgeSender,
     ForgeShape,
     ForgeStale,
 )
@@ -314,6 +315,7 @@ ATTACKS: dict[str, Callable[[AttackConfig, int, VerifyConfig], Attack]] = {
     "forge_nonfinite": lambda cfg, seed, verify: ForgeNonFinite(cfg, seed),
     "forge_oversize": lambda cfg, seed, verify: ForgeOversize(cfg, seed),
     "forge_stale": lambda cfg, seed, verify: ForgeStale(cfg, seed),
+    "forge_src": lambda cfg, seed, verify: ForgeSender(cfg, seed),
 }
 MIXABLE = sorted(set(ATTACKS) - {"mixed", "adaptive", *FORGERIES})
 """What ``mixed`` may switch among: the tensor attacks (it applies its parts' ``corrupt``)."""

@@ -19,13 +19,15 @@ import torch
 from meshlearn.compress.codecs import Encoded, Kind
 from meshlearn.compress.wire_checks import INDEX_FIELDS
 from meshlearn.mesh.messages import Message
+from meshlearn.mesh.topology import WorkerId
 from meshlearn.verify.attack_base import Attack, AttackConfig
 
 if TYPE_CHECKING:  # config.py and the trainer import this module
     pass
 
 
-FORGERIES = ("forge_ids", "forge_shape", "forge_dtype", "forge_nonfinite", "forge_oversize", "forge_stale")
+FORGERIES = ("forge_ids", "forge_shape", "forge_dtype", "forge_nonfinite", "forge_oversize", "forge_stale",
+             "forge_src")
 """The registry names of the forgeries (see ``verify.attacks.ATTACKS``)."""
 
 
@@ -156,3 +158,16 @@ class ForgeStale(Forgery):
             self.history[(kind, int(m))] = deque(
                 [(t, Encoded(tensors, tuple(shape), dtype, dict(meta))) for t, tensors, shape, dtype, meta
                  in entries], maxlen=self.cfg.replay_delay + 1)
+
+
+class ForgeSender(Forgery):
+    """Claims another sender: the header names the next replica of its own stage (which may not
+    exist), the payload stays honest. A receiver that trusted the header would credit another worker
+    with the message (and SENTINEL would score the wrong one); receivers route by the link, so the
+    claim alone gets it refused. Under ``backend = dist`` the refusal comes before decoding (the
+    transport's check of a header's source, ``distributed/wire.py: unpack``)."""
+
+    name = "forge_src"
+
+    def forge_message(self, message):
+        return dataclasses.replace(message, src=WorkerId(message.src.replica + 1, message.src.stage))
