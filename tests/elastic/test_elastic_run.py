@@ -105,6 +105,35 @@ def test_every_replica_of_a_stage_killed_stops_with_its_name_and_resume_is_exact
 
 
 @pytest.mark.slow
+def test_rows_broken_at_different_stages_stop_the_run_naming_it(tiny_corpus, tmp_path, capsys):
+    """r0s1 and r1s0 killed: a replica of each stage lives (r0s0, r1s1) but no row is complete and
+    rows are not re-paired across replicas: the survivors stop at once, saying so, instead of
+    spectating every remaining step uncommitted."""
+    cfg = tiny_config(tiny_corpus, *ELASTIC, "train.steps=30")
+    run = tmp_path / "run"
+    result = {}
+    try:
+        with deadline(90, "the elastic run whose rows both break"):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
+            thread.start()
+            wait_until(lambda: train_records(run) >= 2, 60, "two committed steps")
+            members = json.loads((run / WORKERS_FILE).read_text())
+            for signum in (signal.SIGSTOP, signal.SIGKILL):  # frozen first: neither sees the other die
+                for name in ("r0s1", "r1s0"):
+                    os.kill(members[name]["pid"], signum)
+            thread.join()
+    finally:
+        kill_leftovers(run)
+    assert result["code"] == 1
+    report = capsys.readouterr().err
+    assert "no pipeline row is complete in step" in report.splitlines()[0], report
+    assert train_records(run) < 30
+    members = json.loads((run / WORKERS_FILE).read_text())
+    for name in ("r0s0", "r1s1"):
+        assert members[name]["events"][-1]["event"] == "left", members[name]
+
+
+@pytest.mark.slow
 def test_frozen_stage_replica_is_dropped_by_timeout_and_the_others_finish(tiny_corpus, tmp_path):
     """SIGSTOP: no connection is reset; the quorum's heartbeat timeout (and the row partner's
     heartbeat watch, if it is waiting on a link) find it. The launcher kills the frozen process once

@@ -44,7 +44,7 @@ import torch
 
 from meshlearn.compress.codecs import MessageContext
 from meshlearn.distributed.driver import DistDriver
-from meshlearn.distributed.health import RowBroken
+from meshlearn.distributed.health import RowBroken, WorkerFailure
 from meshlearn.distributed.shaping import allreduce_release_at, hold_until
 from meshlearn.distributed.transport import Transport
 from meshlearn.elastic.binding import check_bound
@@ -148,6 +148,9 @@ class ElasticDriver(Evictions, DistDriver):
             check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")
         self.quorum_s += self.current.quorum_s
         self.rows = self.agreement.agree(step, self.me, self.current.participants)
+        if not self.rows:  # every row lost a stage replica (at different stages: not re-paired yet)
+            raise WorkerFailure(f"no pipeline row is complete in step {step + 1}'s quorums: every row "
+                                f"lost a stage replica, so nothing can train (noticed by {self.me})")
         self.records.after_quorum(step)  # before the all-reduce: the file stays in step order
         trains = self.me.replica in self.rows
         if self.linked and not trains and not self.links.relayed:
