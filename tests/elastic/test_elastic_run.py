@@ -111,20 +111,7 @@ def test_rows_broken_at_different_stages_stop_the_run_naming_it(tiny_corpus, tmp
     spectating every remaining step uncommitted."""
     cfg = tiny_config(tiny_corpus, *ELASTIC, "train.steps=30")
     run = tmp_path / "run"
-    result = {}
-    try:
-        with deadline(90, "the elastic run whose rows both break"):
-            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
-            thread.start()
-            wait_until(lambda: train_records(run) >= 2, 60, "two committed steps")
-            members = json.loads((run / WORKERS_FILE).read_text())
-            for signum in (signal.SIGSTOP, signal.SIGKILL):  # frozen first: neither sees the other die
-                for name in ("r0s1", "r1s0"):
-                    os.kill(members[name]["pid"], signum)
-            thread.join()
-    finally:
-        kill_leftovers(run)
-    assert result["code"] == 1
+    assert launch_and_signal(cfg, run, ("r0s1", "r1s0"), (signal.SIGSTOP, signal.SIGKILL), 90) == 1
     report = capsys.readouterr().err
     assert "no pipeline row is complete in step" in report.splitlines()[0], report
     assert train_records(run) < 30
