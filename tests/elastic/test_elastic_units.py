@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 from tiny import tiny_config
 
@@ -250,3 +251,35 @@ def test_a_row_partners_death_breaks_the_row_and_the_worker_stays(monkeypatch):
     fixed._thread.join(10)  # it ends with the failure: every rank but 0 is silent
     assert exits == [health_module.EXIT_PEER_FAILURE] and "stopped answering" in fixed.failure
     assert not isinstance(fixed.link_failure("lost the connection"), RowBroken)
+
+
+def test_a_worker_abandons_a_step_in_flight_and_stands_at_its_update(tiny_corpus):
+    """``Worker.abandon``: a first stage whose partner died after its forwards (their gradients
+    never come) drops the step's open microbatches and stands at the update with zero gradients,
+    idle, as a spectator; discarding that update changes no weight, and the next step runs."""
+    import copy
+
+    from meshlearn.mesh.worker import StepWork
+    from meshlearn.train.assemble import build_workers
+
+    cfg = tiny_config(tiny_corpus, *ELASTIC, "model.vocab_size=256")
+    worker = build_workers(cfg)[WorkerId(0, 0)]
+    M, seq = cfg.mesh.microbatches, cfg.model.seq_len
+
+    def feed(step: int) -> None:
+        tokens = [torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(step * M + m))
+                  for m in range(M)]
+        worker.feed(StepWork(step=step, microbatch_size=2, tokens=tokens))
+        worker.horizon = (step + 1) * M
+
+    before = copy.deepcopy(worker.module.state_dict())
+    feed(0)
+    sent = [m for _ in range(M) for m in worker.run(worker.next_action())]  # every forward of step 0
+    assert len(sent) == M and worker.next_action() is None and not worker.idle  # waits for gradients
+    action = worker.abandon(0)
+    assert worker.idle and action.kind == "U" and worker.next_action() == action
+    assert all(not p.grad.any() for p in worker.module.parameters())
+    worker.discard_update(action)
+    assert all(torch.equal(t, before[k]) for k, t in worker.module.state_dict().items())
+    feed(1)
+    assert worker.next_action().kind == "F" and worker.next_action().microbatch == M  # step 1 runs
