@@ -4,13 +4,14 @@ The demo model on P=2 stages × D=2 replicas, every link 100 Mbit/s with 20 ms o
 sender-paced (``dist.shaping=sender``), four processes on this machine. Four runs, one after the
 other: the fixed-membership DistDriver; elastic with nobody failing; elastic with worker r1s1
 SIGKILLed once the writer has logged ``--fail-after`` steps; the same with SIGSTOP instead; and a
-join run: r1s1 SIGKILLed (row 1 leaves), then one ``meshlearn worker --join`` per stage started at
-once, the run ended by a graceful stop (SIGTERM) a few steps after row 1 trains again.
+join run: r1s1 SIGKILLed (its partner r1s0 stays and spectates), then one ``meshlearn worker
+--join`` (it takes r1s1's slot), the run ended by a graceful stop (SIGTERM) a few steps after row 1
+trains again.
 
-**Join-to-first-contribution**: from starting the joiners' processes to the wall time at which
-their row's first step began (``contributes`` in ``workers.json``; both stages report the same
-step), beside the time to the heal of each (``joined``): process start, imports, model, the
-stage's next quorum and the transfer of a peer's state.
+**Join-to-first-contribution**: from starting the joiner's process to the wall time at which its
+row's first step began (``contributes`` in ``workers.json``; r1s0 reports the same step), beside
+the time to its heal (``joined``): process start, imports, model, the stage's next quorum and the
+transfer of a peer's state.
 
 Reported: the median wall time per step (steps after the first), the quorum's own median time per
 step (``quorum_s``: asking the stage's lighthouse until the quorum formed), and for the failure
@@ -108,42 +109,40 @@ def _until(predicate, what: str, seconds: float = 300.0) -> None:
 
 
 def join_run(fail_after: int) -> dict:
-    """Row 1 leaves, a replacement row joins (both joiners at once); the times of its join."""
+    """r1s1 dies, its partner stays; one joiner completes row 1; the times of its join."""
     cfg = demo_config(*overrides(100_000, True))
     root, run_dir, thread, result = launch_in_thread(cfg, "meshlearn-elastic-join-")
-    joiners = []
+    joiner = None
     try:
         _until(lambda: len(train_records(run_dir)) >= fail_after, "the first steps")
         os.kill(json.loads((run_dir / WORKERS_FILE).read_text())["r1s1"]["pid"], signal.SIGKILL)
-        _until(lambda: all(json.loads((run_dir / WORKERS_FILE).read_text())[n]["events"][-1]["event"]
-                           == "left" for n in ("r1s0", "r1s1")), "row 1's departure")
+        _until(lambda: _events(run_dir, "r1s1", "left") and _events(run_dir, "r1s0", "spectates"),
+               "r1s1's departure and r1s0 spectating")
         address = json.loads((run_dir / "elastic.json").read_text())["store"]
         env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
         started = time.time()
-        for i in range(2):
-            with (root / f"join{i}.log").open("w") as log:
-                joiners.append(subprocess.Popen([sys.executable, "-m", "meshlearn.distributed.worker",
-                                                 "--join", address, "--out", str(run_dir)],
-                                                env=env, stdout=log, stderr=subprocess.STDOUT))
+        with (root / "join.log").open("w") as log:
+            joiner = subprocess.Popen([sys.executable, "-m", "meshlearn.distributed.worker",
+                                       "--join", address, "--out", str(run_dir)],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT)
         _until(lambda: all(_events(run_dir, n, "contributes") for n in ("r1s0", "r1s1")),
                "row 1's first step")
-        first = _events(run_dir, "r1s0", "contributes")[0]
+        first = _events(run_dir, "r1s1", "contributes")[0]
         _until(lambda: len(train_records(run_dir)) >= first["step"] + 3, "three steps with row 1")
         os.kill(json.loads((run_dir / WORKERS_FILE).read_text())["r0s0"]["pid"], signal.SIGTERM)
-        for j in joiners:
-            j.wait(timeout=120)
+        joiner.wait(timeout=120)
         thread.join()
         assert result["code"] == 0, f"run failed: {result}"
         rows = train_records(run_dir)
-        healed = {n: _events(run_dir, n, "joined")[0] for n in ("r1s0", "r1s1")}
-        return {"heal_s": {n: e["at"] - started for n, e in healed.items()},
-                "heal_step": {n: e["step"] + 1 for n, e in healed.items()},
+        healed = _events(run_dir, "r1s1", "joined")[0]
+        spectated = _events(run_dir, "r1s0", "spectates")[0]["step"]
+        return {"heal_s": healed["at"] - started, "heal_step": healed["step"] + 1,
                 "contribution_s": first["at"] - started, "contribution_step": first["step"] + 1,
+                "spectated_from": spectated + 1,
                 "after": [r for r in rows if r["step"] > first["step"]]}
     finally:
-        for j in joiners:
-            if j.poll() is None:
-                j.kill()
+        if joiner is not None and joiner.poll() is None:
+            joiner.kill()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -185,10 +184,10 @@ def main() -> None:
                                       ("quorum_s", "median quorum s/step", ".4f"),
                                       ("failover_s", "failover s", ".2f"), ("lost", "steps lost", "")])
     overhead = step["elastic"] - step["fixed"]
-    heal = ", ".join(f"{n} {joined['heal_s'][n]:.1f} s (step {joined['heal_step'][n]})"
-                     for n in sorted(joined["heal_s"]))
     after = joined["after"]
-    markdown += (f"\n\n**Join** (row 1 killed, one `--join` per stage started together): healed {heal}; "
+    markdown += (f"\n\n**Join** (r1s1 killed; r1s0 stays, spectating from step {joined['spectated_from']}; "
+                 f"one `--join`): the joiner healed in {joined['heal_s']:.1f} s "
+                 f"(step {joined['heal_step']}); "
                  f"**join-to-first-contribution {joined['contribution_s']:.1f} s** (row 1 trains from "
                  f"step {joined['contribution_step']}); the {len(after)} steps after it: rows "
                  f"{sorted({tuple(r['rows']) for r in after})}, all committed: "

@@ -80,16 +80,23 @@ def train_records(run: Path) -> int:
     return sum(r["kind"] == "train" for r in read_records(path)) if path.exists() else 0
 
 
-def launch_and_signal(cfg: RunConfig, run_dir: Path, worker: str, signum: int, seconds: float) -> int:
+def launch_and_signal(cfg: RunConfig, run_dir: Path, worker: str | tuple[str, ...],
+                      signum: int | tuple[int, ...], seconds: float) -> int:
     """Launch, send ``signum`` to ``worker`` (e.g. r1s1) once two steps are committed, and return
-    the launcher's exit code; nothing of the run is left behind."""
+    the launcher's exit code; nothing of the run is left behind. Several workers and signals: each
+    signal to every worker in turn (SIGSTOP then SIGKILL: none sees another die before its end)."""
+    workers = (worker,) if isinstance(worker, str) else worker
+    signals = (signum,) if isinstance(signum, int) else signum
     result: dict[str, int] = {}
     try:
-        with deadline(seconds, f"the elastic run with {worker} sent signal {signum}"):
+        with deadline(seconds, f"the elastic run with {', '.join(workers)} sent signals {signals}"):
             thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run_dir)))
             thread.start()
             wait_until(lambda: train_records(run_dir) >= 2, 60, "two committed steps")
-            os.kill(json.loads((run_dir / WORKERS_FILE).read_text())[worker]["pid"], signum)
+            members = json.loads((run_dir / WORKERS_FILE).read_text())
+            for sig in signals:
+                for name in workers:
+                    os.kill(members[name]["pid"], sig)
             thread.join()
     finally:
         kill_leftovers(run_dir)

@@ -1,15 +1,18 @@
-"""A replacement row joins a running mesh of two stages (real processes on loopback, shaped links).
+"""Replacements join a running mesh of two stages (real processes on loopback, shaped links).
 
-P = 2 × D = 2: r1s1 is SIGKILLed, so row 1 leaves. ``meshlearn worker --join`` is started for
-stage 0 first: it heals there and *spectates* (its row has no stage 1) while row 0 trains on; then
-for stage 1. From the step where both are in their stages' quorums, row 1 trains again: each step
-splits its global batch over both rows. The run is long (``train.steps`` far away) and ends by a
-graceful stop (SIGTERM to one worker: every process stops after the same step, with a checkpoint),
-so nothing in the test depends on how long a process takes to start.
+P = 2 × D = 2. A broken row: r1s1 is SIGKILLed; its partner r1s0 stays and *spectates* while row 0
+trains on; one ``meshlearn worker --join`` takes r1s1's slot and row 1 trains again. A replacement
+row: both of row 1's workers are killed; ``--join`` is started for stage 0 first: it heals there
+and spectates (its row has no stage 1); then for stage 1. From the step where both are in their
+stages' quorums, row 1 trains again: each step splits its global batch over both rows. The runs
+are long (``train.steps`` far away) and end by a graceful stop (SIGTERM to one worker: every
+process stops after the same step, with a checkpoint), so nothing in the tests depends on how
+long a process takes to start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -17,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -95,6 +99,49 @@ def _assert_same_stage_state(a: dict, b: dict, strategy: str, what: str) -> None
         assert len(x) == len(y) > 0 and all(torch.equal(u, v) for u, v in zip(x, y, strict=True)), what
 
 
+def _kill_row(run: Path, replica: int) -> None:
+    """SIGKILL every worker of row ``replica``, frozen first (SIGSTOP), so that none of them sees
+    another die and reports anything before its own end."""
+    pids = [m["pid"] for name, m in _members(run).items() if name.startswith(f"r{replica}s")]
+    for signum in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in pids:
+            os.kill(pid, signum)
+
+
+@contextlib.contextmanager
+def _live_run(cfg, run: Path, what: str) -> Iterator[tuple[dict, list[subprocess.Popen]]]:
+    """The run, launched in a thread and two steps in; yields (the launcher's result, the list
+    the block appends its joiners to). At the block's end a graceful stop (SIGTERM to r0s0: every
+    process stops after the same step, with a checkpoint) ends it; nothing is left behind."""
+    result: dict = {}
+    joiners: list[subprocess.Popen] = []
+    try:
+        with deadline(240, what):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
+            thread.start()
+            wait_until(lambda: _last_record(run) >= 2, 60, "two steps")
+            yield result, joiners
+            os.kill(_members(run)["r0s0"]["pid"], signal.SIGTERM)
+            for j in joiners:
+                j.wait(timeout=60)
+            thread.join()
+    finally:
+        for j in joiners:
+            if j.poll() is None:
+                j.kill()
+        kill_leftovers(run)
+
+
+def _row_1_trains(run: Path) -> int:
+    """Wait for row 1 to train again (both its workers report it) and four steps more; the first
+    step it trained."""
+    wait_until(lambda: all(_event(run, n, "contributes") for n in ("r1s0", "r1s1")), 90,
+               "row 1 training again")
+    trains = _event(run, "r1s1", "contributes")["step"]
+    wait_until(lambda: _last_record(run) >= trains + 4, 60, "four steps with row 1 training")
+    return trains
+
+
 STRATEGIES = {"allreduce": [], "powersgd": ["dp.name=powersgd", "dp.rank=2"],
               "diloco": ["dp.name=diloco", "dp.inner_steps=2", "dp.fragments=2", "dp.compress=powersgd",
                          "dp.rank=2"]}
@@ -105,34 +152,16 @@ STRATEGIES = {"allreduce": [], "powersgd": ["dp.name=powersgd", "dp.rank=2"],
 def test_a_replacement_row_joins_heals_spectates_and_trains(tiny_corpus, tmp_path, strategy):
     cfg = tiny_config(tiny_corpus, *ELASTIC, *STRATEGIES[strategy])
     run = tmp_path / "run"
-    result: dict = {}
-    joiners: list[subprocess.Popen] = []
-    try:
-        with deadline(240, "the elastic run with a replacement row"):
-            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
-            thread.start()
-            wait_until(lambda: _last_record(run) >= 2, 60, "two steps")
-            os.kill(_members(run)["r1s1"]["pid"], signal.SIGKILL)
-            wait_until(lambda: all(_event(run, n, "left") for n in ("r1s0", "r1s1")), 60, "row 1's departure")
-            address = json.loads((run / "elastic.json").read_text())["store"]
-            joiners.append(_join(address, run, tmp_path / "join0.log"))  # r1s0: first free in row order
-            wait_until(lambda: _event(run, "r1s0", "joined") is not None, 90, "r1s0's join")
-            healed = _event(run, "r1s0", "joined")["step"]
-            wait_until(lambda: _last_record(run) >= healed + 3, 60, "three steps with r1s0 spectating")
-            joiners.append(_join(address, run, tmp_path / "join1.log"))  # takes r1s1
-            wait_until(lambda: all(_event(run, n, "contributes") for n in ("r1s0", "r1s1")), 90,
-                  "row 1 training again")
-            trains = _event(run, "r1s0", "contributes")["step"]
-            wait_until(lambda: _last_record(run) >= trains + 4, 60, "four steps with row 1 training")
-            os.kill(_members(run)["r0s0"]["pid"], signal.SIGTERM)  # a graceful stop, mesh-wide
-            for j in joiners:
-                j.wait(timeout=60)
-            thread.join()
-    finally:
-        for j in joiners:
-            if j.poll() is None:
-                j.kill()
-        kill_leftovers(run)
+    with _live_run(cfg, run, "the elastic run with a replacement row") as (result, joiners):
+        _kill_row(run, 1)
+        wait_until(lambda: all(_event(run, n, "left") for n in ("r1s0", "r1s1")), 60, "row 1's departure")
+        address = json.loads((run / "elastic.json").read_text())["store"]
+        joiners.append(_join(address, run, tmp_path / "join0.log"))  # r1s0: first free in row order
+        wait_until(lambda: _event(run, "r1s0", "joined") is not None, 90, "r1s0's join")
+        healed = _event(run, "r1s0", "joined")["step"]
+        wait_until(lambda: _last_record(run) >= healed + 3, 60, "three steps with r1s0 spectating")
+        joiners.append(_join(address, run, tmp_path / "join1.log"))  # takes r1s1
+        trains = _row_1_trains(run)
     outputs = [(tmp_path / f"join{i}.log").read_text() for i in range(2)]
     assert [j.returncode for j in joiners] == [128 + signal.SIGTERM] * 2, outputs  # the graceful stop
     assert result["code"] == 0
@@ -143,7 +172,7 @@ def test_a_replacement_row_joins_heals_spectates_and_trains(tiny_corpus, tmp_pat
         assert kinds == ["joined", "left", "joined", "contributes", "finished"], members[name]
         assert members[name]["events"][2]["generation"] == 1
     # Row 1 trains from one step in both stages, agreed; r1s0 spectated the steps before it.
-    assert _event(run, "r1s1", "contributes")["step"] == trains
+    assert _event(run, "r1s0", "contributes")["step"] == trains
     assert trains >= healed + 3
     rows = records(run)
     steps = [r["step"] for r in rows]
@@ -160,6 +189,60 @@ def test_a_replacement_row_joins_heals_spectates_and_trains(tiny_corpus, tmp_pat
     assert json.loads((final / MANIFEST).read_text())["shards"] == ["r0s0", "r0s1", "r1s0", "r1s1"]
     # Healed, then spectated, then trained: bit for bit the state of the live replica of its stage
     # (what of it the strategy shares, docs/elastic.md).
+    for s in range(2):
+        _assert_same_stage_state(_shard(final, f"r0s{s}"), _shard(final, f"r1s{s}"), strategy, f"stage {s}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_broken_rows_partner_stays_and_one_joiner_completes_the_row(tiny_corpus, tmp_path, strategy):
+    """r1s1 SIGKILLed: r1s0 stays in stage 0's quorum, drops its links and spectates while row 0
+    trains alone; a single ``--join`` takes r1s1's slot (generation 1), heals from r0s1 and row 1
+    trains again from one step, agreed, on new links. At the graceful stop both of row 1's
+    workers equal their stage's live replica bit for bit (what of it the strategy shares): r1s0
+    spectated (applied row 0's updates), the joiner was healed, and both trained since."""
+    cfg = tiny_config(tiny_corpus, *ELASTIC, *STRATEGIES[strategy])
+    run = tmp_path / "run"
+    with _live_run(cfg, run, "the elastic run whose row one joiner completes") as (result, joiners):
+        os.kill(_members(run)["r1s1"]["pid"], signal.SIGKILL)
+        wait_until(lambda: _event(run, "r1s1", "left") and _event(run, "r1s0", "spectates"), 60,
+                   "r1s1's departure and r1s0 spectating")
+        broke = _event(run, "r1s0", "spectates")["step"]  # the first step r1s0 did not train
+        wait_until(lambda: _last_record(run) >= broke + 4, 60, "three steps with r1s0 spectating")
+        address = json.loads((run / "elastic.json").read_text())["store"]
+        joiners.append(_join(address, run, tmp_path / "join.log"))  # the only free slot: r1s1
+        trains = _row_1_trains(run)
+    output = (tmp_path / "join.log").read_text()
+    assert joiners[0].returncode == 128 + signal.SIGTERM, output
+    assert result["code"] == 0
+    assert "healed from a live replica of stage 1" in output
+    members = _members(run)
+    partner = members["r1s0"]["events"]
+    assert [e["event"] for e in partner] == ["joined", "spectates", "contributes", "finished"], partner
+    # found dead (a closed link, a silent heartbeat) or, if the kill fell between two steps, its row
+    # missing from the next step's quorums
+    assert any(why in partner[1]["why"] for why in ("r1s1", "its row is not complete")), partner[1]
+    assert partner[2]["step"] == trains
+    assert "stops training at step" in (run / "logs" / "r1s0.log").read_text()
+    replaced = members["r1s1"]["events"]
+    assert [e["event"] for e in replaced] == ["joined", "left", "joined", "contributes", "finished"], replaced
+    assert replaced[1]["why"] == "killed by SIGKILL" and replaced[2]["generation"] == 1
+    rows = records(run)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    by_step = {r["step"]: r for r in rows}
+    # Before the kill both rows; the step the kill landed in commits nowhere (or is row 0's alone);
+    # then row 0 alone while r1s0 spectates; from the joiner's first step both rows, committed.
+    assert all(by_step[s]["rows"] == [0, 1] for s in range(1, broke + 1))
+    assert by_step[broke + 1]["rows"] == [0] or not by_step[broke + 1]["committed"]
+    assert trains >= broke + 3 and all(by_step[s]["rows"] == [0] for s in range(broke + 2, trains + 1))
+    after = [by_step[s] for s in range(trains + 1, len(rows) + 1)]
+    assert all(r["rows"] == [0, 1] and r["committed"] and r["participants"] == 2 for r in after)
+    committed = [r for r in rows if r["committed"]]
+    assert all(math.isfinite(r["train_loss"]) for r in committed)
+    assert [r["batch"] for r in committed] == list(range(len(committed)))  # each batch once, in order
+    final = latest_complete(run)
+    assert final is not None and int(final.name.removeprefix("step-")) == len(rows)
+    assert json.loads((final / MANIFEST).read_text())["shards"] == ["r0s0", "r0s1", "r1s0", "r1s1"]
     for s in range(2):
         _assert_same_stage_state(_shard(final, f"r0s{s}"), _shard(final, f"r1s{s}"), strategy, f"stage {s}")
 

@@ -1,5 +1,5 @@
 """Elastic membership with real processes on loopback (shaped links): a stage replica SIGKILLed
-mid-run leaves with its pipeline row, the other replicas go on and the run completes."""
+mid-run leaves, its row partners stay and spectate, the other rows go on and the run completes."""
 
 from __future__ import annotations
 
@@ -60,8 +60,11 @@ def test_killed_stage_replica_leaves_and_the_others_finish(tiny_corpus, tmp_path
     assert all(math.isfinite(r["val_loss"]) for r in evals[1:])
     members = json.loads((run / WORKERS_FILE).read_text())
     assert members[killed]["events"][-1]["why"] == "killed by SIGKILL"
-    assert members[f"r{gone}s0"]["events"][-1]["why"] == "left: its pipeline row broke"
-    assert members[f"r{gone}s0"]["events"][-1]["step"] >= 2
+    # The killed replica's row partner stays: it drops the row's links and spectates to the end.
+    partner = members[f"r{gone}s0"]["events"]
+    assert [e["event"] for e in partner] == ["joined", "spectates", "finished"], partner
+    assert partner[1]["step"] >= 2 and any(why in partner[1]["why"] for why in (killed, "not complete"))
+    assert partner[-1] == {"event": "finished", "step": 8, "why": "finished"}
     for name in (f"r{kept}s0", f"r{kept}s1"):
         assert members[name]["events"][-1] == {"event": "finished", "step": 8, "why": "finished"}
     summary = json.loads((run / "summary.json").read_text())
@@ -102,9 +105,26 @@ def test_every_replica_of_a_stage_killed_stops_with_its_name_and_resume_is_exact
 
 
 @pytest.mark.slow
+def test_rows_broken_at_different_stages_stop_the_run_naming_it(tiny_corpus, tmp_path, capsys):
+    """r0s1 and r1s0 killed: a replica of each stage lives (r0s0, r1s1) but no row is complete and
+    rows are not re-paired across replicas: the survivors stop at once, saying so, instead of
+    spectating every remaining step uncommitted."""
+    cfg = tiny_config(tiny_corpus, *ELASTIC, "train.steps=30")
+    run = tmp_path / "run"
+    assert launch_and_signal(cfg, run, ("r0s1", "r1s0"), (signal.SIGSTOP, signal.SIGKILL), 90) == 1
+    report = capsys.readouterr().err
+    assert "no pipeline row is complete in step" in report.splitlines()[0], report
+    assert train_records(run) < 30
+    members = json.loads((run / WORKERS_FILE).read_text())
+    for name in ("r0s0", "r1s1"):
+        assert members[name]["events"][-1]["event"] == "left", members[name]
+
+
+@pytest.mark.slow
 def test_frozen_stage_replica_is_dropped_by_timeout_and_the_others_finish(tiny_corpus, tmp_path):
-    """SIGSTOP: no connection is reset; the row partner's heartbeat watch and the quorum's heartbeat
-    timeout find it. The launcher kills the frozen process once the run has ended."""
+    """SIGSTOP: no connection is reset; the quorum's heartbeat timeout (and the row partner's
+    heartbeat watch, if it is waiting on a link) find it. The launcher kills the frozen process once
+    the run has ended."""
     cfg = tiny_config(tiny_corpus, *ELASTIC)
     run = tmp_path / "run"
     assert launch_and_signal(cfg, run, "r1s1", signal.SIGSTOP, 150) == 0
@@ -112,7 +132,11 @@ def test_frozen_stage_replica_is_dropped_by_timeout_and_the_others_finish(tiny_c
     assert [r["step"] for r in rows] == list(range(1, 9)) and rows[-1]["participants"] == 1
     members = json.loads((run / WORKERS_FILE).read_text())
     assert members["r1s1"]["events"][-1]["why"] == "killed by the launcher: no answer after the run ended"
-    assert "r1s1 stopped answering" in (run / "logs" / "r1s0.log").read_text()
+    # Its row partner stays: it stops training once the frozen replica is out of the quorums (or
+    # its heartbeat watch finds it silent), and spectates to the end.
+    partner = members["r1s0"]["events"]
+    assert [e["event"] for e in partner] == ["joined", "spectates", "finished"], partner
+    assert "stops training at step" in (run / "logs" / "r1s0.log").read_text()
 
 
 @pytest.mark.slow

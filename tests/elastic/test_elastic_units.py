@@ -7,13 +7,15 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import pytest
+import torch
 import torch.distributed as dist
 from tiny import tiny_config
 
 from meshlearn.config import ConfigError, load_config
-from meshlearn.distributed.health import Health, WorkerFailure
+from meshlearn.distributed.health import Health, RowBroken
 from meshlearn.elastic.binding import (
     BoundStore,
     bound_process_group,
@@ -214,36 +216,70 @@ def test_each_steps_records_are_written_once_and_follow_the_live_rows(tmp_path):
     assert r1.holds(3) and not r0.holds(3) and not first.holds(1)
 
 
-def test_a_partner_death_noticed_while_spectating_is_raised_after_the_step():
-    """``Health.defer``: a spectator finishes its step (its stage's sum) and leaves before the next."""
-    mesh = MeshShape(2, 2)
-    health = Health(BoundStore("127.0.0.1", 10).store, mesh, 0, heartbeat_s=0.05, dead_after_s=1.0,
-                    store_owner="the test's store", scope={0, 1})
-    health.failure = "worker r0s1 stopped answering"
-    with health.defer():
-        health.check()  # inside the spectated step: not raised
-    with pytest.raises(WorkerFailure, match="r0s1 stopped answering"):
-        health.check()  # the next step's start
-    fixed = Health(BoundStore("127.0.0.1", 10).store, mesh, 0, heartbeat_s=0.05, dead_after_s=1.0,
-                   store_owner="the test's store")  # fixed membership: a death ends the run at once
-    fixed.failure = "worker r0s1 stopped answering"
-    with pytest.raises(WorkerFailure), fixed.defer():
-        fixed.check()
-
-
-def test_the_monitors_forced_exit_waits_for_a_deferred_step(monkeypatch):
-    """The monitor's exit ``grace_s`` after a failure starts when the spectated step ends, not
-    inside it (an exit there would break the stage's sum, as leaving did)."""
+def test_a_row_partners_death_breaks_the_row_and_the_worker_stays(monkeypatch):
+    """Elastic: the monitor finds a row partner silent: ``RowBroken`` at the main thread's next
+    check, no forced exit, and this worker's own heartbeat goes on (it stays in its stage's
+    quorum); ``forget_row`` clears it. Fixed membership: the same silence ends the process."""
     import meshlearn.distributed.health as health_module
 
-    health = Health(BoundStore("127.0.0.1", 10).store, MeshShape(2, 2), 0, heartbeat_s=0.01,
-                    dead_after_s=1.0, store_owner="the test's store", grace_s=0.0, scope={0, 1})
-    exits, called = [], threading.Event()
-    monkeypatch.setattr(health_module.os, "_exit",
-                        lambda code: (exits.append((code, health.deferring)), called.set()))
-    with health.defer():
-        monitor = threading.Thread(target=health._fail, args=("worker r0s1 stopped answering",))
-        monitor.start()
-        called.wait(0.5)  # without the deferral the exit comes at once, inside the block
-    monitor.join(10)
-    assert exits == [(health_module.EXIT_LEFT, False)]
+    exits: list[int] = []
+    monkeypatch.setattr(health_module.os, "_exit", exits.append)
+    mesh = MeshShape(2, 2)
+    store = BoundStore("127.0.0.1", 10).store
+    health = Health(store, mesh, 0, heartbeat_s=0.01, dead_after_s=0.2, store_owner="the test's store",
+                    grace_s=0.0, scope={0, 1})  # rank 1, r0s1, never beats
+    health.start()
+    try:
+        deadline = time.monotonic() + 10
+        while health.row_broken is None:
+            assert time.monotonic() < deadline, "the partner's silence was not noticed"
+            time.sleep(0.01)
+        with pytest.raises(RowBroken, match="worker r0s1 stopped answering"):
+            health.check()
+        beats = int(store.add("hb/0", 0))
+        time.sleep(0.3)
+        assert int(store.add("hb/0", 0)) > beats and health._thread.is_alive() and exits == []
+        health.forget_row()
+        health.check()  # dropped: the dead partner concerns it no more
+        assert isinstance(health.link_failure("lost the connection to worker r0s1"), RowBroken)
+        assert health.failure is None and store.get("abort") == b""  # never the run's abort
+    finally:
+        health.stop()
+    fixed = Health(BoundStore("127.0.0.1", 10).store, mesh, 0, heartbeat_s=0.01, dead_after_s=0.2,
+                   store_owner="the test's store", grace_s=0.0)
+    fixed.start()
+    fixed._thread.join(10)  # it ends with the failure: every rank but 0 is silent
+    assert exits == [health_module.EXIT_PEER_FAILURE] and "stopped answering" in fixed.failure
+    assert not isinstance(fixed.link_failure("lost the connection"), RowBroken)
+
+
+def test_a_worker_abandons_a_step_in_flight_and_stands_at_its_update(tiny_corpus):
+    """``Worker.abandon``: a first stage whose partner died after its forwards (their gradients
+    never come) drops the step's open microbatches and stands at the update with zero gradients,
+    idle, as a spectator; discarding that update changes no weight, and the next step runs."""
+    import copy
+
+    from meshlearn.mesh.worker import StepWork
+    from meshlearn.train.assemble import build_workers
+
+    cfg = tiny_config(tiny_corpus, *ELASTIC, "model.vocab_size=256")
+    worker = build_workers(cfg)[WorkerId(0, 0)]
+    M, seq = cfg.mesh.microbatches, cfg.model.seq_len
+
+    def feed(step: int) -> None:
+        tokens = [torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(step * M + m))
+                  for m in range(M)]
+        worker.feed(StepWork(step=step, microbatch_size=2, tokens=tokens))
+        worker.horizon = (step + 1) * M
+
+    before = copy.deepcopy(worker.module.state_dict())
+    feed(0)
+    sent = [m for _ in range(M) for m in worker.run(worker.next_action())]  # every forward of step 0
+    assert len(sent) == M and worker.next_action() is None and not worker.idle  # waits for gradients
+    action = worker.abandon(0)
+    assert worker.idle and action.kind == "U" and worker.next_action() == action
+    assert all(not p.grad.any() for p in worker.module.parameters())
+    worker.discard_update(action)
+    assert all(torch.equal(t, before[k]) for k, t in worker.module.state_dict().items())
+    feed(1)
+    assert worker.next_action().kind == "F" and worker.next_action().microbatch == M  # step 1 runs

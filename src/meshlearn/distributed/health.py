@@ -37,6 +37,12 @@ class WorkerFailure(RuntimeError):
     """The run cannot go on: a worker died, went silent, failed, or missed a deadline."""
 
 
+class RowBroken(WorkerFailure):
+    """Elastic: a partner of this worker's pipeline row died (its heartbeat stopped, or a link to it
+    closed). The worker itself may stay (it drops its row's links and spectates, elastic/driver.py);
+    raised where nothing handles it, it ends the process as any failure (``Health.exit_code``)."""
+
+
 def process_name(mesh: MeshShape, rank: int, anchors: int = 0) -> str:
     """A rank's name in errors: its worker id; with ``anchors`` (anchor.z) anchor replicas, ``a{z}s{s}``
     for the Z × P ranks after the workers (distributed/anchor.py); else ``verifier`` for the rank
@@ -72,7 +78,9 @@ class Health:
         self.scope = scope
         self.exit_code = EXIT_PEER_FAILURE if scope is None else EXIT_LEFT
         self.failure: str | None = None
-        self.deferring = False
+        # Elastic: a row partner's death, until the driver drops the row's links (``forget_row``)
+        self.row_broken: str | None = None
+        self._row_lock = threading.Lock()  # the monitor's finding against the driver's forgetting
         # ranks whose silence is no failure: evicted ones (left for good), and the elastic verifier's
         # workers until its links with them are built (they may still be starting)
         self.ignored: set[int] = set()
@@ -96,25 +104,33 @@ class Health:
     def watch(self, ranks: set[int]) -> None:
         """Elastic: from now on only these ranks' deaths concern this worker (its row, once the
         row trains; a joiner watches none of its row before, when its slots may hold the dead)."""
-        self.scope = set(ranks)
+        with self._row_lock:
+            self.scope = set(ranks)
 
     def check(self) -> None:
-        """Raise WorkerFailure if the run is over; called between the steps of every wait.
-        Elastic: not while ``deferring`` (see ``defer``)."""
-        if self.failure is not None and not self.deferring:
+        """Raise WorkerFailure if the run is over (elastic: RowBroken if a row partner died);
+        called between the steps of every wait."""
+        if self.failure is not None:
             raise WorkerFailure(self.failure)
+        if self.row_broken is not None:
+            raise RowBroken(self.row_broken)
 
-    @contextlib.contextmanager
-    def defer(self):
-        """Elastic: a row partner's death noticed inside this block is raised after it. A worker
-        spectating a step exchanges nothing with its row, only sums with its stage's quorum: leaving
-        in the middle would break that sum and lose the step for the whole stage, so it finishes
-        the step and leaves before the next one (``check`` at the step's start)."""
-        self.deferring = self.scope is not None
-        try:
-            yield
-        finally:
-            self.deferring = False
+    def link_failure(self, message: str) -> WorkerFailure:
+        """A pipeline link broke (``message`` names the peer). Elastic: the row is broken, this
+        worker may stay (RowBroken, recorded until ``forget_row``); else the run's abort."""
+        if self.scope is None:
+            return WorkerFailure(self.abort(message))
+        with self._row_lock:
+            if self.row_broken is None:
+                self.row_broken = message
+            return RowBroken(self.row_broken)
+
+    def forget_row(self) -> None:
+        """Elastic: this worker dropped its row's links; no partner's death concerns it until its
+        row links again (``watch``)."""
+        with self._row_lock:
+            self.scope = {self.rank}
+            self.row_broken = None
 
     def wait_work(self, work, what: str, deadline_s: float) -> None:
         """Wait for an async collective, checking liveness; ``what`` names it in errors."""
@@ -135,9 +151,9 @@ class Health:
         """A collective failed or timed out without naming anyone: give the heartbeats the time to
         name the worker that is gone, and fall back to ``message`` if every worker still beats."""
         end = time.monotonic() + self.dead_after_s + 2 * self.heartbeat_s
-        while self.failure is None and time.monotonic() < end:
+        while self.failure is None and self.row_broken is None and time.monotonic() < end:
             time.sleep(self.heartbeat_s / 4)
-        return self.failure or self.abort(f"{message} (noticed by {self.name})")
+        return self.failure or self.row_broken or self.abort(f"{message} (noticed by {self.name})")
 
     def finish(self) -> None:
         """Clean shutdown: say so first, so a rank exiting a little earlier is not declared dead."""
@@ -187,10 +203,14 @@ class Health:
                 elif (now - last_change[rank] > self.dead_after_s and self._watched(rank)
                       and not self._finished(rank)):
                     dead = process_name(self.mesh, rank, self.anchors)
-                    self._fail(self.abort(f"worker {dead} stopped answering: no heartbeat for "
-                                          f"{now - last_change[rank]:.1f} s (rank {rank}; noticed by "
-                                          f"{self.name}; limit {self.dead_after_s:.1f} s = "
-                                          f"dist.dead_after_s + a round trip)"))
+                    message = (f"worker {dead} stopped answering: no heartbeat for "
+                               f"{now - last_change[rank]:.1f} s (rank {rank}; noticed by "
+                               f"{self.name}; limit {self.dead_after_s:.1f} s = "
+                               f"dist.dead_after_s + a round trip)")
+                    if self.scope is not None:  # elastic: a row partner; this worker stays
+                        self._row_lost(rank, message)
+                        continue
+                    self._fail(self.abort(message))
                     return
 
     def ignore(self, ranks: set[int]) -> None:
@@ -203,6 +223,14 @@ class Health:
         starting) concern this process again."""
         self.ignored -= set(ranks)
 
+    def _row_lost(self, rank: int, message: str) -> None:
+        """The monitor found row partner ``rank`` dead: the main thread's next ``check`` raises
+        RowBroken; the heartbeat goes on (this worker stays in its stage's quorum)."""
+        with self._row_lock:
+            if self.scope is not None and rank in self.scope and self.row_broken is None:
+                self.row_broken = message
+                self.scope = {self.rank}
+
     def _watched(self, rank: int) -> bool:
         return rank not in self.ignored and (self.scope is None or rank in self.scope)
 
@@ -213,14 +241,9 @@ class Health:
             return False
 
     def _fail(self, message: str) -> None:
-        """Record the failure; if the main thread has not exited after ``grace_s``, exit for it.
-        While it ``defer``s (an elastic spectator inside its stage's sums) the grace starts at the
-        block's end: an exit inside it would break the sum and lose the step for the whole stage."""
+        """Record the failure; if the main thread has not exited after ``grace_s``, exit for it."""
         if self.failure is None:
             self.failure = message
-        while self.deferring:  # the block ends with the step (torchft's own timeouts bound it)
-            if self._stop.wait(self.heartbeat_s):
-                return
         if self._stop.wait(self.grace_s):
             return  # the main thread stopped us on its way out
         print(f"meshlearn worker {self.name}: error: {self.failure}", file=sys.stderr, flush=True)

@@ -190,7 +190,9 @@ class Transport:
                         f"(noticed by {self.me}; its heartbeat is alive, so it is stuck or too slow: "
                         f"raise dist.timeout_s if its compute takes that long)")) from None
                 continue
-            if isinstance(item, Broken | Forged):
+            if isinstance(item, Broken):
+                raise self.health.link_failure(item.message)
+            if isinstance(item, Forged):  # a lying peer: never a mere broken row
                 raise WorkerFailure(self.health.abort(item.message))
             return item
 
@@ -206,15 +208,17 @@ class Transport:
                         f"{self.me} could not deliver {self._pending} message(s) within {deadline_s:.1f} s"))
                 self._idle.wait(POLL_S)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 1.0) -> None:
+        """Stop the link threads, waiting up to ``wait_s`` for each (0: a broken elastic row's,
+        which may sit in a receive from a frozen peer until their backstop; they are daemons)."""
         for q in [*self._send_q.values(), *self._recv_q.values()]:
             q.put(None)
-        for thread in self._threads:
-            thread.join(timeout=1.0)
+        for thread in self._threads if wait_s > 0 else ():
+            thread.join(timeout=wait_s)
 
     def _raise_send_errors(self) -> None:
         if self._errors:
-            raise WorkerFailure(self.health.abort(self._errors[0]))
+            raise self.health.link_failure(self._errors[0])
 
     # --- background threads ------------------------------------------------------------------
 

@@ -18,25 +18,33 @@ are the same code):
   every worker's weights and optimizer state as they were (``Worker.discard_update``), and its
   global batch is trained again by the next step (``batch_index`` counts committed steps);
 - pipeline links are pair groups of the row's own (``RowLinks``), built at the first step the row
-  trains; a worker whose pipeline partner is gone leaves the run (exit code 4); the others go on;
+  trains; a worker whose pipeline partner is gone (a closed link, a silent heartbeat, or its row
+  missing from a step's agreement) drops the links — a step in flight is abandoned, its work
+  dropped, and the worker adds zeros to its stage's sum, so the step commits nowhere and its batch
+  is trained again — and *stays*: in its stage's quorum, spectating, until its row is complete
+  again (a ``meshlearn worker --join`` for the dead slot), when every member links anew;
 - a message-based DP strategy (DiLoCo, PowerSGD, sparse averaging) runs its rounds as sums over
   the quorum (``QuorumExchange``) inside the step, before the vote; an update that does not commit
   is rolled back (``Rollback``) and retried, as the same update ``u`` (committed updates so far), by
   the next step over the next quorum;
 - with SENTINEL the links lead to the verifier process, and a ban is an eviction: the banned
-  worker's row leaves before the next step (``Evictions``, elastic/evictions.py).
+  worker's row leaves before the next step (``Evictions``, elastic/evictions.py); a partner's
+  death there still makes the row leave (the verifier relays the rows it started with).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import time
 
 import torch
 
 from meshlearn.compress.codecs import MessageContext
 from meshlearn.distributed.driver import DistDriver
+from meshlearn.distributed.health import RowBroken, WorkerFailure
 from meshlearn.distributed.shaping import allreduce_release_at, hold_until
 from meshlearn.distributed.transport import Transport
 from meshlearn.elastic.binding import check_bound
@@ -86,7 +94,8 @@ class ElasticDriver(Evictions, DistDriver):
         self.trained_batch = 0  # the one the last step trained (its record's ``batch``)
         self.sequences = 0  # sequences this worker trains in the coming step (0: spectating)
         self.linked = False
-        self.contributed_at: int | None = None  # the first step this process's row trained
+        self.contributed_at: int | None = None  # the last step this process's row linked at
+        self.events = 0  # membership events sent to the launcher (``_event``)
         self.checkpoint_membership = ElasticCheckpoints(progress, self.mesh, self.me, lambda: self.rows,
                                                         self.deadlines.collective_s)
         self.round_bytes = 0  # bytes of the coming update's strategy rounds (their all-reduces)
@@ -128,8 +137,8 @@ class ElasticDriver(Evictions, DistDriver):
 
     def run_step(self, step: int, source) -> list[StepReport]:
         self.check_eviction()  # banned at the end of the last step: its row leaves before this one
-        self.health.check()  # a partner's death noticed while spectating: leave before the quorum
         self.next_step = step
+        self._check_row(step)  # a partner's death noticed since the last step: drop the row's links
         first = self.current is None
         if self.formed:  # a joiner's first step: its quorum is the one it healed in
             self.formed = False
@@ -139,15 +148,18 @@ class ElasticDriver(Evictions, DistDriver):
             check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")
         self.quorum_s += self.current.quorum_s
         self.rows = self.agreement.agree(step, self.me, self.current.participants)
+        if not self.rows:  # every row lost a stage replica (at different stages: not re-paired yet)
+            raise WorkerFailure(f"no pipeline row is complete in step {step + 1}'s quorums: every row "
+                                f"lost a stage replica, so nothing can train (noticed by {self.me})")
         self.records.after_quorum(step)  # before the all-reduce: the file stays in step order
         trains = self.me.replica in self.rows
+        if self.linked and not trains and not self.links.relayed:
+            # Every live member of the row sees this agreement: they all drop their links now and
+            # all link again at the same step, the first one their row trains.
+            self._drop_links(step, f"its row is not complete in step {step + 1}'s quorums")
         if trains and not self.linked:
             self._link_row(step)
-        if trains:
-            reports = super().run_step(step, source)
-        else:
-            with self.health.defer():
-                reports = [self._spectate(step, source)]
+        reports = super().run_step(step, source) if trains else [self._spectate(step, source)]
         self.progress.set(f"progress/{self.me}", str(step + 1))
         return reports
 
@@ -156,22 +168,86 @@ class ElasticDriver(Evictions, DistDriver):
         return self.batch_index, self.rows
 
     def _link_row(self, step: int) -> None:
-        """The first step this row trains: its pipeline links, and its partners' deaths become
-        this worker's concern (before, the slots beside it may still name dead processes)."""
-        groups = self.links.build()
-        pacers = self.transport.pacers
-        self.transport.close()
-        self.transport = Transport(self.me, self.mesh, groups, pacers, self.device, self.health,
-                                   self.deadlines.message_s, self.max_message_bytes)
+        """The first step this row trains (again, after it broke): its pipeline links, and its
+        partners' deaths become this worker's concern (before, the slots beside it may still
+        name dead processes)."""
+        self._replace_transport(self.links.build(step), wait_s=1.0)
         row = {self.mesh.rank(WorkerId(self.me.replica, s)) for s in range(self.mesh.stages)}
         verifier = {self.mesh.world_size} if self.verdicts is not None else set()  # its rank, after ours
         self.health.watch(row | verifier)
         check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")  # the links' sockets too
         self.linked = True
+        if self.joined_at is not None or self.contributed_at is not None:  # not the start's links
+            self._event("contributes", step)
         self.contributed_at = step
-        if self.joined_at is not None:
-            self.progress.set(f"elastic/contributes/{self.me}/{self.generation}",
-                              json.dumps({"step": step, "at": time.time()}))
+
+    # --- a broken row: its survivors stay in their stages' quorums and spectate -----------------
+
+    def _check_row(self, step: int) -> None:
+        """Between steps: a partner found dead by the heartbeat watch breaks the row."""
+        try:
+            self.health.check()
+        except RowBroken as err:
+            self._row_broke(step, err)
+
+    def _receive_one(self) -> None:
+        try:
+            super()._receive_one()
+        except RowBroken as err:
+            self._abandon(err)
+
+    def _send(self, message: Message, capacity: int) -> None:
+        if not self.linked:  # the row broke earlier in this step: its work is abandoned
+            return
+        try:
+            super()._send(message, capacity)
+        except RowBroken as err:
+            self._abandon(err)
+
+    def _abandon(self, err: RowBroken) -> None:
+        """A partner died in the middle of this step's pipeline: the step's microbatches in flight
+        are dropped (it cannot commit anywhere: its row was agreed to train it), and this worker
+        takes part in its stage's sum as a spectator (zeros, a contribution of 0), so its stage's
+        replicas are not held up; its batch is trained again by the next step."""
+        self._row_broke(self.next_step, err)
+        self.worker.abandon(self.next_step)
+        self.sequences = 0
+
+    def _row_broke(self, step: int, err: RowBroken) -> None:
+        """A row partner died: drop the row's links, stay (with SENTINEL the verifier relays the
+        links of the rows it started with and ends the run on such a death: leave, as before)."""
+        if self.links.relayed:
+            raise err
+        self._drop_links(step, str(err))
+
+    def _drop_links(self, step: int, why: str) -> None:
+        """Step ``step`` is the first this worker does not train: close its row's links; it stays
+        in its stage's quorum and spectates until the row is complete again (``_link_row``)."""
+        self.health.forget_row()
+        if not self.linked:
+            return
+        self._replace_transport({}, wait_s=0)
+        self.linked = False
+        self._event("spectates", step, why=why)
+        print(f"meshlearn worker {self.me}: stops training at step {step + 1} ({why}); it stays in its "
+              f"stage's quorum and spectates until its row is complete again", file=sys.stderr, flush=True)
+
+    def _replace_transport(self, groups: dict, wait_s: float) -> None:
+        """Links ``groups`` from now on (none: a broken row's survivor); the old links' threads are
+        waited for up to ``wait_s`` each."""
+        pacers = self.transport.pacers
+        self.transport.close(wait_s)
+        self.transport = Transport(self.me, self.mesh, groups, pacers, self.device, self.health,
+                                   self.deadlines.message_s, self.max_message_bytes)
+
+    def _event(self, kind: str, step: int, **fields) -> None:
+        """A membership event of this process for the launcher's ``workers.json`` (``membership``):
+        the body first, then the count that makes it visible."""
+        base = f"elastic/events/{self.me}/{self.generation}"
+        self.progress.set(f"{base}/{self.events}", json.dumps({"event": kind, "step": step, **fields,
+                                                               "at": time.time()}))
+        self.events += 1
+        self.progress.add(f"{base}/count", 1)
 
     def _feed(self, step: int, source) -> None:
         """Only the coming step (its split follows the rows agreed for it); receives for it posted.
@@ -347,6 +423,13 @@ class ElasticDriver(Evictions, DistDriver):
         """Through this worker's own pipeline row (the rows are identical replicas at a committed
         step); the last stage has the loss, the others return None. A row that has not trained
         yet has no links: it skips evaluation (the step's records' claimant logs its own value)."""
+        try:
+            return self._evaluate_row(batches)
+        except RowBroken as err:  # a partner died after the step: no value from this row
+            self._row_broke(self.next_step + 1, err)
+            return None
+
+    def _evaluate_row(self, batches) -> float | None:
         worker = self.worker
         if not self.linked or self.leaving is not None:  # (evicted: its row leaves, sends nothing)
             return None
@@ -401,7 +484,8 @@ class ElasticDriver(Evictions, DistDriver):
 
     def close(self) -> None:
         self.progress.set(f"elastic/finished/{self.me}/{self.generation}", str(self.next_step + 1))
-        self.transport.drain(self.deadlines.message_s)
+        with contextlib.suppress(RowBroken):  # a partner died after the last step: nothing to deliver
+            self.transport.drain(self.deadlines.message_s)
         self.quorum.shutdown()
         self.health.finish()
         self.transport.close()

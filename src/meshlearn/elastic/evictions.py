@@ -12,6 +12,9 @@ Under the fixed-membership driver a ban replaces the banned worker's state from 
    ``ElasticDriver.evict``: the banned worker and its row partners stop before step t + 1 (exit
    code 5 for the banned one, 4 for its partners: their row broke), and every worker stops
    waiting for the banned attacker's ground truth. Their stages' next quorums go on without them.
+   The partners leave rather than stay and spectate (as a dead replica's partners do without
+   SENTINEL, elastic/driver.py): the evicted row is never agreed again and such a run takes no
+   joiners, so they would spectate to the end — a member of their stages' sums training nothing.
 3. The launcher records the ban in ``workers.json`` (``banned``: step, reason, generation) and
    kills a banned process of its own that has not left after its grace period.
 

@@ -3,10 +3,12 @@
 The fixed-membership driver's links are sub-groups of the world group, which exists only for the
 processes started together. An elastic row may be started later (``meshlearn worker --join``),
 so every elastic row — the first ones too, one code path — links its stages with ``PairGroup``s:
-one per direction and hop, each a rendezvous under a store prefix that names both ends *and their
+one per direction and hop, each a rendezvous under a store prefix that names both ends, *their
 generations* (a slot's generation counts the processes that have held it: 0 for the one the
-launcher started, then one more per joiner), so a new incarnation of a row never meets a dead
-one's half-built group. A row links once, at the first step it trains.
+launcher started, then one more per joiner) and the step the row links at, so a new incarnation
+of a row never meets a dead one's half-built group. A row links at the first step it trains, and
+again at the first step it trains after it broke (a partner died: the survivors dropped their
+links, ``ElasticDriver``); every live member of the row links at that same step, agreed.
 
 With SENTINEL (``relayed``) every logical link is two hops through the verifier process, as in the
 fixed-membership driver (``distributed/verifier.py``): worker → verifier on the link's ``in`` pair
@@ -45,10 +47,11 @@ class RowLinks:
     def announce(self) -> None:
         self.store.set(generation_key(self.me), str(self.generation))
 
-    def build(self) -> dict[tuple[WorkerId, WorkerId], PairGroup]:
-        """Rendezvous with each neighbour, lower hop first in every process (a stage in the middle
-        meets its upstream neighbour, then its downstream one: no cycle of waits). Relayed: this
-        worker's hops to the verifier instead."""
+    def build(self, step: int) -> dict[tuple[WorkerId, WorkerId], PairGroup]:
+        """Rendezvous with each neighbour for the links the row trains on from step ``step``, lower
+        hop first in every process (a stage in the middle meets its upstream neighbour, then its
+        downstream one: no cycle of waits). Relayed: this worker's hops to the verifier instead
+        (built once: such a run takes no joiners and its rows never link again)."""
         if self.relayed:
             return {link: pair_group(relay_store(self.store, link, hop), 0 if hop == "in" else 1,
                                      self.interface, self.timeout_s)
@@ -59,7 +62,7 @@ class RowLinks:
         for peer in neighbours:
             a, b = (peer, self.me) if peer.stage < self.me.stage else (self.me, peer)
             ga, gb = (int(self.store.get(generation_key(w)).decode()) for w in (a, b))
-            base = f"elastic/links/{a}.{ga}-{b}.{gb}"
+            base = f"elastic/links/{a}.{ga}-{b}.{gb}/{step}"
             for src, dst in ((a, b), (b, a)):
                 prefixed = dist.PrefixStore(f"{base}/{src}>{dst}/", self.store)
                 groups[(src, dst)] = pair_group(prefixed, 0 if self.me == a else 1, self.interface,

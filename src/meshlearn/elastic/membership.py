@@ -8,8 +8,9 @@ trained to the end.
 Slots and generations: slot ``rRsS`` is held by one process at a time; the launcher's own is
 generation 0, each joiner that takes the slot over the next one. When generation g leaves, the
 launcher marks it free (``free_key``); a joiner takes it with compare-and-set on ``taken_key``
-(two joiners never take the same one), and reports its join, its first step trained and its end
-in the store, which the launcher copies to ``workers.json``.
+(two joiners never take the same one), and reports its join and its end in the store. Every
+holder also reports when its row breaks (``spectates``) and trains again (``contributes``; a
+joiner's first step trained too); the launcher copies all of it to ``workers.json``.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ class Slot:
     proc: object | None = None  # the launcher's own child (generation 0)
     pid: int | None = None  # a joiner holding it (generation >= 1), not this process's child
     joined: bool = False  # the joiner said it healed (``elastic/joined/...``)
-    contributes: bool = False  # the joiner's row trained a step (``elastic/contributes/...``)
+    events: int = 0  # the holder's events recorded so far (``elastic/events/...``: spectates, contributes)
     code: int | None = None  # the last holder's end: 0 finished, else left (None: holds it now)
     banned_at: float | None = None  # when the launcher saw SENTINEL's ban of the holder (monotonic)
 
@@ -185,8 +186,22 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
         out.write(f"meshlearn: worker {slot.name} {ban['reason']}: evicted from its stage's quorum, "
                   f"its slot closed; the others go on\n")
 
+    def follow_events(slot: Slot) -> None:
+        """What the holder reported since (``ElasticDriver._event``): its row broke and it
+        spectates (``spectates``: the first step it did not train, why); its row trains again,
+        or a joiner's for the first time (``contributes``: the first step it trained)."""
+        base = f"elastic/events/{slot.name}/{slot.generation}"
+        for i in range(slot.events, int(prefixed.add(f"{base}/count", 0))):
+            event = json.loads(prefixed.get(f"{base}/{i}").decode())
+            record(slot.name, event)
+            if event["event"] == "spectates":
+                out.write(f"meshlearn: worker {slot.name} spectates from step {event['step'] + 1} "
+                          f"({event['why']}); it stays in its stage's quorum\n")
+            slot.events = i + 1
+
     def ended(slot: Slot, code: int, why: str) -> None:
         note_ban(slot)  # before its exit, if it left before this loop saw the ban
+        follow_events(slot)  # what it reported before its end comes before the end
         code = 0 if stopped_by_signal(code) else code  # it ran to the run's (agreed) last step
         slot.code = code
         step = _last_step(prefixed, slot.name)
@@ -206,23 +221,19 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
                                                     if slot.banned_at is not None else
                                                     "no answer after the run ended")
                 ended(slot, code, why if slot.name in killed else describe_exit(code))
-            elif slot.code is None and slot.pid is not None:
-                joined, contributes = (f"elastic/{what}/{slot.name}/{g}"
-                                       for what in ("joined", "contributes"))
-                if not slot.joined and prefixed.check([joined]):
-                    slot.joined = True
-                    info = json.loads(prefixed.get(joined).decode())
-                    record(slot.name, {"event": "joined", "step": info["step"], "pid": slot.pid,
-                                       "generation": g, "at": info["at"]})
-                    out.write(f"meshlearn: worker {slot.name} joined at step {info['step'] + 1} "
-                              f"(pid {slot.pid})\n")
-                if not slot.contributes and prefixed.check([contributes]):
-                    slot.contributes = True
-                    info = json.loads(prefixed.get(contributes).decode())
-                    record(slot.name, {"event": "contributes", "step": info["step"], "at": info["at"]})
-                if not _alive(slot.pid):
-                    done = prefixed.check([f"elastic/finished/{slot.name}/{g}"])
-                    ended(slot, 0 if done else 1, "finished" if done else "exited before the end")
+            joined = f"elastic/joined/{slot.name}/{g}"
+            if slot.code is None and slot.pid is not None and not slot.joined and prefixed.check([joined]):
+                slot.joined = True  # a joiner reports its heal before any other event
+                info = json.loads(prefixed.get(joined).decode())
+                record(slot.name, {"event": "joined", "step": info["step"], "pid": slot.pid,
+                                   "generation": g, "at": info["at"]})
+                out.write(f"meshlearn: worker {slot.name} joined at step {info['step'] + 1} "
+                          f"(pid {slot.pid})\n")
+            if slot.code is None:
+                follow_events(slot)
+            if slot.code is None and slot.pid is not None and not _alive(slot.pid):
+                done = prefixed.check([f"elastic/finished/{slot.name}/{g}"])
+                ended(slot, 0 if done else 1, "finished" if done else "exited before the end")
             if slot.code is None:
                 note_ban(slot)
             if (slot.code is None and slot.banned_at is not None and slot.proc is not None
@@ -232,7 +243,7 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
             elif slot.code not in (None, 0) and prefixed.check([taken_key(wid, g)]):
                 slot.generation, slot.proc, slot.code = g + 1, None, None  # a joiner took it
                 slot.pid = int(prefixed.get(taken_key(wid, g)).decode())
-                slot.joined = slot.contributes = False
+                slot.joined, slot.events = False, 0
                 membership[slot.name]["pid"] = slot.pid
         if finished_at is None and any(slot.code == 0 for slot in slots.values()):
             finished_at = time.monotonic()

@@ -9,8 +9,9 @@ environment, and anyone else through the run's store (key ``elastic/lighthouses`
 its store (the address is in ``RUN/elastic.json``), takes a free slot (the first, in row order, of
 a worker that left: so joiners fill a row together), heals from a live replica of its stage at
 the next step (weights, optimizer state, step counter, data position) and spectates until every
-stage of its row is in (``elastic/rows.py``); from then on its row trains. A mesh of P stages
-takes P such commands to add a row, started in any order.
+stage of its row is in (``elastic/rows.py``); from then on its row trains. A row whose one stage
+replica died keeps its other members (they spectate): one such command completes it; a row with
+no member left takes P commands, started in any order.
 """
 
 from __future__ import annotations

@@ -374,6 +374,19 @@ class Worker:
         assert action is not None and action.kind == "U", f"{self.id}: no update to spectate"
         return action
 
+    def abandon(self, step: int) -> Action:
+        """Drop step ``step``'s pipeline work in flight — an elastic replica whose row broke in the
+        middle of it (a partner died): its received messages, its open microbatches, their losses
+        and gradients — and stand at the step's update like a spectator (``spectate``). The step
+        cannot commit anywhere (its row was agreed to train it and no longer can)."""
+        assert self.plan.flushes, f"{self.id}: abandoning a step needs a flushing plan"
+        self.in_flight.clear()
+        self.inbox.clear()
+        self.skipped.clear()
+        self._group_versions = []
+        self.stats.pop(step, None)
+        return self.spectate()
+
     def discard_update(self, action: Action) -> None:
         """Update U ``action`` that the mesh did not commit (an elastic step a replica failed in):
         the gradients are dropped, the weights and optimizer state stay as they were; the plan
