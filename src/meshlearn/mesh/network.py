@@ -101,12 +101,13 @@ class Network:
 
     def link(self, src: WorkerId, dst: WorkerId) -> Link:
         key = (src, dst)
-        if key not in self.links:
+        link = self.links.get(key)
+        if link is None:
             axis = "pp" if src.replica == dst.replica else "dp"
             profile = self.overrides.get(key, self.axes.get(axis, self.default))
             rng = random.Random(f"{self.seed}:{src}->{dst}")
-            self.links[key] = Link(src, dst, axis, profile, rng)
-        return self.links[key]
+            link = self.links[key] = Link(src, dst, axis, profile, rng)
+        return link
 
     def bytes_on_axis(self, axis: str) -> int:
         return sum(link.bytes_sent for link in self.links.values() if link.axis == axis)

@@ -71,6 +71,7 @@ class SimDriver:
     def __init__(self, mesh: MeshShape, workers: dict[WorkerId, Worker], network: Network,
                  compute: ComputeModel, grad_clip: float):
         self.mesh = mesh
+        self.everyone = mesh.workers()  # a flushing update's group (asked at every worker's update)
         self.workers = workers
         self.network = network
         self.compute = compute
@@ -279,7 +280,7 @@ class SimDriver:
         """A flushing schedule's update waits for the whole mesh (all-reduce, global clip); an async
         update waits only for its stage's replicas (the all-reduce), or for nobody when D = 1."""
         self.waiting[wid] = action
-        group = self.mesh.workers() if self.flushes else self.mesh.stage_replicas(wid.stage)
+        group = self.everyone if self.flushes else self.mesh.stage_replicas(wid.stage)
         if not self.flushes and not _collective(self.workers[wid]):
             group = [wid]  # its strategy exchanged messages already: nobody to wait for
         if all(self.waiting.get(w) == action for w in group):
