@@ -280,8 +280,11 @@ class SimDriver:
         """A flushing schedule's update waits for the whole mesh (all-reduce, global clip); an async
         update waits only for its stage's replicas (the all-reduce), or for nobody when D = 1."""
         self.waiting[wid] = action
-        group = self.everyone if self.flushes else self.mesh.stage_replicas(wid.stage)
-        if not self.flushes and not _collective(self.workers[wid]):
+        if self.flushes:
+            group = self.everyone
+        elif _collective(self.workers[wid]):
+            group = self.mesh.stage_replicas(wid.stage)
+        else:
             group = [wid]  # its strategy exchanged messages already: nobody to wait for
         if all(self.waiting.get(w) == action for w in group):
             self._update(group)
