@@ -29,9 +29,18 @@ from meshlearn.dp.powersgd import PowerSGD
 from meshlearn.dp.registry import BUILDERS, _deadline
 from meshlearn.dp.sparse import Round, SparseAveraging
 from meshlearn.mesh.messages import Message
+from meshlearn.plan.cost_worker import SizedEncoded
 
 
 class CostExchange(Exchange):
+    def share(self, key: Key, values: torch.Tensor, version: int) -> list[Message]:
+        """``Exchange.share`` of a round's meta values (``_values``: already flat, no grad), with
+        one payload per round size: its wire size is counted once, not per message."""
+        payload = _payload(values)
+        self.parts.setdefault(key, {})[self.me.replica] = values
+        return [Message("dp", key[0], key[1], self.me, peer, payload, version=version)
+                for peer in self.peers]
+
     def receive(self, message: Message) -> Key | None:
         key = (message.step, message.microbatch)
         if key in self.dropped:
@@ -48,6 +57,19 @@ class CostExchange(Exchange):
 def _values(n: int) -> torch.Tensor:
     """A round's values: a meta tensor of the round's size (shared: nothing writes to it)."""
     return torch.empty(n, device="meta")
+
+
+_PAYLOADS: dict[int, SizedEncoded] = {}
+
+
+def _payload(values: torch.Tensor) -> SizedEncoded:
+    """The payload carrying ``values`` (one of ``_values``'s, which live as long as the process:
+    keyed by identity, never by a tensor's elementwise ``==``)."""
+    payload = _PAYLOADS.get(id(values))  # the payload holds ``values``: its id is never reused
+    if payload is None:
+        assert values.dim() == 1 and not values.requires_grad, "a round's values: flat, no grad"
+        payload = _PAYLOADS[id(values)] = SizedEncoded({"values": values}, tuple(values.shape), values.dtype)
+    return payload
 
 
 class CostPowerSGD(PowerSGD):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from meshlearn.models.llama import DecoderConfig
 
@@ -46,9 +46,9 @@ class ComputeConfig:
         return f"device:{self.device}" if self.compute == "device" else "measured"
 
 
-@dataclass(frozen=True)
-class StageShape:
-    """What a stage computes, for FLOP counting."""
+class StageShape(NamedTuple):
+    """What a stage computes, for FLOP counting (a named tuple: a key the simulator looks up
+    at every compute action, hashed and compared in C)."""
 
     layers: int
     embed: bool
@@ -90,13 +90,20 @@ class ComputeModel:
         peak = cfg.peak_tflops or peak
         self.flops_per_s = peak * 1e12 * cfg.utilization
         self.mem_bytes_per_s = mem_gbs * 1e9
+        # Seconds per (stage shape, kind, batch): asked at every compute action of a simulation,
+        # with few distinct keys (``forward_flops``'s own cache hashes the whole model config).
+        self._seconds: dict[tuple[StageShape, str, int], float] = {}
 
     def compute_s(self, stage: StageShape, kind: str, batch: int, measured_s: float) -> float:
         """Forward costs its FLOPs; backward twice that (gradients w.r.t. inputs and weights)."""
         if self.cfg.compute == "measured":
             return measured_s
-        flops = forward_flops(self.model, stage, batch) * (2.0 if kind == "B" else 1.0)
-        return flops / self.flops_per_s
+        key = (stage, kind, batch)
+        seconds = self._seconds.get(key)
+        if seconds is None:
+            flops = forward_flops(self.model, stage, batch) * (2.0 if kind == "B" else 1.0)
+            seconds = self._seconds[key] = flops / self.flops_per_s
+        return seconds
 
     def update_s(self, n_params: int, measured_s: float) -> float:
         """An optimizer step is memory-bound: ~7 fp32 tensors read or written per parameter."""

@@ -52,16 +52,24 @@ class Link:
 
     def transmit(self, now: float, nbytes: int) -> float:
         """Queue ``nbytes`` at time ``now``; return the time the message is fully delivered."""
+        profile = self.profile
         start = max(now, self.free_at)
-        serialization = self.profile.serialization_s(nbytes)
-        resend = 0.0
-        while self.profile.loss_rate > 0 and self.rng.random() < self.profile.loss_rate:
-            resend += serialization + 2 * self.profile.latency_s  # detected after a round trip
-        self.free_at = start + serialization + resend
-        self.busy_s += serialization + resend
+        serialization = profile.serialization_s(nbytes)
+        # Resends and jitter are added only where there are any: adding 0.0 changes no time.
+        if profile.loss_rate > 0:
+            resend = 0.0
+            while self.rng.random() < profile.loss_rate:
+                resend += serialization + 2 * profile.latency_s  # detected after a round trip
+            self.free_at = start + serialization + resend
+            self.busy_s += serialization + resend
+        else:
+            self.free_at = start + serialization
+            self.busy_s += serialization
         self.bytes_sent += nbytes
-        jitter = self.rng.uniform(0.0, self.profile.jitter_ms / 1000.0) if self.profile.jitter_ms else 0.0
-        arrival = max(self.free_at + self.profile.latency_s + jitter, self.last_arrival)
+        delivered = self.free_at + profile.latency_s
+        if profile.jitter_ms:
+            delivered = delivered + self.rng.uniform(0.0, profile.jitter_ms / 1000.0)
+        arrival = max(delivered, self.last_arrival)
         self.last_arrival = arrival  # a stream (TCP) never delivers out of order
         return arrival
 
@@ -93,12 +101,13 @@ class Network:
 
     def link(self, src: WorkerId, dst: WorkerId) -> Link:
         key = (src, dst)
-        if key not in self.links:
+        link = self.links.get(key)
+        if link is None:
             axis = "pp" if src.replica == dst.replica else "dp"
             profile = self.overrides.get(key, self.axes.get(axis, self.default))
             rng = random.Random(f"{self.seed}:{src}->{dst}")
-            self.links[key] = Link(src, dst, axis, profile, rng)
-        return self.links[key]
+            link = self.links[key] = Link(src, dst, axis, profile, rng)
+        return link
 
     def bytes_on_axis(self, axis: str) -> int:
         return sum(link.bytes_sent for link in self.links.values() if link.axis == axis)

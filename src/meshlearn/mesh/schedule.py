@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 Kind = Literal["F", "B", "U"]
 
 
-@dataclass(frozen=True)
-class Action:
+class Action(NamedTuple):
     """F = forward of a microbatch, B = its backward, U = an optimizer update.
 
     ``version`` is the weight version the action uses (F: the weights it runs with; B: those of its
-    forward, which weight stashing restores) or, for U, the version it creates.
+    forward, which weight stashing restores) or, for U, the version it creates. A named tuple:
+    a worker names its next action at every event of the simulator, so it is built and
+    compared in C.
     """
 
     kind: Kind

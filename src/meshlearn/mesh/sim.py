@@ -71,6 +71,7 @@ class SimDriver:
     def __init__(self, mesh: MeshShape, workers: dict[WorkerId, Worker], network: Network,
                  compute: ComputeModel, grad_clip: float):
         self.mesh = mesh
+        self.everyone = mesh.workers()  # a flushing update's group (asked at every worker's update)
         self.workers = workers
         self.network = network
         self.compute = compute
@@ -194,24 +195,33 @@ class SimDriver:
             self._dp_alarms.discard(payload)
             if wid in self.dp_wait:
                 self._dp_check(wid, now)
-        elif kind == "arrive" and payload.kind == "dp":
-            self._push(now, "deliver", payload)  # checked by the strategy's exchange, no verifier
         elif kind == "arrive":
-            message: Message = self.workers[payload.dst].admit(payload)
+            message: Message = payload
             at = now
-            for monitor, charge_time in self.monitors:
-                message = monitor.inspect(message)
-                # A verifier sits on the path: the receiver gets the message once it leaves the
-                # verifier, whose CPU time is its own resource (``release_s``: queued on that
-                # verifier's CPU), never this machine's wall time added to the device model.
-                release = getattr(monitor, "release_s", None)
-                if charge_time and release is not None:
-                    at = release(message, at)
-            self._push(at, "deliver", message)
-        elif payload.kind == "dp":
-            self._dp_deliver(payload, now)
+            if message.kind != "dp":  # a dp message is checked by the strategy's exchange, no verifier
+                message = self.workers[message.dst].admit(message)
+                for monitor, charge_time in self.monitors:
+                    message = monitor.inspect(message)
+                    # A verifier sits on the path: the receiver gets the message once it leaves the
+                    # verifier, whose CPU time is its own resource (``release_s``: queued on that
+                    # verifier's CPU), never this machine's wall time added to the device model.
+                    release = getattr(monitor, "release_s", None)
+                    if charge_time and release is not None:
+                        at = release(message, at)
+            if at == now and (not self.events or self.events[0][0] > now):
+                # The delivery would be the very next event (pushed now, it would follow every
+                # event already queued, and none is due by ``now``): run it without the queue.
+                self._deliver(message, now)
+            else:
+                self._push(at, "deliver", message)
         else:
-            message = payload
+            self._deliver(payload, now)
+
+    def _deliver(self, message: Message, now: float) -> None:
+        """A message leaves the network (and any verifier) for its receiver."""
+        if message.kind == "dp":
+            self._dp_deliver(message, now)
+        else:
             self.workers[message.dst].receive(message)
             self._try_start(message.dst, now)
 
@@ -270,8 +280,11 @@ class SimDriver:
         """A flushing schedule's update waits for the whole mesh (all-reduce, global clip); an async
         update waits only for its stage's replicas (the all-reduce), or for nobody when D = 1."""
         self.waiting[wid] = action
-        group = self.mesh.workers() if self.flushes else self.mesh.stage_replicas(wid.stage)
-        if not self.flushes and not _collective(self.workers[wid]):
+        if self.flushes:
+            group = self.everyone
+        elif _collective(self.workers[wid]):
+            group = self.mesh.stage_replicas(wid.stage)
+        else:
             group = [wid]  # its strategy exchanged messages already: nobody to wait for
         if all(self.waiting.get(w) == action for w in group):
             self._update(group)
@@ -343,7 +356,11 @@ class SimDriver:
             if key not in started:
                 started[key] = now
                 heapq.heappush(self._dp_started_keys[wid], key)
-            self._push(self._transmit(message, now), "arrive", message)
+            self._push(self._transmit(message, now), "arrive", self._dp_arriving(message))
+
+    def _dp_arriving(self, message: Message) -> Message:
+        """What arrives of a dp message sent: the message (``plan.mirror``: its mirror image)."""
+        return message
 
     def _dp_deliver(self, message: Message, now: float) -> None:
         wid, key = message.dst, (message.step, message.microbatch)

@@ -25,6 +25,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from meshlearn.compress.registry import WIRE_DTYPES, build_codec
 from meshlearn.compress.subspace import SubspaceCodec, id_dtype
@@ -61,11 +62,26 @@ def cost_codec(cfg: RunConfig, mask_keep: float | None = None):
     return codec
 
 
+class NoInitialization(TorchFunctionMode):
+    """Leaves out the random initialization of a module's weights (``nn.init``'s fills and the
+    tensor methods they call): on the meta device there are no values to draw, and each draw
+    still ran through torch's Python decompositions (most of building an 8B model's stages)."""
+
+    FILLS = frozenset({torch.nn.init.normal_, torch.nn.init.uniform_, torch.nn.init.trunc_normal_,
+                       torch.nn.init.kaiming_uniform_, torch.Tensor.normal_, torch.Tensor.uniform_})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FILLS:
+            return args[0] if args else kwargs["tensor"]  # in place: the tensor, as it is
+        return func(*args, **kwargs)
+
+
 @functools.lru_cache(maxsize=16)
 def meta_stages(model, stages: int) -> tuple:
     """The stage modules on the meta device, one per stage, shared by every replica's cost-only
     worker and every simulation of this shape (nothing in cost-only mode writes to them)."""
-    with torch.device("meta"):
+    with torch.device("meta"), NoInitialization():
         return tuple(build_stage(model, s, stages) for s in range(stages))
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshlearn.mesh.compute import ComputeModel, StageShape
 from meshlearn.mesh.network import LinkProfile, Network
@@ -32,6 +32,7 @@ from meshlearn.mesh.network import LinkProfile, Network
 PARTS = ("compute", "PP link", "DP link", "latency", "update")  # ``update``: memory-bound optimizer steps
 _INDEX = {name: i for i, name in enumerate(PARTS)}
 _ZERO = (0.0,) * len(PARTS)
+_new = float.__new__
 
 
 class Seconds(float):
@@ -52,21 +53,27 @@ class Seconds(float):
         g[_INDEX[part]] = value
         return Seconds(value, tuple(g))
 
+    # ``+`` and ``-`` run a few times per simulated event: they build the result in place
+    # (``_new``) rather than through ``Seconds(...)``, a Python call fewer each.
     def __add__(self, other):
+        x = _new(Seconds, float.__add__(self, other))
         if type(other) is Seconds:
             a, b = self.g, other.g
-            return Seconds(float.__add__(self, other), (a[0] + b[0], a[1] + b[1], a[2] + b[2],
-                                                        a[3] + b[3], a[4] + b[4]))
-        return Seconds(float.__add__(self, other), self.g)  # a constant: no resource's
+            x.g = (a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], a[4] + b[4])
+        else:
+            x.g = self.g  # a constant: no resource's
+        return x
 
     __radd__ = __add__
 
     def __sub__(self, other):
+        x = _new(Seconds, float.__sub__(self, other))
         if type(other) is Seconds:
             a, b = self.g, other.g
-            return Seconds(float.__sub__(self, other), (a[0] - b[0], a[1] - b[1], a[2] - b[2],
-                                                        a[3] - b[3], a[4] - b[4]))
-        return Seconds(float.__sub__(self, other), self.g)
+            x.g = (a[0] - b[0], a[1] - b[1], a[2] - b[2], a[3] - b[3], a[4] - b[4])
+        else:
+            x.g = self.g
+        return x
 
     def __rsub__(self, other):
         return Seconds(float.__rsub__(self, other), tuple(-x for x in self.g))
@@ -101,11 +108,17 @@ class SensitiveProfile(LinkProfile):
     """A link profile whose serialization counts as its axis's bandwidth and whose delay as latency."""
 
     axis: str = "pp"
+    # Seconds per message size, asked at every transfer (a profile is never changed: kept).
+    serialization: dict[int, Seconds] = field(default_factory=dict, compare=False, repr=False)
 
     def serialization_s(self, nbytes: int) -> float:
-        return Seconds.of(super().serialization_s(nbytes), "PP link" if self.axis == "pp" else "DP link")
+        seconds = self.serialization.get(nbytes)
+        if seconds is None:
+            part = "PP link" if self.axis == "pp" else "DP link"
+            seconds = self.serialization[nbytes] = Seconds.of(super().serialization_s(nbytes), part)
+        return seconds
 
-    @property
+    @functools.cached_property
     def latency_s(self) -> float:
         return Seconds.of(super().latency_s, "latency")
 

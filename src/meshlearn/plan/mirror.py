@@ -43,11 +43,11 @@ class MirrorSimDriver(CostSimDriver):
         super().__init__(MeshShape(1, mesh.stages), workers, network, compute, grad_clip)
         self.full = mesh
 
-    def _push(self, at: float, kind: str, payload: object) -> None:
-        if kind == "arrive" and payload.kind == "dp" and payload.dst.replica != 0:  # r's part for 0
-            payload = Message("dp", payload.step, payload.microbatch, payload.dst, payload.src,
-                              payload.payload, payload.skip, payload.version)
-        super()._push(at, kind, payload)
+    def _dp_arriving(self, message: Message) -> Message:
+        if message.dst.replica == 0:
+            return message
+        return Message("dp", message.step, message.microbatch, message.dst, message.src,  # r's part for 0
+                       message.payload, message.skip, message.version)
 
     def _allreduce(self, replicas: list[WorkerId], ready: dict[WorkerId, float],
                    nbytes: int) -> dict[WorkerId, float]:
