@@ -16,6 +16,7 @@ from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder, DecoderConfig, init_model, merge_stages
 from meshlearn.optim import build_optimizer
 from meshlearn.train import Trainer
+from meshlearn.train.files import read_records
 from meshlearn.train.schedule_lr import lr_factor
 
 B, T, D = 3, 8, 40
@@ -230,15 +231,31 @@ def test_the_simulator_charges_exactly_the_kept_values(tiny_corpus, tmp_path):
 
 
 def test_evaluation_is_unmasked(tiny_corpus, tmp_path):
-    """The validation loss of a mask-codec run is the unsplit model's, on the run's own weights."""
+    """The validation loss of a mask-codec run is the unsplit model's, on the run's own weights; its
+    eval record's ``val_loss_masked`` is that model with validation batch i's boundary masked as
+    microbatch 0 of step i on replica 0 (open detail 7); a bf16 run's record has no such field."""
     cfg = tiny_config(tiny_corpus, *MESH, "train.steps=2", "train.eval_every=2")
-    trainer = Trainer(cfg, tmp_path, progress=False)
+    trainer = Trainer(cfg, tmp_path / "mask", progress=False)
     trainer.train()
     states = [trainer.workers[WorkerId(0, s)].module.state_dict() for s in range(2)]
     merged = merge_stages(trainer.cfg.model, states)
+    codec = build_codec(cfg.codec, cfg.model)
     with torch.no_grad():
         dense = [Decoder.loss(merged(x), y).item() for x, y in trainer.val_batches]
+        batch = [0]
+        merged.layers[str(cfg.model.n_layer // 2 - 1)].register_forward_hook(
+            lambda mod, args, out: out * codec.mask(out.shape, MessageContext(batch[0], 0, 0, 0)))
+        masked = []
+        for i, (x, y) in enumerate(trainer.val_batches):
+            batch[0] = i
+            masked.append(Decoder.loss(merged(x), y).item())
     assert abs(trainer.last_val_loss - sum(dense) / len(dense)) <= 1e-6
+    record = [r for r in read_records(tmp_path / "mask" / "metrics.jsonl") if r["kind"] == "eval"][-1]
+    assert abs(record["val_loss_masked"] - sum(masked) / len(masked)) <= 1e-5
+    assert abs(record["val_loss_masked"] - record["val_loss"]) > 1e-3
+    bf16 = Trainer(tiny_config(tiny_corpus, *MESH, "codec.name=bf16"), tmp_path / "bf16", progress=False)
+    bf16.evaluate()
+    assert "val_loss_masked" not in read_records(tmp_path / "bf16" / "metrics.jsonl")[-1]
 
 
 @pytest.mark.parametrize("options", ["codec.mask=fixed", "codec.mask=bernoulli", "codec.rescale=true"])

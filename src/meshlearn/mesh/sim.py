@@ -442,20 +442,21 @@ class SimDriver:
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Validation loss through replica 0's stages; no virtual time is charged for it. When the
         DP strategy lets replicas drift, the loss of the fully averaged model (the method note's
-        step 4), with replica 0's own beside it in ``eval_fields``."""
+        step 4), with replica 0's own beside it in ``eval_fields``. Under a codec that masks only
+        in training (``codec.name = mask``) ``eval_fields`` also has ``val_loss_masked``: the same
+        model's loss with each boundary coded as in training (the method note's open detail 7)."""
         assert self.drained, "evaluation runs at a drain point"
         stages = [self.workers[WorkerId(0, s)] for s in range(self.mesh.stages)]
         codec = stages[0].codec
-        losses = [pipeline_loss([w.module for w in stages], codec, x, y) for x, y in batches]
-        own = sum(losses) / len(losses)
+        modules = [w.module for w in stages]
         self._eval_fields = {}
-        if not _drifts(stages[0]) or self.mesh.replicas == 1:
-            return own
-        averaged = [average_replicas([self.workers[w].module for w in self.mesh.stage_replicas(s)])
-                    for s in range(self.mesh.stages)]
-        losses = [pipeline_loss(averaged, codec, x, y) for x, y in batches]
-        self._eval_fields = {"val_loss_replica0": own}
-        return sum(losses) / len(losses)
+        if _drifts(stages[0]) and self.mesh.replicas > 1:
+            self._eval_fields["val_loss_replica0"] = _mean_loss(modules, codec, batches)
+            modules = [average_replicas([self.workers[w].module for w in self.mesh.stage_replicas(s)])
+                       for s in range(self.mesh.stages)]
+        if getattr(codec, "name", "") == "mask":
+            self._eval_fields["val_loss_masked"] = _mean_loss(modules, codec, batches, masked=True)
+        return _mean_loss(modules, codec, batches)
 
     def eval_fields(self) -> dict:
         """Fields of the last evaluation's record beyond val_loss (replica 0's loss when drifting)."""
@@ -537,13 +538,25 @@ def average_replicas(modules: list[Decoder]) -> Decoder:
     return out
 
 
-def pipeline_loss(stages: list[Decoder], codec: Codec, x: torch.Tensor, y: torch.Tensor) -> float:
+def pipeline_loss(stages: list[Decoder], codec: Codec, x: torch.Tensor, y: torch.Tensor,
+                  masked_as: int | None = None) -> float:
     """Forward through the stages in order, each boundary crossing the codec as an evaluation
-    message (codecs that drop information for training, such as the mask codec, send it all)."""
+    message (codecs that drop information for training, such as the mask codec, send it all).
+    ``masked_as``: as a training message instead, microbatch 0 of step ``masked_as`` on replica 0
+    (so a mask codec masks it with that message's mask)."""
     h = x
     for i, stage in enumerate(stages):
         if i > 0:
-            ctx = MessageContext.evaluation(boundary=i - 1)
+            ctx = (MessageContext.evaluation(boundary=i - 1) if masked_as is None
+                   else MessageContext(masked_as, 0, i - 1, 0))
             h = codec.decode(codec.encode(h, "act", x, ctx), "act", ctx)
         h = stage(h)
     return Decoder.loss(h, y).item()
+
+
+def _mean_loss(stages: list[Decoder], codec: Codec, batches: list[tuple[torch.Tensor, torch.Tensor]],
+               masked: bool = False) -> float:
+    """Mean ``pipeline_loss`` over the batches; ``masked``: batch i coded as step i's training
+    message (the same masks at every evaluation, so masked losses compare across steps)."""
+    losses = [pipeline_loss(stages, codec, x, y, i if masked else None) for i, (x, y) in enumerate(batches)]
+    return sum(losses) / len(losses)
