@@ -22,7 +22,8 @@ class ElasticConfig:
 
     enabled: bool = False
     """Run the stages' data-parallel axis on torchft quorums instead of a fixed process group: a
-    dead stage replica's row leaves, the other replicas go on. Off: the fixed-membership driver."""
+    dead stage replica's row partners spectate until a joiner completes the row, the other rows go on.
+    Off: the fixed-membership driver."""
     min_replicas: int = 1
     """A step commits only if every stage has at least this many live replicas in its quorum."""
     host: str = "127.0.0.1"
