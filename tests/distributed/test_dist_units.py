@@ -55,6 +55,30 @@ def test_bad_bytes_name_the_peer_they_came_from():
         unpack(lying, peer=WorkerId(0, 0))
 
 
+
+_HEADER = {"kind": "act", "step": 0, "microbatch": 0, "src": "r0s0", "dst": "r0s1", "skip": False,
+           "version": 0, "shape": [1], "dtype": "float32", "meta": {}, "tensors": []}
+
+
+@pytest.mark.parametrize("lie", [
+    {"tensors": [["v", "float32", [-2, 2]]]},  # torch: invalid shape dimension
+    {"tensors": [["v", "float32", [0, -5]]]},  # torch: negative dimension
+    {"tensors": [["v", "float32", [0, float("inf")]]]},  # int(): infinity (json writes Infinity)
+    {"step": float("inf")},
+    {"src": 5},  # not a string: WorkerId.parse
+])
+def test_a_header_that_breaks_torch_or_int_is_a_wire_error_too(lie):
+    """The transport refuses a WireError as a lie (``Forged``) and takes any other error for a
+    broken link: every undecodable header must be a WireError."""
+    header = json.dumps(_HEADER | lie).encode()
+    body = bytes(16)
+    buffer = torch.cat([prefix(len(header), len(body), CPU),
+                        torch.frombuffer(bytearray(header + body), dtype=torch.uint8)])
+    with pytest.raises(WireError, match="malformed message from r0s0"):
+        unpack(buffer, peer=WorkerId(0, 0))
+    with pytest.raises(WireError, match="malformed message from r0s0"):
+        unpack(torch.zeros(3, dtype=torch.uint8), peer=WorkerId(0, 0))  # shorter than a prefix
+
 def test_pacer_releases_each_message_when_the_simulator_says_it_arrives():
     """The same Link arithmetic as the simulator: FIFO at the bandwidth, then the latency. A fake
     clock stands still between the two sends, so the check is exact on any machine load."""

@@ -265,9 +265,10 @@ class Transport:
                     work.wait(timeout)
                     header_len, size = read_prefix(buffer)
                     if header_len < 0:  # oversize notice: the message follows on its own tag
-                        if not 0 <= size <= self.max_message_bytes:  # checked before allocating
-                            self.inbox.put(Forged(f"an oversize notice of {size} bytes (no message "
-                                                  f"of this run exceeds {self.max_message_bytes})", link))
+                        if not PREFIX_BYTES <= size <= self.max_message_bytes:  # before allocating
+                            self.inbox.put(Forged(f"an oversize notice of {size} bytes (a message of "
+                                                  f"this run takes {PREFIX_BYTES} to "
+                                                  f"{self.max_message_bytes})", link))
                             continue
                         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
                         _irecv(buffer, src, group, OVERSIZE_TAG).wait(timeout)
