@@ -38,18 +38,19 @@ def _send_intact(transport: Transport, me: WorkerId, other: WorkerId, _forward) 
 
 
 def _send_lies(transport: Transport, me: WorkerId, other: WorkerId, forward) -> None:
-    """An oversize notice of 1 TiB (no buffer follows), a header that is not JSON, then an honest
-    message: raw sends on the link's group, as a lying peer would make them."""
-    lie = prefix(-1, 1 << 40, torch.device("cpu"))
+    """An oversize notice of 1 TiB (no buffer follows), one of 3 bytes (less than a prefix: none
+    follows either), a header that is not JSON, then an honest message: raw sends on the link's
+    group, as a lying peer would make them."""
+    lie, short = prefix(-1, 1 << 40, torch.device("cpu")), prefix(-1, 3, torch.device("cpu"))
     garbage = pack(Message("act", 0, 0, me, other, _values(4, 0)), torch.device("cpu"))
     garbage[16:24] = ord("#")  # the JSON header's first bytes
-    for buffer in (lie, garbage):
+    for buffer in (lie, short, garbage):
         dist.isend(buffer, 1, group=forward, tag=MESSAGE_TAG).wait()
-    transport.send(Message("act", 0, 2, me, other, _values(30, 2)), CAPACITY)
+    transport.send(Message("act", 0, 3, me, other, _values(30, 3)), CAPACITY)
     transport.drain(20.0)
 
 
-LIES = [None, None, 30]  # what the receiver gets of _send_lies: two refusals, then 30 values
+LIES = [None, None, None, 30]  # what the receiver gets of _send_lies: three refusals, then 30 values
 
 
 def _peer(rank: int, port: int, sender, expected: list, result: mp.Queue) -> None:
@@ -86,7 +87,8 @@ def _verdict(got: list, expected: list) -> str:
     for m, (item, n) in enumerate(zip(got, expected, strict=True)):
         if n is None:
             ok = isinstance(item, Forged) and item.message.startswith("worker r0s0 sent a message") and (
-                "oversize notice of 1099511627776 bytes" in item.reason or "malformed" in item.reason)
+                "oversize notice of 1099511627776 bytes" in item.reason or "malformed" in item.reason
+                or "oversize notice of 3 bytes" in item.reason)
         else:
             ok = isinstance(item, Message) and torch.equal(item.payload.tensors["values"],
                                                            torch.arange(n, dtype=torch.float32) + m)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from meshlearn.compress.codecs import Encoded
 from meshlearn.config import ConfigError, load_config
+from meshlearn.distributed.driver import DistDriver
+from meshlearn.distributed.health import WorkerFailure
 from meshlearn.distributed.settings import DistConfig, derive_deadlines
 from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.wire import WireError, pack, prefix, unpack
@@ -54,6 +57,57 @@ def test_bad_bytes_name_the_peer_they_came_from():
     with pytest.raises(WireError, match="prefix claims"):
         unpack(lying, peer=WorkerId(0, 0))
 
+
+
+_HEADER = {"kind": "act", "step": 0, "microbatch": 0, "src": "r0s0", "dst": "r0s1", "skip": False,
+           "version": 0, "shape": [1], "dtype": "float32", "meta": {}, "tensors": []}
+
+
+@pytest.mark.parametrize("lie", [
+    {"tensors": [["v", "float32", [-2, 2]]]},  # torch: invalid shape dimension
+    {"tensors": [["v", "float32", [0, -5]]]},  # torch: negative dimension
+    {"tensors": [["v", "float32", [0, float("inf")]]]},  # int(): infinity (json writes Infinity)
+    {"step": float("inf")},
+    {"src": 5},  # not a string: WorkerId.parse
+])
+def test_a_header_that_breaks_torch_or_int_is_a_wire_error_too(lie):
+    """The transport refuses a WireError as a lie (``Forged``) and takes any other error for a
+    broken link: every undecodable header must be a WireError."""
+    header = json.dumps(_HEADER | lie).encode()
+    body = bytes(16)
+    buffer = torch.cat([prefix(len(header), len(body), CPU),
+                        torch.frombuffer(bytearray(header + body), dtype=torch.uint8)])
+    with pytest.raises(WireError, match="malformed message from r0s0"):
+        unpack(buffer, peer=WorkerId(0, 0))
+    with pytest.raises(WireError, match="malformed message from r0s0"):
+        unpack(torch.zeros(3, dtype=torch.uint8), peer=WorkerId(0, 0))  # shorter than a prefix
+
+
+def test_a_pipeline_message_of_the_wrong_kind_for_its_link_ends_the_run_naming_its_sender():
+    """A worker's receiver takes the kind a link carries from the link (activations from the stage
+    before, gradients from the one after, dp between replicas): a gradient that calls itself an
+    activation ends the run naming the real sender (the guard, which infers the sender from the
+    header's kind, would blame the other neighbour and stand in with the wrong kind)."""
+    me, up, down, peer = WorkerId(0, 1), WorkerId(0, 0), WorkerId(0, 2), WorkerId(1, 1)
+    driver = DistDriver.__new__(DistDriver)
+    received: list[Message] = []
+    driver.me, driver.prev, driver.next = me, up, down
+    driver.health = SimpleNamespace(abort=lambda message: message)
+    driver.worker = SimpleNamespace(admit=lambda m: m, guard=None, receive=received.append)
+    payload = Encoded({"v": torch.ones(3)}, (3,), torch.float32)
+
+    def arrival(kind: str, src: WorkerId) -> Message:
+        message = Message(kind, 0, 0, src, me, payload)
+        message.link = (src, me)  # as the transport marks it
+        return message
+
+    for kind, src in (("act", down), ("grad", up), ("act", peer)):
+        with pytest.raises(WorkerFailure, match=f"worker {src} sent a '{kind}' message on its link to r0s1"):
+            driver._deliver(arrival(kind, src))
+    assert received == []
+    driver._deliver(arrival("act", up))
+    driver._deliver(arrival("grad", down))
+    assert [(m.kind, m.src) for m in received] == [("act", up), ("grad", down)]
 
 def test_pacer_releases_each_message_when_the_simulator_says_it_arrives():
     """The same Link arithmetic as the simulator: FIFO at the bandwidth, then the latency. A fake

@@ -4,10 +4,13 @@ resource they name is the one doubling names, on shapes where each resource bind
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from meshlearn.config import load_config
-from meshlearn.plan.critical import PARTS, Seconds
+from meshlearn.mesh.network import LinkProfile
+from meshlearn.plan.critical import PARTS, Seconds, SensitiveProfile
 from meshlearn.plan.methods import methods
 from meshlearn.plan.presets import preset_overrides
 from meshlearn.plan.steady import predict, steady, with_gains, with_path
@@ -26,6 +29,15 @@ def test_seconds_carry_their_parts():
     assert type(t / t) is float and type(t * t) is float  # no time: plain numbers
     assert (t / 2).g == tuple(x / 2 for x in t.g)
 
+
+
+def test_a_profile_s_kept_seconds_are_its_own():
+    """The per-size seconds a SensitiveProfile keeps are not carried into a copy with another
+    bandwidth (``dataclasses.replace``), which would time its transfers at the old one's."""
+    slow = SensitiveProfile(bandwidth_mbit=8.0, latency_ms=0.0)
+    assert float(slow.serialization_s(1000)) == LinkProfile(8.0, 0.0).serialization_s(1000)
+    fast = dataclasses.replace(slow, bandwidth_mbit=80.0)
+    assert float(fast.serialization_s(1000)) == LinkProfile(80.0, 0.0).serialization_s(1000)
 
 @pytest.mark.parametrize("extra", [
     [],

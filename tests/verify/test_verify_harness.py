@@ -44,6 +44,17 @@ def test_a_forging_attacker_is_refused_with_a_record_and_the_run_completes(tiny_
     assert all(r["reason"].startswith(REASONS[forgery]) and r["step"] >= 3 for r in rejections)
 
 
+
+def test_a_message_claiming_another_sender_still_crosses_the_senders_own_link(tiny_corpus, tmp_path):
+    """The simulator routes a message by the worker that sent it, as a network does, never by its
+    header: forge_src's messages (honest payloads) cost the bytes and time of an honest run's, on
+    the pipeline axis (the claimed sender r2s1's link to r1s2 would be a DP link)."""
+    runs = [trainer(tiny_corpus, tmp_path / kind, 4, f"attack.kind={kind}", f"attack.workers={ATTACKER}",
+                    "attack.start_step=2").train() for kind in ("none", "forge_src")]
+    assert runs[1]["wire_rejections"] > 0
+    fields = ("bytes_per_token_pp", "bytes_per_token_dp", "sim_time_s")
+    assert [r[f] for f in fields for r in runs[1:]] == [r[f] for f in fields for r in runs[:1]]
+
 def test_without_receiver_checks_forged_ids_crash_the_receiver(tiny_corpus, tmp_path):
     """The harness has teeth: the same forgery on the wire with the receivers' guards taken away."""
     t = trainer(tiny_corpus, tmp_path, 4, *SUBSPACE, "attack.kind=forge_ids", f"attack.workers={ATTACKER}")

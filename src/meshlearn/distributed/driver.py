@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from meshlearn.distributed.evaluation import PipelineEvaluation
-from meshlearn.distributed.health import Health
+from meshlearn.distributed.health import Health, WorkerFailure
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
 from meshlearn.distributed.transport import Transport
@@ -253,6 +253,15 @@ class DistDriver(PipelineEvaluation):
         if message.kind == "dp":
             self._dp_deliver(message)
             return
+        # The link says what it carries (the transport routes by it, never by the header): a message
+        # of another kind is a lie the guard has no stand-in for (its receiver waits for the link's
+        # kind), and judging its header's kind instead would blame the other neighbour.
+        src = message.link[0]
+        carries = "act" if src == self.prev else "grad" if src == self.next else "dp"
+        if message.kind != carries:
+            raise WorkerFailure(self.health.abort(
+                f"worker {src} sent a {message.kind!r} message on its link to {self.me}, which carries "
+                f"{carries!r} messages (noticed by {self.me})"))
         message = self.worker.admit(message)  # a forged message is quarantined, never decoded
         for rejection in self.worker.guard.pop_rejections() if self.worker.guard else ():
             self.rejections += 1

@@ -14,7 +14,12 @@ leaves (see wire.py); a larger message goes as a notice plus a buffer on ``OVERS
 A notice is the sender's claim: one announcing more than ``max_message_bytes`` (the largest
 message an honest peer of the run sends, ``wire.message_bound``) is refused before anything is
 allocated, and bytes that do not decode are refused too; either arrives as ``Forged`` and the link
-stays up, so a lying peer can neither exhaust the receiver's memory nor close its link.
+stays up, so a lying peer can neither exhaust the receiver's memory nor close its link that way.
+Not closed: gloo aborts the receiving process (``gloo::EnforceNotMet``, SIGABRT, in its own
+thread) when a peer sends more bytes than the matching receive posted — a raw send beyond the
+posted capacity on ``MESSAGE_TAG``, an oversize buffer longer than its notice announced, or a
+refused notice's buffer, which stays unmatched on ``OVERSIZE_TAG`` and is taken by the link's
+next oversize receive.
 The main thread waits for messages through ``next_message``, which checks liveness and a deadline
 derived from the link profile, and names the peer if either fails.
 
@@ -265,9 +270,10 @@ class Transport:
                     work.wait(timeout)
                     header_len, size = read_prefix(buffer)
                     if header_len < 0:  # oversize notice: the message follows on its own tag
-                        if not 0 <= size <= self.max_message_bytes:  # checked before allocating
-                            self.inbox.put(Forged(f"an oversize notice of {size} bytes (no message "
-                                                  f"of this run exceeds {self.max_message_bytes})", link))
+                        if not PREFIX_BYTES <= size <= self.max_message_bytes:  # before allocating
+                            self.inbox.put(Forged(f"an oversize notice of {size} bytes (a message of "
+                                                  f"this run takes {PREFIX_BYTES} to "
+                                                  f"{self.max_message_bytes})", link))
                             continue
                         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
                         _irecv(buffer, src, group, OVERSIZE_TAG).wait(timeout)

@@ -86,7 +86,11 @@ def pack(message: Message, device: torch.device) -> torch.Tensor:
 
 def unpack(buffer: torch.Tensor, peer: WorkerId) -> Message:
     """Rebuild the Message from a received buffer (possibly longer than the message); tensors land
-    on ``buffer``'s device."""
+    on ``buffer``'s device. Any bytes that do not make a valid message raise WireError (never
+    another error: torch's, on a negative dimension, or ``int``'s, on JSON's ``Infinity``), so the
+    transport refuses them as a lie instead of taking them for a broken link."""
+    if buffer.numel() < PREFIX_BYTES:
+        raise WireError(f"malformed message from {peer}: {buffer.numel()} bytes, no prefix")
     header_len, body_len = read_prefix(buffer)
     if header_len < 0 or PREFIX_BYTES + header_len + body_len > buffer.numel():
         raise WireError(f"malformed message from {peer}: prefix claims {header_len} + {body_len} bytes "
@@ -113,7 +117,7 @@ def unpack(buffer: torch.Tensor, peer: WorkerId) -> Message:
         message = Message(header["kind"], int(header["step"]), int(header["microbatch"]),
                           WorkerId.parse(header["src"]), WorkerId.parse(header["dst"]), payload,
                           skip=bool(header.get("skip", False)), version=int(header.get("version", 0)))
-    except (KeyError, ValueError, TypeError, WireError) as err:
+    except (KeyError, ValueError, TypeError, AttributeError, OverflowError, RuntimeError) as err:
         raise WireError(f"malformed message from {peer}: {type(err).__name__}: {err}") from None
     if message.src != peer or message.kind not in KINDS:
         raise WireError(f"message from {peer} claims to be a {message.kind!r} from {message.src}")

@@ -186,7 +186,7 @@ class SimDriver:
             self.busy.discard(wid)
             self._set_done(wid)
             for message in outgoing:
-                self._push(self._transmit(message, now), "arrive", message)
+                self._push(self._transmit(wid, message, now), "arrive", message)
             self._try_start(wid, now)
         elif kind == "posted":
             self._dp_posted(*payload, now)
@@ -230,18 +230,20 @@ class SimDriver:
         if done > self._target:
             self._lagging.discard(wid)
 
-    def _transmit(self, message: Message, now: float) -> float:
-        """Queue ``message`` on its link at ``now``; return its arrival time."""
-        link = self.network.link(message.src, message.dst)
+    def _transmit(self, sender: WorkerId, message: Message, now: float) -> float:
+        """Queue ``message`` on the link from ``sender`` at ``now``; return its arrival time. The
+        sender is the worker that sent it, never the header's ``src`` (a forger's claim: its bytes
+        still cross its own link)."""
+        link = self.network.link(sender, message.dst)
         if self.timeline is None:
             return link.transmit(now, message.wire_bytes)
         # A dp message carries its round key, not a step: it is charged to the sender's current step.
-        step = self.workers[message.src].steps_done if message.kind == "dp" else message.step
+        step = self.workers[sender].steps_done if message.kind == "dp" else message.step
         if not self.timeline.wants(step):
             return link.transmit(now, message.wire_bytes)
         start = max(now, link.free_at)
         arrival = link.transmit(now, message.wire_bytes)
-        self.timeline.send(str(message.src), str(message.dst), link.axis, message.kind, step,
+        self.timeline.send(str(sender), str(message.dst), link.axis, message.kind, step,
                            message.wire_bytes, start, link.free_at, arrival)
         return arrival
 
@@ -356,7 +358,7 @@ class SimDriver:
             if key not in started:
                 started[key] = now
                 heapq.heappush(self._dp_started_keys[wid], key)
-            self._push(self._transmit(message, now), "arrive", self._dp_arriving(message))
+            self._push(self._transmit(wid, message, now), "arrive", self._dp_arriving(message))
 
     def _dp_arriving(self, message: Message) -> Message:
         """What arrives of a dp message sent: the message (``plan.mirror``: its mirror image)."""

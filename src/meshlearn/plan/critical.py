@@ -108,8 +108,9 @@ class SensitiveProfile(LinkProfile):
     """A link profile whose serialization counts as its axis's bandwidth and whose delay as latency."""
 
     axis: str = "pp"
-    # Seconds per message size, asked at every transfer (a profile is never changed: kept).
-    serialization: dict[int, Seconds] = field(default_factory=dict, compare=False, repr=False)
+    # Seconds per message size, asked at every transfer (a profile is never changed: kept; not an
+    # init field, so ``dataclasses.replace`` with another bandwidth starts a cache of its own).
+    serialization: dict[int, Seconds] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def serialization_s(self, nbytes: int) -> float:
         seconds = self.serialization.get(nbytes)
