@@ -122,6 +122,19 @@ def test_the_header_belongs_to_the_receivers_step_and_microbatches():
     assert check_header(message, 3, {0, 1}, sender=WorkerId(0, 2)) is None
     assert check_header(message, 3, {0, 1}, sender=WorkerId(1, 2)) == (
         "route: claims to come from r0s2, sent by r1s2")
+    assert check_header(message, 3, {0, 1}, WorkerId(0, 2), carries="grad") is None
+    assert check_header(message, 3, {0, 1}, WorkerId(0, 2), carries="act") == (
+        "route: a 'grad' on a link that carries 'act'")
+
+
+def test_a_stand_in_for_a_message_that_lies_about_its_kind_is_of_the_link_s_kind():
+    guard = WireGuard(codec("identity"), T, D, VOCAB)
+    lie = Message("grad", 5, 1, WorkerId(1, 1), WorkerId(1, 2), honest("identity", "act"))
+    out = guard.admit(lie, 5, B, {0, 1}, context, sender=WorkerId(1, 1), carries="act")
+    assert (out.kind, out.src, out.skip) == ("act", WorkerId(1, 1), True)
+    [rejection] = guard.pop_rejections()
+    assert (rejection.kind, rejection.src) == ("act", WorkerId(1, 1))
+    assert rejection.reason == "route: a 'grad' on a link that carries 'act'"
 
 
 def test_a_stand_in_for_a_message_that_claims_another_sender_names_the_real_one():
@@ -154,5 +167,5 @@ def test_the_guard_turns_a_forged_message_into_a_quarantined_stand_in(name):
 
 def test_every_forgery_has_a_case_here():
     cases = {"forge_ids", "forge_shape", "forge_dtype", "forge_nonfinite", "forge_oversize", "forge_stale",
-             "forge_src"}
-    assert set(FORGERIES) == cases  # forge_stale and forge_src are header lies: tested with the guard above
+             "forge_src", "forge_kind"}
+    assert set(FORGERIES) == cases  # forge_stale, forge_src and forge_kind are header lies: the guard above

@@ -19,7 +19,8 @@ VERIFY = ["verify.name=sentinel", "verify.warmup_steps=10", "verify.window=32"] 
 SUBSPACE = ["model.subspace_rank=8", "codec.name=subspace"]  # token ids on the wire
 REASONS = {"forge_ids": "index: ids", "forge_shape": "shape: coeffs", "forge_dtype": "dtype: coeffs",
            "forge_nonfinite": "nonfinite: coeffs", "forge_oversize": "oversized:",
-           "forge_stale": "stale step:", "forge_src": "route: claims to come from r2s1, sent by r1s1"}
+           "forge_stale": "stale step:", "forge_src": "route: claims to come from r2s1, sent by r1s1",
+           "forge_kind": "route: a "}
 
 
 def trainer(tiny_corpus, tmp_path, steps: int, *overrides: str) -> Trainer:

@@ -124,13 +124,16 @@ def check_payload(payload: Encoded, layout: Layout, vocab_size: int, max_bytes: 
 
 
 def check_header(message: Message, step: int, microbatches: Collection[int],
-                 sender: WorkerId | None = None) -> str | None:
+                 sender: WorkerId | None = None, carries: Kind | None = None) -> str | None:
     """None if the message belongs to the receiver's current step and one of its microbatches, and
-    (given ``sender``, the worker the link comes from) names that worker as its source."""
+    (given the link it came on: ``sender``, the worker it comes from, and ``carries``, the kind it
+    carries) names that worker as its source and is of that kind."""
     if message.kind not in KINDS:
         return f"kind: {message.kind!r}, expected one of {list(KINDS)}"
     if sender is not None and message.src != sender:
         return f"route: claims to come from {message.src}, sent by {sender}"
+    if carries is not None and message.kind != carries:
+        return f"route: a {message.kind!r} on a link that carries {carries!r}"
     if message.step != step:
         return f"stale step: message for step {message.step}, receiver at step {step}"
     if message.microbatch not in microbatches:
@@ -196,8 +199,8 @@ class WireGuard:
 
     def check(self, message: Message, step: int, microbatch_size: int,
               microbatches: Collection[int], ctx: MessageContext | None = None,
-              sender: WorkerId | None = None) -> str | None:
-        reason = check_header(message, step, microbatches, sender)
+              sender: WorkerId | None = None, carries: Kind | None = None) -> str | None:
+        reason = check_header(message, step, microbatches, sender, carries)
         if reason is not None:
             return reason
         layout = self.layout(message.kind, self.shape(microbatch_size), ctx)
@@ -207,23 +210,25 @@ class WireGuard:
     def admit(self, message: Message, step: int, microbatch_size: int,
               microbatches: Collection[int],
               context: Callable[[Kind, int, int], MessageContext] | None = None,
-              sender: WorkerId | None = None) -> Message:
+              sender: WorkerId | None = None, carries: Kind | None = None) -> Message:
         """The message itself if it passes; else a quarantined stand-in for its (kind, microbatch).
 
         ``context(kind, step, microbatch)`` is the receiver's own context of such a message (its
         codec's; None: codecs that need none). The payload is checked against the layout of the
         receiver's step, so a message from another step is refused before its layout matters.
-        ``sender``: the worker the message's link comes from; a header naming another is refused
-        (receivers route by the link, never by the header), and the record names the sender.
+        ``sender`` and ``carries``: the link the message came on (the worker it comes from, the
+        kind it carries); a header naming another sender or kind is refused (receivers route by the
+        link, never by the header), the record names the sender and the stand-in is of the link's
+        kind (the one its receiver waits for).
 
         The stand-in carries the receiver's step and honest zeros: a zero activation whose
         microbatch the last stage then weighs 0 (``skip``), or a zero gradient — what an honest
         pipeline sends back for a zero-weight microbatch. Without a stand-in the receiver would wait
         for the slot forever.
         """
-        kind: Kind = message.kind if message.kind in KINDS else "act"
+        kind: Kind = carries or (message.kind if message.kind in KINDS else "act")
         ctx = context(kind, step, message.microbatch) if context is not None else None
-        reason = self.check(message, step, microbatch_size, microbatches, ctx, sender)
+        reason = self.check(message, step, microbatch_size, microbatches, ctx, sender, carries)
         if reason is None:
             return message
         src = message.src if sender is None else sender

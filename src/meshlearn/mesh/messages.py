@@ -32,6 +32,9 @@ class Message:
     payload: Encoded
     skip: bool = False  # the microbatch was quarantined upstream: not scored, zero loss weight
     version: int = 0  # the sender's weight version that produced it (its forward's, for a gradient)
+    link: tuple[WorkerId, WorkerId] | None = None
+    """The (sender, receiver) link it crossed, set by the driver that carried it — never read off
+    the header, which the sender controls; None until it is sent. Not on the wire."""
 
     @property
     def wire_bytes(self) -> int:

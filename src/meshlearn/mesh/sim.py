@@ -186,6 +186,7 @@ class SimDriver:
             self.busy.discard(wid)
             self._set_done(wid)
             for message in outgoing:
+                message.link = (wid, message.dst)  # the sender's own link, whatever the header says
                 self._push(self._transmit(wid, message, now), "arrive", message)
             self._try_start(wid, now)
         elif kind == "posted":

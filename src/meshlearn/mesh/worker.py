@@ -167,11 +167,13 @@ class Worker:
         # The message's own step if this worker has work for it, else its oldest open step (under
         # a flushing schedule: the one step in progress), so a stale or future step is refused.
         step = message.step if message.step in self.work else min(self.work)
-        # The link it came on: an activation from the stage before, a gradient from the one after.
-        sender = WorkerId(self.id.replica, self.id.stage + (-1 if message.kind == "act" else 1))
+        # The link it came on says who sent it and what it carries (an activation from the stage
+        # before, a gradient from the one after); the header's src and kind are the sender's claims.
+        sender = message.link[0]
+        carries = "act" if sender.stage < self.id.stage else "grad"
         return self.guard.admit(message, step, self.work[step].microbatch_size, range(self.microbatches),
                                 lambda kind, t, m: self.context(kind, t * self.microbatches + m, True),
-                                sender)
+                                sender, carries)
 
     def receive(self, message: Message) -> None:
         j = message.step * self.microbatches + message.microbatch

@@ -47,6 +47,7 @@ from meshlearn.verify.forgeries import (
     FORGERIES,
     ForgeDtype,
     ForgeIds,
+    ForgeKind,
     ForgeNonFinite,
     ForgeOversize,
     ForgeSender,
@@ -316,6 +317,7 @@ ATTACKS: dict[str, Callable[[AttackConfig, int, VerifyConfig], Attack]] = {
     "forge_oversize": lambda cfg, seed, verify: ForgeOversize(cfg, seed),
     "forge_stale": lambda cfg, seed, verify: ForgeStale(cfg, seed),
     "forge_src": lambda cfg, seed, verify: ForgeSender(cfg, seed),
+    "forge_kind": lambda cfg, seed, verify: ForgeKind(cfg, seed),
 }
 MIXABLE = sorted(set(ATTACKS) - {"mixed", "adaptive", *FORGERIES})
 """What ``mixed`` may switch among: the tensor attacks (it applies its parts' ``corrupt``)."""

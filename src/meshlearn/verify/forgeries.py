@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # config.py and the trainer import this module
 
 
 FORGERIES = ("forge_ids", "forge_shape", "forge_dtype", "forge_nonfinite", "forge_oversize", "forge_stale",
-             "forge_src")
+             "forge_src", "forge_kind")
 """The registry names of the forgeries (see ``verify.attacks.ATTACKS``)."""
 
 
@@ -171,3 +171,15 @@ class ForgeSender(Forgery):
 
     def forge_message(self, message):
         return dataclasses.replace(message, src=WorkerId(message.src.replica + 1, message.src.stage))
+
+
+class ForgeKind(Forgery):
+    """Labels its activations as gradients and its gradients as activations, the payload honest. A
+    receiver that took the kind from the header would file the message where the other neighbour's
+    belongs (and blame that neighbour); receivers take the kind from the link, so the label alone
+    gets it refused and the stand-in is of the kind the receiver waits for."""
+
+    name = "forge_kind"
+
+    def forge_message(self, message):
+        return dataclasses.replace(message, kind="grad" if message.kind == "act" else "act")
