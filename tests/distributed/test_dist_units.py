@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from types import SimpleNamespace
@@ -9,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from meshlearn.compress.codecs import Encoded
+from meshlearn.compress.codecs import Encoded, IdentityCodec
+from meshlearn.compress.wire_checks import WireGuard
 from meshlearn.config import ConfigError, load_config
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import WorkerFailure
@@ -19,6 +21,7 @@ from meshlearn.distributed.wire import WireError, pack, prefix, unpack
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import Link, LinkProfile
 from meshlearn.mesh.topology import WorkerId
+from meshlearn.mesh.worker import Worker
 from meshlearn.train.checkpoint import ShardedCheckpoint, latest_complete, load_run_state
 
 CPU = torch.device("cpu")
@@ -83,31 +86,39 @@ def test_a_header_that_breaks_torch_or_int_is_a_wire_error_too(lie):
         unpack(torch.zeros(3, dtype=torch.uint8), peer=WorkerId(0, 0))  # shorter than a prefix
 
 
-def test_a_pipeline_message_of_the_wrong_kind_for_its_link_ends_the_run_naming_its_sender():
-    """A worker's receiver takes the kind a link carries from the link (activations from the stage
-    before, gradients from the one after, dp between replicas): a gradient that calls itself an
-    activation ends the run naming the real sender (the guard, which infers the sender from the
-    header's kind, would blame the other neighbour and stand in with the wrong kind)."""
+def test_a_worker_takes_a_message_s_kind_and_sender_from_its_link_never_from_its_header():
+    """A gradient that calls itself an activation (and the reverse) is refused by the worker's guard
+    with the link's sender in the record and a stand-in of the kind the link carries, which is what
+    its receiver waits for (before: the guard inferred the sender from the header's kind, blamed the
+    other neighbour and stood in with the wrong kind). A pipeline kind on a DP link has no stand-in:
+    it ends the run naming the sender."""
     me, up, down, peer = WorkerId(0, 1), WorkerId(0, 0), WorkerId(0, 2), WorkerId(1, 1)
-    driver = DistDriver.__new__(DistDriver)
+    shape = (1, 2, 3)
+    guard = WireGuard(IdentityCodec(), seq_len=shape[1], d_model=shape[2], vocab_size=8)
+    worker = SimpleNamespace(id=me, guard=guard, work={0: SimpleNamespace(microbatch_size=1)},
+                             microbatches=1, context=lambda kind, j, arriving: None)
     received: list[Message] = []
-    driver.me, driver.prev, driver.next = me, up, down
+    worker.admit = functools.partial(Worker.admit, worker)
+    worker.receive = received.append
+    driver = DistDriver.__new__(DistDriver)
+    driver.me, driver.prev, driver.next, driver.worker, driver.rejections = me, up, down, worker, 0
     driver.health = SimpleNamespace(abort=lambda message: message)
-    driver.worker = SimpleNamespace(admit=lambda m: m, guard=None, receive=received.append)
-    payload = Encoded({"v": torch.ones(3)}, (3,), torch.float32)
 
     def arrival(kind: str, src: WorkerId) -> Message:
-        message = Message(kind, 0, 0, src, me, payload)
+        message = Message(kind, 0, 0, src, me, IdentityCodec().encode(torch.ones(shape), kind))
         message.link = (src, me)  # as the transport marks it
         return message
 
-    for kind, src in (("act", down), ("grad", up), ("act", peer)):
-        with pytest.raises(WorkerFailure, match=f"worker {src} sent a '{kind}' message on its link to r0s1"):
-            driver._deliver(arrival(kind, src))
-    assert received == []
-    driver._deliver(arrival("act", up))
-    driver._deliver(arrival("grad", down))
-    assert [(m.kind, m.src) for m in received] == [("act", up), ("grad", down)]
+    with pytest.raises(WorkerFailure, match="worker r1s1 sent a 'act' message on its link to r0s1, which "
+                                            "carries 'dp' messages"):
+        driver._deliver(arrival("act", peer))
+    for kind, src in (("act", up), ("grad", down), ("act", down), ("grad", up)):
+        driver._deliver(arrival(kind, src))
+    assert [(m.kind, m.src, m.skip) for m in received] == [
+        ("act", up, False), ("grad", down, False), ("grad", down, True), ("act", up, True)]
+    assert driver.rejections == 2
+    assert not received[2].payload.tensors["values"].any()  # the stand-in's zeros
+
 
 def test_pacer_releases_each_message_when_the_simulator_says_it_arrives():
     """The same Link arithmetic as the simulator: FIFO at the bandwidth, then the latency. A fake

@@ -30,8 +30,8 @@ from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
 from meshlearn.distributed.transport import Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch_state
-from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, message_bound
-from meshlearn.mesh.messages import Message
+from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, buffer_capacities, message_bound
+from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.network import build_network, ring_allreduce_bytes_per_member
 from meshlearn.mesh.schedule import AsyncPlan, feed_lookahead
 from meshlearn.mesh.sim import StepReport
@@ -45,16 +45,6 @@ from meshlearn.verify.verdicts import RemoteSentinel
 # A row of the per-step gather: M losses, M flags (1 = loss present; a microbatch a verifier
 # quarantined has none), then these stats, then 3 link slots × (bytes sent, busy seconds).
 _SQ, _BUSY, _PP, _DP, _STALE, _DPWAIT, _LINKS = 0, 1, 2, 3, 4, 5, 6
-
-
-def buffer_capacities(cfg) -> tuple[int, int]:
-    """Receive buffers (training, evaluation), derived from the config on both ends of a link: an
-    fp32 activation plus int64 token ids per position (codecs only shrink the former) and room for
-    the header; a training message holds one microbatch, an evaluation message a whole batch."""
-    micro = cfg.train.batch_size // cfg.mesh.replicas // cfg.mesh.microbatches
-    per_sequence = cfg.model.seq_len * (4 * cfg.model.d_model + 8)
-    return (PREFIX_BYTES + HEADER_ROOM + micro * per_sequence,
-            PREFIX_BYTES + HEADER_ROOM + cfg.train.batch_size * per_sequence)
 
 
 class DistDriver(PipelineEvaluation):
@@ -253,15 +243,13 @@ class DistDriver(PipelineEvaluation):
         if message.kind == "dp":
             self._dp_deliver(message)
             return
-        # The link says what it carries (the transport routes by it, never by the header): a message
-        # of another kind is a lie the guard has no stand-in for (its receiver waits for the link's
-        # kind), and judging its header's kind instead would blame the other neighbour.
+        # A pipeline kind on a DP link has no stand-in (nobody waits for it there); a kind lie on a
+        # pipeline link is the guard's: ``Worker.admit`` takes sender and kind from the link.
         src = message.link[0]
-        carries = "act" if src == self.prev else "grad" if src == self.next else "dp"
-        if message.kind != carries:
+        if carried_kind(src, self.me) == "dp":
             raise WorkerFailure(self.health.abort(
                 f"worker {src} sent a {message.kind!r} message on its link to {self.me}, which carries "
-                f"{carries!r} messages (noticed by {self.me})"))
+                f"'dp' messages (noticed by {self.me})"))
         message = self.worker.admit(message)  # a forged message is quarantined, never decoded
         for rejection in self.worker.guard.pop_rejections() if self.worker.guard else ():
             self.rejections += 1

@@ -291,4 +291,3 @@ class Transport:
                 self.inbox.put(Broken(f"lost the connection to worker {peer} while receiving "
                                       f"from it ({gist(err)}; noticed by {self.me or 'the verifier'})", link))
                 return
-

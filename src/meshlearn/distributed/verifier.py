@@ -59,16 +59,15 @@ from meshlearn.compress.registry import build_codec
 from meshlearn.compress.wire_checks import Rejection, WireGuard
 from meshlearn.config import RunConfig
 from meshlearn.data import validation_batches
-from meshlearn.distributed.driver import buffer_capacities
 from meshlearn.distributed.groups import Link, build_groups
 from meshlearn.distributed.health import WorkerFailure, run_and_exit, store_client
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.transport import Broken, Forged, Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch_state
-from meshlearn.distributed.wire import message_bound
+from meshlearn.distributed.wire import buffer_capacities, message_bound
 from meshlearn.distributed.worker import Session, _train_tokenizer_once
 from meshlearn.elastic.evictions import RelayMembership
-from meshlearn.mesh.messages import Message
+from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.schedule import feed_lookahead, send_order
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.train.assemble import load_corpus, pipeline_in_flight, resolve
@@ -221,7 +220,7 @@ class Relay:
     def admit(self, message: Message, link: Link, step: int) -> Message:
         """The receiver's checks, made here because the verifier decodes first: route, then guard."""
         src, dst = link
-        kind = "act" if dst.stage > src.stage else "grad"
+        kind = carried_kind(src, dst)
         if message.kind == kind and message.dst == dst:
             boundary = min(src.stage, dst.stage)  # the receiver's own context (the mask codec needs it)
             return self.guard.admit(message, step, self.micro_of(step), range(self.microbatches),
@@ -235,15 +234,15 @@ class Relay:
         the receiver gets zeros marked skip, SENTINEL scores the sender on them, and the run goes on.
         Its microbatch is the slot's (``send_order``): the header that would name it is unreadable."""
         src, dst = link = forged.link
-        kind = "F" if dst.stage > src.stage else "B"
-        microbatch = self.order[(src.stage, kind)][(self.slots.trained[link] - 1) % self.microbatches]
+        action = "F" if carried_kind(src, dst) == "act" else "B"  # the action that sent it
+        microbatch = self.order[(src.stage, action)][(self.slots.trained[link] - 1) % self.microbatches]
         return self.quarantine(link, step, microbatch, forged.reason)
 
     def quarantine(self, link: Link, step: int, microbatch: int, reason: str) -> Message:
         """The stand-in for a refused message of ``link`` (zeros in the receiver's own wire format,
         marked skip) and its rejection record."""
         src, dst = link
-        kind = "act" if dst.stage > src.stage else "grad"
+        kind = carried_kind(src, dst)
         self.guard.rejections.append(Rejection(step, kind, microbatch, src, dst, reason))
         ctx = MessageContext(step, microbatch, min(src.stage, dst.stage), src.replica)
         return Message(kind, step, microbatch, src, dst, skip=True,

@@ -42,6 +42,16 @@ PREFIX_BYTES = 16  # int64 header length, int64 body length
 HEADER_ROOM = 64 * 1024  # bytes for a message's JSON header in the receive buffers
 
 
+def buffer_capacities(cfg) -> tuple[int, int]:
+    """Receive buffers (training, evaluation), derived from the config on both ends of a link: an
+    fp32 activation plus int64 token ids per position (codecs only shrink the former) and room for
+    the header; a training message holds one microbatch, an evaluation message a whole batch."""
+    micro = cfg.train.batch_size // cfg.mesh.replicas // cfg.mesh.microbatches
+    per_sequence = cfg.model.seq_len * (4 * cfg.model.d_model + 8)
+    return (PREFIX_BYTES + HEADER_ROOM + micro * per_sequence,
+            PREFIX_BYTES + HEADER_ROOM + cfg.train.batch_size * per_sequence)
+
+
 def message_bound(cfg, stage_params: int) -> int:
     """The most bytes an honest message of this run can take, with room to spare: a whole batch of
     fp32 activations and int64 token ids (evaluation), a stage's parameters at 8 bytes each (a DP
@@ -49,9 +59,8 @@ def message_bound(cfg, stage_params: int) -> int:
     transform (twice). ``stage_params``: the largest stage's count among the peers this process
     hears from (0 for the verifier, whose links carry activations and gradients only). A notice
     announcing more is a lie the receiver refuses before allocating (``transport.py``)."""
-    per_sequence = cfg.model.seq_len * (4 * cfg.model.d_model + 8)
-    return PREFIX_BYTES + HEADER_ROOM + max(cfg.train.batch_size * per_sequence, 8 * stage_params,
-                                            16 * cfg.model.d_model ** 2)
+    evaluation = buffer_capacities(cfg)[1]
+    return max(evaluation, PREFIX_BYTES + HEADER_ROOM + max(8 * stage_params, 16 * cfg.model.d_model ** 2))
 
 
 def prefix(header_len: int, body_len: int, device: torch.device) -> torch.Tensor:

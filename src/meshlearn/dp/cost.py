@@ -36,7 +36,7 @@ class CostExchange(Exchange):
     def share(self, key: Key, values: torch.Tensor, version: int) -> list[Message]:
         """``Exchange.share`` of a round's meta values (``_values``: already flat, no grad), with
         one payload per round size: its wire size is counted once, not per message."""
-        payload = _payload(values)
+        payload = _payload(values.numel())
         self.parts.setdefault(key, {})[self.me.replica] = values
         return [Message("dp", key[0], key[1], self.me, peer, payload, version=version)
                 for peer in self.peers]
@@ -59,17 +59,11 @@ def _values(n: int) -> torch.Tensor:
     return torch.empty(n, device="meta")
 
 
-_PAYLOADS: dict[int, SizedEncoded] = {}
-
-
-def _payload(values: torch.Tensor) -> SizedEncoded:
-    """The payload carrying ``values`` (one of ``_values``'s, which live as long as the process:
-    keyed by identity, never by a tensor's elementwise ``==``)."""
-    payload = _PAYLOADS.get(id(values))  # the payload holds ``values``: its id is never reused
-    if payload is None:
-        assert values.dim() == 1 and not values.requires_grad, "a round's values: flat, no grad"
-        payload = _PAYLOADS[id(values)] = SizedEncoded({"values": values}, tuple(values.shape), values.dtype)
-    return payload
+@functools.lru_cache(maxsize=1024)
+def _payload(n: int) -> SizedEncoded:
+    """The payload of a round of ``n`` values (``_values(n)``: every cost-only round's)."""
+    values = _values(n)
+    return SizedEncoded({"values": values}, tuple(values.shape), values.dtype)
 
 
 class CostPowerSGD(PowerSGD):

@@ -47,6 +47,17 @@ class Message:
                               self.src.replica, device=device)
 
 
+def carried_kind(src: WorkerId, dst: WorkerId) -> Literal["act", "grad", "dp"]:
+    """What the link ``src`` → ``dst`` carries: activations down a row's pipeline, gradients up
+    it, a DP strategy's parts between the replicas of one stage. Receivers take a message's kind
+    from its link, never from its header (the sender's claim)."""
+    if src.replica == dst.replica and abs(src.stage - dst.stage) == 1:
+        return "act" if src.stage < dst.stage else "grad"
+    if src.stage == dst.stage and src.replica != dst.replica:
+        return "dp"
+    raise ValueError(f"no link runs from {src} to {dst}")
+
+
 class MessageMonitor(Protocol):
     """Sees every message on arrival, before the receiving worker does (e.g. SENTINEL's verifiers).
 

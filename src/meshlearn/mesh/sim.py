@@ -186,7 +186,6 @@ class SimDriver:
             self.busy.discard(wid)
             self._set_done(wid)
             for message in outgoing:
-                message.link = (wid, message.dst)  # the sender's own link, whatever the header says
                 self._push(self._transmit(wid, message, now), "arrive", message)
             self._try_start(wid, now)
         elif kind == "posted":
@@ -234,7 +233,8 @@ class SimDriver:
     def _transmit(self, sender: WorkerId, message: Message, now: float) -> float:
         """Queue ``message`` on the link from ``sender`` at ``now``; return its arrival time. The
         sender is the worker that sent it, never the header's ``src`` (a forger's claim: its bytes
-        still cross its own link)."""
+        still cross its own link, and its receiver reads sender and kind off ``message.link``)."""
+        message.link = (sender, message.dst)
         link = self.network.link(sender, message.dst)
         if self.timeline is None:
             return link.transmit(now, message.wire_bytes)

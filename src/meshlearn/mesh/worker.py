@@ -21,7 +21,7 @@ from torch.func import functional_call
 
 from meshlearn.compress.codecs import Codec, Encoded, Kind, MessageContext
 from meshlearn.mesh.compute import StageShape, stage_shape
-from meshlearn.mesh.messages import Message
+from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.schedule import Action, StagePlan
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.models.llama import Decoder
@@ -170,7 +170,7 @@ class Worker:
         # The link it came on says who sent it and what it carries (an activation from the stage
         # before, a gradient from the one after); the header's src and kind are the sender's claims.
         sender = message.link[0]
-        carries = "act" if sender.stage < self.id.stage else "grad"
+        carries = carried_kind(sender, self.id)
         return self.guard.admit(message, step, self.work[step].microbatch_size, range(self.microbatches),
                                 lambda kind, t, m: self.context(kind, t * self.microbatches + m, True),
                                 sender, carries)
