@@ -62,8 +62,8 @@ def _what_happened(timeline: dict) -> Counter:
 
 def test_mask_codec_dist_run_equals_sim_run(tiny_corpus, tmp_path):
     """The mask codec in real processes: each end regenerates every mask on its own (nothing but
-    the kept values crosses), so losses, norms, bytes and the unmasked validation loss are the
-    simulator's."""
+    the kept values crosses), so losses, norms, bytes and the validation losses, unmasked and
+    masked as in training (``val_loss_masked``), are the simulator's."""
     cfg = tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=2", "mesh.schedule=1f1b",
                       "codec.name=mask", "codec.keep=0.25", "train.steps=3", "train.eval_every=3")
     sim = sim_run(cfg, tmp_path / "sim")
@@ -83,6 +83,8 @@ def test_mask_codec_dist_run_equals_sim_run(tiny_corpus, tmp_path):
     assert b[0]["bytes_pp"] == 2 * 2 * cfg.mesh.microbatches * kept  # replicas × directions × M
     (va,), (vb,) = records(sim, "eval"), records(tmp_path / "dist", "eval")
     assert abs(va["val_loss"] - vb["val_loss"]) <= 1e-5
+    assert abs(va["val_loss_masked"] - vb["val_loss_masked"]) <= 1e-5
+    assert abs(vb["val_loss_masked"] - vb["val_loss"]) > 1e-3  # the masks were on in one pass only
 
 
 def test_async_dist_run_equals_sim_run(tiny_corpus, tmp_path):

@@ -172,3 +172,15 @@ def test_a_published_verdict_is_the_outcome_the_verifier_decided():
     assert remote.donor(WorkerId(1, 2)) == WorkerId(0, 2)
     assert remote.pop_rejections() == [rejection] and remote.pop_rejections() == []
     assert remote.clock.summary() == {"cpu_s": 0.5}
+
+
+def test_the_verifier_relays_both_evaluation_passes_of_the_mask_codec(tiny_corpus, tmp_path):
+    """Under the mask codec every evaluation is two pipeline passes (unmasked, then masked as in
+    training): the relay carries both (it counts the batches it lets through unverified), and both
+    losses are the simulator's."""
+    cfg = tiny_config(tiny_corpus, *MESH, "codec.name=mask", "codec.keep=0.25", "train.steps=2",
+                      "train.eval_every=2")
+    sim, dist = both(cfg, tmp_path)
+    (a,), (b,) = records(sim, "eval"), records(dist, "eval")
+    assert abs(a["val_loss"] - b["val_loss"]) <= 1e-5
+    assert abs(a["val_loss_masked"] - b["val_loss_masked"]) <= 1e-5

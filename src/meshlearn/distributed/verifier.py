@@ -59,6 +59,7 @@ from meshlearn.compress.registry import build_codec
 from meshlearn.compress.wire_checks import Rejection, WireGuard
 from meshlearn.config import RunConfig
 from meshlearn.data import validation_batches
+from meshlearn.distributed.evaluation import evaluation_passes
 from meshlearn.distributed.groups import Link, build_groups
 from meshlearn.distributed.health import WorkerFailure, run_and_exit, store_client
 from meshlearn.distributed.settings import derive_deadlines
@@ -131,7 +132,7 @@ class Relay:
         self.cfg = cfg
         self.mesh: MeshShape = session.mesh
         self.health = session.health
-        self.eval_batches = eval_batches
+        self.eval_batches = eval_batches  # messages per forward link per evaluation (batches × passes)
         self.microbatches = cfg.mesh.microbatches
         self.micro = cfg.train.batch_size // self.mesh.replicas // self.microbatches
         self.sentinel = Sentinel(cfg.verify, self.mesh, build_codec(cfg.codec, cfg.model))
@@ -395,7 +396,7 @@ def run_verifier(cfg: RunConfig, run_dir: Path, resume: bool, session) -> NoRetu
             links, membership = elastic_relay(cfg, session)
         else:
             links, membership = build_groups(cfg, session.mesh, session.rank).links, None
-        relay = Relay(cfg, session, links, len(batches), membership=membership)
+        relay = Relay(cfg, session, links, len(batches) * evaluation_passes(cfg), membership=membership)
         if resume:  # rank 0 hands back the state it kept in its checkpoint shard
             relay.restore(relay.board.resume_state(cfg.dist.init_timeout_s))
         print(f"verifier (rank {session.rank}): SENTINEL on {len(links)} pipeline links, "
