@@ -271,8 +271,6 @@ def test_a_resumed_anchored_run_equals_an_uninterrupted_one(tiny_corpus, tmp_pat
      "anchor.weights = 'outer': with mesh.replicas = 1 there is no DP synchronization to listen to"),
     (["anchor.z=1", "optim.spectral.enabled=true", "mesh.replicas=2", "dp.name=sparse"],
      "anchor.weights = 'outer': under dp.name = 'sparse' the replicas agree on no weights"),
-    (["anchor.z=1", "optim.spectral.enabled=true", "mesh.replicas=2", "backend=dist"],
-     "anchor.weights = 'outer': under backend = dist the anchor's listening"),
 ])
 def test_bad_anchor_settings_are_refused_with_one_line(tiny_corpus, overrides, hint):
     with pytest.raises(ConfigError) as err:

@@ -16,7 +16,7 @@ from meshlearn.train import Trainer
 FAST = ["mesh.stages=2", "mesh.replicas=2", "mesh.schedule=1f1b", "codec.name=mask", "codec.keep=0.25",
         "optim.spectral.enabled=true", "link.latency_ms=50", "train.steps=6", "train.eval_every=6"]
 ANCHOR = ["anchor.z=1", "anchor.delay=2", "anchor.max_late=2", "anchor.wire_dtype=fp32",
-          "anchor.send=gradients", "anchor.weights=snapshot"]  # outer weights: the simulator's only
+          "anchor.send=gradients", "anchor.weights=snapshot"]
 
 
 def run_both(cfg, tmp_path, what: str):
@@ -83,3 +83,27 @@ def test_slow_anchor_links_never_delay_the_fast_circuit(tiny_corpus, tmp_path):
     for ra, rb in zip(a, b, strict=True):
         assert abs(ra["train_loss"] - rb["train_loss"]) <= 1e-5
         assert (ra["bytes_pp"], ra["bytes_dp"]) == (rb["bytes_pp"], rb["bytes_dp"])
+
+
+@pytest.mark.parametrize("dp", ["allreduce", "diloco"])
+def test_outer_weights_the_anchor_follows_by_listening_equal_the_sim_run(tiny_corpus, tmp_path, dp):
+    """``anchor.weights = outer`` in real processes: no weights travel at the hand-off (only the
+    batch ids), every anchor stage follows the weights its stage's replicas agree on from fast
+    replica 0's relays (the live ones under the all-reduce, streaming DiLoCo's outer weights), so
+    the anchor computes on what the simulator's computes on: the corrected losses are the
+    simulator's, and so are the relayed bytes (every parameter changes at every all-reduce,
+    uncompressed DiLoCo's outer weights at each sync: the reduced result's size either way)."""
+    dp_keys = ["dp.name=diloco", "dp.inner_steps=2"] if dp == "diloco" else []
+    cfg = tiny_config(tiny_corpus, *FAST, *ANCHOR, "anchor.weights=outer", "anchor.bandwidth_mbit=10000",
+                      "anchor.latency_ms=0", *dp_keys)
+    sim, dist = run_both(cfg, tmp_path, f"the anchored P=2 D=2 dist run, outer weights under {dp}")
+    for summary in (sim, dist):
+        assert summary["anchor_passes"] == 3 and summary["anchor_delivered"] == 3 * 4
+        assert summary["anchor_bytes_listen"] > 0
+    ids = 3 * 2 * 8 * cfg.train.batch_size // 2  # three passes, two end stages, 8 B per sequence
+    assert sim["anchor_bytes_snapshot"] == dist["anchor_bytes_snapshot"] == ids
+    assert sim["anchor_bytes_listen"] == dist["anchor_bytes_listen"]
+    a, b = records(tmp_path / "sim"), records(tmp_path / "dist")
+    for ra, rb in zip(a, b, strict=True):
+        assert abs(ra["train_loss"] - rb["train_loss"]) <= 1e-5
+        assert abs(ra["grad_norm"] - rb["grad_norm"]) <= 1e-5 * ra["grad_norm"]

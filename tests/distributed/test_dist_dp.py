@@ -42,6 +42,7 @@ def test_dist_dp_strategy_equals_sim(tiny_corpus, tmp_path, strategy, schedule):
     a, b = records(tmp_path / "sim"), records(tmp_path / "dist")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert max(abs(x["train_loss"] - y["train_loss"]) for x, y in zip(a, b, strict=True)) <= 1e-5
+    assert [r["grad_norm"] for r in b] == pytest.approx([r["grad_norm"] for r in a], rel=1e-5)
     assert a[-1]["bytes_dp"] == b[-1]["bytes_dp"] > 0
     ea, eb = records(tmp_path / "sim", "eval"), records(tmp_path / "dist", "eval")
     assert [r["val_loss"] for r in ea] == pytest.approx([r["val_loss"] for r in eb], abs=1e-5)

@@ -66,8 +66,9 @@ class AnchorConfig:
     every fast replica already agrees on (after each update under dp.name = allreduce / powersgd,
     streaming DiLoCo's outer weights under diloco); no snapshot travels: fast replica 0 relays the
     reduced result of each DP round of its stage to the anchor, which applies the same update, and
-    those bytes are charged on the anchor's link (``anchor_bytes_listen``). Needs mesh.replicas >= 2
-    and one of those strategies; the simulator only. ``snapshot``: fast replica 0's current
+    those bytes are charged on the anchor's link (``anchor_bytes_listen``; under backend = dist
+    the relay is the changed agreed tensors in fp32, distributed/anchor.py). Needs mesh.replicas
+    >= 2 and one of those strategies. ``snapshot``: fast replica 0's current
     weights, sent per stage every K steps in ``wire_dtype`` (2 B × stage parameters in bf16)."""
 
 
@@ -117,9 +118,6 @@ def validate_anchor(cfg: Any, require: Callable[[bool, str, Any, str], None]) ->
             f"anchor.delay = {a.delay} exceeds optim.spectral.max_staleness = {staleness}, which "
             "would drop every arrival")
     if a.weights == "outer":
-        require(cfg.backend == "sim", "anchor.weights", a.weights,
-                "under backend = dist the anchor's listening to the DP traffic is not built: "
-                "set anchor.weights = snapshot")
         require(cfg.mesh.replicas >= 2, "anchor.weights", a.weights,
                 "with mesh.replicas = 1 there is no DP synchronization to listen to: "
                 "set anchor.weights = snapshot")

@@ -10,8 +10,16 @@ the anchor links' profile (``anchor.bandwidth_mbit`` / ``latency_ms``), as the s
 A pass, for hand-off step t (t = 0, K, 2K, ... < train.steps; anchor replica (t / K) mod Z):
 
 1. at its step t − 1's end (t = 0: before the first step) fast worker (0, s) sends its stage's
-   weights in ``anchor.wire_dtype``; stages 0 and P − 1 add the ids of replica 0's share of step
-   t's batch (8 bytes per sequence: their start offsets, never the tokens);
+   weights in ``anchor.wire_dtype`` (``anchor.weights = snapshot``); stages 0 and P − 1 add the
+   ids of replica 0's share of step t's batch (8 bytes per sequence: their start offsets, never
+   the tokens). Under ``anchor.weights = outer`` no weights travel at the hand-off (only the ids):
+   every anchor stage has followed the weights its stage's replicas agree on by listening — at
+   each of its step ends fast (0, s) relays to every anchor replica's stage s the tensors of the
+   agreed weights that changed (the DP strategy's ``agreed_weights``, or the live ones, which a
+   non-drifting strategy keeps common), exact in fp32 (``Listener``). The simulator models that
+   relay as the size of the DP round's reduced result (``anchor/plugin.py: relay_bytes``); the two
+   are equal under the all-reduce and uncompressed DiLoCo, and under a compressing strategy the
+   fp32 tensors are larger than the reduced result (docs/adaptation.md);
 2. the anchor stages run GPipe over the fast circuit's microbatches, nothing masked: every
    boundary carries the whole activation forward and the whole gradient back in the wire dtype;
 3. each anchor stage sends every fast replica of its stage, for its targeted matrices (the mean
@@ -119,6 +127,43 @@ def message(kind: str, step: int, microbatch: int, src: WorkerId, dst: WorkerId,
     return Message(kind, step, microbatch, src, dst, Encoded(tensors, (), torch.float32))
 
 
+def listens(cfg) -> int:
+    """Relays of the agreed weights on each hand-off link (``anchor.weights = outer``): one at every
+    step end of fast replica 0, the simulator's ``AnchorPlugin._listen``; 0 under snapshots."""
+    return cfg.train.steps if cfg.anchor.weights == "outer" else 0
+
+
+class Listener:
+    """Fast (0, s)'s side of ``anchor.weights = outer``: at each step end, the tensors of its
+    stage's agreed weights that changed since the last relay, fp32 (exact: the anchor computes on
+    the weights the replicas agree on, as in the simulator), to every anchor replica's stage s.
+    The relay is sent even when nothing changed, so each anchor stage knows how many arrive."""
+
+    def __init__(self, worker, anchors: list[WorkerId]):
+        self.worker, self.anchors = worker, anchors
+        self.last: dict[str, Tensor] = {}  # what the anchor stages hold, by name
+        self.bytes = 0
+
+    def start(self) -> None:
+        """Before the first step: the anchor stages built the same initial weights."""
+        self.last = self._agreed()
+
+    def relay(self, step: int, send) -> None:
+        changed = {n: v for n, v in self._agreed().items()
+                   if n not in self.last or not torch.equal(v, self.last[n])}
+        self.last.update(changed)
+        for z, dst in enumerate(self.anchors):
+            out = message("anchor_listen", step, z, self.worker.id, dst, changed)
+            self.bytes += out.wire_bytes
+            send(out)
+
+    def _agreed(self) -> dict[str, Tensor]:
+        dp = self.worker.dp
+        agreed = dp.agreed_weights() if dp is not None else None
+        live = agreed or {n: p.detach() for n, p in self.worker.module.named_parameters()}
+        return {n: v.to(torch.float32, copy=True) for n, v in live.items()}
+
+
 @dataclass
 class AnchorCounters:
     delivered: int = 0  # shares folded in (one per fast worker and pass)
@@ -148,6 +193,8 @@ class AnchorClient:
         self.run_dir = run_dir  # the corpus (and a BPE tokenizer's cache) for the batch ids
         self.train_tokens = None
         self.started = False
+        anchors = [anchor_id(self.mesh, z, self.me.stage) for z in range(self.a.z)]
+        self.listener = Listener(worker, anchors) if listens(cfg) and self.me.replica == 0 else None
 
     # --- the driver's calls ------------------------------------------------------------------
 
@@ -155,6 +202,8 @@ class AnchorClient:
         """Before the first step: the hand-off of step 0."""
         if not self.started:
             self.started = True
+            if self.listener is not None:
+                self.listener.start()
             self._hand_off(step)
 
     def step_end(self, step: int) -> None:
@@ -181,6 +230,8 @@ class AnchorClient:
             else:
                 kept.append(t)
         self.outstanding = kept
+        if self.listener is not None:  # the weights as they stand now, before a hand-off of them
+            self.listener.relay(step, lambda out: self.transport.send(out, capacity(self.cfg)))
         if now % self.a.delay == 0 and now < self.cfg.train.steps:
             self._hand_off(now)
 
@@ -195,7 +246,8 @@ class AnchorClient:
         if self.me.replica != 0:
             return
         z = hand_offs(self.cfg).index(step) % self.a.z
-        tensors = {n: p.detach().to(self.dtype, copy=True) for n, p in self.worker.module.named_parameters()}
+        tensors = {} if self.listener is not None else {  # outer: the anchor holds them already
+            n: p.detach().to(self.dtype, copy=True) for n, p in self.worker.module.named_parameters()}
         if self.me.stage in (0, self.mesh.stages - 1):
             tensors[IDS] = torch.from_numpy(self._ids(step))
         dst = anchor_id(self.mesh, z, self.me.stage)
@@ -225,11 +277,12 @@ class AnchorClient:
     def totals(self) -> list[float]:
         """This worker's counters, in ``TOTALS`` order (summed over the workers for the summary)."""
         c = self.counters
-        snapshot = sum(p.link.bytes_sent for p in self.transport.pacers.values())
-        return [c.delivered, c.dropped_late, c.staleness_sum, len(self.outstanding), snapshot]
+        listen = self.listener.bytes if self.listener is not None else 0
+        snapshot = sum(p.link.bytes_sent for p in self.transport.pacers.values()) - listen
+        return [c.delivered, c.dropped_late, c.staleness_sum, len(self.outstanding), snapshot, listen]
 
 
-TOTALS = ("delivered", "dropped_late", "staleness_sum", "pending", "bytes_snapshot")
+TOTALS = ("delivered", "dropped_late", "staleness_sum", "pending", "bytes_snapshot", "bytes_listen")
 
 
 class DistAnchorCallback(Callback):
@@ -258,13 +311,13 @@ class DistAnchorCallback(Callback):
         gradients = sum(p.get("gradients", 0) for p in posted.values())
         factors = sum(p.get("factors", 0) for p in posted.values())
         tokens = self.cfg.train.steps * self.cfg.train.batch_size * self.cfg.model.seq_len
-        total = c["bytes_snapshot"] + boundary + gradients + factors
+        total = c["bytes_snapshot"] + c["bytes_listen"] + boundary + gradients + factors
         out = {"anchor_passes": passes, "anchor_delivered": int(c["delivered"]),
                "anchor_dropped_late": int(c["dropped_late"]), "anchor_pending_at_end": int(c["pending"]),
                "anchor_mean_staleness": c["staleness_sum"] / c["delivered"] if c["delivered"] else None,
                "anchor_bytes_snapshot": int(c["bytes_snapshot"]), "anchor_bytes_boundary": boundary,
                "anchor_bytes_gradients": gradients, "anchor_bytes_factors": factors,
-               "anchor_bytes_listen": 0,  # anchor.weights = outer is the simulator's only
+               "anchor_bytes_listen": int(c["bytes_listen"]),
                "bytes_per_token_anchor": total / tokens if tokens else 0.0}
         return out | {k: int(v) for k, v in zip(spectral, sums[len(TOTALS):], strict=True)}
 
@@ -286,7 +339,8 @@ class AnchorStage:
         self.transport = build_transport(cfg, me, mesh, links, health, torch.device("cpu"),
                                          sum(p.numel() for p in module.parameters()))
         passes, M = len(passes_of(cfg, self.z)), cfg.mesh.microbatches
-        self.transport.expect_link((WorkerId(0, self.s), me), passes, capacity(cfg))
+        self.transport.expect_link((WorkerId(0, self.s), me), passes + listens(cfg), capacity(cfg))
+        self.followed = 0  # outer weights: the fast step ends whose relay this stage has applied
         if self.s > 0:
             self.transport.expect_link((anchor_id(mesh, self.z, self.s - 1), me), passes * M, capacity(cfg))
         if self.s + 1 < mesh.stages:
@@ -303,6 +357,8 @@ class AnchorStage:
     def run(self) -> None:
         """Every pass of this anchor replica, until the workers have all finished."""
         for t in passes_of(self.cfg, self.z):
+            if not self._follow(t):
+                return
             snapshot = self._wait("anchor_weights", t, self.z)
             if snapshot is None:
                 return
@@ -313,6 +369,20 @@ class AnchorStage:
                 {"passes": self.passes, "boundary": self.bytes_boundary, "gradients": self.bytes_gradients,
                  "factors": self.bytes_factors}))
         self._wait(None, -1, -1)  # nothing more to do: wait for the end
+
+    def _follow(self, t: int) -> bool:
+        """``anchor.weights = outer``: apply the relays of fast step ends before hand-off ``t``, in
+        order (the weights as they stood when step t began); False once the workers finished."""
+        with torch.no_grad():
+            params = dict(self.module.named_parameters())
+            while listens(self.cfg) and self.followed < t:
+                relay = self._wait("anchor_listen", self.followed, self.z)
+                if relay is None:
+                    return False
+                for name, value in relay.payload.tensors.items():
+                    params[name].copy_(value)
+                self.followed += 1
+        return True
 
     def _pass(self, t: int, snapshot: Message) -> bool:
         cfg, module, P, M = self.cfg, self.module, self.mesh.stages, self.cfg.mesh.microbatches

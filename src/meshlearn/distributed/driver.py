@@ -328,6 +328,7 @@ class DistDriver(PipelineEvaluation):
             # The global clip needs every stage's norm: a scalar gather; the step's report row is
             # gathered after this update's rounds have left, so its DP bytes are the step's.
             sq_rows = self._gather(torch.tensor([[worker.grad_sq_norm()]], dtype=torch.float64))[:, 0, 0]
+            stage_sq = sq_rows[self.mesh.rank(self.me)].item()  # the report row's: _report sums stages
             replica = self.me.replica if strategy.drifts else 0
             sq_norm = sum(sq_rows[self.mesh.rank(WorkerId(replica, s))].item()
                           for s in range(self.mesh.stages))
@@ -353,7 +354,7 @@ class DistDriver(PipelineEvaluation):
             step = action.microbatch // self.cfg.mesh.microbatches
             stats = worker.stats.get(step, StepStats())
             row = self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before,
-                            sq_norm=stats.update_sq_norms[-1])
+                            sq_norm=stage_sq)
             rows = self._gather(row[None])[:, 0]
         return rows
 

@@ -10,7 +10,7 @@ import torch
 from meshlearn.compress.codecs import Encoded, MessageContext
 from meshlearn.mesh.topology import WorkerId
 
-ANCHOR_KINDS = ("anchor_weights", "anchor_act", "anchor_grad", "anchor_share")
+ANCHOR_KINDS = ("anchor_weights", "anchor_listen", "anchor_act", "anchor_grad", "anchor_share")
 
 
 @dataclass
@@ -24,7 +24,8 @@ class Message:
     schedule messages of several steps are in flight at once, so receivers key them by both. A
     ``dp`` message carries its round key there instead: (the update that started it, its phase)."""
 
-    kind: Literal["act", "grad", "dp", "morph", "anchor_weights", "anchor_act", "anchor_grad", "anchor_share"]
+    kind: Literal["act", "grad", "dp", "morph", "anchor_weights", "anchor_listen", "anchor_act",
+                  "anchor_grad", "anchor_share"]
     step: int
     microbatch: int
     src: WorkerId
