@@ -9,6 +9,8 @@ import pytest
 from dist_helpers import deadline, kill_leftovers, launch, records
 from tiny import tiny_config
 
+from meshlearn.config import ConfigError
+from meshlearn.distributed.launch import launch_local
 from meshlearn.train import Trainer
 
 # A masked fast circuit (keep 1/4) on P = 2, D = 2, 1F1B; the fast links are slow (50 ms) so that
@@ -107,3 +109,12 @@ def test_outer_weights_the_anchor_follows_by_listening_equal_the_sim_run(tiny_co
     for ra, rb in zip(a, b, strict=True):
         assert abs(ra["train_loss"] - rb["train_loss"]) <= 1e-5
         assert abs(ra["grad_norm"] - rb["grad_norm"]) <= 1e-5 * ra["grad_norm"]
+
+
+def test_resuming_an_anchored_dist_run_is_refused_before_any_process_starts(tiny_corpus, tmp_path):
+    """Its passes in flight are in no checkpoint: one line from the launcher, no process spawned
+    (before, every worker refused on its own and the launcher reported a failure without a cause)."""
+    cfg = tiny_config(tiny_corpus, *FAST, *ANCHOR, "backend=dist")
+    with pytest.raises(ConfigError, match=r"anchor circuit \(anchor.z > 0\) cannot resume yet"):
+        launch_local(["--resume", str(tmp_path)], cfg, tmp_path)
+    assert not (tmp_path / "logs").exists()

@@ -32,9 +32,9 @@ import torch.distributed as dist
 from meshlearn.config import RunConfig
 from meshlearn.distributed.groups import anchors, world_size
 from meshlearn.distributed.health import ABORT_KEY, EXIT_PEER_FAILURE, process_name
+from meshlearn.distributed.resume import refuse_resume
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.elastic.binding import BoundStore, check_bound
-from meshlearn.elastic.evictions import refuse_resume_when_verified
 from meshlearn.elastic.membership import (
     LIGHTHOUSES_ENV,
     STARTED_ENV,
@@ -74,8 +74,8 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
     the main module, as with any multiprocessing start method but fork.
     """
     out = out or sys.stdout
-    if cfg.elastic.enabled and "--resume" in worker_argv:
-        refuse_resume_when_verified(cfg, run_dir)
+    if "--resume" in worker_argv:
+        refuse_resume(cfg, run_dir)
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
     world = world_size(cfg, mesh)  # the workers, and the verifier with verify.name = sentinel
     run_dir = Path(run_dir)

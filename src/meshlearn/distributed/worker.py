@@ -29,6 +29,7 @@ from meshlearn.config import ConfigError, RunConfig, load_config
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.groups import anchor_id, anchors, build_groups, verifier_rank, world_size
 from meshlearn.distributed.health import EXIT_PEER_FAILURE, Health, WorkerFailure, process_name, store_client
+from meshlearn.distributed.resume import refuse_resume
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.elastic.membership import JOIN_ENV
 from meshlearn.mesh.topology import MeshShape, WorkerId
@@ -144,14 +145,11 @@ def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
 def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
     """Train this process's worker; returns the exit code (never hangs: every wait has a deadline)."""
     cfg = dataclasses.replace(cfg, backend="dist")  # recorded in config.toml: --resume stays dist
-    if resume and anchors(cfg):
-        raise ConfigError("--resume", str(run_dir), "a dist run with an anchor circuit (anchor.z > 0) cannot "
-                                                    "resume yet (its passes in flight are not checkpointed)")
+    if resume:
+        refuse_resume(cfg, run_dir)
     if cfg.elastic.enabled:
-        from meshlearn.elastic.evictions import refuse_banned_start, refuse_resume_when_verified
+        from meshlearn.elastic.evictions import refuse_banned_start
 
-        if resume:
-            refuse_resume_when_verified(cfg, run_dir)
         refuse_banned_start(cfg)  # SENTINEL banned this identity: it never comes back
     try:
         session = start_session(cfg, run_dir)
