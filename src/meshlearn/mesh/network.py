@@ -137,7 +137,7 @@ class Network:
     overrides: dict[tuple[WorkerId, WorkerId], LinkProfile] = field(default_factory=dict)
     axes: dict[str, LinkProfile] = field(default_factory=dict)  # per-axis profiles ("pp", "dp")
     links: dict[tuple[WorkerId, WorkerId], Link] = field(default_factory=dict)
-    access: str = "off"  # ``links.access``: "uplink" gives every sender one shared queue
+    access: str = "off"  # ``links.access``: UPLINK gives every sender one shared queue
     uplinks: dict[WorkerId, Uplink] = field(default_factory=dict)
 
     def link(self, src: WorkerId, dst: WorkerId) -> Link:
@@ -152,7 +152,7 @@ class Network:
 
     def uplink(self, src: WorkerId) -> Uplink | None:
         """``src``'s access link (None: each of its links has a queue of its own)."""
-        if self.access != "uplink":
+        if self.access != UPLINK:
             return None
         up = self.uplinks.get(src)
         if up is None:
