@@ -8,7 +8,10 @@ device model, so the two can differ only by the planner's extrapolation from few
 is planner ÷ simulated within 5% on every shape. The simulator itself is checked against real
 processes over shaped links by ``bench/sim_fidelity.py`` (docs/results/sim_fidelity.md).
 
-    python bench/plan_validation.py [--steps 40]
+    python bench/plan_validation.py [--steps 40] [--access uplink]
+
+``--access uplink``: every shape with one uplink per participant (``links.access``), results in
+``plan_validation_uplink``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 
 from common import demo_config, markdown_table, scratch_trainer, write_results
 
+from meshlearn.mesh.network import ACCESS
 from meshlearn.plan.steady import predict
 
 SHAPES: list[tuple[str, list[str]]] = [
@@ -58,8 +62,10 @@ def run_shape(name: str, overrides: list[str], steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="steps of each simulated training run")
+    parser.add_argument("--access", choices=ACCESS, default="off", help="links.access of every shape")
     args = parser.parse_args()
-    rows = [run_shape(name, overrides, args.steps) for name, overrides in SHAPES]
+    access = [] if args.access == "off" else [f"links.access={args.access}"]
+    rows = [run_shape(name, [*overrides, *access], args.steps) for name, overrides in SHAPES]
     worst = max(abs(r["ratio"] - 1) for r in rows)
     columns = [("shape", "shape (demo model unless said)", ""),
                ("planner_tokens_per_s", "planner tok/s", ".0f"),
@@ -68,10 +74,13 @@ def main() -> None:
                ("planner_cpu_s", "planner CPU s", ".2f"), ("train_cpu_s", "training CPU s", ".1f")]
     markdown = (f"Planner validation: `meshlearn plan`'s prediction (cost-only, few steps, drain "
                 f"points amortized) against simulated training runs of {args.steps} steps (eval "
-                f"every {args.steps // 2}); `python bench/plan_validation.py --steps {args.steps}`. "
+                f"every {args.steps // 2}); `python bench/plan_validation.py --steps {args.steps}"
+                f"{'' if args.access == 'off' else ' --access ' + args.access}`. "
                 f"Worst |planner ÷ sim − 1| = {worst:.4f} (goal ≤ 0.05: "
                 f"{'met' if worst <= 0.05 else 'missed'}).\n\n" + markdown_table(rows, columns))
-    write_results("plan_validation", {"steps": args.steps, "worst_abs_error": worst, "rows": rows}, markdown)
+    name = "plan_validation" + ("" if args.access == "off" else f"_{args.access}")
+    write_results(name, {"steps": args.steps, "access": args.access, "worst_abs_error": worst, "rows": rows},
+                  markdown)
 
 
 if __name__ == "__main__":

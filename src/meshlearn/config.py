@@ -27,7 +27,7 @@ from meshlearn.dp.settings import DPConfig, validate_dp
 from meshlearn.elastic.settings import ElasticConfig, validate_elastic
 from meshlearn.mesh.basis_updates import BasisUpdateConfig
 from meshlearn.mesh.compute import DEVICES, ComputeConfig
-from meshlearn.mesh.network import LinkProfile, LinksConfig, parse_overrides
+from meshlearn.mesh.network import ACCESS, LinkProfile, LinksConfig, parse_overrides
 from meshlearn.mesh.settings import MeshConfig, validate_mesh
 from meshlearn.models.llama import DecoderConfig
 from meshlearn.models.settings import validate_model
@@ -359,6 +359,7 @@ def validate(cfg: RunConfig) -> None:
     for key, value in [("links.dp_latency_ms", cfg.links.dp_latency_ms),
                        ("links.pp_latency_ms", cfg.links.pp_latency_ms)]:
         _require(value >= 0 or value == -1, key, value, "must be >= 0, or -1 for link.latency_ms")
+    _require(cfg.links.access in ACCESS, "links.access", cfg.links.access, f"allowed: {list(ACCESS)}")
     try:
         parse_overrides(cfg.links.overrides)
     except ValueError as err:

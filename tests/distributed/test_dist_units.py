@@ -19,8 +19,8 @@ from meshlearn.distributed.settings import DistConfig, derive_deadlines
 from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.wire import WireError, pack, prefix, unpack
 from meshlearn.mesh.messages import Message
-from meshlearn.mesh.network import Link, LinkProfile
-from meshlearn.mesh.topology import WorkerId
+from meshlearn.mesh.network import Link, LinkProfile, build_network
+from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
 from meshlearn.train.checkpoint import ShardedCheckpoint, latest_complete, load_run_state
 
@@ -139,6 +139,20 @@ def test_pacer_releases_each_message_when_the_simulator_says_it_arrives():
                      clock=lambda: now[0])
     assert unshaped.release_at(10**9) == 5.0  # unshaped: now, but still accounted
     assert unshaped.link.bytes_sent == 10**9
+
+
+def test_a_workers_pacers_share_its_uplink():
+    """``links.access = uplink``: the Pacers the driver builds, one per peer over one network, are
+    one queue (the worker's access link): messages to the next stage and to a DP peer handed over
+    at the same moment leave one after the other; without it each link paces on its own."""
+    me, up_next, dp_peer = WorkerId(0, 1), WorkerId(0, 2), WorkerId(1, 1)
+    for access, gap in (("uplink", 0.1), ("off", 0.0)):
+        cfg = load_config(None, [f"links.access={access}", "link.bandwidth_mbit=8", "link.latency_ms=50"])
+        network = build_network(cfg.link, cfg.links, MeshShape(2, 3), cfg.seed)
+        pacers = {peer: Pacer(network.link(me, peer), 0.0, True, clock=lambda: 0.0)
+                  for peer in (up_next, dp_peer)}
+        first, second = pacers[up_next].release_at(100_000), pacers[dp_peer].release_at(100_000)  # 0.1 s each
+        assert (first, second) == (pytest.approx(0.15), pytest.approx(0.15 + gap)), access
 
 
 def test_deadlines_grow_with_what_the_link_needs():

@@ -40,3 +40,33 @@ def test_bad_overrides_name_the_key(tiny_corpus, text, fragment):
     with pytest.raises(ConfigError) as err:
         tiny_config(tiny_corpus, f"links.overrides={text}")
     assert err.value.key == "links.overrides" and fragment in str(err.value)
+
+
+def test_bad_access_names_the_key_and_what_is_allowed(tiny_corpus):
+    with pytest.raises(ConfigError) as err:
+        tiny_config(tiny_corpus, "links.access=nic")
+    assert err.value.key == "links.access" and "'off', 'uplink'" in str(err.value)
+
+
+def _run(tiny_corpus, path, access: str, *extra: str) -> dict:
+    cfg = tiny_config(tiny_corpus, f"links.access={access}", *extra)
+    return Trainer(cfg, path / access, progress=False).train()
+
+
+def test_an_uplink_changes_nothing_where_each_sender_has_one_link(tiny_corpus, tmp_path):
+    """P = 2, D = 1: every worker sends on one link, so its uplink is that link's own queue: the
+    virtual clock and every link's counters are the same, bit for bit."""
+    extra = ("mesh.stages=2", "mesh.schedule=async")
+    off, up = (_run(tiny_corpus, tmp_path, a, *extra) for a in ("off", "uplink"))
+    assert up["sim_time_s"] == off["sim_time_s"] and up["links"] == off["links"]
+
+
+def test_an_uplink_shared_by_pp_and_dp_traffic_slows_the_run(tiny_corpus, tmp_path):
+    """P = 2, D = 2 over 1 Mbit/s, async: a worker's activations (or gradients) and its PowerSGD
+    factors leave through one queue, so the run takes longer than with a queue per link; the bytes
+    are the same."""
+    extra = ("mesh.stages=2", "mesh.replicas=2", "mesh.schedule=async", "dp.name=powersgd",
+             "link.bandwidth_mbit=1")
+    off, up = (_run(tiny_corpus, tmp_path, a, *extra) for a in ("off", "uplink"))
+    assert up["sim_time_s"] > 1.05 * off["sim_time_s"]
+    assert [link["bytes"] for link in up["links"]] == [link["bytes"] for link in off["links"]]

@@ -1,4 +1,5 @@
-"""Link arithmetic: serialization, latency, FIFO queueing, ring all-reduce cost."""
+"""Link arithmetic: serialization, latency, FIFO queueing (per link, or one uplink per sender),
+ring all-reduce cost."""
 
 import math
 
@@ -42,6 +43,34 @@ def test_jitter_and_loss_are_seeded_and_keep_order():
 
     assert arrivals(1) == arrivals(1) and arrivals(1) != arrivals(2)
     assert arrivals(1) == sorted(arrivals(1))
+
+
+def test_a_shared_uplink_serializes_every_flow_out_of_one_sender():
+    """Two flows out of A (a PP link and a DP link) take the sum of their serialization times;
+    per-link queues would deliver both after one. Another sender's link is not in A's queue."""
+    net = Network(LinkProfile(bandwidth_mbit=100, latency_ms=20), access="uplink")
+    first = net.link(A, B).transmit(0.0, 1_250_000)  # 0.1 s at 100 Mbit/s
+    second = net.link(A, C).transmit(0.0, 1_250_000)  # waits for the first to leave A
+    assert (first, second) == (pytest.approx(0.1 + 0.02), pytest.approx(0.2 + 0.02))
+    assert net.link(B, A).transmit(0.0, 1_250_000) == pytest.approx(0.1 + 0.02)
+    up = net.uplinks[A]
+    assert up.busy_s == pytest.approx(0.2) and up.bytes_sent == 2_500_000
+    assert net.link(A, B).busy_s == pytest.approx(0.1)  # each link still counts its own share
+    # A collective's transfer occupies the uplink too: what A sends next queues behind it.
+    net.link(A, C).occupy(0.2, 0.5, 6_250_000)
+    assert net.link(A, B).transmit(0.3, 1_250_000) == pytest.approx(0.7 + 0.1 + 0.02)
+
+
+def test_per_link_queues_stay_the_default_and_uplinks_survive_a_checkpoint():
+    net = Network(LinkProfile(bandwidth_mbit=100, latency_ms=20))
+    net.link(A, B).transmit(0.0, 1_250_000)
+    assert net.link(A, C).transmit(0.0, 1_250_000) == pytest.approx(0.1 + 0.02) and not net.uplinks
+    shared = Network(LinkProfile(bandwidth_mbit=100, latency_ms=20), access="uplink")
+    shared.link(A, B).transmit(0.0, 1_250_000)
+    restored = Network(LinkProfile(bandwidth_mbit=100, latency_ms=20), access="uplink")
+    restored.load_state(shared.state())
+    assert restored.uplinks[A].free_at == pytest.approx(0.1)
+    assert restored.link(A, C).transmit(0.0, 1_250_000) == pytest.approx(0.2 + 0.02)
 
 
 def test_ring_allreduce_cost_model():

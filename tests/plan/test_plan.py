@@ -34,6 +34,8 @@ def _real(cfg, tmp_path):
     ["dp.name=diloco", "dp.inner_steps=2"],
     ["dp.name=diloco", "dp.inner_steps=2", "dp.compress=powersgd"],
     ["mesh.schedule=gpipe", "codec.name=int8"],
+    ["links.access=uplink"],
+    ["mesh.schedule=async", "dp.name=powersgd", "links.access=uplink"],
 ], ids=lambda e: "+".join(e) or "demo")
 def test_cost_only_equals_real_simulator(tmp_path, extra):
     cfg = load_config("configs/demo.toml", [*SHORT, *extra])

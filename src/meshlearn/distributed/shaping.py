@@ -9,6 +9,10 @@ real run can be compared message for message. Jitter and loss draws use the same
 per link as the simulator.
 
 Times inside ``Link`` are seconds since this process's ``epoch`` (a monotonic clock reading).
+
+With ``links.access = "uplink"`` the links a driver builds from one network share their sender's
+``Uplink``, so the Pacers of a worker's destinations are one queue (its access link): a message to
+the next stage waits for the bytes already handed to its DP peers and to the previous stage.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class Pacer:
     def rebase(self) -> None:
         """After a resume the saved queue times belong to another process's epoch: the link is idle."""
         self.link.free_at = self.link.last_arrival = 0.0
+        if self.link.uplink is not None:
+            self.link.uplink.free_at = 0.0
 
 
 def allreduce_release_at(link: Link, epoch: float, started: float, nbytes: int, members: int,
@@ -55,6 +61,8 @@ def allreduce_release_at(link: Link, epoch: float, started: float, nbytes: int, 
     """
     seconds = ring_allreduce_s(nbytes, members, link.profile)
     sent = ring_allreduce_bytes_per_member(nbytes, members)
+    if link.uplink is not None:  # the ring's sends queue behind what this worker has queued
+        started = max(started, epoch + link.queue_free_at)
     link.occupy(started - epoch, link.profile.serialization_s(sent), sent)
     return started + seconds if enabled else time.monotonic()
 

@@ -1,5 +1,10 @@
 """Links between workers: a profile per directed pair, transfers on one link served in order.
 
+With ``links.access = "uplink"`` every link out of one participant sends through that
+participant's ``Uplink`` instead of a queue of its own: one access link (a NIC) shared by its
+pipeline sends in both directions and its DP traffic, messages leaving it one at a time in send
+order, each then crossing its own link with that link's latency.
+
 The same arithmetic is used by the simulator (to advance the virtual clock) and by in-process
 shaping in real runs (to pace a sender), so the two can be compared.
 """
@@ -11,6 +16,9 @@ import random
 from dataclasses import dataclass, field, replace
 
 from meshlearn.mesh.topology import WorkerId
+
+UPLINK = "uplink"  # ``links.access`` for a shared access link; also its key in a saved network state
+ACCESS = ("off", UPLINK)  # the values ``links.access`` allows
 
 
 @dataclass(frozen=True)
@@ -37,8 +45,26 @@ class LinkProfile:
 
 
 @dataclass
+class Uplink:
+    """One participant's access link (``links.access = "uplink"``): the single queue every link
+    out of it sends through, so its PP and DP messages wait for each other as on one NIC."""
+
+    src: WorkerId
+    free_at: float = 0.0
+    bytes_sent: int = 0
+    busy_s: float = 0.0
+
+    def state(self) -> dict:
+        return {"free_at": self.free_at, "bytes_sent": self.bytes_sent, "busy_s": self.busy_s}
+
+    def load_state(self, state: dict) -> None:
+        self.free_at, self.bytes_sent, self.busy_s = state["free_at"], state["bytes_sent"], state["busy_s"]
+
+
+@dataclass
 class Link:
-    """One directed link's queue: it sends one message at a time, first come first served."""
+    """One directed link's queue: it sends one message at a time, first come first served (with
+    an ``uplink``, the sender's one queue, shared with its other links)."""
 
     src: WorkerId
     dst: WorkerId
@@ -49,11 +75,17 @@ class Link:
     last_arrival: float = 0.0
     bytes_sent: int = 0
     busy_s: float = 0.0
+    uplink: Uplink | None = None
+
+    @property
+    def queue_free_at(self) -> float:
+        """When a message handed to this link now could start leaving (its queue is free)."""
+        return self.free_at if self.uplink is None else self.uplink.free_at
 
     def transmit(self, now: float, nbytes: int) -> float:
         """Queue ``nbytes`` at time ``now``; return the time the message is fully delivered."""
         profile = self.profile
-        start = max(now, self.free_at)
+        start = max(now, self.queue_free_at)
         serialization = profile.serialization_s(nbytes)
         # Resends and jitter are added only where there are any: adding 0.0 changes no time.
         if profile.loss_rate > 0:
@@ -61,11 +93,10 @@ class Link:
             while self.rng.random() < profile.loss_rate:
                 resend += serialization + 2 * profile.latency_s  # detected after a round trip
             self.free_at = start + serialization + resend
-            self.busy_s += serialization + resend
+            self._occupied(serialization + resend, nbytes)
         else:
             self.free_at = start + serialization
-            self.busy_s += serialization
-        self.bytes_sent += nbytes
+            self._occupied(serialization, nbytes)
         delivered = self.free_at + profile.latency_s
         if profile.jitter_ms:
             delivered = delivered + self.rng.uniform(0.0, profile.jitter_ms / 1000.0)
@@ -73,11 +104,19 @@ class Link:
         self.last_arrival = arrival  # a stream (TCP) never delivers out of order
         return arrival
 
-    def occupy(self, start: float, seconds: float, nbytes: int) -> None:
-        """Account a transfer whose timing a collective's cost model already decided."""
-        self.free_at = max(self.free_at, start + seconds)
+    def _occupied(self, seconds: float, nbytes: int) -> None:
+        """Account ``seconds`` of sending ending at ``free_at``, on the uplink too when shared."""
         self.busy_s += seconds
         self.bytes_sent += nbytes
+        if self.uplink is not None:
+            self.uplink.free_at = self.free_at
+            self.uplink.busy_s += seconds
+            self.uplink.bytes_sent += nbytes
+
+    def occupy(self, start: float, seconds: float, nbytes: int) -> None:
+        """Account a transfer whose timing a collective's cost model already decided."""
+        self.free_at = max(self.queue_free_at, start + seconds)
+        self._occupied(seconds, nbytes)
 
     def state(self) -> dict:
         return {"free_at": self.free_at, "last_arrival": self.last_arrival,
@@ -98,6 +137,8 @@ class Network:
     overrides: dict[tuple[WorkerId, WorkerId], LinkProfile] = field(default_factory=dict)
     axes: dict[str, LinkProfile] = field(default_factory=dict)  # per-axis profiles ("pp", "dp")
     links: dict[tuple[WorkerId, WorkerId], Link] = field(default_factory=dict)
+    access: str = "off"  # ``links.access``: UPLINK gives every sender one shared queue
+    uplinks: dict[WorkerId, Uplink] = field(default_factory=dict)
 
     def link(self, src: WorkerId, dst: WorkerId) -> Link:
         key = (src, dst)
@@ -106,19 +147,32 @@ class Network:
             axis = "pp" if src.replica == dst.replica else "dp"
             profile = self.overrides.get(key, self.axes.get(axis, self.default))
             rng = random.Random(f"{self.seed}:{src}->{dst}")
-            link = self.links[key] = Link(src, dst, axis, profile, rng)
+            link = self.links[key] = Link(src, dst, axis, profile, rng, uplink=self.uplink(src))
         return link
+
+    def uplink(self, src: WorkerId) -> Uplink | None:
+        """``src``'s access link (None: each of its links has a queue of its own)."""
+        if self.access != UPLINK:
+            return None
+        up = self.uplinks.get(src)
+        if up is None:
+            up = self.uplinks[src] = Uplink(src)
+        return up
 
     def bytes_on_axis(self, axis: str) -> int:
         return sum(link.bytes_sent for link in self.links.values() if link.axis == axis)
 
     def state(self) -> dict:
-        return {f"{s}->{d}": link.state() for (s, d), link in self.links.items()}
+        return ({f"{s}->{d}": link.state() for (s, d), link in self.links.items()}
+                | {f"{s}->{UPLINK}": up.state() for s, up in self.uplinks.items()})
 
     def load_state(self, state: dict) -> None:
         for key, link_state in state.items():
             src, dst = key.split("->")
-            self.link(WorkerId.parse(src), WorkerId.parse(dst)).load_state(link_state)
+            if dst == UPLINK:
+                self.uplink(WorkerId.parse(src)).load_state(link_state)
+            else:
+                self.link(WorkerId.parse(src), WorkerId.parse(dst)).load_state(link_state)
 
 
 @dataclass(frozen=True)
@@ -141,6 +195,13 @@ class LinksConfig:
     """Bandwidth of every PP link (stage s → s±1 of one replica); 0 = link.bandwidth_mbit."""
     pp_latency_ms: float = -1.0
     """One-way latency of every PP link; -1 = link.latency_ms."""
+    access: str = "off"
+    """``off``: every directed link sends from a queue of its own. ``uplink``: each participant
+    has one access link that every link out of it shares (its pipeline sends both ways and its DP
+    traffic): its messages leave one at a time in send order, each at its link's bandwidth (with
+    one bandwidth for all links, ``link.bandwidth_mbit`` is the participant's uplink), then cross
+    their link with its latency. Receiving is not queued (no downlink: every pattern here sends
+    about what it receives, so an uplink binds first)."""
     overrides: str = ""
     """Per-link profiles, ``;``-separated ``SRC->DST: key=value, ...`` with SRC/DST a worker
     (r1s2) or ``*``, keys any of link.* (bandwidth_mbit, latency_ms, jitter_ms, loss_rate). Later
@@ -195,7 +256,7 @@ def build_network(link: LinkProfile, links: LinksConfig, mesh, seed: int) -> Net
                         profile, hit = replace(profile, **values), True
                 if hit:
                     overrides[(a, b)] = profile
-    return Network(link, seed=seed, overrides=overrides, axes=axes)
+    return Network(link, seed=seed, overrides=overrides, axes=axes, access=links.access)
 
 
 def ring_allreduce_s(nbytes: int, members: int, profile: LinkProfile) -> float:

@@ -22,7 +22,7 @@ import torch
 from meshlearn.compress.codecs import Codec, MessageContext
 from meshlearn.mesh.compute import ComputeModel
 from meshlearn.mesh.messages import Message, MessageMonitor
-from meshlearn.mesh.network import Network, ring_allreduce_bytes_per_member, ring_allreduce_s
+from meshlearn.mesh.network import UPLINK, Network, ring_allreduce_bytes_per_member, ring_allreduce_s
 from meshlearn.mesh.schedule import Action, AsyncPlan, feed_lookahead
 from meshlearn.mesh.sync import average_gradients, clip_coefficient, stage_clip_norm, step_grad_norm
 from meshlearn.mesh.timeline import TimelineRecorder
@@ -242,7 +242,7 @@ class SimDriver:
         step = self.workers[sender].steps_done if message.kind == "dp" else message.step
         if not self.timeline.wants(step):
             return link.transmit(now, message.wire_bytes)
-        start = max(now, link.free_at)
+        start = max(now, link.queue_free_at)
         arrival = link.transmit(now, message.wire_bytes)
         self.timeline.send(str(sender), str(message.dst), link.axis, message.kind, step,
                            message.wire_bytes, start, link.free_at, arrival)
@@ -418,6 +418,8 @@ class SimDriver:
         if len(replicas) == 1:
             return {}
         start = max(ready[w] for w in replicas)
+        if self.network.access == UPLINK:  # the ring's sends queue behind what each uplink holds
+            start = max(start, *(self.network.link(a, b).queue_free_at for a, b in _ring(replicas)))
         step = self.waiting[replicas[0]].microbatch // self.workers[replicas[0]].microbatches
         self._charge_allreduce(replicas, start, nbytes, step)
         seconds = ring_allreduce_s(nbytes, len(replicas), self.network.link(*replicas[:2]).profile)
@@ -428,7 +430,7 @@ class SimDriver:
         return average_gradients(replicas)
 
     def _charge_allreduce(self, replicas: list[WorkerId], start: float, nbytes: int, step: int) -> None:
-        ring = list(zip(replicas, replicas[1:] + replicas[:1], strict=True))
+        ring = _ring(replicas)
         profile = self.network.link(*ring[0]).profile
         sent = ring_allreduce_bytes_per_member(nbytes, len(replicas))
         for src, dst in ring:
@@ -511,6 +513,11 @@ class SimDriver:
 
     def barrier(self, what: str) -> None:
         """Nothing to wait for: every worker lives in this process."""
+
+
+def _ring(replicas: list[WorkerId]) -> list[tuple[WorkerId, WorkerId]]:
+    """The ring all-reduce's links: each replica to the next, the last to the first."""
+    return list(zip(replicas, replicas[1:] + replicas[:1], strict=True))
 
 
 def _collective(worker: Worker) -> bool:

@@ -179,6 +179,7 @@ class Counters:
     link_axis: dict[tuple[WorkerId, WorkerId], str]
     bytes_pp: int
     bytes_dp: int
+    uplink_busy_s: dict[WorkerId, float]  # each sender's access link (``links.access = uplink``)
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,7 @@ class Window:
     dp_link_share: float  # the busiest DP link's
     idle_fraction: float  # idle share of all workers' time
     path: dict[str, float] | None = None  # the critical path's share per resource (plan.critical)
+    uplink_share: float = 0.0  # the busiest access link's sending time / sim_s (PP and DP bytes)
 
     @property
     def tokens_per_s(self) -> float:
@@ -235,7 +237,8 @@ class CostRun:
         return Counters(self.done, self.driver.clock.step_end, dict(self.driver.clock.busy_s),
                         {k: link.busy_s for k, link in links.items()},
                         {k: link.axis for k, link in links.items()},
-                        self.driver.bytes_on_axis("pp"), self.driver.bytes_on_axis("dp"))
+                        self.driver.bytes_on_axis("pp"), self.driver.bytes_on_axis("dp"),
+                        {w: up.busy_s for w, up in self.driver.network.uplinks.items()})
 
     def window(self, a: Counters, b: Counters) -> Window:
         seconds = b.sim_s - a.sim_s
@@ -247,7 +250,9 @@ class CostRun:
                       b.bytes_pp - a.bytes_pp, b.bytes_dp - a.bytes_dp,
                       float(max(busy.values()) / seconds), float(shares["pp"]), float(shares["dp"]),
                       float(1.0 - sum(busy.values()) / (len(busy) * seconds)),
-                      seconds.shares() if isinstance(seconds, Seconds) else None)
+                      seconds.shares() if isinstance(seconds, Seconds) else None,
+                      float(max((t - a.uplink_busy_s.get(w, 0.0) for w, t in b.uplink_busy_s.items()),
+                                default=0.0) / seconds))
 
 
 def simulate(cfg: RunConfig, steps: int, mask_keep: float | None = None,

@@ -29,10 +29,14 @@ from meshlearn.plan.cost_worker import CostSimDriver
 
 def mirrors(cfg: RunConfig) -> bool:
     """Whether ``cfg``'s replicas are mirror images in cost-only mode: D > 1 and every link alike
-    per axis (no per-link overrides; no jitter or loss, drawn per link)."""
+    per axis (no per-link overrides; no jitter or loss, drawn per link), each with a queue of its
+    own: with ``links.access = "uplink"`` a worker's DP sends queue one behind another in its
+    strategy's order of peers, and the mirror argument (r's part for 0 leaves when 0's part for r
+    does) would need that order to be symmetric, which nothing checks: such meshes are simulated
+    whole."""
     link = cfg.link
     return (cfg.mesh.replicas > 1 and not cfg.links.overrides.strip()
-            and link.jitter_ms == 0 and link.loss_rate == 0)
+            and link.jitter_ms == 0 and link.loss_rate == 0 and cfg.links.access == "off")
 
 
 class MirrorSimDriver(CostSimDriver):

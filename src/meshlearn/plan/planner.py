@@ -48,7 +48,7 @@ def row(label: str, cfg: RunConfig, p: Prediction) -> dict:
         "critical_path": dict(window.path or {}),
         "gain_if_doubled": dict(p.gains),
         "busy_share": {"compute": window.compute_share, "pp_link": window.pp_link_share,
-                       "dp_link": window.dp_link_share},
+                       "dp_link": window.dp_link_share, "uplink": window.uplink_share},
         "stash_versions": p.stash_versions, "in_flight_peak": p.in_flight_peak,
         "steps_simulated": p.steps_simulated,
     }
@@ -69,7 +69,8 @@ def describe(cfg: RunConfig) -> dict:
                    "memory_bandwidth_gbs": bandwidth},
         "link": {"bandwidth_mbit": cfg.link.bandwidth_mbit, "latency_ms": cfg.link.latency_ms,
                  "pp_bandwidth_mbit": cfg.links.pp_bandwidth_mbit or cfg.link.bandwidth_mbit,
-                 "dp_bandwidth_mbit": cfg.links.dp_bandwidth_mbit or cfg.link.bandwidth_mbit},
+                 "dp_bandwidth_mbit": cfg.links.dp_bandwidth_mbit or cfg.link.bandwidth_mbit,
+                 "access": cfg.links.access},
         "codec": cfg.codec.name, "dp": cfg.dp.name, "optim": cfg.optim.name,
         "train_steps": cfg.train.steps,
     }

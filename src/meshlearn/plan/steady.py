@@ -258,7 +258,8 @@ def with_path(cfg: RunConfig, p: Prediction) -> Prediction:
 
 
 def _oversubscribed(w: Window, binds: str) -> str:
-    for link, share in (("PP link", w.pp_link_share), ("DP link", w.dp_link_share)):
+    for link, share in (("PP link", w.pp_link_share), ("DP link", w.dp_link_share),
+                        ("uplink", w.uplink_share)):
         if share > 1.0:  # handed bytes faster than it sends them: its queue only grows
             binds = f"{link} oversubscribed ×{share:.1f}"
     return binds

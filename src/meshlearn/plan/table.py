@@ -33,6 +33,7 @@ def _binds(r: dict) -> str:
 def header(result: dict) -> str:
     c = result["config"]
     dev, mesh, link, model = c["device"], c["mesh"], c["link"], c["model"]
+    shared = "; one uplink per participant, shared by its sends" if link["access"] == "uplink" else ""
     return (f"model: {model['n_layer']} layers, d {model['d_model']}, heads {model['n_head']}/"
             f"{model['n_kv_head']}, ffn {model['ffn']}, vocab {model['vocab_size']}, seq {model['seq_len']}"
             f"{', tied embeddings' if model['tie_embeddings'] else ''}\n"
@@ -41,7 +42,7 @@ def header(result: dict) -> str:
             f"device: {dev['name']} ({dev['peak_tflops']:.0f} TFLOP/s peak at utilization "
             f"{dev['utilization']}, {dev['memory_gb']:.0f} GB, {dev['memory_bandwidth_gbs']:.0f} GB/s)\n"
             f"links: PP {link['pp_bandwidth_mbit']:g} Mbit/s, DP {link['dp_bandwidth_mbit']:g} Mbit/s, "
-            f"{link['latency_ms']:g} ms one way\n")
+            f"{link['latency_ms']:g} ms one way{shared}\n")
 
 
 def format_table(result: dict) -> str:
