@@ -71,6 +71,13 @@ def test_per_link_queues_stay_the_default_and_uplinks_survive_a_checkpoint():
     restored.load_state(shared.state())
     assert restored.uplinks[A].free_at == pytest.approx(0.1)
     assert restored.link(A, C).transmit(0.0, 1_250_000) == pytest.approx(0.2 + 0.02)
+    # A real run resumed in a new process: its queues are idle on the new clock, links and
+    # uplinks alike (an uplink left on the old clock would hold every message back), bytes kept.
+    resumed = Network(LinkProfile(bandwidth_mbit=100, latency_ms=20), access="uplink")
+    resumed.load_state(restored.state())
+    resumed.idle()
+    assert resumed.link(A, C).transmit(0.0, 1_250_000) == pytest.approx(0.1 + 0.02)
+    assert resumed.uplinks[A].bytes_sent == 3 * 1_250_000
 
 
 def test_ring_allreduce_cost_model():

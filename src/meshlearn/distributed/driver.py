@@ -295,7 +295,7 @@ class DistDriver(PipelineEvaluation):
             self.transport.send(message, capacity)
             return
         link = self.network.link(self.me, message.dst)
-        start = max(time.monotonic() - self.epoch, link.free_at)
+        start = max(time.monotonic() - self.epoch, link.queue_free_at)  # its sender's uplink, when shared
         self.transport.send(message, capacity)
         self.timeline.send(str(self.me), str(message.dst), link.axis, message.kind, step, message.wire_bytes,
                            self.epoch + start, self.epoch + link.free_at,
@@ -531,8 +531,7 @@ class DistDriver(PipelineEvaluation):
 
     def load_state(self, state: dict) -> None:
         self.network.load_state(state["network"])
-        for link in self.network.links.values():
-            link.free_at = link.last_arrival = 0.0  # queue times of the old process's clock
+        self.network.idle()  # its queue times are on the old process's clock
         self.busy_s = state["busy_s"]
 
     # --- with a verifier: what crosses processes for the trust layer (verify/trust.py) ----------

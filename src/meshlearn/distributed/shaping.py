@@ -42,12 +42,6 @@ class Pacer:
         arrival = self.link.transmit(now - self.epoch, nbytes)
         return self.epoch + arrival if self.enabled else now
 
-    def rebase(self) -> None:
-        """After a resume the saved queue times belong to another process's epoch: the link is idle."""
-        self.link.free_at = self.link.last_arrival = 0.0
-        if self.link.uplink is not None:
-            self.link.uplink.free_at = 0.0
-
 
 def allreduce_release_at(link: Link, epoch: float, started: float, nbytes: int, members: int,
                          enabled: bool) -> float:

@@ -174,6 +174,14 @@ class Network:
             else:
                 self.link(WorkerId.parse(src), WorkerId.parse(dst)).load_state(link_state)
 
+    def idle(self) -> None:
+        """Every queue empty now (a real run resumed in a new process: the saved queue times are
+        on the old process's clock); bytes and busy time are kept."""
+        for link in self.links.values():
+            link.free_at = link.last_arrival = 0.0
+        for up in self.uplinks.values():
+            up.free_at = 0.0
+
 
 @dataclass(frozen=True)
 class LinksConfig:
