@@ -6,6 +6,8 @@ listener takes each expected link once, from a hello naming it, and nothing else
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import signal
 import socket
 import struct
 import threading
@@ -149,3 +151,34 @@ def test_the_listening_address_is_the_one_toward_the_store_never_every_interface
     assert local_address("127.0.0.1", 29500) == "127.0.0.1"
     with pytest.raises(TimeoutError, match="never connected"):
         Listener("127.0.0.1", {LINK}).accept_all(time.monotonic() + 0.2)
+
+
+def _gloo_peer(rank: int, port: int) -> None:
+    """Rank 0 sends 1000 bytes into the 100-byte receive rank 1 posted, as a lying peer would."""
+    from meshlearn.distributed.transport import MESSAGE_TAG
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))
+    if rank == 0:
+        dist.isend(torch.zeros(1000, dtype=torch.uint8), 1, tag=MESSAGE_TAG).wait()
+    else:
+        dist.irecv(torch.empty(100, dtype=torch.uint8), 0, tag=MESSAGE_TAG).wait()
+    time.sleep(30)  # rank 0 stays connected until the test has seen rank 1 end (then kills it)
+
+
+def test_over_gloo_a_send_larger_than_the_posted_receive_aborts_the_receiving_process():
+    """Why the verifier's links are tcp: the same lie over a collective link kills the receiver
+    (SIGABRT in gloo's own thread; nothing in Python can catch it)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_gloo_peer, args=(rank, port)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    sender, receiver = procs
+    receiver.join(30)
+    for proc in procs:
+        proc.kill()
+        proc.join()
+    assert receiver.exitcode == -signal.SIGABRT, receiver.exitcode

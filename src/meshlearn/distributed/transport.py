@@ -118,7 +118,8 @@ def _send_posted(buffer: torch.Tensor, dst: int, group, capacity: int, timeout: 
 
 
 class Transport:
-    """``groups``: one group per logical link this process sends or receives on. ``relay``: the rank
+    """``groups``: one connection per logical link this process sends or receives on — a process
+    group, or a ``Stream`` (``dist.links = tcp``, from ``groups.build_groups``). ``relay``: the rank
     that carries pipeline links (stages differ) instead of the peer. A worker (``me``) sends on the
     links from it and receives on those to it; the relay itself (``me = None``) gets each link as a
     (receive group, send group) pair and does both."""
