@@ -19,7 +19,8 @@ accepts each link it expects once, acknowledges it with one byte, and closes any
 connection (an unknown link, or a link already taken) unanswered. It stops listening once every
 expected link is in. The hello is the only identity: a process that can reach the port and
 speaks first could take a link in its peer's place (nothing is authenticated; see
-docs/distributed.md).
+docs/distributed.md) — the real peer is then refused and its failure stops the run at start-up.
+Hellos are read one connection at a time, each within the set-up deadline.
 """
 
 from __future__ import annotations
