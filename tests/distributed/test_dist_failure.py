@@ -101,3 +101,24 @@ def test_worker_outside_a_launcher_says_what_is_missing(tiny_corpus, tmp_path, c
     code = worker_main(["--set", f"data.corpus={tiny_corpus}", "--out", str(tmp_path / "run")])
     assert code == 2
     assert "RANK" in capsys.readouterr().err
+
+
+def test_a_killed_worker_ends_a_verified_run_naming_it(tiny_corpus, tmp_path, capsys):
+    """With a verifier, the links run over TCP (dist.links = auto): the killed worker's streams
+    close under the verifier and its partners, and every process names it, as over gloo."""
+    cfg = tiny_config(tiny_corpus, *LONG, "verify.name=sentinel")
+    run = tmp_path / "run"
+    try:
+        with deadline(60, "the killed verified run"):
+            thread, result = start_in_background(cfg, run, "dist.dead_after_s=3")
+            wait_for(run / "checkpoints" / "step-000004" / "manifest.json", 40)
+            os.kill(pid_of(run, "r1s1"), signal.SIGKILL)
+            thread.join()
+    finally:
+        kill_leftovers(run)
+    assert result["code"] == 1
+    report = capsys.readouterr().err
+    first = report.splitlines()[0]
+    assert first.startswith("meshlearn: error: ") and "r1s1" in first, report
+    for name in ("r0s0", "r0s1", "r1s0", "verifier"):
+        assert "r1s1" in (run / "logs" / f"{name}.log").read_text().splitlines()[-1], name
