@@ -161,18 +161,18 @@ class Listener:
         conn.settimeout(max(0.0, deadline - time.monotonic()))
         try:
             name = _read_hello(conn)
-        except OSError as err:
-            name, why = None, f"no hello ({type(err).__name__}: {err})"
-        else:
             why = ("no valid hello" if name is None
                    else f"a hello for {name!r}, not a link this process receives" if name not in self.expected
                    else f"a second hello for {name!r}" if self.expected[name] in self.streams
                    else None)
+            if why is None:
+                conn.sendall(ACK)
+        except OSError as err:
+            why = f"no hello ({type(err).__name__}: {err})"
         if why is not None:
             self.refused.append(why)
             conn.close()
             return
-        conn.sendall(ACK)
         link = self.expected[name]
         self.streams[link] = Stream(conn, link)
 
