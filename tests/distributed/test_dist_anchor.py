@@ -31,14 +31,16 @@ def run_both(cfg, tmp_path, what: str):
     return sim, json.loads((tmp_path / "dist" / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("send", ["gradients", "factors"])
-def test_an_anchored_dist_run_equals_the_sim_run(tiny_corpus, tmp_path, send):
+@pytest.mark.parametrize(("send", "links"),
+                         [("gradients", "auto"), ("factors", "auto"), ("gradients", "tcp")])
+def test_an_anchored_dist_run_equals_the_sim_run(tiny_corpus, tmp_path, send, links):
     """Passes at t = 0, 2, 4 each reach all four fast workers by K = 2 steps later (the anchor
     links are unshaped), in both drivers: the corrected losses, norms and bytes are the
     simulator's; the anchor's bytes (snapshots with batch ids, its boundaries, its gradients or
-    its factors: rank 3, below min(m, n) = 32, from the EMA the anchor stage keeps) too."""
+    its factors: rank 3, below min(m, n) = 32, from the EMA the anchor stage keeps) too. Over
+    collective links (auto: the run has no verifier) and over our own TCP links."""
     cfg = tiny_config(tiny_corpus, *FAST, *ANCHOR, "anchor.bandwidth_mbit=10000", "anchor.latency_ms=0",
-                      f"anchor.send={send}", "anchor.rank=3")
+                      f"anchor.send={send}", "anchor.rank=3", f"dist.links={links}")
     sim, dist = run_both(cfg, tmp_path, "the anchored P=2 D=2 dist run")
     for summary in (sim, dist):
         assert summary["anchor_passes"] == 3

@@ -26,13 +26,15 @@ STRATEGIES = {
 
 # Every strategy under 1f1b; under async the ones that never block (the waiting ones share the
 # phase code that 1f1b exercises), to keep the suite short.
-CASES = [(name, "1f1b") for name in STRATEGIES] + [("sparse", "async"), ("diloco", "async")]
+# One over our own TCP links (dist.links = tcp): the pipeline and the DP rounds' point-to-point links.
+CASES = ([(name, "1f1b", "auto") for name in STRATEGIES]
+         + [("sparse", "async", "auto"), ("diloco", "async", "auto"), ("sparse", "1f1b", "tcp")])
 
 
-@pytest.mark.parametrize(("strategy", "schedule"), CASES)
-def test_dist_dp_strategy_equals_sim(tiny_corpus, tmp_path, strategy, schedule):
+@pytest.mark.parametrize(("strategy", "schedule", "links"), CASES)
+def test_dist_dp_strategy_equals_sim(tiny_corpus, tmp_path, strategy, schedule, links):
     cfg = tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=2", f"mesh.schedule={schedule}",
-                      "train.steps=4", "train.eval_every=2", *STRATEGIES[strategy])
+                      "train.steps=4", "train.eval_every=2", f"dist.links={links}", *STRATEGIES[strategy])
     Trainer(cfg, tmp_path / "sim", progress=False).train()
     try:
         with deadline(60, f"the {strategy} dist run"):

@@ -43,19 +43,26 @@ def pid_of(run_dir, worker: str) -> int:
     return json.loads((run_dir / WORKERS_FILE).read_text())[worker]["pid"]
 
 
+def killed_mid_run(cfg, run, capsys) -> str:
+    """Start the run, SIGKILL r1s1 once checkpoint 4 is complete; the run must fail naming r1s1
+    first. Returns the launcher's report."""
+    thread, result = start_in_background(cfg, run, "dist.dead_after_s=3")
+    wait_for(run / "checkpoints" / "step-000004" / "manifest.json", 60)
+    os.kill(pid_of(run, "r1s1"), signal.SIGKILL)
+    thread.join()
+    assert result["code"] == 1
+    report = capsys.readouterr().err
+    first = report.splitlines()[0]
+    assert first.startswith("meshlearn: error: ") and "r1s1" in first, report
+    return report
+
+
 def test_killed_worker_ends_the_run_and_resume_finishes_it(tiny_corpus, tmp_path, capsys):
     cfg = tiny_config(tiny_corpus, *LONG)
     run = tmp_path / "run"
     try:
         with deadline(90, "the killed run and its resume"):
-            thread, result = start_in_background(cfg, run, "dist.dead_after_s=3")
-            wait_for(run / "checkpoints" / "step-000004" / "manifest.json", 60)
-            os.kill(pid_of(run, "r1s1"), signal.SIGKILL)
-            thread.join()
-            assert result["code"] == 1
-            report = capsys.readouterr().err
-            first = report.splitlines()[0]
-            assert first.startswith("meshlearn: error: ") and "r1s1" in first, report
+            report = killed_mid_run(cfg, run, capsys)
             assert "r1s1: killed by SIGKILL" in report and "--resume" in report
             # Detected by the others (each survivor's last log line names the dead worker), not only
             # by the launcher seeing an exit code.
@@ -101,3 +108,17 @@ def test_worker_outside_a_launcher_says_what_is_missing(tiny_corpus, tmp_path, c
     code = worker_main(["--set", f"data.corpus={tiny_corpus}", "--out", str(tmp_path / "run")])
     assert code == 2
     assert "RANK" in capsys.readouterr().err
+
+
+def test_a_killed_worker_ends_a_verified_run_naming_it(tiny_corpus, tmp_path, capsys):
+    """With a verifier, the links run over TCP (dist.links = auto): the killed worker's streams
+    close under the verifier and its partners, and every process names it, as over gloo."""
+    cfg = tiny_config(tiny_corpus, *LONG, "verify.name=sentinel")
+    run = tmp_path / "run"
+    try:
+        with deadline(60, "the killed verified run"):
+            killed_mid_run(cfg, run, capsys)
+    finally:
+        kill_leftovers(run)
+    for name in ("r0s0", "r0s1", "r1s0", "verifier"):
+        assert "r1s1" in (run / "logs" / f"{name}.log").read_text().splitlines()[-1], name

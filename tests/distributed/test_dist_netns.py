@@ -85,10 +85,11 @@ def wan():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
-def test_workers_in_two_namespaces_over_a_shaped_link_match_the_simulator(wan, tiny_corpus, tmp_path):
+@pytest.mark.parametrize("links", ["auto", "tcp"])  # tcp: each listens on its namespace's own address
+def test_workers_in_two_namespaces_over_a_shaped_link_match_the_simulator(wan, tiny_corpus, tmp_path, links):
     cfg = tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=1", "train.steps=4",
                       f"link.latency_ms={DELAY_MS}", "link.bandwidth_mbit=100", "dist.shaping=none",
-                      "dist.threads=1", "dist.init_timeout_s=60", "dist.timeout_s=30")
+                      "dist.threads=1", "dist.init_timeout_s=60", "dist.timeout_s=30", f"dist.links={links}")
     config = tmp_path / "cfg.toml"
     save_config(cfg, config)
     run = tmp_path / "dist"

@@ -16,6 +16,7 @@ from tiny import tiny_config
 
 from meshlearn.compress.wire_checks import Rejection
 from meshlearn.distributed.verifier import Slots, evaluates_after
+from meshlearn.distributed.wire import message_bound
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
 from meshlearn.verify.ledger import Alert, Ban, Decision
@@ -137,6 +138,31 @@ def test_a_message_lying_about_its_sender_is_quarantined_by_the_verifier_and_the
     # dist: the transport's refusal of the header (the relay records what was wrong with it)
     lies = {f"message from r1s1 claims to be a {kind!r} from r2s1" for kind in ("act", "grad")}
     assert {r["reason"] for r in records(dist, "wire_reject")} == lies
+    assert_same_decisions(sim, dist)
+
+
+def test_a_buffer_beyond_any_honest_message_is_refused_by_the_verifier_and_the_run_goes_on(
+        tiny_corpus, tmp_path):
+    """r1s1 pads every message with 40 × its size, beyond what any honest message of the run takes
+    (``wire.message_bound``). The verifier's links are tcp (``dist.links = auto`` with SENTINEL):
+    it reads the frame's prefix, refuses it before allocating, skips its bytes, and the relay puts a
+    stand-in in its slot — the same slots the simulator's guard refuses as oversized. (Over gloo
+    such a buffer met a receive it did not fit; a raw one aborts the receiving process.)"""
+    cfg = tiny_config(tiny_corpus, *MESH, "mesh.replicas=2", "train.steps=5", "attack.kind=forge_oversize",
+                      "attack.workers=r1s1", "attack.start_step=2", "attack.oversize_factor=40")
+    honest = cfg.train.batch_size // 2 // cfg.mesh.microbatches * cfg.model.seq_len * cfg.model.d_model * 4
+    assert 40 * honest > message_bound(cfg, 0)
+    sim, dist = both(cfg, tmp_path)
+    fields = ("step", "microbatch", "message", "src", "dst")
+    refused = sorted(tuple(r[f] for f in fields) for r in records(dist, "wire_reject"))
+    assert refused == sorted(tuple(r[f] for f in fields) for r in records(sim, "wire_reject"))
+    assert len(refused) == (5 - 2) * 2 * 2  # r1s1's activations and gradients from step 3 (1-based) on
+    assert {r["reason"].split(":")[0] for r in records(sim, "wire_reject")} == {"oversized"}
+    reasons = {r["reason"] for r in records(dist, "wire_reject")}
+    bound = f"at most {message_bound(cfg, 0)}"
+    assert all(r.startswith("a frame of ") and bound in r for r in reasons), reasons
+    summary = json.loads((dist / "summary.json").read_text())
+    assert summary["wire_rejections"] == 12 == summary["trust"]["attackers"][0]["changed_messages"]
     assert_same_decisions(sim, dist)
 
 

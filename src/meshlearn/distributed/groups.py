@@ -9,14 +9,16 @@ validation loss) get a group of the workers alone.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from meshlearn.distributed.health import store_client
+from meshlearn.distributed.settings import links_of
+from meshlearn.distributed.streams import Hop, Link, connect_streams, local_address
 from meshlearn.mesh.topology import MeshShape, WorkerId
-
-Link = tuple[WorkerId, WorkerId]
 
 
 def verifier_rank(cfg, mesh: MeshShape) -> int | None:
@@ -79,7 +81,9 @@ class Groups:
 
 def build_groups(cfg, mesh: MeshShape, rank: int, dp_groups: bool = True) -> Groups:
     """The run's groups, in the same order everywhere; ``rank``'s are returned. ``dp_groups``: one
-    per stage for the all-reduce (False: elastic runs, where torchft's quorum owns that axis)."""
+    per stage for the all-reduce (False: elastic runs, where torchft's quorum owns that axis).
+    The point-to-point links are groups too, or with ``dist.links`` resolving to tcp, streams
+    of our own (``streams.py``), connected here: every process of the run comes through here."""
     verifier = verifier_rank(cfg, mesh)
     me = mesh.worker(rank) if rank < mesh.world_size else None
     groups = Groups()
@@ -89,39 +93,60 @@ def build_groups(cfg, mesh: MeshShape, rank: int, dp_groups: bool = True) -> Gro
             groups.dp = group
     if verifier is not None or anchors(cfg):
         groups.workers = dist.new_group(list(range(mesh.world_size)))
+    links, anchor_links = link_hops(cfg, mesh), anchor_hops(mesh, anchors(cfg))
+    hops = links + anchor_links
+    if links_of(cfg) == "tcp":
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        ends = connect_streams(store_client(host, port, cfg.dist.init_timeout_s), rank,
+                               local_address(host, port), hops, cfg.dist.init_timeout_s)
+    else:  # one group per hop, created by every rank
+        ends = {i: dist.new_group([a, b]) for i, (_, a, b) in enumerate(hops)}
+    groups.links = ends_of(links, ends, rank)
+    groups.anchor_links = ends_of(anchor_links, {i - len(links): end for i, end in ends.items()}, rank)
+    return groups
+
+
+def link_hops(cfg, mesh: MeshShape) -> list[Hop]:
+    """The run's pipeline and message-based DP links as connections, in one order: per directed
+    pipeline link (r, s) → (r, s ± 1), the hop between its workers, or with a verifier the two hops
+    through it (src → verifier, verifier → dst); per directed pair of a stage's replicas with a
+    message-based DP strategy (its rounds travel point to point in the background, never as
+    collectives), the hop between them."""
+    verifier = verifier_rank(cfg, mesh)
+    hops = []
     for r in range(mesh.replicas):
         for s in range(mesh.stages - 1):
             a, b = WorkerId(r, s), WorkerId(r, s + 1)
-            for src, dst in ((a, b), (b, a)):  # one group per direction (and per hop)
+            for src, dst in ((a, b), (b, a)):  # one per direction (and per hop)
                 if verifier is None:
-                    group = dist.new_group([mesh.rank(a), mesh.rank(b)])
-                    if me in (a, b):
-                        groups.links[(src, dst)] = group
-                    continue
-                into = dist.new_group([mesh.rank(src), verifier])
-                out = dist.new_group([verifier, mesh.rank(dst)])
-                if me is None:
-                    groups.links[(src, dst)] = (into, out)
-                elif me == src:
-                    groups.links[(src, dst)] = into
-                elif me == dst:
-                    groups.links[(src, dst)] = out
+                    hops.append(((src, dst), mesh.rank(src), mesh.rank(dst)))
+                else:
+                    hops += [((src, dst), mesh.rank(src), verifier), ((src, dst), verifier, mesh.rank(dst))]
     if cfg.dp.name != "allreduce" and mesh.replicas > 1:
-        # A message-based DP strategy: one group per directed pair of a stage's replicas, as the
-        # pipeline links (its rounds travel point to point in the background, never as collectives).
         for s in range(mesh.stages):
             for a in range(mesh.replicas):
                 for b in range(mesh.replicas):
                     if a != b:
                         src, dst = WorkerId(a, s), WorkerId(b, s)
-                        group = dist.new_group([mesh.rank(src), mesh.rank(dst)])
-                        if me in (src, dst):
-                            groups.links[(src, dst)] = group
-    for src, dst in anchor_link_list(mesh, anchors(cfg)):
-        group = dist.new_group([rank_of(mesh, src), rank_of(mesh, dst)])
-        if rank in (rank_of(mesh, src), rank_of(mesh, dst)):
-            groups.anchor_links[(src, dst)] = group
-    return groups
+                        hops.append(((src, dst), mesh.rank(src), mesh.rank(dst)))
+    return hops
+
+
+def anchor_hops(mesh: MeshShape, z_count: int) -> list[Hop]:
+    """The anchor circuit's links (``anchor_link_list``), each a hop between its two ends."""
+    return [((src, dst), rank_of(mesh, src), rank_of(mesh, dst))
+            for src, dst in anchor_link_list(mesh, z_count)]
+
+
+def ends_of(hops: list[Hop], ends: dict[int, object], rank: int) -> dict[Link, object]:
+    """Per logical link ``rank`` is on, its end (``ends``: by hop index): the one it sends or
+    receives on, or for a relay on both hops of the link, the (receive, send) pair."""
+    mine: dict[Link, dict[str, object]] = {}
+    for i, (link, a, b) in enumerate(hops):
+        if rank in (a, b):
+            mine.setdefault(link, {})["send" if rank == a else "recv"] = ends[i]
+    return {link: (end["recv"], end["send"]) if len(end) == 2 else next(iter(end.values()))
+            for link, end in mine.items()}
 
 
 def anchor_link_list(mesh: MeshShape, z_count: int) -> list[Link]:

@@ -16,6 +16,7 @@ from meshlearn.mesh.network import LinkProfile, ring_allreduce_s
 BACKENDS = ("sim", "dist")
 COMMS = ("auto", "gloo", "nccl")
 SHAPINGS = ("sender", "none")
+LINKS = ("auto", "collective", "tcp")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,15 @@ class DistConfig:
     """``sender``: every sender paces its messages to its link's profile (token bucket for the
     bandwidth, delivery held back by the latency), so one machine emulates the WAN of ``link.*``.
     ``none``: send at the speed of the real network (a real WAN, or namespaces shaped by tc)."""
+    links: str = "auto"
+    """What carries the point-to-point links (pipeline, message-based DP, anchor circuit):
+    ``collective``: send/recv on two-rank process groups (gloo or NCCL); ``tcp``: framed TCP
+    streams of our own (distributed/streams.py), where the receiver refuses a frame beyond the
+    run's message bound before allocating it, and the link stays up — under gloo, a peer sending
+    more bytes than the receive it meets kills the receiving process; ``auto``: tcp when the mesh
+    is untrusted (verify.name = "sentinel": every link to and from the verifier), else collective
+    (NCCL keeps GPU tensors off the host). Elastic runs link their rows over gloo pair groups
+    (collective) whatever this says: tcp is refused there."""
     timeout_s: float = 60.0
     """Compute slack in every deadline, in seconds: the longest a worker may compute before it
     sends what a peer waits for. The links' transfer time is added automatically. If a run stops
@@ -77,6 +87,13 @@ def derive_deadlines(dist: DistConfig, link: LinkProfile, message_bytes: int, me
     )
 
 
+def links_of(cfg) -> str:
+    """What carries this run's point-to-point links: ``dist.links`` with ``auto`` resolved."""
+    if cfg.dist.links != "auto":
+        return cfg.dist.links
+    return "tcp" if cfg.verify.name == "sentinel" and not cfg.elastic.enabled else "collective"
+
+
 def validate_dist(cfg, require) -> None:
     """Checks of ``backend`` and ``dist.*`` run by ``config.validate`` (``cfg`` is the RunConfig;
     ``require(ok, key, value, allowed)`` raises the ConfigError)."""
@@ -97,6 +114,9 @@ def validate_dist(cfg, require) -> None:
             require(dist.comm != "nccl", "dist.comm", dist.comm,
                     "must be 'gloo' or 'auto' with verify.name = 'sentinel' (the verifier relays over gloo)")
     require(dist.comm in COMMS, "dist.comm", dist.comm, f"allowed: {list(COMMS)}")
+    require(dist.links in LINKS, "dist.links", dist.links, f"allowed: {list(LINKS)}")
+    require(dist.links != "tcp" or not cfg.elastic.enabled, "dist.links", dist.links,
+            "must be 'auto' or 'collective' with elastic.enabled (rows link over gloo pair groups)")
     require(dist.shaping in SHAPINGS, "dist.shaping", dist.shaping, f"allowed: {list(SHAPINGS)}")
     for key, value in [("dist.timeout_s", dist.timeout_s), ("dist.heartbeat_s", dist.heartbeat_s),
                        ("dist.dead_after_s", dist.dead_after_s),

@@ -1,32 +1,45 @@
-"""Pipeline messages between processes: background senders and receivers, one group per link.
+"""Pipeline messages between processes: background senders and receivers, one connection per link.
 
-Each directed pipeline link (r, s) → (r, s±1) gets its own two-rank process group, used by one
-sender thread at the source and one receiver thread at the destination. Separate groups keep the
-two directions of a boundary independent (NCCL orders the operations of one communicator; two
-threads sharing one could deadlock), and the threads let communication overlap compute: the
-main thread hands a message to its link's sender and goes on computing, while receives for the
-whole step are posted as soon as it starts.
+Each directed point-to-point link (r, s) → (r, s±1) — and a message-based DP strategy's or the
+anchor circuit's — gets a connection of its own, used by one sender thread at the source and one
+receiver thread at the destination: a two-rank process group (``dist.links = "collective"``) or a
+TCP stream of our own (``"tcp"``, ``streams.py``; ``auto`` picks it whenever a verifier relays,
+see ``settings.links_of``). Separate connections keep the two directions of a boundary
+independent (NCCL orders the operations of one communicator; two threads sharing one could
+deadlock), and the threads let communication overlap compute: the main thread hands a message to
+its link's sender and goes on computing, while the receiver fetches the step's messages as soon
+as the step starts.
 
-A sender holds each message until its pacer's delivery time (in-process shaping), then sends it
-as one buffer. A receiver keeps up to ``WINDOW`` receives posted ahead, each with a capacity both
-ends derive from the config, so the peer's "ready to receive" is already there when a message
-leaves (see wire.py); a larger message goes as a notice plus a buffer on ``OVERSIZE_TAG``.
-A notice is the sender's claim: one announcing more than ``max_message_bytes`` (the largest
-message an honest peer of the run sends, ``wire.message_bound``) is refused before anything is
-allocated, and bytes that do not decode are refused too; either arrives as ``Forged`` and the link
-stays up, so a lying peer can neither exhaust the receiver's memory nor close its link that way.
-Not closed: gloo aborts the receiving process (``gloo::EnforceNotMet``, SIGABRT, in its own
-thread) when a peer sends more bytes than the matching receive posted — a raw send beyond the
-posted capacity on ``MESSAGE_TAG``, an oversize buffer longer than its notice announced, or a
-refused notice's buffer, which stays unmatched on ``OVERSIZE_TAG`` and is taken by the link's
-next oversize receive.
+A sender holds each message until its pacer's delivery time (in-process shaping, the same for both
+kinds of connection), then sends it as one buffer. Every receiver has a bound, ``max_message_bytes``
+(the largest message an honest peer of the run sends, ``wire.message_bound``), and a message that
+does not decode is refused too; a refused message arrives as ``Forged`` and the link stays up.
+
+- TCP: a stream of frames. The receiver reads a frame's prefix and refuses, before allocating, a
+  header beyond ``HEADER_ROOM`` or a frame beyond the bound, reading its bytes away in bounded
+  chunks so the stream stays in step. A peer can send any number of bytes; none reaches an
+  allocation the bound does not allow, and nothing it sends can end the receiving process. The
+  ``capacity`` of ``send``/``expect`` means nothing here (a stream has no posted buffers).
+- Collective: a receiver keeps up to ``WINDOW`` receives posted ahead, each with a ``capacity``
+  both ends derive from the config, so the peer's "ready to receive" is already there when a
+  message leaves (see wire.py); a larger message goes as a notice plus a buffer on
+  ``OVERSIZE_TAG``. A notice beyond the bound is refused before anything is allocated. Not
+  closed there: gloo aborts the receiving process (``gloo::EnforceNotMet``, SIGABRT, in its own
+  thread) when a peer sends more bytes than the matching receive posted — a raw send beyond the
+  posted capacity on ``MESSAGE_TAG``, an oversize buffer longer than its notice announced, or a
+  refused notice's buffer, which stays unmatched on ``OVERSIZE_TAG`` (the run stalls until a
+  deadline). That is why an untrusted mesh (a verifier's) gets tcp links under ``auto``.
+
+Still open on either kind: the DP all-reduce and the per-step gather are gloo collectives, where a
+malicious replica can do what gloo lets any peer do; and a connection's identity is the hello that
+opened it (``streams.py``), not authenticated.
 The main thread waits for messages through ``next_message``, which checks liveness and a deadline
 derived from the link profile, and names the peer if either fails.
 
-Queues are keyed by the *logical* link (src, dst) a message belongs to, and each link's group has
-one remote rank: the peer itself, or — with SENTINEL in the run — the verifier process that relays
-the pipeline traffic (``relay``: worker → verifier → worker, see ``distributed/verifier.py``). The
-verifier's own transport (``me = None``) receives and sends on every pipeline link.
+Queues are keyed by the *logical* link (src, dst) a message belongs to, and each link's connection
+has one remote end: the peer itself, or — with SENTINEL in the run — the verifier process that
+relays the pipeline traffic (``relay``: worker → verifier → worker, see ``distributed/verifier.py``).
+The verifier's own transport (``me = None``) receives and sends on every pipeline link.
 """
 
 from __future__ import annotations
@@ -44,6 +57,7 @@ import torch.distributed as dist
 from meshlearn.distributed.groups import PairGroup, rank_of
 from meshlearn.distributed.health import Health, WorkerFailure, gist
 from meshlearn.distributed.shaping import Pacer, hold_until
+from meshlearn.distributed.streams import FrameRefused, Stream
 from meshlearn.distributed.wire import PREFIX_BYTES, WireError, pack, prefix, read_prefix, unpack
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
@@ -66,8 +80,8 @@ Link = tuple[WorkerId, WorkerId]
 
 @dataclass
 class Forged:
-    """A message a receiver refused without decoding it: an oversize notice beyond the bound, or
-    bytes that are no valid message. The relay quarantines it in its link's slot (``verifier.py``);
+    """A message a receiver refused without decoding it: an oversize notice or a frame beyond the
+    bound, or bytes that are no valid message. The relay quarantines it in its link's slot (``verifier.py``);
     a worker, which has no stand-in for a message it cannot read, ends the run naming the sender."""
 
     reason: str  # what was wrong with it
@@ -91,8 +105,21 @@ def _irecv(buffer: torch.Tensor, src: int, group, tag: int):
     return dist.irecv(buffer, src, group=group, tag=tag)
 
 
+def _send_posted(buffer: torch.Tensor, dst: int, group, capacity: int, timeout: timedelta) -> None:
+    """gloo/NCCL: one send into the receive posted with ``capacity``, or a notice that fits it and
+    the buffer where no posted receive can catch it."""
+    if buffer.numel() <= capacity:
+        works = [_isend(buffer, dst, group, MESSAGE_TAG)]
+    else:
+        notice = prefix(-1, buffer.numel(), buffer.device)
+        works = [_isend(notice, dst, group, MESSAGE_TAG), _isend(buffer, dst, group, OVERSIZE_TAG)]
+    for work in works:
+        work.wait(timeout)
+
+
 class Transport:
-    """``groups``: one group per logical link this process sends or receives on. ``relay``: the rank
+    """``groups``: one connection per logical link this process sends or receives on — a process
+    group, or a ``Stream`` (``dist.links = tcp``, from ``groups.build_groups``). ``relay``: the rank
     that carries pipeline links (stages differ) instead of the peer. A worker (``me``) sends on the
     links from it and receives on those to it; the relay itself (``me = None``) gets each link as a
     (receive group, send group) pair and does both."""
@@ -114,6 +141,8 @@ class Transport:
         self._send_q: dict[Link, queue.Queue] = {}
         self._recv_q: dict[Link, queue.Queue] = {}
         self._threads: list[threading.Thread] = []
+        ends = [end for group in groups.values() for end in (group if isinstance(group, tuple) else (group,))]
+        self._streams = [end for end in ends if isinstance(end, Stream)]  # closed by ``close``
 
         def remote(peer: WorkerId) -> int:
             relayed = relay is not None and me is not None and peer.stage != me.stage
@@ -142,8 +171,8 @@ class Transport:
 
     def send(self, message: Message, capacity: int, shaped: bool = True) -> None:
         """Queue ``message`` on its link; returns at once. ``capacity`` is the receiver's buffer size
-        for it (the same number ``expect`` got there). Unshaped messages (evaluation) are neither
-        held nor counted in the link's bytes."""
+        for it (the same number ``expect`` got there; unused on a TCP link). Unshaped messages
+        (evaluation) are neither held nor counted in the link's bytes."""
         self._raise_send_errors()
         release = self.pacers[message.dst].release_at(message.wire_bytes) if shaped else 0.0
         with self._idle:
@@ -153,7 +182,8 @@ class Transport:
 
     def expect(self, src: WorkerId, count: int, capacity: int) -> None:
         """Receive ``count`` messages, in order, on the link from ``src``, into buffers of
-        ``capacity`` bytes (larger messages arrive by the oversize path)."""
+        ``capacity`` bytes (larger messages arrive by the oversize path; a TCP link reads each
+        frame at its own size, up to ``max_message_bytes``, and ignores ``capacity``)."""
         self.expect_link((src, self.me), count, capacity)
 
     def expect_link(self, link: Link, count: int, capacity: int) -> None:
@@ -218,6 +248,11 @@ class Transport:
         which may sit in a receive from a frozen peer until their backstop; they are daemons)."""
         for q in [*self._send_q.values(), *self._recv_q.values()]:
             q.put(None)
+        senders = [t for t in self._threads if t.name.startswith("send-")]
+        for thread in senders if wait_s > 0 else ():
+            thread.join(timeout=wait_s)
+        for stream in self._streams:  # wakes a receiver blocked on its stream; sent bytes still leave
+            stream.close()
         for thread in self._threads if wait_s > 0 else ():
             thread.join(timeout=wait_s)
 
@@ -230,19 +265,17 @@ class Transport:
     def _send_loop(self, link: Link, dst: int, group, q: queue.Queue) -> None:
         peer = link[1]
         timeout = timedelta(seconds=3 * self.message_s)
+        if isinstance(group, Stream):
+            group.set_timeout(timeout.total_seconds())
         while (item := q.get()) is not None:
             message, release, capacity = item
             try:
                 buffer = pack(message, self.device)  # while the link still "carries" it
                 hold_until(release)  # the link model says the message arrives now
-                if buffer.numel() <= capacity:
-                    works = [_isend(buffer, dst, group, MESSAGE_TAG)]
-                else:  # a notice that fits, then the buffer where no posted receive can catch it
-                    notice = prefix(-1, buffer.numel(), self.device)
-                    works = [_isend(notice, dst, group, MESSAGE_TAG),
-                             _isend(buffer, dst, group, OVERSIZE_TAG)]
-                for work in works:
-                    work.wait(timeout)
+                if isinstance(group, Stream):  # a frame of its own size: no capacity, no notice
+                    group.send(buffer)
+                else:
+                    _send_posted(buffer, dst, group, capacity, timeout)
             except Exception as err:  # noqa: BLE001 — reported to the main thread, which raises
                 self._errors.append(f"lost the connection to worker {peer} while sending it "
                                     f"{message.kind} {message.microbatch} of step {message.step} "
@@ -257,37 +290,61 @@ class Transport:
         peer = link[0]
         # A backstop only: the main thread's own deadline (message_s) normally fires first.
         timeout = timedelta(seconds=3 * self.message_s)
+        if isinstance(group, Stream):
+            group.set_timeout(timeout.total_seconds())
         while (job := q.get()) is not None:
             count, capacity = job
-            capacity = max(capacity, PREFIX_BYTES)
-            posted: deque = deque()
             try:
-                for received in range(count):
-                    while len(posted) < WINDOW and received + len(posted) < count:
-                        buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-                        posted.append((buffer, _irecv(buffer, src, group, MESSAGE_TAG)))
-                    buffer, work = posted.popleft()
-                    work.wait(timeout)
-                    header_len, size = read_prefix(buffer)
-                    if header_len < 0:  # oversize notice: the message follows on its own tag
-                        if not PREFIX_BYTES <= size <= self.max_message_bytes:  # before allocating
-                            self.inbox.put(Forged(f"an oversize notice of {size} bytes (a message of "
-                                                  f"this run takes {PREFIX_BYTES} to "
-                                                  f"{self.max_message_bytes})", link))
-                            continue
-                        buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-                        _irecv(buffer, src, group, OVERSIZE_TAG).wait(timeout)
-                    if self.device.type == "cuda":
-                        torch.cuda.current_stream(self.device).synchronize()
-                    try:
-                        message = unpack(buffer, peer)
-                    except WireError as err:
-                        self.inbox.put(Forged(str(err), link))
-                        continue
-                    message.received_at = time.monotonic()  # a DP round's deadline is judged by it
-                    message.link = link  # the relay routes by the link, never by the header's dst
-                    self.inbox.put(message)
+                if isinstance(group, Stream):
+                    self._read_frames(link, group, count)
+                else:
+                    self._receive_posted(link, src, group, count, max(capacity, PREFIX_BYTES), timeout)
             except Exception as err:  # noqa: BLE001 — delivered to the main thread as an error
                 self.inbox.put(Broken(f"lost the connection to worker {peer} while receiving "
                                       f"from it ({gist(err)}; noticed by {self.me or 'the verifier'})", link))
                 return
+
+    def _receive_posted(self, link: Link, src: int, group, count: int, capacity: int,
+                        timeout: timedelta) -> None:
+        """gloo/NCCL: ``count`` messages into receives posted ``WINDOW`` ahead, larger ones by the
+        oversize path."""
+        posted: deque = deque()
+        for received in range(count):
+            while len(posted) < WINDOW and received + len(posted) < count:
+                buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+                posted.append((buffer, _irecv(buffer, src, group, MESSAGE_TAG)))
+            buffer, work = posted.popleft()
+            work.wait(timeout)
+            header_len, size = read_prefix(buffer)
+            if header_len < 0:  # oversize notice: the message follows on its own tag
+                if not PREFIX_BYTES <= size <= self.max_message_bytes:  # before allocating
+                    self.inbox.put(Forged(f"an oversize notice of {size} bytes (a message of "
+                                          f"this run takes {PREFIX_BYTES} to "
+                                          f"{self.max_message_bytes})", link))
+                    continue
+                buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+                _irecv(buffer, src, group, OVERSIZE_TAG).wait(timeout)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self._deliver(buffer, link)
+
+    def _read_frames(self, link: Link, stream: Stream, count: int) -> None:
+        """TCP: ``count`` frames off the stream, each refused before allocation if beyond the bound."""
+        for _ in range(count):
+            try:
+                buffer = stream.read_frame(self.max_message_bytes)
+            except FrameRefused as err:
+                self.inbox.put(Forged(str(err), link))
+                continue
+            self._deliver(buffer.to(self.device), link)
+
+    def _deliver(self, buffer: torch.Tensor, link: Link) -> None:
+        """Decode a received buffer into the inbox: the message, or Forged for bytes that lie."""
+        try:
+            message = unpack(buffer, link[0])
+        except WireError as err:
+            self.inbox.put(Forged(str(err), link))
+            return
+        message.received_at = time.monotonic()  # a DP round's deadline is judged by it
+        message.link = link  # the relay routes by the link, never by the header's dst
+        self.inbox.put(message)

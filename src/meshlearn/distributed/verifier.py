@@ -3,8 +3,9 @@
 With ``verify.name = "sentinel"`` the launcher (or torchrun) starts one rank more than the D × P
 workers: rank D·P runs no model. It holds the unchanged ``Sentinel`` — every boundary verifier and
 the ledger — and relays the pipeline, store and forward: worker (r, s) → verifier → worker
-(r, s ± 1), each hop on a two-rank group of its own per direction (``groups.py``), so a worker
-receives pipeline messages from the verifier only. Per message, in arrival order:
+(r, s ± 1), each hop on a connection of its own per direction (``groups.py``: a TCP stream under
+``dist.links = auto``, which no byte count a worker sends can abort; a gloo group with
+``collective``), so a worker receives pipeline messages from the verifier only. Per message, in arrival order:
 
 1. the *slot*: which step the message belongs to is read off its link's arrival count, never off
    its header — every schedule sends a link's messages step by step, M per step (async
@@ -16,7 +17,7 @@ receives pipeline messages from the verifier only. Per message, in arrival order
    must be its link's) and ``WireGuard.admit`` with the slot's step — a forged message becomes a
    quarantined stand-in with a rejection record, as in the simulator, where the receiver's guard
    runs before the monitors; bytes the transport refused unread (``Forged``: no valid message, or
-   an oversize notice beyond ``wire.message_bound``) become the same stand-in;
+   a frame or oversize notice beyond ``wire.message_bound``) become the same stand-in;
 3. ``Sentinel.inspect``, then the result — the message, a replacement or a skip-marked one — goes
    on to the link's destination (unshaped: the sender's hop already paced it to the logical
    link's profile).

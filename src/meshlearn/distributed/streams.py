@@ -1,0 +1,237 @@
+"""Pipeline links over framed TCP streams of our own (``dist.links = "tcp"``).
+
+Why: under gloo, a peer that sends more bytes than the receive it meets kills the receiving
+process (``gloo::EnforceNotMet``, SIGABRT in gloo's own thread, which nothing can catch), so one
+lying worker could end a verified run with one oversized buffer. On a stream the receiver decides
+how much it reads: it reads a frame's 16-byte prefix (``wire.py``: header length, body length),
+and allocates only if the header fits ``HEADER_ROOM`` and the whole frame the link's bound
+(``wire.message_bound``). A frame beyond that is read and thrown away in ``DISCARD_CHUNK`` pieces,
+so the stream stays in step and the link up, and the transport refuses it as ``Forged``. A prefix
+with a negative length says nothing about where its frame ends: only the prefix is consumed (what
+follows is the same peer's next frame, and a peer can only garble its own link).
+
+Connections (``connect_streams``): every process that receives on a link listens on one port,
+bound to the address this host uses to reach the rendezvous store (``local_address``; on one
+machine that is the store's own, 127.0.0.1 under the launcher) — never every interface — and
+publishes it on the store (``links/<rank>``). A sender connects and says which logical link the
+connection carries (a hello: ``HELLO_MAGIC``, a 2-byte length, ``"r0s0->r0s1"``); the listener
+accepts each link it expects once, acknowledges it with one byte, and closes any other
+connection (an unknown link, or a link already taken) unanswered. It stops listening once every
+expected link is in. The hello is the only identity: a process that can reach the port and
+speaks first could take a link in its peer's place (nothing is authenticated; see
+docs/distributed.md) — the real peer is then refused and its failure stops the run at start-up.
+Hellos are read one connection at a time, each within the set-up deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+
+import torch
+
+from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES
+from meshlearn.mesh.topology import WorkerId
+
+Link = tuple[WorkerId, WorkerId]
+Hop = tuple[Link, int, int]  # a logical link, the rank that sends on this connection, the one that receives
+
+HELLO_MAGIC = b"MLNK"
+HELLO_MAX = 256  # bytes a link's name may take in a hello
+ACK = b"\x01"
+DISCARD_CHUNK = 1 << 16  # a refused frame is read and dropped this many bytes at a time
+_PREFIX = struct.Struct("=qq")  # as wire.prefix writes it: two native int64
+
+
+class FrameRefused(Exception):
+    """A frame the receiver did not allocate for; the stream is past it (the link is still up)."""
+
+
+def link_name(link: Link) -> str:
+    return f"{link[0]}->{link[1]}"
+
+
+class Stream:
+    """One connected socket carrying one logical link in one direction: the sender writes whole
+    frames, the receiver reads them one by one against its bound."""
+
+    def __init__(self, sock: socket.socket, link: Link):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.link = link
+
+    def set_timeout(self, seconds: float) -> None:
+        """The longest one read or write may block (the transport's backstop)."""
+        self.sock.settimeout(seconds)
+
+    def send(self, buffer: torch.Tensor) -> None:
+        """A packed message (``wire.pack``) as one frame; a CUDA buffer is copied to the host."""
+        self.sock.sendall(memoryview(buffer.cpu().numpy()))
+
+    def read_frame(self, bound: int) -> torch.Tensor:
+        """The next frame as a CPU uint8 buffer, allocated only if its prefix claims at most
+        ``HEADER_ROOM`` header bytes and ``bound`` bytes in all; else FrameRefused, the frame
+        consumed. Raises ConnectionError when the peer closed the stream, OSError on a timeout."""
+        head = self._read_exact(PREFIX_BYTES)
+        header_len, body_len = _PREFIX.unpack(head)
+        if header_len < 0 or body_len < 0:
+            raise FrameRefused(f"a frame prefix claiming {header_len} + {body_len} bytes")
+        size = PREFIX_BYTES + header_len + body_len
+        if header_len > HEADER_ROOM or size > bound:
+            self._discard(size - PREFIX_BYTES)
+            raise FrameRefused(f"a frame of {size} bytes with a {header_len}-byte header (a message of "
+                               f"this run takes at most {bound}, its header {HEADER_ROOM})")
+        buffer = torch.empty(size, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        view[:PREFIX_BYTES] = head
+        self._read_into(view[PREFIX_BYTES:])
+        return buffer
+
+    def close(self) -> None:
+        """Shut the connection (wakes a thread blocked reading it); queued bytes still leave."""
+        with contextlib.suppress(OSError):  # already closed by the peer
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+    def _read_exact(self, n: int) -> bytes:
+        data = bytearray(n)
+        self._read_into(memoryview(data))
+        return bytes(data)
+
+    def _read_into(self, view: memoryview) -> None:
+        while len(view):
+            got = self.sock.recv_into(view)
+            if not got:
+                raise ConnectionError(f"the peer closed the link {link_name(self.link)}")
+            view = view[got:]
+
+    def _discard(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, DISCARD_CHUNK)))
+        while n:
+            got = self.sock.recv_into(scratch[:min(n, len(scratch))])
+            if not got:
+                raise ConnectionError(f"the peer closed the link {link_name(self.link)}")
+            n -= got
+
+
+def local_address(store_host: str, store_port: int) -> str:
+    """The address of this host's interface toward the rendezvous store: the one its peers reach
+    it on (a UDP ``connect`` only picks the route; nothing is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((store_host, store_port))
+        return probe.getsockname()[0]
+
+
+def hello(link: Link) -> bytes:
+    name = link_name(link).encode()
+    return HELLO_MAGIC + struct.pack("!H", len(name)) + name
+
+
+class Listener:
+    """This process's port for the links it receives on: accepts each expected link once."""
+
+    def __init__(self, address: str, expected: set[Link]):
+        self.expected = {link_name(link): link for link in expected}
+        self.streams: dict[Link, Stream] = {}
+        self.refused: list[str] = []  # why each other connection was closed (for the tests' eyes)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind((address, 0))
+        self.sock.listen(len(expected) + 8)
+        self.address = f"{address}:{self.sock.getsockname()[1]}"
+
+    def accept_all(self, deadline: float) -> None:
+        """Until every expected link is connected (or ``deadline``, a monotonic time: TimeoutError)."""
+        try:
+            while len(self.streams) < len(self.expected):
+                self.sock.settimeout(max(0.0, deadline - time.monotonic()))
+                try:
+                    conn, _ = self.sock.accept()
+                except TimeoutError:
+                    missing = sorted(set(self.expected) - {link_name(k) for k in self.streams})
+                    raise TimeoutError(f"links {missing} never connected") from None
+                self._admit(conn, deadline)
+        finally:
+            self.sock.close()
+
+    def _admit(self, conn: socket.socket, deadline: float) -> None:
+        """Read the hello; keep the connection for its link, or close it unanswered."""
+        conn.settimeout(max(0.0, deadline - time.monotonic()))
+        try:
+            name = _read_hello(conn)
+            why = ("no valid hello" if name is None
+                   else f"a hello for {name!r}, not a link this process receives" if name not in self.expected
+                   else f"a second hello for {name!r}" if self.expected[name] in self.streams
+                   else None)
+            if why is None:
+                conn.sendall(ACK)
+        except OSError as err:
+            why = f"no hello ({type(err).__name__}: {err})"
+        if why is not None:
+            self.refused.append(why)
+            conn.close()
+            return
+        link = self.expected[name]
+        self.streams[link] = Stream(conn, link)
+
+
+def _read_hello(conn: socket.socket) -> str | None:
+    """The link a hello names, or None for bytes that are no hello."""
+    head = _recv_exact(conn, len(HELLO_MAGIC) + 2)
+    length = struct.unpack("!H", head[len(HELLO_MAGIC):])[0]
+    if not head.startswith(HELLO_MAGIC) or length > HELLO_MAX:
+        return None
+    return _recv_exact(conn, length).decode(errors="replace")
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed before its hello")
+        data += chunk
+    return data
+
+
+def dial(address: str, link: Link, deadline: float) -> Stream:
+    """Connect to a listener at ``address`` ("host:port") for ``link``; returns once it accepted."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=max(0.0, deadline - time.monotonic()))
+    sock.sendall(hello(link))
+    if sock.recv(1) != ACK:
+        sock.close()
+        raise ConnectionError(f"{address} refused the link {link_name(link)}")
+    return Stream(sock, link)
+
+
+def connect_streams(store, rank: int, address: str, hops: list[Hop], timeout_s: float) -> dict[int, Stream]:
+    """This process's end of each of ``hops`` it is on, by the hop's index: listen for those it
+    receives (published on ``store`` as ``links/<rank>``), dial those it sends. ``address``: the
+    one to bind (``local_address``); ``timeout_s``: the whole set-up's deadline (dist.init_timeout_s).
+    Every process listens before it dials, so no two wait on each other."""
+    deadline = time.monotonic() + timeout_s
+    receiving = {i: link for i, (link, _, b) in enumerate(hops) if b == rank}
+    listener = Listener(address, set(receiving.values())) if receiving else None
+    failure: list[BaseException] = []
+    if listener is not None:
+        store.set(f"links/{rank}", listener.address)
+
+        def accept() -> None:
+            try:
+                listener.accept_all(deadline)
+            except BaseException as err:  # noqa: BLE001 — raised below, in the caller's thread
+                failure.append(err)
+
+        thread = threading.Thread(target=accept, name="tcp-links-accept", daemon=True)
+        thread.start()
+    streams = {i: dial(store.get(f"links/{b}").decode(), link, deadline)
+               for i, (link, a, b) in enumerate(hops) if a == rank}
+    if listener is not None:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if failure or thread.is_alive():
+            raise TimeoutError(f"rank {rank}: {failure[0] if failure else 'links never connected'}")
+        streams |= {i: listener.streams[link] for i, link in receiving.items()}
+    return streams
