@@ -44,6 +44,19 @@ def test_a_message_survives_the_wire_bit_for_bit():
         assert torch.equal(got.payload.tensors[name], tensor), name
 
 
+def test_a_header_beyond_the_room_receivers_allow_fails_at_its_honest_sender():
+    """A receiver refuses a header over HEADER_ROOM as a lie (streams.py): an honest message that
+    large must fail where it is packed, naming the limit, never reach a verifier as a forgery."""
+    many = {f"blocks.{i}.mlp.w": torch.zeros(1) for i in range(2000)}
+    src, dst = WorkerId(0, 0), WorkerId(2, 0)
+    message = Message("anchor_weights", 3, 0, src, dst, Encoded(many, (), torch.float32))
+    with pytest.raises(WireError, match=r"header .*may take 65536 bytes"):
+        pack(message, CPU)
+    deep = dict(list(many.items())[:300])
+    fits = Message("anchor_weights", 3, 0, src, dst, Encoded(deep, (), torch.float32))
+    assert len(unpack(pack(fits, CPU), src).payload.tensors) == 300  # a deep stage's snapshot
+
+
 def test_bad_bytes_name_the_peer_they_came_from():
     message = Message("act", 0, 0, WorkerId(0, 0), WorkerId(0, 1), Encoded({"v": torch.ones(3)}, (3,),
                                                                              torch.float32))

@@ -87,6 +87,10 @@ def pack(message: Message, device: torch.device) -> torch.Tensor:
         "version": message.version, "shape": list(payload.shape),
         "dtype": _dtype_name(payload.dtype), "meta": payload.meta, "tensors": specs,
     }).encode()
+    if len(header) > HEADER_ROOM:  # a receiver would refuse it as a lie: fail here, honestly
+        raise WireError(f"{message.kind} {message.microbatch} of step {message.step} has a "
+                        f"{len(header)}-byte header ({len(specs)} tensors); a message's header may "
+                        f"take {HEADER_ROOM} bytes (wire.HEADER_ROOM)")
     head = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
     body = [t.to(device) for t in tensors]
     body_len = sum(t.numel() for t in body)
