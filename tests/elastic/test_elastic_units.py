@@ -284,3 +284,19 @@ def test_a_worker_abandons_a_step_in_flight_and_stands_at_its_update(tiny_corpus
     assert all(torch.equal(t, before[k]) for k, t in worker.module.state_dict().items())
     feed(1)
     assert worker.next_action().kind == "F" and worker.next_action().microbatch == M  # step 1 runs
+
+
+def test_a_joiner_that_ends_while_the_launcher_reads_its_stat_has_exited(monkeypatch):
+    """The launcher follows joiners by pid (not its children): reading /proc/PID/stat of a process
+    that is exiting at that moment fails with ESRCH; that is an exit, not the launcher's crash."""
+    from pathlib import Path
+
+    from meshlearn.elastic import membership
+
+    assert membership._alive(os.getpid())
+
+    def ending(self, *args, **kwargs):
+        raise ProcessLookupError(3, "No such process")
+
+    monkeypatch.setattr(Path, "read_text", ending)
+    assert not membership._alive(os.getpid())

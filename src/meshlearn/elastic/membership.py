@@ -128,10 +128,11 @@ def publish_run(store: dist.Store, run_dir: Path, address: str, lighthouses: lis
 
 
 def _alive(pid: int) -> bool:
-    """Whether ``pid`` (not necessarily our child) still runs; a zombie has exited."""
+    """Whether ``pid`` (not necessarily our child) still runs; a zombie has exited. A process that
+    ends while its stat is read makes the read fail with ESRCH (ProcessLookupError), not ENOENT."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
     return state != "Z"
 
