@@ -6,6 +6,7 @@ heartbeat watch while linking, not at the rendezvous's timeout."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -120,5 +121,35 @@ def test_linking_with_a_partner_that_died_breaks_the_row_by_its_heartbeat():
     try:
         with pytest.raises(RowBroken, match="worker r0s1 stopped answering"):
             _links(store, FIRST, timeout_s=30.0).build(3, health.check)
+    finally:
+        health.stop()
+
+
+def test_a_partner_that_drops_the_rows_links_alone_breaks_the_row_at_the_others():
+    """A member that drops the row's links (here: it found another partner dead) says why under
+    the links' key; a partner still holding them — perhaps waiting on a link that will stay
+    silent — reads it with the heartbeats: RowBroken with that reason, and only for the links it
+    follows (after ``forget_row`` and for other links' keys, nothing)."""
+    bound = _store()
+    links = {w: _links(_client(bound), w) for w in (FIRST, LAST)}
+    key = links[LAST].dropped_key(4)
+    assert key == links[FIRST].dropped_key(4)  # the row's own, per link step
+    bound.store.set(key, "")
+    health = Health(_client(bound), MESH, 1, heartbeat_s=0.01, dead_after_s=60.0,
+                    store_owner="the test's store", grace_s=0.0, scope={0, 1})
+    health.start()
+    try:
+        health.follow(key)
+        links[FIRST].drop(3, "an older build's links")  # not the links it follows: nothing
+        links[FIRST].drop(4, "worker r0s2 stopped answering")
+        deadline = time.monotonic() + 10
+        while health.row_broken is None:
+            assert time.monotonic() < deadline, "the partner's note was not read"
+            time.sleep(0.01)
+        with pytest.raises(RowBroken, match=r"worker r0s0 dropped its row's links \(worker r0s2 stopped"):
+            health.check()
+        health.forget_row()
+        time.sleep(0.1)  # rounds of the monitor: the key is no longer followed
+        health.check()
     finally:
         health.stop()

@@ -177,7 +177,7 @@ class ElasticDriver(Evictions, DistDriver):
         partner found dead while linking breaks the row: this worker spectates the step."""
         held = self.linked_at
         if held is not None:
-            self._unlink()
+            self._unlink(f"its row links anew at step {step + 1}")
         row = {self.mesh.rank(WorkerId(self.me.replica, s)) for s in range(self.mesh.stages)}
         verifier = {self.mesh.world_size} if self.verdicts is not None else set()  # its rank, after ours
         self.health.watch(row | verifier)
@@ -190,6 +190,8 @@ class ElasticDriver(Evictions, DistDriver):
         self._replace_transport(groups, wait_s=1.0)
         check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")  # the links' sockets too
         self.linked_at = step
+        if not self.links.relayed:
+            self.health.follow(self.links.dropped_key(step))
         if held is not None:
             self._event("relinks", step, why=f"not every member of its row held its links of step {held + 1}")
         elif self.joined_at is not None or self.contributed_at is not None:  # not the start's links
@@ -241,7 +243,7 @@ class ElasticDriver(Evictions, DistDriver):
         if self.linked_at is None:
             self.health.forget_row()
             return
-        self._unlink()
+        self._unlink(why)
         self._spectates(step, why)
 
     def _spectates(self, step: int, why: str) -> None:
@@ -249,9 +251,12 @@ class ElasticDriver(Evictions, DistDriver):
         print(f"meshlearn worker {self.me}: stops training at step {step + 1} ({why}); it stays in its "
               f"stage's quorum and spectates until its row is complete again", file=sys.stderr, flush=True)
 
-    def _unlink(self) -> None:
-        """Close the row's links; no partner's death concerns this worker until it links again."""
+    def _unlink(self, why: str) -> None:
+        """Close the row's links, telling the partners why (one may be waiting on a link from this
+        worker: its heartbeat monitor reads it, ``Health.follow``); no partner's death concerns
+        this worker until it links again."""
         self.health.forget_row()
+        self.links.drop(self.linked_at, why)
         self._replace_transport({}, wait_s=0)
         self.linked_at = None
 

@@ -54,6 +54,14 @@ class RowLinks:
     def announce(self) -> None:
         self.store.set(generation_key(self.me), str(self.generation))
 
+    def dropped_key(self, step: int) -> str:
+        """Set by a member that drops the row's links of step ``step`` (why), read by the others'
+        heartbeat monitors (``Health.follow``), so no end stays waiting on a link its partner left."""
+        return f"elastic/links/r{self.me.replica}/{step}/dropped"
+
+    def drop(self, step: int, why: str) -> None:
+        self.store.set(self.dropped_key(step), f"worker {self.me} dropped its row's links ({why})")
+
     def build(self, step: int, check: Callable[[], None]) -> dict[tuple[WorkerId, WorkerId], PairGroup]:
         """Rendezvous with each neighbour for the links the row trains on from step ``step``, lower
         hop first in every process (a stage in the middle meets its upstream neighbour, then its
@@ -64,6 +72,7 @@ class RowLinks:
             return {link: pair_group(relay_store(self.store, link, hop), 0 if hop == "in" else 1,
                                      self.interface, self.timeout_s)
                     for link, hop in hops(self.mesh, self.me)}
+        self.store.compare_set(self.dropped_key(step), "", "")  # exists before anyone reads it
         groups = {}
         neighbours = [p for p in (self.mesh.prev_stage(self.me), self.mesh.next_stage(self.me))
                       if p is not None]
