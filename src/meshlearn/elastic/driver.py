@@ -185,6 +185,7 @@ class ElasticDriver(Evictions, DistDriver):
             groups = self.links.build(step, self.health.check)
         except RowBroken as err:  # (relayed links are built once, at the start: no partner died yet)
             self.health.forget_row()
+            self.links.drop(step, str(err))  # partners that linked with it already need not wait
             self._spectates(step, str(err))
             return
         self._replace_transport(groups, wait_s=1.0)
