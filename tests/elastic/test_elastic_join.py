@@ -1,4 +1,4 @@
-"""Replacements join a running mesh of two stages (real processes on loopback, shaped links).
+"""Replacements join a running mesh of two (and three) stages (real processes on loopback, shaped links).
 
 P = 2 × D = 2. A broken row: r1s1 is SIGKILLed; its partner r1s0 stays and *spectates* while row 0
 trains on; one ``meshlearn worker --join`` takes r1s1's slot and row 1 trains again. A replacement
@@ -132,10 +132,10 @@ def _live_run(cfg, run: Path, what: str) -> Iterator[tuple[dict, list[subprocess
         kill_leftovers(run)
 
 
-def _row_1_trains(run: Path) -> int:
-    """Wait for row 1 to train again (both its workers report it) and four steps more; the first
-    step it trained."""
-    wait_until(lambda: all(_event(run, n, "contributes") for n in ("r1s0", "r1s1")), 90,
+def _row_1_trains(run: Path, stages: int = 2) -> int:
+    """Wait for row 1 to train again (every one of its workers reports it) and four steps more;
+    the first step it trained."""
+    wait_until(lambda: all(_event(run, f"r1s{s}", "contributes") for s in range(stages)), 90,
                "row 1 training again")
     trains = _event(run, "r1s1", "contributes")["step"]
     wait_until(lambda: _last_record(run) >= trains + 4, 60, "four steps with row 1 training")
@@ -245,6 +245,53 @@ def test_a_broken_rows_partner_stays_and_one_joiner_completes_the_row(tiny_corpu
     assert json.loads((final / MANIFEST).read_text())["shards"] == ["r0s0", "r0s1", "r1s0", "r1s1"]
     for s in range(2):
         _assert_same_stage_state(_shard(final, f"r0s{s}"), _shard(final, f"r1s{s}"), strategy, f"stage {s}")
+
+
+@pytest.mark.slow
+def test_a_three_stage_rows_middle_replica_is_replaced_and_the_row_relinks(tiny_corpus, tmp_path):
+    """P = 3 × D = 2: r1s1, the middle of row 1, is SIGKILLed; both its partners (r1s0 upstream,
+    r1s2 downstream) stay and spectate; one ``--join`` takes r1s1's slot and all three link anew at
+    one agreed step (the middle meets its upstream partner, then its downstream one) and train:
+    every later step splits its batch over both rows and commits, and at the graceful stop each
+    of row 1's workers equals its stage's live replica bit for bit."""
+    cfg = tiny_config(tiny_corpus, *ELASTIC, "mesh.stages=3", "model.n_layer=3")
+    run = tmp_path / "run"
+    what = "the three-stage elastic run whose middle replica is replaced"
+    with _live_run(cfg, run, what) as (result, joiners):
+        os.kill(_members(run)["r1s1"]["pid"], signal.SIGKILL)
+        wait_until(lambda: _event(run, "r1s1", "left") and _event(run, "r1s0", "spectates")
+                   and _event(run, "r1s2", "spectates"), 60, "r1s1's departure and its partners spectating")
+        broke = max(_event(run, n, "spectates")["step"] for n in ("r1s0", "r1s2"))
+        wait_until(lambda: _last_record(run) >= broke + 2, 60, "a step with row 1 spectating")
+        address = json.loads((run / "elastic.json").read_text())["store"]
+        joiners.append(_join(address, run, tmp_path / "join.log"))  # the only free slot: r1s1
+        trains = _row_1_trains(run, stages=3)
+    output = (tmp_path / "join.log").read_text()
+    assert joiners[0].returncode == 128 + signal.SIGTERM, output
+    assert result["code"] == 0
+    assert "healed from a live replica of stage 1" in output
+    members = _members(run)
+    for name in ("r1s0", "r1s2"):
+        events = members[name]["events"]
+        assert [e["event"] for e in events] == ["joined", "spectates", "contributes", "finished"], events
+        assert events[2]["step"] == trains  # the whole row links at one step
+    replaced = members["r1s1"]["events"]
+    assert [e["event"] for e in replaced] == ["joined", "left", "joined", "contributes", "finished"], replaced
+    rows = records(run)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    by_step = {r["step"]: r for r in rows}
+    assert all(by_step[s]["rows"] == [0] for s in range(broke + 2, trains + 1))  # row 1 spectates
+    after = [by_step[s] for s in range(trains + 1, len(rows) + 1)]
+    assert len(after) >= 4 and all(r["rows"] == [0, 1] and r["committed"] for r in after)
+    committed = [r for r in rows if r["committed"]]
+    assert all(math.isfinite(r["train_loss"]) for r in committed)
+    assert [r["batch"] for r in committed] == list(range(len(committed)))
+    final = latest_complete(run)
+    assert final is not None and int(final.name.removeprefix("step-")) == len(rows)
+    shards = [f"r{r}s{s}" for r in range(2) for s in range(3)]
+    assert json.loads((final / MANIFEST).read_text())["shards"] == shards
+    for s in range(3):
+        _assert_identical(_shard(final, f"r0s{s}"), _shard(final, f"r1s{s}"), f"stage {s}")
 
 
 @pytest.mark.slow

@@ -70,7 +70,7 @@ def test_an_evicted_row_is_never_agreed_again_whatever_its_processes_do():
     results = {}
 
     def one(wid):  # every replica of both stages asks, the evicted row's too
-        results[wid] = RowAgreement(store, 2, 3, 5.0).agree(6, wid, 3)
+        results[wid] = RowAgreement(store, 2, 3, 5.0).agree(6, wid, 3, None).rows
 
     threads = [threading.Thread(target=one, args=(WorkerId(r, s),)) for r in range(3) for s in range(2)]
     for t in threads:

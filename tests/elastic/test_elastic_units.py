@@ -127,7 +127,8 @@ def _agree_all(quorums: dict[WorkerId, int], stages: int, replicas: int, deadlin
     results = {}
 
     def one(wid, participants):
-        results[wid] = RowAgreement(store, stages, replicas, deadline_s).agree(3, wid, participants)
+        agreement = RowAgreement(store, stages, replicas, deadline_s)
+        results[wid] = agreement.agree(3, wid, participants, None).rows
 
     threads = [threading.Thread(target=one, args=item) for item in quorums.items()]
     for t in threads:
@@ -148,7 +149,7 @@ def test_the_rows_of_a_step_are_those_with_every_stage_in_its_quorum():
 def test_a_step_whose_stage_has_no_quorum_stops_with_its_name():
     agreement = RowAgreement(BoundStore("127.0.0.1", 10).store, stages=2, replicas=2, deadline_s=0.3)
     with pytest.raises(RuntimeError, match="no replica of stage 1 is left"):
-        agreement.agree(3, WorkerId(0, 0), 1)
+        agreement.agree(3, WorkerId(0, 0), 1, None)
 
 
 @pytest.mark.parametrize(("contributors", "sequences", "rows", "ok"), [
@@ -283,3 +284,19 @@ def test_a_worker_abandons_a_step_in_flight_and_stands_at_its_update(tiny_corpus
     assert all(torch.equal(t, before[k]) for k, t in worker.module.state_dict().items())
     feed(1)
     assert worker.next_action().kind == "F" and worker.next_action().microbatch == M  # step 1 runs
+
+
+def test_a_joiner_that_ends_while_the_launcher_reads_its_stat_has_exited(monkeypatch):
+    """The launcher follows joiners by pid (not its children): reading /proc/PID/stat of a process
+    that is exiting at that moment fails with ESRCH; that is an exit, not the launcher's crash."""
+    from pathlib import Path
+
+    from meshlearn.elastic import membership
+
+    assert membership._alive(os.getpid())
+
+    def ending(self, *args, **kwargs):
+        raise ProcessLookupError(3, "No such process")
+
+    monkeypatch.setattr(Path, "read_text", ending)
+    assert not membership._alive(os.getpid())

@@ -80,6 +80,9 @@ class Health:
         self.failure: str | None = None
         # Elastic: a row partner's death, until the driver drops the row's links (``forget_row``)
         self.row_broken: str | None = None
+        # Elastic: the store key a partner of this worker's row sets when it drops the row's links
+        # (``follow``); read with the heartbeats
+        self.row_key: str | None = None
         self._row_lock = threading.Lock()  # the monitor's finding against the driver's forgetting
         # ranks whose silence is no failure: evicted ones (left for good), and the elastic verifier's
         # workers until its links with them are built (they may still be starting)
@@ -107,6 +110,13 @@ class Health:
         with self._row_lock:
             self.scope = set(ranks)
 
+    def follow(self, key: str) -> None:
+        """Elastic: the row's links are built; a partner that drops them alone (it found another
+        partner dead, or lost a link) says why under ``key`` (it exists, empty): that breaks the
+        row here too (RowBroken), also while this worker waits on a link that will stay silent."""
+        with self._row_lock:
+            self.row_key = key
+
     def check(self) -> None:
         """Raise WorkerFailure if the run is over (elastic: RowBroken if a row partner died);
         called between the steps of every wait."""
@@ -131,6 +141,7 @@ class Health:
         with self._row_lock:
             self.scope = {self.rank}
             self.row_broken = None
+            self.row_key = None
 
     def wait_work(self, work, what: str, deadline_s: float) -> None:
         """Wait for an async collective, checking liveness; ``what`` names it in errors."""
@@ -184,19 +195,22 @@ class Health:
         last_value = [-1] * self.world
         last_change = [time.monotonic()] * self.world
         while not self._stop.wait(self.heartbeat_s):
+            row_key = self.row_key
             try:
                 self.store.add(self._keys[self.rank], 1)
-                values = self.store.multi_get([*self._keys, ABORT_KEY])
+                values = self.store.multi_get([*self._keys, ABORT_KEY, *([row_key] if row_key else [])])
             except Exception as err:  # noqa: BLE001 — any store error means we lost the rendezvous
                 self._fail(f"lost the rendezvous store ({self.store_owner}) — {gist(err)} "
                            f"(noticed by {self.name})")
                 return
-            aborted = values[-1].decode()
+            aborted = values[self.world].decode()
             if aborted:
                 self._fail(aborted)
                 return
+            if row_key and (dropped := values[-1].decode()):
+                self._row_dropped(row_key, dropped)
             now = time.monotonic()
-            for rank, raw in enumerate(values[:-1]):
+            for rank, raw in enumerate(values[:self.world]):
                 value = int(raw.decode() or 0)
                 if value != last_value[rank]:
                     last_value[rank], last_change[rank] = value, now
@@ -230,6 +244,15 @@ class Health:
             if self.scope is not None and rank in self.scope and self.row_broken is None:
                 self.row_broken = message
                 self.scope = {self.rank}
+
+    def _row_dropped(self, key: str, message: str) -> None:
+        """A partner dropped the row's links (``follow``): as ``_row_lost``, if they are still
+        this worker's (it may have dropped them itself since the read)."""
+        with self._row_lock:
+            if self.row_key == key and self.row_broken is None:
+                self.row_broken = message
+                self.scope = {self.rank}
+                self.row_key = None
 
     def _watched(self, rank: int) -> bool:
         return rank not in self.ignored and (self.scope is None or rank in self.scope)

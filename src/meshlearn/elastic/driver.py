@@ -22,7 +22,8 @@ are the same code):
   missing from a step's agreement) drops the links — a step in flight is abandoned, its work
   dropped, and the worker adds zeros to its stage's sum, so the step commits nowhere and its batch
   is trained again — and *stays*: in its stage's quorum, spectating, until its row is complete
-  again (a ``meshlearn worker --join`` for the dead slot), when every member links anew;
+  again (a ``meshlearn worker --join`` for the dead slot); whether a member keeps its links or
+  links anew, and at which step, is the row agreement's (``rows.Agreed``), the same for every end;
 - a message-based DP strategy (DiLoCo, PowerSGD, sparse averaging) runs its rounds as sums over
   the quorum (``QuorumExchange``) inside the step, before the vote; an update that does not commit
   is rolled back (``Rollback``) and retried, as the same update ``u`` (committed updates so far), by
@@ -93,7 +94,7 @@ class ElasticDriver(Evictions, DistDriver):
         self.batch_index = 0  # the global batch the coming step trains: committed steps so far
         self.trained_batch = 0  # the one the last step trained (its record's ``batch``)
         self.sequences = 0  # sequences this worker trains in the coming step (0: spectating)
-        self.linked = False
+        self.linked_at: int | None = None  # the step this worker's row links were built at (None: none)
         self.contributed_at: int | None = None  # the last step this process's row linked at
         self.events = 0  # membership events sent to the launcher (``_event``)
         self.checkpoint_membership = ElasticCheckpoints(progress, self.mesh, self.me, lambda: self.rows,
@@ -147,18 +148,20 @@ class ElasticDriver(Evictions, DistDriver):
         if first:  # every socket of torchft's exists now: prove none is on another address
             check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")
         self.quorum_s += self.current.quorum_s
-        self.rows = self.agreement.agree(step, self.me, self.current.participants)
+        agreed = self.agreement.agree(step, self.me, self.current.participants, self.linked_at)
+        self.rows = agreed.rows
         if not self.rows:  # every row lost a stage replica (at different stages: not re-paired yet)
             raise WorkerFailure(f"no pipeline row is complete in step {step + 1}'s quorums: every row "
                                 f"lost a stage replica, so nothing can train (noticed by {self.me})")
         self.records.after_quorum(step)  # before the all-reduce: the file stays in step order
-        trains = self.me.replica in self.rows
-        if self.linked and not trains and not self.links.relayed:
-            # Every live member of the row sees this agreement: they all drop their links now and
-            # all link again at the same step, the first one their row trains.
+        # Every live member of the row reads this agreement: all drop their links at this step, or
+        # all link (again) at it, whatever each of them noticed alone.
+        drop, link_at = agreed.plan(self.me.replica, self.linked_at)
+        if drop and link_at is None and not self.links.relayed:
             self._drop_links(step, f"its row is not complete in step {step + 1}'s quorums")
-        if trains and not self.linked:
-            self._link_row(step)
+        if link_at is not None:
+            self._link_row(link_at)
+        trains = self.me.replica in self.rows and self.linked_at is not None
         reports = super().run_step(step, source) if trains else [self._spectate(step, source)]
         self.progress.set(f"progress/{self.me}", str(step + 1))
         return reports
@@ -168,16 +171,31 @@ class ElasticDriver(Evictions, DistDriver):
         return self.batch_index, self.rows
 
     def _link_row(self, step: int) -> None:
-        """The first step this row trains (again, after it broke): its pipeline links, and its
-        partners' deaths become this worker's concern (before, the slots beside it may still
-        name dead processes)."""
-        self._replace_transport(self.links.build(step), wait_s=1.0)
+        """The agreement links this row at ``step`` (its first step trained, or its members do not
+        all hold the same links): drop what this worker holds, link anew, and its partners' deaths
+        become its concern (they are all in their quorums: the slots name live processes). A
+        partner found dead while linking breaks the row: this worker spectates the step."""
+        held = self.linked_at
+        if held is not None:
+            self._unlink(f"its row links anew at step {step + 1}")
         row = {self.mesh.rank(WorkerId(self.me.replica, s)) for s in range(self.mesh.stages)}
         verifier = {self.mesh.world_size} if self.verdicts is not None else set()  # its rank, after ours
         self.health.watch(row | verifier)
+        try:
+            groups = self.links.build(step, self.health.check)
+        except RowBroken as err:  # (relayed links are built once, at the start: no partner died yet)
+            self.health.forget_row()
+            self.links.drop(step, str(err))  # partners that linked with it already need not wait
+            self._spectates(step, str(err))
+            return
+        self._replace_transport(groups, wait_s=1.0)
         check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")  # the links' sockets too
-        self.linked = True
-        if self.joined_at is not None or self.contributed_at is not None:  # not the start's links
+        self.linked_at = step
+        if not self.links.relayed:
+            self.health.follow(self.links.dropped_key(step))
+        if held is not None:
+            self._event("relinks", step, why=f"not every member of its row held its links of step {held + 1}")
+        elif self.joined_at is not None or self.contributed_at is not None:  # not the start's links
             self._event("contributes", step)
         self.contributed_at = step
 
@@ -197,7 +215,7 @@ class ElasticDriver(Evictions, DistDriver):
             self._abandon(err)
 
     def _send(self, message: Message, capacity: int) -> None:
-        if not self.linked:  # the row broke earlier in this step: its work is abandoned
+        if self.linked_at is None:  # the row broke earlier in this step: its work is abandoned
             return
         try:
             super()._send(message, capacity)
@@ -223,14 +241,25 @@ class ElasticDriver(Evictions, DistDriver):
     def _drop_links(self, step: int, why: str) -> None:
         """Step ``step`` is the first this worker does not train: close its row's links; it stays
         in its stage's quorum and spectates until the row is complete again (``_link_row``)."""
-        self.health.forget_row()
-        if not self.linked:
+        if self.linked_at is None:
+            self.health.forget_row()
             return
-        self._replace_transport({}, wait_s=0)
-        self.linked = False
+        self._unlink(why)
+        self._spectates(step, why)
+
+    def _spectates(self, step: int, why: str) -> None:
         self._event("spectates", step, why=why)
         print(f"meshlearn worker {self.me}: stops training at step {step + 1} ({why}); it stays in its "
               f"stage's quorum and spectates until its row is complete again", file=sys.stderr, flush=True)
+
+    def _unlink(self, why: str) -> None:
+        """Close the row's links, telling the partners why (one may be waiting on a link from this
+        worker: its heartbeat monitor reads it, ``Health.follow``); no partner's death concerns
+        this worker until it links again."""
+        self.health.forget_row()
+        self.links.drop(self.linked_at, why)
+        self._replace_transport({}, wait_s=0)
+        self.linked_at = None
 
     def _replace_transport(self, groups: dict, wait_s: float) -> None:
         """Links ``groups`` from now on (none: a broken row's survivor); the old links' threads are
@@ -258,7 +287,8 @@ class ElasticDriver(Evictions, DistDriver):
         self.worker.feed(work)
         self.fed = step
         M = self.cfg.mesh.microbatches
-        self.sequences = work.microbatch_size * M
+        # an agreed row's member that could not link (a partner found dead) trains nothing of its share
+        self.sequences = work.microbatch_size * M if self.linked_at is not None else 0
         if self.sequences:
             if self.prev:
                 self.transport.expect(self.prev, M, self.capacity)
@@ -431,7 +461,7 @@ class ElasticDriver(Evictions, DistDriver):
 
     def _evaluate_row(self, batches) -> float | None:
         worker = self.worker
-        if not self.linked or self.leaving is not None:  # (evicted: its row leaves, sends nothing)
+        if self.linked_at is None or self.leaving is not None:  # (evicted: its row leaves, sends nothing)
             return None
         if self.prev:
             self.transport.expect(self.prev, len(batches), self.eval_capacity)

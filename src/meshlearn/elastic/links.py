@@ -7,8 +7,11 @@ one per direction and hop, each a rendezvous under a store prefix that names bot
 generations* (a slot's generation counts the processes that have held it: 0 for the one the
 launcher started, then one more per joiner) and the step the row links at, so a new incarnation
 of a row never meets a dead one's half-built group. A row links at the first step it trains, and
-again at the first step it trains after it broke (a partner died: the survivors dropped their
-links, ``ElasticDriver``); every live member of the row links at that same step, agreed.
+again whenever its members do not all hold the same links (a partner died and the survivors
+dropped theirs, one end dropped them alone, a joiner took a slot): the row agreement fixes the step
+(``rows.Agreed``) and every live member of the row links at it. Before gloo's rendezvous (which
+blocks in C++ up to its timeout) both ends meet in the store while the row's heartbeat watch runs,
+so a partner that died after asking for the quorum is found in ``dist.dead_after_s`` (RowBroken).
 
 With SENTINEL (``relayed``) every logical link is two hops through the verifier process, as in the
 fixed-membership driver (``distributed/verifier.py``): worker → verifier on the link's ``in`` pair
@@ -20,9 +23,13 @@ Such a run takes no joiners (``elastic/evictions.py``), so every slot is generat
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch.distributed as dist
 
 from meshlearn.distributed.groups import PairGroup, pair_group
+from meshlearn.distributed.health import WorkerFailure
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
 
@@ -47,15 +54,25 @@ class RowLinks:
     def announce(self) -> None:
         self.store.set(generation_key(self.me), str(self.generation))
 
-    def build(self, step: int) -> dict[tuple[WorkerId, WorkerId], PairGroup]:
+    def dropped_key(self, step: int) -> str:
+        """Set by a member that drops the row's links of step ``step`` (why), read by the others'
+        heartbeat monitors (``Health.follow``), so no end stays waiting on a link its partner left."""
+        return f"elastic/links/r{self.me.replica}/{step}/dropped"
+
+    def drop(self, step: int, why: str) -> None:
+        self.store.set(self.dropped_key(step), f"worker {self.me} dropped its row's links ({why})")
+
+    def build(self, step: int, check: Callable[[], None]) -> dict[tuple[WorkerId, WorkerId], PairGroup]:
         """Rendezvous with each neighbour for the links the row trains on from step ``step``, lower
         hop first in every process (a stage in the middle meets its upstream neighbour, then its
-        downstream one: no cycle of waits). Relayed: this worker's hops to the verifier instead
-        (built once: such a run takes no joiners and its rows never link again)."""
+        downstream one: no cycle of waits); ``check`` raises if a partner is found dead while
+        waiting for it. Relayed: this worker's hops to the verifier instead (built once: such a run
+        takes no joiners, and its rows hold their first links to the end)."""
         if self.relayed:
             return {link: pair_group(relay_store(self.store, link, hop), 0 if hop == "in" else 1,
                                      self.interface, self.timeout_s)
                     for link, hop in hops(self.mesh, self.me)}
+        self.store.compare_set(self.dropped_key(step), "", "")  # exists before anyone reads it
         groups = {}
         neighbours = [p for p in (self.mesh.prev_stage(self.me), self.mesh.next_stage(self.me))
                       if p is not None]
@@ -63,11 +80,25 @@ class RowLinks:
             a, b = (peer, self.me) if peer.stage < self.me.stage else (self.me, peer)
             ga, gb = (int(self.store.get(generation_key(w)).decode()) for w in (a, b))
             base = f"elastic/links/{a}.{ga}-{b}.{gb}/{step}"
+            self._meet(base, peer, step, check)
             for src, dst in ((a, b), (b, a)):
                 prefixed = dist.PrefixStore(f"{base}/{src}>{dst}/", self.store)
                 groups[(src, dst)] = pair_group(prefixed, 0 if self.me == a else 1, self.interface,
                                                 self.timeout_s)
         return groups
+
+    def _meet(self, base: str, peer: WorkerId, step: int, check: Callable[[], None]) -> None:
+        """Wait for ``peer`` at the link's prefix, calling ``check`` between looks."""
+        self.store.set(f"{base}/here/{self.me}", "1")
+        end = time.monotonic() + self.timeout_s
+        pause = 1e-4
+        while not self.store.check([f"{base}/here/{peer}"]):
+            check()
+            if time.monotonic() >= end:
+                raise WorkerFailure(f"worker {peer} did not come to link its row at step {step + 1} "
+                                    f"within {self.timeout_s:.1f} s (noticed by {self.me})")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-2)
 
 
 def hops(mesh: MeshShape, wid: WorkerId) -> list[tuple[tuple[WorkerId, WorkerId], str]]:

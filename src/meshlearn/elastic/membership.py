@@ -9,8 +9,10 @@ Slots and generations: slot ``rRsS`` is held by one process at a time; the launc
 generation 0, each joiner that takes the slot over the next one. When generation g leaves, the
 launcher marks it free (``free_key``); a joiner takes it with compare-and-set on ``taken_key``
 (two joiners never take the same one), and reports its join and its end in the store. Every
-holder also reports when its row breaks (``spectates``) and trains again (``contributes``; a
-joiner's first step trained too); the launcher copies all of it to ``workers.json``.
+holder also reports when its row breaks (``spectates``), trains again (``contributes``; a
+joiner's first step trained too) and links anew while it still held links (``relinks``: the row
+agreement found its members holding different ones); the launcher copies all of it to
+``workers.json``.
 """
 
 from __future__ import annotations
@@ -126,10 +128,11 @@ def publish_run(store: dist.Store, run_dir: Path, address: str, lighthouses: lis
 
 
 def _alive(pid: int) -> bool:
-    """Whether ``pid`` (not necessarily our child) still runs; a zombie has exited."""
+    """Whether ``pid`` (not necessarily our child) still runs; a zombie has exited. A process that
+    ends while its stat is read makes the read fail with ESRCH (ProcessLookupError), not ENOENT."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
     return state != "Z"
 
@@ -189,7 +192,8 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
     def follow_events(slot: Slot) -> None:
         """What the holder reported since (``ElasticDriver._event``): its row broke and it
         spectates (``spectates``: the first step it did not train, why); its row trains again,
-        or a joiner's for the first time (``contributes``: the first step it trained)."""
+        or a joiner's for the first time (``contributes``: the first step it trained); its row
+        linked anew while it held links (``relinks``: the step, why)."""
         base = f"elastic/events/{slot.name}/{slot.generation}"
         for i in range(slot.events, int(prefixed.add(f"{base}/count", 0))):
             event = json.loads(prefixed.get(f"{base}/{i}").decode())

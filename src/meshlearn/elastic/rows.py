@@ -12,29 +12,75 @@ applies the same update as its peers, so it stays identical to them until its ro
 
 A quorum's members asked for it, so they are alive when it forms: their entries arrive within
 milliseconds, and the deadline only matters if one dies in between (it then counts as absent).
+
+The agreement also fixes, per row that trains, the links it trains on (``Agreed.linked_at``): each
+member reports the step its pipeline links were built at (``NOT_LINKED``: it holds none — a
+joiner, or a survivor that dropped them), and a row keeps its links only if every member reports
+the same ones; else every member drops what it holds and links anew at this step
+(``Agreed.plan``). Whether a worker links is thus decided by data every member of its row reads
+identically, never by what it alone noticed: one end that dropped its links while the other kept
+them (a one-sided break) cannot leave one waiting on a link the other never builds.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from meshlearn.distributed.health import WorkerFailure
 from meshlearn.mesh.topology import WorkerId
 
+NOT_LINKED = -1  # a member's report: it holds no pipeline links
 
-def encode_rows(rows: tuple[int, ...]) -> str:
-    return ",".join(map(str, rows)) or "-"
+
+@dataclass(frozen=True)
+class Agreed:
+    """A step's agreed rows, and per row the step whose links it trains on."""
+
+    rows: tuple[int, ...]
+    linked_at: dict[int, int]
+
+    def plan(self, replica: int, held: int | None) -> tuple[bool, int | None]:
+        """What a member of row ``replica`` holding the links of step ``held`` (None: none) does:
+        (drop what it holds, the step to link at or None). The same agreement gives every member
+        of a row the same target, so all ends drop and link together."""
+        if replica not in self.rows:
+            return held is not None, None
+        target = self.linked_at[replica]
+        if held == target:
+            return False, None
+        return held is not None, target
+
+
+def link_step(step: int, reports: Sequence[int]) -> int:
+    """The links a complete row trains ``step`` on, from its members' reports (the step each one's
+    links were built at, ``NOT_LINKED`` for none): the ones they all hold, if they hold the same;
+    else new ones at ``step`` for all of them."""
+    first = reports[0]
+    return first if first != NOT_LINKED and all(r == first for r in reports) else step
+
+
+def encode_agreed(agreed: Agreed) -> str:
+    return ",".join(f"{r}@{agreed.linked_at[r]}" for r in agreed.rows) or "-"
+
+
+def decode_agreed(raw: bytes | str) -> Agreed:
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    pairs = [tuple(int(v) for v in item.split("@")) for item in text.split(",") if item not in ("", "-")]
+    return Agreed(tuple(r for r, _ in pairs), dict(pairs))
 
 
 def decode_rows(raw: bytes | str) -> tuple[int, ...]:
-    text = raw.decode() if isinstance(raw, bytes) else str(raw)
-    return tuple(int(r) for r in text.split(",") if r not in ("", "-"))
+    """The agreed rows alone (the verifier's relay follows them, not their links)."""
+    return decode_agreed(raw).rows
 
 
 class RowAgreement:
-    """``agree(step, me, participants)`` → the rows that train ``step``, the same in every process."""
+    """``agree(step, me, participants, held)`` → the rows that train ``step`` and their links, the
+    same in every process (``held``: the step this worker's links were built at, None: none)."""
 
     def __init__(self, store: dist.Store, stages: int, replicas: int, deadline_s: float):
         self.store = store
@@ -42,8 +88,10 @@ class RowAgreement:
         self.replicas = replicas
         self.deadline_s = deadline_s
 
-    def agree(self, step: int, me: WorkerId, participants: int) -> tuple[int, ...]:
+    def agree(self, step: int, me: WorkerId, participants: int, held: int | None) -> Agreed:
         key = f"rows/{step}"
+        held_at = NOT_LINKED if held is None else held
+        self.store.set(f"{key}/links/{me}", str(held_at))  # before the row's count: a fixer reads it
         for s in range(self.stages):  # every counter exists before this stage's size says so, so a
             self.store.add(f"{key}/s{s}/count", 0)  # reader's multi_get never blocks on one
         self.store.add(f"{key}/r{me.replica}", 1)  # before the stage's count: a fixer sees it
@@ -53,16 +101,16 @@ class RowAgreement:
         pause = 1e-4
         while True:
             if self.store.check([f"{key}/fixed"]):
-                return decode_rows(self.store.get(f"{key}/fixed"))
+                return decode_agreed(self.store.get(f"{key}/fixed"))
             if self._complete(key):
-                return self._fix(key)
+                return self._fix(key, step)
             if time.monotonic() >= end:
                 missing = [s for s in range(self.stages) if not self.store.check([f"{key}/s{s}/n"])]
                 if missing:
                     raise WorkerFailure(f"no replica of stage {missing[0]} is left (step {step + 1} "
                                         f"has no quorum of it after {self.deadline_s:.1f} s; "
                                         f"noticed by {me})")
-                return self._fix(key)
+                return self._fix(key, step)
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
 
@@ -75,13 +123,17 @@ class RowAgreement:
         counts = [int(v) for v in self.store.multi_get([f"{key}/s{s}/count" for s in range(self.stages)])]
         return all(c >= n for c, n in zip(counts, sizes, strict=True))
 
-    def _fix(self, key: str) -> tuple[int, ...]:
+    def _fix(self, key: str, step: int) -> Agreed:
         """The complete rows, less those SENTINEL evicted (``evictions.evicted_key``, set by the
-        verifier before the verdict every worker reads first): whatever a banned process still does."""
+        verifier before the verdict every worker reads first): whatever a banned process still does;
+        each with the links it trains on (``link_step``: every member of a complete row reported)."""
         present = [int(self.store.add(f"{key}/r{r}", 0)) for r in range(self.replicas)]
         rows = tuple(r for r, n in enumerate(present)
                      if n == self.stages and not self.store.check([f"evicted/r{r}"]))
-        return decode_rows(self.store.compare_set(f"{key}/fixed", "", encode_rows(rows)))
+        linked_at = {r: link_step(step, [int(v) for v in self.store.multi_get(
+            [f"{key}/links/{WorkerId(r, s)}" for s in range(self.stages)])]) for r in rows}
+        fixed = self.store.compare_set(f"{key}/fixed", "", encode_agreed(Agreed(rows, linked_at)))
+        return decode_agreed(fixed)
 
 
 
