@@ -61,7 +61,8 @@ def horizon(cfg: RunConfig) -> Horizon:
     """The fill covers the pipeline's feed-ahead (async) and the DP strategy's lag (a sparse
     round is applied ``delay`` updates after it starts, a DiLoCo sync ``overlap`` updates after
     it starts); the window is a whole number of DP periods (a sparse round every ``every``
-    updates, a DiLoCo sync every ``H``), at least 1 step (2 under async). A flushing schedule's
+    updates, a DiLoCo sync every ``H``; with an anchor circuit, its hand-offs
+    every ``anchor.delay`` steps too), at least 1 step (2 under async). A flushing schedule's
     steps repeat from the second on: the first is the fill."""
     mesh, dp = cfg.mesh, cfg.dp
     flush = mesh.schedule != "async"
@@ -69,6 +70,8 @@ def horizon(cfg: RunConfig) -> Horizon:
     period, lag = {"sparse": (dp.every, dp.delay + dp.every),
                    "diloco": (dp.inner_steps, dp.overlap)}.get(dp.name, (1, 0))
     period_steps = period // math.gcd(period, updates)
+    if cfg.anchor.z:  # the anchor's hand-offs (its snapshot or pass traffic) repeat every K steps
+        period_steps = math.lcm(period_steps, cfg.anchor.delay)
     lag_steps = math.ceil(lag / updates)
     if flush:
         warm, tail, least = 1 + lag_steps, 0, 1
