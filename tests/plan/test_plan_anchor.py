@@ -8,7 +8,9 @@ import pytest
 
 from meshlearn.config import load_config
 from meshlearn.plan.cost import simulate
+from meshlearn.plan.planner import plan
 from meshlearn.plan.steady import steady
+from meshlearn.plan.table import format_table
 from meshlearn.train import Trainer
 
 SHORT = ["train.steps=4", "train.eval_every=2", "train.eval_batches=1", "train.checkpoint_every=0"]
@@ -70,3 +72,14 @@ def test_a_slow_anchor_is_reported_as_not_keeping_up():
     slow = steady(load_config("configs/demo.toml", [*base, "anchor.bandwidth_mbit=2"])).window.anchor
     assert not slow.keeps_up and slow.dropped_late > 0 and slow.delivered == 0
     assert slow.passes == fast.passes > 0  # the same window: whole hand-off periods
+
+
+def test_the_planner_reports_the_anchor_on_every_row():
+    cfg = load_config("configs/demo.toml", ["model.vocab_size=256", "mesh.replicas=1", *ANCHOR,
+                                            "anchor.weights=snapshot", "links.access=uplink"])
+    result = plan(cfg, sweep=())
+    rows = [result["given"], *result["methods"]]
+    assert len(rows) > 2 and all(r["anchor"]["keeps_up"] and r["anchor"]["bytes_per_token"] > 0 for r in rows)
+    assert "anchor B/tok" in format_table(result) and "keeps up" in format_table(result)
+    plain = plan(load_config("configs/demo.toml", ["model.vocab_size=256", "mesh.replicas=1"]), sweep=())
+    assert "anchor" not in plain["given"] and "anchor B/tok" not in format_table(plain)
