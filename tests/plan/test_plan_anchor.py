@@ -83,3 +83,12 @@ def test_the_planner_reports_the_anchor_on_every_row():
     assert "anchor B/tok" in format_table(result) and "keeps up" in format_table(result)
     plain = plan(load_config("configs/demo.toml", ["model.vocab_size=256", "mesh.replicas=1"]), sweep=())
     assert "anchor" not in plain["given"] and "anchor B/tok" not in format_table(plain)
+
+
+def test_a_hand_off_period_longer_than_half_the_search_is_one_window():
+    """K = 50 (the paper's longest ablation): the steady window is one whole hand-off period,
+    longer than half of plan.steady.MAX_STEPS (before: a window of 0 steps, a division by zero)."""
+    cfg = load_config("configs/demo.toml", ["model.vocab_size=256", "mesh.schedule=async", *ANCHOR,
+                                            "anchor.delay=50", "optim.spectral.max_staleness=60"])
+    window = steady(cfg).window
+    assert window.steps == 50 and window.anchor.passes == 1 and window.anchor.keeps_up

@@ -205,7 +205,7 @@ class Window:
     dp_link_share: float  # the busiest DP link's
     idle_fraction: float  # idle share of all workers' time
     path: dict[str, float] | None = None  # the critical path's share per resource (plan.critical)
-    uplink_share: float = 0.0  # the busiest access link's sending time / sim_s (PP and DP bytes)
+    uplink_share: float = 0.0  # the busiest access link's sending time / sim_s (PP, DP, anchor bytes)
     anchor: AnchorWindow | None = None  # ``anchor.z > 0``: its bytes, and whether it keeps up
 
     @property

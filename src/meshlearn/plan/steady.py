@@ -134,7 +134,8 @@ def measure(run: CostRun, h: Horizon) -> Window:
     of 8 microbatches: every 4), and a window of one pattern's first steps is not its mean. The
     period is a whole number of DP periods, seen twice and over at least two horizon windows
     (an async pipeline's steps alternate: one repeat of one step is no evidence). Past
-    ``MAX_STEPS`` without a repeat, the mean over the latest whole windows.
+    ``MAX_STEPS`` (or two windows, if longer) without a repeat, the mean over the latest whole
+    windows.
 
     A window in which a link or uplink was handed more bytes than it can send (busy share > 1)
     is only taken for an oversubscribed link if it stays so over a long one: the step times can
@@ -149,7 +150,7 @@ def measure(run: CostRun, h: Horizon) -> Window:
         marks.append(run.run(1))
         durations.append(marks[-1].sim_s - marks[-2].sim_s)
         p = period(durations, h.period, 2 * h.window)
-        if p is None and len(durations) >= MAX_STEPS:
+        if p is None and len(durations) >= max(MAX_STEPS, 2 * h.window):
             p = len(durations) // 2 // h.window * h.window
         if p is not None:  # whole periods, at least the horizon's window (the fill is the rest)
             span = p * math.ceil(h.window / p)
@@ -163,9 +164,9 @@ def _over(w: Window) -> bool:
 
 
 def confirmed(run: CostRun, marks: list, span: int) -> Window:
-    """The window over the latest whole ``span``s of ``MAX_STEPS`` steps after the fill
-    (``marks``: the counters at the fill's end and after every step since)."""
-    while len(marks) <= MAX_STEPS:
+    """The window over the latest whole ``span``s of ``MAX_STEPS`` steps after the fill (two
+    spans, if longer; ``marks``: the counters at the fill's end and after every step since)."""
+    while len(marks) <= max(MAX_STEPS, 2 * span):
         marks.append(run.run(1))
     steps = (len(marks) - 1) // span * span
     return run.window(marks[-1 - steps], marks[-1])
