@@ -128,7 +128,10 @@ def test_the_relay_is_one_contribution_of_each_round():
 
 
 @pytest.mark.parametrize("mode", [["anchor.send=factors", "anchor.weights=outer", "anchor.rank=3"],
-                                  ["anchor.send=gradients", "anchor.weights=snapshot"]])
+                                  ["anchor.send=gradients", "anchor.weights=snapshot"],
+                                  # the anchor's links on the senders' uplinks: their queues resume too
+                                  ["anchor.send=gradients", "anchor.weights=snapshot",
+                                   "links.access=uplink"]])
 def test_a_resumed_run_carries_the_anchor_stage_ema(tiny_corpus, tmp_path, mode):
     """Passes at t = 0, 3, 6 (K = 3), checkpoint at 4: the pass of step 6 folds into the anchor's
     EMA saved at step 4, and the fast workers' bases installed before it (factors: no EMA of their
@@ -143,6 +146,7 @@ def test_a_resumed_run_carries_the_anchor_stage_ema(tiny_corpus, tmp_path, mode)
     for key in (*COUNTS, "anchor_bytes_snapshot", "anchor_bytes_factors", "anchor_bytes_gradients",
                 "anchor_bytes_listen", "anchor_bytes_boundary"):
         assert whole_summary[key] == split_summary[key], key
+    assert whole_summary["sim_tokens_per_s"] == split_summary["sim_tokens_per_s"]
     assert whole_summary["anchor_passes"] == 3 and whole_summary["spectral_corrected_steps"] > 0
     for wid, worker in whole.workers.items():
         for p, q in zip(worker.module.parameters(), second.workers[wid].module.parameters(), strict=True):

@@ -17,8 +17,14 @@ factors of its thin SVD (``factors``, anchor/factors.py).
 The arithmetic is real (``anchor_gradients``); time is virtual. Compute is charged by the run's
 compute model on the anchor stage's own clock, messages on the anchor's own links (anchor stage
 s → s ± 1, fast (0, s) → anchor (z, s) for the hand-off and the listening, anchor (z, s) → fast
-(r, s) for the shares), so nothing here touches a fast worker's clock or link: the fast circuit is
-never delayed. Bytes are counted here, apart from the run's ``bytes_pp`` and ``bytes_dp``.
+(r, s) for the shares), so nothing here touches a fast worker's clock or link: with a queue per
+link (``links.access = off``) the fast circuit is never delayed. With one uplink per participant
+(``links.access = uplink``: ``uplink`` is the network's) every link leaves its sender's uplink,
+so fast (0, s)'s hand-off and relay wait behind, and delay, its own PP and DP sends, and each
+anchor stage's sends share the anchor stage's uplink. Bytes are counted here, apart from the run's
+``bytes_pp`` and ``bytes_dp``.
+
+``CostAnchorCircuit`` is the same circuit without the arithmetic (the planner's cost-only runs).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import copy
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +40,7 @@ from torch import Tensor
 
 from meshlearn.anchor.factors import AnchorEMA, basis_on_wire, factor_bytes
 from meshlearn.mesh.compute import ComputeModel, stage_shape
-from meshlearn.mesh.network import Link, LinkProfile
+from meshlearn.mesh.network import Link, LinkProfile, Uplink
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models.llama import Decoder
 from meshlearn.optim.spectral import AnchorBasis
@@ -149,6 +156,7 @@ class AnchorCircuit:
     rank: int = 64
     beta: float = 0.95
     weights: str = "outer"
+    uplink: Callable[[WorkerId], Uplink | None] | None = None  # a sender's access link, if shared
     ema: dict[WorkerId, AnchorEMA] = field(default_factory=dict)  # per anchor stage (send = factors)
     clock: dict[WorkerId, float] = field(default_factory=dict)  # when each anchor stage is free
     busy_s: dict[WorkerId, float] = field(default_factory=dict)
@@ -177,7 +185,8 @@ class AnchorCircuit:
         key = (src, dst)
         if key not in self.links:
             self.links[key] = Link(src, dst, "anchor", self.profile,
-                                   random.Random(f"{self.seed}:anchor:{src}->{dst}"))
+                                   random.Random(f"{self.seed}:anchor:{src}->{dst}"),
+                                   uplink=self.uplink(src) if self.uplink else None)
         return self.links[key]
 
     @torch.no_grad()
@@ -223,9 +232,7 @@ class AnchorCircuit:
             # Nothing to send (outer weights, a middle stage): ready once the listening is in.
             ready = link.transmit(sent_at[s], nbytes) if nbytes else link.last_arrival
             free.append(max(self.clock[me[s]], ready))
-        device = next(self.modules[0].parameters()).device  # the stages' own (the batch is on CPU)
-        batches = [(x.to(device), y.to(device)) for x, y in batches]
-        done = anchor_gradients(self.modules, batches, self.targets, dtype)
+        done = self._compute(batches, dtype)
         shapes = [stage_shape(m) for m in self.modules]
         micro = batches[0][0].shape[0]
 
@@ -257,13 +264,11 @@ class AnchorCircuit:
                     grad[s - 1][m] = self.link(me[s], me[s - 1]).transmit(end, nbytes)
         received = []
         for s in range(P):
+            nbytes = self.share_bytes(done.grads[s])
             if self.send == "factors":  # the stage's own EMA, its top-r factors on the wire
                 bases = self.ema[me[s]].fold(done.grads[s])
-                nbytes = sum(factor_bytes(tuple(g.shape), self.rank, dtype.itemsize)
-                             for g in done.grads[s].values())
                 received.append({n: basis_on_wire(b, dtype) for n, b in bases.items()})
             else:
-                nbytes = sum(g.numel() for g in done.grads[s].values()) * dtype.itemsize
                 received.append({n: on_wire(g, dtype) for n, g in done.grads[s].items()})
             for r in range(self.replicas):
                 if self.send == "factors":
@@ -273,6 +278,20 @@ class AnchorCircuit:
                 arrival[WorkerId(r, s)] = self.link(me[s], WorkerId(r, s)).transmit(free[s], nbytes)
             self.clock[me[s]] = free[s]
         return AnchorPass(z, step, received, arrival)
+
+    def _compute(self, batches: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> PassCompute:
+        """The pass's arithmetic, on the stages' own device (the batch comes on CPU)."""
+        device = next(self.modules[0].parameters()).device
+        batches = [(x.to(device), y.to(device)) for x, y in batches]
+        return anchor_gradients(self.modules, batches, self.targets, dtype)
+
+    def share_bytes(self, grads: dict[str, Tensor]) -> int:
+        """Wire bytes of one stage's share to one fast replica: each targeted matrix's top-r
+        factors (``send = factors``) or the matrix itself, in ``wire``."""
+        itemsize = WIRE[self.wire].itemsize
+        if self.send == "factors":
+            return sum(factor_bytes(tuple(g.shape), self.rank, itemsize) for g in grads.values())
+        return sum(g.numel() for g in grads.values()) * itemsize
 
     def state(self) -> dict:
         return {"clock": {str(w): t for w, t in self.clock.items()},
@@ -291,3 +310,26 @@ class AnchorCircuit:
         self.turn, self.passes = state["turn"], state["passes"]
         for w, ema in state["ema"].items():
             self.ema[WorkerId.parse(w)].load_state(ema)
+
+
+@dataclass
+class CostAnchorCircuit(AnchorCircuit):
+    """The anchor circuit in cost-only mode (``meshlearn plan``): ``modules`` on the meta device,
+    and a pass whose forward/backward do no arithmetic (meta tensors through autograd cost
+    seconds per pass at a 1B shape). Everything else — the hand-off and relay, the GPipe timing
+    on the anchor's clocks, every byte on its links and uplinks, the EMA and factors (their
+    shapes) — is ``AnchorCircuit``'s own code. ``d_model``: the boundary's width."""
+
+    d_model: int = 0
+
+    def _compute(self, batches: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> PassCompute:
+        """What ``anchor_gradients`` yields, by shape: each target's gradient (meta), no measured
+        seconds (the device model charges the compute), a boundary tensor of micro × seq × d."""
+        stages, micro, seq = len(self.modules), *batches[0][0].shape
+        grads = []
+        for module, names in zip(self.modules, self.targets, strict=True):
+            params = dict(module.named_parameters())
+            grads.append({n: torch.empty_like(params[n], device="meta") for n in names})
+        zeros = [[0.0] * len(batches) for _ in self.modules]
+        numel = [micro * seq * self.d_model if stages > 1 else 0 for _ in batches]
+        return PassCompute(grads, zeros, [list(z) for z in zeros], numel)

@@ -64,9 +64,12 @@ class AnchorCounters:
     delivered: int = 0  # deliveries folded in (one per fast worker and pass)
     dropped_late: int = 0  # deliveries still missing max_late steps past their due step
     staleness_sum: int = 0  # Σ (step folded in − step computed for) over the delivered
+    late_max: int = 0  # the most steps past its due step (t + K) a share was delivered at
 
 
 class AnchorCallback(Callback):
+    circuit_class: type[AnchorCircuit] = AnchorCircuit  # ``plan.anchor``: the cost-only one
+
     def __init__(self, cfg: Any, workers: dict, driver: Any, run_dir: Any, fresh: bool):
         self.cfg, self.a = cfg, cfg.anchor
         self.workers, self.driver = workers, driver
@@ -77,10 +80,11 @@ class AnchorCallback(Callback):
         pp = driver.network.axes.get("pp", driver.network.default)
         profile = replace(pp, bandwidth_mbit=self.a.bandwidth_mbit or pp.bandwidth_mbit,
                           latency_ms=self.a.latency_ms if self.a.latency_ms >= 0 else pp.latency_ms)
-        self.circuit = AnchorCircuit([w.module for w in fast], targets, self.a.z, replicas,
-                                     driver.compute, profile, self.a.wire_dtype, cfg.seed,
-                                     send=self.a.send, rank=self.a.rank,
-                                     beta=cfg.optim.spectral.beta_anc, weights=self.a.weights)
+        self.circuit = self.circuit_class([w.module for w in fast], targets, self.a.z, replicas,
+                                          driver.compute, profile, self.a.wire_dtype, cfg.seed,
+                                          send=self.a.send, rank=self.a.rank,
+                                          beta=cfg.optim.spectral.beta_anc, weights=self.a.weights,
+                                          uplink=driver.network.uplink, **self._circuit_extra())
         self.dp_seen = [0] * stages  # what fast (0, s) had sent on its DP links at the last relay
         self.run_dir = run_dir
         self.train_tokens = None
@@ -89,6 +93,10 @@ class AnchorCallback(Callback):
         self.steps_seen = 0
         if fresh:
             self._hand_off(0)
+
+    def _circuit_extra(self) -> dict:
+        """Keys of ``circuit_class`` beyond ``AnchorCircuit``'s (none here)."""
+        return {}
 
     # --- hand-offs and arrivals --------------------------------------------------------------
 
@@ -149,6 +157,7 @@ class AnchorCallback(Callback):
                     receive(name, value, step=d.step, now=now)
                 delivered += 1
                 self.counters.staleness_sum += now - d.step
+                self.counters.late_max = max(self.counters.late_max, late)
             elif late >= self.a.max_late:
                 dropped += 1  # not there yet, and next time it would be past the cap
             else:
@@ -179,6 +188,7 @@ class AnchorCallback(Callback):
         out = {"anchor_passes": self.circuit.passes, "anchor_delivered": c.delivered,
                "anchor_dropped_late": c.dropped_late, "anchor_pending_at_end": len(self.pending),
                "anchor_mean_staleness": c.staleness_sum / c.delivered if c.delivered else None,
+               "anchor_max_late_steps": c.late_max,
                "anchor_bytes_snapshot": b.snapshot, "anchor_bytes_boundary": b.boundary,
                "anchor_bytes_gradients": b.gradients, "anchor_bytes_factors": b.factors,
                "anchor_bytes_listen": b.listen,

@@ -13,6 +13,10 @@ When the replicas are mirror images (``plan.mirror.mirrors``: symmetric links), 
 row is simulated (``MirrorSimDriver``): the same numbers from 1/D of the events. ``mirror=False``
 simulates every replica (what the tests compare it with).
 
+With ``anchor.z > 0`` the anchor circuit runs beside the fast one (``plan.anchor``: the trainer's
+anchor plugin over a circuit without arithmetic), called at each step end as the trainer calls
+it; the window then also has the anchor's bytes and whether it keeps up (``Window.anchor``).
+
 ``critical_path=True`` runs the same simulation on seconds that carry their resource
 (``plan.critical``): each window then also says how its critical path splits between compute,
 PP and DP bandwidth, latency and optimizer steps (``Window.path``).
@@ -37,6 +41,8 @@ from meshlearn.mesh.schedule import build_plan
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepWork
 from meshlearn.models.split import build_stage
+from meshlearn.optim.spectral import SpectralCorrection
+from meshlearn.plan.anchor import AnchorMarks, AnchorWindow, CostAnchorCallback
 from meshlearn.plan.cost_worker import CostSimDriver, CostWorker
 from meshlearn.plan.critical import Seconds, SensitiveCompute, sensitive_network
 from meshlearn.plan.mask import MaskCostCodec
@@ -124,6 +130,8 @@ def build_cost_workers(cfg: RunConfig, network: Network, mask_keep: float | None
                             cfg.mesh.weight_stashing, seq_len=cfg.model.seq_len, d_model=cfg.model.d_model)
         with torch.device("meta"):  # what a strategy allocates (PowerSGD's Q, DiLoCo's copies) is shape only
             worker.dp = build_cost_strategy(cfg.dp, worker, dp_profile(network, mesh, wid))
+        if cfg.anchor.z:  # the anchor's targets and its arrivals' counters; never attached (no values)
+            worker.spectral = SpectralCorrection(worker.module.named_parameters(), cfg.optim.spectral)
         workers[wid] = worker
     return workers
 
@@ -180,6 +188,7 @@ class Counters:
     bytes_pp: int
     bytes_dp: int
     uplink_busy_s: dict[WorkerId, float]  # each sender's access link (``links.access = uplink``)
+    anchor: AnchorMarks | None = None  # ``anchor.z > 0``
 
 
 @dataclass(frozen=True)
@@ -196,7 +205,8 @@ class Window:
     dp_link_share: float  # the busiest DP link's
     idle_fraction: float  # idle share of all workers' time
     path: dict[str, float] | None = None  # the critical path's share per resource (plan.critical)
-    uplink_share: float = 0.0  # the busiest access link's sending time / sim_s (PP and DP bytes)
+    uplink_share: float = 0.0  # the busiest access link's sending time / sim_s (PP, DP, anchor bytes)
+    anchor: AnchorWindow | None = None  # ``anchor.z > 0``: its bytes, and whether it keeps up
 
     @property
     def tokens_per_s(self) -> float:
@@ -225,10 +235,16 @@ class CostRun:
         self.source = CostSource(cfg, steps, drain_at, row=self.mirrored)
         self.done = 0
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+        self.anchor = CostAnchorCallback(cfg, self.workers, self.driver, steps) if cfg.anchor.z else None
 
     def run(self, steps: int) -> Counters:
+        if self.anchor is not None and self.done == 0 and steps:
+            self.anchor.start()
         for _ in range(steps):
-            self.driver.run_step(self.done, self.source)
+            reports = self.driver.run_step(self.done, self.source)
+            if self.anchor is not None:  # as the trainer calls its plugins: once per report
+                for report in reports:
+                    self.anchor.on_step_end(report.step, report)
             self.done += 1
         return self.counters()
 
@@ -238,7 +254,8 @@ class CostRun:
                         {k: link.busy_s for k, link in links.items()},
                         {k: link.axis for k, link in links.items()},
                         self.driver.bytes_on_axis("pp"), self.driver.bytes_on_axis("dp"),
-                        {w: up.busy_s for w, up in self.driver.network.uplinks.items()})
+                        {w: up.busy_s for w, up in self.driver.network.uplinks.items()},
+                        AnchorMarks.of(self.anchor) if self.anchor is not None else None)
 
     def window(self, a: Counters, b: Counters) -> Window:
         seconds = b.sim_s - a.sim_s
@@ -252,7 +269,9 @@ class CostRun:
                       float(1.0 - sum(busy.values()) / (len(busy) * seconds)),
                       seconds.shares() if isinstance(seconds, Seconds) else None,
                       float(max((t - a.uplink_busy_s.get(w, 0.0) for w, t in b.uplink_busy_s.items()),
-                                default=0.0) / seconds))
+                                default=0.0) / seconds),
+                      AnchorWindow.between(a.anchor, b.anchor, (b.steps - a.steps) * self.tokens_per_step,
+                                           self.cfg.anchor.max_late) if b.anchor is not None else None)
 
 
 def simulate(cfg: RunConfig, steps: int, mask_keep: float | None = None,

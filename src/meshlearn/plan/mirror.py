@@ -33,10 +33,12 @@ def mirrors(cfg: RunConfig) -> bool:
     own: with ``links.access = "uplink"`` a worker's DP sends queue one behind another in its
     strategy's order of peers, and the mirror argument (r's part for 0 leaves when 0's part for r
     does) would need that order to be symmetric, which nothing checks: such meshes are simulated
-    whole."""
+    whole. So is a mesh with an anchor circuit (``anchor.z > 0``): its shares go to every fast
+    worker, each judged by its own clock."""
     link = cfg.link
     return (cfg.mesh.replicas > 1 and not cfg.links.overrides.strip()
-            and link.jitter_ms == 0 and link.loss_rate == 0 and cfg.links.access == "off")
+            and link.jitter_ms == 0 and link.loss_rate == 0 and cfg.links.access == "off"
+            and cfg.anchor.z == 0)
 
 
 class MirrorSimDriver(CostSimDriver):

@@ -51,6 +51,7 @@ def row(label: str, cfg: RunConfig, p: Prediction) -> dict:
                        "dp_link": window.dp_link_share, "uplink": window.uplink_share},
         "stash_versions": p.stash_versions, "in_flight_peak": p.in_flight_peak,
         "steps_simulated": p.steps_simulated,
+        **({"anchor": window.anchor.as_dict()} if window.anchor is not None else {}),
     }
 
 
@@ -86,7 +87,13 @@ def plan(cfg: RunConfig, rank: int = 0, keeps: tuple[float, ...] = MASK_KEEP,
         raise ValueError(f"binds = {binds!r}: allowed {list(BINDS)}")
     started = time.perf_counter()
     notes = ["mask rows: the planner's stand-in for the mask codec (plan.mask: round(keep·d) "
-             "values per token in codec.wire_dtype, no indices); the anchor circuit is not modelled"]
+             "values per token in codec.wire_dtype, no indices)" + (
+                 "" if cfg.anchor.z else "; anchor.z = 0: no anchor circuit")]
+    if cfg.anchor.z:
+        notes.append(f"anchor.z = {cfg.anchor.z}: every row runs the anchor circuit beside the fast "
+                     "one (plan.anchor: its hand-offs, relay, passes and shares on its own clocks and "
+                     "links; on the senders' uplinks with links.access = uplink); tokens/s is the fast "
+                     "circuit's")
     for key, on in [("verify.name", cfg.verify.name != "none"), ("warmup.enabled", cfg.warmup.enabled),
                     ("attack.kind", cfg.attack.kind != "none")]:
         if on:

@@ -61,7 +61,8 @@ def horizon(cfg: RunConfig) -> Horizon:
     """The fill covers the pipeline's feed-ahead (async) and the DP strategy's lag (a sparse
     round is applied ``delay`` updates after it starts, a DiLoCo sync ``overlap`` updates after
     it starts); the window is a whole number of DP periods (a sparse round every ``every``
-    updates, a DiLoCo sync every ``H``), at least 1 step (2 under async). A flushing schedule's
+    updates, a DiLoCo sync every ``H``; with an anchor circuit, its hand-offs
+    every ``anchor.delay`` steps too), at least 1 step (2 under async). A flushing schedule's
     steps repeat from the second on: the first is the fill."""
     mesh, dp = cfg.mesh, cfg.dp
     flush = mesh.schedule != "async"
@@ -69,6 +70,8 @@ def horizon(cfg: RunConfig) -> Horizon:
     period, lag = {"sparse": (dp.every, dp.delay + dp.every),
                    "diloco": (dp.inner_steps, dp.overlap)}.get(dp.name, (1, 0))
     period_steps = period // math.gcd(period, updates)
+    if cfg.anchor.z:  # the anchor's hand-offs (its snapshot or pass traffic) repeat every K steps
+        period_steps = math.lcm(period_steps, cfg.anchor.delay)
     lag_steps = math.ceil(lag / updates)
     if flush:
         warm, tail, least = 1 + lag_steps, 0, 1
@@ -131,18 +134,42 @@ def measure(run: CostRun, h: Horizon) -> Window:
     of 8 microbatches: every 4), and a window of one pattern's first steps is not its mean. The
     period is a whole number of DP periods, seen twice and over at least two horizon windows
     (an async pipeline's steps alternate: one repeat of one step is no evidence). Past
-    ``MAX_STEPS`` without a repeat, the mean over the latest whole windows."""
+    ``MAX_STEPS`` (or two windows, if longer) without a repeat, the mean over the latest whole
+    windows.
+
+    A window in which a link or uplink was handed more bytes than it can send (busy share > 1)
+    is only taken for an oversubscribed link if it stays so over a long one: the step times can
+    repeat while the bytes queued on a shared uplink land in a pattern of their own (PowerSGD's
+    rounds behind the pipeline's sends: every 6th step), so a short window can catch the
+    pattern's busy steps (busy 1.3 over 2 steps, 0.94 over 30, the backlog flat). The run then
+    steps on to ``MAX_STEPS`` steps after the fill and measures the latest whole windows of them
+    (``confirmed``); a queue that only grows stays over 1 there."""
     marks = [run.run(h.warm)]
     durations: list[float] = []
     while True:
         marks.append(run.run(1))
         durations.append(marks[-1].sim_s - marks[-2].sim_s)
         p = period(durations, h.period, 2 * h.window)
-        if p is None and len(durations) >= MAX_STEPS:
+        if p is None and len(durations) >= max(MAX_STEPS, 2 * h.window):
             p = len(durations) // 2 // h.window * h.window
         if p is not None:  # whole periods, at least the horizon's window (the fill is the rest)
             span = p * math.ceil(h.window / p)
-            return run.window(marks[-1 - span], marks[-1])
+            window = run.window(marks[-1 - span], marks[-1])
+            return confirmed(run, marks, span) if _over(window) else window
+
+
+def _over(w: Window) -> bool:
+    """Whether some link or uplink was handed more than it can send in ``w``."""
+    return max(w.pp_link_share, w.dp_link_share, w.uplink_share) > 1.0
+
+
+def confirmed(run: CostRun, marks: list, span: int) -> Window:
+    """The window over the latest whole ``span``s of ``MAX_STEPS`` steps after the fill (two
+    spans, if longer; ``marks``: the counters at the fill's end and after every step since)."""
+    while len(marks) <= max(MAX_STEPS, 2 * span):
+        marks.append(run.run(1))
+    steps = (len(marks) - 1) // span * span
+    return run.window(marks[-1 - steps], marks[-1])
 
 
 @functools.lru_cache(maxsize=512)

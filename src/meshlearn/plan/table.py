@@ -45,15 +45,30 @@ def header(result: dict) -> str:
             f"{link['latency_ms']:g} ms one way{shared}\n")
 
 
+def _anchor(r: dict) -> str:
+    """An anchored row's anchor: bytes per token, and whether it keeps up (shares dropped)."""
+    a = r["anchor"]
+    if a["keeps_up"]:
+        state = f"keeps up (≤ {a['late_max']} of {a['max_late']} steps late)"
+    elif a["dropped_late"]:
+        state = f"LATE: {a['dropped_late']} of {a['delivered'] + a['dropped_late']} shares dropped"
+    else:
+        state = "nothing due yet"
+    return f"{_bytes(a['bytes_per_token'])} {state}"
+
+
 def format_table(result: dict) -> str:
     doubling = result["binds_from"] == "doubling"
-    cols = ["method", "tokens/s", "B/tok PP", "B/tok DP", "memory/worker (w+g+opt+act+stash)", "fits",
+    anchored = "anchor" in result["given"]
+    cols = ["method", "tokens/s", "B/tok PP", "B/tok DP", *(["anchor B/tok"] if anchored else []),
+            "memory/worker (w+g+opt+act+stash)", "fits",
             "idle", "binds (tokens/s × if doubled)" if doubling else "binds (share of the critical path)"]
     lines = []
     for r in [result["given"], *result["methods"]]:
         lines.append([r["method"], f"{r['tokens_per_s']:,.0f}", _bytes(r["bytes_per_token_pp"]),
-                      _bytes(r["bytes_per_token_dp"]), _memory(r["memory_gb"]),
-                      "yes" if r["fits"] else "NO", f"{r['idle_fraction']:.2f}", _binds(r)])
+                      _bytes(r["bytes_per_token_dp"]), *([_anchor(r)] if anchored else []),
+                      _memory(r["memory_gb"]), "yes" if r["fits"] else "NO", f"{r['idle_fraction']:.2f}",
+                      _binds(r)])
     widths = [max(len(x[i]) for x in [cols, *lines]) for i in range(len(cols))]
     fmt = "  ".join(f"{{:<{w}}}" if i in (0, len(cols) - 1) else f"{{:>{w}}}" for i, w in enumerate(widths))
     body = "\n".join(fmt.format(*x) for x in [cols, *lines])
@@ -68,7 +83,10 @@ def format_table(result: dict) -> str:
                   "path (compute, PP or DP bandwidth, latency; upd: optimizer steps); doubling "
                   "it gains at most 1/(1 − share/2) (none: under 5%); ")
               + "oversubscribed: a link handed more bytes than it can send, whose queue grows "
-              "for as long as the run lasts (no steady state).")
+              "for as long as the run lasts (no steady state)." + (
+                  "\nanchor B/tok: the anchor circuit's bytes (hand-offs, relay, boundaries, shares) "
+                  "per training token; keeps up: no share dropped (each arrived by its due step + "
+                  "anchor.max_late; the most steps late shown)." if anchored else ""))
     notes = "\n".join(f"note: {n}" for n in result["notes"])
     processes = f"{result['processes']} process{'es' if result['processes'] > 1 else ''}"
     timing = f"\nplanner: {result['planner_s']:.1f} s ({result['simulations']} simulations on {processes})"
