@@ -105,19 +105,42 @@ def test_every_replica_of_a_stage_killed_stops_with_its_name_and_resume_is_exact
 
 
 @pytest.mark.slow
-def test_rows_broken_at_different_stages_stop_the_run_naming_it(tiny_corpus, tmp_path, capsys):
-    """r0s1 and r1s0 killed: a replica of each stage lives (r0s0, r1s1) but no row is complete and
-    rows are not re-paired across replicas: the survivors stop at once, saying so, instead of
-    spectating every remaining step uncommitted."""
-    cfg = tiny_config(tiny_corpus, *ELASTIC, "train.steps=30")
+def test_rows_broken_at_different_stages_are_re_paired_and_train_on(tiny_corpus, tmp_path):
+    """r0s1 and r1s0 killed at once: no slot row is complete, but a replica of each stage lives
+    (r0s0, r1s1). They are re-paired as row (0, 1) — r0s0's activations go to r1s1 — and train
+    every later step with the whole batch, the batches in order, none skipped or trained twice."""
+    cfg = tiny_config(tiny_corpus, *ELASTIC, "train.steps=10")
     run = tmp_path / "run"
-    assert launch_and_signal(cfg, run, ("r0s1", "r1s0"), (signal.SIGSTOP, signal.SIGKILL), 90) == 1
-    report = capsys.readouterr().err
-    assert "no pipeline row is complete in step" in report.splitlines()[0], report
-    assert train_records(run) < 30
+    assert launch_and_signal(cfg, run, ("r0s1", "r1s0"), (signal.SIGSTOP, signal.SIGKILL), 120) == 0
+    rows = records(run)
+    assert [r["step"] for r in rows] == list(range(1, 11))  # every step once
+    assert rows[0]["rows"] == [0, 1]
+    repaired = next(i for i, r in enumerate(rows) if r["rows"] == [[0, 1]])
+    assert repaired >= 2  # two steps committed with the slot rows before the kill
+    assert all(r["rows"] == [[0, 1]] for r in rows[repaired:])
+    # The re-pairing step commits only if torchft's quorums have dropped the dead already; from
+    # the next step on every step commits, with the re-paired row alone.
+    after = rows[repaired + 1:]
+    assert len(after) >= 4 and all(r["committed"] and r["participants"] == 1 for r in after)
+    committed = [r for r in rows if r["committed"]]
+    assert all(math.isfinite(r["train_loss"]) for r in committed)
+    assert len(rows) - len(committed) <= 2  # the step the kills landed in, and the re-pairing one
+    assert [r["batch"] for r in committed] == list(range(len(committed)))  # in order, each once
+    for r, following in zip(rows, rows[1:], strict=False):
+        assert following["batch"] == r["batch"] + r["committed"]
     members = json.loads((run / WORKERS_FILE).read_text())
-    for name in ("r0s0", "r1s1"):
-        assert members[name]["events"][-1]["event"] == "left", members[name]
+    for name in ("r0s1", "r1s0"):
+        assert members[name]["events"][-1]["why"] == "killed by SIGKILL"
+    step = rows[repaired]["step"] - 1  # 0-based, as events name steps
+    for name, partner in (("r0s0", "r1s1"), ("r1s1", "r0s0")):
+        events = members[name]["events"]
+        kinds = [e["event"] for e in events]
+        assert kinds[0] == "joined" and kinds[-1] == "finished" and "repaired" in kinds, events
+        pairing = events[kinds.index("repaired")]
+        assert (pairing["step"], pairing["row"], pairing["partners"]) == (step, [0, 1], [partner])
+        assert events[-1] == {"event": "finished", "step": 10, "why": "finished"}
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 10 and summary["final_train_loss"] is not None
 
 
 @pytest.mark.slow

@@ -84,7 +84,8 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
             time.sleep(0.01)
     shared = dist.PrefixStore("elastic/", store)
     vote = CommitVote(shared, mesh.stages, timeouts.collective_s)
-    rows = RowAgreement(shared, mesh.stages, mesh.replicas, timeouts.quorum_s)  # a quorum may wait
+    rows = RowAgreement(shared, mesh.stages, mesh.replicas, timeouts.quorum_s,  # a quorum may wait
+                        repair=cfg.verify.name != "sentinel")  # the relay's hops are the slot rows
     driver.append(ElasticDriver(cfg, worker, session.health, session.device, session.comm, quorum, vote,
                                 rows, links, store))
     if joining():
