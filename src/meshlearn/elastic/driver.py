@@ -4,7 +4,7 @@ What changes against the fixed-membership DistDriver (the pipeline, its messages
 are the same code):
 
 - each step starts with the stage's quorum (``StageQuorum.begin``), then the rows that train the
-  step are agreed (``RowAgreement``: rows every stage of which is in its quorum); they split the
+  step are agreed (``RowAgreement``: rows every worker of which is in its stage's quorum); they split the
   step's global batch (``data_plan``); the other live replicas spectate (``Worker.spectate``);
 - the gradients are summed over the quorum (torchft's all-reduce) with two counts beside them,
   contributing replicas and sequences trained: the mean divides by the former, and a stage says
@@ -22,8 +22,11 @@ are the same code):
   missing from a step's agreement) drops the links — a step in flight is abandoned, its work
   dropped, and the worker adds zeros to its stage's sum, so the step commits nowhere and its batch
   is trained again — and *stays*: in its stage's quorum, spectating, until its row is complete
-  again (a ``meshlearn worker --join`` for the dead slot); whether a member keeps its links or
-  links anew, and at which step, is the row agreement's (``rows.Agreed``), the same for every end;
+  again (a ``meshlearn worker --join`` for the dead slot) or re-paired (rows are assignments
+  stage → replica formed per step: survivors of rows broken at different stages make one row,
+  and the driver's peers, links, pacers and heartbeat watch follow the agreed row); whether a
+  member keeps its links or links anew, and at which step, is the row agreement's
+  (``rows.Agreed``), the same for every end;
 - a message-based DP strategy (DiLoCo, PowerSGD, sparse averaging) runs its rounds as sums over
   the quorum (``QuorumExchange``) inside the step, before the vote; an update that does not commit
   is rolled back (``Rollback``) and retried, as the same update ``u`` (committed updates so far), by
