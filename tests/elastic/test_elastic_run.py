@@ -123,14 +123,18 @@ def _kill_one_then_the_other(cfg, run: Path) -> int:
     return result["code"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("when", ["at once", "one then the other"])
-def test_rows_broken_at_different_stages_are_re_paired_and_train_on(tiny_corpus, tmp_path, when):
+@pytest.mark.parametrize(("when", "strategy"), [
+    pytest.param("at once", [], id="at once"),
+    pytest.param("one then the other", [], marks=pytest.mark.slow, id="one then the other"),
+    pytest.param("at once", ["dp.name=diloco", "dp.inner_steps=2", "dp.fragments=2", "dp.compress=powersgd",
+                             "dp.rank=2"], marks=pytest.mark.slow, id="at once-diloco")])
+def test_rows_broken_at_different_stages_are_re_paired_and_train_on(tiny_corpus, tmp_path, when, strategy):
     """r0s1 and r1s0 killed (at once, or at different steps): no slot row is complete, but a
     replica of each stage lives (r0s0, r1s1). They are re-paired as row (0, 1) — r0s0's
     activations go to r1s1 — and train every later step with the whole batch, the batches in
-    order, none skipped or trained twice."""
-    cfg = tiny_config(tiny_corpus, *ELASTIC, "train.steps=12")
+    order, none skipped or trained twice (also under a message-based DP strategy: its rounds are
+    sums over the quorum, whoever is paired with whom)."""
+    cfg = tiny_config(tiny_corpus, *ELASTIC, "train.steps=12", *strategy)
     run = tmp_path / "run"
     if when == "at once":
         code = launch_and_signal(cfg, run, ("r0s1", "r1s0"), (signal.SIGSTOP, signal.SIGKILL), 120)
