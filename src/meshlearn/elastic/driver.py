@@ -56,6 +56,7 @@ from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.checkpoints import ElasticCheckpoints
 from meshlearn.elastic.evictions import Evictions
 from meshlearn.elastic.links import RowLinks, neighbours
+from meshlearn.elastic.membership import WRITER_ENV
 from meshlearn.elastic.quorum import CommitVote, QuorumStep, StageQuorum
 from meshlearn.elastic.records import ElasticRecords
 from meshlearn.elastic.rollback import Rollback
@@ -82,9 +83,11 @@ class ElasticDriver(Evictions, DistDriver):
         self.links = links
         self.generation = links.generation
         self.progress = progress  # the run store: this worker's last step, for workers.json
-        # writes config.toml, run.json and starts metrics.jsonl; the records of each step are
-        # written by the process that claims them (``records``), the summary by the last one's
-        self.writes_records = self.me == WorkerId(0, self.mesh.stages - 1)
+        # writes config.toml, run.json and starts metrics.jsonl: the launcher names it (a resume
+        # may not start r0s{P-1}; a joiner never is); the records of each step are written by the
+        # process that claims them (``records``), the summary by the last one's
+        writer = os.environ.get(WRITER_ENV, str(WorkerId(0, self.mesh.stages - 1)))
+        self.writes_records = writer == str(self.me)
         self.records = ElasticRecords(progress, self.mesh, self.me, lambda: self.rows)
         self.current: QuorumStep | None = None
         self.report: StepReport | None = None

@@ -39,6 +39,9 @@ LIGHTHOUSES_ENV = "MESHLEARN_LIGHTHOUSES"  # the stages' lighthouse addresses, c
 LIGHTHOUSES_KEY = "elastic/lighthouses"  # the same, in the run's store, for joiners
 JOIN_ENV = "MESHLEARN_JOIN"  # "1" in a process started by `meshlearn worker --join`
 GENERATION_ENV = "MESHLEARN_GENERATION"  # the slot's generation this process holds (joiners: >= 1)
+# The worker that writes config.toml and run.json and starts (or truncates) metrics.jsonl: the
+# first last-stage worker the launcher starts (a resume may not start r0s{P-1}); never a joiner.
+WRITER_ENV = "MESHLEARN_WRITER"
 STARTED_ENV = "MESHLEARN_STARTED"  # how many workers the launcher started (resume: the checkpoint's)
 RUN_FILE = "elastic.json"  # in the run folder: the store's address, for `meshlearn worker --join`
 WORKERS_FILE = "workers.json"  # worker → rank, pid, and its membership events (joined, left)

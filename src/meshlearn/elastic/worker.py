@@ -35,6 +35,7 @@ from meshlearn.elastic.membership import (
     LIGHTHOUSES_KEY,
     RUN_FILE,
     STARTED_ENV,
+    WRITER_ENV,
     free_key,
     taken_key,
 )
@@ -123,6 +124,6 @@ def prepare_join(address: str, run_dir: Path) -> RunConfig:
     os.environ.update({"RANK": str(mesh.rank(wid)), "WORLD_SIZE": str(mesh.world_size),
                        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": host, "MASTER_PORT": port,
                        LIGHTHOUSES_ENV: store.get(LIGHTHOUSES_KEY).decode(), JOIN_ENV: "1",
-                       GENERATION_ENV: str(held + 1),
+                       GENERATION_ENV: str(held + 1), WRITER_ENV: "",  # a joiner never starts the files
                        "MESHLEARN_STORE_OWNER": f"the launcher's store at {address}"})
     return cfg
