@@ -80,12 +80,17 @@ class Agreed:
         return held is not None, target[1]
 
 
+def intact(row: Row, reports: Sequence[Held | None]) -> bool:
+    """Whether every member of ``row`` (``reports``, in stage order) holds this row's links of
+    one build."""
+    first = reports[0]
+    return first is not None and first[0] == row and all(r == first for r in reports)
+
+
 def link_step(step: int, row: Row, reports: Sequence[Held | None]) -> int:
     """The links row ``row`` trains ``step`` on, from its members' reports: the ones they all hold,
-    if each holds this row's links of the same build; else new ones at ``step`` for all of them."""
-    first = reports[0]
-    keep = first is not None and first[0] == row and all(r == first for r in reports)
-    return first[1] if keep else step
+    if the row is ``intact``; else new ones at ``step`` for all of them."""
+    return reports[0][1] if intact(row, reports) else step
 
 
 def form_rows(step: int, present: Sequence[set[int]], held: dict[WorkerId, Held | None],
@@ -99,11 +104,11 @@ def form_rows(step: int, present: Sequence[set[int]], held: dict[WorkerId, Held 
     free = [set(p) for p in present]
     linked: dict[Row, int] = {}
 
-    def members(row: Row) -> list[WorkerId]:
-        return [WorkerId(r, s) for s, r in enumerate(row)]
+    def reports(row: Row) -> list[Held | None]:
+        return [held.get(WorkerId(r, s)) for s, r in enumerate(row)]
 
     def take(row: Row) -> None:
-        linked[row] = link_step(step, row, [held.get(m) for m in members(row)])
+        linked[row] = link_step(step, row, reports(row))
         for s, r in enumerate(row):
             free[s].discard(r)
 
@@ -113,14 +118,12 @@ def form_rows(step: int, present: Sequence[set[int]], held: dict[WorkerId, Held 
     stages = len(present)
     if repair:
         for row in sorted({h[0] for h in held.values() if h is not None}):
-            reports = [held.get(m) for m in members(row)]
-            if available(row) and reports[0] is not None and reports[0][0] == row and \
-                    all(r == reports[0] for r in reports):
+            if available(row) and intact(row, reports(row)):
                 take(row)
     for r in sorted(set.intersection(*free) if free else set()):
         take(slot_row(r, stages))
     if repair:
-        for left in zip(*(sorted(f) for f in list(free)), strict=False):
+        for left in zip(*[sorted(f) for f in free], strict=False):
             take(tuple(left))
     rows = tuple(sorted(linked))
     return Agreed(rows, {row: linked[row] for row in rows})
