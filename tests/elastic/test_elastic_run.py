@@ -168,6 +168,8 @@ def test_rows_broken_at_different_stages_are_re_paired_and_train_on(tiny_corpus,
         pairing = events[kinds.index("repaired")]
         assert (pairing["step"], pairing["row"], pairing["partners"]) == (step, [0, 1], [partner])
         assert events[-1] == {"event": "finished", "step": 12, "why": "finished"}
+    evals = records(run, "eval")  # the last one through the re-paired row's own link
+    assert [r["step"] for r in evals][-1:] == [12] and math.isfinite(evals[-1]["val_loss"])
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 12 and summary["final_train_loss"] is not None
 
