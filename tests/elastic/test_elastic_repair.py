@@ -16,6 +16,7 @@ from meshlearn.elastic.evictions import evicted_key
 from meshlearn.elastic.membership import resume_absent
 from meshlearn.elastic.rows import RowAgreement, form_rows
 from meshlearn.mesh.messages import carried_kind
+from meshlearn.mesh.network import LinkProfile, Network
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train.checkpoint import CHECKPOINT_DIR, MANIFEST
 
@@ -94,6 +95,11 @@ def test_an_evicted_replica_is_never_re_paired():
 
 
 def test_a_pipeline_link_may_join_neighbouring_stages_of_two_replicas():
+    """It carries pipeline messages and is shaped as a pipeline link (the ``pp`` axis's profile)."""
+    net = Network(LinkProfile(bandwidth_mbit=100, latency_ms=5), axes={"dp": LinkProfile(bandwidth_mbit=10)})
+    repaired, dp = net.link(WorkerId(0, 0), WorkerId(1, 1)), net.link(WorkerId(0, 1), WorkerId(1, 1))
+    assert (repaired.axis, repaired.profile.bandwidth_mbit) == ("pp", 100)
+    assert (dp.axis, dp.profile.bandwidth_mbit) == ("dp", 10)
     assert carried_kind(WorkerId(0, 0), WorkerId(1, 1)) == "act"
     assert carried_kind(WorkerId(1, 1), WorkerId(0, 0)) == "grad"
     assert carried_kind(WorkerId(0, 1), WorkerId(1, 1)) == "dp"
