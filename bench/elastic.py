@@ -3,7 +3,8 @@
 The demo model on P=2 stages × D=2 replicas, every link 100 Mbit/s with 20 ms one-way latency,
 sender-paced (``dist.shaping=sender``), four processes on this machine. Four runs, one after the
 other: the fixed-membership DistDriver; elastic with nobody failing; elastic with worker r1s1
-SIGKILLed once the writer has logged ``--fail-after`` steps; the same with SIGSTOP instead; and a
+SIGKILLed once the writer has logged ``--fail-after`` steps; the same with SIGSTOP instead; r0s1
+and r1s0 SIGKILLed together (rows broken at different stages: r0s0 and r1s1 re-paired); and a
 join run: r1s1 SIGKILLed (its partner r1s0 stays and spectates), then one ``meshlearn worker
 --join`` (it takes r1s1's slot), the run ended by a graceful stop (SIGTERM) a few steps after row 1
 trains again.
@@ -74,23 +75,26 @@ def launch_in_thread(cfg, prefix: str) -> tuple[Path, Path, threading.Thread, di
 
 
 def run(steps: int, elastic: bool, fault: signal.Signals | None, fail_after: int,
-        extra: tuple[str, ...] = ()) -> list[dict]:
-    """One run of ``steps`` (``extra``: more overrides, e.g. a DP strategy); its train records."""
+        extra: tuple[str, ...] = (), victims: tuple[str, ...] = ("r1s1",)) -> list[dict]:
+    """One run of ``steps`` (``extra``: more overrides, e.g. a DP strategy; ``fault`` goes to every
+    one of ``victims``); its train records."""
     root, run_dir, thread, result = launch_in_thread(demo_config(*overrides(steps, elastic, *extra)),
                                                      "meshlearn-elastic-bench-")
-    pid = None
+    pids = []
     try:
         if fault is not None:
             while len(train_records(run_dir)) < fail_after:
                 assert thread.is_alive(), "the run ended before the failure was injected"
                 time.sleep(0.05)
-            pid = json.loads((run_dir / WORKERS_FILE).read_text())["r1s1"]["pid"]
-            os.kill(pid, fault)
+            members = json.loads((run_dir / WORKERS_FILE).read_text())
+            pids = [members[name]["pid"] for name in victims]
+            for pid in pids:
+                os.kill(pid, fault)
         thread.join()
         assert result["code"] == 0, f"run failed: {result}"
         return train_records(run_dir)
     finally:
-        if pid is not None:
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(root, ignore_errors=True)
@@ -147,6 +151,9 @@ def join_run(fail_after: int) -> dict:
 
 
 def failover_s(rows: list[dict], clean_step_s: float) -> tuple[float, list[int]]:
+    """(the failover time, the steps that did not commit), from the first step that did not commit
+    or ran with fewer replicas through the first committed step with fewer (one row: a survivor's,
+    or a re-paired one)."""
     first = next(i for i, r in enumerate(rows) if not r["committed"] or r["participants"] < 2)
     last = next(i for i in range(first, len(rows)) if rows[i]["committed"] and rows[i]["participants"] < 2)
     lost = [r["step"] for r in rows[first:last + 1] if not r["committed"]]
@@ -162,12 +169,14 @@ def main() -> None:
     clean = run(args.steps, True, None, 0)
     killed = run(args.steps, True, signal.SIGKILL, args.fail_after)
     stopped = run(args.steps, True, signal.SIGSTOP, args.fail_after)
+    repaired = run(args.steps, True, signal.SIGKILL, args.fail_after, victims=("r0s1", "r1s0"))
     joined = join_run(args.fail_after)
     step = {name: statistics.median(r["step_wall_s"] for r in rows[1:])
             for name, rows in [("fixed", fixed), ("elastic", clean)]}
     quorum = statistics.median(r["quorum_s"] for r in clean[1:])
     kill_s, kill_lost = failover_s(killed, step["elastic"])
     stop_s, stop_lost = failover_s(stopped, step["elastic"])
+    repair_s, repair_lost = failover_s(repaired, step["elastic"])
     table = [
         {"run": "fixed membership (DistDriver)", "step_s": step["fixed"], "quorum_s": "—",
          "failover_s": "—", "lost": "—"},
@@ -179,6 +188,9 @@ def main() -> None:
         {"run": f"elastic, r1s1 SIGSTOPped after step {args.fail_after}",
          "step_s": statistics.median(r["step_wall_s"] for r in stopped[1:]), "quorum_s": "—",
          "failover_s": stop_s, "lost": str(stop_lost)},
+        {"run": f"elastic, r0s1 and r1s0 SIGKILLed after step {args.fail_after} (r0s0 + r1s1 re-paired)",
+         "step_s": statistics.median(r["step_wall_s"] for r in repaired[1:]), "quorum_s": "—",
+         "failover_s": repair_s, "lost": str(repair_lost)},
     ]
     markdown = markdown_table(table, [("run", "run", ""), ("step_s", "median s/step", ".3f"),
                                       ("quorum_s", "median quorum s/step", ".4f"),
@@ -199,9 +211,11 @@ def main() -> None:
     write_results("elastic", {"args": vars(args), "median_step_s": step, "median_quorum_s": quorum,
                               "failover_kill_s": kill_s, "lost_kill": kill_lost,
                               "failover_stop_s": stop_s, "lost_stop": stop_lost,
+                              "failover_repair_s": repair_s, "lost_repair": repair_lost,
                               "join": {k: v for k, v in joined.items() if k != "after"},
                               "records": {"fixed": fixed, "elastic": clean, "kill": killed,
-                                          "stop": stopped, "join_after": joined["after"]}}, markdown)
+                                          "stop": stopped, "repair": repaired,
+                                          "join_after": joined["after"]}}, markdown)
 
 
 if __name__ == "__main__":

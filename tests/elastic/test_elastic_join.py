@@ -295,11 +295,16 @@ def test_a_three_stage_rows_middle_replica_is_replaced_and_the_row_relinks(tiny_
 
 
 @pytest.mark.slow
-def test_a_checkpoint_after_a_row_left_is_complete_and_resumes_exactly(tiny_corpus, tmp_path):
-    """Row 1 leaves (r1s1 SIGKILLed); the checkpoints after that list row 0's shards, written by
-    r0s1 (agreed, no barrier of the departed). Resumed from one, the run starts row 0 only (the
-    membership of the checkpoint; row 1's slots are free for joiners) and trains every later step
-    bit for bit as the original did."""
+@pytest.mark.parametrize(("killed", "listed"), [
+    (("r1s1",), ["r0s0", "r0s1"]),
+    (("r0s1", "r1s0"), ["r0s0", "r1s1"])],  # rows broken at different stages: re-paired as (0, 1)
+    ids=["row 1 left", "re-paired"])
+def test_a_checkpoint_after_a_row_left_is_complete_and_resumes_exactly(tiny_corpus, tmp_path, killed, listed):
+    """Row 1 leaves (r1s1 SIGKILLed), or rows 0 and 1 break at different stages and are re-paired;
+    the checkpoints after that list the training row's shards, written by its last stage (agreed,
+    no barrier of the departed). Resumed from one, the run starts those workers only (the
+    membership of the checkpoint; the other slots are free for joiners; the first listed last
+    stage starts metrics.jsonl) and trains every later step bit for bit as the original did."""
     import shutil
 
     cfg = tiny_config(tiny_corpus, *ELASTIC, "train.steps=12", "train.checkpoint_every=2",
@@ -311,14 +316,15 @@ def test_a_checkpoint_after_a_row_left_is_complete_and_resumes_exactly(tiny_corp
             thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
             thread.start()
             wait_until(lambda: _last_record(run) >= 2, 60, "two steps")
-            os.kill(_members(run)["r1s1"]["pid"], signal.SIGKILL)
+            for name in killed:
+                os.kill(_members(run)[name]["pid"], signal.SIGKILL)
             thread.join()
             assert result["code"] == 0
             folders = sorted((run / "checkpoints").iterdir())
-            listed = {int(f.name.removeprefix("step-")): json.loads((f / MANIFEST).read_text())["shards"]
-                      for f in folders}
-            after = [step for step, shards in sorted(listed.items()) if shards == ["r0s0", "r0s1"]]
-            assert after and after[-1] == 12 and after[0] < 12, listed  # complete, row 0 only
+            manifests = {int(f.name.removeprefix("step-")): json.loads((f / MANIFEST).read_text())["shards"]
+                         for f in folders}
+            after = [step for step, shards in sorted(manifests.items()) if shards == listed]
+            assert after and after[-1] == 12 and after[0] < 12, manifests  # complete, the training row's
             resume_at = after[0]
             shutil.copytree(run, again)
             for folder in (again / "checkpoints").iterdir():
@@ -334,9 +340,10 @@ def test_a_checkpoint_after_a_row_left_is_complete_and_resumes_exactly(tiny_corp
     assert [r["train_loss"] for r in resumed[tail]] == [r["train_loss"] for r in original[tail]]  # exactly
     assert [r["batch"] for r in resumed[tail]] == [r["batch"] for r in original[tail]]
     members = _members(again)
-    assert [e["event"] for e in members["r1s0"]["events"]] == ["absent"]
-    assert members["r0s0"]["events"][-1]["event"] == "finished"
-    for s in range(2):
-        a = _shard(run / "checkpoints" / "step-000012", f"r0s{s}")
-        b = _shard(again / "checkpoints" / "step-000012", f"r0s{s}")
-        _assert_identical(a, b, f"stage {s} at the end")
+    for name in ("r0s0", "r0s1", "r1s0", "r1s1"):
+        kinds = [e["event"] for e in members[name]["events"]]
+        assert kinds[-1] == "finished" if name in listed else kinds == ["absent"], (name, kinds)
+    for name in listed:
+        a = _shard(run / "checkpoints" / "step-000012", name)
+        b = _shard(again / "checkpoints" / "step-000012", name)
+        _assert_identical(a, b, f"{name} at the end")

@@ -104,20 +104,74 @@ def test_every_replica_of_a_stage_killed_stops_with_its_name_and_resume_is_exact
     assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]  # bit for bit
 
 
-@pytest.mark.slow
-def test_rows_broken_at_different_stages_stop_the_run_naming_it(tiny_corpus, tmp_path, capsys):
-    """r0s1 and r1s0 killed: a replica of each stage lives (r0s0, r1s1) but no row is complete and
-    rows are not re-paired across replicas: the survivors stop at once, saying so, instead of
-    spectating every remaining step uncommitted."""
-    cfg = tiny_config(tiny_corpus, *ELASTIC, "train.steps=30")
+def _kill_one_then_the_other(cfg, run: Path) -> int:
+    """r0s1 SIGKILLed after two steps, r1s0 three train records later: row 0's r0s0 spectates
+    while row 1 trains alone, then row 1 breaks at the other stage."""
+    result: dict[str, int] = {}
+    try:
+        with deadline(150, "the elastic run with r0s1, then r1s0 SIGKILLed"):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run)))
+            thread.start()
+            wait_until(lambda: train_records(run) >= 2, 60, "two committed steps")
+            members = json.loads((run / WORKERS_FILE).read_text())
+            os.kill(members["r0s1"]["pid"], signal.SIGKILL)
+            wait_until(lambda: train_records(run) >= 5, 60, "five train records")
+            os.kill(members["r1s0"]["pid"], signal.SIGKILL)
+            thread.join()
+    finally:
+        kill_leftovers(run)
+    return result["code"]
+
+
+@pytest.mark.parametrize(("when", "strategy"), [
+    pytest.param("at once", [], id="at once"),
+    pytest.param("one then the other", [], marks=pytest.mark.slow, id="one then the other"),
+    pytest.param("at once", ["dp.name=diloco", "dp.inner_steps=2", "dp.fragments=2", "dp.compress=powersgd",
+                             "dp.rank=2"], marks=pytest.mark.slow, id="at once-diloco")])
+def test_rows_broken_at_different_stages_are_re_paired_and_train_on(tiny_corpus, tmp_path, when, strategy):
+    """r0s1 and r1s0 killed (at once, or at different steps): no slot row is complete, but a
+    replica of each stage lives (r0s0, r1s1). They are re-paired as row (0, 1) — r0s0's
+    activations go to r1s1 — and train every later step with the whole batch, the batches in
+    order, none skipped or trained twice (also under a message-based DP strategy: its rounds are
+    sums over the quorum, whoever is paired with whom)."""
+    cfg = tiny_config(tiny_corpus, *ELASTIC, "train.steps=12", *strategy)
     run = tmp_path / "run"
-    assert launch_and_signal(cfg, run, ("r0s1", "r1s0"), (signal.SIGSTOP, signal.SIGKILL), 90) == 1
-    report = capsys.readouterr().err
-    assert "no pipeline row is complete in step" in report.splitlines()[0], report
-    assert train_records(run) < 30
+    if when == "at once":
+        code = launch_and_signal(cfg, run, ("r0s1", "r1s0"), (signal.SIGSTOP, signal.SIGKILL), 120)
+    else:
+        code = _kill_one_then_the_other(cfg, run)
+    assert code == 0
+    rows = records(run)
+    assert [r["step"] for r in rows] == list(range(1, 13))  # every step once
+    assert rows[0]["rows"] == [0, 1]
+    repaired = next(i for i, r in enumerate(rows) if r["rows"] == [[0, 1]])
+    assert repaired >= 2  # two steps committed with the slot rows before the kill
+    assert all(r["rows"] == [[0, 1]] for r in rows[repaired:])
+    # The re-pairing step commits only if torchft's quorums have dropped the dead already; from
+    # the next step on every step commits, with the re-paired row alone.
+    after = rows[repaired + 1:]
+    assert len(after) >= 4 and all(r["committed"] and r["participants"] == 1 for r in after)
+    committed = [r for r in rows if r["committed"]]
+    assert all(math.isfinite(r["train_loss"]) for r in committed)
+    assert len(rows) - len(committed) <= 3  # the steps the kills landed in, and the re-pairing one
+    assert [r["batch"] for r in committed] == list(range(len(committed)))  # in order, each once
+    for r, following in zip(rows, rows[1:], strict=False):
+        assert following["batch"] == r["batch"] + r["committed"]
     members = json.loads((run / WORKERS_FILE).read_text())
-    for name in ("r0s0", "r1s1"):
-        assert members[name]["events"][-1]["event"] == "left", members[name]
+    for name in ("r0s1", "r1s0"):
+        assert members[name]["events"][-1]["why"] == "killed by SIGKILL"
+    step = rows[repaired]["step"] - 1  # 0-based, as events name steps
+    for name, partner in (("r0s0", "r1s1"), ("r1s1", "r0s0")):
+        events = members[name]["events"]
+        kinds = [e["event"] for e in events]
+        assert kinds[0] == "joined" and kinds[-1] == "finished" and "repaired" in kinds, events
+        pairing = events[kinds.index("repaired")]
+        assert (pairing["step"], pairing["row"], pairing["partners"]) == (step, [0, 1], [partner])
+        assert events[-1] == {"event": "finished", "step": 12, "why": "finished"}
+    evals = records(run, "eval")  # the last one through the re-paired row's own link
+    assert [r["step"] for r in evals][-1:] == [12] and math.isfinite(evals[-1]["val_loss"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["final_train_loss"] is not None
 
 
 @pytest.mark.slow

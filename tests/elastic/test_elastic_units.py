@@ -140,10 +140,10 @@ def _agree_all(quorums: dict[WorkerId, int], stages: int, replicas: int, deadlin
 
 def test_the_rows_of_a_step_are_those_with_every_stage_in_its_quorum():
     full = _agree_all({WorkerId(r, s): 2 for r in range(2) for s in range(2)}, stages=2, replicas=2)
-    assert set(full.values()) == {(0, 1)}
+    assert set(full.values()) == {((0, 0), (1, 1))}
     # Row 1 has joined stage 0 only (stage 1's quorum is r0s1 alone): it spectates, everyone agrees.
     half = _agree_all({WorkerId(0, 0): 2, WorkerId(1, 0): 2, WorkerId(0, 1): 1}, stages=2, replicas=2)
-    assert set(half.values()) == {(0,)} and len(half) == 3
+    assert set(half.values()) == {((0, 0),)} and len(half) == 3
 
 
 def test_a_step_whose_stage_has_no_quorum_stops_with_its_name():
@@ -153,10 +153,10 @@ def test_a_step_whose_stage_has_no_quorum_stops_with_its_name():
 
 
 @pytest.mark.parametrize(("contributors", "sequences", "rows", "ok"), [
-    (2.0, 8.0, (0, 1), True),   # both rows trained their half
-    (1.0, 8.0, (0,), True),     # one row, a spectator beside it (it adds 0 and 0)
-    (1.0, 4.0, (0, 1), False),  # an agreed row is missing: half the batch untrained
-    (2.0, 8.0, (0,), False),    # a replica trained that was not agreed: counted twice
+    (2.0, 8.0, ((0, 0), (1, 1)), True),   # both rows trained their half
+    (1.0, 8.0, ((0, 1),), True),          # one (re-paired) row, a spectator beside it (it adds 0 and 0)
+    (1.0, 4.0, ((0, 0), (1, 1)), False),  # an agreed row is missing: half the batch untrained
+    (2.0, 8.0, ((0, 0),), False),         # a replica trained that was not agreed: counted twice
     (0.0, 0.0, (), False)])     # nobody trains
 def test_a_stage_says_yes_only_for_the_whole_batch_from_the_agreed_rows(contributors, sequences, rows, ok):
     assert whole_batch(contributors, sequences, rows, batch_size=8) is ok
@@ -196,7 +196,7 @@ def test_each_steps_records_are_written_once_and_follow_the_live_rows(tmp_path):
     before claiming step 2's: r1s1 claims them after step 3's quorum, then writes from there on."""
     store = BoundStore("127.0.0.1", 10).store
     path = tmp_path / "metrics.jsonl"
-    rows = {"now": (0, 1)}
+    rows = {"now": ((0, 0), (1, 1))}
     sinks = {w: ElasticRecords(store, MeshShape(2, 2), w, lambda: rows["now"])
              for w in (WorkerId(0, 1), WorkerId(1, 1), WorkerId(1, 0))}
     for sink in sinks.values():
@@ -208,7 +208,7 @@ def test_each_steps_records_are_written_once_and_follow_the_live_rows(tmp_path):
     r1.write(1, {"kind": "eval", "step": 1, "by": "r1s1"})
     r1.after_quorum(1)  # r0s1 claimed step 1: r1s1's copies are dropped
     r1.write(2, {"kind": "train", "step": 2, "by": "r1s1"})  # r0s1 is killed before its own
-    rows["now"] = (1,)
+    rows["now"] = ((1, 1),)
     r1.after_quorum(2)
     r1.write(3, {"kind": "train", "step": 3, "by": "r1s1"})
     r1.close()

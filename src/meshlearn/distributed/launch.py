@@ -39,6 +39,7 @@ from meshlearn.elastic.membership import (
     LIGHTHOUSES_ENV,
     STARTED_ENV,
     WORKERS_FILE,
+    WRITER_ENV,
     publish_run,
     resume_absent,
     start_lighthouses,
@@ -92,6 +93,8 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
     # An elastic resume starts the rows its checkpoint was written by (elastic/checkpoints.py).
     absent = resume_absent(cfg, run_dir) if cfg.elastic.enabled and "--resume" in worker_argv else []
     ranks = [rank for rank in range(world) if process_name(mesh, rank, anchors(cfg)) not in absent]
+    started = [mesh.worker(r) for r in ranks if r < mesh.world_size]
+    writer = next((w for w in started if w.stage == mesh.stages - 1), WorkerId(0, mesh.stages - 1))
     procs = []
     for rank in ranks:
         name = process_name(mesh, rank, anchors(cfg))
@@ -101,7 +104,7 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
                "MESHLEARN_STORE_OWNER": f"the launcher's store at {host}:{store.port}",
                LIGHTHOUSES_ENV: ",".join(address for _, address in lighthouses),
-               STARTED_ENV: str(sum(r < mesh.world_size for r in ranks))}  # workers (not the verifier)
+               STARTED_ENV: str(len(started)), WRITER_ENV: str(writer)}  # workers (not the verifier)
         log = logs / f"{name}.log"
         with log.open("a") as f:
             f.write(f"--- meshlearn worker {name} (rank {rank}) {' '.join(worker_argv)}\n")
@@ -123,7 +126,7 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
             timeouts = derive_timeouts(cfg.elastic, cfg.dist, cfg.link)
             workers = [p for p in procs if p.name != "verifier"]
             return watch_elastic(workers, store, membership, run_dir,
-                                 logs / f"{WorkerId(0, mesh.stages - 1)}.log", out,
+                                 logs / f"{writer}.log", out,
                                  grace_s=timeouts.quorum_s + timeouts.heartbeat_s + 10.0, absent=absent,
                                  verifier=next((p for p in procs if p.name == "verifier"), None))
         codes = _watch(procs, cfg, logs / f"{mesh.worker(0)}.log", out)

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
 
-def listed_rows(shards: list[str]) -> list[int]:
-    """The rows a manifest's shards belong to (for the launcher of a resumed run)."""
-    return sorted({WorkerId.parse(name).replica for name in shards})
+def listed_workers(shards: list[str]) -> set[WorkerId]:
+    """The workers whose shards a manifest lists (for the launcher of a resumed run)."""
+    return {WorkerId.parse(name) for name in shards}
 
 
 class ElasticCheckpoints:
@@ -37,7 +37,7 @@ class ElasticCheckpoints:
         self.store = store
         self.mesh = mesh
         self.me = me
-        self.rows = rows  # () -> the rows that trained the last step (the driver's agreed value)
+        self.rows = rows  # () -> the rows (stage → replica) that trained the last step (agreed)
         self.deadline_s = deadline_s
 
     def manifest(self, step: int) -> tuple[list[str], bool]:
@@ -46,9 +46,9 @@ class ElasticCheckpoints:
         key = f"elastic/checkpoint/{step}"
         self.store.set(f"{key}/{self.me}", "1")
         rows = self.rows()
-        if not rows or self.me != WorkerId(min(rows), self.mesh.stages - 1):
+        if not rows or self.me != WorkerId(rows[0][-1], self.mesh.stages - 1):  # the first row's last stage
             return [], False
-        wanted = [WorkerId(r, s) for r in rows for s in range(self.mesh.stages)]
+        wanted = [WorkerId(r, s) for row in rows for s, r in enumerate(row)]
         end = time.monotonic() + self.deadline_s
         while not self.store.check([f"{key}/{w}" for w in wanted]) and time.monotonic() < end:
             time.sleep(0.01)

@@ -4,7 +4,7 @@ What changes against the fixed-membership DistDriver (the pipeline, its messages
 are the same code):
 
 - each step starts with the stage's quorum (``StageQuorum.begin``), then the rows that train the
-  step are agreed (``RowAgreement``: rows every stage of which is in its quorum); they split the
+  step are agreed (``RowAgreement``: rows every worker of which is in its stage's quorum); they split the
   step's global batch (``data_plan``); the other live replicas spectate (``Worker.spectate``);
 - the gradients are summed over the quorum (torchft's all-reduce) with two counts beside them,
   contributing replicas and sequences trained: the mean divides by the former, and a stage says
@@ -22,8 +22,11 @@ are the same code):
   missing from a step's agreement) drops the links — a step in flight is abandoned, its work
   dropped, and the worker adds zeros to its stage's sum, so the step commits nowhere and its batch
   is trained again — and *stays*: in its stage's quorum, spectating, until its row is complete
-  again (a ``meshlearn worker --join`` for the dead slot); whether a member keeps its links or
-  links anew, and at which step, is the row agreement's (``rows.Agreed``), the same for every end;
+  again (a ``meshlearn worker --join`` for the dead slot) or re-paired (rows are assignments
+  stage → replica formed per step: survivors of rows broken at different stages make one row,
+  and the driver's peers, links, pacers and heartbeat watch follow the agreed row); whether a
+  member keeps its links or links anew, and at which step, is the row agreement's
+  (``rows.Agreed``), the same for every end;
 - a message-based DP strategy (DiLoCo, PowerSGD, sparse averaging) runs its rounds as sums over
   the quorum (``QuorumExchange``) inside the step, before the vote; an update that does not commit
   is rolled back (``Rollback``) and retried, as the same update ``u`` (committed updates so far), by
@@ -36,6 +39,7 @@ are the same code):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -46,17 +50,18 @@ import torch
 from meshlearn.compress.codecs import MessageContext
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import RowBroken, WorkerFailure
-from meshlearn.distributed.shaping import allreduce_release_at, hold_until
+from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
 from meshlearn.distributed.transport import Transport
 from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.checkpoints import ElasticCheckpoints
 from meshlearn.elastic.evictions import Evictions
-from meshlearn.elastic.links import RowLinks
+from meshlearn.elastic.links import RowLinks, neighbours
+from meshlearn.elastic.membership import WRITER_ENV
 from meshlearn.elastic.quorum import CommitVote, QuorumStep, StageQuorum
 from meshlearn.elastic.records import ElasticRecords
 from meshlearn.elastic.rollback import Rollback
 from meshlearn.elastic.rounds import QuorumExchange
-from meshlearn.elastic.rows import RowAgreement, whole_batch
+from meshlearn.elastic.rows import Held, Row, RowAgreement, row_label, slot_row, whole_batch
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.sim import StepReport
 from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm
@@ -78,9 +83,11 @@ class ElasticDriver(Evictions, DistDriver):
         self.links = links
         self.generation = links.generation
         self.progress = progress  # the run store: this worker's last step, for workers.json
-        # writes config.toml, run.json and starts metrics.jsonl; the records of each step are
-        # written by the process that claims them (``records``), the summary by the last one's
-        self.writes_records = self.me == WorkerId(0, self.mesh.stages - 1)
+        # writes config.toml, run.json and starts metrics.jsonl: the launcher names it (a resume
+        # may not start r0s{P-1}; a joiner never is); the records of each step are written by the
+        # process that claims them (``records``), the summary by the last one's
+        writer = os.environ.get(WRITER_ENV, str(WorkerId(0, self.mesh.stages - 1)))
+        self.writes_records = writer == str(self.me)
         self.records = ElasticRecords(progress, self.mesh, self.me, lambda: self.rows)
         self.current: QuorumStep | None = None
         self.report: StepReport | None = None
@@ -90,11 +97,12 @@ class ElasticDriver(Evictions, DistDriver):
         self.next_step = 0  # the step this worker is about to run (what a joiner is healed to)
         self.joined_at: int | None = None  # set when healed from a peer: the step to train from
         self.formed = False  # a quorum is already formed for the coming step (a joiner's first)
-        self.rows: tuple[int, ...] = ()  # the rows that train the coming step (agreed)
+        self.rows: tuple[Row, ...] = ()  # the rows that train the coming step (agreed)
         self.batch_index = 0  # the global batch the coming step trains: committed steps so far
         self.trained_batch = 0  # the one the last step trained (its record's ``batch``)
         self.sequences = 0  # sequences this worker trains in the coming step (0: spectating)
         self.linked_at: int | None = None  # the step this worker's row links were built at (None: none)
+        self.row: Row | None = None  # the row those links join (stage → replica)
         self.contributed_at: int | None = None  # the last step this process's row linked at
         self.events = 0  # membership events sent to the launcher (``_event``)
         self.checkpoint_membership = ElasticCheckpoints(progress, self.mesh, self.me, lambda: self.rows,
@@ -103,6 +111,14 @@ class ElasticDriver(Evictions, DistDriver):
         if self.dp is not None:  # a message-based strategy: its rounds are sums over the quorum
             self.dp.exchange = QuorumExchange(self.me, self.mesh.replicas, self._reduce_round)
         self.setup_verification(cfg)
+        # A re-paired row links this worker to any replica of its neighbouring stages: a pacer
+        # per such destination, each with its own link model (one per destination, as always).
+        pacers = self.transport.pacers
+        for s in (self.me.stage - 1, self.me.stage + 1):
+            for r in range(self.mesh.replicas) if 0 <= s < self.mesh.stages else ():
+                peer = WorkerId(r, s)
+                if peer not in pacers:
+                    pacers[peer] = Pacer(self.network.link(self.me, peer), self.epoch, self.shaped)
 
     # --- joining: what a live peer hands a new replica of its stage (torchft's healing) ---------
 
@@ -148,53 +164,65 @@ class ElasticDriver(Evictions, DistDriver):
         if first:  # every socket of torchft's exists now: prove none is on another address
             check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")
         self.quorum_s += self.current.quorum_s
-        agreed = self.agreement.agree(step, self.me, self.current.participants, self.linked_at)
+        agreed = self.agreement.agree(step, self.me, self.current.participants, self._held())
         self.rows = agreed.rows
-        if not self.rows:  # every row lost a stage replica (at different stages: not re-paired yet)
+        if not self.rows:  # some stage has no live replica that is not evicted (SENTINEL: no re-pairing)
             raise WorkerFailure(f"no pipeline row is complete in step {step + 1}'s quorums: every row "
                                 f"lost a stage replica, so nothing can train (noticed by {self.me})")
         self.records.after_quorum(step)  # before the all-reduce: the file stays in step order
         # Every live member of the row reads this agreement: all drop their links at this step, or
         # all link (again) at it, whatever each of them noticed alone.
-        drop, link_at = agreed.plan(self.me.replica, self.linked_at)
+        drop, link_at = agreed.plan(self.me, self._held())
         if drop and link_at is None and not self.links.relayed:
             self._drop_links(step, f"its row is not complete in step {step + 1}'s quorums")
         if link_at is not None:
-            self._link_row(link_at)
-        trains = self.me.replica in self.rows and self.linked_at is not None
+            self._link_row(link_at, agreed.row_of(self.me))
+        trains = agreed.row_of(self.me) is not None and self.linked_at is not None
         reports = super().run_step(step, source) if trains else [self._spectate(step, source)]
         self.progress.set(f"progress/{self.me}", str(step + 1))
         return reports
 
-    def data_plan(self, step: int) -> tuple[int, tuple[int, ...]]:
+    def _held(self) -> Held | None:
+        """The links this worker holds, as it reports them to the row agreement."""
+        return None if self.linked_at is None else (self.row, self.linked_at)
+
+    def data_plan(self, step: int) -> tuple[int, tuple[Row, ...]]:
         """(the global batch step ``step`` trains, the rows that split it): see ``Trainer.work``."""
         return self.batch_index, self.rows
 
-    def _link_row(self, step: int) -> None:
-        """The agreement links this row at ``step`` (its first step trained, or its members do not
-        all hold the same links): drop what this worker holds, link anew, and its partners' deaths
-        become its concern (they are all in their quorums: the slots name live processes). A
-        partner found dead while linking breaks the row: this worker spectates the step."""
-        held = self.linked_at
+    def _link_row(self, step: int, row: Row) -> None:
+        """The agreement links ``row`` (this worker's, stage → replica) at ``step`` (its first step
+        trained, or its members do not all hold its links of one build): drop what this worker
+        holds, link anew to the row's workers of the neighbouring stages, and their deaths become
+        its concern (they are all in their quorums: the slots name live processes). A partner
+        found dead while linking breaks the row: this worker spectates the step."""
+        held, previous = self.linked_at, self.row
         if held is not None:
             self._unlink(f"its row links anew at step {step + 1}")
-        row = {self.mesh.rank(WorkerId(self.me.replica, s)) for s in range(self.mesh.stages)}
+        members = {self.mesh.rank(WorkerId(r, s)) for s, r in enumerate(row)}
         verifier = {self.mesh.world_size} if self.verdicts is not None else set()  # its rank, after ours
-        self.health.watch(row | verifier)
+        self.health.watch(members | verifier)
         try:
-            groups = self.links.build(step, self.health.check)
+            groups = self.links.build(step, row, self.health.check)
         except RowBroken as err:  # (relayed links are built once, at the start: no partner died yet)
             self.health.forget_row()
-            self.links.drop(step, str(err))  # partners that linked with it already need not wait
+            self.links.drop(row, step, str(err))  # partners that linked with it already need not wait
             self._spectates(step, str(err))
             return
         self._replace_transport(groups, wait_s=1.0)
         check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")  # the links' sockets too
-        self.linked_at = step
+        self.linked_at, self.row = step, row
+        up, down = (WorkerId(row[s], s) if 0 <= s < self.mesh.stages else None
+                    for s in (self.me.stage - 1, self.me.stage + 1))
+        self.prev, self.next = up, down
         if not self.links.relayed:
-            self.health.follow(self.links.dropped_key(step))
-        if held is not None:
-            self._event("relinks", step, why=f"not every member of its row held its links of step {held + 1}")
+            self.health.follow(self.links.dropped_key(row, step))
+        label = row_label(row)
+        if row != previous and row != slot_row(self.me.replica, self.mesh.stages):
+            self._event("repaired", step, row=label, partners=[str(p) for p in neighbours(row, self.me)])
+        elif held is not None:
+            self._event("relinks", step, row=label,
+                        why=f"not every member of its row held its links of step {held + 1}")
         elif self.joined_at is not None or self.contributed_at is not None:  # not the start's links
             self._event("contributes", step)
         self.contributed_at = step
@@ -217,6 +245,10 @@ class ElasticDriver(Evictions, DistDriver):
     def _send(self, message: Message, capacity: int) -> None:
         if self.linked_at is None:  # the row broke earlier in this step: its work is abandoned
             return
+        # The worker addresses its slot row's neighbour; the agreed row's may be another replica.
+        dst = {"act": self.next, "grad": self.prev}.get(message.kind, message.dst)
+        if dst != message.dst:
+            message = dataclasses.replace(message, dst=dst)
         try:
             super()._send(message, capacity)
         except RowBroken as err:
@@ -257,9 +289,9 @@ class ElasticDriver(Evictions, DistDriver):
         worker: its heartbeat monitor reads it, ``Health.follow``); no partner's death concerns
         this worker until it links again."""
         self.health.forget_row()
-        self.links.drop(self.linked_at, why)
+        self.links.drop(self.row, self.linked_at, why)
         self._replace_transport({}, wait_s=0)
-        self.linked_at = None
+        self.linked_at = self.row = None
 
     def _replace_transport(self, groups: dict, wait_s: float) -> None:
         """Links ``groups`` from now on (none: a broken row's survivor); the old links' threads are
@@ -445,7 +477,8 @@ class ElasticDriver(Evictions, DistDriver):
         current = self.current
         if current is None:
             return {}
-        return {"participants": current.participants, "rows": list(self.rows), "batch": self.trained_batch,
+        return {"participants": current.participants, "rows": [row_label(r) for r in self.rows],
+                "batch": self.trained_batch,
                 "committed": current.committed, "quorum_s": current.quorum_s}
 
     @torch.no_grad()

@@ -1,5 +1,9 @@
 """An elastic row's pipeline links: two-rank gloo groups of their own, over the run's store.
 
+A row is an assignment stage → replica (``rows.Row``): a worker's neighbours are the row's workers
+of the stages before and after its own, of the same replica in a slot row, of others in a
+re-paired one; the links are keyed by those worker pairs.
+
 The fixed-membership driver's links are sub-groups of the world group, which exists only for the
 processes started together. An elastic row may be started later (``meshlearn worker --join``),
 so every elastic row — the first ones too, one code path — links its stages with ``PairGroup``s:
@@ -30,6 +34,7 @@ import torch.distributed as dist
 
 from meshlearn.distributed.groups import PairGroup, pair_group
 from meshlearn.distributed.health import WorkerFailure
+from meshlearn.elastic.rows import Row
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
 
@@ -54,29 +59,31 @@ class RowLinks:
     def announce(self) -> None:
         self.store.set(generation_key(self.me), str(self.generation))
 
-    def dropped_key(self, step: int) -> str:
-        """Set by a member that drops the row's links of step ``step`` (why), read by the others'
-        heartbeat monitors (``Health.follow``), so no end stays waiting on a link its partner left."""
-        return f"elastic/links/r{self.me.replica}/{step}/dropped"
+    def dropped_key(self, row: Row, step: int) -> str:
+        """Set by a member that drops row ``row``'s links of step ``step`` (why), read by the
+        others' heartbeat monitors (``Health.follow``), so no end stays waiting on a link its
+        partner left."""
+        return f"elastic/links/{'.'.join(map(str, row))}/{step}/dropped"
 
-    def drop(self, step: int, why: str) -> None:
-        self.store.set(self.dropped_key(step), f"worker {self.me} dropped its row's links ({why})")
+    def drop(self, row: Row, step: int, why: str) -> None:
+        self.store.set(self.dropped_key(row, step), f"worker {self.me} dropped its row's links ({why})")
 
-    def build(self, step: int, check: Callable[[], None]) -> dict[tuple[WorkerId, WorkerId], PairGroup]:
-        """Rendezvous with each neighbour for the links the row trains on from step ``step``, lower
-        hop first in every process (a stage in the middle meets its upstream neighbour, then its
-        downstream one: no cycle of waits); ``check`` raises if a partner is found dead while
-        waiting for it. Relayed: this worker's hops to the verifier instead (built once: such a run
-        takes no joiners, and its rows hold their first links to the end)."""
+    def build(self, step: int, row: Row, check: Callable[[], None]
+              ) -> dict[tuple[WorkerId, WorkerId], PairGroup]:
+        """Rendezvous with each neighbour in ``row`` (its workers of the stages before and after
+        this one's: of any replica, a re-paired row joins different ones) for the links the row
+        trains on from step ``step``, lower hop first in every process (a stage in the middle meets
+        its upstream neighbour, then its downstream one: no cycle of waits); ``check`` raises if a
+        partner is found dead while waiting for it. Relayed: this worker's hops to the verifier
+        instead (built once: such a run takes no joiners and is not re-paired, and its rows hold
+        their first links to the end)."""
         if self.relayed:
             return {link: pair_group(relay_store(self.store, link, hop), 0 if hop == "in" else 1,
                                      self.interface, self.timeout_s)
                     for link, hop in hops(self.mesh, self.me)}
-        self.store.compare_set(self.dropped_key(step), "", "")  # exists before anyone reads it
+        self.store.compare_set(self.dropped_key(row, step), "", "")  # exists before anyone reads it
         groups = {}
-        neighbours = [p for p in (self.mesh.prev_stage(self.me), self.mesh.next_stage(self.me))
-                      if p is not None]
-        for peer in neighbours:
+        for peer in neighbours(row, self.me):
             a, b = (peer, self.me) if peer.stage < self.me.stage else (self.me, peer)
             ga, gb = (int(self.store.get(generation_key(w)).decode()) for w in (a, b))
             base = f"elastic/links/{a}.{ga}-{b}.{gb}/{step}"
@@ -99,6 +106,11 @@ class RowLinks:
                                     f"within {self.timeout_s:.1f} s (noticed by {self.me})")
             time.sleep(pause)
             pause = min(2 * pause, 1e-2)
+
+
+def neighbours(row: Row, me: WorkerId) -> list[WorkerId]:
+    """``me``'s partners in ``row``: the workers of the stage before and the stage after."""
+    return [WorkerId(row[s], s) for s in (me.stage - 1, me.stage + 1) if 0 <= s < len(row)]
 
 
 def hops(mesh: MeshShape, wid: WorkerId) -> list[tuple[tuple[WorkerId, WorkerId], str]]:

@@ -32,13 +32,16 @@ from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, EXIT_PEER_FAIL
 from meshlearn.elastic.binding import start_lighthouse
 from meshlearn.elastic.links import generation_key
 from meshlearn.elastic.settings import derive_timeouts
-from meshlearn.mesh.topology import WorkerId
+from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.train.files import atomic_write_json
 
 LIGHTHOUSES_ENV = "MESHLEARN_LIGHTHOUSES"  # the stages' lighthouse addresses, comma-separated
 LIGHTHOUSES_KEY = "elastic/lighthouses"  # the same, in the run's store, for joiners
 JOIN_ENV = "MESHLEARN_JOIN"  # "1" in a process started by `meshlearn worker --join`
 GENERATION_ENV = "MESHLEARN_GENERATION"  # the slot's generation this process holds (joiners: >= 1)
+# The worker that writes config.toml and run.json and starts (or truncates) metrics.jsonl: the
+# first last-stage worker the launcher starts (a resume may not start r0s{P-1}); never a joiner.
+WRITER_ENV = "MESHLEARN_WRITER"
 STARTED_ENV = "MESHLEARN_STARTED"  # how many workers the launcher started (resume: the checkpoint's)
 RUN_FILE = "elastic.json"  # in the run folder: the store's address, for `meshlearn worker --join`
 WORKERS_FILE = "workers.json"  # worker → rank, pid, and its membership events (joined, left)
@@ -68,17 +71,17 @@ def taken_key(wid: WorkerId, generation: int) -> str:
 
 
 def resume_absent(cfg, run_dir: Path) -> list[str]:
-    """The workers a resumed elastic run does not start: those of rows its latest complete
-    checkpoint does not list (they had left when it was taken)."""
-    from meshlearn.elastic.checkpoints import listed_rows
+    """The workers a resumed elastic run does not start: those its latest complete checkpoint does
+    not list (they had left when it was taken; the listed ones form its rows again, re-paired
+    where their rows broke at different stages)."""
+    from meshlearn.elastic.checkpoints import listed_workers
     from meshlearn.train.checkpoint import MANIFEST, latest_complete
 
     folder = latest_complete(run_dir)
     if folder is None:
         return []
-    rows = listed_rows(json.loads((folder / MANIFEST).read_text())["shards"])
-    return [str(WorkerId(r, s)) for r in range(cfg.mesh.replicas) if r not in rows
-            for s in range(cfg.mesh.stages)]
+    listed = listed_workers(json.loads((folder / MANIFEST).read_text())["shards"])
+    return [str(w) for w in MeshShape(cfg.mesh.replicas, cfg.mesh.stages).workers() if w not in listed]
 
 
 def stopped_by_signal(code: int) -> bool:
@@ -268,11 +271,9 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
         code = verifier.exitcode
         record("verifier", {"event": "finished" if code == 0 else "left", "why": describe_exit(code)})
     codes = {name: slot.code for name, slot in slots.items() if slot.code is not None}
-    rows: dict[int, list[int]] = {}
-    for name, code in codes.items():
-        rows.setdefault(WorkerId.parse(name).replica, []).append(code)
-    stages = len({WorkerId.parse(name).stage for name in slots})
-    if any(len(row) == stages and all(code == 0 for code in row) for row in rows.values()):
+    # A row finished if each stage has a replica that did: rows are re-paired across replicas.
+    finished = {WorkerId.parse(name).stage for name, code in codes.items() if code == 0}
+    if finished == {WorkerId.parse(name).stage for name in slots}:
         return 0
     print(_failure_report(codes, killed, run_dir), file=sys.stderr)
     return 1

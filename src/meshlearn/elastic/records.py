@@ -30,8 +30,8 @@ from meshlearn.train.files import append_record
 
 
 class ElasticRecords:
-    """The Trainer's records sink in one elastic worker. ``rows()``: the rows that trained the step
-    just run (the driver's agreed value)."""
+    """The Trainer's records sink in one elastic worker. ``rows()``: the rows (stage → replica)
+    that trained the step just run (the driver's agreed value)."""
 
     def __init__(self, store: dist.Store, mesh: MeshShape, me: WorkerId, rows):
         self.store = store
@@ -55,7 +55,7 @@ class ElasticRecords:
             return
         self.pending.setdefault(done, []).append(record)
         rows = self.rows()
-        if rows and self.me == WorkerId(min(rows), self.me.stage):
+        if rows and self.me == WorkerId(rows[0][-1], self.me.stage):  # the first row's last stage
             self._claim(done)
 
     def after_quorum(self, step: int) -> None:

@@ -1,25 +1,32 @@
 """Which pipeline rows train a step: every process agrees on it, through the run's store.
 
-A row (replica ``r``: one replica of every stage) can train a step only if every one of its stage
-replicas is in its stage's quorum for that step. torchft forms each stage's quorum on its own; a
-row that joined (``meshlearn worker --join``, one process per stage) reaches its stages' quorums at
-different steps. So after each stage's quorum forms, every member says so in the store (its row,
-and the quorum's size), and the first process that sees every stage's members accounted for fixes
-the step's rows with compare-and-set; everyone adopts that value. The rows that are in it train
-the step and split its global batch (``data_shards``); every other live replica *spectates*: it
-takes part in its stage's all-reduce with zero gradients and a contribution count of 0, and
-applies the same update as its peers, so it stays identical to them until its row is complete.
+A row is an assignment stage → replica (``Row``): the workers (row[s], s), one of every stage. It
+can train a step only if each of them is in its stage's quorum for that step. torchft forms each
+stage's quorum on its own; a row that joined (``meshlearn worker --join``, one process per stage)
+reaches its stages' quorums at different steps. So after each stage's quorum forms, every member
+says so in the store (with the links it holds, and the quorum's size), and the first process that
+sees every stage's members accounted for fixes the step's rows with compare-and-set
+(``form_rows``); everyone adopts that value. The rows in it train the step and split its global
+batch (the driver's ``data_plan``); every other live replica *spectates*: it takes part in its
+stage's all-reduce with zero gradients and a contribution count of 0, and applies the same update
+as its peers, so it stays identical to them until it is in a row again.
+
+The rows are formed per step: rows whose members all still hold that row's links stay as they are,
+then the complete slot rows (r, …, r), then the survivors of rows broken at different stages are
+*re-paired* — the leftovers of each stage matched in replica order (P = 2 × D = 2 with r0s1 and
+r1s0 dead: r0s0 and r1s1 form row (0, 1)). The replicas of one stage hold identical weights at a
+committed step, so any replica of stage s can follow any replica of stage s − 1.
 
 A quorum's members asked for it, so they are alive when it forms: their entries arrive within
 milliseconds, and the deadline only matters if one dies in between (it then counts as absent).
 
 The agreement also fixes, per row that trains, the links it trains on (``Agreed.linked_at``): each
-member reports the step its pipeline links were built at (``NOT_LINKED``: it holds none — a
-joiner, or a survivor that dropped them), and a row keeps its links only if every member reports
-the same ones; else every member drops what it holds and links anew at this step
-(``Agreed.plan``). Whether a worker links is thus decided by data every member of its row reads
-identically, never by what it alone noticed: one end that dropped its links while the other kept
-them (a one-sided break) cannot leave one waiting on a link the other never builds.
+member reports the row and step its pipeline links were built at (None: it holds none — a joiner,
+or a survivor that dropped them), and a row keeps its links only if every member reports that
+row's links of one build (``link_step``); else every member drops what it holds and links anew at
+this step (``Agreed.plan``). Whether a worker links is thus decided by data every member of its
+row reads identically, never by what it alone noticed: one end that dropped its links while the
+other kept them (a one-sided break) cannot leave one waiting on a link the other never builds.
 """
 
 from __future__ import annotations
@@ -33,68 +40,141 @@ import torch.distributed as dist
 from meshlearn.distributed.health import WorkerFailure
 from meshlearn.mesh.topology import WorkerId
 
-NOT_LINKED = -1  # a member's report: it holds no pipeline links
+Row = tuple[int, ...]
+"""A pipeline row: stage → replica, the workers (row[s], s) that train one share of a step. A slot
+row is (r, …, r); a re-paired one joins the survivors of rows broken at different stages."""
+
+Held = tuple[Row, int]
+"""A member's links: the row they join and the step they were built at (None: it holds none)."""
+
+
+def slot_row(replica: int, stages: int) -> Row:
+    return (replica,) * stages
+
+
+def row_label(row: Row) -> int | list[int]:
+    """How records name a row: a slot row by its replica, a re-paired one by its assignment."""
+    return row[0] if len(set(row)) == 1 else list(row)
 
 
 @dataclass(frozen=True)
 class Agreed:
-    """A step's agreed rows, and per row the step whose links it trains on."""
+    """A step's agreed rows (in data order), and per row the step whose links it trains on."""
 
-    rows: tuple[int, ...]
-    linked_at: dict[int, int]
+    rows: tuple[Row, ...]
+    linked_at: dict[Row, int]
 
-    def plan(self, replica: int, held: int | None) -> tuple[bool, int | None]:
-        """What a member of row ``replica`` holding the links of step ``held`` (None: none) does:
-        (drop what it holds, the step to link at or None). The same agreement gives every member
-        of a row the same target, so all ends drop and link together."""
-        if replica not in self.rows:
+    def row_of(self, me: WorkerId) -> Row | None:
+        return next((row for row in self.rows if row[me.stage] == me.replica), None)
+
+    def plan(self, me: WorkerId, held: Held | None) -> tuple[bool, int | None]:
+        """What worker ``me`` holding links ``held`` does: (drop what it holds, the step to link
+        at or None). The same agreement gives every member of a row the same target, so all ends
+        drop and link together."""
+        row = self.row_of(me)
+        if row is None:
             return held is not None, None
-        target = self.linked_at[replica]
+        target = (row, self.linked_at[row])
         if held == target:
             return False, None
-        return held is not None, target
+        return held is not None, target[1]
 
 
-def link_step(step: int, reports: Sequence[int]) -> int:
-    """The links a complete row trains ``step`` on, from its members' reports (the step each one's
-    links were built at, ``NOT_LINKED`` for none): the ones they all hold, if they hold the same;
-    else new ones at ``step`` for all of them."""
+def intact(row: Row, reports: Sequence[Held | None]) -> bool:
+    """Whether every member of ``row`` (``reports``, in stage order) holds this row's links of
+    one build."""
     first = reports[0]
-    return first if first != NOT_LINKED and all(r == first for r in reports) else step
+    return first is not None and first[0] == row and all(r == first for r in reports)
+
+
+def link_step(step: int, row: Row, reports: Sequence[Held | None]) -> int:
+    """The links row ``row`` trains ``step`` on, from its members' reports: the ones they all hold,
+    if the row is ``intact``; else new ones at ``step`` for all of them."""
+    return reports[0][1] if intact(row, reports) else step
+
+
+def form_rows(step: int, present: Sequence[set[int]], held: dict[WorkerId, Held | None],
+              repair: bool) -> Agreed:
+    """The fixer's rule. ``present[s]``: the replicas of stage s in its quorum (less evicted ones);
+    ``held``: each present member's report. First the rows every member of which still holds that
+    row's links (so a healthy row — a re-paired one too — never re-links), then the complete slot
+    rows, then (``repair``) the leftovers of each stage paired in replica order: as many more rows
+    as the stage with the fewest leftovers has. Without ``repair`` (SENTINEL: its relay's hops
+    are the slot rows') only slot rows."""
+    free = [set(p) for p in present]
+    linked: dict[Row, int] = {}
+
+    def reports(row: Row) -> list[Held | None]:
+        return [held.get(WorkerId(r, s)) for s, r in enumerate(row)]
+
+    def take(row: Row) -> None:
+        linked[row] = link_step(step, row, reports(row))
+        for s, r in enumerate(row):
+            free[s].discard(r)
+
+    def available(row: Row) -> bool:
+        return all(r in free[s] for s, r in enumerate(row))
+
+    stages = len(present)
+    if repair:
+        for row in sorted({h[0] for h in held.values() if h is not None}):
+            if available(row) and intact(row, reports(row)):
+                take(row)
+    for r in sorted(set.intersection(*free) if free else set()):
+        take(slot_row(r, stages))
+    if repair:
+        for left in zip(*[sorted(f) for f in free], strict=False):
+            take(tuple(left))
+    rows = tuple(sorted(linked))
+    return Agreed(rows, {row: linked[row] for row in rows})
+
+
+def encode_held(held: Held | None) -> str:
+    return "-" if held is None else f"{'.'.join(map(str, held[0]))}@{held[1]}"
+
+
+def decode_held(raw: bytes | str) -> Held | None:
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    if text == "-":
+        return None
+    row, _, at = text.partition("@")
+    return tuple(int(v) for v in row.split(".")), int(at)
 
 
 def encode_agreed(agreed: Agreed) -> str:
-    return ",".join(f"{r}@{agreed.linked_at[r]}" for r in agreed.rows) or "-"
+    return ",".join(encode_held((row, agreed.linked_at[row])) for row in agreed.rows) or "-"
 
 
 def decode_agreed(raw: bytes | str) -> Agreed:
     text = raw.decode() if isinstance(raw, bytes) else str(raw)
-    pairs = [tuple(int(v) for v in item.split("@")) for item in text.split(",") if item not in ("", "-")]
-    return Agreed(tuple(r for r, _ in pairs), dict(pairs))
+    pairs = [decode_held(item) for item in text.split(",") if item not in ("", "-")]
+    return Agreed(tuple(row for row, _ in pairs), dict(pairs))
 
 
 def decode_rows(raw: bytes | str) -> tuple[int, ...]:
-    """The agreed rows alone (the verifier's relay follows them, not their links)."""
-    return decode_agreed(raw).rows
+    """The agreed slot rows' replicas (the verifier's relay follows them; with SENTINEL every
+    agreed row is a slot row)."""
+    return tuple(row[0] for row in decode_agreed(raw).rows)
 
 
 class RowAgreement:
     """``agree(step, me, participants, held)`` → the rows that train ``step`` and their links, the
-    same in every process (``held``: the step this worker's links were built at, None: none)."""
+    same in every process (``held``: the row and step of this worker's links, None: none).
+    ``repair``: whether survivors of rows broken at different stages are paired (``form_rows``)."""
 
-    def __init__(self, store: dist.Store, stages: int, replicas: int, deadline_s: float):
+    def __init__(self, store: dist.Store, stages: int, replicas: int, deadline_s: float,
+                 repair: bool = True):
         self.store = store
         self.stages = stages
         self.replicas = replicas
         self.deadline_s = deadline_s
+        self.repair = repair
 
-    def agree(self, step: int, me: WorkerId, participants: int, held: int | None) -> Agreed:
+    def agree(self, step: int, me: WorkerId, participants: int, held: Held | None) -> Agreed:
         key = f"rows/{step}"
-        held_at = NOT_LINKED if held is None else held
-        self.store.set(f"{key}/links/{me}", str(held_at))  # before the row's count: a fixer reads it
+        self.store.set(f"{key}/links/{me}", encode_held(held))  # before the stage's count: a fixer reads it
         for s in range(self.stages):  # every counter exists before this stage's size says so, so a
             self.store.add(f"{key}/s{s}/count", 0)  # reader's multi_get never blocks on one
-        self.store.add(f"{key}/r{me.replica}", 1)  # before the stage's count: a fixer sees it
         self.store.set(f"{key}/s{me.stage}/n", str(participants))
         self.store.add(f"{key}/s{me.stage}/count", 1)
         end = time.monotonic() + self.deadline_s
@@ -124,20 +204,24 @@ class RowAgreement:
         return all(c >= n for c, n in zip(counts, sizes, strict=True))
 
     def _fix(self, key: str, step: int) -> Agreed:
-        """The complete rows, less those SENTINEL evicted (``evictions.evicted_key``, set by the
-        verifier before the verdict every worker reads first): whatever a banned process still does;
-        each with the links it trains on (``link_step``: every member of a complete row reported)."""
-        present = [int(self.store.add(f"{key}/r{r}", 0)) for r in range(self.replicas)]
-        rows = tuple(r for r, n in enumerate(present)
-                     if n == self.stages and not self.store.check([f"evicted/r{r}"]))
-        linked_at = {r: link_step(step, [int(v) for v in self.store.multi_get(
-            [f"{key}/links/{WorkerId(r, s)}" for s in range(self.stages)])]) for r in rows}
-        fixed = self.store.compare_set(f"{key}/fixed", "", encode_agreed(Agreed(rows, linked_at)))
-        return decode_agreed(fixed)
+        """``form_rows`` over the members that reported, less the replicas SENTINEL evicted
+        (``evictions.evicted_key``, set by the verifier before the verdict every worker reads
+        first): whatever a banned process still does."""
+        held: dict[WorkerId, Held | None] = {}
+        present: list[set[int]] = [set() for _ in range(self.stages)]
+        for r in range(self.replicas):
+            if self.store.check([f"evicted/r{r}"]):
+                continue
+            for s in range(self.stages):
+                name = f"{key}/links/{WorkerId(r, s)}"
+                if self.store.check([name]):
+                    present[s].add(r)
+                    held[WorkerId(r, s)] = decode_held(self.store.get(name))
+        agreed = form_rows(step, present, held, self.repair)
+        return decode_agreed(self.store.compare_set(f"{key}/fixed", "", encode_agreed(agreed)))
 
 
-
-def whole_batch(contributors: float, sequences: float, rows: tuple[int, ...], batch_size: int) -> bool:
+def whole_batch(contributors: float, sequences: float, rows: tuple[Row, ...], batch_size: int) -> bool:
     """A stage's verdict on its summed counts: every agreed row's replica of the stage contributed
     (spectators add 0) and together they trained the whole global batch, each sequence once. Only
     then may the step commit; the mean of the summed gradients divides by ``contributors``."""

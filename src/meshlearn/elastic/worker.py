@@ -35,6 +35,7 @@ from meshlearn.elastic.membership import (
     LIGHTHOUSES_KEY,
     RUN_FILE,
     STARTED_ENV,
+    WRITER_ENV,
     free_key,
     taken_key,
 )
@@ -84,7 +85,8 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
             time.sleep(0.01)
     shared = dist.PrefixStore("elastic/", store)
     vote = CommitVote(shared, mesh.stages, timeouts.collective_s)
-    rows = RowAgreement(shared, mesh.stages, mesh.replicas, timeouts.quorum_s)  # a quorum may wait
+    rows = RowAgreement(shared, mesh.stages, mesh.replicas, timeouts.quorum_s,  # a quorum may wait
+                        repair=cfg.verify.name != "sentinel")  # the relay's hops are the slot rows
     driver.append(ElasticDriver(cfg, worker, session.health, session.device, session.comm, quorum, vote,
                                 rows, links, store))
     if joining():
@@ -122,6 +124,6 @@ def prepare_join(address: str, run_dir: Path) -> RunConfig:
     os.environ.update({"RANK": str(mesh.rank(wid)), "WORLD_SIZE": str(mesh.world_size),
                        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": host, "MASTER_PORT": port,
                        LIGHTHOUSES_ENV: store.get(LIGHTHOUSES_KEY).decode(), JOIN_ENV: "1",
-                       GENERATION_ENV: str(held + 1),
+                       GENERATION_ENV: str(held + 1), WRITER_ENV: "",  # a joiner never starts the files
                        "MESHLEARN_STORE_OWNER": f"the launcher's store at {address}"})
     return cfg

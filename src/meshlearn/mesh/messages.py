@@ -51,8 +51,9 @@ class Message:
 def carried_kind(src: WorkerId, dst: WorkerId) -> Literal["act", "grad", "dp"]:
     """What the link ``src`` → ``dst`` carries: activations down a row's pipeline, gradients up
     it, a DP strategy's parts between the replicas of one stage. Receivers take a message's kind
-    from its link, never from its header (the sender's claim)."""
-    if src.replica == dst.replica and abs(src.stage - dst.stage) == 1:
+    from its link, never from its header (the sender's claim). A pipeline link joins neighbouring
+    stages, of one replica or (an elastic run's re-paired row, elastic/rows.py) of two."""
+    if abs(src.stage - dst.stage) == 1:
         return "act" if src.stage < dst.stage else "grad"
     if src.stage == dst.stage and src.replica != dst.replica:
         return "dp"

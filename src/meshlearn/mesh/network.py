@@ -144,7 +144,7 @@ class Network:
         key = (src, dst)
         link = self.links.get(key)
         if link is None:
-            axis = "pp" if src.replica == dst.replica else "dp"
+            axis = "dp" if src.stage == dst.stage else "pp"  # (pp across replicas: a re-paired row)
             profile = self.overrides.get(key, self.axes.get(axis, self.default))
             rng = random.Random(f"{self.seed}:{src}->{dst}")
             link = self.links[key] = Link(src, dst, axis, profile, rng, uplink=self.uplink(src))

@@ -211,26 +211,29 @@ class Trainer:
 
     def work(self, step: int) -> dict[WorkerId, StepWork]:
         """Step ``step``'s work for this process's workers: the rows that train it take the slices
-        of its global batch in row order (every replica, unless the driver says otherwise: an
-        elastic driver's ``data_plan`` names the rows and the batch, which stays the same until a
-        step commits), cut into microbatches, with the step's learning-rate factor. A worker whose
-        row does not train the step gets no data (it spectates)."""
+        of its global batch in order, cut into microbatches, with the step's learning-rate factor.
+        A row is an assignment stage → replica: every replica's slot row (r, …, r), unless the
+        driver says otherwise (an elastic driver's ``data_plan`` names the rows — re-paired ones
+        too — and the batch, which stays the same until a step commits). A worker in no row
+        gets no data (it spectates)."""
         cfg = self.cfg
+        stages = self.mesh.stages
         index, rows = (self.driver.data_plan(step) if hasattr(self.driver, "data_plan")
-                       else (step, tuple(range(self.mesh.replicas))))
+                       else (step, tuple((r,) * stages for r in range(self.mesh.replicas))))
         x, y = global_batch(self.corpus.splits.train, index, cfg.train.batch_size, cfg.model.seq_len,
                             cfg.seed)
         factor = lr_factor(step, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
         shards = shard_batch(x, y, len(rows), cfg.mesh.microbatches) if rows else []
         works = {}
         for wid in self.workers:
-            micro = shards[sorted(rows).index(wid.replica)] if wid.replica in rows else []
+            k = next((k for k, row in enumerate(rows) if row[wid.stage] == wid.replica), None)
+            micro = shards[k] if k is not None else []
             works[wid] = StepWork(
                 step=step,
                 microbatch_size=micro[0][0].shape[0] if micro else 0,
                 lr_factor=factor,
                 tokens=[mx for mx, _ in micro] if wid.stage == 0 else None,
-                targets=[my for _, my in micro] if wid.stage == self.mesh.stages - 1 else None,
+                targets=[my for _, my in micro] if wid.stage == stages - 1 else None,
             )
         return works
 
