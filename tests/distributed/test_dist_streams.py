@@ -153,6 +153,17 @@ def test_the_listening_address_is_the_one_toward_the_store_never_every_interface
         Listener("127.0.0.1", {LINK}).accept_all(time.monotonic() + 0.2)
 
 
+def test_a_connection_silent_until_the_deadline_ends_the_set_up_naming_the_links_never_connected():
+    """The documented stall: a connection that never says its hello holds the listener until the
+    set-up deadline; then the error names the missing links (not a non-blocking socket's EAGAIN)."""
+    listener = Listener("127.0.0.1", {LINK})
+    host, port = listener.address.rsplit(":", 1)
+    with (socket.create_connection((host, int(port)), timeout=5),
+          pytest.raises(TimeoutError, match=r"links \['r0s0->r0s1'\] never connected")):
+        listener.accept_all(time.monotonic() + 0.3)
+    assert listener.refused == ["no hello (TimeoutError: timed out)"]
+
+
 def _gloo_peer(rank: int, port: int) -> None:
     """Rank 0 sends 1000 bytes into the 100-byte receive rank 1 posted, as a lying peer would."""
     from meshlearn.distributed.transport import MESSAGE_TAG
