@@ -126,7 +126,7 @@ def test_a_listener_takes_each_expected_link_once_and_closes_every_other_connect
     listener = Listener("127.0.0.1", {LINK, other})
     accepting = threading.Thread(target=listener.accept_all, args=(time.monotonic() + 10,))
     accepting.start()
-    assert listener.address.startswith("127.0.0.1:")
+    assert listener.address.startswith("127.0.0.1:")  # the socket's own address: never 0.0.0.0
     assert _try(listener.address, hello(stranger)) == b""
     assert _try(listener.address, b"GET / HTTP/1.0\r\n\r\n") == b""
     assert _try(listener.address, HELLO_MAGIC + struct.pack("!H", 60000)) == b""  # a name too long

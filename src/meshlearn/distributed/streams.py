@@ -140,7 +140,8 @@ class Listener:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind((address, 0))
         self.sock.listen(len(expected) + 8)
-        self.address = f"{address}:{self.sock.getsockname()[1]}"
+        host, port = self.sock.getsockname()[:2]  # what the socket is bound to, not what was asked
+        self.address = f"{host}:{port}"
 
     def accept_all(self, deadline: float) -> None:
         """Until every expected link is connected (or ``deadline``, a monotonic time: TimeoutError)."""
