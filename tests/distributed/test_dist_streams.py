@@ -19,8 +19,16 @@ import torch
 import torch.distributed as dist
 
 from meshlearn.compress.codecs import Encoded
-from meshlearn.distributed.health import Health, store_client
-from meshlearn.distributed.streams import ACK, HELLO_MAGIC, Listener, connect_streams, hello, local_address
+from meshlearn.distributed.health import Health, WorkerFailure, store_client
+from meshlearn.distributed.streams import (
+    ACK,
+    HELLO_MAGIC,
+    Listener,
+    connect_streams,
+    dial,
+    hello,
+    local_address,
+)
 from meshlearn.distributed.transport import Forged, Transport
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, pack
 from meshlearn.mesh.messages import Message
@@ -106,6 +114,27 @@ def test_frames_that_lie_are_refused_unread_and_the_link_delivers_the_honest_mes
     assert torch.equal(last.payload.tensors["values"], torch.arange(30, dtype=torch.float32) + 3)
     peers[0].close()
     transport.close()
+
+
+def test_a_message_its_sender_cannot_pack_ends_the_run_naming_the_sender_not_a_lost_link(store):
+    """A header beyond HEADER_ROOM fails in ``wire.pack`` in the sender's thread: the error the
+    main thread raises says so, and does not blame the peer for a lost connection."""
+    listener = Listener("127.0.0.1", {LINK})
+    accepting = threading.Thread(target=listener.accept_all, args=(time.monotonic() + 10,))
+    accepting.start()
+    stream = dial(listener.address, LINK, time.monotonic() + 10)
+    accepting.join()
+    health = Health(store_client("127.0.0.1", store.port, 10), MeshShape(1, 2), 0, 0.2, 5.0, "test store")
+    transport = Transport(SRC, MeshShape(1, 2), {LINK: stream}, {}, torch.device("cpu"), health,
+                          message_s=10.0, max_message_bytes=BOUND)
+    many = Encoded({f"blocks.{i}.w": torch.zeros(1) for i in range(2000)}, (), torch.float32)
+    transport.send(Message("act", 0, 0, SRC, DST, many), capacity=0, shaped=False)
+    with pytest.raises(WorkerFailure) as err:
+        transport.drain(10.0)
+    assert "r0s0 cannot send act 0 of step 0 to worker r0s1" in str(err.value), err.value
+    assert "lost the connection" not in str(err.value)
+    transport.close()
+    listener.streams[LINK].close()
 
 
 def _try(address: str, payload: bytes) -> bytes:
