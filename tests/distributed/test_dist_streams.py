@@ -19,8 +19,16 @@ import torch
 import torch.distributed as dist
 
 from meshlearn.compress.codecs import Encoded
-from meshlearn.distributed.health import Health, store_client
-from meshlearn.distributed.streams import ACK, HELLO_MAGIC, Listener, connect_streams, hello, local_address
+from meshlearn.distributed.health import Health, WorkerFailure, store_client
+from meshlearn.distributed.streams import (
+    ACK,
+    HELLO_MAGIC,
+    Listener,
+    connect_streams,
+    dial,
+    hello,
+    local_address,
+)
 from meshlearn.distributed.transport import Forged, Transport
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, pack
 from meshlearn.mesh.messages import Message
@@ -108,6 +116,27 @@ def test_frames_that_lie_are_refused_unread_and_the_link_delivers_the_honest_mes
     transport.close()
 
 
+def test_a_message_its_sender_cannot_pack_ends_the_run_naming_the_sender_not_a_lost_link(store):
+    """A header beyond HEADER_ROOM fails in ``wire.pack`` in the sender's thread: the error the
+    main thread raises says so, and does not blame the peer for a lost connection."""
+    listener = Listener("127.0.0.1", {LINK})
+    accepting = threading.Thread(target=listener.accept_all, args=(time.monotonic() + 10,))
+    accepting.start()
+    stream = dial(listener.address, LINK, time.monotonic() + 10)
+    accepting.join()
+    health = Health(store_client("127.0.0.1", store.port, 10), MeshShape(1, 2), 0, 0.2, 5.0, "test store")
+    transport = Transport(SRC, MeshShape(1, 2), {LINK: stream}, {}, torch.device("cpu"), health,
+                          message_s=10.0, max_message_bytes=BOUND)
+    many = Encoded({f"blocks.{i}.w": torch.zeros(1) for i in range(2000)}, (), torch.float32)
+    transport.send(Message("act", 0, 0, SRC, DST, many), capacity=0, shaped=False)
+    with pytest.raises(WorkerFailure) as err:
+        transport.drain(10.0)
+    assert "r0s0 cannot send act 0 of step 0 to worker r0s1" in str(err.value), err.value
+    assert "lost the connection" not in str(err.value)
+    transport.close()
+    listener.streams[LINK].close()
+
+
 def _try(address: str, payload: bytes) -> bytes:
     """What a listener answers a connection that sends ``payload`` (b"": it closed unanswered;
     with bytes of ours still unread there, the close is a reset)."""
@@ -126,7 +155,7 @@ def test_a_listener_takes_each_expected_link_once_and_closes_every_other_connect
     listener = Listener("127.0.0.1", {LINK, other})
     accepting = threading.Thread(target=listener.accept_all, args=(time.monotonic() + 10,))
     accepting.start()
-    assert listener.address.startswith("127.0.0.1:")
+    assert listener.address.startswith("127.0.0.1:")  # the socket's own address: never 0.0.0.0
     assert _try(listener.address, hello(stranger)) == b""
     assert _try(listener.address, b"GET / HTTP/1.0\r\n\r\n") == b""
     assert _try(listener.address, HELLO_MAGIC + struct.pack("!H", 60000)) == b""  # a name too long
@@ -151,6 +180,17 @@ def test_the_listening_address_is_the_one_toward_the_store_never_every_interface
     assert local_address("127.0.0.1", 29500) == "127.0.0.1"
     with pytest.raises(TimeoutError, match="never connected"):
         Listener("127.0.0.1", {LINK}).accept_all(time.monotonic() + 0.2)
+
+
+def test_a_connection_silent_until_the_deadline_ends_the_set_up_naming_the_links_never_connected():
+    """The documented stall: a connection that never says its hello holds the listener until the
+    set-up deadline; then the error names the missing links (not a non-blocking socket's EAGAIN)."""
+    listener = Listener("127.0.0.1", {LINK})
+    host, port = listener.address.rsplit(":", 1)
+    with (socket.create_connection((host, int(port)), timeout=5),
+          pytest.raises(TimeoutError, match=r"links \['r0s0->r0s1'\] never connected")):
+        listener.accept_all(time.monotonic() + 0.3)
+    assert listener.refused == ["no hello (TimeoutError: timed out)"]
 
 
 def _gloo_peer(rank: int, port: int) -> None:

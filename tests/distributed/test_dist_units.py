@@ -15,7 +15,7 @@ from meshlearn.compress.wire_checks import WireGuard
 from meshlearn.config import ConfigError, load_config
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import WorkerFailure
-from meshlearn.distributed.settings import DistConfig, derive_deadlines
+from meshlearn.distributed.settings import DistConfig, derive_deadlines, links_of
 from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.wire import WireError, pack, prefix, unpack
 from meshlearn.mesh.messages import Message
@@ -190,6 +190,21 @@ def test_dist_settings_are_checked_up_front():
                            (["verify.name=sentinel", "dist.comm=nccl"], "dist.comm")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, ["backend=dist", *overrides])
+
+
+def test_what_carries_the_links_auto_resolves_and_bad_values_are_refused():
+    """``dist.links = auto``: tcp where a verifier relays (a lying frame must not abort it),
+    collective otherwise and in elastic runs (rows link over gloo pair groups)."""
+    def cfg(*overrides):
+        return load_config(None, ["backend=dist", *overrides])
+
+    assert links_of(cfg()) == "collective" and links_of(cfg("dist.links=tcp")) == "tcp"
+    assert links_of(cfg("verify.name=sentinel")) == "tcp"
+    assert links_of(cfg("verify.name=sentinel", "dist.links=collective")) == "collective"
+    assert links_of(cfg("verify.name=sentinel", "elastic.enabled=true", "mesh.replicas=2")) == "collective"
+    for overrides in (["dist.links=udp"], ["dist.links=tcp", "elastic.enabled=true", "mesh.replicas=2"]):
+        with pytest.raises(ConfigError, match=r"dist\.links"):
+            cfg(*overrides)
 
 
 def test_a_checkpoint_is_complete_only_once_its_manifest_is_written(tmp_path):

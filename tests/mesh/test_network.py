@@ -80,6 +80,17 @@ def test_per_link_queues_stay_the_default_and_uplinks_survive_a_checkpoint():
     assert resumed.uplinks[A].bytes_sent == 3 * 1_250_000
 
 
+def test_a_run_saved_with_uplinks_resumes_with_links_access_off():
+    """``links.access`` may change on --resume: the saved uplinks' queues are then no queue of
+    this run's (before: AttributeError on the first uplink in the checkpoint)."""
+    shared = Network(LinkProfile(bandwidth_mbit=100, latency_ms=20), access="uplink")
+    shared.link(A, B).transmit(0.0, 1_250_000)
+    per_link = Network(LinkProfile(bandwidth_mbit=100, latency_ms=20))
+    per_link.load_state(shared.state())
+    assert not per_link.uplinks and per_link.link(A, B).free_at == pytest.approx(0.1)
+    assert per_link.link(A, C).transmit(0.0, 1_250_000) == pytest.approx(0.1 + 0.02)
+
+
 def test_ring_allreduce_cost_model():
     profile = LinkProfile(bandwidth_mbit=80, latency_ms=10)
     nbytes = 4_000_000

@@ -140,14 +140,15 @@ class Listener:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind((address, 0))
         self.sock.listen(len(expected) + 8)
-        self.address = f"{address}:{self.sock.getsockname()[1]}"
+        host, port = self.sock.getsockname()[:2]  # what the socket is bound to, not what was asked
+        self.address = f"{host}:{port}"
 
     def accept_all(self, deadline: float) -> None:
         """Until every expected link is connected (or ``deadline``, a monotonic time: TimeoutError)."""
         try:
             while len(self.streams) < len(self.expected):
-                self.sock.settimeout(max(0.0, deadline - time.monotonic()))
                 try:
+                    self.sock.settimeout(_left(deadline))
                     conn, _ = self.sock.accept()
                 except TimeoutError:
                     missing = sorted(set(self.expected) - {link_name(k) for k in self.streams})
@@ -158,8 +159,8 @@ class Listener:
 
     def _admit(self, conn: socket.socket, deadline: float) -> None:
         """Read the hello; keep the connection for its link, or close it unanswered."""
-        conn.settimeout(max(0.0, deadline - time.monotonic()))
         try:
+            conn.settimeout(_left(deadline))
             name = _read_hello(conn)
             why = ("no valid hello" if name is None
                    else f"a hello for {name!r}, not a link this process receives" if name not in self.expected
@@ -175,6 +176,15 @@ class Listener:
             return
         link = self.expected[name]
         self.streams[link] = Stream(conn, link)
+
+
+def _left(deadline: float) -> float:
+    """Seconds to ``deadline`` as a socket timeout; TimeoutError once it has passed (a timeout of
+    0 would make the socket non-blocking: BlockingIOError, naming nothing)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the set-up deadline (dist.init_timeout_s) has passed")
+    return left
 
 
 def _read_hello(conn: socket.socket) -> str | None:
@@ -199,7 +209,7 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 def dial(address: str, link: Link, deadline: float) -> Stream:
     """Connect to a listener at ``address`` ("host:port") for ``link``; returns once it accepted."""
     host, port = address.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=max(0.0, deadline - time.monotonic()))
+    sock = socket.create_connection((host, int(port)), timeout=_left(deadline))
     sock.sendall(hello(link))
     if sock.recv(1) != ACK:
         sock.close()

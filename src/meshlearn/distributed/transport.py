@@ -242,6 +242,7 @@ class Transport:
                     raise WorkerFailure(self.health.abort(
                         f"{self.me} could not deliver {self._pending} message(s) within {deadline_s:.1f} s"))
                 self._idle.wait(POLL_S)
+        self._raise_send_errors()  # a send that failed is no longer pending, but was never handed over
 
     def close(self, wait_s: float = 1.0) -> None:
         """Stop the link threads, waiting up to ``wait_s`` for each (0: a broken elastic row's,
@@ -276,6 +277,10 @@ class Transport:
                     group.send(buffer)
                 else:
                     _send_posted(buffer, dst, group, capacity, timeout)
+            except WireError as err:  # its own message cannot travel (wire.pack): no peer to blame
+                self._errors.append(f"{self.me or 'the verifier'} cannot send {message.kind} "
+                                    f"{message.microbatch} of step {message.step} to worker {peer}: {err}")
+                return
             except Exception as err:  # noqa: BLE001 — reported to the main thread, which raises
                 self._errors.append(f"lost the connection to worker {peer} while sending it "
                                     f"{message.kind} {message.microbatch} of step {message.step} "

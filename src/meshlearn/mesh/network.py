@@ -170,7 +170,9 @@ class Network:
         for key, link_state in state.items():
             src, dst = key.split("->")
             if dst == UPLINK:
-                self.uplink(WorkerId.parse(src)).load_state(link_state)
+                up = self.uplink(WorkerId.parse(src))
+                if up is not None:  # None: resumed with links.access = off, each link its own queue
+                    up.load_state(link_state)
             else:
                 self.link(WorkerId.parse(src), WorkerId.parse(dst)).load_state(link_state)
 
