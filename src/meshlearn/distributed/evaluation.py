@@ -101,7 +101,6 @@ class PipelineEvaluation:
         return value.item()
 
 
-
 def _context(batch: int, boundary: int, device: torch.device, masked: bool) -> MessageContext:
     """An evaluation message, or (``masked``) batch ``batch`` coded as microbatch 0 of step
     ``batch`` on replica 0, as the simulator's masked evaluation codes it."""
