@@ -31,6 +31,7 @@ from meshlearn.distributed.streams import (
 )
 from meshlearn.distributed.transport import Forged, Transport
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, pack
+from meshlearn.elastic.binding import BoundStore
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
@@ -68,8 +69,11 @@ def _lies() -> list[tuple[bytes, str]]:
 
 
 @pytest.fixture
-def store():
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+def store() -> BoundStore:
+    """The tests' rendezvous store, listening on 127.0.0.1 only: TCPStore's own server binds every
+    interface, and one left to the garbage collector made a later in-process elastic launch
+    refuse to run (its check that the launcher listens on elastic.host only)."""
+    return BoundStore("127.0.0.1", 10)
 
 
 def _receiver(store, port: int) -> tuple[Transport, Health]:
