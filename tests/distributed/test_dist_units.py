@@ -230,3 +230,29 @@ def test_a_checkpoint_is_complete_only_once_its_manifest_is_written(tmp_path):
     assert latest_complete(tmp_path).name == "step-000004"
     assert json.loads((tmp_path / "checkpoints" / "step-000004" / "manifest.json").read_text())["step"] == 4
     assert len(barriers) == 7
+
+
+def test_an_anchor_stage_folds_relays_into_one_copy_up_to_its_next_pass_and_holds_later_ones():
+    """``anchor.weights = outer``: relays are folded on arrival (memory: one copy, not one per
+    relay) but never past the step before the next pass, whose weights must be those of its own
+    hand-off; a later relay is held until that pass has begun, and relays fold in step order."""
+    from meshlearn.distributed.anchor import Follower
+
+    module = torch.nn.Linear(2, 1, bias=False)
+    follower = Follower(module)
+    src, dst = WorkerId(0, 0), WorkerId(1, 0)
+
+    def relay(step: int, value: float) -> Message:
+        return Message("anchor_listen", step, 0, src, dst, Encoded({"weight": torch.full((1, 2), value)},
+                                                                     (), torch.float32))
+
+    follower.aim(2)  # the next pass is hand-off 2: fold relays of step ends 0 and 1
+    follower.arrive(relay(1, 1.0))  # out of order: held until step 0's is in
+    assert follower.folded == 0 and list(follower.held) == [1]
+    follower.arrive(relay(0, 0.5))
+    assert follower.folded == 2 and not follower.held and follower.weights["weight"].tolist() == [[1.0, 1.0]]
+    follower.arrive(relay(2, 2.0))  # belongs after pass 2 has begun
+    assert follower.folded == 2 and list(follower.held) == [2]
+    assert follower.weights["weight"].tolist() == [[1.0, 1.0]]  # pass 2 computes on these
+    follower.aim(None)  # pass 2 begun, none after it: fold everything
+    assert follower.folded == 3 and not follower.held and follower.weights["weight"].tolist() == [[2.0, 2.0]]

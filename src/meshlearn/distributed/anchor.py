@@ -164,6 +164,35 @@ class Listener:
         return {n: v.to(torch.float32, copy=True) for n, v in live.items()}
 
 
+class Follower:
+    """An anchor stage's side of ``anchor.weights = outer``: the agreed weights as the relays of
+    fast step ends leave them, one fp32 copy into which each relay is folded when it arrives, in
+    step order, up to the step before this stage's next pass (so memory is that copy, not one per
+    relay buffered until the pass); a relay for a later step is held until that pass has begun
+    (only an anchor more than a pass behind holds any)."""
+
+    def __init__(self, module: Decoder):
+        self.weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+        self.folded = 0  # the relays of fast step ends 0 .. folded − 1 are in ``weights``
+        self.until: int | None = 0  # fold relays of steps below this (None: every one)
+        self.held: dict[int, Message] = {}
+
+    def arrive(self, relay: Message) -> None:
+        self.held[relay.step] = relay
+        self._fold()
+
+    def aim(self, until: int | None) -> None:
+        """Fold what has arrived, and what arrives from now on, up to step ``until`` − 1."""
+        self.until = until
+        self._fold()
+
+    def _fold(self) -> None:
+        while (self.until is None or self.folded < self.until) and self.folded in self.held:
+            for name, value in self.held.pop(self.folded).payload.tensors.items():
+                self.weights[name].copy_(value)
+            self.folded += 1
+
+
 @dataclass
 class AnchorCounters:
     delivered: int = 0  # shares folded in (one per fast worker and pass)
@@ -340,7 +369,7 @@ class AnchorStage:
                                          sum(p.numel() for p in module.parameters()))
         passes, M = len(passes_of(cfg, self.z)), cfg.mesh.microbatches
         self.transport.expect_link((WorkerId(0, self.s), me), passes + listens(cfg), capacity(cfg))
-        self.followed = 0  # outer weights: the fast step ends whose relay this stage has applied
+        self.follower = Follower(module) if listens(cfg) else None
         if self.s > 0:
             self.transport.expect_link((anchor_id(mesh, self.z, self.s - 1), me), passes * M, capacity(cfg))
         if self.s + 1 < mesh.stages:
@@ -356,8 +385,9 @@ class AnchorStage:
 
     def run(self) -> None:
         """Every pass of this anchor replica, until the workers have all finished."""
-        for t in passes_of(self.cfg, self.z):
-            if not self._follow(t):
+        due = passes_of(self.cfg, self.z)
+        for i, t in enumerate(due):
+            if not self._follow(t, due[i + 1] if i + 1 < len(due) else None):
                 return
             snapshot = self._wait("anchor_weights", t, self.z)
             if snapshot is None:
@@ -370,18 +400,20 @@ class AnchorStage:
                  "factors": self.bytes_factors}))
         self._wait(None, -1, -1)  # nothing more to do: wait for the end
 
-    def _follow(self, t: int) -> bool:
-        """``anchor.weights = outer``: apply the relays of fast step ends before hand-off ``t``, in
-        order (the weights as they stood when step t began); False once the workers finished."""
+    def _follow(self, t: int, after: int | None) -> bool:
+        """``anchor.weights = outer``: the weights as they stood when step ``t`` began (every relay
+        of the fast step ends before t folded in) into the module; from then on the follower folds
+        up to the next pass's step ``after`` (None: the last pass). False once the workers finished."""
+        follower = self.follower
+        if follower is None:
+            return True
+        follower.aim(t)
+        if not self._wait_until(lambda: follower.folded >= t):
+            return False
         with torch.no_grad():
-            params = dict(self.module.named_parameters())
-            while listens(self.cfg) and self.followed < t:
-                relay = self._wait("anchor_listen", self.followed, self.z)
-                if relay is None:
-                    return False
-                for name, value in relay.payload.tensors.items():
-                    params[name].copy_(value)
-                self.followed += 1
+            for name, param in self.module.named_parameters():
+                param.copy_(follower.weights[name])
+        follower.aim(after)
         return True
 
     def _pass(self, t: int, snapshot: Message) -> bool:
@@ -446,19 +478,27 @@ class AnchorStage:
         """The message (kind, step, microbatch), buffering others; None once every worker finished
         (a pass the fast circuit no longer needs is abandoned)."""
         key = (kind, step, microbatch)
-        while key not in self.inbox:
+        return self.inbox.pop(key) if self._wait_until(lambda: key in self.inbox) else None
+
+    def _wait_until(self, done) -> bool:
+        """Take arrivals (relays to the follower, others into the inbox) until ``done()``; False
+        once every worker finished."""
+        while not done():
             self.health.check()
             item = self.transport.next_arrival(POLL_S)
             if isinstance(item, Message):
-                self.inbox[(item.kind, item.step, item.microbatch)] = item
+                if item.kind == "anchor_listen" and self.follower is not None:
+                    self.follower.arrive(item)
+                else:
+                    self.inbox[(item.kind, item.step, item.microbatch)] = item
                 continue
             if self._workers_done():  # then a closed link or a failed send is no failure
-                return None
+                return False
             if item is not None:  # Broken: a link closed while the workers still run
                 raise WorkerFailure(self.health.abort(item.message))
             if (error := self.transport.send_error()) is not None:
                 raise WorkerFailure(self.health.abort(error))
-        return self.inbox.pop(key)
+        return True
 
     def _workers_done(self) -> bool:
         return self.store.check([f"done/{rank}" for rank in range(self.mesh.world_size)])
