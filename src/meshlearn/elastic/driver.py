@@ -55,7 +55,7 @@ from meshlearn.distributed.transport import Transport
 from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.checkpoints import ElasticCheckpoints
 from meshlearn.elastic.evictions import Evictions
-from meshlearn.elastic.links import RowLinks, neighbours
+from meshlearn.elastic.links import RowLinks, neighbours, row_peer
 from meshlearn.elastic.membership import WRITER_ENV
 from meshlearn.elastic.quorum import CommitVote, QuorumStep, StageQuorum
 from meshlearn.elastic.records import ElasticRecords
@@ -214,9 +214,7 @@ class ElasticDriver(Evictions, DistDriver):
         self._replace_transport(groups, wait_s=1.0)
         check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")  # the links' sockets too
         self.linked_at, self.row = step, row
-        up, down = (WorkerId(row[s], s) if 0 <= s < self.mesh.stages else None
-                    for s in (self.me.stage - 1, self.me.stage + 1))
-        self.prev, self.next = up, down
+        self.prev, self.next = row_peer(row, self.me.stage - 1), row_peer(row, self.me.stage + 1)
         if not self.links.relayed:
             self.health.follow(self.links.dropped_key(row, step))
         label = row_label(row)
