@@ -6,9 +6,9 @@ neighbouring stages of two replicas; a resumed run starts the workers its checkp
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
+from in_threads import in_threads
 from tiny import tiny_config
 
 from meshlearn.elastic.binding import BoundStore
@@ -63,18 +63,8 @@ def test_a_row_whose_members_hold_different_links_links_anew(held):
 
 
 def _agree_all(store, held: dict[WorkerId, tuple | None], participants: list[int], repair: bool = True):
-    results = {}
-
-    def one(wid):
-        agreement = RowAgreement(store, 2, 2, 5.0, repair=repair)
-        results[wid] = agreement.agree(3, wid, participants[wid.stage], held[wid])
-
-    threads = [threading.Thread(target=one, args=(w,)) for w in held]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    return in_threads(lambda wid: RowAgreement(store, 2, 2, 5.0, repair=repair).agree(
+        3, wid, participants[wid.stage], held[wid]), held)
 
 
 def test_every_process_reads_the_same_re_paired_row_and_its_place_in_it():

@@ -5,11 +5,11 @@ of a banned worker's row, and the refusals of a banned identity, of joiners and 
 from __future__ import annotations
 
 import json
-import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
+from in_threads import in_threads
 from tiny import tiny_config
 
 from meshlearn.config import ConfigError
@@ -67,16 +67,9 @@ def test_the_relays_hops_are_each_workers_own_order():
 def test_an_evicted_row_is_never_agreed_again_whatever_its_processes_do():
     store = BoundStore("127.0.0.1", 10).store
     store.set(evicted_key(1), "r1s1")  # the verifier, before the verdict
-    results = {}
-
-    def one(wid):  # every replica of both stages asks, the evicted row's too
-        results[wid] = RowAgreement(store, 2, 3, 5.0, repair=False).agree(6, wid, 3, None).rows
-
-    threads = [threading.Thread(target=one, args=(WorkerId(r, s),)) for r in range(3) for s in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = in_threads(  # every replica of both stages asks, the evicted row's too
+        lambda wid: RowAgreement(store, 2, 3, 5.0, repair=False).agree(6, wid, 3, None).rows,
+        [WorkerId(r, s) for r in range(3) for s in range(2)])
     assert set(results.values()) == {((0, 0), (2, 2))}
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from in_threads import in_threads
 from tiny import tiny_config
 
 from meshlearn.config import ConfigError, load_config
@@ -95,17 +95,7 @@ def test_check_bound_refuses_a_wildcard_listener():
 
 def _vote_all(votes: dict[WorkerId, tuple[int, bool]], stages: int, deadline_s: float = 5.0):
     store = BoundStore("127.0.0.1", 10).store
-    results = {}
-
-    def one(wid, participants, ok):
-        results[wid] = CommitVote(store, stages, deadline_s).decide(7, wid, participants, ok)
-
-    threads = [threading.Thread(target=one, args=(w, n, ok)) for w, (n, ok) in votes.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    return in_threads(lambda wid: CommitVote(store, stages, deadline_s).decide(7, wid, *votes[wid]), votes)
 
 
 def test_a_step_commits_in_every_stage_or_in_none():
@@ -124,18 +114,8 @@ def test_a_stage_without_replicas_stops_the_run_with_its_name():
 
 def _agree_all(quorums: dict[WorkerId, int], stages: int, replicas: int, deadline_s: float = 5.0):
     store = BoundStore("127.0.0.1", 10).store
-    results = {}
-
-    def one(wid, participants):
-        agreement = RowAgreement(store, stages, replicas, deadline_s)
-        results[wid] = agreement.agree(3, wid, participants, None).rows
-
-    threads = [threading.Thread(target=one, args=item) for item in quorums.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    return in_threads(lambda wid: RowAgreement(store, stages, replicas, deadline_s).agree(
+        3, wid, quorums[wid], None).rows, quorums)
 
 
 def test_the_rows_of_a_step_are_those_with_every_stage_in_its_quorum():

@@ -55,7 +55,7 @@ from meshlearn.distributed.transport import Transport
 from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.checkpoints import ElasticCheckpoints
 from meshlearn.elastic.evictions import Evictions
-from meshlearn.elastic.links import RowLinks, neighbours
+from meshlearn.elastic.links import RowLinks, neighbours, row_peer
 from meshlearn.elastic.membership import WRITER_ENV
 from meshlearn.elastic.quorum import CommitVote, QuorumStep, StageQuorum
 from meshlearn.elastic.records import ElasticRecords
@@ -164,7 +164,8 @@ class ElasticDriver(Evictions, DistDriver):
         if first:  # every socket of torchft's exists now: prove none is on another address
             check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")
         self.quorum_s += self.current.quorum_s
-        agreed = self.agreement.agree(step, self.me, self.current.participants, self._held())
+        held = self._held()
+        agreed = self.agreement.agree(step, self.me, self.current.participants, held)
         self.rows = agreed.rows
         if not self.rows:  # some stage has no live replica that is not evicted (SENTINEL: no re-pairing)
             raise WorkerFailure(f"no pipeline row is complete in step {step + 1}'s quorums: every row "
@@ -172,12 +173,13 @@ class ElasticDriver(Evictions, DistDriver):
         self.records.after_quorum(step)  # before the all-reduce: the file stays in step order
         # Every live member of the row reads this agreement: all drop their links at this step, or
         # all link (again) at it, whatever each of them noticed alone.
-        drop, link_at = agreed.plan(self.me, self._held())
+        drop, link_at = agreed.plan(self.me, held)
+        row = agreed.row_of(self.me)
         if drop and link_at is None and not self.links.relayed:
             self._drop_links(step, f"its row is not complete in step {step + 1}'s quorums")
         if link_at is not None:
-            self._link_row(link_at, agreed.row_of(self.me))
-        trains = agreed.row_of(self.me) is not None and self.linked_at is not None
+            self._link_row(link_at, row)
+        trains = row is not None and self.linked_at is not None
         reports = super().run_step(step, source) if trains else [self._spectate(step, source)]
         self.progress.set(f"progress/{self.me}", str(step + 1))
         return reports
@@ -212,9 +214,7 @@ class ElasticDriver(Evictions, DistDriver):
         self._replace_transport(groups, wait_s=1.0)
         check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")  # the links' sockets too
         self.linked_at, self.row = step, row
-        up, down = (WorkerId(row[s], s) if 0 <= s < self.mesh.stages else None
-                    for s in (self.me.stage - 1, self.me.stage + 1))
-        self.prev, self.next = up, down
+        self.prev, self.next = row_peer(row, self.me.stage - 1), row_peer(row, self.me.stage + 1)
         if not self.links.relayed:
             self.health.follow(self.links.dropped_key(row, step))
         label = row_label(row)

@@ -108,9 +108,14 @@ class RowLinks:
             pause = min(2 * pause, 1e-2)
 
 
+def row_peer(row: Row, stage: int) -> WorkerId | None:
+    """``row``'s worker of ``stage``; None past either end of the pipeline."""
+    return WorkerId(row[stage], stage) if 0 <= stage < len(row) else None
+
+
 def neighbours(row: Row, me: WorkerId) -> list[WorkerId]:
     """``me``'s partners in ``row``: the workers of the stage before and the stage after."""
-    return [WorkerId(row[s], s) for s in (me.stage - 1, me.stage + 1) if 0 <= s < len(row)]
+    return [p for p in (row_peer(row, me.stage - 1), row_peer(row, me.stage + 1)) if p is not None]
 
 
 def hops(mesh: MeshShape, wid: WorkerId) -> list[tuple[tuple[WorkerId, WorkerId], str]]:

@@ -206,17 +206,14 @@ class RowAgreement:
     def _fix(self, key: str, step: int) -> Agreed:
         """``form_rows`` over the members that reported, less the replicas SENTINEL evicted
         (``evictions.evicted_key``, set by the verifier before the verdict every worker reads
-        first): whatever a banned process still does."""
-        held: dict[WorkerId, Held | None] = {}
-        present: list[set[int]] = [set() for _ in range(self.stages)]
-        for r in range(self.replicas):
-            if self.store.check([f"evicted/r{r}"]):
-                continue
-            for s in range(self.stages):
-                name = f"{key}/links/{WorkerId(r, s)}"
-                if self.store.check([name]):
-                    present[s].add(r)
-                    held[WorkerId(r, s)] = decode_held(self.store.get(name))
+        first): whatever a banned process still does. The reports are read in one round trip
+        (``multi_get`` waits on a missing key: only those that exist are asked for)."""
+        names = {WorkerId(r, s): f"{key}/links/{WorkerId(r, s)}" for r in range(self.replicas)
+                 if not self.store.check([f"evicted/r{r}"]) for s in range(self.stages)}
+        reported = [w for w, name in names.items() if self.store.check([name])]
+        values = self.store.multi_get([names[w] for w in reported]) if reported else []
+        held = {w: decode_held(raw) for w, raw in zip(reported, values, strict=True)}
+        present: list[set[int]] = [{w.replica for w in reported if w.stage == s} for s in range(self.stages)]
         agreed = form_rows(step, present, held, self.repair)
         return decode_agreed(self.store.compare_set(f"{key}/fixed", "", encode_agreed(agreed)))
 
