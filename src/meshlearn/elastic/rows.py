@@ -45,7 +45,8 @@ Row = tuple[int, ...]
 row is (r, …, r); a re-paired one joins the survivors of rows broken at different stages."""
 
 Held = tuple[Row, int]
-"""A member's links: the row they join and the step they were built at (None: it holds none)."""
+"""A member's links: the row they join and the step they were built at (a member that holds
+none reports ``Held | None`` = None)."""
 
 
 def slot_row(replica: int, stages: int) -> Row:
