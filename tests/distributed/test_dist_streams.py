@@ -182,8 +182,10 @@ def test_a_listener_takes_each_expected_link_once_and_closes_every_other_connect
 
 def test_the_listening_address_is_the_one_toward_the_store_never_every_interface():
     assert local_address("127.0.0.1", 29500) == "127.0.0.1"
+    listener = Listener("127.0.0.1", {LINK})
+    assert listener.address.startswith("127.0.0.1:")  # bound there, never to 0.0.0.0
     with pytest.raises(TimeoutError, match="never connected"):
-        Listener("127.0.0.1", {LINK}).accept_all(time.monotonic() + 0.2)
+        listener.accept_all(time.monotonic() + 0.2)
 
 
 def test_a_connection_silent_until_the_deadline_ends_the_set_up_naming_the_links_never_connected():

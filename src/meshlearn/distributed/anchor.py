@@ -146,11 +146,11 @@ class Listener:
 
     def start(self) -> None:
         """Before the first step: the anchor stages built the same initial weights."""
-        self.last = self._agreed()
+        self.last = {n: v.to(torch.float32, copy=True) for n, v in self._agreed().items()}
 
     def relay(self, step: int, send) -> None:
-        changed = {n: v for n, v in self._agreed().items()
-                   if n not in self.last or not torch.equal(v, self.last[n])}
+        changed = {n: v.to(torch.float32, copy=True) for n, v in self._agreed().items()
+                   if n not in self.last or not torch.equal(v.to(torch.float32), self.last[n])}
         self.last.update(changed)
         for z, dst in enumerate(self.anchors):
             out = message("anchor_listen", step, z, self.worker.id, dst, changed)
@@ -158,10 +158,10 @@ class Listener:
             send(out)
 
     def _agreed(self) -> dict[str, Tensor]:
+        """The agreed weights as they stand (not copied: ``relay`` copies only what changed)."""
         dp = self.worker.dp
         agreed = dp.agreed_weights() if dp is not None else None
-        live = agreed or {n: p.detach() for n, p in self.worker.module.named_parameters()}
-        return {n: v.to(torch.float32, copy=True) for n, v in live.items()}
+        return agreed or {n: p.detach() for n, p in self.worker.module.named_parameters()}
 
 
 class Follower:

@@ -75,7 +75,7 @@ class Stream:
         """The next frame as a CPU uint8 buffer, allocated only if its prefix claims at most
         ``HEADER_ROOM`` header bytes and ``bound`` bytes in all; else FrameRefused, the frame
         consumed. Raises ConnectionError when the peer closed the stream, OSError on a timeout."""
-        head = self._read_exact(PREFIX_BYTES)
+        head = _recv_exact(self.sock, PREFIX_BYTES, self._closed())
         header_len, body_len = _PREFIX.unpack(head)
         if header_len < 0 or body_len < 0:
             raise FrameRefused(f"a frame prefix claiming {header_len} + {body_len} bytes")
@@ -87,7 +87,7 @@ class Stream:
         buffer = torch.empty(size, dtype=torch.uint8)
         view = memoryview(buffer.numpy())
         view[:PREFIX_BYTES] = head
-        self._read_into(view[PREFIX_BYTES:])
+        _fill(self.sock, view[PREFIX_BYTES:], self._closed())
         return buffer
 
     def close(self) -> None:
@@ -96,25 +96,15 @@ class Stream:
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
 
-    def _read_exact(self, n: int) -> bytes:
-        data = bytearray(n)
-        self._read_into(memoryview(data))
-        return bytes(data)
-
-    def _read_into(self, view: memoryview) -> None:
-        while len(view):
-            got = self.sock.recv_into(view)
-            if not got:
-                raise ConnectionError(f"the peer closed the link {link_name(self.link)}")
-            view = view[got:]
-
     def _discard(self, n: int) -> None:
         scratch = memoryview(bytearray(min(n, DISCARD_CHUNK)))
         while n:
-            got = self.sock.recv_into(scratch[:min(n, len(scratch))])
-            if not got:
-                raise ConnectionError(f"the peer closed the link {link_name(self.link)}")
-            n -= got
+            chunk = min(n, len(scratch))
+            _fill(self.sock, scratch[:chunk], self._closed())
+            n -= chunk
+
+    def _closed(self) -> str:
+        return f"the peer closed the link {link_name(self.link)}"
 
 
 def local_address(store_host: str, store_port: int) -> str:
@@ -189,21 +179,27 @@ def _left(deadline: float) -> float:
 
 def _read_hello(conn: socket.socket) -> str | None:
     """The link a hello names, or None for bytes that are no hello."""
-    head = _recv_exact(conn, len(HELLO_MAGIC) + 2)
+    head = _recv_exact(conn, len(HELLO_MAGIC) + 2, "closed before its hello")
     length = struct.unpack("!H", head[len(HELLO_MAGIC):])[0]
     if not head.startswith(HELLO_MAGIC) or length > HELLO_MAX:
         return None
-    return _recv_exact(conn, length).decode(errors="replace")
+    return _recv_exact(conn, length, "closed before its hello").decode(errors="replace")
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed before its hello")
-        data += chunk
-    return data
+def _recv_exact(sock: socket.socket, n: int, closed: str) -> bytes:
+    data = bytearray(n)
+    _fill(sock, memoryview(data), closed)
+    return bytes(data)
+
+
+def _fill(sock: socket.socket, view: memoryview, closed: str) -> None:
+    """Read exactly ``len(view)`` bytes into ``view``; ConnectionError(``closed``) if the peer
+    closes first."""
+    while len(view):
+        got = sock.recv_into(view)
+        if not got:
+            raise ConnectionError(closed)
+        view = view[got:]
 
 
 def dial(address: str, link: Link, deadline: float) -> Stream:

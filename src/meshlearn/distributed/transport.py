@@ -57,7 +57,7 @@ import torch.distributed as dist
 from meshlearn.distributed.groups import PairGroup, rank_of
 from meshlearn.distributed.health import Health, WorkerFailure, gist
 from meshlearn.distributed.shaping import Pacer, hold_until
-from meshlearn.distributed.streams import FrameRefused, Stream
+from meshlearn.distributed.streams import FrameRefused, Link, Stream
 from meshlearn.distributed.wire import PREFIX_BYTES, WireError, pack, prefix, read_prefix, unpack
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
@@ -72,10 +72,8 @@ class Broken:
     """A receiver thread's failure, delivered through the inbox so the main thread raises it."""
 
     message: str
-    link: tuple[WorkerId, WorkerId] | None = None
+    link: Link | None = None
 
-
-Link = tuple[WorkerId, WorkerId]
 
 
 @dataclass
