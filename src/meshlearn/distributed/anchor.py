@@ -16,7 +16,7 @@ A pass, for hand-off step t (t = 0, K, 2K, ... < train.steps; anchor replica (t 
    every anchor stage has followed the weights its stage's replicas agree on by listening — at
    each of its step ends fast (0, s) relays to every anchor replica's stage s the tensors of the
    agreed weights that changed (the DP strategy's ``agreed_weights``, or the live ones, which a
-   non-drifting strategy keeps common), exact in fp32 (``Listener``). The simulator models that
+   non-drifting strategy keeps common), exact in fp32 (``WeightRelay``). The simulator models that
    relay as the size of the DP round's reduced result (``anchor/plugin.py: relay_bytes``); the two
    are equal under the all-reduce and uncompressed DiLoCo, and under a compressing strategy the
    fp32 tensors are larger than the reduced result (docs/adaptation.md);
@@ -133,7 +133,7 @@ def listens(cfg) -> int:
     return cfg.train.steps if cfg.anchor.weights == "outer" else 0
 
 
-class Listener:
+class WeightRelay:
     """Fast (0, s)'s side of ``anchor.weights = outer``: at each step end, the tensors of its
     stage's agreed weights that changed since the last relay, fp32 (exact: the anchor computes on
     the weights the replicas agree on, as in the simulator), to every anchor replica's stage s.
@@ -148,7 +148,7 @@ class Listener:
         """Before the first step: the anchor stages built the same initial weights."""
         self.last = {n: v.to(torch.float32, copy=True) for n, v in self._agreed().items()}
 
-    def relay(self, step: int, send) -> None:
+    def after_step(self, step: int, send) -> None:
         changed = {n: v.to(torch.float32, copy=True) for n, v in self._agreed().items()
                    if n not in self.last or not torch.equal(v.to(torch.float32), self.last[n])}
         self.last.update(changed)
@@ -222,8 +222,8 @@ class AnchorClient:
         self.run_dir = run_dir  # the corpus (and a BPE tokenizer's cache) for the batch ids
         self.train_tokens = None
         self.started = False
-        anchors = [anchor_id(self.mesh, z, self.me.stage) for z in range(self.a.z)]
-        self.listener = Listener(worker, anchors) if listens(cfg) and self.me.replica == 0 else None
+        self.relay = (WeightRelay(worker, [anchor_id(self.mesh, z, self.me.stage) for z in range(self.a.z)])
+                      if listens(cfg) and self.me.replica == 0 else None)
 
     # --- the driver's calls ------------------------------------------------------------------
 
@@ -231,8 +231,8 @@ class AnchorClient:
         """Before the first step: the hand-off of step 0."""
         if not self.started:
             self.started = True
-            if self.listener is not None:
-                self.listener.start()
+            if self.relay is not None:
+                self.relay.start()
             self._hand_off(step)
 
     def step_end(self, step: int) -> None:
@@ -259,8 +259,8 @@ class AnchorClient:
             else:
                 kept.append(t)
         self.outstanding = kept
-        if self.listener is not None:  # the weights as they stand now, before a hand-off of them
-            self.listener.relay(step, lambda out: self.transport.send(out, capacity(self.cfg)))
+        if self.relay is not None:  # the weights as they stand now, before a hand-off of them
+            self.relay.after_step(step, lambda out: self.transport.send(out, capacity(self.cfg)))
         if now % self.a.delay == 0 and now < self.cfg.train.steps:
             self._hand_off(now)
 
@@ -275,7 +275,7 @@ class AnchorClient:
         if self.me.replica != 0:
             return
         z = hand_offs(self.cfg).index(step) % self.a.z
-        tensors = {} if self.listener is not None else {  # outer: the anchor holds them already
+        tensors = {} if self.relay is not None else {  # outer: the anchor holds them already
             n: p.detach().to(self.dtype, copy=True) for n, p in self.worker.module.named_parameters()}
         if self.me.stage in (0, self.mesh.stages - 1):
             tensors[IDS] = torch.from_numpy(self._ids(step))
@@ -306,7 +306,7 @@ class AnchorClient:
     def totals(self) -> list[float]:
         """This worker's counters, in ``TOTALS`` order (summed over the workers for the summary)."""
         c = self.counters
-        listen = self.listener.bytes if self.listener is not None else 0
+        listen = self.relay.bytes if self.relay is not None else 0
         snapshot = sum(p.link.bytes_sent for p in self.transport.pacers.values()) - listen
         return [c.delivered, c.dropped_late, c.staleness_sum, len(self.outstanding), snapshot, listen]
 
