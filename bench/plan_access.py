@@ -28,6 +28,7 @@ and with the anchor (the paper's M95 + AP): M95 + DP + anchor ÷ dense + DP (pap
 
 from __future__ import annotations
 
+import argparse
 import time
 
 from common import markdown_table, write_results
@@ -134,6 +135,7 @@ def path_text(path: dict[str, float]) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options: --help only
     rows = [predicted(network, label, dp, keep) for network in ACCESS for label, dp, keep in ROWS]
     goals = ratios(rows)
     for r in rows:

@@ -47,9 +47,9 @@ class LinkProfile:
 @dataclass
 class Uplink:
     """One participant's access link (``links.access = "uplink"``): the single queue every link
-    out of it sends through, so its PP and DP messages wait for each other as on one NIC."""
+    out of it sends through, so its PP and DP messages wait for each other as on one NIC (the
+    sender is its key in ``Network.uplinks``)."""
 
-    src: WorkerId
     free_at: float = 0.0
     bytes_sent: int = 0
     busy_s: float = 0.0
@@ -156,7 +156,7 @@ class Network:
             return None
         up = self.uplinks.get(src)
         if up is None:
-            up = self.uplinks[src] = Uplink(src)
+            up = self.uplinks[src] = Uplink()
         return up
 
     def bytes_on_axis(self, axis: str) -> int:

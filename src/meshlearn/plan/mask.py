@@ -11,18 +11,20 @@ varies per message; its mean is the same K.)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from meshlearn.compress.codecs import Encoded, Kind
-from meshlearn.compress.mask import kept_channels
+from meshlearn.compress.mask import MaskCodec
 
 
+@functools.lru_cache(maxsize=64)
 def mask_wire_values(keep: float, d_model: int) -> int:
-    """Values one token sends across a boundary, in each direction, at keep rate ``keep`` (the
-    mask codec's K; at least 1, as the codec refuses a keep that keeps nothing)."""
-    if not 0.0 < keep <= 1.0:
-        raise ValueError(f"mask keep = {keep!r}: must be in (0, 1] (M95 is keep 0.05)")
-    return max(1, kept_channels(keep, d_model))
+    """Values one token sends across a boundary, in each direction, at keep rate ``keep``: the
+    codec's own K, after its own checks (a keep outside (0, 1], or one that keeps no channel of
+    ``d_model``, is refused as the codec refuses it). Remembered: asked at every message."""
+    return MaskCodec(d_model, keep).kept
 
 
 class MaskCostCodec:
@@ -30,7 +32,6 @@ class MaskCostCodec:
     ``decode``: a cost-only worker never decodes)."""
 
     def __init__(self, keep: float, wire_dtype: torch.dtype):
-        mask_wire_values(keep, 1)  # validates keep
         self.keep, self.wire_dtype = keep, wire_dtype
         self.name = f"mask keep={keep:g}"
 

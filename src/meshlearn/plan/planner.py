@@ -86,8 +86,8 @@ def plan(cfg: RunConfig, rank: int = 0, keeps: tuple[float, ...] = MASK_KEEP,
     if binds not in BINDS:
         raise ValueError(f"binds = {binds!r}: allowed {list(BINDS)}")
     started = time.perf_counter()
-    notes = ["mask rows: the planner's stand-in for the mask codec (plan.mask: round(keep·d) "
-             "values per token in codec.wire_dtype, no indices)" + (
+    notes = ["mask rows: the mask codec's wire size through a cost-only stand-in (plan.mask: "
+             "its K = round(keep·d) values per token in codec.wire_dtype, no indices)" + (
                  "" if cfg.anchor.z else "; anchor.z = 0: no anchor circuit")]
     if cfg.anchor.z:
         notes.append(f"anchor.z = {cfg.anchor.z}: every row runs the anchor circuit beside the fast "
