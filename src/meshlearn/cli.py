@@ -10,7 +10,8 @@ from pathlib import Path
 import tomli_w
 
 import meshlearn
-from meshlearn.config import ConfigError, load_config, to_dict
+from meshlearn.config import load_config, to_dict
+from meshlearn.errors import ConfigError
 from meshlearn.train.preflight import check_corpus, check_run
 
 SWEEP = "25,100,400,1600"  # ``meshlearn plan``'s default bandwidths of the plot, Mbit/s

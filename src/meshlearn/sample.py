@@ -61,7 +61,7 @@ def generate_text(model, tokenizer, prompt: str, tokens: int, how: Generation) -
         out = model.generate(context, tokens, temperature=how.temperature, top_k=50, generator=generator,
                              greedy=how.greedy)
     else:
-        from meshlearn.config import ConfigError
+        from meshlearn.errors import ConfigError
         from meshlearn.protocol.inference import MorphingPipeline
 
         layers = model.cfg.n_layer

@@ -12,7 +12,6 @@ import torch
 from in_threads import in_threads
 from tiny import tiny_config
 
-from meshlearn.config import ConfigError
 from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, Health
 from meshlearn.distributed.launch import launch_local
 from meshlearn.distributed.verifier import Slots
@@ -27,6 +26,7 @@ from meshlearn.elastic.evictions import (
 from meshlearn.elastic.links import hops
 from meshlearn.elastic.membership import banned_key
 from meshlearn.elastic.rows import RowAgreement
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.report.progress import format_event
 from meshlearn.verify.boundary import BoundaryVerifier

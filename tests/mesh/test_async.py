@@ -10,8 +10,8 @@ import torch
 from tiny import tiny_config
 from torch.func import functional_call
 
-from meshlearn.config import ConfigError
 from meshlearn.data import global_batch, shard_batch
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder, init_model, merge_stages, split_model
 from meshlearn.optim import build_optimizer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tiny import tiny_config
 
-from meshlearn.config import ConfigError
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
 from meshlearn.train.assemble import build_network

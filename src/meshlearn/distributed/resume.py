@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshlearn.config import ConfigError, RunConfig
+from meshlearn.config import RunConfig
 from meshlearn.distributed.groups import anchors
 from meshlearn.elastic.evictions import refuse_resume_when_verified
+from meshlearn.errors import ConfigError
 
 
 def refuse_resume(cfg: RunConfig, run_dir: Path) -> None:

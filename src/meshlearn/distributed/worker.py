@@ -25,13 +25,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshlearn.config import ConfigError, RunConfig, load_config
+from meshlearn.config import RunConfig, load_config
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.groups import anchor_id, anchors, build_groups, verifier_rank, world_size
 from meshlearn.distributed.health import EXIT_PEER_FAILURE, Health, WorkerFailure, process_name, store_client
 from meshlearn.distributed.resume import refuse_resume
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.elastic.membership import JOIN_ENV
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.models.split import init_model, split_model
 from meshlearn.protocol.plugin import stage_modules

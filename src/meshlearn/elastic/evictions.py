@@ -32,12 +32,12 @@ import os
 
 import torch.distributed as dist
 
-from meshlearn.config import ConfigError
 from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, WorkerFailure
 from meshlearn.distributed.verdict_board import VerdictBoard
 from meshlearn.elastic.links import generation_key
 from meshlearn.elastic.membership import GENERATION_ENV, banned_key
 from meshlearn.elastic.rows import decode_rows
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.verify.ledger import Ban
 from meshlearn.verify.verdicts import RemoteSentinel

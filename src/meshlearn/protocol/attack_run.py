@@ -21,9 +21,10 @@ import torch
 
 from meshlearn.atomic import atomic_write_json
 from meshlearn.compressibility.evaluate import validation_loss
-from meshlearn.config import ConfigError, load_config
+from meshlearn.config import load_config
 from meshlearn.data import validation_batches
 from meshlearn.data.batches import Batch
+from meshlearn.errors import ConfigError
 from meshlearn.models.split import init_model
 from meshlearn.protocol.attacks import (
     ATTACKS,
