@@ -38,8 +38,8 @@ import torch.distributed as dist
 from common import DEMO, demo_config, markdown_table, write_results
 
 from meshlearn.data import global_batch
-from meshlearn.distributed.launch import launch_local
 from meshlearn.distributed.shaping import Pacer, hold_until
+from meshlearn.entry.launch import launch_local
 from meshlearn.mesh.network import Network
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder

@@ -9,7 +9,7 @@ import pytest
 from dist_helpers import deadline, kill_leftovers, launch, records
 from tiny import tiny_config
 
-from meshlearn.distributed.launch import launch_local
+from meshlearn.entry.launch import launch_local
 from meshlearn.errors import ConfigError
 from meshlearn.train import Trainer
 

@@ -13,7 +13,6 @@ from in_threads import in_threads
 from tiny import tiny_config
 
 from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, Health
-from meshlearn.distributed.launch import launch_local
 from meshlearn.distributed.verifier import Slots
 from meshlearn.elastic.binding import BoundStore
 from meshlearn.elastic.evictions import (
@@ -26,6 +25,7 @@ from meshlearn.elastic.evictions import (
 from meshlearn.elastic.links import hops
 from meshlearn.elastic.membership import banned_key
 from meshlearn.elastic.rows import RowAgreement
+from meshlearn.entry.launch import launch_local
 from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.report.progress import format_event

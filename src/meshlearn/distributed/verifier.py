@@ -63,11 +63,11 @@ from meshlearn.data import validation_batches
 from meshlearn.distributed.evaluation import evaluation_passes
 from meshlearn.distributed.groups import Link, build_groups
 from meshlearn.distributed.health import WorkerFailure, run_and_exit, store_client
+from meshlearn.distributed.session import Session, train_tokenizer_once
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.transport import Broken, Forged, Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch_state
 from meshlearn.distributed.wire import buffer_capacities, message_bound
-from meshlearn.distributed.worker import Session, _train_tokenizer_once
 from meshlearn.elastic.evictions import RelayMembership
 from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.schedule import feed_lookahead, send_order
@@ -388,7 +388,7 @@ def run_verifier(cfg: RunConfig, run_dir: Path, resume: bool, session) -> NoRetu
     def life() -> None:
         nonlocal cfg
         if cfg.data.tokenizer in ("bpe", "model") and not resume:
-            _train_tokenizer_once(cfg, run_dir, session)  # a collective of every rank
+            train_tokenizer_once(cfg, run_dir, session)  # a collective of every rank
         corpus = load_corpus(cfg, Path(run_dir))
         cfg = resolve(cfg, corpus.vocab_size)
         batches = validation_batches(corpus.splits.val, cfg.train.eval_batches, cfg.train.batch_size,

@@ -1,7 +1,7 @@
 """An elastic worker's pieces: its stage's quorum, the commit vote, the row agreement, its row's
 links, the ElasticDriver — and joining.
 
-The launcher (``distributed/launch.py``) hosts one lighthouse per stage; their addresses reach the
+The launcher (``entry/launch.py``) hosts one lighthouse per stage; their addresses reach the
 initial workers in ``MESHLEARN_LIGHTHOUSES`` (comma-separated, stage order) beside torchrun's
 environment, and anyone else through the run's store (key ``elastic/lighthouses``).
 
