@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -52,8 +53,11 @@ def _env_int(name: str, default: int | None = None) -> int:
     return int(value)
 
 
-def start_session(cfg: RunConfig, run_dir: Path) -> Session:
-    """Join the process group (deadline: dist.init_timeout_s) and start the heartbeat."""
+def start_session(cfg: RunConfig, run_dir: Path, gloo_interface: Callable[[], str] | None = None) -> Session:
+    """Join the process group (deadline: dist.init_timeout_s) and start the heartbeat.
+
+    ``gloo_interface`` (elastic runs, given by the entry point): the network interface gloo's sockets
+    must use (``elastic.host``'s), asked once this process's place in the run checks out."""
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
@@ -74,11 +78,9 @@ def start_session(cfg: RunConfig, run_dir: Path) -> Session:
     torch.set_num_threads(threads)
     scope = None
     if cfg.elastic.enabled:
-        from meshlearn.elastic.binding import interface_of
-
         # gloo's sockets on elastic.host's interface only; a dead peer outside this worker's
         # pipeline row is not this worker's failure.
-        os.environ["GLOO_SOCKET_IFNAME"] = interface_of(cfg.elastic.host)
+        os.environ["GLOO_SOCKET_IFNAME"] = gloo_interface()
         # its row's ranks once the row trains (elastic/driver.py: _link_row); the verifier's
         # failures, and the deaths it sees, are the whole run's (every row's links pass it)
         scope = {rank} if rank < mesh.world_size else None
@@ -94,7 +96,7 @@ def start_session(cfg: RunConfig, run_dir: Path) -> Session:
     if cfg.elastic.enabled and scope is None:
         # The verifier: with no world group to wait for, a worker may still be starting (importing,
         # on a loaded host) when this watch begins; it watches them once its links are built
-        # (verifier.elastic_relay), so a slow start is not taken for a death that ends the run.
+        # (elastic/evictions.py: elastic_relay), so a slow start is not taken for a death that ends the run.
         health.ignore(set(range(mesh.world_size)))
     health.start()
     me = mesh.worker(rank) if rank < mesh.world_size else None  # None: the verifier, or an anchor

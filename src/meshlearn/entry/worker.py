@@ -1,4 +1,6 @@
 """The per-process entry point: what torchrun (or ``meshlearn train --backend dist``) runs.
+It composes the runtimes: the dist one, and the elastic layer on top of it with ``elastic.enabled``
+(its driver, a joiner's slot, the banned-identity check, the verifier's row membership).
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
         -m meshlearn.entry.worker --config run.toml --out runs/x        # or: meshlearn worker ...
@@ -26,7 +28,8 @@ from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.groups import anchors, build_groups, verifier_rank
 from meshlearn.distributed.health import EXIT_PEER_FAILURE, WorkerFailure, process_name, store_client
 from meshlearn.distributed.session import Session, start_session, train_tokenizer_once
-from meshlearn.elastic.evictions import refuse_resume_when_verified
+from meshlearn.elastic.binding import interface_of
+from meshlearn.elastic.evictions import elastic_relay, refuse_resume_when_verified
 from meshlearn.elastic.membership import JOIN_ENV
 from meshlearn.entry.plugins import register_builtin_plugins
 from meshlearn.errors import ConfigError
@@ -80,7 +83,9 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
 
         refuse_banned_start(cfg)  # SENTINEL banned this identity: it never comes back
     try:
-        session = start_session(cfg, run_dir)
+        # elastic: gloo's sockets on elastic.host's interface (asked once the rank checks out)
+        interface = (lambda: interface_of(cfg.elastic.host)) if cfg.elastic.enabled else None
+        session = start_session(cfg, run_dir, gloo_interface=interface)
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 — e.g. a peer that never came up
@@ -98,7 +103,8 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
     if session.me is None:
         from meshlearn.distributed.verifier import run_verifier
 
-        return run_verifier(cfg, run_dir, resume, session)
+        return run_verifier(cfg, run_dir, resume, session,
+                            elastic_links=elastic_relay if cfg.elastic.enabled else None)
     name = str(session.me)
     trainer = None
 
