@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from meshlearn.train.assemble import load_tokenizer
+from meshlearn.data.corpus import load_tokenizer
 from meshlearn.train.restore import load_run_model
 
 

@@ -284,7 +284,7 @@ class AnchorClient:
 
     def _ids(self, step: int):
         """Replica 0's rows of step ``step``'s batch: their start offsets (int64)."""
-        from meshlearn.train.assemble import load_corpus
+        from meshlearn.data.corpus import load_corpus
 
         cfg = self.cfg
         if self.train_tokens is None:
@@ -506,10 +506,11 @@ class AnchorStage:
 
 def run_anchor(cfg, run_dir: Path, session) -> NoReturn:
     """An anchor rank's whole life; ends the process (``run_and_exit``)."""
+    from meshlearn.data.corpus import load_corpus
     from meshlearn.distributed.session import train_tokenizer_once
     from meshlearn.models.split import init_model, split_model
-    from meshlearn.protocol.plugin import stage_modules
-    from meshlearn.train.assemble import load_corpus, resolve
+    from meshlearn.protocol.model import stage_modules
+    from meshlearn.train.assemble import resolve
 
     me = session.anchor
     name = session.health.name

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from meshlearn.config import RunConfig
+from meshlearn.data.corpus import load_corpus
 from meshlearn.distributed.groups import anchor_id, anchors, verifier_rank, world_size
 from meshlearn.distributed.health import Health, store_client
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.train.assemble import load_corpus
 
 
 @dataclass

@@ -60,6 +60,7 @@ from meshlearn.compress.registry import build_codec
 from meshlearn.compress.wire_checks import Rejection, WireGuard
 from meshlearn.config import RunConfig
 from meshlearn.data import validation_batches
+from meshlearn.data.corpus import load_corpus
 from meshlearn.distributed.evaluation import evaluation_passes
 from meshlearn.distributed.groups import Link, build_groups
 from meshlearn.distributed.health import WorkerFailure, run_and_exit
@@ -69,9 +70,9 @@ from meshlearn.distributed.transport import Broken, Forged, Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch_state
 from meshlearn.distributed.wire import buffer_capacities, message_bound
 from meshlearn.mesh.messages import Message, carried_kind
-from meshlearn.mesh.schedule import feed_lookahead, send_order
+from meshlearn.mesh.schedule import feed_lookahead, pipeline_in_flight, send_order
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.train.assemble import load_corpus, pipeline_in_flight, resolve
+from meshlearn.train.assemble import resolve
 from meshlearn.verify.ledger import Ban
 from meshlearn.verify.sentinel import Sentinel
 from meshlearn.verify.trust import choose_donor

@@ -35,7 +35,7 @@ from meshlearn.entry.plugins import register_builtin_plugins
 from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape
 from meshlearn.models.split import init_model, split_model
-from meshlearn.protocol.plugin import stage_modules
+from meshlearn.protocol.model import stage_modules
 from meshlearn.train.assemble import build_worker
 from meshlearn.train.signals import GracefulStop
 from meshlearn.train.trainer import Trainer

@@ -160,7 +160,7 @@ def choose_pair(run_dir: Path, pair: str | None) -> tuple[Path, Path]:
 def attack_run(run_dir: Path, attack: str, pair: str | None = None, alternating_only: bool = False,
                out_dir: Path | None = None) -> dict:
     """Attack a run folder; writes ``RUN/attack/ATTACK.json`` and returns what it holds."""
-    from meshlearn.train.assemble import load_corpus
+    from meshlearn.data.corpus import load_corpus
 
     run_dir = Path(run_dir)
     if attack not in ATTACKS:
