@@ -22,7 +22,7 @@ from pathlib import Path
 
 from common import DEMO, demo_config, markdown_table, write_results
 
-from meshlearn.distributed.launch import launch_local
+from meshlearn.entry.launch import launch_local
 
 SCHEDULES = {"1f1b": ["mesh.schedule=1f1b"], "async (nadamw, stashing)": ["mesh.schedule=async",
                                                                        "optim.name=nadamw"]}

@@ -37,7 +37,7 @@ import torch
 from common import DEMO, demo_config, markdown_table, write_results
 
 from meshlearn.distributed import driver as _driver
-from meshlearn.distributed.launch import launch_local
+from meshlearn.entry.launch import launch_local
 
 _original_dp_summary = _driver.DistDriver._dp_summary
 

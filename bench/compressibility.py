@@ -38,10 +38,11 @@ from meshlearn.compressibility import BLOCK_KINDS, CompressSettings, MatrixSpect
 from meshlearn.compressibility.plots import plot_loss_vs_kept, plot_spectra
 from meshlearn.config import RunConfig
 from meshlearn.data import global_batch
+from meshlearn.data.corpus import load_corpus
 from meshlearn.models import Decoder, init_model
 from meshlearn.optim import build_optimizer
 from meshlearn.train import Trainer
-from meshlearn.train.assemble import load_corpus, resolve
+from meshlearn.train.assemble import resolve
 from meshlearn.train.files import read_records
 
 OPTIMIZERS = ("adamw", "muon", "numuon")

@@ -44,7 +44,7 @@ from pathlib import Path
 from common import demo_config, markdown_table, write_results
 
 from meshlearn.config import save_config
-from meshlearn.distributed.launch import WORKERS_FILE, launch_local
+from meshlearn.entry.launch import WORKERS_FILE, launch_local
 from meshlearn.train.files import read_records
 
 
@@ -126,7 +126,7 @@ def join_run(fail_after: int) -> dict:
         env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
         started = time.time()
         with (root / "join.log").open("w") as log:
-            joiner = subprocess.Popen([sys.executable, "-m", "meshlearn.distributed.worker",
+            joiner = subprocess.Popen([sys.executable, "-m", "meshlearn.entry.worker",
                                        "--join", address, "--out", str(run_dir)],
                                       env=env, stdout=log, stderr=subprocess.STDOUT)
         _until(lambda: all(_events(run_dir, n, "contributes") for n in ("r1s0", "r1s1")),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from common import DEMO, demo_config, markdown_table, write_results
 
-from meshlearn.distributed.launch import launch_local
+from meshlearn.entry.launch import launch_local
 
 MESH = ["model.n_layer=3", "model.d_model=64", "model.n_head=2", "model.seq_len=32", "mesh.stages=3",
         "mesh.replicas=2", "mesh.microbatches=2", "train.batch_size=8", "train.warmup_steps=1",

@@ -35,9 +35,9 @@ from common import markdown_table, write_results
 from meshlearn.compress.codecs import MessageContext
 from meshlearn.compress.mask import MaskCodec
 from meshlearn.data import global_batch
+from meshlearn.data.corpus import load_corpus
 from meshlearn.models.llama import Decoder
 from meshlearn.optim.spectral import AnchorBasis, filter_gradient
-from meshlearn.train.assemble import load_corpus
 from meshlearn.train.restore import load_run_model
 
 CASES = [(0.05, False, (0, 1, 2)), (0.05, True, (0, 1, 2)), (0.1, False, (0, 1, 2)), (0.1, True, (0, 1, 2)),

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from common import ROOT, demo_config, finished_run, markdown_table, scratch_trainer, slug, write_results
 
-from meshlearn.config import ConfigError
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
 from meshlearn.train.files import atomic_write_json, read_records

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from common import DEMO, demo_config, markdown_table, write_results
 
-from meshlearn.distributed.launch import launch_local
+from meshlearn.entry.launch import launch_local
 from meshlearn.train.files import read_records
 
 

@@ -53,12 +53,12 @@ from meshlearn.compress.mask import MaskCodec
 from meshlearn.config import load_config
 from meshlearn.data import global_batch
 from meshlearn.data.batches import validation_batches
+from meshlearn.data.corpus import load_corpus
 from meshlearn.models.llama import Decoder
 from meshlearn.models.pretrained import find_source, load_model
 from meshlearn.models.split import stage_layer_ranges
 from meshlearn.optim.factory import ADAMW_BETAS, decay_groups
 from meshlearn.optim.spectral import TARGETS, AnchorBasis, SpectralConfig, effective_tau, filter_gradient
-from meshlearn.train.assemble import load_corpus
 from meshlearn.train.schedule_lr import lr_factor
 
 KEEPS = {"M95": 0.05, "M90": 0.1}

@@ -35,6 +35,7 @@ from common import DEMO, ROOT, demo_config, finished_run, markdown_table, write_
 from meshlearn.compressibility.evaluate import validation_loss
 from meshlearn.config import load_config
 from meshlearn.data import global_batch, validation_batches
+from meshlearn.data.corpus import load_corpus
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.models.split import init_model, split_model
 from meshlearn.optim import build_optimizer
@@ -50,7 +51,7 @@ from meshlearn.protocol.snapshots import (
     take_snapshot,
     traffic_windows,
 )
-from meshlearn.train.assemble import load_corpus, resolve
+from meshlearn.train.assemble import resolve
 from meshlearn.train.schedule_lr import lr_factor
 
 ATTACKS = ("stitch", "bridge", "covariance")

@@ -26,6 +26,7 @@ from common import markdown_table, write_results
 
 from meshlearn.config import load_config
 from meshlearn.data import validation_batches
+from meshlearn.data.corpus import load_corpus
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.protocol.attack_run import attack_snapshots, random_init_loss, unigram_loss
 from meshlearn.protocol.morph import StageMorph, morph_mesh
@@ -38,7 +39,6 @@ from meshlearn.protocol.snapshots import (
     traffic_windows,
 )
 from meshlearn.protocol.transforms import seeded_generator, whitening
-from meshlearn.train.assemble import load_corpus
 
 
 def morph(stages, morphs, mesh, scheme: str, epoch: int, calibration, shrinkage: float) -> float:

@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshlearn.entry.plugins import register_builtin_plugins
+
+register_builtin_plugins()  # tests build Trainers directly, with the methods the entry points register
+
 WORDS = [
     "the", "king", "queen", "lord", "speak", "night", "day", "love", "death", "sword", "crown",
     "heart", "blood", "honour", "fair", "foul", "sweet", "thou", "thee", "art", "hath", "doth",

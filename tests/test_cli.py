@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from meshlearn.cli import main
+from meshlearn.entry.cli import main
 
 
 def run_cli(*args):

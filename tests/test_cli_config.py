@@ -3,8 +3,8 @@
 import tomllib
 from pathlib import Path
 
-from meshlearn.cli import main
 from meshlearn.config import load_config, to_dict, valid_keys
+from meshlearn.entry.cli import main
 from meshlearn.train.config_help import DOCS_PAGE, config_markdown, describe_keys
 
 ROOT = Path(__file__).parents[1]

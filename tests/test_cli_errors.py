@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_cli import tiny_args
 
-from meshlearn.cli import main
+from meshlearn.entry.cli import main
 
 SRC = Path(__file__).parents[1] / "src"
 

@@ -5,7 +5,7 @@ import os
 
 from test_cli import tiny_args
 
-from meshlearn.cli import main
+from meshlearn.entry.cli import main
 from meshlearn.train.rundir import RunLock
 
 

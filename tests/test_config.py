@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from meshlearn.config import ConfigError, load_config, valid_keys
+from meshlearn.config import load_config, valid_keys
+from meshlearn.errors import ConfigError
 
 CONFIGS = Path(__file__).parents[1] / "configs"  # whatever the working directory
 

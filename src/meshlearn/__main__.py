@@ -1,5 +1,5 @@
 import sys
 
-from meshlearn.cli import main
+from meshlearn.entry.cli import main
 
 sys.exit(main())

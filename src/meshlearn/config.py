@@ -25,6 +25,8 @@ from meshlearn.curvature.settings import CurvatureConfig, validate_curvature
 from meshlearn.distributed.settings import DistConfig, validate_dist
 from meshlearn.dp.settings import DPConfig, validate_dp
 from meshlearn.elastic.settings import ElasticConfig, validate_elastic
+from meshlearn.errors import ConfigError
+from meshlearn.errors import require as _require
 from meshlearn.mesh.basis_updates import BasisUpdateConfig
 from meshlearn.mesh.compute import DEVICES, ComputeConfig
 from meshlearn.mesh.network import ACCESS, LinkProfile, LinksConfig, parse_overrides
@@ -39,14 +41,6 @@ from meshlearn.verify.sentinel import (
     VerifyConfig,
 )
 from meshlearn.warmup.settings import WarmupConfig, validate_warmup
-
-
-class ConfigError(ValueError):
-    """A bad configuration value: names the field, the value and what is allowed."""
-
-    def __init__(self, key: str, value: Any, allowed: str):
-        super().__init__(f"{key} = {value!r}: {allowed}")
-        self.key = key
 
 
 @dataclass(frozen=True)
@@ -274,11 +268,6 @@ def save_config(cfg: RunConfig, path: Path) -> None:
 
 
 # --- validation ------------------------------------------------------------------------------
-
-
-def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(key, value, allowed)
 
 
 def _divisors(n: int) -> list[int]:

@@ -18,13 +18,13 @@ The trainer then calls the callbacks at fixed points:
 - ``state_dict`` / ``load_state_dict``: saved in checkpoints under the plugin's name.
 - ``summary``: fields merged into summary.json. ``close``: at the end of the loop.
 
-The built-in plugins are listed in ``meshlearn.plugins`` (imported on first use), so adding a
-method means one registration there, not an edit of the trainer.
+The built-in plugins are listed in ``meshlearn.entry.plugins``, which the entry points register
+before they build a Trainer, so adding a method means one line there, not an edit of the trainer.
+This module imports no method: the registry sits below everything that registers in it.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,7 +98,9 @@ def register_plugin(name: str, factory: PluginFactory) -> None:
 
 def build_callbacks(ctx: PluginContext) -> dict[str, Callback]:
     """The callbacks of this run, in registration order."""
-    importlib.import_module("meshlearn.plugins")  # the built-in methods register themselves
+    if not _PLUGINS:  # a run without its methods would silently ignore their config sections
+        raise RuntimeError("no trainer plugins are registered: call meshlearn.entry.plugins."
+                           "register_builtin_plugins() before building a Trainer (the entry points do)")
     callbacks = ctx.callbacks
     for name, factory in _PLUGINS.items():
         callback = factory(ctx)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from meshlearn.train.assemble import load_tokenizer
+from meshlearn.data.corpus import load_tokenizer
 from meshlearn.train.restore import load_run_model
 
 
@@ -61,7 +61,7 @@ def generate_text(model, tokenizer, prompt: str, tokens: int, how: Generation) -
         out = model.generate(context, tokens, temperature=how.temperature, top_k=50, generator=generator,
                              greedy=how.greedy)
     else:
-        from meshlearn.config import ConfigError
+        from meshlearn.errors import ConfigError
         from meshlearn.protocol.inference import MorphingPipeline
 
         layers = model.cfg.n_layer

@@ -10,8 +10,8 @@ import torch
 from tiny import tiny_config
 
 from meshlearn.anchor.circuit import AnchorCircuit
-from meshlearn.config import ConfigError
 from meshlearn.data import global_batch
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.compute import stage_shape
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder

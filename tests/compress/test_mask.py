@@ -10,8 +10,8 @@ from tiny import tiny_config
 
 from meshlearn.compress import CodecConfig, MaskCodec, MessageContext, build_codec
 from meshlearn.compress.prf import grid32, key32, mix32, mul32
-from meshlearn.config import ConfigError
 from meshlearn.data import global_batch, shard_batch
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder, DecoderConfig, init_model, merge_stages
 from meshlearn.optim import build_optimizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from meshlearn.cli import main
+from meshlearn.entry.cli import main
 
 
 def test_compress_writes_results_for_each_pipeline_and_keep(tiny_corpus, tmp_path, capsys):

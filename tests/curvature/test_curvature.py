@@ -8,7 +8,6 @@ import pytest
 import torch
 from tiny import tiny_config
 
-from meshlearn.config import ConfigError
 from meshlearn.curvature import (
     CurvatureTracker,
     HessianOperator,
@@ -20,6 +19,7 @@ from meshlearn.curvature import (
 )
 from meshlearn.curvature.plugin import PROBE_STEP
 from meshlearn.data import global_batch
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder, DecoderConfig, init_model, merge_stages
 from meshlearn.train import Trainer

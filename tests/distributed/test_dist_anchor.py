@@ -9,8 +9,8 @@ import pytest
 from dist_helpers import deadline, kill_leftovers, launch, records
 from tiny import tiny_config
 
-from meshlearn.config import ConfigError
-from meshlearn.distributed.launch import launch_local
+from meshlearn.entry.launch import launch_local
+from meshlearn.errors import ConfigError
 from meshlearn.train import Trainer
 
 # A masked fast circuit (keep 1/4) on P = 2, D = 2, 1F1B; the fast links are slow (50 ms) so that

@@ -14,8 +14,8 @@ import pytest
 from dist_helpers import deadline, kill_leftovers, launch, records
 from tiny import tiny_config
 
-from meshlearn.distributed.launch import WORKERS_FILE
-from meshlearn.distributed.worker import main as worker_main
+from meshlearn.entry.launch import WORKERS_FILE
+from meshlearn.entry.worker import main as worker_main
 from meshlearn.train import Trainer
 from meshlearn.train.checkpoint import latest_complete
 

@@ -103,7 +103,7 @@ def test_workers_in_two_namespaces_over_a_shaped_link_match_the_simulator(wan, t
             env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store, as without torchrun
             log = (tmp_path / f"rank{rank}.log").open("w")
             procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", ns, sys.executable, "-m", "meshlearn.distributed.worker",
+                ["ip", "netns", "exec", ns, sys.executable, "-m", "meshlearn.entry.worker",
                  "--config", str(config), "--out", str(run)], env=env, stdout=log, stderr=subprocess.STDOUT))
         end = time.monotonic() + 120
         for p in procs:

@@ -12,12 +12,13 @@ import torch
 
 from meshlearn.compress.codecs import Encoded, IdentityCodec
 from meshlearn.compress.wire_checks import WireGuard
-from meshlearn.config import ConfigError, load_config
+from meshlearn.config import load_config
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import WorkerFailure
 from meshlearn.distributed.settings import DistConfig, derive_deadlines, links_of
 from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.wire import WireError, pack, prefix, unpack
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import Link, LinkProfile, build_network
 from meshlearn.mesh.topology import MeshShape, WorkerId

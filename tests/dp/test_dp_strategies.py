@@ -10,10 +10,10 @@ import pytest
 import torch
 from tiny import tiny_config
 
-from meshlearn.config import ConfigError
 from meshlearn.dp.diloco import StreamingDiLoCo
 from meshlearn.dp.powersgd import PowerSGD
 from meshlearn.dp.sparse import SparseAveraging, ema_coefficient, partition, parts_per_epoch
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 from dist_helpers import deadline, kill_leftovers, launch, launch_and_signal, records  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
-from meshlearn.distributed.launch import WORKERS_FILE  # noqa: E402
+from meshlearn.entry.launch import WORKERS_FILE  # noqa: E402
 
 # Long deadlines: the fixed driver drops a round that runs behind past its deadline (the elastic
 # one reduces every round inside its step), and a dropped round would make the runs differ.

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 from dist_helpers import deadline, kill_leftovers, launch, records, wait_until  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
-from meshlearn.distributed.launch import WORKERS_FILE  # noqa: E402
+from meshlearn.entry.launch import WORKERS_FILE  # noqa: E402
 from meshlearn.train.checkpoint import MANIFEST, latest_complete  # noqa: E402
 from meshlearn.train.files import read_records  # noqa: E402
 
@@ -60,7 +60,7 @@ def _join(address: str, run: Path, log: Path) -> subprocess.Popen:
     """``meshlearn worker --join``, its output in ``log`` (read at the end)."""
     with log.open("w") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "meshlearn.distributed.worker", "--join", address, "--out", str(run)],
+            [sys.executable, "-m", "meshlearn.entry.worker", "--join", address, "--out", str(run)],
             env=os.environ | {"PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"},
             stdout=out, stderr=subprocess.STDOUT)
 

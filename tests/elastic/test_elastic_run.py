@@ -26,7 +26,7 @@ from dist_helpers import (  # noqa: E402
 )
 from tiny import tiny_config  # noqa: E402
 
-from meshlearn.distributed.launch import WORKERS_FILE  # noqa: E402
+from meshlearn.entry.launch import WORKERS_FILE  # noqa: E402
 from meshlearn.train.checkpoint import latest_complete  # noqa: E402
 
 ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "train.steps=8", "elastic.enabled=true",
@@ -222,7 +222,7 @@ def test_a_replacement_joins_heals_from_a_live_peer_and_contributes(tiny_corpus,
             address = json.loads((run / "elastic.json").read_text())["store"]
             src = Path(__file__).resolve().parents[2] / "src"
             joiner = subprocess.Popen(
-                [sys.executable, "-m", "meshlearn.distributed.worker", "--join", address, "--out", str(run)],
+                [sys.executable, "-m", "meshlearn.entry.worker", "--join", address, "--out", str(run)],
                 env=os.environ | {"PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"},
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             output = joiner.communicate(timeout=120)[0]

@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 from dist_helpers import deadline, kill_leftovers, launch, records  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
-from meshlearn.distributed.launch import WORKERS_FILE  # noqa: E402
-from meshlearn.distributed.worker import main  # noqa: E402
 from meshlearn.elastic.membership import GENERATION_ENV, LIGHTHOUSES_ENV, RUN_FILE  # noqa: E402
+from meshlearn.entry.launch import WORKERS_FILE  # noqa: E402
+from meshlearn.entry.worker import main  # noqa: E402
 
 VERIFIED = ["backend=dist", "model.n_layer=3", "mesh.stages=3", "mesh.replicas=3", "train.batch_size=12",
             "train.steps=8", "train.eval_every=4", "elastic.enabled=true", "dist.timeout_s=5",

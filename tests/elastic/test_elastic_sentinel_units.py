@@ -12,9 +12,7 @@ import torch
 from in_threads import in_threads
 from tiny import tiny_config
 
-from meshlearn.config import ConfigError
 from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, Health
-from meshlearn.distributed.launch import launch_local
 from meshlearn.distributed.verifier import Slots
 from meshlearn.elastic.binding import BoundStore
 from meshlearn.elastic.evictions import (
@@ -27,6 +25,8 @@ from meshlearn.elastic.evictions import (
 from meshlearn.elastic.links import hops
 from meshlearn.elastic.membership import banned_key
 from meshlearn.elastic.rows import RowAgreement
+from meshlearn.entry.launch import launch_local
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.report.progress import format_event
 from meshlearn.verify.boundary import BoundaryVerifier
@@ -151,7 +151,7 @@ def test_the_sanity_shape_is_a_samples_so_a_changed_row_count_is_no_flag():
 def test_the_verifier_watches_the_workers_once_its_links_are_built(tiny_corpus, monkeypatch):
     """No world group synchronizes an elastic start: the verifier ignores the workers' heartbeats
     (a slow start is no death) until ``elastic_relay`` has met every one of them."""
-    import meshlearn.distributed.verifier as verifier
+    import meshlearn.elastic.evictions as evictions
 
     mesh, store = MeshShape(3, 3), BoundStore("127.0.0.1", 10).store
     health = Health(store, mesh, mesh.world_size, heartbeat_s=0.05, dead_after_s=1.0,
@@ -160,7 +160,7 @@ def test_the_verifier_watches_the_workers_once_its_links_are_built(tiny_corpus, 
     assert not any(health._watched(r) for r in range(mesh.world_size))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
-    monkeypatch.setattr(verifier, "store_client", lambda *args: store)
-    monkeypatch.setattr("meshlearn.elastic.links.verifier_links", lambda *args: {})  # every worker met
-    verifier.elastic_relay(tiny_config(tiny_corpus, *VERIFIED), SimpleNamespace(health=health, mesh=mesh))
+    monkeypatch.setattr(evictions, "store_client", lambda *args: store)
+    monkeypatch.setattr(evictions, "verifier_links", lambda *args: {})  # every worker met
+    evictions.elastic_relay(tiny_config(tiny_corpus, *VERIFIED), SimpleNamespace(health=health, mesh=mesh))
     assert all(health._watched(r) for r in range(mesh.world_size + 1))

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from in_threads import in_threads
 from tiny import tiny_config
 
-from meshlearn.config import ConfigError, load_config
+from meshlearn.config import load_config
 from meshlearn.distributed.health import Health, RowBroken
 from meshlearn.elastic.binding import (
     BoundStore,
@@ -29,6 +29,7 @@ from meshlearn.elastic.quorum import CommitVote
 from meshlearn.elastic.records import ElasticRecords
 from meshlearn.elastic.rows import RowAgreement, whole_batch
 from meshlearn.elastic.settings import ElasticConfig, derive_timeouts
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.train.files import read_records
 

@@ -10,13 +10,13 @@ import torch
 from tiny import tiny_config
 from torch.func import functional_call
 
-from meshlearn.config import ConfigError
 from meshlearn.data import global_batch, shard_batch
+from meshlearn.errors import ConfigError
+from meshlearn.mesh.schedule import stage_in_flight
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder, init_model, merge_stages, split_model
 from meshlearn.optim import build_optimizer
 from meshlearn.train import Trainer
-from meshlearn.train.assemble import stage_in_flight
 from meshlearn.train.schedule_lr import lr_factor
 
 ASYNC = ["mesh.schedule=async", "mesh.microbatches=4", "train.steps=3"]

@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 from tiny import tiny_config
 
-from meshlearn.config import ConfigError
+from meshlearn.errors import ConfigError
+from meshlearn.mesh.network import build_run_network
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
-from meshlearn.train.assemble import build_network
 
 
 def test_axis_profiles_and_overrides(tiny_corpus):
     cfg = tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=2", "links.dp_bandwidth_mbit=25",
                       "links.dp_latency_ms=80",
                       "links.overrides=r1s1->*: bandwidth_mbit=5; *->r1s1: latency_ms=300, jitter_ms=1")
-    net = build_network(cfg)
+    net = build_run_network(cfg)
     pp = net.link(WorkerId(0, 0), WorkerId(0, 1)).profile
     dp = net.link(WorkerId(0, 0), WorkerId(1, 0)).profile
     assert (pp.bandwidth_mbit, pp.latency_ms) == (100, 10)  # link.* of the tiny config

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 from tiny import tiny_config
 
-from meshlearn.config import ConfigError
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.timeline import TimelineRecorder, parse_timeline_steps
 from meshlearn.train import Trainer
 

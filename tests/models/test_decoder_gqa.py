@@ -7,7 +7,8 @@ import pytest
 import torch
 from tiny import reference_run, tiny_config
 
-from meshlearn.config import ConfigError, load_config
+from meshlearn.config import load_config
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder, DecoderConfig, init_model, merge_stages
 from meshlearn.models.formats.rope import halves_to_pairs, pairs_to_halves

@@ -11,8 +11,8 @@ import torch
 from test_cli_errors import one_line_error
 from tiny_checkpoints import TEXT, tiny_model, tiny_tokenizer, write_tiny_gguf
 
-from meshlearn.cli import main
 from meshlearn.config import load_config
+from meshlearn.entry.cli import main
 from meshlearn.models import init_model
 from meshlearn.models.export import export
 from meshlearn.models.pretrained import find_source, load_model

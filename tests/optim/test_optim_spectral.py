@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny import tiny_config
 
-from meshlearn.config import ConfigError
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder, DecoderConfig
 from meshlearn.optim import SpectralConfig, SpectralCorrection, build_optimizer, filter_gradient

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from meshlearn.cli import main
 from meshlearn.compress.codecs import MessageContext
 from meshlearn.compress.mask import MaskCodec
 from meshlearn.config import load_config
+from meshlearn.entry.cli import main
 from meshlearn.plan.cost import simulate
 from meshlearn.plan.mask import mask_wire_values
 from meshlearn.plan.methods import replace

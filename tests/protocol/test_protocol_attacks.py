@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny import tiny_config
 
-from meshlearn.cli import main
+from meshlearn.entry.cli import main
 from meshlearn.protocol.attacks import (
     covariance_alignment,
     least_squares,

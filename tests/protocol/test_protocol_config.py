@@ -2,7 +2,8 @@
 
 import pytest
 
-from meshlearn.config import ConfigError, load_config
+from meshlearn.config import load_config
+from meshlearn.errors import ConfigError
 
 MORPH = ["protocol.morph=orthogonal", "optim.name=muon"]
 

@@ -3,7 +3,8 @@
 import pytest
 from test_protocol_training import records, train
 
-from meshlearn.config import ConfigError, load_config
+from meshlearn.config import load_config
+from meshlearn.errors import ConfigError
 from meshlearn.protocol.schedule import MorphSchedule
 from meshlearn.protocol.settings import ProtocolConfig
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tiny import tiny_config
 
-from meshlearn.config import ConfigError
+from meshlearn.errors import ConfigError
 from meshlearn.report.plugins import scalars
 from meshlearn.report.settings import tensorboard_installed
 from meshlearn.train import Trainer

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from test_cli import tiny_args
 
-from meshlearn.cli import main
+from meshlearn.entry.cli import main
 from meshlearn.train.closing import closing
 
 RUN = Path("runs/x")

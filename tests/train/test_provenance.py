@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from meshlearn.config import ConfigError, load_config, save_config, to_dict
+from meshlearn.config import load_config, save_config, to_dict
+from meshlearn.errors import ConfigError
 from meshlearn.train.provenance import check_resumable, record_start
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from meshlearn.compress.codecs import Encoded, IdentityCodec
-from meshlearn.config import ConfigError, load_config
+from meshlearn.config import load_config
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.verify.attacks import ATTACKS, FORGERIES, AttackConfig, build_attack

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny import reference_run, tiny_config
 
-from meshlearn.config import ConfigError
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import DecoderConfig, init_model
 from meshlearn.train import Trainer

@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny import tiny_config
 
-from meshlearn.config import ConfigError
 from meshlearn.data import global_batch
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.compute import forward_flops, stage_shape
 from meshlearn.models import Decoder, DecoderConfig, init_model
 from meshlearn.optim import OptimConfig, build_optimizer

@@ -103,7 +103,7 @@ class AnchorCallback(Callback):
     def _batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Replica 0's microbatches of ``step``, exactly as the trainer cuts them."""
         from meshlearn.data import global_batch, shard_batch
-        from meshlearn.train.assemble import load_corpus
+        from meshlearn.data.corpus import load_corpus
 
         cfg = self.cfg
         if self.train_tokens is None:

@@ -32,8 +32,8 @@ from meshlearn.compressibility.report import render_markdown
 from meshlearn.compressibility.spectra import MatrixSpectrum, mean_stable_rank, model_spectra
 from meshlearn.data import validation_batches
 from meshlearn.data.batches import Batch
+from meshlearn.data.corpus import load_corpus
 from meshlearn.models.llama import Decoder
-from meshlearn.train.assemble import load_corpus
 from meshlearn.train.restore import load_run_model
 
 OUT_DIR = "compress"

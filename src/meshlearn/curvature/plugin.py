@@ -54,7 +54,7 @@ class CurvatureCallback(Callback):
     def _probe(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.probe is None:
             from meshlearn.data import global_batch
-            from meshlearn.train.assemble import load_corpus
+            from meshlearn.data.corpus import load_corpus
 
             corpus = load_corpus(self.cfg, self.run_dir)
             self.probe = global_batch(corpus.splits.train, PROBE_STEP, self.c.batch_size,

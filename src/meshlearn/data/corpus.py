@@ -1,15 +1,24 @@
 """Where training text comes from: the bundled Shakespeare corpus, a file, a folder, or a .bin file.
 
 Every loader returns its data in a fixed order, so the same config always yields the same token
-stream, and therefore the same batches, on every machine.
+stream, and therefore the same batches, on every machine. ``load_corpus``: a run's corpus, read
+and tokenized as its config says (the trainer, the dist bootstrap and plugins that need the data).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from meshlearn.data.batches import TokenSplits, check_split_length, encode_corpus, split_tokens
+from meshlearn.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, build_tokenizer
+
+if TYPE_CHECKING:
+    from meshlearn.config import RunConfig
 
 SHAKESPEARE = "shakespeare"
 TEXT_SUFFIXES = (".txt", ".md")
@@ -74,3 +83,51 @@ def load_tokens_bin(path: str | Path) -> np.ndarray:
     if size % 2:
         raise ValueError(f"token file {path} has {size} bytes, not a whole number of uint16 tokens")
     return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+@dataclass
+class Corpus:
+    splits: TokenSplits
+    tokenizer: Tokenizer | None  # None for a pre-tokenized .bin without a known tokenizer
+    vocab_size: int
+
+
+def load_corpus(cfg: RunConfig, run_dir: Path | None) -> Corpus:
+    """Read and tokenize the corpus; the BPE tokenizer is trained once and cached in the run."""
+    data = cfg.data
+    if is_token_file(data.corpus):
+        tokens = load_tokens_bin(data.corpus)
+        vocab = cfg.model.vocab_size or int(tokens.max()) + 1
+        tokenizer = ByteTokenizer() if vocab <= 256 else None
+    else:
+        text = load_text(data.corpus)
+        cache = run_dir / "tokenizer.json" if run_dir is not None else None
+        if data.tokenizer == "model":
+            tokenizer = pretrained_tokenizer(cfg, cache)
+        else:
+            tokenizer = build_tokenizer(data.tokenizer, text, cache, data.bpe_vocab_size)
+        tokens = encode_corpus(text, tokenizer)
+        vocab = tokenizer.vocab_size
+    splits = split_tokens(tokens, data.val_fraction)
+    check_split_length(splits, cfg.model.seq_len)
+    return Corpus(splits, tokenizer, vocab)
+
+
+def pretrained_tokenizer(cfg: RunConfig, cache: Path | None) -> Tokenizer:
+    """data.tokenizer = model: the run's saved copy, or model.init's tokenizer (saved on first use)."""
+    if cache is not None and cache.is_file():
+        return BPETokenizer.load(cache)
+    from meshlearn.models.pretrained import find_source
+
+    tokenizer = BPETokenizer(find_source(cfg.model.init).tokenizer())
+    if cache is not None:
+        tokenizer.save(cache)
+    return tokenizer
+
+
+def load_tokenizer(cfg: RunConfig, run_dir: Path) -> Tokenizer | None:
+    """The tokenizer of a finished run, without re-reading the corpus (BPE comes from its cache)."""
+    if is_token_file(cfg.data.corpus):
+        return ByteTokenizer() if cfg.model.vocab_size <= 256 else None
+    return build_tokenizer(cfg.data.tokenizer, None, run_dir / "tokenizer.json",
+                           cfg.data.bpe_vocab_size)

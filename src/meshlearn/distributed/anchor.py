@@ -284,7 +284,7 @@ class AnchorClient:
 
     def _ids(self, step: int):
         """Replica 0's rows of step ``step``'s batch: their start offsets (int64)."""
-        from meshlearn.train.assemble import load_corpus
+        from meshlearn.data.corpus import load_corpus
 
         cfg = self.cfg
         if self.train_tokens is None:
@@ -506,10 +506,11 @@ class AnchorStage:
 
 def run_anchor(cfg, run_dir: Path, session) -> NoReturn:
     """An anchor rank's whole life; ends the process (``run_and_exit``)."""
-    from meshlearn.distributed.worker import _train_tokenizer_once
+    from meshlearn.data.corpus import load_corpus
+    from meshlearn.distributed.session import train_tokenizer_once
     from meshlearn.models.split import init_model, split_model
-    from meshlearn.protocol.plugin import stage_modules
-    from meshlearn.train.assemble import load_corpus, resolve
+    from meshlearn.protocol.model import stage_modules
+    from meshlearn.train.assemble import resolve
 
     me = session.anchor
     name = session.health.name
@@ -517,7 +518,7 @@ def run_anchor(cfg, run_dir: Path, session) -> NoReturn:
     def life() -> None:
         nonlocal cfg
         if cfg.data.tokenizer in ("bpe", "model"):
-            _train_tokenizer_once(cfg, run_dir, session)  # a collective of every rank
+            train_tokenizer_once(cfg, run_dir, session)  # a collective of every rank
         corpus = load_corpus(cfg, Path(run_dir))
         cfg = resolve(cfg, corpus.vocab_size)
         groups = build_groups(cfg, session.mesh, session.rank)

@@ -33,13 +33,12 @@ from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, buffer_capacities, message_bound
 from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.network import build_network, ring_allreduce_bytes_per_member
-from meshlearn.mesh.schedule import AsyncPlan, feed_lookahead
-from meshlearn.mesh.sim import StepReport
+from meshlearn.mesh.report import StepReport
+from meshlearn.mesh.schedule import AsyncPlan, feed_lookahead, pipeline_in_flight
 from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepStats, Worker
-from meshlearn.train.assemble import pipeline_in_flight
 from meshlearn.verify.verdicts import RemoteSentinel
 
 # A row of the per-step gather: M losses, M flags (1 = loss present; a microbatch a verifier

@@ -47,11 +47,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 import torch
 
@@ -60,19 +60,19 @@ from meshlearn.compress.registry import build_codec
 from meshlearn.compress.wire_checks import Rejection, WireGuard
 from meshlearn.config import RunConfig
 from meshlearn.data import validation_batches
+from meshlearn.data.corpus import load_corpus
 from meshlearn.distributed.evaluation import evaluation_passes
 from meshlearn.distributed.groups import Link, build_groups
-from meshlearn.distributed.health import WorkerFailure, run_and_exit, store_client
+from meshlearn.distributed.health import WorkerFailure, run_and_exit
+from meshlearn.distributed.session import Session, train_tokenizer_once
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.transport import Broken, Forged, Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch_state
 from meshlearn.distributed.wire import buffer_capacities, message_bound
-from meshlearn.distributed.worker import Session, _train_tokenizer_once
-from meshlearn.elastic.evictions import RelayMembership
 from meshlearn.mesh.messages import Message, carried_kind
-from meshlearn.mesh.schedule import feed_lookahead, send_order
+from meshlearn.mesh.schedule import feed_lookahead, pipeline_in_flight, send_order
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.train.assemble import load_corpus, pipeline_in_flight, resolve
+from meshlearn.train.assemble import resolve
 from meshlearn.verify.ledger import Ban
 from meshlearn.verify.sentinel import Sentinel
 from meshlearn.verify.trust import choose_donor
@@ -125,11 +125,32 @@ class Slots:
                 self.evaluation[(src, dst)] += batches
 
 
+class RowMembership(Protocol):
+    """An elastic run's rows, as the relay sees them (``elastic/evictions.py``: ``RelayMembership``)."""
+
+    evicted: set[int]  # the replicas (rows) evicted so far
+
+    def rows(self, step: int) -> tuple[int, ...]:
+        """The rows agreed to train ``step``."""
+
+    def trains(self, step: int, replica: int) -> bool:
+        """Whether row ``replica`` trains ``step`` (agreed, and not evicted)."""
+
+    def evict(self, ban: Ban) -> None:
+        """Carry out ``ban``: its row leaves the run for good."""
+
+    def left(self, wid: WorkerId) -> bool:
+        """Whether ``wid`` was evicted."""
+
+
+RelayLinks = Callable[[RunConfig, Session], tuple[dict[Link, tuple], RowMembership]]
+
+
 class Relay:
     """The verifier's loop: receive, check, inspect, forward; close each step and post its verdict."""
 
     def __init__(self, cfg: RunConfig, session: Session, links: dict[Link, tuple], eval_batches: int,
-                 board: VerdictBoard | None = None, membership: RelayMembership | None = None):
+                 board: VerdictBoard | None = None, membership: RowMembership | None = None):
         self.cfg = cfg
         self.mesh: MeshShape = session.mesh
         self.health = session.health
@@ -366,35 +387,21 @@ class Relay:
                                        if not self._left(w)])
 
 
-def elastic_relay(cfg: RunConfig, session) -> tuple[dict[Link, tuple], RelayMembership]:
-    """An elastic run's relay: the verifier's pair groups to every worker (elastic/links.py), and
-    the rows the run agrees on per step. Deadline: the workers' first quorum, then the links."""
-    from meshlearn.elastic.binding import interface_of
-    from meshlearn.elastic.links import verifier_links
-    from meshlearn.elastic.settings import derive_timeouts
-
-    timeouts = derive_timeouts(cfg.elastic, cfg.dist, cfg.link)
-    deadline_s = cfg.dist.init_timeout_s + timeouts.quorum_s
-    address = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    links = verifier_links(store_client(*address, deadline_s), session.mesh, interface_of(cfg.elastic.host),
-                           deadline_s)
-    session.health.watch_again(set(range(session.mesh.world_size)))  # every worker has met us: running
-    store = store_client(*address, deadline_s)  # the main thread's own (the links' is gloo's)
-    return links, RelayMembership(store, session.mesh, VerdictBoard(session.health, deadline_s, store=store))
-
-
-def run_verifier(cfg: RunConfig, run_dir: Path, resume: bool, session) -> NoReturn:
-    """The verifier rank's whole life; ends the process (``run_and_exit``)."""
+def run_verifier(cfg: RunConfig, run_dir: Path, resume: bool, session,
+                 elastic_links: RelayLinks | None = None) -> NoReturn:
+    """The verifier rank's whole life; ends the process (``run_and_exit``). ``elastic_links``: an
+    elastic run's pair links and agreed rows (``elastic.evictions.elastic_relay``, given by the entry
+    point); otherwise the world group's links, every row in."""
     def life() -> None:
         nonlocal cfg
         if cfg.data.tokenizer in ("bpe", "model") and not resume:
-            _train_tokenizer_once(cfg, run_dir, session)  # a collective of every rank
+            train_tokenizer_once(cfg, run_dir, session)  # a collective of every rank
         corpus = load_corpus(cfg, Path(run_dir))
         cfg = resolve(cfg, corpus.vocab_size)
         batches = validation_batches(corpus.splits.val, cfg.train.eval_batches, cfg.train.batch_size,
                                      cfg.model.seq_len)
-        if cfg.elastic.enabled:  # no world group: pair groups over the store, and the agreed rows
-            links, membership = elastic_relay(cfg, session)
+        if elastic_links is not None:  # no world group: pair groups over the store, and the agreed rows
+            links, membership = elastic_links(cfg, session)
         else:
             links, membership = build_groups(cfg, session.mesh, session.rank).links, None
         relay = Relay(cfg, session, links, len(batches) * evaluation_passes(cfg), membership=membership)

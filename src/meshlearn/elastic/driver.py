@@ -63,7 +63,7 @@ from meshlearn.elastic.rollback import Rollback
 from meshlearn.elastic.rounds import QuorumExchange
 from meshlearn.elastic.rows import Held, Row, RowAgreement, row_label, slot_row, whole_batch
 from meshlearn.mesh.messages import Message
-from meshlearn.mesh.sim import StepReport
+from meshlearn.mesh.report import StepReport
 from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.mesh.worker import StepStats

@@ -29,18 +29,26 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from meshlearn.config import ConfigError
-from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, WorkerFailure
+from meshlearn.config import RunConfig
+from meshlearn.distributed.groups import Link
+from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, WorkerFailure, store_client
 from meshlearn.distributed.verdict_board import VerdictBoard
-from meshlearn.elastic.links import generation_key
+from meshlearn.elastic.binding import interface_of
+from meshlearn.elastic.links import generation_key, verifier_links
 from meshlearn.elastic.membership import GENERATION_ENV, banned_key
 from meshlearn.elastic.rows import decode_rows
+from meshlearn.elastic.settings import derive_timeouts
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.verify.ledger import Ban
 from meshlearn.verify.verdicts import RemoteSentinel
+
+if TYPE_CHECKING:
+    from meshlearn.distributed.session import Session
 
 
 def evicted_key(replica: int) -> str:
@@ -95,6 +103,20 @@ class RelayMembership:
     def left(self, wid: WorkerId) -> bool:
         """Whether ``wid`` left on purpose (its row was evicted): its closed links are no failure."""
         return wid.replica in self.evicted
+
+
+def elastic_relay(cfg: RunConfig, session: Session) -> tuple[dict[Link, tuple], RelayMembership]:
+    """An elastic run's relay (the SENTINEL verifier's, ``distributed/verifier.py``): its pair groups
+    to every worker (elastic/links.py), and the rows the run agrees on per step. Deadline: the
+    workers' first quorum, then the links. ``session``: the verifier's ``distributed.session.Session``."""
+    timeouts = derive_timeouts(cfg.elastic, cfg.dist, cfg.link)
+    deadline_s = cfg.dist.init_timeout_s + timeouts.quorum_s
+    address = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    links = verifier_links(store_client(*address, deadline_s), session.mesh, interface_of(cfg.elastic.host),
+                           deadline_s)
+    session.health.watch_again(set(range(session.mesh.world_size)))  # every worker has met us: running
+    store = store_client(*address, deadline_s)  # the main thread's own (the links' is gloo's)
+    return links, RelayMembership(store, session.mesh, VerdictBoard(session.health, deadline_s, store=store))
 
 
 class Evictions:

@@ -29,6 +29,7 @@ from typing import TextIO
 import torch.distributed as dist
 
 from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, EXIT_PEER_FAILURE
+from meshlearn.distributed.procs import echo, stop
 from meshlearn.elastic.binding import start_lighthouse
 from meshlearn.elastic.links import generation_key
 from meshlearn.elastic.settings import derive_timeouts
@@ -164,8 +165,6 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
     process at start (a resume from a checkpoint they were not in), free for joiners at once.
     ``verifier``: SENTINEL's process; a holder it banned is recorded (``banned``), its slot stays
     closed, and it is killed if it has not left ``grace_s`` after the ban."""
-    from meshlearn.distributed.launch import _echo, _stop
-
     prefixed = dist.PrefixStore("meshlearn/0/", store)
     slots = {p.name: Slot(p.name, proc=p) for p in procs}
     for name in absent:
@@ -219,7 +218,7 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
             out.write(f"meshlearn: worker {slot.name} left after step {step} ({why}); the others go on\n")
 
     while any(slot.code is None for slot in slots.values()):  # a holder whose end is not recorded
-        position = _echo(echo_log, position, out)
+        position = echo(echo_log, position, out)
         for slot in slots.values():
             wid, g = WorkerId.parse(slot.name), slot.generation
             if slot.code is None and slot.proc is not None and slot.proc.exitcode is not None:
@@ -246,7 +245,7 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
             if (slot.code is None and slot.banned_at is not None and slot.proc is not None
                     and time.monotonic() - slot.banned_at > grace_s):
                 killed.add(slot.name)  # banned and still there: the launcher enforces the eviction
-                _stop([slot.proc], signal.SIGKILL, wait_s=5.0)
+                stop([slot.proc], signal.SIGKILL, wait_s=5.0)
             elif slot.code not in (None, 0) and prefixed.check([taken_key(wid, g)]):
                 slot.generation, slot.proc, slot.code = g + 1, None, None  # a joiner took it
                 slot.pid = int(prefixed.get(taken_key(wid, g)).decode())
@@ -257,17 +256,17 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
         if finished_at is not None and time.monotonic() - finished_at > grace_s:
             stragglers = [p for p in procs if p.exitcode is None]
             killed.update(p.name for p in stragglers)
-            _stop(stragglers, signal.SIGKILL, wait_s=5.0)
+            stop(stragglers, signal.SIGKILL, wait_s=5.0)
         alive = [p.sentinel for p in procs if p.exitcode is None]
         if alive:
             multiprocessing.connection.wait(alive, timeout=0.2)
         else:
             time.sleep(0.2)
-    _echo(echo_log, position, out)
+    echo(echo_log, position, out)
     if verifier is not None:  # it ends once every worker still in the run has finished
         verifier.join(timeout=grace_s)
         if verifier.exitcode is None:
-            _stop([verifier], signal.SIGKILL, wait_s=5.0)
+            stop([verifier], signal.SIGKILL, wait_s=5.0)
         code = verifier.exitcode
         record("verifier", {"event": "finished" if code == 0 else "left", "why": describe_exit(code)})
     codes = {name: slot.code for name, slot in slots.items() if slot.code is not None}

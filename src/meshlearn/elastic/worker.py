@@ -1,7 +1,7 @@
 """An elastic worker's pieces: its stage's quorum, the commit vote, the row agreement, its row's
 links, the ElasticDriver — and joining.
 
-The launcher (``distributed/launch.py``) hosts one lighthouse per stage; their addresses reach the
+The launcher (``entry/launch.py``) hosts one lighthouse per stage; their addresses reach the
 initial workers in ``MESHLEARN_LIGHTHOUSES`` (comma-separated, stage order) beside torchrun's
 environment, and anyone else through the run's store (key ``elastic/lighthouses``).
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from meshlearn.config import ConfigError, RunConfig, load_config
+from meshlearn.config import RunConfig, load_config
 from meshlearn.distributed.health import store_client
 from meshlearn.elastic.binding import interface_of
 from meshlearn.elastic.driver import ElasticDriver
@@ -42,6 +42,7 @@ from meshlearn.elastic.membership import (
 from meshlearn.elastic.quorum import CommitVote, StageQuorum
 from meshlearn.elastic.rows import RowAgreement
 from meshlearn.elastic.settings import derive_timeouts
+from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape
 
 

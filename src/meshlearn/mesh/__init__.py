@@ -3,8 +3,9 @@
 from meshlearn.mesh.compute import DEVICES, ComputeConfig, ComputeModel, StageShape, forward_flops
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import Link, LinkProfile, Network, ring_allreduce_s
+from meshlearn.mesh.report import StepReport
 from meshlearn.mesh.schedule import SCHEDULES, Action, AsyncPlan, FlushPlan, format_table, schedule_table
-from meshlearn.mesh.sim import SimDriver, StepReport
+from meshlearn.mesh.sim import SimDriver
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepWork, Worker
 

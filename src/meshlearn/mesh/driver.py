@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from meshlearn.mesh.sim import StepReport
+from meshlearn.mesh.report import StepReport
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.mesh.worker import StepWork, Worker
 

@@ -15,7 +15,7 @@ import math
 import random
 from dataclasses import dataclass, field, replace
 
-from meshlearn.mesh.topology import WorkerId
+from meshlearn.mesh.topology import MeshShape, WorkerId
 
 UPLINK = "uplink"  # ``links.access`` for a shared access link; also its key in a saved network state
 ACCESS = ("off", UPLINK)  # the values ``links.access`` allows
@@ -286,3 +286,9 @@ def ring_allreduce_bytes_per_member(nbytes: int, members: int) -> int:
     if members <= 1:
         return 0
     return 2 * (members - 1) * math.ceil(nbytes / members)
+
+
+def build_run_network(cfg) -> Network:
+    """The links of run ``cfg`` (a RunConfig): ``link.*``, the per-axis profiles and per-link
+    overrides of ``links.*``."""
+    return build_network(cfg.link, cfg.links, MeshShape(cfg.mesh.replicas, cfg.mesh.stages), cfg.seed)

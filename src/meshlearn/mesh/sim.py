@@ -22,27 +22,20 @@ import torch
 from meshlearn.compress.codecs import Codec, MessageContext
 from meshlearn.mesh.compute import ComputeModel
 from meshlearn.mesh.messages import Message, MessageMonitor
-from meshlearn.mesh.network import UPLINK, Network, ring_allreduce_bytes_per_member, ring_allreduce_s
+from meshlearn.mesh.network import (
+    UPLINK,
+    Network,
+    build_run_network,
+    ring_allreduce_bytes_per_member,
+    ring_allreduce_s,
+)
+from meshlearn.mesh.report import StepReport
 from meshlearn.mesh.schedule import Action, AsyncPlan, feed_lookahead
 from meshlearn.mesh.sync import average_gradients, clip_coefficient, stage_clip_norm, step_grad_norm
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepStats, Worker
 from meshlearn.models.llama import Decoder
-
-
-@dataclass
-class StepReport:
-    """What one step (one global batch) did, for metrics."""
-
-    step: int
-    losses: list[float]  # every microbatch loss of every replica (last stages)
-    sim_s: float | None  # virtual seconds since the previous step's end (None: a real run, no clock)
-    bytes_pp: int
-    bytes_dp: int
-    grad_norm: float
-    staleness: list[float] = field(default_factory=list)  # per stage: mean versions behind
-    dp_wait_s: float = 0.0  # seconds workers' updates waited on the DP axis (summed over workers)
 
 
 @dataclass
@@ -570,3 +563,10 @@ def _mean_loss(stages: list[Decoder], codec: Codec, batches: list[tuple[torch.Te
     message (the same masks at every evaluation, so masked losses compare across steps)."""
     losses = [pipeline_loss(stages, codec, x, y, i if masked else None) for i, (x, y) in enumerate(batches)]
     return sum(losses) / len(losses)
+
+
+def build_sim_driver(cfg, workers: dict[WorkerId, Worker]) -> SimDriver:
+    """The simulator over run ``cfg``'s (a RunConfig's) links and compute model."""
+    mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+    network = build_run_network(cfg)
+    return SimDriver(mesh, workers, network, ComputeModel(cfg.sim, cfg.model), cfg.train.grad_clip)

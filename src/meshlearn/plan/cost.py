@@ -36,8 +36,8 @@ from meshlearn.compress.subspace import SubspaceCodec, id_dtype
 from meshlearn.config import RunConfig
 from meshlearn.dp.cost import build_cost_strategy
 from meshlearn.mesh.compute import ComputeModel
-from meshlearn.mesh.network import Network
-from meshlearn.mesh.schedule import build_plan
+from meshlearn.mesh.network import Network, build_run_network
+from meshlearn.mesh.schedule import build_plan, pipeline_in_flight
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepWork
 from meshlearn.models.split import build_stage
@@ -47,7 +47,6 @@ from meshlearn.plan.cost_worker import CostSimDriver, CostWorker
 from meshlearn.plan.critical import Seconds, SensitiveCompute, sensitive_network
 from meshlearn.plan.mask import MaskCostCodec
 from meshlearn.plan.mirror import MirrorSimDriver, mirrors
-from meshlearn.train.assemble import build_network, pipeline_in_flight
 
 
 def cost_codec(cfg: RunConfig, mask_keep: float | None = None):
@@ -224,7 +223,7 @@ class CostRun:
                              "device model (sim.compute = device)")
         self.cfg = cfg
         self.mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
-        network = build_network(cfg)
+        network = build_run_network(cfg)
         compute = ComputeModel(cfg.sim, cfg.model)
         if critical_path:
             network, compute = sensitive_network(network), SensitiveCompute(cfg.sim, cfg.model)

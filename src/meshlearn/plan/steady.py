@@ -32,10 +32,9 @@ from dataclasses import dataclass, field
 
 from meshlearn.config import RunConfig
 from meshlearn.mesh.compute import DEVICES
-from meshlearn.mesh.schedule import feed_lookahead
+from meshlearn.mesh.schedule import feed_lookahead, pipeline_in_flight
 from meshlearn.plan.cost import CostRun, Window, simulate
 from meshlearn.plan.memory import WorkerMemory, largest
-from meshlearn.train.assemble import pipeline_in_flight
 
 RESOURCES = ("compute", "PP link", "DP link", "latency")
 MAX_STEPS = 64  # steps the steady-state search measures at most (``measure``)

@@ -21,9 +21,10 @@ import torch
 
 from meshlearn.atomic import atomic_write_json
 from meshlearn.compressibility.evaluate import validation_loss
-from meshlearn.config import ConfigError, load_config
+from meshlearn.config import load_config
 from meshlearn.data import validation_batches
 from meshlearn.data.batches import Batch
+from meshlearn.errors import ConfigError
 from meshlearn.models.split import init_model
 from meshlearn.protocol.attacks import (
     ATTACKS,
@@ -159,7 +160,7 @@ def choose_pair(run_dir: Path, pair: str | None) -> tuple[Path, Path]:
 def attack_run(run_dir: Path, attack: str, pair: str | None = None, alternating_only: bool = False,
                out_dir: Path | None = None) -> dict:
     """Attack a run folder; writes ``RUN/attack/ATTACK.json`` and returns what it holds."""
-    from meshlearn.train.assemble import load_corpus
+    from meshlearn.data.corpus import load_corpus
 
     run_dir = Path(run_dir)
     if attack not in ATTACKS:

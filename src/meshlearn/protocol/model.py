@@ -149,3 +149,11 @@ def protocol_model(plain: Decoder, seed: int) -> ProtocolDecoder:
         fold = plain.norm.weight.double()[:, None] * q
         out.head.weight.copy_(plain.head.weight.double() @ fold)
     return out
+
+
+def stage_modules(cfg, stages: list[Decoder]) -> list[Decoder | ProtocolDecoder]:
+    """The stage modules a run trains: the protocol model's unless ``protocol.morph = off``
+    (``cfg``: the resolved RunConfig; every replica of a stage gets the same Q's)."""
+    if cfg.protocol.morph == "off":
+        return stages
+    return [protocol_model(stage, cfg.seed) for stage in stages]

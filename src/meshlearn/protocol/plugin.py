@@ -27,9 +27,7 @@ from meshlearn.hooks import Callback, PluginContext, StepOutput
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
-from meshlearn.models.llama import Decoder
 from meshlearn.models.split import stage_layer_ranges
-from meshlearn.protocol.model import ProtocolDecoder, protocol_model
 from meshlearn.protocol.morph import Holder, StageMorph, epoch_stats, morph_mesh, morph_worker
 from meshlearn.protocol.schedule import MorphSchedule
 from meshlearn.protocol.snapshots import (
@@ -41,14 +39,6 @@ from meshlearn.protocol.snapshots import (
     write_snapshot,
 )
 from meshlearn.protocol.transforms import Transform
-
-
-def stage_modules(cfg, stages: list[Decoder]) -> list[Decoder | ProtocolDecoder]:
-    """The stage modules a run trains: the protocol model's unless ``protocol.morph = off``
-    (``cfg``: the resolved RunConfig; every replica of a stage gets the same Q's)."""
-    if cfg.protocol.morph == "off":
-        return stages
-    return [protocol_model(stage, cfg.seed) for stage in stages]
 
 
 def state_holders(w: WorkerId, worker: Worker, callbacks: dict[str, Callback]) -> dict[str, Holder]:
@@ -208,7 +198,7 @@ class SnapshotKeeper:
 
     def _train_tokens(self):
         if self._tokens is None:  # read once, at the first snapshot (as the curvature probe does)
-            from meshlearn.train.assemble import load_corpus
+            from meshlearn.data.corpus import load_corpus
 
             self._tokens = load_corpus(self.cfg, self.folder.parent).splits.train
         return self._tokens

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from meshlearn.atomic import atomic_path
-from meshlearn.config import ConfigError
+from meshlearn.errors import ConfigError
 from meshlearn.train.files import atomic_torch_save, atomic_write_json
 
 CHECKPOINT = "checkpoint.pt"

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshlearn.config import ConfigError, RunConfig
+from meshlearn.config import RunConfig
+from meshlearn.errors import ConfigError
 
 DOCS_PAGE = Path("docs") / "config.md"
 

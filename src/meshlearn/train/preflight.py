@@ -7,8 +7,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from meshlearn.config import ConfigError, RunConfig
+from meshlearn.config import RunConfig
 from meshlearn.data import is_token_file
+from meshlearn.errors import ConfigError
 
 SNIFF_BYTES = 1 << 20  # the first MiB says whether a file is text
 BINARY_SHARE = 0.05  # refuse above this share of undecodable (or NUL) bytes; warn above 0

@@ -22,7 +22,7 @@ from typing import Any
 
 import meshlearn
 from meshlearn.atomic import atomic_write_json
-from meshlearn.config import ConfigError
+from meshlearn.errors import ConfigError
 
 RUN_JSON = "run.json"
 # Keys a checkpoint cannot continue under: the weights' shapes and meaning, the mesh that holds

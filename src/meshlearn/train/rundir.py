@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshlearn.config import ConfigError
+from meshlearn.errors import ConfigError
 
 LOCK = ".lock"
 # What makes a folder a run folder: any of these (the files a Trainer writes first, and checkpoints).

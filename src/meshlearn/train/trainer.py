@@ -16,13 +16,15 @@ import torch
 
 from meshlearn.config import RunConfig, save_config, to_dict
 from meshlearn.data import global_batch, shard_batch, validation_batches
+from meshlearn.data.corpus import load_corpus
 from meshlearn.hooks import PluginContext, build_callbacks
 from meshlearn.mesh.driver import Driver
-from meshlearn.mesh.sim import StepReport, pipeline_loss
+from meshlearn.mesh.report import StepReport
+from meshlearn.mesh.sim import build_sim_driver, pipeline_loss
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepWork
 from meshlearn.report.progress import ProgressLine
-from meshlearn.train.assemble import build_sim_driver, build_workers, load_corpus, resolve
+from meshlearn.train.assemble import build_workers, resolve
 from meshlearn.train.checkpoint import CHECKPOINT, ShardedCheckpoint, SingleFileCheckpoint
 from meshlearn.train.closing import Closing, closing
 from meshlearn.train.files import MetricsLog, atomic_write_json, read_records

@@ -31,6 +31,7 @@ at drain points, so there the drain a ban needs comes from verdicts the driver r
 
 Per-worker attacks from Python::
 
+    register_builtin_plugins()  # meshlearn.entry.plugins
     trainer = Trainer(cfg, run_dir)
     trust = trainer.plugins["trust"].trust
     trust.add_attack(WorkerId(1, 2), build_attack("zeros", AttackConfig(start_step=100), seed=1))

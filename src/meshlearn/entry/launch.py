@@ -1,7 +1,8 @@
 """``meshlearn train --backend dist``: start the D × P worker processes on this machine, watch them.
 
 With ``verify.name = "sentinel"`` one more process, the SENTINEL verifier (rank D·P, ``logs/verifier.log``),
-relays the pipeline traffic (distributed/verifier.py).
+relays the pipeline traffic (distributed/verifier.py). The processes' watch is ``distributed/procs.py``'s
+(elastic: ``elastic/membership.py``'s).
 
 The launcher plays torchrun's agent: it hosts the rendezvous store (on an OS-chosen port of
 127.0.0.1) and gives each worker torchrun's environment, so a worker cannot tell the two apart
@@ -16,13 +17,11 @@ prints one report: the agreed error, every worker's exit status, and how to resu
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import TextIO
@@ -31,8 +30,8 @@ import torch.distributed as dist
 
 from meshlearn.config import RunConfig
 from meshlearn.distributed.groups import anchors, world_size
-from meshlearn.distributed.health import ABORT_KEY, EXIT_PEER_FAILURE, process_name
-from meshlearn.distributed.resume import refuse_resume
+from meshlearn.distributed.health import ABORT_KEY, process_name
+from meshlearn.distributed.procs import describe_exit, echo, forward_signals, stop
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.elastic.binding import BoundStore, check_bound
 from meshlearn.elastic.membership import (
@@ -46,6 +45,7 @@ from meshlearn.elastic.membership import (
     watch_elastic,
 )
 from meshlearn.elastic.settings import derive_timeouts
+from meshlearn.entry.worker import refuse_resume
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.train.checkpoint import latest_complete
 from meshlearn.train.files import atomic_write_json
@@ -60,7 +60,7 @@ def _child(argv: list[str], env: dict[str, str], log_path: str) -> None:
     os.close(fd)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
-    from meshlearn.distributed.worker import main
+    from meshlearn.entry.worker import main
 
     code = main(argv)
     sys.stdout.flush()
@@ -89,7 +89,7 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
     lighthouses = start_lighthouses(cfg, host) if cfg.elastic.enabled else []
     ctx = mp.get_context("forkserver")
     # torch._dynamo is what building an optimizer imports lazily: ~1.5 s of CPU once, not per worker.
-    ctx.set_forkserver_preload(["meshlearn.distributed.worker", "torch._dynamo"])
+    ctx.set_forkserver_preload(["meshlearn.entry.worker", "torch._dynamo"])
     # An elastic resume starts the rows its checkpoint was written by (elastic/checkpoints.py).
     absent = resume_absent(cfg, run_dir) if cfg.elastic.enabled and "--resume" in worker_argv else []
     ranks = [rank for rank in range(world) if process_name(mesh, rank, anchors(cfg)) not in absent]
@@ -120,7 +120,7 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
     if cfg.elastic.enabled:
         check_bound(os.getpid(), host, "the launcher")
         publish_run(store, run_dir, f"{host}:{store.port}", lighthouses)
-    stopping = _forward_signals(procs)
+    stopping = forward_signals(procs)
     try:
         if cfg.elastic.enabled:
             timeouts = derive_timeouts(cfg.elastic, cfg.dist, cfg.link)
@@ -131,8 +131,8 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
                                  verifier=next((p for p in procs if p.name == "verifier"), None))
         codes = _watch(procs, cfg, logs / f"{mesh.worker(0)}.log", out)
     except BaseException as err:  # a second Ctrl-C, or a caller's timeout: never leave workers behind
-        _stop(procs, signal.SIGTERM, wait_s=5.0)
-        _stop(procs, signal.SIGKILL, wait_s=5.0)
+        stop(procs, signal.SIGTERM, wait_s=5.0)
+        stop(procs, signal.SIGKILL, wait_s=5.0)
         if isinstance(err, KeyboardInterrupt):
             print(f"meshlearn: stopped at once; workers killed — continue from the last complete "
                   f"checkpoint with: meshlearn train --resume {run_dir}", file=sys.stderr)
@@ -154,30 +154,6 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
     return 1
 
 
-def _forward_signals(procs: list) -> dict:
-    """SIGINT/SIGTERM here: the first is passed on to every worker (they stop together at their
-    next agreed drain point, with a checkpoint); a second one stops them at once."""
-    state: dict = {"signum": None}
-
-    def forward(signum: int, frame: object) -> None:
-        if state["signum"] is not None:
-            raise KeyboardInterrupt
-        state["signum"] = signum
-        for p in procs:
-            if p.exitcode is None and p.pid:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signum)
-        print(f"\nmeshlearn: {signal.Signals(signum).name}: workers stop at the next drain point with "
-              "a checkpoint (again to stop at once)", file=sys.stderr, flush=True)
-
-    if threading.current_thread() is not threading.main_thread():  # a caller's thread: no handlers
-        state["restore"] = lambda: None
-        return state
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    state["restore"] = lambda: [signal.signal(sig, h) for sig, h in previous.items()]
-    return state
-
-
 def _watch(procs: list, cfg: RunConfig, echo_log: Path, out: TextIO) -> dict[str, int | str]:
     """Wait for every worker; after a first failure, allow the others the time the failure
     detection needs, then kill the rest. Rank 0's log is echoed as it grows."""
@@ -187,7 +163,7 @@ def _watch(procs: list, cfg: RunConfig, echo_log: Path, out: TextIO) -> dict[str
     killed: set[str] = set()
     position = 0
     while True:
-        position = _echo(echo_log, position, out)
+        position = echo(echo_log, position, out)
         alive = [p for p in procs if p.exitcode is None]
         if not alive:
             break
@@ -196,33 +172,10 @@ def _watch(procs: list, cfg: RunConfig, echo_log: Path, out: TextIO) -> dict[str
         if failed_at is not None and time.monotonic() - failed_at > grace_s:
             for p in alive:
                 killed.add(p.name)
-            _stop(alive, signal.SIGKILL, wait_s=5.0)
+            stop(alive, signal.SIGKILL, wait_s=5.0)
         multiprocessing.connection.wait([p.sentinel for p in alive], timeout=0.2)
-    _echo(echo_log, position, out)
+    echo(echo_log, position, out)
     return {p.name: ("killed by the launcher" if p.name in killed else p.exitcode) for p in procs}
-
-
-def _echo(path: Path, position: int, out: TextIO) -> int:
-    try:
-        with path.open("rb") as f:
-            f.seek(position)
-            data = f.read()
-    except FileNotFoundError:
-        return position
-    if data:
-        out.write(data.decode(errors="replace"))
-        out.flush()
-    return position + len(data)
-
-
-def _stop(procs: list, sig: int, wait_s: float) -> None:
-    for p in procs:
-        if p.exitcode is None and p.pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, sig)
-    end = time.monotonic() + wait_s
-    for p in procs:
-        p.join(timeout=max(0.0, end - time.monotonic()))
 
 
 def _abort_message(store: dist.Store) -> str | None:
@@ -235,21 +188,11 @@ def _abort_message(store: dist.Store) -> str | None:
         return None
 
 
-def _describe_exit(code: int | str) -> str:
-    if isinstance(code, str):
-        return code
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    if code == EXIT_PEER_FAILURE:
-        return "stopped: a peer failed"
-    return f"exit code {code}"
-
-
 def _failure_report(codes: dict[str, int | str], abort: str | None, run_dir: Path) -> str:
     lines = [f"meshlearn: error: {abort or 'a worker failed without publishing an error'}"]
     statuses = {}
     for name, code in codes.items():
-        statuses.setdefault(_describe_exit(code), []).append(name)
+        statuses.setdefault(describe_exit(code), []).append(name)
     lines.append("  workers: " + "; ".join(f"{', '.join(names)}: {status}"
                                            for status, names in statuses.items()))
     lines.append(f"  logs: {run_dir / 'logs'}")

@@ -10,7 +10,8 @@ from pathlib import Path
 import tomli_w
 
 import meshlearn
-from meshlearn.config import ConfigError, load_config, to_dict
+from meshlearn.config import load_config, to_dict
+from meshlearn.errors import ConfigError
 from meshlearn.train.preflight import check_corpus, check_run
 
 SWEEP = "25,100,400,1600"  # ``meshlearn plan``'s default bandwidths of the plot, Mbit/s
@@ -73,9 +74,11 @@ def _train(args: argparse.Namespace) -> int:
 
 def _setup(cfg, run_dir: Path, resume: str | None, created: bool, stop):
     """The Trainer, or one line naming the bad input (and no run folder left by a fresh start)."""
+    from meshlearn.entry.plugins import register_builtin_plugins
     from meshlearn.train.rundir import discard_fresh
     from meshlearn.train.trainer import Trainer
 
+    register_builtin_plugins()
     try:
         return Trainer(cfg, run_dir, resume=bool(resume), stop=stop)
     except (ConfigError, ValueError, FileNotFoundError) as err:
@@ -96,7 +99,7 @@ def _resuming(run_dir: Path, step: int, last: int, changed: dict) -> str:
 
 
 def _launch_dist(args: argparse.Namespace, cfg, run_dir: Path, changed: dict) -> int:
-    from meshlearn.distributed.launch import launch_local
+    from meshlearn.entry.launch import launch_local
     from meshlearn.train.checkpoint import latest_complete
 
     if args.resume:
@@ -129,7 +132,7 @@ def _section_toml(cfg, section: str) -> str:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from meshlearn.distributed.worker import resolve_run, run
+    from meshlearn.entry.worker import resolve_run, run
 
     return run(*resolve_run(args))
 

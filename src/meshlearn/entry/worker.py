@@ -1,7 +1,9 @@
 """The per-process entry point: what torchrun (or ``meshlearn train --backend dist``) runs.
+It composes the runtimes: the dist one, and the elastic layer on top of it with ``elastic.enabled``
+(its driver, a joiner's slot, the banned-identity check, the verifier's row membership).
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
-        -m meshlearn.distributed.worker --config run.toml --out runs/x        # or: meshlearn worker ...
+        -m meshlearn.entry.worker --config run.toml --out runs/x        # or: meshlearn worker ...
 
 It reads the rank and the rendezvous from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), joins the process group, starts its heartbeat, and
@@ -16,108 +18,37 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 import traceback
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from meshlearn.config import ConfigError, RunConfig, load_config
+from meshlearn.config import RunConfig, load_config
 from meshlearn.distributed.driver import DistDriver
-from meshlearn.distributed.groups import anchor_id, anchors, build_groups, verifier_rank, world_size
-from meshlearn.distributed.health import EXIT_PEER_FAILURE, Health, WorkerFailure, process_name, store_client
-from meshlearn.distributed.resume import refuse_resume
-from meshlearn.distributed.settings import derive_deadlines
+from meshlearn.distributed.groups import anchors, build_groups, verifier_rank
+from meshlearn.distributed.health import EXIT_PEER_FAILURE, WorkerFailure, process_name, store_client
+from meshlearn.distributed.session import Session, start_session, train_tokenizer_once
+from meshlearn.elastic.binding import interface_of
+from meshlearn.elastic.evictions import elastic_relay, refuse_resume_when_verified
 from meshlearn.elastic.membership import JOIN_ENV
-from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.entry.plugins import register_builtin_plugins
+from meshlearn.errors import ConfigError
+from meshlearn.mesh.topology import MeshShape
 from meshlearn.models.split import init_model, split_model
-from meshlearn.protocol.plugin import stage_modules
-from meshlearn.train.assemble import build_worker, load_corpus
+from meshlearn.protocol.model import stage_modules
+from meshlearn.train.assemble import build_worker
 from meshlearn.train.closing import rate
 from meshlearn.train.signals import GracefulStop
 from meshlearn.train.trainer import Trainer
 
 
-@dataclass
-class Session:
-    """This process's place in the run, and its liveness monitor."""
-
-    rank: int
-    world: int
-    local_world: int
-    mesh: MeshShape
-    me: WorkerId | None  # None: the verifier process, or an anchor stage
-    device: torch.device
-    comm: str
-    health: Health
-    run_dir: Path
-    anchor: WorkerId | None = None  # an anchor stage's id (distributed/anchor.py)
-
-
-def _env_int(name: str, default: int | None = None) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        if default is None:
-            raise ConfigError(name, None, "not set: start workers with torchrun or `meshlearn train "
-                                          "--backend dist`, which set RANK, WORLD_SIZE, MASTER_ADDR/PORT")
-        return default
-    return int(value)
-
-
-def start_session(cfg: RunConfig, run_dir: Path) -> Session:
-    """Join the process group (deadline: dist.init_timeout_s) and start the heartbeat."""
-    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
-    mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
-    expected = world_size(cfg, mesh)
-    if world != expected:
-        extra = (f" + anchor.z × mesh.stages = {anchors(cfg) * mesh.stages} anchor stages" if anchors(cfg)
-                 else " + 1 verifier (verify.name = sentinel)" if expected > mesh.world_size else "")
-        raise ConfigError("mesh", f"{mesh.replicas}×{mesh.stages}",
-                          f"needs {expected} processes (mesh.replicas × mesh.stages{extra}) but "
-                          f"WORLD_SIZE = {world}")
-    verifying = verifier_rank(cfg, mesh) is not None
-    cuda = torch.cuda.is_available() and not verifying  # the verifier relays over gloo (CPU)
-    comm = cfg.dist.comm if cfg.dist.comm != "auto" else ("nccl" if cuda else "gloo")
-    device = torch.device("cuda", local_rank) if comm == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    threads = cfg.dist.threads or max(1, (os.cpu_count() or 1) // local_world)
-    torch.set_num_threads(threads)
-    scope = None
-    if cfg.elastic.enabled:
-        from meshlearn.elastic.binding import interface_of
-
-        # gloo's sockets on elastic.host's interface only; a dead peer outside this worker's
-        # pipeline row is not this worker's failure.
-        os.environ["GLOO_SOCKET_IFNAME"] = interface_of(cfg.elastic.host)
-        # its row's ranks once the row trains (elastic/driver.py: _link_row); the verifier's
-        # failures, and the deaths it sees, are the whole run's (every row's links pass it)
-        scope = {rank} if rank < mesh.world_size else None
-    if not cfg.elastic.enabled:  # elastic rows link over the store: no world group (joiners)
-        dist.init_process_group(comm, timeout=timedelta(seconds=cfg.dist.init_timeout_s),
-                                device_id=device if device.type == "cuda" else None)
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    deadlines = derive_deadlines(cfg.dist, cfg.link, 0, 0, 0, 1)
-    store = store_client(host, port, deadlines.dead_after_s)
-    owner = os.environ.get("MESHLEARN_STORE_OWNER", f"rendezvous store at {host}:{port}")
-    health = Health(store, mesh, rank, cfg.dist.heartbeat_s, deadlines.dead_after_s, owner, world=world,
-                    scope=scope, anchors=anchors(cfg))
-    if cfg.elastic.enabled and scope is None:
-        # The verifier: with no world group to wait for, a worker may still be starting (importing,
-        # on a loaded host) when this watch begins; it watches them once its links are built
-        # (verifier.elastic_relay), so a slow start is not taken for a death that ends the run.
-        health.ignore(set(range(mesh.world_size)))
-    health.start()
-    me = mesh.worker(rank) if rank < mesh.world_size else None  # None: the verifier, or an anchor
-    anchor = None
-    if me is None and anchors(cfg):
-        z, s = divmod(rank - mesh.world_size, mesh.stages)
-        anchor = anchor_id(mesh, z, s)
-    return Session(rank, world, local_world, mesh, me, device, comm, health, Path(run_dir), anchor)
+def refuse_resume(cfg: RunConfig, run_dir: Path) -> None:
+    """What a dist run cannot resume from yet, refused in one line. The launcher checks before it
+    spawns anything, and every worker again (one started by hand has no launcher in front of it)."""
+    if anchors(cfg):
+        raise ConfigError("--resume", str(run_dir), "a dist run with an anchor circuit (anchor.z > 0) cannot "
+                                                    "resume yet (its passes in flight are not checkpointed)")
+    refuse_resume_when_verified(cfg, run_dir)
 
 
 def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
@@ -153,7 +84,9 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
 
         refuse_banned_start(cfg)  # SENTINEL banned this identity: it never comes back
     try:
-        session = start_session(cfg, run_dir)
+        # elastic: gloo's sockets on elastic.host's interface (asked once the rank checks out)
+        interface = (lambda: interface_of(cfg.elastic.host)) if cfg.elastic.enabled else None
+        session = start_session(cfg, run_dir, gloo_interface=interface)
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 — e.g. a peer that never came up
@@ -169,9 +102,10 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
 
         return run_anchor(cfg, run_dir, session)
     if session.me is None:
-        from meshlearn.distributed.verifier import run_verifier  # it uses this module's helpers
+        from meshlearn.distributed.verifier import run_verifier
 
-        return run_verifier(cfg, run_dir, resume, session)
+        return run_verifier(cfg, run_dir, resume, session,
+                            elastic_links=elastic_relay if cfg.elastic.enabled else None)
     name = str(session.me)
     trainer = None
 
@@ -182,11 +116,12 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
     session.health.on_exit = flush
     try:
         if cfg.data.tokenizer in ("bpe", "model") and not resume and os.environ.get(JOIN_ENV) != "1":
-            _train_tokenizer_once(cfg, run_dir, session)
+            train_tokenizer_once(cfg, run_dir, session)
         # SIGINT/SIGTERM (from the launcher, torchrun or a scheduler): every process stops after
         # the same step, agreed through the rendezvous store (meshlearn/train/signals.py).
         stop = GracefulStop(store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                          cfg.dist.init_timeout_s), repeat="ignore").install()
+        register_builtin_plugins()
         trainer = Trainer(cfg, run_dir, resume=resume, progress=True,
                           driver=lambda resolved: build_driver(resolved, session), stop=stop)
         summary = trainer.train()
@@ -213,27 +148,6 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
     # Skip interpreter teardown: destroying groups with a dead peer can block, and the threads
     # may sit in C++ receives. Files are safe: every write was atomic, metrics lines are flushed.
     os._exit(code)
-
-
-def _train_tokenizer_once(cfg: RunConfig, run_dir: Path, session: Session) -> None:
-    """BPE is trained by rank 0 and cached in the run folder; the others wait, then load it
-    (elastic runs have no world group: they wait on a key of the store)."""
-    if session.rank == 0:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        load_corpus(cfg, Path(run_dir))
-        if cfg.elastic.enabled:
-            session.health.store.set("tokenizer/ready", "1")
-    if cfg.elastic.enabled:
-        end = time.monotonic() + cfg.dist.init_timeout_s
-        while not session.health.store.check(["tokenizer/ready"]):
-            session.health.check()
-            if time.monotonic() > end:
-                raise TimeoutError(f"rank 0's tokenizer did not come within dist.init_timeout_s = "
-                                   f"{cfg.dist.init_timeout_s:g} s")
-            time.sleep(0.05)
-        return
-    work = dist.barrier(async_op=True)
-    session.health.wait_work(work, "the wait for rank 0's tokenizer", cfg.dist.init_timeout_s)
 
 
 def build_parser() -> argparse.ArgumentParser:

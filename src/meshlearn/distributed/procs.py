@@ -1,0 +1,78 @@
+"""Watching local worker processes: forward signals to them, echo a log, stop them, say how they ended.
+
+Shared by the dist launcher (``meshlearn.entry.launch``) and the elastic one's watch
+(``meshlearn.elastic.membership``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TextIO
+
+from meshlearn.distributed.health import EXIT_PEER_FAILURE
+
+
+def forward_signals(procs: list) -> dict:
+    """SIGINT/SIGTERM here: the first is passed on to every worker (they stop together at their
+    next agreed drain point, with a checkpoint); a second one stops them at once."""
+    state: dict = {"signum": None}
+
+    def forward(signum: int, frame: object) -> None:
+        if state["signum"] is not None:
+            raise KeyboardInterrupt
+        state["signum"] = signum
+        for p in procs:
+            if p.exitcode is None and p.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+        print(f"\nmeshlearn: {signal.Signals(signum).name}: workers stop at the next drain point with "
+              "a checkpoint (again to stop at once)", file=sys.stderr, flush=True)
+
+    if threading.current_thread() is not threading.main_thread():  # a caller's thread: no handlers
+        state["restore"] = lambda: None
+        return state
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    state["restore"] = lambda: [signal.signal(sig, h) for sig, h in previous.items()]
+    return state
+
+
+def echo(path: Path, position: int, out: TextIO) -> int:
+    """Copy what ``path`` (a worker's log) gained since byte ``position`` to ``out``; the new position."""
+    try:
+        with path.open("rb") as f:
+            f.seek(position)
+            data = f.read()
+    except FileNotFoundError:
+        return position
+    if data:
+        out.write(data.decode(errors="replace"))
+        out.flush()
+    return position + len(data)
+
+
+def stop(procs: list, sig: int, wait_s: float) -> None:
+    """Send ``sig`` to every process still running, then wait for them (``wait_s`` in all)."""
+    for p in procs:
+        if p.exitcode is None and p.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, sig)
+    end = time.monotonic() + wait_s
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+
+
+def describe_exit(code: int | str) -> str:
+    """A process's exit status in words (a string is already a description)."""
+    if isinstance(code, str):
+        return code
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    if code == EXIT_PEER_FAILURE:
+        return "stopped: a peer failed"
+    return f"exit code {code}"
