@@ -125,8 +125,8 @@ def test_smollm2_tokenizer_matches_transformers_and_round_trips(preset):
 def test_an_exported_run_generates_text_in_a_transformers_pipeline(tiny_corpus, tmp_path, tokenizer):
     """Every run exports a folder that transformers tokenizes and generates from as it stands (a
     byte-level run's tokenizer: id = UTF-8 byte), and its greedy text is meshlearn's own."""
-    from meshlearn.entry.cli import main
     from meshlearn.data import ByteTokenizer
+    from meshlearn.entry.cli import main
     from meshlearn.train.restore import load_run_model
 
     sets = [f"data.corpus={tiny_corpus}", f"data.tokenizer={tokenizer}", "data.bpe_vocab_size=300",
