@@ -21,6 +21,7 @@ class UsageError(Exception):
 
 
 def _train(args: argparse.Namespace) -> int:
+    from meshlearn.cluster.placement import host_of_command
     from meshlearn.train.provenance import check_resumable
     from meshlearn.train.rundir import RunLock, default_out, start_fresh
     from meshlearn.train.signals import GracefulStop
@@ -40,18 +41,20 @@ def _train(args: argparse.Namespace) -> int:
         cfg = load_config(config, args.set)
         changed = check_resumable(to_dict(load_config(config)), to_dict(cfg))
         check_run(cfg)
+        placement = host_of_command(cfg, args.host)
         created = False
     else:
         cfg = load_config(args.config, args.set)
         check_corpus(cfg)
         check_run(cfg)
+        placement = host_of_command(cfg, args.host)
         run_dir = Path(args.out) if args.out else default_out(cfg.name, args.config)
         created = not args.out or not run_dir.exists()
     with RunLock(run_dir):
         if not args.resume:
             start_fresh(run_dir, args.overwrite)
         if cfg.backend == "dist":
-            return _launch_dist(args, cfg, run_dir, changed)
+            return _launch_dist(args, cfg, run_dir, changed, placement)
         with GracefulStop() as stop:
             trainer = _setup(cfg, run_dir, args.resume, created, stop)
             if args.resume:
@@ -66,8 +69,8 @@ def _train(args: argparse.Namespace) -> int:
         print(f"meshlearn: stopped by {trainer.interrupted} after step {summary['steps']} with a "
               f"checkpoint; continue with: meshlearn train --resume {run_dir}", file=sys.stderr)
         return stop.exit_code
-    val = summary["final_val_loss"]
-    print(f"done: {summary['steps']} steps, val loss {val:.4f}, "
+    val = summary["final_val_loss"]  # None: stopped (train.stop_at_step) before any evaluation
+    print(f"done: {summary['steps']} steps, {'no val loss yet' if val is None else f'val loss {val:.4f}'}, "
           f"{summary['sim_tokens_per_s']:.0f} tok/s virtual ({summary['compute_model']}), "
           f"{summary['wall_tokens_per_s']:.0f} tok/s wall → {run_dir}")
     return 0
@@ -97,17 +100,25 @@ def _resuming(run_dir: Path, step: int, last: int, changed: dict) -> str:
     return what
 
 
-def _launch_dist(args: argparse.Namespace, cfg, run_dir: Path, changed: dict) -> int:
+def _launch_dist(args: argparse.Namespace, cfg, run_dir: Path, changed: dict, placement) -> int:
+    from meshlearn.cluster.checkpoints import agreed_steps
     from meshlearn.distributed.launch import launch_local
     from meshlearn.train.checkpoint import latest_complete
 
     if args.resume:
         folder = latest_complete(run_dir)
         step = int(folder.name.removeprefix("step-")) if folder else 0
+        if placement is not None:  # the newest this folder agreed on (the coordinator picks the one)
+            step = (agreed_steps(run_dir) or [0])[-1]
         print(_resuming(run_dir, step, cfg.train.steps, changed), flush=True)
     where = ["--resume", str(run_dir)] if args.resume else [
         *(["--config", args.config] if args.config else []), "--out", str(run_dir)]
-    return launch_local([*where, *(x for o in args.set for x in ("--set", o))], cfg, run_dir)
+    worker_argv = [*where, *(x for o in args.set for x in ("--set", o))]
+    if placement is not None:
+        from meshlearn.cluster.launch import launch_host
+
+        return launch_host(worker_argv, cfg, run_dir, placement)
+    return launch_local(worker_argv, cfg, run_dir)
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -323,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--backend", choices=["sim", "dist"],
                        help="sim: one process, virtual clock; dist: one local process per worker "
                             "(short for --set backend=...; see docs/distributed.md)")
+    train.add_argument("--host", metavar="NAME",
+                       help="with --backend dist and a [cluster] config: run this machine's part, "
+                            "as host NAME of [cluster.hosts] (docs/cluster.md)")
     train.set_defaults(func=_train)
 
     worker = sub.add_parser("worker", help="one worker process of a dist run: what torchrun starts "

@@ -34,6 +34,7 @@ class Placement:
     store_port: int  # ... and its port
     processes: dict[str, int]  # this host's processes → their ranks, in rank order
     hosts_of: dict[str, str]  # every process of the run → its host
+    ranks: dict[str, int]  # every process of the run → its rank, in rank order
     world: int
     writer: str  # the worker that writes the run's records (on the coordinator)
 
@@ -103,5 +104,17 @@ def place(cfg: RunConfig, host: str) -> Placement:
     where = hosts_of(cfg)
     by_rank = ranks(cfg)
     return Placement(host, address, interface, cluster.coordinator, store_address, coordinator.port,
-                     {p: r for p, r in by_rank.items() if where[p] == host}, where, len(by_rank),
+                     {p: r for p, r in by_rank.items() if where[p] == host}, where, by_rank, len(by_rank),
                      records_writer(cfg))
+
+
+def host_of_command(cfg: RunConfig, host: str | None) -> Placement | None:
+    """``meshlearn train``'s ``--host``: this machine's part of a dist cluster run, None for a run
+    on one machine (a simulator run ignores the placement); ConfigError when they do not fit."""
+    if host is not None and cfg.backend != "dist":
+        raise ConfigError("--host", host, "needs --backend dist (the simulator runs every worker in one "
+                                          "process and ignores [cluster])")
+    if host is None and cfg.backend == "dist" and cfg.cluster.enabled:
+        raise ConfigError("--host", None, f"a [cluster] run starts on each machine with --host NAME, "
+                                          f"one of {sorted(cfg.cluster.hosts)} (docs/cluster.md)")
+    return place(cfg, host) if host is not None else None

@@ -194,7 +194,9 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
             print(f"stopped by {trainer.interrupted} after step {summary['steps']} with a checkpoint "
                   f"→ {run_dir}")
         elif trainer.writer:
-            print(f"done: {summary['steps']} steps, val loss {summary['final_val_loss']:.4f}, "
+            val = summary["final_val_loss"]  # None: stopped (train.stop_at_step) before any evaluation
+            print(f"done: {summary['steps']} steps, "
+                  f"{'no val loss yet' if val is None else f'val loss {val:.4f}'}, "
                   f"{summary['wall_tokens_per_s']:.0f} tok/s wall over {session.world} processes → {run_dir}")
         flush()
         if cfg.elastic.enabled or anchors(cfg):  # peers may be gone, or a receive from an anchor
