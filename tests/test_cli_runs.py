@@ -55,9 +55,3 @@ def test_resume_says_where_it_resumes_and_keeps_the_history(capsys, tiny_corpus,
     assert main(["train", "--resume", str(run)]) == 0
     assert "nothing to train" in capsys.readouterr().out
 
-
-def test_a_run_stopped_before_its_first_evaluation_ends_cleanly(capsys, tiny_corpus, tmp_path):
-    run = tmp_path / "run"
-    assert main(["train", *tiny_args(tiny_corpus), "--set", "train.eval_every=100", "--set",
-                 "train.stop_at_step=1", "--out", str(run)]) == 0
-    assert "done: 1 steps, no val loss yet" in capsys.readouterr().out

@@ -24,6 +24,7 @@ from meshlearn.mesh.worker import StepWork
 from meshlearn.report.progress import ProgressLine
 from meshlearn.train.assemble import build_sim_driver, build_workers, load_corpus, resolve
 from meshlearn.train.checkpoint import CHECKPOINT, ShardedCheckpoint, SingleFileCheckpoint
+from meshlearn.train.closing import Closing, closing
 from meshlearn.train.files import MetricsLog, atomic_write_json, read_records
 from meshlearn.train.provenance import record_start
 from meshlearn.train.schedule_lr import lr_factor
@@ -287,6 +288,14 @@ class Trainer:
         for callback in self.plugins.values():
             summary |= callback.summary()
         return summary
+
+    def closing(self, summary: dict, rates: str) -> Closing:
+        """The line this run ends with and its exit code (train/closing.py); ``rates``: the
+        driver's throughput, as the caller words it."""
+        stop = self.stop
+        signal_name = self.interrupted or (stop.name if stop is not None else None)
+        return closing(summary, self.cfg.train.steps, self.cfg.train.stop_at_step, signal_name,
+                       stop.exit_code if stop is not None else 0, self.run_dir, rates)
 
     def _writes_summary(self) -> bool:
         """The records' writer; under a sink, the process that wrote the last step's records."""
