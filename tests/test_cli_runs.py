@@ -54,4 +54,3 @@ def test_resume_says_where_it_resumes_and_keeps_the_history(capsys, tiny_corpus,
     assert history[0]["argv"] and history[0]["commit"] == history[1]["commit"]  # the first start kept
     assert main(["train", "--resume", str(run)]) == 0
     assert "nothing to train" in capsys.readouterr().out
-
