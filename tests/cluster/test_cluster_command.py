@@ -45,3 +45,33 @@ def test_the_rendezvous_listens_on_the_configured_address_and_port_only():
     bound = BoundStore("127.0.0.1", 5.0, port=port)
     assert bound.address == f"127.0.0.1:{port}"
     assert bound._sock.getsockname() == ("127.0.0.1", port)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_host_whose_coordinator_never_answers_stops_in_one_line(tmp_path, capsys, tiny_corpus):
+    config = tmp_path / "run.toml"
+    port = _free_port()  # nobody listens there: the coordinator was never started
+    config.write_text(PLACEMENT.replace('"127.0.0.2"', '"127.0.0.1"').replace("29500", str(port)))
+    assert main(["train", "--backend", "dist", "--config", str(config), "--host", "bob", "--out",
+                 str(tmp_path / "run"), "--set", f"data.corpus={tiny_corpus}", "--set",
+                 "dist.init_timeout_s=0.5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"meshlearn: error: cluster.coordinator = 'alice': its rendezvous at "
+                          f"127.0.0.1:{port} did not answer within dist.init_timeout_s = 0.5 s")
+
+
+def test_a_coordinator_whose_port_is_taken_stops_in_one_line(tmp_path, capsys, tiny_corpus):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "run.toml"
+        config.write_text(PLACEMENT.replace("29500", str(port)))
+        assert main(["train", "--backend", "dist", "--config", str(config), "--host", "alice", "--out",
+                     str(tmp_path / "run"), "--set", f"data.corpus={tiny_corpus}"]) == 2
+    assert f"cluster.hosts.alice.port = {port}: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

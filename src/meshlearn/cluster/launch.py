@@ -31,7 +31,7 @@ from meshlearn.cluster.checkpoints import agreed_steps
 from meshlearn.cluster.placement import Placement
 from meshlearn.cluster.role import HOST_ENV
 from meshlearn.cluster.shared import KEYS, share_run
-from meshlearn.config import RunConfig
+from meshlearn.config import ConfigError, RunConfig
 from meshlearn.distributed.launch import (  # one machine's launcher: the same children and watch
     _abort_message,
     _child,
@@ -58,14 +58,18 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
     run_dir = Path(run_dir)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    timeout = timedelta(seconds=cfg.dist.init_timeout_s)
     if placement.is_coordinator:  # the run's rendezvous, on this host's address and port only
-        bound = BoundStore(placement.address, cfg.dist.init_timeout_s, world_size=placement.world,
-                           port=placement.store_port)
+        try:
+            bound = BoundStore(placement.address, cfg.dist.init_timeout_s, world_size=placement.world,
+                               port=placement.store_port)
+        except OSError as err:
+            raise ConfigError(f"cluster.hosts.{placement.host}.port", placement.store_port,
+                              f"cannot listen on {placement.address}:{placement.store_port} "
+                              f"({err.strerror}): choose a free port") from None
         store = bound.store
-    else:  # waits (dist.init_timeout_s) for the coordinator's launcher to be up
-        store = dist.TCPStore(placement.store_address, placement.store_port, is_master=False, timeout=timeout)
-    share_run(cfg, run_dir, placement, store, resume)
+        share_run(cfg, run_dir, placement, store, resume)
+    else:
+        store = _join_coordinator(cfg, run_dir, placement, resume)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["meshlearn.distributed.worker", "torch._dynamo"])
     local = len(placement.processes)
@@ -122,6 +126,21 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
                   "  no agreed checkpoint yet: start the run again")
     print("\n".join(report), file=sys.stderr)
     return 1
+
+
+def _join_coordinator(cfg: RunConfig, run_dir: Path, placement: Placement, resume: bool) -> dist.Store:
+    """The coordinator's rendezvous, and what it decided (waits dist.init_timeout_s for both)."""
+    try:
+        store = dist.TCPStore(placement.store_address, placement.store_port, is_master=False,
+                              timeout=timedelta(seconds=cfg.dist.init_timeout_s))
+        share_run(cfg, run_dir, placement, store, resume)
+    except dist.DistError as err:
+        raise ConfigError("cluster.coordinator", placement.coordinator,
+                          f"its rendezvous at {placement.store_address}:{placement.store_port} did not "
+                          f"answer within dist.init_timeout_s = {cfg.dist.init_timeout_s:g} s "
+                          f"({type(err).__name__}): start `meshlearn train --host {placement.coordinator}` "
+                          "there") from None
+    return store
 
 
 def _finish(store, cfg: RunConfig, placement: Placement) -> None:
