@@ -156,12 +156,14 @@ def valid_keys() -> list[str]:
     return _valid_keys(RunConfig)
 
 
+def _matches(pattern: str, key: str) -> bool:
+    """``key`` is the valid key ``pattern``, any table name standing where ``NAME`` does."""
+    want, got = pattern.split("."), key.split(".")
+    return len(want) == len(got) and all(w == g or (w == NAME and g) for w, g in zip(want, got, strict=True))
+
+
 def _is_known(key: str, keys: list[str]) -> bool:
-    """``key`` is a valid key, a table's name standing where ``NAME`` does."""
-    parts = key.split(".")
-    return any(len(k.split(".")) == len(parts) and all(a in (b, NAME) and (a != NAME or b)
-                                                        for a, b in zip(k.split("."), parts, strict=True))
-               for k in keys)
+    return any(_matches(pattern, key) for pattern in keys)
 
 
 def unknown_key(key: str) -> str:

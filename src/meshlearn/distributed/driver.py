@@ -63,7 +63,6 @@ class DistDriver(PipelineEvaluation):
         self.rank = self.mesh.rank(self.me)
         self.cluster = role_of(cfg, self.me)  # None unless a cluster host's launcher started us
         self.writes_records = self.cluster.writes_records if self.cluster else self.rank == 0
-        self.writes_run_files = self.cluster.writes_run_files if self.cluster else self.writes_records
         self.shard = str(self.me)
         self.health = health
         self.device = device
@@ -137,6 +136,12 @@ class DistDriver(PipelineEvaluation):
         self.stats = 2 * cfg.mesh.microbatches  # where the stats start in a row
         self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
         self.anchor = None  # an AnchorClient (distributed/anchor.py) with anchor.z > 0
+
+    @property
+    def writes_run_files(self) -> bool:
+        """config.toml and run.json: the records' writer; in a cluster run, each machine's first
+        worker, in its own folder."""
+        return self.cluster.writes_run_files if self.cluster else self.writes_records
 
     # --- one step ----------------------------------------------------------------------------
 
