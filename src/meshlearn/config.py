@@ -20,6 +20,7 @@ from typing import Any
 import tomli_w
 
 from meshlearn.anchor.settings import AnchorConfig, validate_anchor
+from meshlearn.cluster.settings import ClusterConfig, validate_cluster
 from meshlearn.compress.registry import CodecConfig, validate_codec
 from meshlearn.curvature.settings import CurvatureConfig, validate_curvature
 from meshlearn.distributed.settings import DistConfig, validate_dist
@@ -111,13 +112,26 @@ class RunConfig:
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 # --- building the tree -----------------------------------------------------------------------
 
 
+# In a key, the segment that stands for a table's own name (``cluster.hosts.NAME.address``).
+NAME = "NAME"
+
+
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def table_of(tp: Any) -> type | None:
+    """The dataclass of a field typed ``dict[str, SomeConfig]`` (TOML tables by name), else None."""
+    if typing.get_origin(tp) is dict:
+        value = typing.get_args(tp)[1]
+        return value if dataclasses.is_dataclass(value) else None
+    return None
 
 
 def _valid_keys(cls: type, prefix: str = "") -> list[str]:
@@ -125,6 +139,8 @@ def _valid_keys(cls: type, prefix: str = "") -> list[str]:
     for name, tp in _field_types(cls).items():
         if dataclasses.is_dataclass(tp):
             keys += _valid_keys(tp, f"{prefix}{name}.")
+        elif table_of(tp):
+            keys += _valid_keys(table_of(tp), f"{prefix}{name}.{NAME}.")
         else:
             keys.append(f"{prefix}{name}")
     return keys
@@ -132,6 +148,16 @@ def _valid_keys(cls: type, prefix: str = "") -> list[str]:
 
 def valid_keys() -> list[str]:
     return _valid_keys(RunConfig)
+
+
+def _matches(pattern: str, key: str) -> bool:
+    """``key`` is the valid key ``pattern``, any table name standing where ``NAME`` does."""
+    want, got = pattern.split("."), key.split(".")
+    return len(want) == len(got) and all(w == g or (w == NAME and g) for w, g in zip(want, got, strict=True))
+
+
+def _is_known(key: str, keys: list[str]) -> bool:
+    return any(_matches(pattern, key) for pattern in keys)
 
 
 def unknown_key(key: str) -> str:
@@ -151,6 +177,11 @@ def unknown_key(key: str) -> str:
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Parse ``value`` (a TOML value or a ``--set`` string) into the field type ``tp``."""
+    if tp == tuple[str, ...]:  # a TOML list of strings, or a comma-separated ``--set`` string
+        items = [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
+        if not isinstance(items, list | tuple) or not all(isinstance(x, str) for x in items):
+            raise ConfigError(key, value, "expected a list of strings")
+        return tuple(items)
     if isinstance(value, str) and tp is not str:
         text = value.strip()
         if tp is bool:
@@ -189,6 +220,10 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
             if not isinstance(value, dict):
                 raise ConfigError(key, value, "expected a table of settings")
             kwargs[name] = _build(tp, value, f"{key}.")
+        elif table_of(tp):
+            if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+                raise ConfigError(key, value, f"expected tables [{key}.{NAME}]")
+            kwargs[name] = {table: _build(table_of(tp), v, f"{key}.{table}.") for table, v in value.items()}
         else:
             kwargs[name] = _coerce(key, value, tp)
     return cls(**kwargs)
@@ -203,10 +238,10 @@ def parse_override(text: str) -> tuple[str, str]:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Later ``--set`` values win. Keys are checked against the dataclass tree."""
-    known = set(valid_keys())
+    known = valid_keys()
     for text in overrides:
         key, value = parse_override(text)
-        if key not in known:
+        if not _is_known(key, known):
             raise ConfigError(key, value, unknown_key(key))
         node = data
         *sections, leaf = key.split(".")
@@ -391,3 +426,4 @@ def validate(cfg: RunConfig) -> None:
     validate_curvature(cfg, _require)
     validate_anchor(cfg, _require)
     validate_report(cfg, _require)
+    validate_cluster(cfg, _require)

@@ -11,16 +11,14 @@ the test's own namespaces; the namespaces and the relay are removed in the final
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from dist_helpers import records
+from netns import missing, wan_link
 from tiny import tiny_config
 
 from meshlearn.config import save_config
@@ -28,61 +26,14 @@ from meshlearn.train import Trainer
 
 DELAY_MS = 20
 RATE = "100mbit"
-RELAY = Path(__file__).with_name("tun_relay.py")
 
-
-def _missing() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` (iproute2) is not installed"
-    if not os.path.exists("/dev/net/tun"):
-        return "/dev/net/tun is missing"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
-
-
-@dataclass
-class Wan:
-    namespaces: tuple[str, str]
-    devices: tuple[str, str]
-    addresses: tuple[str, str]
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
 
 
 @pytest.fixture
 def wan():
-    """nsA —tunA(tbf)— relay (delay) —tunB(tbf)— nsB, named after this process to stay unique."""
-    tag = f"ml{os.getpid() % 100000}"
-    spaces, devices = (f"{tag}a", f"{tag}b"), (f"{tag}ta", f"{tag}tb")
-    addresses = ("10.231.7.1", "10.231.7.2")
-    relay = None
-    try:
-        for ns in spaces:
-            _ip("netns", "add", ns)
-        relay = subprocess.Popen([sys.executable, str(RELAY), *devices, str(DELAY_MS)],
-                                 stdout=subprocess.PIPE, text=True)
-        assert relay.stdout.readline().strip() == "ready"
-        for ns, dev, addr, peer in zip(spaces, devices, addresses, addresses[::-1], strict=True):
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "addr", "add", addr, "peer", peer, "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "mtu", "9000", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                            "rate", RATE, "burst", "256kb", "latency", "50ms"], check=True, timeout=10)
-        yield Wan(spaces, devices, addresses)
-    finally:
-        if relay is not None:
-            relay.kill()  # its TUN devices vanish with it
-            relay.wait(timeout=10)
-        for ns in spaces:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+    with wan_link(DELAY_MS, RATE) as link:
+        yield link
 
 
 @pytest.mark.parametrize("links", ["auto", "tcp"])  # tcp: each listens on its namespace's own address

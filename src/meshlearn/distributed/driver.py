@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+from meshlearn.cluster.role import role_of
 from meshlearn.distributed.evaluation import PipelineEvaluation
-from meshlearn.distributed.health import Health, WorkerFailure
+from meshlearn.distributed.health import Health, WorkerFailure, store_client
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
 from meshlearn.distributed.transport import Transport
@@ -58,7 +60,8 @@ class DistDriver(PipelineEvaluation):
         self.worker = worker
         self.workers = {self.me: worker}
         self.rank = self.mesh.rank(self.me)
-        self.writes_records = self.rank == 0
+        self.cluster = role_of(cfg, self.me)  # None unless a cluster host's launcher started us
+        self.writes_records = self.cluster.writes_records if self.cluster else self.rank == 0
         self.shard = str(self.me)
         self.health = health
         self.device = device
@@ -89,6 +92,11 @@ class DistDriver(PipelineEvaluation):
             cfg.dist, cfg.link, message_bytes=micro * cfg.model.seq_len * cfg.model.d_model * 4,
             messages_per_step=2 * cfg.mesh.microbatches, grad_bytes=4 * worker.n_params,
             replicas=replicas)
+        # A cluster run's checkpoints: each host's own shards, complete by agreement (cluster/).
+        self.checkpoint_store = None if self.cluster is None else lambda run_dir: self.cluster.checkpoints(
+            run_dir, store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  cfg.dist.init_timeout_s),
+            health, self.deadlines.collective_s, cfg.dist.init_timeout_s, cfg.dist.keep_checkpoints)
         self.max_message_bytes = message_bound(cfg, worker.n_params)  # its stage's peers: the same size
         self.transport = Transport(self.me, self.mesh, link_groups, pacers, device, health,
                                    self.deadlines.message_s, self.max_message_bytes, relay=relay)
@@ -127,6 +135,12 @@ class DistDriver(PipelineEvaluation):
         self.stats = 2 * cfg.mesh.microbatches  # where the stats start in a row
         self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
         self.anchor = None  # an AnchorClient (distributed/anchor.py) with anchor.z > 0
+
+    @property
+    def writes_run_files(self) -> bool:
+        """config.toml and run.json: the records' writer; in a cluster run, each machine's first
+        worker, in its own folder."""
+        return self.cluster.writes_run_files if self.cluster else self.writes_records
 
     # --- one step ----------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from meshlearn.distributed.health import store_client
 from meshlearn.distributed.settings import links_of
-from meshlearn.distributed.streams import Hop, Link, connect_streams, local_address
+from meshlearn.distributed.streams import Hop, Link, connect_streams, listen_address
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
 
@@ -98,7 +98,7 @@ def build_groups(cfg, mesh: MeshShape, rank: int, dp_groups: bool = True) -> Gro
     if links_of(cfg) == "tcp":
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         ends = connect_streams(store_client(host, port, cfg.dist.init_timeout_s), rank,
-                               local_address(host, port), hops, cfg.dist.init_timeout_s)
+                               listen_address(host, port), hops, cfg.dist.init_timeout_s)
     else:  # one group per hop, created by every rank
         ends = {i: dist.new_group([a, b]) for i, (_, a, b) in enumerate(hops)}
     groups.links = ends_of(links, ends, rank)

@@ -11,8 +11,9 @@ with a negative length says nothing about where its frame ends: only the prefix 
 follows is the same peer's next frame, and a peer can only garble its own link).
 
 Connections (``connect_streams``): every process that receives on a link listens on one port,
-bound to the address this host uses to reach the rendezvous store (``local_address``; on one
-machine that is the store's own, 127.0.0.1 under the launcher) — never every interface — and
+bound to its host's address in a cluster placement, else to the address this host uses to reach
+the rendezvous store (``listen_address``; on one machine that is the store's own, 127.0.0.1 under
+the launcher) — never every interface — and
 publishes it on the store (``links/<rank>``). A sender connects and says which logical link the
 connection carries (a hello: ``HELLO_MAGIC``, a 2-byte length, ``"r0s0->r0s1"``); the listener
 accepts each link it expects once, acknowledges it with one byte, and closes any other
@@ -26,6 +27,7 @@ Hellos are read one connection at a time, each within the set-up deadline.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import struct
 import threading
@@ -105,6 +107,15 @@ class Stream:
 
     def _closed(self) -> str:
         return f"the peer closed the link {link_name(self.link)}"
+
+
+BIND_ADDRESS_ENV = "MESHLEARN_BIND_ADDRESS"  # set by a cluster host's launcher: its placement's address
+
+
+def listen_address(store_host: str, store_port: int) -> str:
+    """Where this process's link listeners bind: its host's address in a cluster placement, else
+    the interface toward the rendezvous store."""
+    return os.environ.get(BIND_ADDRESS_ENV) or local_address(store_host, store_port)
 
 
 def local_address(store_host: str, store_port: int) -> str:
@@ -216,7 +227,7 @@ def dial(address: str, link: Link, deadline: float) -> Stream:
 def connect_streams(store, rank: int, address: str, hops: list[Hop], timeout_s: float) -> dict[int, Stream]:
     """This process's end of each of ``hops`` it is on, by the hop's index: listen for those it
     receives (published on ``store`` as ``links/<rank>``), dial those it sends. ``address``: the
-    one to bind (``local_address``); ``timeout_s``: the whole set-up's deadline (dist.init_timeout_s).
+    one to bind (``listen_address``); ``timeout_s``: the whole set-up's deadline (dist.init_timeout_s).
     Every process listens before it dials, so no two wait on each other."""
     deadline = time.monotonic() + timeout_s
     receiving = {i: link for i, (link, _, b) in enumerate(hops) if b == rank}

@@ -22,6 +22,7 @@ class UsageError(Exception):
 
 
 def _train(args: argparse.Namespace) -> int:
+    from meshlearn.cluster.placement import host_of_command
     from meshlearn.train.provenance import check_resumable
     from meshlearn.train.rundir import RunLock, default_out, start_fresh
     from meshlearn.train.signals import GracefulStop
@@ -41,18 +42,20 @@ def _train(args: argparse.Namespace) -> int:
         cfg = load_config(config, args.set)
         changed = check_resumable(to_dict(load_config(config)), to_dict(cfg))
         check_run(cfg)
+        placement = host_of_command(cfg, args.host)
         created = False
     else:
         cfg = load_config(args.config, args.set)
         check_corpus(cfg)
         check_run(cfg)
+        placement = host_of_command(cfg, args.host)
         run_dir = Path(args.out) if args.out else default_out(cfg.name, args.config)
         created = not args.out or not run_dir.exists()
     with RunLock(run_dir):
         if not args.resume:
             start_fresh(run_dir, args.overwrite)
         if cfg.backend == "dist":
-            return _launch_dist(args, cfg, run_dir, changed)
+            return _launch_dist(args, cfg, run_dir, changed, placement)
         with GracefulStop() as stop:
             trainer = _setup(cfg, run_dir, args.resume, created, stop)
             if args.resume:
@@ -98,17 +101,25 @@ def _resuming(run_dir: Path, step: int, last: int, changed: dict) -> str:
     return what
 
 
-def _launch_dist(args: argparse.Namespace, cfg, run_dir: Path, changed: dict) -> int:
+def _launch_dist(args: argparse.Namespace, cfg, run_dir: Path, changed: dict, placement) -> int:
+    from meshlearn.cluster.checkpoints import agreed_steps
     from meshlearn.entry.launch import launch_local
     from meshlearn.train.checkpoint import latest_complete
 
     if args.resume:
         folder = latest_complete(run_dir)
         step = int(folder.name.removeprefix("step-")) if folder else 0
+        if placement is not None:  # the newest this folder agreed on (the coordinator picks the one)
+            step = (agreed_steps(run_dir) or [0])[-1]
         print(_resuming(run_dir, step, cfg.train.steps, changed), flush=True)
     where = ["--resume", str(run_dir)] if args.resume else [
         *(["--config", args.config] if args.config else []), "--out", str(run_dir)]
-    return launch_local([*where, *(x for o in args.set for x in ("--set", o))], cfg, run_dir)
+    worker_argv = [*where, *(x for o in args.set for x in ("--set", o))]
+    if placement is not None:
+        from meshlearn.entry.cluster_launch import launch_host
+
+        return launch_host(worker_argv, cfg, run_dir, placement)
+    return launch_local(worker_argv, cfg, run_dir)
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -324,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--backend", choices=["sim", "dist"],
                        help="sim: one process, virtual clock; dist: one local process per worker "
                             "(short for --set backend=...; see docs/distributed.md)")
+    train.add_argument("--host", metavar="NAME",
+                       help="with --backend dist and a [cluster] config: run this machine's part, "
+                            "as host NAME of [cluster.hosts] (docs/cluster.md)")
     train.set_defaults(func=_train)
 
     worker = sub.add_parser("worker", help="one worker process of a dist run: what torchrun starts "

@@ -51,7 +51,7 @@ from meshlearn.train.checkpoint import latest_complete
 from meshlearn.train.files import atomic_write_json
 
 
-def _child(argv: list[str], env: dict[str, str], log_path: str) -> None:
+def run_child(argv: list[str], env: dict[str, str], log_path: str) -> None:
     """Runs in the forked worker: torchrun's environment, output to the log, then the entry point."""
     os.environ.update(env)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -108,7 +108,7 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
         log = logs / f"{name}.log"
         with log.open("a") as f:
             f.write(f"--- meshlearn worker {name} (rank {rank}) {' '.join(worker_argv)}\n")
-        proc = ctx.Process(target=_child, args=(worker_argv, env, str(log)), name=name)
+        proc = ctx.Process(target=run_child, args=(worker_argv, env, str(log)), name=name)
         proc.start()
         procs.append(proc)
     membership = {p.name: {"rank": rank, "pid": p.pid, "events": [{"event": "joined", "step": 0}]}
@@ -129,7 +129,7 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
                                  logs / f"{writer}.log", out,
                                  grace_s=timeouts.quorum_s + timeouts.heartbeat_s + 10.0, absent=absent,
                                  verifier=next((p for p in procs if p.name == "verifier"), None))
-        codes = _watch(procs, cfg, logs / f"{mesh.worker(0)}.log", out)
+        codes = watch_children(procs, cfg, logs / f"{mesh.worker(0)}.log", out)
     except BaseException as err:  # a second Ctrl-C, or a caller's timeout: never leave workers behind
         stop(procs, signal.SIGTERM, wait_s=5.0)
         stop(procs, signal.SIGKILL, wait_s=5.0)
@@ -150,11 +150,11 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
               f"({latest_complete(run_dir)}); continue with: meshlearn train --resume {run_dir}",
               file=sys.stderr)
         return 128 + signum
-    print(_failure_report(codes, _abort_message(store), run_dir), file=sys.stderr)
+    print(failure_report(codes, abort_message(store), run_dir), file=sys.stderr)
     return 1
 
 
-def _watch(procs: list, cfg: RunConfig, echo_log: Path, out: TextIO) -> dict[str, int | str]:
+def watch_children(procs: list, cfg: RunConfig, echo_log: Path, out: TextIO) -> dict[str, int | str]:
     """Wait for every worker; after a first failure, allow the others the time the failure
     detection needs, then kill the rest. Rank 0's log is echoed as it grows."""
     deadlines = derive_deadlines(cfg.dist, cfg.link, 0, 0, 0, 1)
@@ -178,7 +178,7 @@ def _watch(procs: list, cfg: RunConfig, echo_log: Path, out: TextIO) -> dict[str
     return {p.name: ("killed by the launcher" if p.name in killed else p.exitcode) for p in procs}
 
 
-def _abort_message(store: dist.Store) -> str | None:
+def abort_message(store: dist.Store) -> str | None:
     try:
         prefixed = dist.PrefixStore("meshlearn/0/", store)
         if not prefixed.check([ABORT_KEY]):
@@ -188,7 +188,7 @@ def _abort_message(store: dist.Store) -> str | None:
         return None
 
 
-def _failure_report(codes: dict[str, int | str], abort: str | None, run_dir: Path) -> str:
+def failure_report(codes: dict[str, int | str], abort: str | None, run_dir: Path) -> str:
     lines = [f"meshlearn: error: {abort or 'a worker failed without publishing an error'}"]
     statuses = {}
     for name, code in codes.items():

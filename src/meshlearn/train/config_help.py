@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshlearn.config import RunConfig
+from meshlearn.config import NAME, RunConfig, table_of
 from meshlearn.errors import ConfigError
 
 DOCS_PAGE = Path("docs") / "config.md"
@@ -67,6 +67,8 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def _type_name(tp: Any) -> str:
+    if tp == tuple[str, ...]:
+        return "list[str]"
     return {int: "int", float: "float", str: "str", bool: "bool"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
@@ -79,6 +81,8 @@ def describe_keys(cls: type = RunConfig, prefix: str = "") -> list[KeyDoc]:
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
             out += describe_keys(tp, f"{prefix}{f.name}.")
+        elif table_of(tp):  # one table per name: its keys once, NAME standing for the name
+            out += describe_keys(table_of(tp), f"{prefix}{f.name}.{NAME}.")
         else:
             out.append(KeyDoc(f"{prefix}{f.name}", _type_name(tp), _default(f), docs.get(f.name, "")))
     return out
@@ -96,6 +100,8 @@ def _show(value: Any) -> str:
         return "inf"
     if isinstance(value, str):
         return f'"{value}"'
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
     return str(value)
 
 

@@ -77,6 +77,8 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any
 
 
 def _resumable(key: str, old: Any, new: Any) -> bool:
+    if key.startswith("cluster.hosts.") and key.endswith(".workers"):
+        return False  # each machine resumes the shards of its own workers, from its own folder
     if key == "mesh.schedule":  # flush schedules swap freely at a drain point; async plans differ
         return "async" not in (old, new)
     return not any(key == p or (p.endswith(".") and key.startswith(p)) for p in NOT_RESUMABLE)

@@ -65,7 +65,11 @@ class Trainer:
         self.driver = driver(self.cfg) if driver else build_sim_driver(self.cfg, build_workers(self.cfg))
         self.workers = self.driver.workers  # the workers of this process
         self.writer = self.driver.writes_records  # writes config, records, summary, manifests
+        # config.toml and run.json: the writer, or in a cluster run one process per machine's folder
+        self.writes_files = getattr(self.driver, "writes_run_files", self.writer)
+        own_store = getattr(self.driver, "checkpoint_store", None)  # a cluster run's (cluster/)
         self.checkpoints = (SingleFileCheckpoint(self.run_dir) if self.driver.shard is None else
+                            own_store(self.run_dir) if own_store else
                             ShardedCheckpoint(self.run_dir, self.driver.shard,
                                               [str(w) for w in self.mesh.workers()], self.driver.barrier,
                                               self.writer, self.cfg.dist.keep_checkpoints,
@@ -97,10 +101,11 @@ class Trainer:
         # A driver whose records' writer changes with membership (elastic) takes every record and
         # writes those it claims; the others' records go to ``metrics``.
         self.sink = getattr(self.driver, "records", None)
-        if self.writer:
+        if self.writes_files:
             # run.json first: it records the keys changed since the previous start's config.toml
             record_start(self.run_dir, to_dict(self.cfg), self.totals.step if resume else None)
             save_config(self.cfg, self.run_dir / "config.toml")
+        if self.writer:
             self.metrics = MetricsLog(self.run_dir / "metrics.jsonl",
                                       keep_until_step=self.totals.step if resume else None)
         if self.sink is not None:

@@ -1,0 +1,157 @@
+"""``meshlearn train --backend dist --host NAME``: start this machine's part of a cluster run.
+
+Every machine runs the same command with its own ``--host``. The launcher starts only the
+processes the placement gives this host, with the ranks the placement gives them (independent of
+which machine starts first), and hands each torchrun's environment plus its host's address:
+
+- the rendezvous is the coordinator's ``address:port``; the coordinator's launcher hosts it, on
+  that address only (never every interface), and the others connect to it;
+- gloo binds to the interface that carries the host's address (``GLOO_SOCKET_IFNAME``) and the
+  link listeners to the address itself (``streams.BIND_ADDRESS_ENV``): nothing is guessed from
+  the hostname or the route.
+
+Before any worker starts, the coordinator's decisions reach every host (``cluster/shared.py``).
+The coordinator's launcher keeps the rendezvous up until every host's workers are done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import TextIO
+
+import torch.distributed as dist
+
+from meshlearn.cluster.checkpoints import agreed_steps
+from meshlearn.cluster.placement import Placement
+from meshlearn.cluster.role import HOST_ENV
+from meshlearn.cluster.shared import KEYS, share_run
+from meshlearn.config import RunConfig
+from meshlearn.distributed.procs import forward_signals, stop
+from meshlearn.distributed.settings import derive_deadlines
+from meshlearn.distributed.streams import BIND_ADDRESS_ENV
+from meshlearn.elastic.binding import BoundStore
+from meshlearn.elastic.membership import WORKERS_FILE
+from meshlearn.entry.launch import (  # one machine's launcher: the same children and watch
+    abort_message,
+    failure_report,
+    run_child,
+    watch_children,
+)
+from meshlearn.entry.worker import refuse_resume
+from meshlearn.errors import ConfigError
+from meshlearn.train.files import atomic_write_json
+
+
+def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement: Placement,
+                out: TextIO | None = None) -> int:
+    """Run this host's processes of the cluster run; return the exit code (as ``launch_local``)."""
+    out = out or sys.stdout
+    resume = "--resume" in worker_argv
+    if resume:
+        refuse_resume(cfg, run_dir)
+    run_dir = Path(run_dir)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    if placement.is_coordinator:  # the run's rendezvous, on this host's address and port only
+        try:
+            bound = BoundStore(placement.address, cfg.dist.init_timeout_s, world_size=placement.world,
+                               port=placement.store_port)
+        except OSError as err:
+            raise ConfigError(f"cluster.hosts.{placement.host}.port", placement.store_port,
+                              f"cannot listen on {placement.address}:{placement.store_port} "
+                              f"({err.strerror}): choose a free port") from None
+        store = bound.store
+        share_run(cfg, run_dir, placement, store, resume)
+    else:
+        store = _join_coordinator(cfg, run_dir, placement, resume)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["meshlearn.entry.worker", "torch._dynamo"])
+    local = len(placement.processes)
+    procs = []
+    for local_rank, (name, rank) in enumerate(placement.processes.items()):
+        env = {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(placement.world),
+               "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": "0",
+               "MASTER_ADDR": placement.store_address, "MASTER_PORT": str(placement.store_port),
+               "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+               "MESHLEARN_STORE_OWNER": f"the coordinator {placement.coordinator}'s rendezvous at "
+                                        f"{placement.store_address}:{placement.store_port}",
+               "GLOO_SOCKET_IFNAME": placement.interface, BIND_ADDRESS_ENV: placement.address,
+               HOST_ENV: placement.host}
+        log = logs / f"{name}.log"
+        with log.open("a") as f:
+            f.write(f"--- meshlearn worker {name} (rank {rank}) on host {placement.host} "
+                    f"{' '.join(worker_argv)}\n")
+        proc = ctx.Process(target=run_child, args=(worker_argv, env, str(log)), name=name)
+        proc.start()
+        procs.append(proc)
+    if placement.is_coordinator:
+        pids = {p.name: p.pid for p in procs}
+        atomic_write_json(run_dir / WORKERS_FILE, {
+            name: {"rank": rank, "host": placement.hosts_of[name], "pid": pids.get(name),
+                   "events": [{"event": "joined", "step": 0}]}
+            for name, rank in placement.ranks.items()})
+    echo = placement.writer if placement.is_coordinator else next(iter(placement.processes))
+    stopping = forward_signals(procs)
+    try:
+        codes = watch_children(procs, cfg, logs / f"{echo}.log", out)
+    except BaseException as err:  # a second Ctrl-C, or a caller's timeout: never leave workers behind
+        stop(procs, signal.SIGTERM, wait_s=5.0)
+        stop(procs, signal.SIGKILL, wait_s=5.0)
+        if isinstance(err, KeyboardInterrupt):
+            print(f"meshlearn: stopped at once; workers killed — continue from the last complete "
+                  f"checkpoint with: meshlearn train --resume {run_dir} --host {placement.host}",
+                  file=sys.stderr)
+            return 128 + (stopping.get("signum") or signal.SIGINT)
+        raise
+    finally:
+        stopping["restore"]()
+    _finish(store, cfg, placement)
+    if all(code == 0 for code in codes.values()):
+        return 0
+    signum = stopping.get("signum")
+    if signum and all(code == 128 + signum for code in codes.values()):
+        print(f"meshlearn: stopped by {signal.Signals(signum).name} with a checkpoint; continue with: "
+              f"meshlearn train --resume {run_dir} --host {placement.host}", file=sys.stderr)
+        return 128 + signum
+    report = failure_report(codes, abort_message(store), run_dir).splitlines()[:3]  # error, workers, logs
+    agreed = agreed_steps(run_dir)
+    report.append(f"  last agreed checkpoint: step {agreed[-1]} — continue on every machine with: meshlearn "
+                  f"train --resume {run_dir} --host NAME" if agreed else
+                  "  no agreed checkpoint yet: start the run again")
+    print("\n".join(report), file=sys.stderr)
+    return 1
+
+
+def _join_coordinator(cfg: RunConfig, run_dir: Path, placement: Placement, resume: bool) -> dist.Store:
+    """The coordinator's rendezvous, and what it decided (waits dist.init_timeout_s for both)."""
+    try:
+        store = dist.TCPStore(placement.store_address, placement.store_port, is_master=False,
+                              timeout=timedelta(seconds=cfg.dist.init_timeout_s))
+        share_run(cfg, run_dir, placement, store, resume)
+    except dist.DistError as err:
+        raise ConfigError("cluster.coordinator", placement.coordinator,
+                          f"its rendezvous at {placement.store_address}:{placement.store_port} did not "
+                          f"answer within dist.init_timeout_s = {cfg.dist.init_timeout_s:g} s "
+                          f"({type(err).__name__}): start `meshlearn train --host {placement.coordinator}` "
+                          "there") from None
+    return store
+
+
+def _finish(store, cfg: RunConfig, placement: Placement) -> None:
+    """Say this host is done; the coordinator's launcher waits for every host (their workers' last
+    words go through its rendezvous), as long as a failure takes to be noticed."""
+    with contextlib.suppress(Exception):  # the coordinator may be gone already
+        store.set(f"{KEYS}/done/{placement.host}", "1")
+    if not placement.is_coordinator:
+        return
+    hosts = sorted(set(placement.hosts_of.values()))
+    deadlines = derive_deadlines(cfg.dist, cfg.link, 0, 0, 0, 1)
+    end = time.monotonic() + deadlines.dead_after_s + 3 * cfg.dist.heartbeat_s + 10.0
+    while time.monotonic() < end and not store.check([f"{KEYS}/done/{h}" for h in hosts]):
+        time.sleep(0.1)

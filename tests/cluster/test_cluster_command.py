@@ -1,0 +1,77 @@
+"""What `meshlearn train --host` accepts, and the coordinator's rendezvous on its one address:port."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from test_cluster_config import PLACEMENT, _load
+
+from meshlearn.cluster.placement import host_of_command
+from meshlearn.config import ConfigError, load_config
+from meshlearn.elastic.binding import BoundStore
+from meshlearn.entry.cli import main
+
+
+def test_host_needs_dist_and_a_cluster_run_needs_host(tmp_path):
+    cfg = _load(tmp_path)
+    assert host_of_command(cfg, None) is None  # the simulator ignores the placement
+    with pytest.raises(ConfigError, match="--host = 'alice': needs --backend dist"):
+        host_of_command(cfg, "alice")
+    dist_cfg = _load(tmp_path, PLACEMENT, "backend=dist")
+    with pytest.raises(ConfigError, match=r"--host = None: a \[cluster\] run starts on each machine with "
+                                          r"--host NAME, one of \['alice', 'bob'\]"):
+        host_of_command(dist_cfg, None)
+    assert host_of_command(dist_cfg, "alice").processes == {"r0s0": 0, "r1s1": 3}
+    with pytest.raises(ConfigError, match="--host = 'alice': needs a"):
+        host_of_command(load_config(None, ["backend=dist"]), "alice")
+
+
+def test_the_cli_refuses_a_foreign_host_before_making_a_run_folder(tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text(PLACEMENT.replace('"127.0.0.2"', '"192.0.2.7"'))
+    out = tmp_path / "run"
+    assert main(["train", "--backend", "dist", "--config", str(config), "--host", "bob",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "cluster.hosts.bob.address = '192.0.2.7': is not an address of this machine" in err
+    assert not out.exists()
+
+
+def test_the_rendezvous_listens_on_the_configured_address_and_port_only():
+    with socket.socket() as probe:  # a port free right now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    bound = BoundStore("127.0.0.1", 5.0, port=port)
+    assert bound.address == f"127.0.0.1:{port}"
+    assert bound._sock.getsockname() == ("127.0.0.1", port)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_host_whose_coordinator_never_answers_stops_in_one_line(tmp_path, capsys, tiny_corpus):
+    config = tmp_path / "run.toml"
+    port = _free_port()  # nobody listens there: the coordinator was never started
+    config.write_text(PLACEMENT.replace('"127.0.0.2"', '"127.0.0.1"').replace("29500", str(port)))
+    assert main(["train", "--backend", "dist", "--config", str(config), "--host", "bob", "--out",
+                 str(tmp_path / "run"), "--set", f"data.corpus={tiny_corpus}", "--set",
+                 "dist.init_timeout_s=0.5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"meshlearn: error: cluster.coordinator = 'alice': its rendezvous at "
+                          f"127.0.0.1:{port} did not answer within dist.init_timeout_s = 0.5 s")
+
+
+def test_a_coordinator_whose_port_is_taken_stops_in_one_line(tmp_path, capsys, tiny_corpus):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "run.toml"
+        config.write_text(PLACEMENT.replace("29500", str(port)))
+        assert main(["train", "--backend", "dist", "--config", str(config), "--host", "alice", "--out",
+                     str(tmp_path / "run"), "--set", f"data.corpus={tiny_corpus}"]) == 2
+    assert f"cluster.hosts.alice.port = {port}: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
