@@ -121,7 +121,7 @@ def create_run(folder: Path, hosts: list[str], run_name: str) -> list[str]:
         check_name(host, "cluster.hosts")
     if not hosts or len(set(hosts)) != len(hosts):
         raise KeysError("cluster.hosts", hosts, "one or more hosts, each named once")
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # it will hold the CA's key
     with _locked(folder):
         if (folder / "ca.key").exists():
             raise KeysError("--out", str(folder), "already holds a run's CA (ca.key); issue more with "

@@ -40,6 +40,7 @@ HANDSHAKE_TIMEOUT_S = 10.0
 """Seconds a connection may take from arrival to an authenticated peer (handshake and, for a
 link, its hello). A legitimate handshake takes two round trips and two signatures: raise it only
 if honest peers are counted under ``handshake_timeout`` (an RTT of seconds)."""
+ADMITTED = b"\x01"  # the server's first byte: it has checked our certificate (TLS 1.3 says nothing)
 MAX_HALF_OPEN = 32
 """Connections a listener authenticates at once; beyond it the oldest is closed
 (``half_open_evicted``). Raise it if many honest peers connect at the same instant and some are
@@ -54,7 +55,7 @@ class Refused(ConnectionError):
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
-        self.reason = reason
+        self.reason, self.detail = reason, detail
 
 
 class RunTls:
@@ -84,8 +85,9 @@ class RunTls:
 
     def connect(self, sock: socket.socket, expect: str, deadline: float) -> tuple[ssl.SSLSocket, Identity]:
         """The client end: as ``accept``, and the peer must be ``expect``. In TLS 1.3 the server
-        checks our certificate after our side has finished, so a server that refuses us shows
-        at our first read (``refusal_of`` names why)."""
+        checks our certificate after our side has finished, so the server's first byte
+        (``ADMITTED``) says it did; its alert instead becomes Refused(``refused_by_peer``) naming
+        why (bytes we sent first could be lost with the alert when it closes)."""
         tls = self._client.wrap_socket(sock, server_side=False, do_handshake_on_connect=False)
         return self._handshake(tls, expect, deadline)
 
@@ -96,10 +98,24 @@ class RunTls:
             peer = identity_of(x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)))
             if expect is not None and peer.name != expect:
                 raise Refused("identity_refused", f"the peer is {peer}, not {expect}")
+            tls.settimeout(max(deadline - time.monotonic(), 1e-3))
+            if tls.server_side:
+                tls.sendall(ADMITTED)
+            elif tls.recv(1) != ADMITTED:
+                raise Refused("refused_by_peer", f"{peer} closed without admitting us")
+            tls.settimeout(None)
+        except Refused:
+            tls.close()
+            raise
+        except TimeoutError:
+            tls.close()
+            raise Refused("handshake_timeout", "not admitted within the deadline") from None
+        except OSError as err:  # the server's alert (our certificate refused: revoked, say), or a reset
+            tls.close()
+            raise Refused("refused_by_peer", f"{expect or 'the client'} refused us: {_why(err)}") from None
         except BaseException:
             tls.close()
             raise
-        tls.setblocking(True)
         return tls, peer
 
     def _context(self, protocol: int) -> ssl.SSLContext:
@@ -156,8 +172,8 @@ class Acceptor:
     ``authenticate(sock, deadline)`` returns what ``on_ready`` receives, or raises Refused (or an
     OSError: counted as ``handshake_failed``)."""
 
-    def __init__(self, authenticate: Callable[[socket.socket, float], object],
-                 on_ready: Callable[[object], None], counters: Counters,
+    def __init__(self, authenticate: Callable[[socket.socket, float], object], counters: Counters,
+                 on_ready: Callable[[object], None] = lambda ready: None,
                  timeout_s: float = HANDSHAKE_TIMEOUT_S, max_half_open: int = MAX_HALF_OPEN):
         self.authenticate, self.on_ready, self.counters = authenticate, on_ready, counters
         self.timeout_s, self.max_half_open = timeout_s, max_half_open
@@ -196,7 +212,8 @@ class Acceptor:
             handle.close()
         if ready is None or evicted:
             reason = "half_open_evicted" if evicted else getattr(failure, "reason", "handshake_failed")
-            self.counters.add(reason, detail=str(failure or "evicted as it was admitted"))
+            detail = getattr(failure, "detail", str(failure or "evicted when admitted"))
+            self.counters.add(reason, detail=detail)
             sock.close()
             if ready is not None and hasattr(ready, "close"):
                 ready.close()
