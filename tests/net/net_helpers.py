@@ -4,6 +4,7 @@ listener that authenticates links, and a polling wait for counters that other th
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import ssl
 import threading
@@ -118,3 +119,22 @@ def stranger_context(trust: Path, cert: Path | None = None, key: Path | None = N
     if cert is not None:
         ctx.load_cert_chain(str(cert), str(key))
     return ctx
+
+
+def destination_process(socket_path: str, keys_run: str, results) -> None:
+    """A second local process: registers ``r0s1/links`` with the port agent as bob, admits the
+    authenticated link from r0s0 through it, and reports its pid, its peer and the first frame."""
+    from meshlearn.net.port import Inbox
+
+    keys = Keys(Path(keys_run), Path(keys_run))
+    server = LinkServer(keys)
+    inbox = Inbox(Path(socket_path), "r0s1/links")
+    inbox.serve_into(server.acceptor.submit)
+    results.put(("registered", os.getpid()))
+    assert wait_until(lambda: LINK in server.gate.streams, timeout_s=30)
+    stream = server.gate.streams[LINK]
+    stream.set_timeout(30)
+    body = bytes(stream.read_frame(BOUND).numpy())
+    results.put(("received", os.getpid(), str(stream.peer), body, server.counters.as_dict()))
+    stream.close()
+    inbox.close()

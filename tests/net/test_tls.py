@@ -15,8 +15,8 @@ import pytest
 from net_helpers import Keys, TcpFront, closed_by_peer, stranger_context, wait_until
 
 from meshlearn.net.counters import Counters
-from meshlearn.net.keys import Credentials, Identity
-from meshlearn.net.tls import Acceptor, Refused
+from meshlearn.net.keys import Credentials, Identity, add_joiner, create_run, revoke
+from meshlearn.net.tls import Acceptor, Refused, RunTls
 
 
 def test_both_ends_learn_who_the_other_is(keys: Keys) -> None:
@@ -132,3 +132,41 @@ def test_credentials_name_their_files(keys: Keys) -> None:
     assert (creds.key.name, creds.cert.name, creds.ca.name, creds.crl.name) == (
         "carol.key", "carol.crt", "ca.crt", "ca.crl")
     assert keys.tls("carol").identity == Identity("carol", "joiner")
+
+
+def test_a_revocation_takes_effect_at_the_next_handshake_after_reload(tmp_path) -> None:
+    """The owner revokes carol while bob runs: bob's contexts read the new ca.crl on reload."""
+    folder = tmp_path / "keys"
+    create_run(folder, ["bob"], "demo")
+    add_joiner(folder, "carol")
+    bob = RunTls(Credentials.in_folder(folder, "bob"))
+    carol = RunTls(Credentials.in_folder(folder, "carol"))
+
+    def attempt() -> Identity:
+        a, b = socket.socketpair()
+        server: queue.Queue = queue.Queue()
+        thread = threading.Thread(target=lambda: server.put(_outcome(bob.accept, b)))
+        thread.start()
+        client = _outcome(lambda s, d: carol.connect(s, "bob", d), a)
+        thread.join()
+        outcome = server.get()
+        for end in (client, outcome):
+            if isinstance(end, tuple):
+                end[0].close()
+        if isinstance(outcome, Refused):
+            raise outcome
+        return outcome[1]
+
+    assert attempt() == Identity("carol", "joiner")
+    revoke(folder, "carol")
+    assert attempt() == Identity("carol", "joiner")  # bob has not read the new list yet
+    bob.reload()
+    with pytest.raises(Refused, match="certificate_refused: certificate revoked"):
+        attempt()
+
+
+def _outcome(handshake, sock: socket.socket):
+    try:
+        return handshake(sock, time.monotonic() + 10)
+    except Refused as err:
+        return err
