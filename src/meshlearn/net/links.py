@@ -122,7 +122,9 @@ def dial_link(sock: socket.socket, tls: RunTls, link: Link, owners: Mapping[str,
               header_room: int) -> AuthStream:
     """Authenticate a connected ``sock`` (``port.dial``'s) as the sender of ``link``: the peer must
     be the receiver's owner and accept the hello by ``deadline``; else Refused, naming why."""
-    expect = owners[link[1]]
+    expect = owners.get(link[1])
+    if expect is None:
+        raise ValueError(f"link {link_name(link)}: the placement names no identity that runs {link[1]}")
     tls_sock, peer = tls.connect(sock, expect, deadline)
     try:
         tls_sock.settimeout(_left(deadline))

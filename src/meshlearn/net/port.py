@@ -117,7 +117,8 @@ class PortAgent:
         _private_folder(self.socket_path.parent)
         with contextlib.suppress(FileNotFoundError):  # a socket left by an agent that died
             self.socket_path.unlink()
-        self._tcp = socket.create_server((address, port), backlog=max_pending)
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self._tcp = socket.create_server((address, port), family=family, backlog=max_pending)
         self.address, self.port = self._tcp.getsockname()[:2]
         self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._unix.bind(str(self.socket_path))
@@ -249,11 +250,11 @@ class PortAgent:
             conn, _ = listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        conn.settimeout(1.0)  # a local process that connects sends its name at once
+        conn.settimeout(1.0)  # a process of this user that connects sends its name at once
         try:
             _, uid, _ = _CREDENTIALS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                             _CREDENTIALS.size))
-            name = conn.recv(PREAMBLE_BYTES).decode("ascii", errors="replace")
+            name = conn.recv(PREAMBLE_BYTES).decode("ascii", errors="replace") if uid == os.getuid() else ""
         except OSError as err:
             self.counters.add("local_refused", f"no registration ({type(err).__name__})")
             conn.close()

@@ -4,7 +4,8 @@ Both ends present a certificate the run's CA issued (``keys.py``), both verify t
 against that CA and its revocation list (OpenSSL checks the list in the handshake: a revoked
 certificate never completes one), and both learn the other's ``Identity`` (name and role). The
 dialer names who it means to reach (``expect``) and refuses anyone else, so a participant with
-valid credentials cannot answer in another's place. No system CA is loaded, no hostname is
+valid credentials cannot answer in another's place. The server's first byte after the handshake
+(``ADMITTED``) tells the dialer its own certificate was accepted. No system CA is loaded, no hostname is
 checked (names are run identities, not DNS names), session tickets are off (every connection
 is a full handshake against the current list), and nothing but TLS 1.3 is spoken.
 
@@ -63,7 +64,7 @@ class RunTls:
     authenticate a connected socket both ways.
 
     >>> tls = RunTls(Credentials.in_folder("keys", "alice"))
-    >>> stream, peer = tls.connect(socket.create_connection(addr), expect="bob", deadline=...)
+    >>> tls_sock, peer = tls.connect(socket.create_connection(addr), expect="bob", deadline=...)
     """
 
     def __init__(self, credentials: Credentials):
@@ -110,6 +111,9 @@ class RunTls:
         except TimeoutError:
             tls.close()
             raise Refused("handshake_timeout", "not admitted within the deadline") from None
+        except ValueError as err:  # a certificate of the run's CA that names no participant
+            tls.close()
+            raise Refused("certificate_refused", str(err)) from None
         except OSError as err:  # the server's alert (our certificate refused: revoked, say), or a reset
             tls.close()
             raise Refused("refused_by_peer", f"{expect or 'the client'} refused us: {_why(err)}") from None
