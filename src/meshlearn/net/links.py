@@ -73,39 +73,40 @@ class LinkGate:
         """The stream ``sock`` carries once its peer is authenticated and its hello allowed, or
         Refused (``sock`` closed)."""
         tls_sock, peer = self.tls.accept(sock, deadline)
-        link = None
         try:
-            name = _read_hello(tls_sock, deadline)
-            with self._ready:
-                link = self.expected.get(name) if name is not None else None
-                why = ("no valid hello" if name is None
-                       else f"a hello for {name!r}, not a link this process receives" if link is None
-                       else f"{peer} claims {link[0]}, which {self.owners.get(link[0])} runs"
-                       if self.owners.get(link[0]) != peer.name
-                       else f"a second hello for {name!r}" if link in self._claimed
-                       else None)
-                if why is not None:
-                    link = None
-                    raise Refused("hello_refused", why)
-                self._claimed.add(link)
+            link = self._claim(_read_hello(tls_sock, deadline), peer)
+        except BaseException as err:
+            tls_sock.close()
+            raise _refusal(err, peer) from None
+        try:
             tls_sock.settimeout(_left(deadline))
             tls_sock.sendall(ACK)
             tls_sock.settimeout(None)
         except BaseException as err:
             tls_sock.close()
-            if link is not None:
-                with self._ready:
-                    self._claimed.discard(link)
-            if isinstance(err, TimeoutError):
-                raise Refused("handshake_timeout", f"{peer}: no hello within the deadline") from None
-            if isinstance(err, OSError) and not isinstance(err, Refused):
-                raise Refused("hello_refused", f"{peer}: no hello ({refusal_of(err)})") from None
-            raise
+            with self._ready:
+                self._claimed.discard(link)
+            raise _refusal(err, peer) from None
         stream = AuthStream(tls_sock, link, peer, self.header_room)
         with self._ready:
             self.streams[link] = stream
             self._ready.notify_all()
         return stream
+
+    def _claim(self, name: str | None, peer: Identity) -> Link:
+        """The link a hello names, reserved for this connection; Refused if the peer may not open it."""
+        with self._ready:
+            link = self.expected.get(name) if name is not None else None
+            why = ("no valid hello" if name is None
+                   else f"a hello for {name!r}, not a link this process receives" if link is None
+                   else f"{peer} claims {link[0]}, which {self.owners.get(link[0])} runs"
+                   if self.owners.get(link[0]) != peer.name
+                   else f"a second hello for {name!r}" if link in self._claimed
+                   else None)
+            if why is not None:
+                raise Refused("hello_refused", why)
+            self._claimed.add(link)
+            return link
 
     def wait_all(self, deadline: float) -> dict[Link, AuthStream]:
         """Every expected link's stream, once all are in; TimeoutError naming the missing ones."""
@@ -130,7 +131,7 @@ def dial_link(sock: socket.socket, tls: RunTls, link: Link, owners: Mapping[str,
         tls_sock.settimeout(_left(deadline))
         tls_sock.sendall(hello(link))
         answer = tls_sock.recv(1)
-    except OSError as err:  # the server's alert (our certificate refused) shows here in TLS 1.3
+    except OSError as err:  # the listener closed on our hello
         tls_sock.close()
         raise Refused("refused_by_peer", f"{expect} refused the link {link_name(link)}: "
                                          f"{refusal_of(err)}") from None
@@ -139,6 +140,15 @@ def dial_link(sock: socket.socket, tls: RunTls, link: Link, owners: Mapping[str,
         raise Refused("refused_by_peer", f"{expect} refused the link {link_name(link)}")
     tls_sock.settimeout(None)
     return AuthStream(tls_sock, link, peer, header_room)
+
+
+def _refusal(err: BaseException, peer: Identity) -> BaseException:
+    """What ``authenticate`` raises for ``err``: a Refused naming its counter."""
+    if isinstance(err, Refused) or not isinstance(err, OSError):
+        return err
+    if isinstance(err, TimeoutError):
+        return Refused("handshake_timeout", f"{peer}: no hello within the deadline")
+    return Refused("hello_refused", f"{peer}: no hello ({refusal_of(err)})")
 
 
 def _read_hello(sock: ssl.SSLSocket, deadline: float) -> str | None:

@@ -53,7 +53,7 @@ it with its first packet; raise it only for an RTT of seconds (counted as ``prea
 MAX_PENDING = 64
 """Connections whose preamble the agent waits for at once; beyond it the oldest is closed
 (``half_open_evicted``)."""
-ACCEPTED, TAKEN = b"\x01", b"\x00"  # the agent's answer to a registration
+ACCEPTED, REFUSED = b"\x01", b"\x00"  # the agent's answer to a registration
 _CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
@@ -145,10 +145,6 @@ class PortAgent:
         with self._lock:
             return sorted(self._destinations)
 
-    def pending(self) -> int:
-        """Connections whose preamble is still awaited (read by the agent's own thread: a hint)."""
-        return len(self._pending)
-
     def serve(self) -> None:
         """Route connections until ``close``."""
         try:
@@ -192,7 +188,9 @@ class PortAgent:
             self._select.register(conn, selectors.EVENT_READ, self._read_preamble)
 
     def _read_preamble(self, conn: socket.socket) -> None:
-        pending = self._pending[conn]
+        pending = self._pending.get(conn)
+        if pending is None:  # evicted by an accept earlier in the same wake-up
+            return
         try:
             got = conn.recv(PREAMBLE_BYTES - len(pending.data))
         except (BlockingIOError, InterruptedError):
@@ -268,7 +266,7 @@ class PortAgent:
         if refused is not None:
             self.counters.add("local_refused", f"{name!r}: {refused}")
             with contextlib.suppress(OSError):
-                conn.sendall(TAKEN)
+                conn.sendall(REFUSED)
             conn.close()
             return
         conn.sendall(ACCEPTED)
