@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import ssl
 import threading
@@ -138,3 +139,29 @@ def destination_process(socket_path: str, keys_run: str, results) -> None:
     results.put(("received", os.getpid(), str(stream.peer), body, server.counters.as_dict()))
     stream.close()
     inbox.close()
+
+
+def trickle(sock: socket.socket, data: bytes, every_s: float = 0.1) -> bool:
+    """Send ``data`` a byte at a time, ``every_s`` apart (a slow-loris peer); True if the other end
+    closed the connection before the last byte, False if it took them all."""
+    for i in range(len(data)):
+        readable, _, _ = select.select([sock], [], [], every_s)
+        if readable:  # the other end closed (a byte from it instead would be no refusal)
+            try:
+                return sock.recv(1) == b""
+            except ConnectionResetError:
+                return True
+        try:
+            sock.sendall(data[i:i + 1])
+        except (BrokenPipeError, ConnectionResetError):
+            return True
+    return False
+
+
+def client_hello(trust: Path) -> bytes:
+    """A real TLS 1.3 ClientHello, as a stranger's first bytes."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = stranger_context(trust).wrap_bio(incoming, outgoing)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()

@@ -27,6 +27,7 @@ from net_helpers import (
     closed_by_peer,
     destination_process,
     frame_tensor,
+    trickle,
     wait_until,
 )
 
@@ -130,6 +131,19 @@ def test_strangers_at_the_port_are_refused_and_counted(keys: Keys, socket_path: 
     stream = _link_through(agent, keys)  # the port keeps serving
     assert stream.peer.name == "bob" and agent.routed == 2
     stream.close()
+    inbox.close()
+    agent.close()
+
+
+def test_a_trickled_preamble_meets_one_deadline(socket_path: Path) -> None:
+    """A byte every 0.1 s: each read comes in time, the 64 bytes do not (6.4 s > 1 s)."""
+    agent = _agent(socket_path, preamble_timeout_s=1.0)
+    inbox = Inbox(socket_path, "r0s1/links")
+    sock = socket.create_connection(("127.0.0.1", agent.port), timeout=10)
+    assert trickle(sock, preamble("r0s1/links"))
+    assert wait_until(lambda: agent.counters.as_dict() == {"preamble_timeout": 1})
+    assert agent.routed == 0
+    sock.close()
     inbox.close()
     agent.close()
 

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from net_helpers import Keys, TcpFront, closed_by_peer, stranger_context, wait_until
+from net_helpers import Keys, TcpFront, client_hello, closed_by_peer, stranger_context, trickle, wait_until
 
 from meshlearn.net.counters import Counters
 from meshlearn.net.keys import Credentials, Identity, add_joiner, create_run, revoke
@@ -171,3 +171,17 @@ def _outcome(handshake, sock: socket.socket):
         return handshake(sock, time.monotonic() + 10)
     except Refused as err:
         return err
+
+
+def test_a_trickled_handshake_meets_one_deadline(keys: Keys) -> None:
+    """A peer sending its ClientHello a byte every 0.1 s: each read would come in time, the whole
+    does not (the hello is hundreds of bytes), and the deadline is the whole's."""
+    server = Server(keys, timeout_s=1.0)
+    hello = client_hello(keys.run / "ca.crt")
+    assert len(hello) > 100
+    sock = server.front.dial()
+    assert trickle(sock, hello)
+    assert wait_until(lambda: server.counters.as_dict() == {"handshake_timeout": 1})
+    sock.close()
+    assert server.honest_client_gets_through(keys)
+    server.front.close()
