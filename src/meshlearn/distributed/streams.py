@@ -5,10 +5,9 @@ process (``gloo::EnforceNotMet``, SIGABRT in gloo's own thread, which nothing ca
 lying worker could end a verified run with one oversized buffer. On a stream the receiver decides
 how much it reads: it reads a frame's 16-byte prefix (``wire.py``: header length, body length),
 and allocates only if the header fits ``HEADER_ROOM`` and the whole frame the link's bound
-(``wire.message_bound``). A frame beyond that is read and thrown away in ``DISCARD_CHUNK`` pieces,
-so the stream stays in step and the link up, and the transport refuses it as ``Forged``. A prefix
-with a negative length says nothing about where its frame ends: only the prefix is consumed (what
-follows is the same peer's next frame, and a peer can only garble its own link).
+(``wire.message_bound``); a frame beyond that is read and thrown away, so the stream stays in step
+and the link up, and the transport refuses it as ``Forged`` (``net/frames.py``, shared with the
+authenticated streams of ``net/links.py``).
 
 Connections (``connect_streams``): every process that receives on a link listens on one port,
 bound to its host's address in a cluster placement, else to the address this host uses to reach
@@ -26,17 +25,16 @@ Hellos are read one connection at a time, each within the set-up deadline.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import struct
 import threading
 import time
 
-import torch
-
-from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES
+from meshlearn.distributed.wire import HEADER_ROOM
 from meshlearn.mesh.topology import WorkerId
+from meshlearn.net.frames import FramedStream, recv_exact
+from meshlearn.net.frames import FrameRefused as FrameRefused  # the transport's name for it
 
 Link = tuple[WorkerId, WorkerId]
 Hop = tuple[Link, int, int]  # a logical link, the rank that sends on this connection, the one that receives
@@ -44,69 +42,19 @@ Hop = tuple[Link, int, int]  # a logical link, the rank that sends on this conne
 HELLO_MAGIC = b"MLNK"
 HELLO_MAX = 256  # bytes a link's name may take in a hello
 ACK = b"\x01"
-DISCARD_CHUNK = 1 << 16  # a refused frame is read and dropped this many bytes at a time
-_PREFIX = struct.Struct("=qq")  # as wire.prefix writes it: two native int64
-
-
-class FrameRefused(Exception):
-    """A frame the receiver did not allocate for; the stream is past it (the link is still up)."""
 
 
 def link_name(link: Link) -> str:
     return f"{link[0]}->{link[1]}"
 
 
-class Stream:
+class Stream(FramedStream):
     """One connected socket carrying one logical link in one direction: the sender writes whole
-    frames, the receiver reads them one by one against its bound."""
+    frames, the receiver reads them one by one against its bound (``net/frames.py``)."""
 
     def __init__(self, sock: socket.socket, link: Link):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock = sock
+        super().__init__(sock, link_name(link), HEADER_ROOM)
         self.link = link
-
-    def set_timeout(self, seconds: float) -> None:
-        """The longest one read or write may block (the transport's backstop)."""
-        self.sock.settimeout(seconds)
-
-    def send(self, buffer: torch.Tensor) -> None:
-        """A packed message (``wire.pack``) as one frame; a CUDA buffer is copied to the host."""
-        self.sock.sendall(memoryview(buffer.cpu().numpy()))
-
-    def read_frame(self, bound: int) -> torch.Tensor:
-        """The next frame as a CPU uint8 buffer, allocated only if its prefix claims at most
-        ``HEADER_ROOM`` header bytes and ``bound`` bytes in all; else FrameRefused, the frame
-        consumed. Raises ConnectionError when the peer closed the stream, OSError on a timeout."""
-        head = _recv_exact(self.sock, PREFIX_BYTES, self._closed())
-        header_len, body_len = _PREFIX.unpack(head)
-        if header_len < 0 or body_len < 0:
-            raise FrameRefused(f"a frame prefix claiming {header_len} + {body_len} bytes")
-        size = PREFIX_BYTES + header_len + body_len
-        if header_len > HEADER_ROOM or size > bound:
-            self._discard(size - PREFIX_BYTES)
-            raise FrameRefused(f"a frame of {size} bytes with a {header_len}-byte header (a message of "
-                               f"this run takes at most {bound}, its header {HEADER_ROOM})")
-        buffer = torch.empty(size, dtype=torch.uint8)
-        view = memoryview(buffer.numpy())
-        view[:PREFIX_BYTES] = head
-        _fill(self.sock, view[PREFIX_BYTES:], self._closed())
-        return buffer
-
-    def close(self) -> None:
-        """Shut the connection (wakes a thread blocked reading it); queued bytes still leave."""
-        with contextlib.suppress(OSError):  # already closed by the peer
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-
-    def _discard(self, n: int) -> None:
-        scratch = memoryview(bytearray(min(n, DISCARD_CHUNK)))
-        while n:
-            chunk = min(n, len(scratch))
-            _fill(self.sock, scratch[:chunk], self._closed())
-            n -= chunk
-
-    def _closed(self) -> str:
-        return f"the peer closed the link {link_name(self.link)}"
 
 
 BIND_ADDRESS_ENV = "MESHLEARN_BIND_ADDRESS"  # set by a cluster host's launcher: its placement's address
@@ -190,27 +138,11 @@ def _left(deadline: float) -> float:
 
 def _read_hello(conn: socket.socket) -> str | None:
     """The link a hello names, or None for bytes that are no hello."""
-    head = _recv_exact(conn, len(HELLO_MAGIC) + 2, "closed before its hello")
+    head = recv_exact(conn, len(HELLO_MAGIC) + 2, "closed before its hello")
     length = struct.unpack("!H", head[len(HELLO_MAGIC):])[0]
     if not head.startswith(HELLO_MAGIC) or length > HELLO_MAX:
         return None
-    return _recv_exact(conn, length, "closed before its hello").decode(errors="replace")
-
-
-def _recv_exact(sock: socket.socket, n: int, closed: str) -> bytes:
-    data = bytearray(n)
-    _fill(sock, memoryview(data), closed)
-    return bytes(data)
-
-
-def _fill(sock: socket.socket, view: memoryview, closed: str) -> None:
-    """Read exactly ``len(view)`` bytes into ``view``; ConnectionError(``closed``) if the peer
-    closes first."""
-    while len(view):
-        got = sock.recv_into(view)
-        if not got:
-            raise ConnectionError(closed)
-        view = view[got:]
+    return recv_exact(conn, length, "closed before its hello").decode(errors="replace")
 
 
 def dial(address: str, link: Link, deadline: float) -> Stream:

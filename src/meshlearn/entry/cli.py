@@ -1,5 +1,5 @@
 """The ``meshlearn`` command: train, resume, config, report, sample, export, compress, plan,
-attack. A thin entry point over the library; every error a user can fix is one line and exit code 2."""
+attack, keys. A thin entry point over the library; every error a user can fix is one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -316,6 +316,45 @@ def _attack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from meshlearn.net.keys import KeysError, add_joiner, create_run, revoke
+
+    given = [flag for flag in ("config", "add", "revoke") if getattr(args, flag)]
+    if len(given) != 1:
+        raise ConfigError("meshlearn keys", " ".join(f"--{flag}" for flag in given) or "(nothing)",
+                          "exactly one of --config RUN.toml, --add NAME, --revoke NAME")
+    out = Path(args.out)
+    try:
+        if args.config:
+            hosts, run_name = _cluster_hosts(Path(args.config))
+            create_run(out, hosts, run_name)
+            print(f"meshlearn keys: a new CA for run {run_name!r} in {out}; credentials for "
+                  f"{', '.join(hosts)}. Give each host its own {out}/<host>.key and .crt, with "
+                  f"{out}/ca.crt and {out}/ca.crl; keep {out}/ca.key with the run's owner.")
+        elif args.add:
+            add_joiner(out, args.add)
+            print(f"meshlearn keys: admitted joiner {args.add!r}: give it {out}/{args.add}.key and .crt, "
+                  f"with {out}/ca.crt and {out}/ca.crl.")
+        else:
+            serials = revoke(out, args.revoke)
+            print(f"meshlearn keys: revoked {args.revoke!r} ({len(serials)} certificate(s)); give the new "
+                  f"{out}/ca.crl to the coordinator (and every host): it takes effect at their next "
+                  f"handshake.")
+    except KeysError as err:
+        raise ConfigError(err.key, err.value, err.allowed) from None
+    return 0
+
+
+def _cluster_hosts(config: Path) -> tuple[list[str], str]:
+    """The host names of a run config's ``[cluster]`` placement (checked as ``train`` checks it), and
+    the run's name (its ``name``, else the file's stem)."""
+    cfg = load_config(config, [])
+    if not cfg.cluster.enabled:
+        raise ConfigError("cluster.hosts", {}, f"{config} places no hosts: add a [cluster.hosts.NAME] "
+                                               f"table for each machine")
+    return list(cfg.cluster.hosts), cfg.name or config.stem
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshlearn", description=meshlearn.__doc__)
     parser.add_argument("--version", action="version", version=f"meshlearn {meshlearn.__version__}")
@@ -452,6 +491,15 @@ def build_parser() -> argparse.ArgumentParser:
     attack.add_argument("--json", action="store_true", help="print the whole result as JSON")
     attack.add_argument("--out", help="output folder (default: RUN/attack)")
     attack.set_defaults(func=_attack)
+
+    keys = sub.add_parser("keys", help="a run's credentials: its own CA and one key per host of "
+                                       "[cluster.hosts]; admit a joiner or revoke one (docs/security.md)")
+    keys.add_argument("--config", help="the run's TOML file: a new CA in --out and a key per host of "
+                                       "its [cluster.hosts]")
+    keys.add_argument("--add", metavar="NAME", help="issue a joiner's credential under the CA in --out")
+    keys.add_argument("--revoke", metavar="NAME", help="revoke NAME's credentials (rewrites --out/ca.crl)")
+    keys.add_argument("--out", required=True, metavar="DIR", help="the folder of the run's credentials")
+    keys.set_defaults(func=_keys)
     return parser
 
 
