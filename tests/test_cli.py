@@ -48,3 +48,19 @@ def test_bad_set_key_exits_with_a_clear_message():
 def test_version():
     result = run_cli("--version")
     assert result.returncode == 0 and result.stdout.startswith("meshlearn ")
+
+
+def test_version_and_help_answer_without_importing_torch():
+    """``--version`` and every ``--help`` import only the argument parser, not the library."""
+    probe = ("import sys, contextlib, io\n"
+             "from meshlearn.entry.cli import main\n"
+             "for argv in (['--version'], ['--help'], ['train', '--help'], ['plan', '--help']):\n"
+             "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+             "        main(argv)\n"
+             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    seen = "import sys, meshlearn.config; print('torch' in sys.modules)"
+    negative = subprocess.run([sys.executable, "-c", seen], capture_output=True, text=True, timeout=120)
+    assert negative.stdout.strip() == "True"  # the probe can see torch when it is imported
