@@ -60,6 +60,7 @@ def _train(args: argparse.Namespace) -> int:
             return _launch_dist(args, cfg, run_dir, changed, placement)
         with GracefulStop() as stop:
             trainer = _setup(cfg, run_dir, args.resume, created, stop)
+            print(trainer.opening(), flush=True)
             if args.resume:
                 print(_resuming(run_dir, trainer.totals.step, trainer.last_step, changed), flush=True)
             try:
