@@ -30,7 +30,9 @@ class Generation:
 
 
 def sample_from_run(run_dir: Path, prompt: str, tokens: int, how: Generation) -> str:
-    model, cfg, _ = load_run_model(run_dir)
+    model, cfg, step = load_run_model(run_dir)
+    print(f"meshlearn: sampling {run_dir} at its checkpoint of step {step} of {cfg.train.steps}",
+          file=sys.stderr, flush=True)
     tokenizer = load_tokenizer(cfg, run_dir)
     if tokenizer is None:
         raise FileNotFoundError(f"{run_dir}: no tokenizer to decode this run's tokens with")

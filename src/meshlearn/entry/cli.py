@@ -1,5 +1,9 @@
 """The ``meshlearn`` command: train, resume, config, report, sample, export, compress, plan,
-attack, keys. A thin entry point over the library; every error a user can fix is one line and exit code 2."""
+attack, keys. A thin entry point over the library; every error a user can fix is one line and exit code 2.
+
+The library (config, models, torch) is imported inside each command, so ``--version`` and ``--help``
+answer without importing torch (tests/test_cli.py checks it).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-import tomli_w
-
 import meshlearn
-from meshlearn.config import load_config, to_dict
 from meshlearn.errors import ConfigError
-from meshlearn.train.preflight import check_corpus, check_run
 
 SWEEP = "25,100,400,1600"  # ``meshlearn plan``'s default bandwidths of the plot, Mbit/s
 
@@ -23,6 +23,8 @@ class UsageError(Exception):
 
 def _train(args: argparse.Namespace) -> int:
     from meshlearn.cluster.placement import host_of_command
+    from meshlearn.config import load_config, to_dict
+    from meshlearn.train.preflight import check_corpus, check_run
     from meshlearn.train.provenance import check_resumable
     from meshlearn.train.rundir import RunLock, default_out, start_fresh
     from meshlearn.train.signals import GracefulStop
@@ -58,6 +60,7 @@ def _train(args: argparse.Namespace) -> int:
             return _launch_dist(args, cfg, run_dir, changed, placement)
         with GracefulStop() as stop:
             trainer = _setup(cfg, run_dir, args.resume, created, stop)
+            print(trainer.opening(), flush=True)
             if args.resume:
                 print(_resuming(run_dir, trainer.totals.step, trainer.last_step, changed), flush=True)
             try:
@@ -123,6 +126,9 @@ def _launch_dist(args: argparse.Namespace, cfg, run_dir: Path, changed: dict, pl
 
 
 def _config(args: argparse.Namespace) -> int:
+    import tomli_w
+
+    from meshlearn.config import load_config, to_dict
     from meshlearn.train.config_help import format_keys
 
     if args.resolved is not None or args.set:
@@ -135,6 +141,10 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _section_toml(cfg, section: str) -> str:
+    import tomli_w
+
+    from meshlearn.config import to_dict
+
     tree = to_dict(cfg)
     if section not in tree:
         names = ", ".join(k for k, v in tree.items() if isinstance(v, dict))
@@ -235,6 +245,7 @@ def _compress(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
+    from meshlearn.config import load_config
     from meshlearn.plan.parallel import default_processes
     from meshlearn.plan.planner import plan
     from meshlearn.plan.presets import MODELS, preset_overrides
@@ -348,6 +359,8 @@ def _keys(args: argparse.Namespace) -> int:
 def _cluster_hosts(config: Path) -> tuple[list[str], str]:
     """The host names of a run config's ``[cluster]`` placement (checked as ``train`` checks it), and
     the run's name (its ``name``, else the file's stem)."""
+    from meshlearn.config import load_config
+
     cfg = load_config(config, [])
     if not cfg.cluster.enabled:
         raise ConfigError("cluster.hosts", {}, f"{config} places no hosts: add a [cluster.hosts.NAME] "

@@ -291,6 +291,19 @@ class Trainer:
             summary |= callback.summary()
         return summary
 
+    def opening(self) -> str:
+        """What the run is about to do, printed before its first step: the mesh, the model's size
+        (replica 0's stages, as far as this process holds them), the tokens of each split, the
+        steps and the folder."""
+        cfg, mesh = self.cfg, self.cfg.mesh
+        params = sum(p.numel() for w, worker in self.workers.items() if w.replica == 0
+                     for p in worker.module.parameters())
+        splits = self.corpus.splits
+        return (f"meshlearn: {mesh.stages} stages × {mesh.replicas} replicas ({mesh.schedule}), "
+                f"{params / 1e6:.2f}M parameters, {len(splits.train):,} train / {len(splits.val):,} "
+                f"validation tokens, steps {self.totals.step + 1}–{self.last_step} of {cfg.train.steps} × "
+                f"{cfg.train.batch_size} × {cfg.model.seq_len} → {self.run_dir}")
+
     def closing(self, summary: dict, rates: str) -> Closing:
         """The line this run ends with and its exit code (train/closing.py); ``rates``: the
         driver's throughput, as the caller words it."""
