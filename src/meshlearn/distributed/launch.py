@@ -49,6 +49,7 @@ from meshlearn.elastic.settings import derive_timeouts
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.train.checkpoint import latest_complete
 from meshlearn.train.files import atomic_write_json
+from meshlearn.train.signals import STOPPING
 
 
 def _child(argv: list[str], env: dict[str, str], log_path: str) -> None:
@@ -142,21 +143,37 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
         stopping["restore"]()
         for server, _ in lighthouses:
             server.shutdown()
+    signum = stopping.get("signum") or _signal_of(codes)
+    if signum and all(code in (0, 128 + signum) for code in codes.values()):
+        # Stopped by the signal (rank 0's closing line, echoed above, says where and how to go
+        # on), or finished before it could stop anything: either way the exit code says it came.
+        if all(code == 0 for code in codes.values()):
+            print(f"meshlearn: {signal.Signals(signum).name} came as the run finished: nothing was left "
+                  f"to stop ({run_dir})", file=sys.stderr)
+        else:
+            print(f"meshlearn: stopped by {signal.Signals(signum).name} with a checkpoint "
+                  f"({latest_complete(run_dir)}); continue with: meshlearn train --resume {run_dir}",
+                  file=sys.stderr)
+        return 128 + signum
     if all(code == 0 for code in codes.values()):
         return 0
-    signum = stopping.get("signum")
-    if signum and all(code == 128 + signum for code in codes.values()):
-        print(f"meshlearn: stopped by {signal.Signals(signum).name} with a checkpoint "
-              f"({latest_complete(run_dir)}); continue with: meshlearn train --resume {run_dir}",
-              file=sys.stderr)
-        return 128 + signum
     print(_failure_report(codes, _abort_message(store), run_dir), file=sys.stderr)
     return 1
 
 
+def _signal_of(codes: dict[str, int | str]) -> int | None:
+    """The signal every worker stopped for when they got it directly (sent to the workers, not to
+    this launcher): all exit with the same 128 + SIGINT or SIGTERM."""
+    stopped = {code for code in codes.values() if code != 0}
+    if len(stopped) == 1 and (code := stopped.pop()) in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        return code - 128
+    return None
+
+
 def _forward_signals(procs: list) -> dict:
-    """SIGINT/SIGTERM here: the first is passed on to every worker (they stop together at their
-    next agreed drain point, with a checkpoint); a second one stops them at once."""
+    """SIGINT/SIGTERM here: the first is passed on to every worker (they stop together at the first
+    drain point after the step in flight, agreed through the store, with a checkpoint); a second
+    one stops them at once."""
     state: dict = {"signum": None}
 
     def forward(signum: int, frame: object) -> None:
@@ -167,8 +184,8 @@ def _forward_signals(procs: list) -> dict:
             if p.exitcode is None and p.pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signum)
-        print(f"\nmeshlearn: {signal.Signals(signum).name}: workers stop at the next drain point with "
-              "a checkpoint (again to stop at once)", file=sys.stderr, flush=True)
+        print(f"\nmeshlearn: {signal.Signals(signum).name}: workers are {STOPPING} (again to stop at "
+              "once)", file=sys.stderr, flush=True)
 
     if threading.current_thread() is not threading.main_thread():  # a caller's thread: no handlers
         state["restore"] = lambda: None
