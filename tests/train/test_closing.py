@@ -29,14 +29,14 @@ def test_a_run_stopped_by_stop_at_step_before_any_evaluation_says_so_and_how_to_
 
 
 @pytest.mark.parametrize(("name", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
-def test_a_signal_exits_128_plus_n_even_when_it_came_after_the_last_drain_point(name, code):
+def test_a_signal_exits_128_plus_n_even_when_it_came_as_the_run_finished(name, code):
     stopped = closing(summary(4, None), 10, 0, name, code, RUN, "9 tok/s wall")
     assert stopped.code == code
     assert stopped.line == (f"meshlearn: stopped by {name} after step 4 of 10 with a checkpoint "
                             "(no validation yet); continue with: meshlearn train --resume runs/x")
     late = closing(summary(10, 2.5), 10, 0, name, code, RUN, "9 tok/s wall")
     assert late.code == code and late.line.startswith("done: 10 steps, val loss 2.5000")
-    assert f"{name} came after the last drain point" in late.line
+    assert f"({name} came as the run finished: nothing was left to stop)" in late.line
 
 
 def train_losses(run: Path) -> list[float]:

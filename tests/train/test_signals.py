@@ -9,12 +9,18 @@ import time
 from pathlib import Path
 
 import pytest
+import signal_at
+from test_cli import tiny_args
 from tiny import tiny_config
 
+from meshlearn import hooks
+from meshlearn.entry.cli import main
 from meshlearn.train import Trainer
 from meshlearn.train.signals import GracefulStop, LocalStore
 
 ASYNC = ["mesh.stages=4", "mesh.schedule=async", "mesh.microbatches=2", "train.steps=10",
+         "train.eval_every=1000", "train.checkpoint_every=0"]
+FLUSH = ["mesh.stages=2", "mesh.replicas=2", "mesh.schedule=1f1b", "train.steps=8",
          "train.eval_every=1000", "train.checkpoint_every=0"]
 
 
@@ -27,6 +33,17 @@ def test_processes_agree_on_the_highest_claimed_step():
     assert b.observe(1, 4) and b.stop_after == 3  # not 4: b stops on what was claimed
     assert a.observe(2, 5) and a.stop_after == 3 and a.signum == signal.SIGTERM  # a learns it
     assert not a.observe(3, 9) and a.stop_after == 3  # latched once
+
+
+def test_a_process_that_claimed_the_next_step_moves_the_stop_there():
+    """The dist race of a flushing schedule: b finished step 4 and claimed step 5 before a, which
+    got the signal during step 4, asked; the stop is after 5, and a learns nothing is lost."""
+    store = LocalStore()
+    a, b = GracefulStop(store), GracefulStop(store)
+    assert not a.observe(4, 4) and not b.observe(4, 5)
+    a.request(signal.SIGINT)
+    assert a.observe(4, 4) and a.stop_after == 5
+    assert b.observe(5, 5) and b.stop_after == 5 and b.signum == signal.SIGINT
 
 
 def test_a_stop_is_never_before_the_step_being_asked_about():
@@ -44,6 +61,7 @@ class InterruptedTrainer(Trainer):
         self.fed_max = max(getattr(self, "fed_max", -1), step)
         if step == self.at:
             self.stop.request(signal.SIGTERM)
+            self.running = self.totals.step  # the step in flight when the signal came
         return super().work(step)
 
 
@@ -59,6 +77,20 @@ class DrainsAt(Trainer):
 
     def drains_after(self, done):
         return done == self.extra or super().drains_after(done)
+
+
+def test_a_flushing_run_stops_after_the_step_in_flight_and_resumes_exactly(tiny_corpus, tmp_path):
+    """1F1B feeds no step ahead: a signal while step 4 runs stops the run after step 4, and the
+    resumed run is the uninterrupted one (a drain changes nothing under a flushing schedule)."""
+    run = tmp_path / "run"
+    trainer = InterruptedTrainer(tiny_config(tiny_corpus, *FLUSH), run, progress=False, stop=GracefulStop())
+    summary = trainer.train()
+    assert trainer.interrupted == "SIGTERM"
+    assert trainer.running == trainer.fed_max == trainer.stop.stop_after == InterruptedTrainer.at
+    assert summary["steps"] == InterruptedTrainer.at + 1 == len(losses(run))
+    Trainer(tiny_config(tiny_corpus, *FLUSH), run, resume=True, progress=False).train()
+    Trainer(tiny_config(tiny_corpus, *FLUSH), tmp_path / "straight", progress=False).train()
+    assert losses(run) == pytest.approx(losses(tmp_path / "straight"), abs=1e-6)
 
 
 def test_an_async_run_stops_after_the_last_fed_step_and_resumes_exactly(tiny_corpus, tmp_path):
@@ -124,3 +156,45 @@ def test_a_signal_saves_a_checkpoint_says_how_to_resume_and_exits_128_plus_n(tin
     assert records[-1]["step"] == state_step >= 3  # nothing trained is lost
     assert json.loads((run / "summary.json").read_text())["interrupted"] == signal.Signals(sig).name
     assert not (run / ".lock").exists()
+
+
+def signal_at_hook(monkeypatch, spec: str) -> None:
+    """Deliver a real signal to this process at a known point of the next run (tests/signal_at.py)."""
+    monkeypatch.setitem(hooks._PLUGINS, signal_at.NAME, signal_at.factory)
+    monkeypatch.setenv(signal_at.ENV, spec)
+
+
+CLI_RUN = ["--set", "train.steps=6", "--set", "train.eval_every=100"]
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_at_a_step_stops_the_run_after_that_step_and_it_resumes_exactly(
+        capsys, monkeypatch, tiny_corpus, tmp_path, sig, code):
+    """The signal comes as step 3 ends, before the trainer decides whether it drains: the stop is
+    right there, before any evaluation; the resumed run equals the uninterrupted one."""
+    name, run = signal.Signals(sig).name, tmp_path / "run"
+    signal_at_hook(monkeypatch, f"step:2:{name}")
+    assert main(["train", *tiny_args(tiny_corpus), *CLI_RUN, "--out", str(run)]) == code
+    err = capsys.readouterr().err
+    assert json.loads((run / "checkpoint.json").read_text())["checkpoint.pt"]["step"] == 3
+    assert f"meshlearn: {name}: stopping with a checkpoint at the first drain point after the step in " in err
+    assert err.rstrip().endswith(f"meshlearn: stopped by {name} after step 3 of 6 with a checkpoint "
+                                 f"(no validation yet); continue with: meshlearn train --resume {run}")
+    assert json.loads((run / "summary.json").read_text())["interrupted"] == name
+    monkeypatch.delenv(signal_at.ENV)
+    assert main(["train", "--resume", str(run)]) == 0
+    assert main(["train", *tiny_args(tiny_corpus), *CLI_RUN, "--out", str(tmp_path / "straight")]) == 0
+    assert losses(run) == pytest.approx(losses(tmp_path / "straight"), abs=1e-6)
+
+
+@pytest.mark.parametrize("spec,code", [("step:5:SIGINT", 130), ("drain:6:SIGTERM", 143)])
+def test_a_signal_as_the_run_finishes_still_exits_128_plus_n(capsys, monkeypatch, tiny_corpus, tmp_path,
+                                                            spec, code):
+    """At the last step's end, or during the final evaluation: nothing is left to stop, but the
+    exit code says the signal came."""
+    run = tmp_path / "run"
+    signal_at_hook(monkeypatch, spec)
+    assert main(["train", *tiny_args(tiny_corpus), *CLI_RUN, "--out", str(run)]) == code
+    last = capsys.readouterr().err.rstrip().splitlines()[-1]
+    assert last.startswith("done: 6 steps, val loss ")
+    assert last.endswith(f"({spec.split(':')[2]} came as the run finished: nothing was left to stop)")

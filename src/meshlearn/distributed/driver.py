@@ -118,7 +118,7 @@ class DistDriver(PipelineEvaluation):
         # The simulator's rule, from the deepest stage of the mesh (not this worker's own depth), so
         # every process feeds equally far ahead.
         deepest = pipeline_in_flight(cfg)[0] if isinstance(worker.plan, AsyncPlan) else 1
-        self.lookahead = feed_lookahead(deepest, cfg.mesh.microbatches)
+        self.lookahead = feed_lookahead(deepest, cfg.mesh.microbatches, flushes)
         self.remote_sentinel = None
         if relay is not None and cfg.verify.name == "sentinel":
             board = self.verdicts

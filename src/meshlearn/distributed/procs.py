@@ -18,9 +18,10 @@ from typing import TextIO
 from meshlearn.distributed.health import EXIT_PEER_FAILURE
 
 
-def forward_signals(procs: list) -> dict:
-    """SIGINT/SIGTERM here: the first is passed on to every worker (they stop together at their
-    next agreed drain point, with a checkpoint); a second one stops them at once."""
+def forward_signals(procs: list, stopping: str) -> dict:
+    """SIGINT/SIGTERM here: the first is passed on to every worker (they stop together at the first
+    drain point after the step in flight, agreed through the store, with a checkpoint: ``stopping``
+    says so to the user); a second one stops them at once."""
     state: dict = {"signum": None}
 
     def forward(signum: int, frame: object) -> None:
@@ -31,8 +32,8 @@ def forward_signals(procs: list) -> dict:
             if p.exitcode is None and p.pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signum)
-        print(f"\nmeshlearn: {signal.Signals(signum).name}: workers stop at the next drain point with "
-              "a checkpoint (again to stop at once)", file=sys.stderr, flush=True)
+        print(f"\nmeshlearn: {signal.Signals(signum).name}: workers are {stopping} (again to stop at "
+              "once)", file=sys.stderr, flush=True)
 
     if threading.current_thread() is not threading.main_thread():  # a caller's thread: no handlers
         state["restore"] = lambda: None

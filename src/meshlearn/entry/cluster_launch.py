@@ -46,6 +46,7 @@ from meshlearn.entry.launch import (  # one machine's launcher: the same childre
 from meshlearn.entry.worker import refuse_resume
 from meshlearn.errors import ConfigError
 from meshlearn.train.files import atomic_write_json
+from meshlearn.train.signals import STOPPING
 
 
 def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement: Placement,
@@ -97,7 +98,7 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
                    "events": [{"event": "joined", "step": 0}]}
             for name, rank in placement.ranks.items()})
     echo = placement.writer if placement.is_coordinator else next(iter(placement.processes))
-    stopping = forward_signals(procs)
+    stopping = forward_signals(procs, STOPPING)
     try:
         codes = watch_children(procs, cfg, logs / f"{echo}.log", out)
     except BaseException as err:  # a second Ctrl-C, or a caller's timeout: never leave workers behind

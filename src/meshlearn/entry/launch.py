@@ -49,6 +49,7 @@ from meshlearn.entry.worker import refuse_resume
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.train.checkpoint import latest_complete
 from meshlearn.train.files import atomic_write_json
+from meshlearn.train.signals import STOPPING
 
 
 def run_child(argv: list[str], env: dict[str, str], log_path: str) -> None:
@@ -120,7 +121,7 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
     if cfg.elastic.enabled:
         check_bound(os.getpid(), host, "the launcher")
         publish_run(store, run_dir, f"{host}:{store.port}", lighthouses)
-    stopping = forward_signals(procs)
+    stopping = forward_signals(procs, STOPPING)
     try:
         if cfg.elastic.enabled:
             timeouts = derive_timeouts(cfg.elastic, cfg.dist, cfg.link)
@@ -142,16 +143,31 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
         stopping["restore"]()
         for server, _ in lighthouses:
             server.shutdown()
+    signum = stopping.get("signum") or _signal_of(codes)
+    if signum and all(code in (0, 128 + signum) for code in codes.values()):
+        # Stopped by the signal (rank 0's closing line, echoed above, says where and how to go
+        # on), or finished before it could stop anything: either way the exit code says it came.
+        if all(code == 0 for code in codes.values()):
+            print(f"meshlearn: {signal.Signals(signum).name} came as the run finished: nothing was left "
+                  f"to stop ({run_dir})", file=sys.stderr)
+        else:
+            print(f"meshlearn: stopped by {signal.Signals(signum).name} with a checkpoint "
+                  f"({latest_complete(run_dir)}); continue with: meshlearn train --resume {run_dir}",
+                  file=sys.stderr)
+        return 128 + signum
     if all(code == 0 for code in codes.values()):
         return 0
-    signum = stopping.get("signum")
-    if signum and all(code == 128 + signum for code in codes.values()):
-        print(f"meshlearn: stopped by {signal.Signals(signum).name} with a checkpoint "
-              f"({latest_complete(run_dir)}); continue with: meshlearn train --resume {run_dir}",
-              file=sys.stderr)
-        return 128 + signum
     print(failure_report(codes, abort_message(store), run_dir), file=sys.stderr)
     return 1
+
+
+def _signal_of(codes: dict[str, int | str]) -> int | None:
+    """The signal every worker stopped for when they got it directly (sent to the workers, not to
+    this launcher): all exit with the same 128 + SIGINT or SIGTERM."""
+    stopped = {code for code in codes.values() if code != 0}
+    if len(stopped) == 1 and (code := stopped.pop()) in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        return code - 128
+    return None
 
 
 def watch_children(procs: list, cfg: RunConfig, echo_log: Path, out: TextIO) -> dict[str, int | str]:

@@ -213,10 +213,18 @@ def round_trip_in_flight(stage: int, stages: int, compute_s: float, latency_s: f
     return max(below + 1, min(cap, math.ceil(round_trip / compute_s) + 1 if compute_s > 0 else cap))
 
 
-def feed_lookahead(deepest_in_flight: int, microbatches: int) -> int:
+def feed_lookahead(deepest_in_flight: int, microbatches: int, flushes: bool = False) -> int:
     """Steps a driver feeds ahead of the one it runs: enough that the first stage (the deepest in
     flight) never waits for data before a drain point, so the order of actions never depends on
-    when data was handed over. One number for the whole mesh, the same in every process."""
+    when data was handed over. One number for the whole mesh, the same in every process.
+
+    A flushing schedule feeds none: no stage can start step t + 1 before the mesh-wide update that
+    ends step t, and a driver that hands out step t + 1 when it runs it starts each stage on it at
+    that stage's own clock, as early as data handed out before. Feeding nothing ahead keeps every
+    step end a possible drain point, so a stop request lands after the step in flight
+    (train/signals.py)."""
+    if flushes:
+        return 0
     return math.ceil(deepest_in_flight / microbatches) + 1
 
 

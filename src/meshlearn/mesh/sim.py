@@ -92,7 +92,7 @@ class SimDriver:
         self.flushes = next(iter(workers.values())).plan.flushes
         in_flight = max((w.plan.in_flight for w in workers.values() if isinstance(w.plan, AsyncPlan)),
                         default=1)
-        self.lookahead = feed_lookahead(in_flight, next(iter(workers.values())).microbatches)
+        self.lookahead = feed_lookahead(in_flight, next(iter(workers.values())).microbatches, self.flushes)
         self._bytes_mark: tuple[int, int] | None = None  # link bytes at the last step's end
         self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
 

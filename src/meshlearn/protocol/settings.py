@@ -40,8 +40,8 @@ class ProtocolConfig:
     """Seconds of the run's clock between morphs instead of steps (the paper: 30 in inference).
     The clock is the simulator's virtual time (``sim_time_s``), not this machine's. A morph falls
     due at the step end where the clock passes the mark and happens at the next drain point, at
-    most the driver's feed look-ahead (a few steps) later (``protocol/schedule.py``). 0: use
-    every_steps."""
+    most the driver's feed look-ahead later (a few steps under async, none under gpipe/1f1b;
+    ``protocol/schedule.py``). 0: use every_steps."""
     epsilon: float = 0.01
     """Half-width of the log singular values of a ``lowcond`` transform (κ ≤ e^{2ε}): 0.01 is
     harmless in the paper, 0.1 and 0.5 hurt. Unused by the other morphs."""

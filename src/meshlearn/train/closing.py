@@ -46,8 +46,8 @@ def closing(summary: dict, steps: int, stop_at_step: int, signal_name: str | Non
         return Closing(f"stopped at step {done} of {steps} (train.stop_at_step = {stop_at_step}) with a "
                        f"checkpoint, {validation}, {rates} → {run_dir}; {resume}", 0)
     line = f"done: {done} steps, {validation}, {rates} → {run_dir}"
-    if signal_name is not None:  # the signal came after the last drain point: nothing was left to stop
-        return Closing(f"{line} ({signal_name} came after the last drain point: the run had finished)",
+    if signal_name is not None:  # at the last step or during the final evaluation
+        return Closing(f"{line} ({signal_name} came as the run finished: nothing was left to stop)",
                        signal_code)
     return Closing(line, 0)
 

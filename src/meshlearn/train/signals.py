@@ -1,18 +1,29 @@
-"""SIGINT / SIGTERM stop a run at its next drain point, with a checkpoint, in every process.
+"""SIGINT / SIGTERM stop a run at the first drain point after the step in flight, with a
+checkpoint, in every process.
 
 A signal only sets a flag (``GracefulStop.request``); the trainer turns it into a drain point the
-next time it answers the driver's ``next_drain``. Which step may drain depends on what has been fed
-already: a driver feeds every step up to ``min(next_drain(t), t + lookahead)`` and lets forwards
-of all of them start, so a drain after step S is safe only if no process has fed a step beyond S.
-The rule: **stop after S = the highest step any process has claimed** (its fed frontier).
+next time it answers ``next_drain``, which it does at least at every step's end, before it decides
+whether that step drains (``Trainer._settle_stop``). Which step may drain depends on what has been
+started already: a driver feeds every step up to ``min(next_drain(t), t + lookahead)`` and lets
+forwards of all of them start, so a drain after step S is safe only if no process has started a
+step beyond S. The rule: **stop after S = the highest step any process has claimed**, where a
+process claims every step before it starts it — the steps it feeds, and, at the end of a step
+that does not drain, the next one.
+
+- Flushing schedules (GPipe, 1F1B) feed no step ahead (``mesh.schedule.feed_lookahead``): a
+  signal that comes while step N runs stops the run after step N, unless another process had
+  already finished N and claimed N + 1 (under ``--backend dist``; then after N + 1).
+- ``async`` feeds up to ``lookahead`` steps ahead, whose microbatches are in flight: the run stops
+  after the highest step already fed.
 
 Claims and the stop go through one key of a store with compare-and-set (``drain``: ``f:<F>``, the
-highest claimed step, or ``s:<S>:<signal>``, stop after step S). A process must win the key before it feeds
-past F, and the stop replaces F by ``s:F`` in one swap, so once the stop is in the key no process
-can feed past S, and none already has. Every process reads the key each time it answers
-``next_drain`` and so learns S before it finishes step S (it has claimed S, at least, before it
-ran it). Under the simulator the store is a dict in this process; under ``--backend dist`` it is the
-rendezvous store, so all processes agree on S whichever of them got the signal first.
+highest claimed step, or ``s:<S>:<signal>``, stop after step S). A process must win the key before
+it starts a step past F, and the stop replaces F by ``s:F`` in one swap, so once the stop is in
+the key no process can start a step past S, and none already has. Every process reads the key each
+time it answers ``next_drain`` and so learns S before it decides whether step S drains (it has
+claimed S, at least, before it ran it). Under the simulator the store is a dict in this process;
+under ``--backend dist`` it is the rendezvous store, so all processes agree on S whichever of them
+got the signal first.
 
 Repeated signals: the first asks for the graceful stop; in a single process a second one stops at
 once (``KeyboardInterrupt``); dist workers ignore repeats (the terminal and the launcher may both
@@ -27,6 +38,9 @@ import threading
 from typing import Any
 
 KEY = "drain"
+STOPPING = ("stopping with a checkpoint at the first drain point after the step in flight "
+            "(async: after the last step already fed)")
+"""What a signal's handler says it will do (the launcher of a dist run says the same)."""
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -84,10 +98,9 @@ class GracefulStop:
     def _handle(self, signum: int, frame: object) -> None:
         if self.signum is None:
             self.request(signum)
-            print(f"\nmeshlearn: {signal.Signals(signum).name}: stopping at the next drain point "
-                  "with a checkpoint" + (" (again to stop at once, losing the steps since the last "
-                                         "checkpoint)" if self.repeat == "raise" else ""),
-                  file=sys.stderr, flush=True)
+            print(f"\nmeshlearn: {signal.Signals(signum).name}: {STOPPING}"
+                  + (" (again to stop at once, losing the steps since the last checkpoint)"
+                     if self.repeat == "raise" else ""), file=sys.stderr, flush=True)
         elif self.repeat == "raise":
             raise KeyboardInterrupt
 

@@ -120,6 +120,7 @@ class Trainer:
             while self.totals.step < self.last_step:
                 self.step()
                 done = self.totals.step
+                self._settle_stop(done)
                 if not self.drains_after(done):
                     continue
                 for callback in self.plugins.values():
@@ -203,15 +204,33 @@ class Trainer:
 
     def next_drain(self, step: int) -> int:
         """The first step ≥ ``step`` (0-based) after which the pipeline drains. A pending stop
-        request becomes a drain point here: after the highest step any process has fed."""
+        request becomes a drain point here: after the highest step any process has started
+        (train/signals.py), which this call first claims for this process (``_frontier``)."""
         t = step
         while not self.drains_after(t + 1):
             t += 1
-        if self.stop is not None:
-            lookahead = getattr(self.driver, "lookahead", None)
-            if self.stop.observe(step, min(t, step + lookahead) if lookahead else t):
-                return self.next_drain(step)
+        if self.stop is not None and self.stop.observe(step, self._frontier(step, t)):
+            return self.next_drain(step)
         return t
+
+    def _frontier(self, step: int, drain: int) -> int:
+        """The last step this process may start before it asks ``next_drain`` again: the steps its
+        driver feeds (up to its lookahead, never past the next drain point ``drain``), and, once
+        its workers have finished ``step``, the next one, unless ``step`` ends at a drain point.
+        Claiming the next step before deciding whether this one drains is what lets a stop land
+        after the step in flight: no process can then be past the step every process agrees on."""
+        lookahead = getattr(self.driver, "lookahead", None)
+        fed = min(drain, step + lookahead) if lookahead is not None else drain
+        if all(worker.steps_done > step for worker in self.workers.values()):
+            return max(fed, min(drain, step + 1))
+        return fed
+
+    def _settle_stop(self, done: int) -> None:
+        """At a step's end, before deciding whether it drains: a pending signal stops the run
+        after this step unless a process has already claimed the next one; without one, this
+        process claims the next step, or learns of another process's stop."""
+        if self.stop is not None:
+            self.next_drain(done - 1)
 
     def _stopping(self, done: int) -> bool:
         stop = self.stop
