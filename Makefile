@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all lint bench clean install
+.PHONY: demo test check test-all lint bench clean install
 
 install: $(STAMP)
 
@@ -25,6 +25,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check src tests bench
 	$(PY) -m pytest
+
+# The quick local loop (about 1.5 min on 2 cores): lint and the unit tests of the engine, the methods
+# and the config; no worker processes, no whole-run planner oracles. `make test` is what CI runs.
+CHECK_TESTS := tests/compress tests/dp tests/optim tests/data tests/mesh tests/warmup tests/verify \
+               tests/test_config.py tests/test_cli_config.py tests/test_cli_errors.py
+check: $(STAMP)
+	$(PY) -m ruff check src tests bench
+	$(PY) -m pytest $(CHECK_TESTS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -m ''

@@ -38,6 +38,7 @@ def files(tmp_path):
     (["train.lr=inf"], ["train.lr = inf", "finite"]),
     (["train.lr=nan"], ["train.lr = nan", "finite"]),
     (["mesh.stagez=2"], ["mesh.stagez", "did you mean mesh.stages?"]),
+    (["optim.lr=1e-3"], ["optim.lr", "did you mean train.lr or "]),  # the same name in another section
     (["data.corpus={d}/empty.txt"], ["data.corpus", "empty.txt", "empty"]),
     (["data.corpus={d}/short.txt"], ["model.seq_len = 16", "needs at least 17 tokens"]),
     (["data.corpus={d}/odd.bin"], ["data.corpus", "odd.bin", "3 bytes", "must be even"]),

@@ -137,7 +137,10 @@ def valid_keys() -> list[str]:
 def unknown_key(key: str) -> str:
     """What to say about an unknown key: the closest valid keys, not all of them."""
     keys = valid_keys()
-    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]  # optim.lr: the key is train.lr
+    close = [*same_leaf, *(k for k in difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+                           if k not in same_leaf)][:3]
     section = key.rsplit(".", 1)[0] + "." if "." in key else None
     same = [k for k in keys if section and k.startswith(section)]
     hint = (f"did you mean {' or '.join(close)}?" if close else

@@ -1,14 +1,16 @@
 """``meshlearn export``: any model.init value (or a run's latest checkpoint) as a Hugging Face folder.
 
 The folder holds config.json, model.safetensors (fp32 unless asked otherwise) and, when the source
-has one, tokenizer.json; ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads it as the
-same function (``tests/models/test_pretrained_oracle.py``).
+has one, tokenizer.json (a byte-level run's too: id = UTF-8 byte);
+``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads it as the same
+function (``tests/models/test_pretrained_oracle.py``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from meshlearn.data.tokenizer import ByteTokenizer
 from meshlearn.models.formats import hf_folder
 from meshlearn.models.pretrained import find_source, load_model
 
@@ -37,4 +39,6 @@ def export(value: str, out: Path, fmt: str = "hf", dtype: str = "fp32") -> Path:
                    "rope_theta": cfg.rope_theta, "norm_eps": cfg.norm_eps,
                    "tie_embeddings": cfg.tie_embeddings}
     tokenizer = source.tokenizer() if arch["has_tokenizer"] else None
+    if tokenizer is None and source.kind == "run":  # a byte-level run: token id = UTF-8 byte
+        tokenizer = ByteTokenizer.as_hf()
     return hf_folder.write_hf(model.state_dict(), arch, Path(out), dtype, tokenizer)

@@ -20,8 +20,10 @@ from meshlearn.jsonl import read_records
 FAST = ["dist.threads=1", "dist.heartbeat_s=0.2"]  # one intra-op thread: 2 cores, up to 8 processes
 
 
-def launch(cfg: RunConfig, run_dir: Path, *sets: str, resume: bool = False) -> int:
-    """``meshlearn train --backend dist`` in this process (the forkserver stays warm between tests)."""
+def launch(cfg: RunConfig, run_dir: Path, *sets: str, resume: bool = False,
+           out: io.StringIO | None = None) -> int:
+    """``meshlearn train --backend dist`` in this process (the forkserver stays warm between tests);
+    ``out`` collects what the launcher echoes of rank 0's output."""
     overrides = [*FAST, *sets, "backend=dist"]
     if resume:
         source = run_dir / "config.toml"
@@ -31,7 +33,7 @@ def launch(cfg: RunConfig, run_dir: Path, *sets: str, resume: bool = False) -> i
         save_config(cfg, source)
         where = ["--config", str(source), "--out", str(run_dir)]
     argv = [*where, *(x for o in overrides for x in ("--set", o))]
-    return launch_local(argv, load_config(source, overrides), run_dir, out=io.StringIO())
+    return launch_local(argv, load_config(source, overrides), run_dir, out=out or io.StringIO())
 
 
 def records(run_dir: Path, kind: str = "train") -> list[dict]:

@@ -119,3 +119,29 @@ def test_smollm2_tokenizer_matches_transformers_and_round_trips(preset):
         assert ids == theirs(text)["input_ids"], text
         assert raw.decode(ids, skip_special_tokens=False) == text
     assert tokenizer.encode("<|im_start|>") == [1] and tokenizer.vocab_size == 49152
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
+def test_an_exported_run_generates_text_in_a_transformers_pipeline(tiny_corpus, tmp_path, tokenizer):
+    """Every run exports a folder that transformers tokenizes and generates from as it stands (a
+    byte-level run's tokenizer: id = UTF-8 byte), and its greedy text is meshlearn's own."""
+    from meshlearn.data import ByteTokenizer
+    from meshlearn.entry.cli import main
+    from meshlearn.train.restore import load_run_model
+
+    sets = [f"data.corpus={tiny_corpus}", f"data.tokenizer={tokenizer}", "data.bpe_vocab_size=300",
+            "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "mesh.stages=1",
+            "mesh.replicas=1", "train.batch_size=4", "train.steps=2", "train.eval_every=1000"]
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), *[a for kv in sets for a in ("--set", kv)]]) == 0
+    generate = transformers.pipeline("text-generation", model=str(export(str(run), tmp_path / "hf")),
+                                     dtype=torch.float32)
+    prompt = "thé king"  # with 6 new tokens, inside the context of 16
+    ids = generate.tokenizer(prompt)["input_ids"]
+    if tokenizer == "byte":
+        assert ids == ByteTokenizer().encode(prompt) == list(prompt.encode())
+    ours = load_run_model(run)[0].eval()
+    with torch.no_grad():
+        greedy = ours.generate(torch.tensor([ids]), 6, temperature=1e-6)[0].tolist()
+    text = generate(prompt, max_new_tokens=6, do_sample=False)[0]["generated_text"]
+    assert len(greedy) == len(ids) + 6 and text == generate.tokenizer.decode(greedy)

@@ -6,6 +6,7 @@ missing."""
 from __future__ import annotations
 
 import io
+import json
 import os
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from tiny import tiny_config
 from meshlearn.report import render_report
 from meshlearn.report.browser import INSTALL_HINT, WIDTH, Chromium, find_chromium
 from meshlearn.train import Trainer
+from meshlearn.train.rundir import RunLock
 
 
 def _artifacts(tmp_path: Path) -> Path:
@@ -50,3 +52,27 @@ def test_report_renders_in_chromium(tiny_corpus, make_run, tmp_path):
     assert broken.broken_images == ["missing.png"]
     assert any("boom" in e for e in broken.console_errors)
     assert any("missing.png" in e for e in broken.console_errors)  # the failed load is logged too
+
+
+@pytest.mark.skipif(find_chromium() is None,
+                    reason=f"headless Chromium not installed; install it with: {INSTALL_HINT}")
+def test_an_unfinished_run_says_so_at_the_top_in_chromium(make_run, tmp_path):
+    """A run stopped by SIGINT and one still training (its lock held): the rendered page names each
+    state and the command that continues it, before the configuration."""
+    stopped = make_run("stopped", name="stopped")
+    summary = json.loads((stopped / "summary.json").read_text()) | {"steps": 12, "interrupted": "SIGINT"}
+    (stopped / "summary.json").write_text(json.dumps(summary))
+    running = make_run("running", name="running", summary=False)
+    records = [json.loads(line) for line in (running / "metrics.jsonl").read_text().splitlines()]
+    kept = [r for r in records if r.get("step", 0) <= 10]
+    (running / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    with RunLock(running, command="meshlearn train (test)"):
+        index = render_report([stopped, running], tmp_path / "report")
+        with Chromium(timeout_s=60) as browser:
+            check = browser.check_page(index)
+    (_artifacts(tmp_path) / "report_unfinished.png").write_bytes(check.screenshot)
+    assert check.console_errors == [] and check.broken_images == []
+    head = check.text[:check.text.index("Configuration")]
+    resume = f"continue with: meshlearn train --resume {stopped}\n"
+    assert f"stopped: stopped at step 12 of 20 by SIGINT; {resume}" in head
+    assert f"running: in progress (pid {os.getpid()} on " in head and "at step 10 of 20" in head

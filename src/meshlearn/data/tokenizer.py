@@ -65,6 +65,29 @@ class ByteTokenizer:
         # A window can start or end inside a multi-byte character: replace, never raise.
         return bytes(ids).decode("utf-8", errors="replace")
 
+    @staticmethod
+    def as_hf() -> HFTokenizer:
+        """The same tokenizer as a Hugging Face ``tokenizers`` one (id = UTF-8 byte, no BOS/EOS),
+        so an exported byte-level model loads in ``transformers.AutoTokenizer``: a BPE with no
+        merges over the 256 byte-level symbols, in byte order, and byte-level pre-tokenizer and
+        decoder without regex splitting or a prefix space."""
+        alphabet = _byte_symbols()
+        tok = HFTokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        return tok
+
+
+def _byte_symbols() -> list[str]:
+    """The printable symbol that byte-level (GPT-2 style) tokenizers write for each byte value:
+    printable Latin-1 bytes stand for themselves, the others are shifted past 255 in order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)}
+    symbols, shift = [], 0
+    for b in range(256):
+        symbols.append(chr(b) if b in printable else chr(256 + shift))
+        shift += b not in printable
+    return symbols
+
 
 class BPETokenizer:
     """Byte-level BPE (GPT-2 style) backed by HF `tokenizers`."""

@@ -532,6 +532,10 @@ class DistDriver(PipelineEvaluation):
         self.network.load_state(state["network"])
         self.network.idle()  # its queue times are on the old process's clock
         self.busy_s = state["busy_s"]
+        # A checkpoint is a drain point: the worker (loaded first) was fed exactly the steps it has
+        # applied. Without this the first _feed would feed, and post the receives of, every step
+        # from 0 again: receives sized for training that the first evaluation's batches then meet.
+        self.fed = self.worker.steps_done - 1
 
     # --- with a verifier: what crosses processes for the trust layer (verify/trust.py) ----------
 

@@ -63,15 +63,13 @@ def _train(args: argparse.Namespace) -> int:
                 print(f"meshlearn: stopped at once; the last checkpoint stays — continue with: "
                       f"meshlearn train --resume {run_dir}", file=sys.stderr)
                 return 130
-    if trainer.interrupted:
-        print(f"meshlearn: stopped by {trainer.interrupted} after step {summary['steps']} with a "
-              f"checkpoint; continue with: meshlearn train --resume {run_dir}", file=sys.stderr)
-        return stop.exit_code
-    val = summary["final_val_loss"]
-    print(f"done: {summary['steps']} steps, val loss {val:.4f}, "
-          f"{summary['sim_tokens_per_s']:.0f} tok/s virtual ({summary['compute_model']}), "
-          f"{summary['wall_tokens_per_s']:.0f} tok/s wall → {run_dir}")
-    return 0
+    from meshlearn.train.closing import rate
+
+    rates = (f"{rate(summary['sim_tokens_per_s'], 'virtual')} ({summary['compute_model']}), "
+             f"{rate(summary['wall_tokens_per_s'], 'wall')}")
+    end = trainer.closing(summary, rates)
+    print(end.line, file=sys.stderr if end.code else sys.stdout)
+    return end.code
 
 
 def _setup(cfg, run_dir: Path, resume: str | None, created: bool, stop):

@@ -37,6 +37,7 @@ from meshlearn.mesh.topology import MeshShape
 from meshlearn.models.split import init_model, split_model
 from meshlearn.protocol.model import stage_modules
 from meshlearn.train.assemble import build_worker
+from meshlearn.train.closing import rate
 from meshlearn.train.signals import GracefulStop
 from meshlearn.train.trainer import Trainer
 
@@ -125,18 +126,16 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
                           driver=lambda resolved: build_driver(resolved, session), stop=stop)
         summary = trainer.train()
         trainer.driver.close()
-        if trainer.writer and trainer.interrupted:
-            print(f"stopped by {trainer.interrupted} after step {summary['steps']} with a checkpoint "
-                  f"→ {run_dir}")
-        elif trainer.writer:
-            print(f"done: {summary['steps']} steps, val loss {summary['final_val_loss']:.4f}, "
-                  f"{summary['wall_tokens_per_s']:.0f} tok/s wall over {session.world} processes → {run_dir}")
+        end = trainer.closing(summary, f"{rate(summary['wall_tokens_per_s'], 'wall')} over "
+                                       f"{session.world} processes")
+        if trainer.writer:
+            print(end.line)
         flush()
         if cfg.elastic.enabled or anchors(cfg):  # peers may be gone, or a receive from an anchor
             # still posted: tearing the world group down could block
-            os._exit(stop.exit_code if trainer.interrupted else 0)
+            os._exit(end.code)
         dist.destroy_process_group()
-        return stop.exit_code if trainer.interrupted else 0
+        return end.code
     except WorkerFailure as err:
         message, code = str(err), getattr(err, "exit_code", session.health.exit_code)  # evicted: its own
         if code != EXIT_PEER_FAILURE:

@@ -46,6 +46,7 @@ class PageCheck:
     console_errors: list[str] = field(default_factory=list)  # console.error, exceptions, failed loads
     images: list[dict[str, Any]] = field(default_factory=list)  # {src, ok, width, height}
     screenshot: bytes = b""
+    text: str = ""  # what a reader sees: the page's rendered text
 
     @property
     def broken_images(self) -> list[str]:
@@ -169,7 +170,7 @@ class Chromium:
 
     def check_page(self, path: Path, width: int = WIDTH) -> PageCheck:
         """Load ``path`` (a local HTML file), wait for its load event, then report console errors,
-        every image's state, and a full-page PNG screenshot."""
+        every image's state, the rendered text and a full-page PNG screenshot."""
         target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Log"):
@@ -180,6 +181,8 @@ class Chromium:
         self.wait_event("Page.loadEventFired", session)
         images = self.call("Runtime.evaluate", {"expression": _IMAGES_JS, "returnByValue": True},
                            session)["result"]["value"]
+        text = self.call("Runtime.evaluate", {"expression": "document.body.innerText", "returnByValue": True},
+                         session)["result"]["value"]
         metrics = self.call("Page.getLayoutMetrics", session=session)
         height = min(MAX_SCREENSHOT_HEIGHT, int(metrics["cssContentSize"]["height"]) + 1)
         self.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": height,
@@ -188,7 +191,7 @@ class Chromium:
                          session)
         errors = [_describe(e) for e in self.events if e.get("sessionId") == session and _is_error(e)]
         self.call("Target.closeTarget", {"targetId": target})
-        return PageCheck(errors, images, base64.b64decode(shot["data"]))
+        return PageCheck(errors, images, base64.b64decode(shot["data"]), text)
 
 
 _IMAGES_JS = """[...document.images].map(i => ({src: i.getAttribute('src'),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from meshlearn.mesh.timeline import parse_timeline_steps
 from meshlearn.report.plots import bans
 from meshlearn.report.plots_timeline import timeline_stats
 from meshlearn.report.plots_trust import trust_summary
@@ -128,3 +129,23 @@ def flags_note(runs: Sequence[RunData]) -> str:
              "no run had an attacker, so every flag is a false positive")
     return (f"Share of each worker's scored messages the verifier flagged; {truth}. Message- and "
             "worker-level precision and recall are in the trust table.")
+
+
+def timeline_missing(runs: Sequence[RunData]) -> str:
+    """Why no run shows a timeline: each run's own reason (it asked for none, or it has not reached
+    the first step it asked for), not one guess for all."""
+    reasons = []
+    for run in runs:
+        value = str((run.config.get("report") or {}).get("timeline_steps", "off"))
+        total = int((run.config.get("train") or {}).get("steps", 0) or 0)
+        try:
+            steps = parse_timeline_steps(value, total) if total else []
+        except ValueError:
+            steps = []
+        reached = run.train_records[-1].get("step", 0) if run.train_records else 0
+        if not steps:
+            reasons.append(f"{run.label} recorded none (report.timeline_steps = {value})")
+        else:
+            reasons.append(f"{run.label} stopped at step {reached}, before step {steps[0] + 1}, the first of "
+                           f"report.timeline_steps = {value}")
+    return "; ".join(reasons) or "no run recorded a timeline"

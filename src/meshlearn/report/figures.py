@@ -18,6 +18,7 @@ from meshlearn.report.records import RunData
 
 Draw = Callable[[Sequence[RunData], Path], Path | None]
 Note = Callable[[Sequence[RunData]], str]
+Missing = str | Callable[[Sequence[RunData]], str]  # why no run has the figure, fixed or per runs
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class FigureSpec:
     title: str
     draw: Draw
     note: Note = lambda runs: ""
-    missing: str = "no run recorded the data"
+    missing: Missing = "no run recorded the data"
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ FIGURES: list[FigureSpec] = [
     FigureSpec("link_bytes", "Bytes per link", plots.plot_link_bytes, explain.link_note,
                "no run has per-link counters (summary.json missing)"),
     FigureSpec("timeline", "Pipeline timeline", plots_timeline.plot_timeline, explain.timeline_note,
-               "no run recorded a timeline (report.timeline_steps = off, or a run from before it)"),
+               explain.timeline_missing),
     FigureSpec("staleness", "Staleness", plots_training.plot_staleness, explain.staleness_note,
                "no asynchronous run: gpipe and 1f1b apply every gradient to the weights it was "
                "computed with (staleness 0)"),
@@ -79,6 +80,6 @@ def render_figures(runs: Sequence[RunData], out_dir: Path) -> list[RenderedFigur
         path = spec.draw(runs, target)
         if path is None:
             target.unlink(missing_ok=True)  # a figure of an earlier report into the same folder
-        out.append(RenderedFigure(spec.name, spec.title, path, spec.note(runs) if path else "",
-                                  spec.missing))
+        missing = "" if path else spec.missing(runs) if callable(spec.missing) else spec.missing
+        out.append(RenderedFigure(spec.name, spec.title, path, spec.note(runs) if path else "", missing))
     return out

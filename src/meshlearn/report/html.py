@@ -27,6 +27,7 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 tr.differs td { background: #fff7e0; }
 tr.differs td:first-child { font-weight: bold; }
 .notes { color: #8a4b00; }
+.unfinished { background: #fff4e0; border-left: 4px solid #d98300; padding: 0.5em 1em 0.5em 2em; }
 .explain, .note { color: #444; font-size: 0.9em; max-width: 60em; }
 .missing { color: #777; font-style: italic; }
 figure { margin: 1em 0 2em 0; }
@@ -71,6 +72,7 @@ def render_html(page: ReportPage) -> str:
         f"<h1>{_e(page.title)}</h1>",
         "<p>Runs: " + ", ".join(f"{_e(label)} (<code>{_e(path)}</code>)" for label, path in page.runs)
         + "</p>",
+        *_list(page.unfinished, "unfinished"),
         "<h2>Configuration</h2>",
     ]
     if len(page.runs) > 1 and any(page.config_differs):

@@ -31,8 +31,10 @@ def markdown_table(table: Table, marked: list[bool] | None = None) -> str:
 def render_markdown(page: ReportPage) -> str:
     """The whole report.md."""
     parts = ["# meshlearn report", "", "Runs: " + ", ".join(f"{_cell(label)} (`{path}`)"
-                                                           for label, path in page.runs),
-             "", "## Configuration", ""]
+                                                           for label, path in page.runs), ""]
+    for line in page.unfinished:
+        parts += [f"> **Not finished:** {_cell(line)}", ""]
+    parts += ["## Configuration", ""]
     if len(page.runs) > 1 and any(page.config_differs):
         parts += ["Rows in bold differ between the runs.", ""]
     parts += [markdown_table(page.config, page.config_differs), "", "## Results", "",

@@ -14,6 +14,7 @@ from meshlearn.report.explain import idle_notes
 from meshlearn.report.figures import RenderedFigure
 from meshlearn.report.records import RunData
 from meshlearn.report.samples import Sample, run_sample
+from meshlearn.report.status import unfinished_lines
 from meshlearn.report.table import Table, comparison_table, run_notes, trust_table, verifier_table
 
 
@@ -31,6 +32,7 @@ class FigureRef:
 class ReportPage:
     title: str
     runs: list[tuple[str, str]]  # (label, folder)
+    unfinished: list[str]  # one sentence per run that is not finished (stopped, in progress, ended)
     config: Table
     config_differs: list[bool]
     comparison: Table
@@ -59,6 +61,7 @@ def build_page(runs: Sequence[RunData], figures: Sequence[RenderedFigure], out_d
     return ReportPage(
         title="meshlearn report: " + ", ".join(r.label for r in runs),
         runs=[(r.label, str(r.path)) for r in runs],
+        unfinished=unfinished_lines(runs),
         config=config,
         config_differs=differs,
         comparison=comparison_table(runs),

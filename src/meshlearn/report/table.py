@@ -120,10 +120,7 @@ def run_notes(runs: Sequence[RunData]) -> list[str]:
         if run.summary is None:
             last = run.train_records[-1].get("step") if run.train_records else None
             upto = f" up to step {last}" if last is not None else ""
-            notes.append(
-                f"{run.label}: no summary.json (the run probably crashed or is still running); "
-                f"figures are derived from metrics.jsonl{upto}."
-            )
+            notes.append(f"{run.label}: no summary.json; figures are derived from metrics.jsonl{upto}.")
         if not run.train_records:
             notes.append(f"{run.label}: metrics.jsonl holds no train records.")
     return notes

@@ -106,6 +106,22 @@ def read_lock(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+def running_holder(run_dir: Path) -> dict[str, Any] | None:
+    """The lock record of the live process training ``run_dir``, or None when none holds it (a
+    shared flock attempt: it fails only while an exclusive holder lives, and takes nothing)."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return read_lock(run_dir) or {}
+    finally:
+        os.close(fd)  # closing drops the shared lock if it was granted
+    return None
+
+
 def _describe(holder: dict[str, Any] | None) -> str:
     if not holder:
         return "an unknown process"

@@ -29,6 +29,7 @@ from meshlearn.optim.schedule_lr import lr_factor
 from meshlearn.report.progress import ProgressLine
 from meshlearn.train.assemble import build_workers, resolve
 from meshlearn.train.checkpoint import CHECKPOINT, ShardedCheckpoint, SingleFileCheckpoint
+from meshlearn.train.closing import Closing, closing
 from meshlearn.train.provenance import record_start
 from meshlearn.train.signals import GracefulStop
 
@@ -285,6 +286,14 @@ class Trainer:
         for callback in self.plugins.values():
             summary |= callback.summary()
         return summary
+
+    def closing(self, summary: dict, rates: str) -> Closing:
+        """The line this run ends with and its exit code (train/closing.py); ``rates``: the
+        driver's throughput, as the caller words it."""
+        stop = self.stop
+        signal_name = self.interrupted or (stop.name if stop is not None else None)
+        return closing(summary, self.cfg.train.steps, self.cfg.train.stop_at_step, signal_name,
+                       stop.exit_code if stop is not None else 0, self.run_dir, rates)
 
     def _writes_summary(self) -> bool:
         """The records' writer; under a sink, the process that wrote the last step's records."""
