@@ -54,13 +54,14 @@ from adaptation import PAPER, binding
 from adaptation_sweep import masked_val_loss
 from common import ROOT, markdown_table, write_results
 
+from meshlearn.atomic import atomic_write_json
 from meshlearn.config import RunConfig, load_config, to_dict
+from meshlearn.jsonl import read_records
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models.llama import Decoder, DecoderConfig
 from meshlearn.models.split import merge_stages
 from meshlearn.sample import Generation, generate_text
 from meshlearn.train import Trainer
-from meshlearn.train.files import atomic_write_json, read_records
 from meshlearn.train.provenance import describe_run
 
 OUT = ROOT / "bench" / "out" / "adaptation_smollm2"

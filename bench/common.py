@@ -11,10 +11,10 @@ from pathlib import Path
 
 import tomli_w
 
+from meshlearn.atomic import atomic_write_json, atomic_write_text
 from meshlearn.config import RunConfig, load_config, to_dict
 from meshlearn.entry.plugins import register_builtin_plugins
 from meshlearn.train import Trainer
-from meshlearn.train.files import atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"

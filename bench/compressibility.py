@@ -39,11 +39,11 @@ from meshlearn.compressibility.plots import plot_loss_vs_kept, plot_spectra
 from meshlearn.config import RunConfig
 from meshlearn.data import global_batch
 from meshlearn.data.corpus import load_corpus
+from meshlearn.jsonl import read_records
 from meshlearn.models import Decoder, init_model
 from meshlearn.optim import build_optimizer
 from meshlearn.train import Trainer
 from meshlearn.train.assemble import resolve
-from meshlearn.train.files import read_records
 
 OPTIMIZERS = ("adamw", "muon", "numuon")
 GRIDS = {"adamw": (3e-3, 6e-3, 1.2e-2), "muon": (1.2e-2, 2.4e-2, 4.8e-2), "numuon": (1.2e-2, 2.4e-2, 4.8e-2)}

@@ -45,7 +45,7 @@ from common import demo_config, markdown_table, write_results
 
 from meshlearn.config import save_config
 from meshlearn.entry.launch import WORKERS_FILE, launch_local
-from meshlearn.train.files import read_records
+from meshlearn.jsonl import read_records
 
 
 def overrides(steps: int, elastic: bool, *extra: str) -> list[str]:

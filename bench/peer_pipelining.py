@@ -41,14 +41,14 @@ from meshlearn.data import global_batch
 from meshlearn.data.corpus import load_corpus
 from meshlearn.distributed.shaping import Pacer, hold_until
 from meshlearn.entry.launch import launch_local
+from meshlearn.jsonl import read_records
 from meshlearn.mesh.network import Network
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder
 from meshlearn.models.split import init_model, split_model
 from meshlearn.optim import build_optimizer
+from meshlearn.optim.schedule_lr import lr_factor
 from meshlearn.train.assemble import resolve
-from meshlearn.train.files import read_records
-from meshlearn.train.schedule_lr import lr_factor
 
 
 def overrides(bandwidth: float, steps: int) -> list[str]:

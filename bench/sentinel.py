@@ -37,10 +37,11 @@ from pathlib import Path
 import torch
 from common import ROOT, demo_config, finished_run, markdown_table, scratch_trainer, slug, write_results
 
+from meshlearn.atomic import atomic_write_json
 from meshlearn.errors import ConfigError
+from meshlearn.jsonl import read_records
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
-from meshlearn.train.files import atomic_write_json, read_records
 from meshlearn.verify.attacks import AttackConfig
 from meshlearn.verify.forgeries import FORGERIES
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from common import DEMO, demo_config, markdown_table, write_results
 
 from meshlearn.entry.launch import launch_local
-from meshlearn.train.files import read_records
+from meshlearn.jsonl import read_records
 
 
 def overrides(mesh: str, schedule: str, link: str, steps: int, verify: bool) -> list[str]:

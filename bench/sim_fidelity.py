@@ -25,8 +25,8 @@ import torch
 from common import DEMO, demo_config, markdown_table, write_results
 
 from meshlearn.entry.launch import launch_local
+from meshlearn.jsonl import read_records
 from meshlearn.train import Trainer
-from meshlearn.train.files import read_records
 
 
 def overrides(bandwidth: float, steps: int) -> list[str]:

@@ -58,8 +58,8 @@ from meshlearn.models.llama import Decoder
 from meshlearn.models.pretrained import find_source, load_model
 from meshlearn.models.split import stage_layer_ranges
 from meshlearn.optim.factory import ADAMW_BETAS, decay_groups
+from meshlearn.optim.schedule_lr import lr_factor
 from meshlearn.optim.spectral import TARGETS, AnchorBasis, SpectralConfig, effective_tau, filter_gradient
-from meshlearn.train.schedule_lr import lr_factor
 
 KEEPS = {"M95": 0.05, "M90": 0.1}
 ALPHAS = (0.0, 0.3, 0.7)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from common import DEMO, ROOT, demo_config, finished_run, markdown_table, write_results
 
+from meshlearn.attack_run import attack_run, attack_snapshots, random_init_loss, unigram_loss
 from meshlearn.compressibility.evaluate import validation_loss
 from meshlearn.config import load_config
 from meshlearn.data import global_batch, validation_batches
@@ -39,7 +40,7 @@ from meshlearn.data.corpus import load_corpus
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.models.split import init_model, split_model
 from meshlearn.optim import build_optimizer
-from meshlearn.protocol.attack_run import attack_run, attack_snapshots, random_init_loss, unigram_loss
+from meshlearn.optim.schedule_lr import lr_factor
 from meshlearn.protocol.model import ProtocolDecoder, protocol_model
 from meshlearn.protocol.morph import StageMorph, morph_mesh
 from meshlearn.protocol.snapshots import (
@@ -52,7 +53,6 @@ from meshlearn.protocol.snapshots import (
     traffic_windows,
 )
 from meshlearn.train.assemble import resolve
-from meshlearn.train.schedule_lr import lr_factor
 
 ATTACKS = ("stitch", "bridge", "covariance")
 RSS_WRAPPER = """import resource, runpy, sys

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from common import markdown_table, write_results
 
+from meshlearn.attack_run import attack_snapshots, random_init_loss, unigram_loss
 from meshlearn.config import load_config
 from meshlearn.data import validation_batches
 from meshlearn.data.corpus import load_corpus
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.protocol.attack_run import attack_snapshots, random_init_loss, unigram_loss
 from meshlearn.protocol.morph import StageMorph, morph_mesh
 from meshlearn.protocol.snapshots import (
     SNAPSHOT_DIR,

@@ -10,8 +10,8 @@ from meshlearn.config import RunConfig, load_config
 from meshlearn.data import global_batch
 from meshlearn.models import Decoder, init_model
 from meshlearn.optim import build_optimizer
+from meshlearn.optim.schedule_lr import lr_factor
 from meshlearn.train import Trainer
-from meshlearn.train.schedule_lr import lr_factor
 
 
 def tiny_config(corpus: Path, *overrides: str) -> RunConfig:

@@ -12,12 +12,12 @@ from meshlearn.compress import CodecConfig, MaskCodec, MessageContext, build_cod
 from meshlearn.compress.prf import grid32, key32, mix32, mul32
 from meshlearn.data import global_batch, shard_batch
 from meshlearn.errors import ConfigError
+from meshlearn.jsonl import read_records
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder, DecoderConfig, init_model, merge_stages
 from meshlearn.optim import build_optimizer
+from meshlearn.optim.schedule_lr import lr_factor
 from meshlearn.train import Trainer
-from meshlearn.train.files import read_records
-from meshlearn.train.schedule_lr import lr_factor
 
 B, T, D = 3, 8, 40
 CTX = MessageContext(step=7, microbatch=2, boundary=1, replica=1)

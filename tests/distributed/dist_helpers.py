@@ -15,7 +15,7 @@ from pathlib import Path
 
 from meshlearn.config import RunConfig, load_config, save_config
 from meshlearn.entry.launch import WORKERS_FILE, launch_local
-from meshlearn.train.files import read_records
+from meshlearn.jsonl import read_records
 
 FAST = ["dist.threads=1", "dist.heartbeat_s=0.2"]  # one intra-op thread: 2 cores, up to 8 processes
 

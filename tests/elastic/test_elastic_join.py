@@ -32,8 +32,8 @@ from dist_helpers import deadline, kill_leftovers, launch, records, wait_until  
 from tiny import tiny_config  # noqa: E402
 
 from meshlearn.entry.launch import WORKERS_FILE  # noqa: E402
+from meshlearn.jsonl import read_records  # noqa: E402
 from meshlearn.train.checkpoint import MANIFEST, latest_complete  # noqa: E402
-from meshlearn.train.files import read_records  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "train.steps=2000", "elastic.enabled=true",

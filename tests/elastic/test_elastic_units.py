@@ -30,8 +30,8 @@ from meshlearn.elastic.records import ElasticRecords
 from meshlearn.elastic.rows import RowAgreement, whole_batch
 from meshlearn.elastic.settings import ElasticConfig, derive_timeouts
 from meshlearn.errors import ConfigError
+from meshlearn.jsonl import read_records
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.train.files import read_records
 
 ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "elastic.enabled=true"]
 

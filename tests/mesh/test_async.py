@@ -16,8 +16,8 @@ from meshlearn.mesh.schedule import stage_in_flight
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder, init_model, merge_stages, split_model
 from meshlearn.optim import build_optimizer
+from meshlearn.optim.schedule_lr import lr_factor
 from meshlearn.train import Trainer
-from meshlearn.train.schedule_lr import lr_factor
 
 ASYNC = ["mesh.schedule=async", "mesh.microbatches=4", "train.steps=3"]
 

@@ -13,8 +13,8 @@ from tiny_checkpoints import TEXT, tiny_model, tiny_tokenizer, write_tiny_gguf
 
 from meshlearn.config import load_config
 from meshlearn.entry.cli import main
+from meshlearn.export import export
 from meshlearn.models import init_model
-from meshlearn.models.export import export
 from meshlearn.models.pretrained import find_source, load_model
 from meshlearn.train.restore import load_run_model
 

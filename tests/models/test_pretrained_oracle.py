@@ -13,7 +13,7 @@ import torch
 from tiny_checkpoints import TEXT, tiny_model, tiny_tokenizer, write_tiny_gguf
 
 from meshlearn.data import BPETokenizer
-from meshlearn.models.export import export
+from meshlearn.export import export
 from meshlearn.models.formats.rope import pairs_to_halves
 from meshlearn.models.pretrained import find_source, load_model
 

@@ -79,7 +79,7 @@ def test_training_with_locked_blocks_equals_training_the_shallower_model(tiny_co
     shallow = Decoder(c.model, layer_ids=[0, 2])
     shallow.load_state_dict({k: v for k, v in full.state_dict().items() if k in shallow.state_dict()})
     optimizer = build_optimizer(shallow, c.optim, c.train.lr, c.train.steps)
-    from meshlearn.train.schedule_lr import lr_factor
+    from meshlearn.optim.schedule_lr import lr_factor
     ref = []
     for t in range(4):
         x, y = global_batch(trainer.corpus.splits.train, t, c.train.batch_size, c.model.seq_len, c.seed)

@@ -216,10 +216,8 @@ class AnchorCallback(Callback):
 
 
 def anchor_plugin(ctx: PluginContext) -> Callback | None:
+    """The simulated anchor circuit (under dist the anchor stages are processes of their own, and
+    the entry point builds ``distributed.anchor.dist_anchor_plugin`` instead)."""
     if ctx.cfg.anchor.z == 0:
         return None
-    if ctx.cfg.backend == "dist":  # the anchor stages are processes of their own
-        from meshlearn.distributed.anchor import DistAnchorCallback
-
-        return DistAnchorCallback(ctx.cfg, ctx.driver)
     return AnchorCallback(ctx.cfg, ctx.workers, ctx.driver, ctx.run_dir, fresh=ctx.resume_step is None)

@@ -13,6 +13,7 @@ travel) reads it; the others ignore it except for where their output lives.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -61,6 +62,15 @@ class Encoded:
     meta: dict[str, int | float | str] = field(default_factory=dict)
 
     @property
+    def wire_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class SizedEncoded(Encoded):
+    """A cost-only message's payload (``meshlearn plan``, ``dp/cost.py``), sent many times: its wire
+    size is counted once."""
+
+    @functools.cached_property
     def wire_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 

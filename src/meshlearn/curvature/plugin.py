@@ -68,7 +68,7 @@ class CurvatureCallback(Callback):
         return Decoder.loss(x, y)
 
     def _lr_beta1(self, done: int) -> tuple[float, float]:
-        from meshlearn.train.schedule_lr import lr_factor
+        from meshlearn.optim.schedule_lr import lr_factor
 
         t = self.cfg.train
         lr = t.lr * lr_factor(min(done, t.steps - 1), t.warmup_steps, t.steps, t.min_lr_ratio)

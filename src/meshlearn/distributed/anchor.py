@@ -60,7 +60,7 @@ from meshlearn.distributed.health import Health, WorkerFailure, run_and_exit, st
 from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.transport import Transport
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, message_bound
-from meshlearn.hooks import Callback
+from meshlearn.hooks import Callback, PluginContext
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import Link as LinkModel
 from meshlearn.mesh.network import LinkProfile, build_network
@@ -349,6 +349,13 @@ class DistAnchorCallback(Callback):
                "anchor_bytes_listen": int(c["bytes_listen"]),
                "bytes_per_token_anchor": total / tokens if tokens else 0.0}
         return out | {k: int(v) for k, v in zip(spectral, sums[len(TOTALS):], strict=True)}
+
+
+def dist_anchor_plugin(ctx: PluginContext) -> Callback | None:
+    """The anchor circuit's trainer plugin in a dist worker process (see ``DistAnchorCallback``)."""
+    if ctx.cfg.anchor.z == 0:
+        return None
+    return DistAnchorCallback(ctx.cfg, ctx.driver)
 
 
 class AnchorStage:

@@ -23,13 +23,13 @@ import functools
 
 import torch
 
+from meshlearn.compress.codecs import SizedEncoded
 from meshlearn.dp.base import DPStrategy, Exchange, Key
 from meshlearn.dp.diloco import StreamingDiLoCo, Sync
 from meshlearn.dp.powersgd import PowerSGD
 from meshlearn.dp.registry import BUILDERS, _deadline
 from meshlearn.dp.sparse import Round, SparseAveraging
 from meshlearn.mesh.messages import Message
-from meshlearn.plan.cost_worker import SizedEncoded
 
 
 class CostExchange(Exchange):

@@ -28,13 +28,13 @@ from typing import TextIO
 
 import torch.distributed as dist
 
+from meshlearn.atomic import atomic_write_json
 from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, EXIT_PEER_FAILURE
 from meshlearn.distributed.procs import echo, stop
 from meshlearn.elastic.binding import start_lighthouse
 from meshlearn.elastic.links import generation_key
 from meshlearn.elastic.settings import derive_timeouts
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.train.files import atomic_write_json
 
 LIGHTHOUSES_ENV = "MESHLEARN_LIGHTHOUSES"  # the stages' lighthouse addresses, comma-separated
 LIGHTHOUSES_KEY = "elastic/lighthouses"  # the same, in the run's store, for joiners

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from meshlearn.jsonl import append_record
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.train.files import append_record
 
 
 class ElasticRecords:

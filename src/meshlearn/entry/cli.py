@@ -198,7 +198,7 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from meshlearn.models.export import export
+    from meshlearn.export import export
 
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.overwrite:
@@ -305,7 +305,7 @@ def _floats(flag: str, text: str) -> tuple[float, ...]:
 def _attack(args: argparse.Namespace) -> int:
     import json
 
-    from meshlearn.protocol.attack_run import attack_run
+    from meshlearn.attack_run import attack_run
 
     if not (Path(args.run) / "config.toml").is_file():
         raise ConfigError("attack", args.run, "not a run folder (no config.toml in it)")

@@ -28,6 +28,7 @@ from typing import TextIO
 
 import torch.distributed as dist
 
+from meshlearn.atomic import atomic_write_json
 from meshlearn.config import RunConfig
 from meshlearn.distributed.groups import anchors, world_size
 from meshlearn.distributed.health import ABORT_KEY, process_name
@@ -48,7 +49,6 @@ from meshlearn.elastic.settings import derive_timeouts
 from meshlearn.entry.worker import refuse_resume
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.train.checkpoint import latest_complete
-from meshlearn.train.files import atomic_write_json
 from meshlearn.train.signals import STOPPING
 
 

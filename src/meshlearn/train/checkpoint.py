@@ -25,9 +25,8 @@ from pathlib import Path
 
 import torch
 
-from meshlearn.atomic import atomic_path
+from meshlearn.atomic import atomic_path, atomic_torch_save, atomic_write_json
 from meshlearn.errors import ConfigError
-from meshlearn.train.files import atomic_torch_save, atomic_write_json
 
 CHECKPOINT = "checkpoint.pt"
 PREVIOUS = "checkpoint.prev.pt"

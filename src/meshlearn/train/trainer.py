@@ -14,22 +14,23 @@ from pathlib import Path
 
 import torch
 
+from meshlearn.atomic import atomic_write_json
 from meshlearn.config import RunConfig, save_config, to_dict
 from meshlearn.data import global_batch, shard_batch, validation_batches
 from meshlearn.data.corpus import load_corpus
 from meshlearn.hooks import PluginContext, build_callbacks
+from meshlearn.jsonl import MetricsLog, read_records
 from meshlearn.mesh.driver import Driver
 from meshlearn.mesh.report import StepReport
 from meshlearn.mesh.sim import build_sim_driver, pipeline_loss
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepWork
+from meshlearn.optim.schedule_lr import lr_factor
 from meshlearn.report.progress import ProgressLine
 from meshlearn.train.assemble import build_workers, resolve
 from meshlearn.train.checkpoint import CHECKPOINT, ShardedCheckpoint, SingleFileCheckpoint
 from meshlearn.train.closing import Closing, closing
-from meshlearn.train.files import MetricsLog, atomic_write_json, read_records
 from meshlearn.train.provenance import record_start
-from meshlearn.train.schedule_lr import lr_factor
 from meshlearn.train.signals import GracefulStop
 
 __all__ = ["CHECKPOINT", "Trainer", "pipeline_loss"]

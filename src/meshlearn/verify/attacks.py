@@ -36,7 +36,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -55,9 +55,6 @@ from meshlearn.verify.forgeries import (
     ForgeStale,
 )
 from meshlearn.verify.sentinel import BoundaryVerifier, VerifyConfig
-
-if TYPE_CHECKING:  # config.py and the trainer import this module
-    from meshlearn.config import RunConfig
 
 
 class Zeros(Attack):
@@ -349,9 +346,9 @@ def build_attacks(cfg: AttackConfig, verify: VerifyConfig, mesh: MeshShape,
 # --- config checks ---------------------------------------------------------------------------
 
 
-def validate_attack(cfg: RunConfig, require: Callable[[bool, str, Any, str], None]) -> None:
-    """Checks of ``attack.*`` run by ``config.validate``; ``require(ok, key, value, allowed)`` raises
-    the ConfigError naming the field, its value and what is allowed."""
+def validate_attack(cfg: Any, require: Callable[[bool, str, Any, str], None]) -> None:
+    """Checks of ``attack.*`` run by ``config.validate`` (``cfg``: the RunConfig); ``require(ok, key,
+    value, allowed)`` raises the ConfigError naming the field, its value and what is allowed."""
     a, mesh = cfg.attack, cfg.mesh
     require(a.kind == "none" or a.kind in ATTACKS, "attack.kind", a.kind,
             f"allowed: {['none', *sorted(ATTACKS)]}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from meshlearn.hooks import Callback, PluginContext, StepOutput
-from meshlearn.train.files import MetricsLog
+from meshlearn.jsonl import MetricsLog
 from meshlearn.verify.trust import TrustLayer
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from meshlearn.compress.registry import build_codec
 from meshlearn.mesh.topology import MeshShape, WorkerId
@@ -51,8 +51,7 @@ from meshlearn.verify.ledger import Ledger
 from meshlearn.verify.sentinel import Alert, Ban, Decision, Sentinel
 from meshlearn.verify.verdicts import RemoteSentinel
 
-if TYPE_CHECKING:  # config.py imports this package's config dataclasses
-    from meshlearn.config import RunConfig
+if TYPE_CHECKING:
     from meshlearn.mesh.sim import SimDriver
 
 
@@ -105,10 +104,11 @@ class StepTrust:
 
 
 class TrustLayer:
-    """``workers``: this process's workers (all of them in the simulator). ``remote``: the verdicts
-    of a verifier in another process, used instead of a ``Sentinel`` of its own (dist)."""
+    """``cfg``: the run's RunConfig. ``workers``: this process's workers (all of them in the
+    simulator). ``remote``: the verdicts of a verifier in another process, used instead of a
+    ``Sentinel`` of its own (dist)."""
 
-    def __init__(self, cfg: RunConfig, workers: dict[WorkerId, Worker], remote: RemoteSentinel | None = None):
+    def __init__(self, cfg: Any, workers: dict[WorkerId, Worker], remote: RemoteSentinel | None = None):
         self.cfg = cfg
         self.mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
         self.workers = workers

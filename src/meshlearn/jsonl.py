@@ -1,4 +1,5 @@
-"""The metrics log of a run: append-only JSON lines that survive crashes and resumes."""
+"""The metrics log of a run: append-only JSON lines that survive crashes and resumes (the trainer's
+metrics.jsonl, SENTINEL's verify.jsonl, an elastic run's per-step records)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from meshlearn.atomic import atomic_torch_save, atomic_write_json, atomic_write_text
-
-__all__ = ["MetricsLog", "atomic_torch_save", "atomic_write_json", "append_record", "atomic_write_text",
-           "read_records"]
+from meshlearn.atomic import atomic_write_text
 
 
 class MetricsLog:
