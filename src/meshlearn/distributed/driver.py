@@ -40,6 +40,7 @@ from meshlearn.mesh.schedule import AsyncPlan, feed_lookahead, pipeline_in_fligh
 from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.mesh.wall_clock import WallClock
 from meshlearn.mesh.worker import StepStats, Worker
 from meshlearn.verify.verdicts import RemoteSentinel
 
@@ -49,7 +50,9 @@ _SQ, _BUSY, _PP, _DP, _STALE, _DPWAIT, _LINKS = 0, 1, 2, 3, 4, 5, 6
 
 
 class DistDriver(PipelineEvaluation):
-    """Drives this process's one worker; ``workers`` holds just it (the Trainer's view of "local")."""
+    """Drives this process's one worker; ``workers`` holds just it (the Trainer's view of "local").
+    A ``Driver`` (mesh/driver.py) with the capabilities ``ControlChannel`` and, with a verifier,
+    ``RemoteVerdicts`` (verify/capabilities.py)."""
 
     def __init__(self, cfg, worker: Worker, health: Health, device: torch.device, comm: str,
                  dp_group, link_groups: dict[tuple[WorkerId, WorkerId], object], workers_group=None,
@@ -71,6 +74,7 @@ class DistDriver(PipelineEvaluation):
         self.relay = relay  # the verifier's rank when it relays the pipeline links
         self.shaped = cfg.dist.shaping == "sender"
         self.epoch = time.monotonic()
+        self.clock = WallClock(self.epoch)
         self.network = build_network(cfg.link, cfg.links, self.mesh, cfg.seed)
         self.prev = self.mesh.prev_stage(self.me)
         self.next = self.mesh.next_stage(self.me)

@@ -16,6 +16,7 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -40,11 +41,19 @@ from meshlearn.models.llama import Decoder
 
 @dataclass
 class SimClock:
-    """Per-worker virtual clocks and busy time, carried across steps (and checkpoints)."""
+    """Per-worker virtual clocks and busy time, carried across steps (and checkpoints); the run's
+    ``Clock`` (mesh/driver.py)."""
 
     now: dict[WorkerId, float] = field(default_factory=dict)
     busy_s: dict[WorkerId, float] = field(default_factory=dict)
     step_end: float = 0.0
+    virtual: ClassVar[bool] = True
+
+    def worker_s(self, worker: WorkerId) -> float:
+        return self.now[worker]
+
+    def elapsed_s(self) -> float:
+        return self.step_end
 
     def state(self) -> dict:
         return {"now": {str(w): t for w, t in self.now.items()},
@@ -57,9 +66,14 @@ class SimClock:
 
 
 class SimDriver:
+    """A ``Driver`` (mesh/driver.py) with the capabilities ``ControlChannel``, ``MessageMonitors``
+    and ``TimeModels``."""
+
     writes_records = True  # one process holds every worker: it writes the records and the summary
+    writes_run_files = True
     monitor_release = True  # asks monitors for their own delivery time (release_s), see attach_monitor
     shard = None  # checkpoints are one file (a DistDriver names its shard; see train/checkpoint.py)
+    checkpoint_store = None  # the trainer's single file
 
     def __init__(self, mesh: MeshShape, workers: dict[WorkerId, Worker], network: Network,
                  compute: ComputeModel, grad_clip: float):
@@ -95,6 +109,7 @@ class SimDriver:
         self.lookahead = feed_lookahead(in_flight, next(iter(workers.values())).microbatches, self.flushes)
         self._bytes_mark: tuple[int, int] | None = None  # link bytes at the last step's end
         self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
+        self.control_mail: list[Message] = []  # control messages sent, not yet received
 
     def attach_monitor(self, monitor: MessageMonitor, charge_time: bool = True) -> None:
         """Add a subscriber that inspects every message on arrival, in the order attached. With
@@ -103,15 +118,23 @@ class SimDriver:
         virtual clock bit-reproducible."""
         self.monitors.append((monitor, charge_time))
 
-    def send_control(self, message: Message) -> Message:
+    def send_control(self, message: Message) -> None:
         """Carry a control message between two workers at a drain point (a protocol model's
         boundary transform): its bytes cross the link like any message's (counted in the next
-        step's report) and the receiver's clock waits for its arrival. Returns it as delivered."""
+        step's report) and the receiver's clock waits for its arrival; its receiver takes it with
+        ``receive_control``."""
         assert self.drained, "control messages travel at drain points"
         link = self.network.link(message.src, message.dst)
         arrival = link.transmit(self.clock.now[message.src], message.wire_bytes)
         self.clock.now[message.dst] = max(self.clock.now[message.dst], arrival)
-        return message
+        self.control_mail.append(message)
+
+    def receive_control(self, src: WorkerId, kind: str, what: str) -> Message:
+        """The oldest control message of ``kind`` from ``src`` sent at this drain point."""
+        for i, message in enumerate(self.control_mail):
+            if message.src == src and message.kind == kind:
+                return self.control_mail.pop(i)
+        raise RuntimeError(f"waited for {what} from {src} at a drain point, but {src} sent none")
 
     @property
     def drained(self) -> bool:
