@@ -8,8 +8,8 @@ from tiny import tiny_config
 
 from meshlearn.cluster.placement import place
 from meshlearn.config import ConfigError, load_config, save_config
+from meshlearn.jsonl import read_records
 from meshlearn.train import Trainer
-from meshlearn.train.files import read_records
 
 PLACEMENT = """
 [mesh]
