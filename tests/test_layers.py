@@ -8,6 +8,8 @@ still a dependency, only a hidden one), type-only ones under ``TYPE_CHECKING`` t
 - a method package (anchor, compress, curvature, dp, protocol, verify, warmup, and the subspace
   update plugin) imports no trainer, planner, runtime, entry point or config tree;
 - the dist runtime never imports the elastic layer (elastic is composed on top of it);
+- the transport at the bottom (``net``: credentials, TLS, the one port, authenticated links)
+  imports nothing of meshlearn's but itself and the leaf helpers ``atomic`` and ``errors``;
 - nothing imports ``meshlearn.entry`` but the entry points themselves and ``meshlearn.__main__``;
 - nobody probes a driver with ``getattr``/``hasattr`` (a call whose first argument is a name or
   attribute ending in ``driver``): what a driver offers is declared (``mesh/driver.py``), and an
@@ -28,6 +30,7 @@ ROOT = "meshlearn"
 
 METHODS = ("anchor", "compress", "curvature", "dp", "protocol", "verify", "warmup", "mesh.basis_updates")
 ABOVE_METHODS = ("train", "plan", "distributed", "elastic", "entry", "config")
+BELOW_NET = ("net", "atomic", "errors")  # what the transport may import
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,9 @@ def layer_violations(edges: list[Edge]) -> list[str]:
         if _within(e.importer, "distributed") and _within(e.imported, "elastic"):
             lines.append(f"{e.importer} -> {e.imported} ({e.where}): the dist runtime imports the elastic "
                          "layer (the entry point composes it)")
+        if _within(e.importer, "net") and not any(_within(e.imported, p) for p in BELOW_NET):
+            lines.append(f"{e.importer} -> {e.imported} ({e.where}): the transport (net) imports a layer "
+                         "above it")
         if (_within(e.imported, "entry") and not _within(e.importer, "entry")
                 and e.importer != f"{ROOT}.__main__"):
             lines.append(f"{e.importer} -> {e.imported} ({e.where}): only the entry points import "
@@ -243,6 +249,9 @@ def test_the_checker_reports_each_kind_of_broken_layer(tmp_path):
         "entry/cli.py": "from meshlearn.distributed import worker\n",
         "report.py": "from meshlearn.entry.cli import main\n",
         "__main__.py": "from meshlearn.entry.cli import main\n",
+        "errors.py": "",
+        "net/__init__.py": "",
+        "net/tls.py": "from meshlearn import errors\n\ndef dial():\n    from meshlearn.train import loop\n",
     })
     problems = layer_violations(import_graph(src))
     assert sorted(p.split(" (")[0] for p in problems) == [
@@ -250,6 +259,7 @@ def test_the_checker_reports_each_kind_of_broken_layer(tmp_path):
         "meshlearn.anchor.plugin -> meshlearn.train.loop",  # a method imports the trainer (lazily)
         "meshlearn.distributed.worker -> meshlearn.elastic.driver",  # dist -> elastic (type-only)
         "meshlearn.hooks -> meshlearn.plugins",  # importlib's edge closes the circle
+        "meshlearn.net.tls -> meshlearn.train.loop",  # the transport reaches up (errors is allowed)
         "meshlearn.plugins -> meshlearn.anchor.plugin",
         "meshlearn.report -> meshlearn.entry.cli",  # only entry and __main__ may import entry
     ]

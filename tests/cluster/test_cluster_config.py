@@ -8,8 +8,8 @@ from tiny import tiny_config
 
 from meshlearn.cluster.placement import place
 from meshlearn.config import ConfigError, load_config, save_config
+from meshlearn.jsonl import read_records
 from meshlearn.train import Trainer
-from meshlearn.train.files import read_records
 
 PLACEMENT = """
 [mesh]
@@ -148,3 +148,11 @@ def test_resume_keeps_the_placement_of_workers_but_not_of_addresses(tmp_path):
                     "cluster.hosts.bob.workers=r0s1,r1s1")
     with pytest.raises(ConfigError, match="cluster.hosts.alice.workers .* cannot change on --resume"):
         check_resumable(to_dict(cfg), to_dict(swapped))
+
+
+def test_a_config_with_a_placement_hashes_and_its_hosts_still_count_for_equality(tmp_path):
+    """RunConfig is hashed (the planner caches by it): a placement must not make it unhashable."""
+    cfg = _load(tmp_path)
+    assert hash(cfg) == hash(_load(tmp_path)) and cfg == _load(tmp_path)
+    moved = _load(tmp_path, PLACEMENT.replace("127.0.0.2", "127.0.0.3"))
+    assert moved != cfg

@@ -27,8 +27,8 @@ from tiny import tiny_config
 import meshlearn
 from meshlearn.cluster.settings import ClusterConfig, HostConfig
 from meshlearn.config import save_config
+from meshlearn.jsonl import read_records
 from meshlearn.train import Trainer
-from meshlearn.train.files import read_records
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
 

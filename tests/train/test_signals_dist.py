@@ -15,9 +15,9 @@ from test_signals import cli, train_records
 
 from meshlearn.config import load_config
 from meshlearn.entry.launch import launch_local
+from meshlearn.jsonl import read_records
 from meshlearn.train import Trainer
 from meshlearn.train.checkpoint import MANIFEST, latest_complete
-from meshlearn.train.files import read_records
 
 
 @pytest.mark.slow  # about 10 s: two real worker processes start, train, stop and checkpoint

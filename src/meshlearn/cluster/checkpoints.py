@@ -29,8 +29,8 @@ import shutil
 import time
 from pathlib import Path
 
+from meshlearn.atomic import atomic_torch_save, atomic_write_json
 from meshlearn.train.checkpoint import CHECKPOINT_DIR, CheckpointError, load_checkpoint_file
-from meshlearn.train.files import atomic_torch_save, atomic_write_json
 
 HOST_MANIFEST = "host.json"
 AGREED = "agreed.json"

@@ -49,7 +49,9 @@ class ClusterConfig:
     coordinator: str = ""
     """The host that holds the run's control plane: its launcher hosts the rendezvous on its
     ``address:port``, and its run folder gets the metrics, the summary and workers.json."""
-    hosts: dict[str, HostConfig] = field(default_factory=dict)
+    # hash=False: a dict cannot be hashed, and a RunConfig is (the planner caches by it); two
+    # configs that differ only in their hosts still compare unequal.
+    hosts: dict[str, HostConfig] = field(default_factory=dict, hash=False)
     """The machines of the run, by name."""
 
     @property

@@ -16,10 +16,9 @@ import json
 from datetime import timedelta
 from pathlib import Path
 
-from meshlearn.atomic import atomic_path
+from meshlearn.atomic import atomic_path, atomic_write_json
 from meshlearn.cluster.placement import Placement
 from meshlearn.config import ConfigError, RunConfig, to_dict
-from meshlearn.train.files import atomic_write_json
 from meshlearn.train.provenance import changed_keys
 
 KEYS = "meshlearn-cluster"  # on the rendezvous store, beside the workers' own prefix

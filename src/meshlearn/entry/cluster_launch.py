@@ -27,6 +27,7 @@ from typing import TextIO
 
 import torch.distributed as dist
 
+from meshlearn.atomic import atomic_write_json
 from meshlearn.cluster.checkpoints import agreed_steps
 from meshlearn.cluster.placement import Placement
 from meshlearn.cluster.role import HOST_ENV
@@ -45,7 +46,6 @@ from meshlearn.entry.launch import (  # one machine's launcher: the same childre
 )
 from meshlearn.entry.worker import refuse_resume
 from meshlearn.errors import ConfigError
-from meshlearn.train.files import atomic_write_json
 from meshlearn.train.signals import STOPPING
 
 
