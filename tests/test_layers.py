@@ -173,7 +173,7 @@ def driver_probes(src: Path = SRC) -> list[str]:
     """One line per ``getattr``/``hasattr`` call on a driver (``driver``, ``self.driver``,
     ``ctx.driver``, ``sim_driver``, ...) in the package: FILE:LINE and the call."""
     lines = []
-    for module, path in module_names(src).items():
+    for path in module_names(src).values():
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                     and node.func.id in ("getattr", "hasattr") and node.args):
