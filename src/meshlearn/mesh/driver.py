@@ -74,6 +74,7 @@ class CheckpointStore(Protocol):
         ...
 
 
+@runtime_checkable
 class Driver(Protocol):
     workers: dict[WorkerId, Worker]
     """The workers of this process (all of them in the simulator, one in a dist process)."""
