@@ -1,0 +1,68 @@
+"""Runs whose links are not trusted (``dist.trusted_links = "false"``): no process group in any
+process; the DP all-reduce, the per-step gather, barriers and the validation broadcast run over
+framed streams (``distributed/collectives.py``), and the run is still the simulator's."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+from dist_helpers import deadline, kill_leftovers, launch, records, train_records, wait_until
+from tiny import tiny_config
+
+from meshlearn.distributed.collectives import FRAME_OVERHEAD
+from meshlearn.entry.launch import WORKERS_FILE
+from meshlearn.train import Trainer
+
+UNTRUSTED = "dist.trusted_links=false"
+
+
+def _listening(pids: list[int]) -> dict[int, list]:
+    """Each process's listening TCP sockets."""
+    return {pid: [c.laddr for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+            for pid in pids}
+
+
+def _run(cfg, run_dir: Path, *sets: str, watch: bool = False) -> dict[int, list]:
+    """Launch; with ``watch``, each worker's listening sockets once its first step is in."""
+    seen: dict[int, list] = {}
+    result: dict[str, int] = {}
+    try:
+        with deadline(60, "the dist run"):
+            thread = threading.Thread(target=lambda: result.setdefault("code", launch(cfg, run_dir, *sets)))
+            thread.start()
+            if watch:
+                wait_until(lambda: train_records(run_dir) >= 1, 50, "the first step")
+                workers = json.loads((run_dir / WORKERS_FILE).read_text())
+                seen = _listening([info["pid"] for info in workers.values()])
+            thread.join()
+    finally:
+        kill_leftovers(run_dir)
+    assert result.get("code") == 0, list((run_dir / "logs").iterdir())
+    return seen
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "async"])
+def test_untrusted_links_train_as_the_simulator_with_no_process_group(tiny_corpus, tmp_path, schedule):
+    cfg = tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=2", f"mesh.schedule={schedule}",
+                      "train.steps=12", "train.eval_every=6")
+    Trainer(cfg, tmp_path / "sim", progress=False).train()
+    listening = _run(cfg, tmp_path / "dist", UNTRUSTED, watch=schedule == "1f1b")
+    a, b = records(tmp_path / "sim"), records(tmp_path / "dist")
+    assert [r["step"] for r in b] == list(range(1, 13))
+    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]  # bit for bit
+    assert [r["grad_norm"] for r in a] == pytest.approx([r["grad_norm"] for r in b], rel=1e-6)
+    assert [r["val_loss"] for r in records(tmp_path / "sim", "eval")] == [
+        r["val_loss"] for r in records(tmp_path / "dist", "eval")]
+    # What the frames put on the DP axis (counted from the start): each of the 4 workers' gradients,
+    # plus a frame's 32 bytes, to its one other replica; the simulator's ring at D = 2 moves N each.
+    # (Async: each process counts between its own step ends, so only a drain point's totals agree.)
+    drains = [r["step"] for r in a if schedule == "1f1b" or r["step"] % 6 == 0]
+    assert a[0]["bytes_dp"] > 0
+    assert [r["bytes_dp"] for r in b if r["step"] in drains] == [
+        r["bytes_dp"] + 4 * FRAME_OVERHEAD * r["step"] for r in a if r["step"] in drains]
+    if listening:  # the pipeline's and the collectives' listeners closed once connected; gloo has none
+        assert len(listening) == 4 and all(not socks for socks in listening.values()), listening
