@@ -57,12 +57,14 @@ def test_untrusted_links_train_as_the_simulator_with_no_process_group(tiny_corpu
     assert [r["grad_norm"] for r in a] == pytest.approx([r["grad_norm"] for r in b], rel=1e-6)
     assert [r["val_loss"] for r in records(tmp_path / "sim", "eval")] == [
         r["val_loss"] for r in records(tmp_path / "dist", "eval")]
-    # What the frames put on the DP axis (counted from the start): each of the 4 workers' gradients,
-    # plus a frame's 32 bytes, to its one other replica; the simulator's ring at D = 2 moves N each.
-    # (Async: each process counts between its own step ends, so only a drain point's totals agree.)
+    # What the frames put on the DP axis (counted from the start): per update, each of the 4 workers'
+    # gradients plus a frame's 32 bytes to its one other replica; the simulator's ring at D = 2
+    # moves N each. (Async: 2 updates a step, M / update_every; each process counts between its
+    # own step ends, so only a drain point's totals agree.)
+    updates = 1 if schedule == "1f1b" else cfg.mesh.microbatches // cfg.mesh.update_every
     drains = [r["step"] for r in a if schedule == "1f1b" or r["step"] % 6 == 0]
-    assert a[0]["bytes_dp"] > 0
+    assert a[0]["bytes_dp"] > 0 and updates == (1 if schedule == "1f1b" else 2)
     assert [r["bytes_dp"] for r in b if r["step"] in drains] == [
-        r["bytes_dp"] + 4 * FRAME_OVERHEAD * r["step"] for r in a if r["step"] in drains]
+        r["bytes_dp"] + 4 * updates * FRAME_OVERHEAD * r["step"] for r in a if r["step"] in drains]
     if listening:  # the pipeline's and the collectives' listeners closed once connected; gloo has none
         assert len(listening) == 4 and all(not socks for socks in listening.values()), listening
