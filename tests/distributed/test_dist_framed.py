@@ -22,8 +22,8 @@ UNTRUSTED = "dist.trusted_links=false"
 
 def _listening(pids: list[int]) -> dict[int, list]:
     """Each process's listening TCP sockets."""
-    return {pid: [c.laddr for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN]
-            for pid in pids}
+    return {pid: [c.laddr for c in psutil.Process(pid).net_connections("tcp")
+                  if c.status == psutil.CONN_LISTEN] for pid in pids}
 
 
 def _run(cfg, run_dir: Path, *sets: str, watch: bool = False) -> dict[int, list]:
