@@ -3,8 +3,9 @@
 The Worker is the very object the SimDriver drives: this driver hands it the messages that arrive
 (``receive``), asks it for work (``next_action``), runs it (``run``) and sends what it returns. The
 step ends as the simulator's does, in the same order and with the same arithmetic: the pipeline,
-the data-parallel mean of gradients (all-reduce over the group of the stage's replicas),
-the global norm for clipping, the update. A gather over all processes at the end of each step gives
+the data-parallel mean of gradients (a sum over the stage's replicas: a process group's all-reduce,
+or with untrusted links the framed collectives of ``collectives.py``), the global norm for
+clipping, the update. A gather over all processes at the end of each step gives
 every process the microbatch losses (only last stages compute them), the stages' squared gradient
 norms and byte counters, so whichever process writes metrics logs real losses, never a placeholder.
 
