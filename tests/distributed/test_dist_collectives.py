@@ -275,3 +275,15 @@ def test_trusted_links_auto_is_untrusted_across_machines_and_with_a_verifier(tmp
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as err:
             cfg(*overrides)
         assert "\n" not in str(err.value)
+
+
+def test_a_peer_that_closes_its_stream_ends_the_run_naming_it_as_a_lost_connection(store):
+    mine, theirs = socket.socketpair()
+    collectives = _run_collectives(store.port, 0, mine)
+    theirs.close()
+    with pytest.raises(WorkerFailure) as err:
+        collectives.gather(torch.zeros(1, 3, dtype=torch.float64), "the gather of losses and norms")
+    assert str(err.value).startswith("lost the connection to worker r1s0 while "), err.value
+    assert str(err.value).endswith("during the gather of losses and norms (noticed by r0s0)")
+    assert collectives.peers.refused == {}  # a broken stream is no lie
+    collectives.close()

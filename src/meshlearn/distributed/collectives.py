@@ -75,12 +75,13 @@ class Refused(Exception):
 
 
 class Lost(Exception):
-    """The stream to or from a peer closed, failed or stayed silent past its deadline."""
+    """The stream to or from a peer closed, failed or stayed silent past its deadline; ``how``:
+    "while sending (...)", "while receiving (...)"."""
 
-    def __init__(self, peer: int, reason: str, timed_out: bool = False):
-        super().__init__(reason)
+    def __init__(self, peer: int, how: str, timed_out: bool = False):
+        super().__init__(how)
         self.peer = peer
-        self.reason = reason
+        self.how = how
         self.timed_out = timed_out
 
 
@@ -124,7 +125,7 @@ class FramedCollectives:
         """Every member's ``tensor``, in ``ranks`` order (this process's own is ``tensor``).
         ``release``: per peer, the monotonic time before which its frame may not leave (shaping)."""
         peers = [r for r in ranks if r != self.rank]
-        frame = self._frame(tensor, op)
+        frame = self._frame(tensor)
         for peer in peers:
             self._send(peer, frame, (release or {}).get(peer, 0.0), op)
         return [tensor if r == self.rank else self._read(r, tensor, op) for r in ranks]
@@ -138,7 +139,7 @@ class FramedCollectives:
     def broadcast(self, tensor: torch.Tensor, src: int, ranks: Sequence[int]) -> torch.Tensor:
         """``src``'s ``tensor`` at every member (the others pass one of its shape and dtype)."""
         if self.rank == src:
-            frame = self._frame(tensor, "broadcast")
+            frame = self._frame(tensor)
             for peer in ranks:
                 if peer != src:
                     self._send(peer, frame, 0.0, "broadcast")
@@ -150,7 +151,7 @@ class FramedCollectives:
         """``src``'s uint8 ``blob``, whose size the others do not know: they refuse one beyond
         ``bound`` bytes before allocating it (the only collective whose size is not exact)."""
         if self.rank == src:
-            frame = self._frame(blob, "blob")
+            frame = self._frame(blob)
             for peer in ranks:
                 if peer != src:
                     self._send(peer, frame, 0.0, "blob")
@@ -173,7 +174,7 @@ class FramedCollectives:
 
     # --- frames ------------------------------------------------------------------------------
 
-    def _frame(self, tensor: torch.Tensor, op: str) -> tuple[bytes, torch.Tensor]:
+    def _frame(self, tensor: torch.Tensor) -> tuple[bytes, torch.Tensor]:
         """The prefix and the body (a copy, so the caller may change ``tensor`` while it leaves);
         the header is added per peer (its sequence number)."""
         body = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().clone()
@@ -197,7 +198,7 @@ class FramedCollectives:
                 stream.send(torch.frombuffer(bytearray(head), dtype=torch.uint8))
                 stream.send(body)
             except Exception as err:  # noqa: BLE001 — raised in the caller's thread by the next collective
-                self._errors[peer] = f"lost the stream while sending ({gist(err)})"
+                self._errors[peer] = f"while sending ({gist(err)})"
                 return
 
     def _read(self, src: int, like: torch.Tensor, op: str, bound: int | None = None) -> torch.Tensor:
@@ -209,9 +210,9 @@ class FramedCollectives:
         except FrameRefused as err:
             raise self._refuse(src, f"{err} (expected {self._expected(like, op, exact, bound)})") from None
         except TimeoutError:
-            raise Lost(src, f"nothing from it for the collective's {op}", timed_out=True) from None
+            raise Lost(src, f"while waiting for its {op}", timed_out=True) from None
         except OSError as err:  # ConnectionError included: the peer closed its end
-            raise Lost(src, f"lost the stream while receiving ({gist(err)})") from None
+            raise Lost(src, f"while receiving ({gist(err)})") from None
         expected = self.received[src]
         self.received[src] += 1
         header_len = PREFIX.unpack(bytes(buffer[:PREFIX_BYTES].numpy()))[0]
@@ -298,6 +299,5 @@ class RunCollectives:
             if err.timed_out:
                 raise WorkerFailure(self.health.explain(f"worker {self.names[err.peer]} sent nothing for "
                                                         f"{what} within {self.deadline_s:.1f} s")) from None
-            raise self.health.link_failure(
-                f"{err.reason.replace('the stream', f'the stream to worker {self.names[err.peer]}')} "
-                f"during {what} (noticed by {self.me})") from None
+            raise self.health.link_failure(f"lost the connection to worker {self.names[err.peer]} {err.how} "
+                                           f"during {what} (noticed by {self.me})") from None
