@@ -68,3 +68,11 @@ def test_untrusted_links_train_as_the_simulator_with_no_process_group(tiny_corpu
         r["bytes_dp"] + 4 * updates * FRAME_OVERHEAD * r["step"] for r in a if r["step"] in drains]
     if listening:  # the pipeline's and the collectives' listeners closed once connected; gloo has none
         assert len(listening) == 4 and all(not socks for socks in listening.values()), listening
+
+
+def test_a_trusted_runs_workers_hold_gloo_listeners_the_control_of_the_check_above(tiny_corpus, tmp_path):
+    """The same look at a run with process groups (``dist.trusted_links = "true"``): every worker
+    holds gloo's listening sockets (one per group it is in), so the check above can fail."""
+    cfg = tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=2", "mesh.schedule=1f1b", "train.steps=12")
+    listening = _run(cfg, tmp_path / "dist", "dist.trusted_links=true", watch=True)
+    assert len(listening) == 4 and all(socks for socks in listening.values()), listening
