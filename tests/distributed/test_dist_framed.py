@@ -76,3 +76,20 @@ def test_a_trusted_runs_workers_hold_gloo_listeners_the_control_of_the_check_abo
     cfg = tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=2", "mesh.schedule=1f1b", "train.steps=12")
     listening = _run(cfg, tmp_path / "dist", "dist.trusted_links=true", watch=True)
     assert len(listening) == 4 and all(socks for socks in listening.values()), listening
+
+
+def test_an_anchored_run_with_untrusted_links_equals_the_simulator(tiny_corpus, tmp_path):
+    """The anchor circuit's processes join no group either: their links are streams, and the fast
+    workers' sums of the anchors' totals go through the framed gather."""
+    from test_dist_anchor import ANCHOR, FAST
+
+    cfg = tiny_config(tiny_corpus, *FAST, *ANCHOR, "anchor.bandwidth_mbit=10000", "anchor.latency_ms=0")
+    sim = Trainer(cfg, tmp_path / "sim", progress=False).train()
+    _run(cfg, tmp_path / "dist", UNTRUSTED)
+    dist = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    for key in ("anchor_passes", "anchor_delivered", "anchor_bytes_snapshot", "anchor_bytes_gradients",
+                "spectral_anchor_accepted", "spectral_corrected_steps"):
+        assert sim[key] == dist[key], key
+    assert sim["anchor_passes"] == 3
+    a, b = records(tmp_path / "sim"), records(tmp_path / "dist")
+    assert [r["train_loss"] for r in a] == pytest.approx([r["train_loss"] for r in b], abs=1e-5)
