@@ -182,7 +182,7 @@ def _run_collectives(store_port: int, rank: int, sock: socket.socket) -> RunColl
 
 
 def _honest_receiver(store_port: int, port: int, said: mp.Queue) -> None:
-    """r0s0 in a process of its own: one DP sum with r1s0, whose frame is 40× oversized."""
+    """r0s0 in a process of its own: one DP sum with r1s0, whose frame lies."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     collectives = _run_collectives(store_port, 0, sock)
     try:
@@ -192,22 +192,32 @@ def _honest_receiver(store_port: int, port: int, said: mp.Queue) -> None:
         said.put(str(err))
 
 
-def test_an_oversized_dp_contribution_ends_the_run_in_one_line_and_the_receiver_does_not_abort(store):
+def _undecodable() -> bytes:
+    """A frame of the expected size whose header is no header."""
+    frame = bytearray(_honest(TENSOR, "sum", 0))
+    frame[16:32] = bytes(range(16))
+    return bytes(frame)
+
+
+@pytest.mark.parametrize(("lie", "said"), [
+    (_honest(torch.zeros(40 * TENSOR.numel()), "sum", 0), f"a frame of {40 * 1024 + FRAME_OVERHEAD} bytes"),
+    (_undecodable(), "a frame that does not decode as its sum #0"),
+], ids=["oversized-40x", "undecodable"])
+def test_a_lying_dp_contribution_ends_the_run_in_one_line_and_the_receiver_does_not_abort(store, lie, said):
     with socket.create_server(("127.0.0.1", 0)) as server:
-        said: mp.Queue = mp.get_context("spawn").Queue()
+        said_q: mp.Queue = mp.get_context("spawn").Queue()
         receiver = mp.get_context("spawn").Process(target=_honest_receiver,
-                                                   args=(store.port, server.getsockname()[1], said))
+                                                   args=(store.port, server.getsockname()[1], said_q))
         receiver.start()
         server.settimeout(30)
         liar, _ = server.accept()
-        liar.sendall(_honest(torch.zeros(40 * TENSOR.numel()), "sum", 0))
-        message = said.get(timeout=30)
+        liar.sendall(lie)
+        message = said_q.get(timeout=30)
         receiver.join(30)
         liar.close()
     assert receiver.exitcode == 0, receiver.exitcode
-    assert message.startswith(
-        "worker r1s0 sent a contribution to the data-parallel all-reduce of stage 0 that was refused "
-        f"unread: a frame of {40 * 1024 + FRAME_OVERHEAD} bytes"), message
+    assert message.startswith("worker r1s0 sent a contribution to the data-parallel all-reduce of stage 0 "
+                              f"that was refused unread: {said}"), message
     assert "\n" not in message and message.endswith("(noticed by r0s0)")
     assert store_client("127.0.0.1", store.port, 10).get("abort").decode() == message  # the run's one line
 
