@@ -30,9 +30,10 @@ from meshlearn.distributed.collectives import (
     frame_bytes,
 )
 from meshlearn.distributed.health import Health, WorkerFailure, store_client
-from meshlearn.distributed.settings import links_of, links_trusted
+from meshlearn.distributed.settings import DistConfig, derive_deadlines, links_of, links_trusted
 from meshlearn.distributed.wire import HEADER_ROOM
 from meshlearn.elastic.binding import BoundStore
+from meshlearn.mesh.network import LinkProfile
 from meshlearn.mesh.sync import average_gradients
 from meshlearn.mesh.topology import MeshShape
 from meshlearn.net.frames import PREFIX, FramedStream
@@ -297,3 +298,15 @@ def test_a_peer_that_closes_its_stream_ends_the_run_naming_it_as_a_lost_connecti
     assert str(err.value).endswith("during the gather of losses and norms (noticed by r0s0)")
     assert collectives.peers.refused == {}  # a broken stream is no lie
     collectives.close()
+
+
+def test_the_collective_deadline_allows_for_an_all_gather_beyond_two_replicas():
+    """10 MB of gradients over 10 Mbit/s links, 100 ms: a ring of 4 moves 6 chunks of 2.5 MB (2 s
+    each, plus a latency); framed, a replica's uplink carries 3 whole copies (8 s each), once."""
+    dist_cfg, link = DistConfig(timeout_s=5.0), LinkProfile(10.0, 100.0)
+    ring = derive_deadlines(dist_cfg, link, 0, 0, 10**7, 4)
+    framed = derive_deadlines(dist_cfg, link, 0, 0, 10**7, 4, allgather=True)
+    assert ring.collective_s == pytest.approx(5.0 + 2 * 6 * 2.1)
+    assert framed.collective_s == pytest.approx(5.0 + 2 * (3 * 8.0 + 0.1))
+    two = [derive_deadlines(dist_cfg, link, 0, 0, 10**7, 2, allgather=a).collective_s for a in (False, True)]
+    assert two[0] == two[1]  # one copy each way: a ring's bytes, and its two latencies allow for one

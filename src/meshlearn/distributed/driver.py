@@ -94,7 +94,7 @@ class DistDriver(PipelineEvaluation):
         self.deadlines = derive_deadlines(
             cfg.dist, cfg.link, message_bytes=micro * cfg.model.seq_len * cfg.model.d_model * 4,
             messages_per_step=2 * cfg.mesh.microbatches, grad_bytes=4 * worker.n_params,
-            replicas=replicas)
+            replicas=replicas, allgather=framed is not None)
         # The DP sum, the per-step gather, barriers and broadcasts: process groups, or framed
         # streams where links are not trusted (dist.trusted_links).
         self.collectives = (

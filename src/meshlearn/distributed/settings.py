@@ -82,16 +82,22 @@ class Deadlines:
 
 
 def derive_deadlines(dist: DistConfig, link: LinkProfile, message_bytes: int, messages_per_step: int,
-                     grad_bytes: int, replicas: int) -> Deadlines:
+                     grad_bytes: int, replicas: int, allgather: bool = False) -> Deadlines:
     """Deadlines from the link profile: the traffic's modelled time, doubled, plus the compute slack.
 
     ``message_bytes`` is the size of one boundary message in fp32 (codecs only shrink it). A
     message may queue behind a whole step of traffic on its link, so the wait allows for all of it.
+    ``allgather``: the DP sum sends the whole gradients to each other replica (framed collectives,
+    untrusted links), (D − 1)× one link's worth when the sender's uplink carries them all, where a
+    ring sends 2(D − 1)/D of them.
     """
     per_message = link.serialization_s(message_bytes) / (1.0 - link.loss_rate)
     per_message += link.latency_s + link.jitter_ms / 1000.0
     transfer = messages_per_step * per_message
-    allreduce = ring_allreduce_s(grad_bytes, replicas, link) / (1.0 - link.loss_rate)
+    dp_sum = ring_allreduce_s(grad_bytes, replicas, link)
+    if allgather and replicas > 1:
+        dp_sum = max(dp_sum, (replicas - 1) * link.serialization_s(grad_bytes) + link.latency_s)
+    allreduce = dp_sum / (1.0 - link.loss_rate)
     round_trip = 2.0 * (link.latency_s + link.jitter_ms / 1000.0)
     return Deadlines(
         message_s=dist.timeout_s + 2.0 * transfer,
