@@ -89,7 +89,8 @@ class DistDriver(PipelineEvaluation):
                   for peer in (self.prev, self.next, *self.dp_peers) if peer is not None}
         # Framed collectives: each replica's gradients go to every other replica as a shaped frame.
         self.dp_pacers = {peer: Pacer(self.network.link(self.me, peer), self.epoch, self.shaped)
-                          for peer in self.mesh.stage_replicas(self.me.stage) if peer != self.me}
+                          for peer in self.mesh.stage_replicas(self.me.stage)
+                          if peer != self.me and framed is not None}
         micro = cfg.train.batch_size // replicas // cfg.mesh.microbatches
         self.deadlines = derive_deadlines(
             cfg.dist, cfg.link, message_bytes=micro * cfg.model.seq_len * cfg.model.d_model * 4,
