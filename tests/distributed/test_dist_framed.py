@@ -93,3 +93,15 @@ def test_an_anchored_run_with_untrusted_links_equals_the_simulator(tiny_corpus, 
     assert sim["anchor_passes"] == 3
     a, b = records(tmp_path / "sim"), records(tmp_path / "dist")
     assert [r["train_loss"] for r in a] == pytest.approx([r["train_loss"] for r in b], abs=1e-5)
+
+
+def test_three_replicas_sum_in_the_simulators_order_bit_for_bit(tiny_corpus, tmp_path):
+    """D = 3, where a gloo ring adds in another order: the framed sum is the simulator's own."""
+    cfg = tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=3", "mesh.schedule=1f1b",
+                      "train.batch_size=12", "train.steps=4")
+    Trainer(cfg, tmp_path / "sim", progress=False).train()
+    _run(cfg, tmp_path / "dist", UNTRUSTED)
+    a, b = records(tmp_path / "sim"), records(tmp_path / "dist")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
