@@ -66,7 +66,9 @@ def test_untrusted_links_train_as_the_simulator_with_no_process_group(tiny_corpu
     assert a[0]["bytes_dp"] > 0 and updates == (1 if schedule == "1f1b" else 2)
     assert [r["bytes_dp"] for r in b if r["step"] in drains] == [
         r["bytes_dp"] + 4 * updates * FRAME_OVERHEAD * r["step"] for r in a if r["step"] in drains]
-    if listening:  # the pipeline's and the collectives' listeners closed once connected; gloo has none
+    summary = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    assert summary["compute_model"] == "real: 4 processes over framed TCP streams, shaping=sender"
+    if schedule == "1f1b":  # the pipeline's and the collectives' listeners closed once connected; no gloo
         assert len(listening) == 4 and all(not socks for socks in listening.values()), listening
 
 

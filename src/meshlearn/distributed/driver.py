@@ -549,7 +549,8 @@ class DistDriver(PipelineEvaluation):
             "sim_tokens_per_s": None,
             "idle_fraction": (1.0 - busy / (self.mesh.world_size * wall_s)
                                 if busy is not None and wall_s else None),
-            "compute_model": f"real: {self.mesh.world_size} processes over {self.comm}, "
+            "compute_model": f"real: {self.mesh.world_size} processes over "
+                             f"{'framed TCP streams' if self.collectives.framed else self.comm}, "
                              f"shaping={self.cfg.dist.shaping}",
             "links": links,
         } | self._dp_summary()
