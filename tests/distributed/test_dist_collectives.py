@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshlearn.config import ConfigError, load_config
+from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.collectives import (
     FRAME_OVERHEAD,
     HEADER,
@@ -32,7 +33,6 @@ from meshlearn.distributed.collectives import (
 from meshlearn.distributed.health import Health, WorkerFailure, store_client
 from meshlearn.distributed.settings import DistConfig, derive_deadlines, links_of, links_trusted
 from meshlearn.distributed.wire import HEADER_ROOM
-from meshlearn.elastic.binding import BoundStore
 from meshlearn.mesh.network import LinkProfile
 from meshlearn.mesh.sync import average_gradients
 from meshlearn.mesh.topology import MeshShape

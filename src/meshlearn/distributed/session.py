@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from meshlearn.config import RunConfig
 from meshlearn.data.corpus import load_corpus
+from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.groups import anchor_id, anchors, verifier_rank, world_size
 from meshlearn.distributed.health import Health, store_client
 from meshlearn.distributed.settings import derive_deadlines, links_trusted
-from meshlearn.elastic.binding import BoundStore
 from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
