@@ -9,7 +9,7 @@ from test_cluster_config import PLACEMENT, _load
 
 from meshlearn.cluster.placement import host_of_command
 from meshlearn.config import ConfigError, load_config
-from meshlearn.elastic.binding import BoundStore
+from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.entry.cli import main
 
 

@@ -27,14 +27,18 @@ STRATEGIES = {
 # Every strategy under 1f1b; under async the ones that never block (the waiting ones share the
 # phase code that 1f1b exercises), to keep the suite short.
 # One over our own TCP links (dist.links = tcp): the pipeline and the DP rounds' point-to-point links.
+# Every strategy with untrusted links (dist.trusted_links = false): no process group, the clip's and
+# the report's gathers and the replicas' average for evaluation over framed collectives.
 CASES = ([(name, "1f1b", "auto") for name in STRATEGIES]
-         + [("sparse", "async", "auto"), ("diloco", "async", "auto"), ("sparse", "1f1b", "tcp")])
+         + [("sparse", "async", "auto"), ("diloco", "async", "auto"), ("sparse", "1f1b", "tcp")]
+         + [(name, "1f1b", "untrusted") for name in STRATEGIES])
 
 
 @pytest.mark.parametrize(("strategy", "schedule", "links"), CASES)
 def test_dist_dp_strategy_equals_sim(tiny_corpus, tmp_path, strategy, schedule, links):
+    carried = ["dist.trusted_links=false"] if links == "untrusted" else [f"dist.links={links}"]
     cfg = tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=2", f"mesh.schedule={schedule}",
-                      "train.steps=4", "train.eval_every=2", f"dist.links={links}", *STRATEGIES[strategy])
+                      "train.steps=4", "train.eval_every=2", *carried, *STRATEGIES[strategy])
     Trainer(cfg, tmp_path / "sim", progress=False).train()
     try:
         with deadline(60, f"the {strategy} dist run"):

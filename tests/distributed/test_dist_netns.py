@@ -36,11 +36,14 @@ def wan():
         yield link
 
 
-@pytest.mark.parametrize("links", ["auto", "tcp"])  # tcp: each listens on its namespace's own address
+# tcp: each listens on its namespace's own address; untrusted: no process group, the gathers and
+# barriers over framed streams too
+@pytest.mark.parametrize("links", ["auto", "tcp", "untrusted"])
 def test_workers_in_two_namespaces_over_a_shaped_link_match_the_simulator(wan, tiny_corpus, tmp_path, links):
+    carried = "dist.trusted_links=false" if links == "untrusted" else f"dist.links={links}"
     cfg = tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=1", "train.steps=4",
                       f"link.latency_ms={DELAY_MS}", "link.bandwidth_mbit=100", "dist.shaping=none",
-                      "dist.threads=1", "dist.init_timeout_s=60", "dist.timeout_s=30", f"dist.links={links}")
+                      "dist.threads=1", "dist.init_timeout_s=60", "dist.timeout_s=30", carried)
     config = tmp_path / "cfg.toml"
     save_config(cfg, config)
     run = tmp_path / "dist"

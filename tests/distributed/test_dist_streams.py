@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshlearn.compress.codecs import Encoded
+from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.health import Health, WorkerFailure, store_client
 from meshlearn.distributed.streams import (
     ACK,
@@ -31,7 +32,6 @@ from meshlearn.distributed.streams import (
 )
 from meshlearn.distributed.transport import Forged, Transport
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, pack
-from meshlearn.elastic.binding import BoundStore
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
 

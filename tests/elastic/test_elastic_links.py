@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.health import Health, RowBroken
-from meshlearn.elastic.binding import BoundStore, interface_of
+from meshlearn.elastic.binding import interface_of
 from meshlearn.elastic.links import RowLinks
 from meshlearn.elastic.rows import Agreed, RowAgreement, link_step
 from meshlearn.mesh.topology import MeshShape, WorkerId

@@ -11,7 +11,7 @@ import pytest
 from in_threads import in_threads
 from tiny import tiny_config
 
-from meshlearn.elastic.binding import BoundStore
+from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.elastic.evictions import evicted_key
 from meshlearn.elastic.membership import resume_absent
 from meshlearn.elastic.rows import RowAgreement, form_rows

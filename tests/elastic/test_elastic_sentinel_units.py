@@ -12,9 +12,9 @@ import torch
 from in_threads import in_threads
 from tiny import tiny_config
 
+from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, Health
 from meshlearn.distributed.verifier import Slots
-from meshlearn.elastic.binding import BoundStore
 from meshlearn.elastic.evictions import (
     Evicted,
     Evictions,

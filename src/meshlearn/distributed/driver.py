@@ -3,8 +3,9 @@
 The Worker is the very object the SimDriver drives: this driver hands it the messages that arrive
 (``receive``), asks it for work (``next_action``), runs it (``run``) and sends what it returns. The
 step ends as the simulator's does, in the same order and with the same arithmetic: the pipeline,
-the data-parallel mean of gradients (all-reduce over the group of the stage's replicas),
-the global norm for clipping, the update. A gather over all processes at the end of each step gives
+the data-parallel mean of gradients (a sum over the stage's replicas: a process group's all-reduce,
+or with untrusted links the framed collectives of ``collectives.py``), the global norm for
+clipping, the update. A gather over all processes at the end of each step gives
 every process the microbatch losses (only last stages compute them), the stages' squared gradient
 norms and byte counters, so whichever process writes metrics logs real losses, never a placeholder.
 
@@ -23,10 +24,11 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 from meshlearn.cluster.role import role_of
+from meshlearn.distributed.collectives import FramedCollectives, RunCollectives, frame_bytes
 from meshlearn.distributed.evaluation import PipelineEvaluation
+from meshlearn.distributed.groups import GroupCollectives
 from meshlearn.distributed.health import Health, RowBroken, WorkerFailure, store_client
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
@@ -56,7 +58,7 @@ class DistDriver(PipelineEvaluation):
 
     def __init__(self, cfg, worker: Worker, health: Health, device: torch.device, comm: str,
                  dp_group, link_groups: dict[tuple[WorkerId, WorkerId], object], workers_group=None,
-                 relay: int | None = None):
+                 relay: int | None = None, framed: FramedCollectives | None = None):
         self.cfg = cfg
         self.mesh: MeshShape = worker.mesh
         self.me = worker.id
@@ -69,8 +71,6 @@ class DistDriver(PipelineEvaluation):
         self.health = health
         self.device = device
         self.comm = comm
-        self.dp_group = dp_group
-        self.workers_group = workers_group  # the workers' collectives (None: the default group)
         self.relay = relay  # the verifier's rank when it relays the pipeline links
         self.shaped = cfg.dist.shaping == "sender"
         self.epoch = time.monotonic()
@@ -91,11 +91,23 @@ class DistDriver(PipelineEvaluation):
         self.dp_capacity = PREFIX_BYTES + HEADER_ROOM + 4 * worker.n_params  # larger: oversize path
         pacers = {peer: Pacer(self.network.link(self.me, peer), self.epoch, self.shaped)
                   for peer in (self.prev, self.next, *self.dp_peers) if peer is not None}
+        # Framed collectives: each replica's gradients go to every other replica as a shaped frame.
+        self.dp_pacers = {peer: Pacer(self.network.link(self.me, peer), self.epoch, self.shaped)
+                          for peer in self.mesh.stage_replicas(self.me.stage)
+                          if peer != self.me and framed is not None}
         micro = cfg.train.batch_size // replicas // cfg.mesh.microbatches
         self.deadlines = derive_deadlines(
             cfg.dist, cfg.link, message_bytes=micro * cfg.model.seq_len * cfg.model.d_model * 4,
             messages_per_step=2 * cfg.mesh.microbatches, grad_bytes=4 * worker.n_params,
-            replicas=replicas)
+            replicas=replicas, allgather=framed is not None)
+        # The DP sum, the per-step gather, barriers and broadcasts: process groups, or framed
+        # streams where links are not trusted (dist.trusted_links).
+        self.collectives = (
+            RunCollectives(framed, health, {r: str(self.mesh.worker(r)) for r in range(self.mesh.world_size)},
+                           [self.mesh.rank(w) for w in self.mesh.stage_replicas(self.me.stage)],
+                           self.deadlines.collective_s) if framed is not None
+            else GroupCollectives(dp_group, workers_group, health, self.mesh.world_size, device,
+                                  self.deadlines.collective_s))
         # A cluster run's checkpoints: each host's own shards, complete by agreement (cluster/).
         self.checkpoint_store = None if self.cluster is None else lambda run_dir: self.cluster.checkpoints(
             run_dir, store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
@@ -460,17 +472,26 @@ class DistDriver(PipelineEvaluation):
         started = time.monotonic()
         grads = self.worker.grads()
         flat = torch.cat([g.reshape(-1) for g in grads])
-        work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
-        self.health.wait_work(work, f"the data-parallel all-reduce of stage {self.me.stage}",
-                              self.deadlines.collective_s)
-        # Done at loopback speed once the last replica joined: the ring model starts from here,
-        # as the simulator starts it when the group's last member is ready.
-        joined = time.monotonic()
+        what = f"the data-parallel all-reduce of stage {self.me.stage}"
+        if self.collectives.framed:  # each frame held to its own link's model, counted as sent
+            release = self._dp_frames_release(flat, step)
+            flat = self.collectives.stage_sum(flat, what, release)
+        else:
+            flat = self.collectives.stage_sum(flat, what)
+            self._hold_ring(flat, step)
         flat.div_(replicas)
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+        self.dp_wait_s += time.monotonic() - started
+
+    def _hold_ring(self, flat: torch.Tensor, step: int) -> None:
+        """A process-group all-reduce ran at loopback speed once the last replica joined: hold its
+        completion to the ring model from there, as the simulator starts it when the group's last
+        member is ready, and count the ring's bytes."""
+        joined = time.monotonic()
+        replicas = self.mesh.replicas
         nbytes = flat.numel() * flat.element_size()
         link = self.network.link(self.me, self.ring_next)
         sent_before = link.busy_s
@@ -480,7 +501,20 @@ class DistDriver(PipelineEvaluation):
                                ring_allreduce_bytes_per_member(nbytes, replicas), joined,
                                joined + link.busy_s - sent_before, release)
         hold_until(release)
-        self.dp_wait_s += time.monotonic() - started
+
+    def _dp_frames_release(self, flat: torch.Tensor, step: int) -> dict[int, float]:
+        """Framed collectives: when this replica's frame may leave for each other replica (its
+        link's model, as a pipeline message's), each frame counted in the DP bytes as sent."""
+        nbytes = frame_bytes(flat)
+        release = {}
+        for peer, pacer in self.dp_pacers.items():
+            link = pacer.link
+            start = max(time.monotonic() - self.epoch, link.queue_free_at)
+            release[self.mesh.rank(peer)] = at = pacer.release_at(nbytes)
+            if self.timeline is not None and self.timeline.wants(step):
+                self.timeline.send(str(self.me), str(peer), "dp", "allreduce", step, nbytes,
+                                   self.epoch + start, self.epoch + link.free_at, at)
+        return release
 
     def _row(self, stats: StepStats, bytes_pp: int, bytes_dp: int,
              sq_norm: float | None = None) -> torch.Tensor:
@@ -505,11 +539,7 @@ class DistDriver(PipelineEvaluation):
 
     def _gather(self, rows: torch.Tensor) -> torch.Tensor:
         """Every process's rows (steps × row) → every process: (world, steps, row)."""
-        rows = rows.to(self.device)
-        out = [torch.zeros_like(rows) for _ in range(self.mesh.world_size)]
-        work = dist.all_gather(out, rows, group=self.workers_group, async_op=True)
-        self.health.wait_work(work, "the gather of losses and norms", self.deadlines.collective_s)
-        gathered = torch.stack(out).cpu()
+        gathered = self.collectives.gather(rows, "the gather of losses and norms")
         self.rows = gathered[:, -1]
         return gathered
 
@@ -563,7 +593,8 @@ class DistDriver(PipelineEvaluation):
             "sim_tokens_per_s": None,
             "idle_fraction": (1.0 - busy / (self.mesh.world_size * wall_s)
                                 if busy is not None and wall_s else None),
-            "compute_model": f"real: {self.mesh.world_size} processes over {self.comm}, "
+            "compute_model": f"real: {self.mesh.world_size} processes over "
+                             f"{'framed TCP streams' if self.collectives.framed else self.comm}, "
                              f"shaping={self.cfg.dist.shaping}",
             "links": links,
         } | self._dp_summary()
@@ -613,21 +644,16 @@ class DistDriver(PipelineEvaluation):
         replica of the stage calls it (the verdict told all of them); the others pass."""
         if self.me.stage != donor.stage:
             return
-        blob = torch_bytes(self.worker.state_dict()) if self.me == donor else None
-        size = torch.tensor([0 if blob is None else blob.numel()], dtype=torch.int64)
-        work = dist.broadcast(size, src=self.mesh.rank(donor), group=self.dp_group, async_op=True)
-        self.health.wait_work(work, f"the size of {donor}'s state for {target}", self.deadlines.collective_s)
-        if blob is None:
-            blob = torch.empty(int(size.item()), dtype=torch.uint8)
-        work = dist.broadcast(blob, src=self.mesh.rank(donor), group=self.dp_group, async_op=True)
-        self.health.wait_work(work, f"the transfer of {donor}'s state to {target}",
-                              self.deadlines.collective_s)
+        own = torch_bytes(self.worker.state_dict())
+        # The donor's state has this worker's shapes: twice its own size is room to spare.
+        blob = self.collectives.broadcast_state(own if self.me == donor else None, self.mesh.rank(donor),
+                                                2 * own.numel(),
+                                                f"the transfer of {donor}'s state to {target}")
         if self.me == target:
             self.worker.load_state_dict(torch_state(blob))
 
     def barrier(self, what: str) -> None:
-        work = dist.barrier(group=self.workers_group, async_op=True)
-        self.health.wait_work(work, f"the barrier after the {what}", self.deadlines.collective_s)
+        self.collectives.barrier(f"the barrier after the {what}")
 
     def close(self) -> None:
         """Clean shutdown: deliver what is queued, meet everyone, stop the threads."""
@@ -635,5 +661,6 @@ class DistDriver(PipelineEvaluation):
         self.barrier("last step")
         self.health.finish()
         self.transport.close()
+        self.collectives.close()
         if self.anchor is not None:
             self.anchor.close()

@@ -1,7 +1,7 @@
 """Evaluation across processes: replica 0's stages forward the validation batches as a pipeline.
 
 A mixin of ``DistDriver`` (kept apart because it is the driver's one job that is not a training
-step): it reads the driver's worker, transport, groups, health and capacities.
+step): it reads the driver's worker, transport, collectives and capacities.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 
 from meshlearn.compress.codecs import MessageContext
 from meshlearn.mesh.messages import Message
@@ -46,8 +45,7 @@ class PipelineEvaluation:
             return own
         averaged = copy.deepcopy(self.worker.module)
         flat = torch.cat([p.detach().reshape(-1) for p in averaged.parameters()])
-        work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
-        self.health.wait_work(work, "the average of the replicas for evaluation", self.deadlines.collective_s)
+        flat = self.collectives.stage_sum(flat, "the average of the replicas for evaluation")
         flat.div_(self.mesh.replicas)
         offset = 0
         for p in averaged.parameters():
@@ -96,9 +94,7 @@ class PipelineEvaluation:
             loss = sum(losses) / len(losses) if worker.is_last else 0.0
         value = torch.tensor([loss], dtype=torch.float64, device=self.device)
         src = self.mesh.rank(WorkerId(0, self.mesh.stages - 1))
-        work = dist.broadcast(value, src=src, group=self.workers_group, async_op=True)
-        self.health.wait_work(work, "the broadcast of the validation loss", self.deadlines.collective_s)
-        return value.item()
+        return self.collectives.broadcast(value, src, "the broadcast of the validation loss").item()
 
 
 def _context(batch: int, boundary: int, device: torch.device, masked: bool) -> MessageContext:

@@ -1,22 +1,28 @@
-"""Every process group of a dist run, created in one order in every process.
+"""Every process group of a dist run, created in one order in every process, and the streams
+that replace them where links are not trusted.
 
 Creating a group is collective over the whole world (members or not), so workers and the verifier
 call ``build_groups`` alike and each keeps its own. Without verification the world is the D × P
 workers; with ``verify.name = "sentinel"`` one more rank, the verifier (``verifier_rank``), relays
 every pipeline message, and the workers' own collectives (the per-step gather, barriers, the
-validation loss) get a group of the workers alone.
+validation loss) get a group of the workers alone. With ``dist.trusted_links`` false no group is
+created at all: the point-to-point links are streams, and the workers' collectives run over a
+stream per ordered pair of workers (``collective_hops``, ``collectives.py``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
-from meshlearn.distributed.health import store_client
-from meshlearn.distributed.settings import links_of
+from meshlearn.distributed.collectives import FramedCollectives
+from meshlearn.distributed.health import Health, store_client
+from meshlearn.distributed.settings import links_of, links_trusted
 from meshlearn.distributed.streams import Hop, Link, connect_streams, listen_address
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
@@ -77,6 +83,7 @@ class Groups:
     workers: object | None = None  # the workers' collectives; None: the default group (no verifier)
     links: dict[Link, object] = field(default_factory=dict)
     anchor_links: dict[Link, object] = field(default_factory=dict)  # the anchor circuit's own
+    framed: FramedCollectives | None = None  # untrusted links: the workers' collectives, no group
 
 
 def build_groups(cfg, mesh: MeshShape, rank: int, dp_groups: bool = True) -> Groups:
@@ -86,24 +93,89 @@ def build_groups(cfg, mesh: MeshShape, rank: int, dp_groups: bool = True) -> Gro
     of our own (``streams.py``), connected here: every process of the run comes through here."""
     verifier = verifier_rank(cfg, mesh)
     me = mesh.worker(rank) if rank < mesh.world_size else None
+    trusted = links_trusted(cfg)
     groups = Groups()
-    for s in range(mesh.stages if dp_groups else 0):
+    for s in range(mesh.stages if dp_groups and trusted else 0):
         group = dist.new_group([mesh.rank(w) for w in mesh.stage_replicas(s)])
         if me is not None and me.stage == s:
             groups.dp = group
-    if verifier is not None or anchors(cfg):
+    if trusted and (verifier is not None or anchors(cfg)):
         groups.workers = dist.new_group(list(range(mesh.world_size)))
     links, anchor_links = link_hops(cfg, mesh), anchor_hops(mesh, anchors(cfg))
     hops = links + anchor_links
-    if links_of(cfg) == "tcp":
+    if links_of(cfg) == "tcp" or not trusted:
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        ends = connect_streams(store_client(host, port, cfg.dist.init_timeout_s), rank,
-                               listen_address(host, port), hops, cfg.dist.init_timeout_s)
+        store, address = store_client(host, port, cfg.dist.init_timeout_s), listen_address(host, port)
+        ends = connect_streams(store, rank, address, hops, cfg.dist.init_timeout_s)
+        if not trusted:
+            pairs = collective_hops(mesh)
+            mine = connect_streams(store, rank, address, pairs, cfg.dist.init_timeout_s,
+                                   channel="collectives")
+            groups.framed = FramedCollectives(
+                rank, {b: mine[i] for i, (_, a, b) in enumerate(pairs) if a == rank},
+                {a: mine[i] for i, (_, a, b) in enumerate(pairs) if b == rank}) if me is not None else None
     else:  # one group per hop, created by every rank
         ends = {i: dist.new_group([a, b]) for i, (_, a, b) in enumerate(hops)}
     groups.links = ends_of(links, ends, rank)
     groups.anchor_links = ends_of(anchor_links, {i - len(links): end for i, end in ends.items()}, rank)
     return groups
+
+
+def collective_hops(mesh: MeshShape) -> list[Hop]:
+    """The framed collectives' streams: one per ordered pair of workers (a stage's replicas sum
+    their gradients over them; every worker gathers every other's report row)."""
+    return [((a, b), mesh.rank(a), mesh.rank(b)) for a in mesh.workers() for b in mesh.workers() if a != b]
+
+
+class GroupCollectives:
+    """A worker's collectives over process groups (``dist.trusted_links`` true): the stage's ``dp``
+    group and the workers' group (None: the default group), each wait bounded by ``deadline_s``
+    through ``health``. The driver's interface, the same as ``collectives.RunCollectives``'s."""
+
+    framed = False
+
+    def __init__(self, dp_group, workers_group, health: Health, world: int, device: torch.device,
+                 deadline_s: float):
+        self.dp_group, self.workers_group = dp_group, workers_group
+        self.health, self.world, self.device, self.deadline_s = health, world, device, deadline_s
+
+    def stage_sum(self, flat: torch.Tensor, what: str, release: Mapping[int, float] | None = None
+                  ) -> torch.Tensor:
+        """Σ over the stage's replicas, in place (a ring: bit for bit the simulator's at D = 2 only)."""
+        work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+        self.health.wait_work(work, what, self.deadline_s)
+        return flat
+
+    def gather(self, rows: torch.Tensor, what: str) -> torch.Tensor:
+        rows = rows.to(self.device)
+        out = [torch.zeros_like(rows) for _ in range(self.world)]
+        work = dist.all_gather(out, rows, group=self.workers_group, async_op=True)
+        self.health.wait_work(work, what, self.deadline_s)
+        return torch.stack(out).cpu()
+
+    def broadcast(self, value: torch.Tensor, src: int, what: str) -> torch.Tensor:
+        work = dist.broadcast(value, src=src, group=self.workers_group, async_op=True)
+        self.health.wait_work(work, what, self.deadline_s)
+        return value
+
+    def broadcast_state(self, blob: torch.Tensor | None, src: int, bound: int, what: str) -> torch.Tensor:
+        """``src``'s blob over the stage's group: its size first, then the bytes (``bound``:
+        unchecked here; gloo allocates what the size says)."""
+        size = torch.tensor([0 if blob is None else blob.numel()], dtype=torch.int64)
+        work = dist.broadcast(size, src=src, group=self.dp_group, async_op=True)
+        self.health.wait_work(work, f"the size for {what}", self.deadline_s)
+        if blob is None:
+            blob = torch.empty(int(size.item()), dtype=torch.uint8)
+        work = dist.broadcast(blob, src=src, group=self.dp_group, async_op=True)
+        self.health.wait_work(work, what, self.deadline_s)
+        return blob
+
+    def barrier(self, what: str) -> None:
+        work = dist.barrier(group=self.workers_group, async_op=True)
+        self.health.wait_work(work, what, self.deadline_s)
+
+    def close(self) -> None:
+        pass
 
 
 def link_hops(cfg, mesh: MeshShape) -> list[Hop]:

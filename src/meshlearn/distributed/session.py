@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 from meshlearn.config import RunConfig
 from meshlearn.data.corpus import load_corpus
+from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.groups import anchor_id, anchors, verifier_rank, world_size
 from meshlearn.distributed.health import Health, store_client
-from meshlearn.distributed.settings import derive_deadlines
+from meshlearn.distributed.settings import derive_deadlines, links_trusted
 from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
@@ -41,6 +42,7 @@ class Session:
     health: Health
     run_dir: Path
     anchor: WorkerId | None = None  # an anchor stage's id (distributed/anchor.py)
+    rendezvous: object | None = None  # the store this process hosts, if any (join_without_group)
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -84,11 +86,16 @@ def start_session(cfg: RunConfig, run_dir: Path, gloo_interface: Callable[[], st
         # its row's ranks once the row trains (elastic/driver.py: _link_row); the verifier's
         # failures, and the deaths it sees, are the whole run's (every row's links pass it)
         scope = {rank} if rank < mesh.world_size else None
-    if not cfg.elastic.enabled:  # elastic rows link over the store: no world group (joiners)
+    # Elastic rows link over the store (joiners); untrusted links (dist.trusted_links): no group.
+    grouped = not cfg.elastic.enabled and links_trusted(cfg)
+    if grouped:
         dist.init_process_group(comm, timeout=timedelta(seconds=cfg.dist.init_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     deadlines = derive_deadlines(cfg.dist, cfg.link, 0, 0, 0, 1)
+    rendezvous = None
+    if not cfg.elastic.enabled and not grouped:
+        rendezvous = join_without_group(host, port, rank, world, cfg.dist.init_timeout_s)
     store = store_client(host, port, deadlines.dead_after_s)
     owner = os.environ.get("MESHLEARN_STORE_OWNER", f"rendezvous store at {host}:{port}")
     health = Health(store, mesh, rank, cfg.dist.heartbeat_s, deadlines.dead_after_s, owner, world=world,
@@ -104,18 +111,36 @@ def start_session(cfg: RunConfig, run_dir: Path, gloo_interface: Callable[[], st
     if me is None and anchors(cfg):
         z, s = divmod(rank - mesh.world_size, mesh.stages)
         anchor = anchor_id(mesh, z, s)
-    return Session(rank, world, local_world, mesh, me, device, comm, health, Path(run_dir), anchor)
+    return Session(rank, world, local_world, mesh, me, device, comm, health, Path(run_dir), anchor,
+                   rendezvous)
+
+
+def join_without_group(host: str, port: int, rank: int, world: int, timeout_s: float) -> BoundStore | None:
+    """What joining the world group does, for a run without one (untrusted links): under a plain
+    env:// rendezvous (no agent store: torchrun's or our launchers') rank 0 hosts the store, bound
+    to ``host`` only; every rank registers and returns once all are up (``timeout_s``:
+    dist.init_timeout_s), so no heartbeat is judged before its process exists. Returns the store
+    this process hosts (to keep for the run), or None."""
+    hosted = None
+    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        hosted = BoundStore(host, timeout_s, world_size=world, port=port)
+    store = store_client(host, port, timeout_s)
+    store.set(f"joined/{rank}", "1")
+    store.wait([f"joined/{r}" for r in range(world)], timedelta(seconds=timeout_s))
+    return hosted
 
 
 def train_tokenizer_once(cfg: RunConfig, run_dir: Path, session: Session) -> None:
     """BPE is trained by rank 0 and cached in the run folder; the others wait, then load it
-    (elastic runs have no world group: they wait on a key of the store)."""
+    (elastic runs and runs with untrusted links have no world group: they wait on a key of the
+    store)."""
+    grouped = not cfg.elastic.enabled and links_trusted(cfg)
     if session.rank == 0:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         load_corpus(cfg, Path(run_dir))
-        if cfg.elastic.enabled:
+        if not grouped:
             session.health.store.set("tokenizer/ready", "1")
-    if cfg.elastic.enabled:
+    if not grouped:
         end = time.monotonic() + cfg.dist.init_timeout_s
         while not session.health.store.check(["tokenizer/ready"]):
             session.health.check()

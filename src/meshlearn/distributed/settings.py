@@ -17,6 +17,7 @@ BACKENDS = ("sim", "dist")
 COMMS = ("auto", "gloo", "nccl")
 SHAPINGS = ("sender", "none")
 LINKS = ("auto", "collective", "tcp")
+TRUSTED_LINKS = ("auto", "true", "false")
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,20 @@ class DistConfig:
     more bytes than the receive it meets kills the receiving process; ``auto``: tcp when the mesh
     is untrusted (verify.name = "sentinel": every link to and from the verifier), else collective
     (NCCL keeps GPU tensors off the host). Elastic runs link their rows over gloo pair groups
-    (collective) whatever this says: tcp is refused there."""
+    (collective) whatever this says: tcp is refused there. With untrusted links
+    (``trusted_links``) ``auto`` is tcp and ``collective`` is refused."""
+    trusted_links: str = "auto"
+    """Whether the run may use process groups (gloo/NCCL), where a peer's malformed or oversized
+    send aborts the receiving process, and every group opens a listening port of its own.
+    ``true``: the DP all-reduce, the per-step gather, barriers and the validation broadcast are
+    process-group collectives (the default on one machine). ``false``: no process group in any
+    process of the run; those collectives run over framed TCP streams (distributed/collectives.py)
+    that refuse a frame of any size but the one expected before allocating it, and the
+    point-to-point links are tcp (``dist.links = collective`` is refused). ``auto``: false in a
+    ``[cluster]`` run and with a verifier (verify.name = "sentinel"), true otherwise, and true
+    wherever ``dist.links = collective`` says the links are trusted or the run is elastic
+    (torchft owns the DP axis there; ``false`` is refused with elastic.enabled). Written as a
+    string: ``trusted_links = "false"``."""
     timeout_s: float = 60.0
     """Compute slack in every deadline, in seconds: the longest a worker may compute before it
     sends what a peer waits for. The links' transfer time is added automatically. If a run stops
@@ -68,16 +82,22 @@ class Deadlines:
 
 
 def derive_deadlines(dist: DistConfig, link: LinkProfile, message_bytes: int, messages_per_step: int,
-                     grad_bytes: int, replicas: int) -> Deadlines:
+                     grad_bytes: int, replicas: int, allgather: bool = False) -> Deadlines:
     """Deadlines from the link profile: the traffic's modelled time, doubled, plus the compute slack.
 
     ``message_bytes`` is the size of one boundary message in fp32 (codecs only shrink it). A
     message may queue behind a whole step of traffic on its link, so the wait allows for all of it.
+    ``allgather``: the DP sum sends the whole gradients to each other replica (framed collectives,
+    untrusted links), (D − 1)× one link's worth when the sender's uplink carries them all, where a
+    ring sends 2(D − 1)/D of them.
     """
     per_message = link.serialization_s(message_bytes) / (1.0 - link.loss_rate)
     per_message += link.latency_s + link.jitter_ms / 1000.0
     transfer = messages_per_step * per_message
-    allreduce = ring_allreduce_s(grad_bytes, replicas, link) / (1.0 - link.loss_rate)
+    dp_sum = ring_allreduce_s(grad_bytes, replicas, link)
+    if allgather and replicas > 1:
+        dp_sum = max(dp_sum, (replicas - 1) * link.serialization_s(grad_bytes) + link.latency_s)
+    allreduce = dp_sum / (1.0 - link.loss_rate)
     round_trip = 2.0 * (link.latency_s + link.jitter_ms / 1000.0)
     return Deadlines(
         message_s=dist.timeout_s + 2.0 * transfer,
@@ -91,7 +111,17 @@ def links_of(cfg) -> str:
     """What carries this run's point-to-point links: ``dist.links`` with ``auto`` resolved."""
     if cfg.dist.links != "auto":
         return cfg.dist.links
-    return "tcp" if cfg.verify.name == "sentinel" and not cfg.elastic.enabled else "collective"
+    verified = cfg.verify.name == "sentinel" and not cfg.elastic.enabled
+    return "tcp" if verified or not links_trusted(cfg) else "collective"
+
+
+def links_trusted(cfg) -> bool:
+    """``dist.trusted_links`` with ``auto`` resolved: whether this run may use process groups."""
+    if cfg.dist.trusted_links != "auto":
+        return cfg.dist.trusted_links == "true"
+    if cfg.elastic.enabled or cfg.dist.links == "collective":
+        return True
+    return not (cfg.cluster.enabled or cfg.verify.name == "sentinel")
 
 
 def validate_dist(cfg, require) -> None:
@@ -117,6 +147,13 @@ def validate_dist(cfg, require) -> None:
     require(dist.links in LINKS, "dist.links", dist.links, f"allowed: {list(LINKS)}")
     require(dist.links != "tcp" or not cfg.elastic.enabled, "dist.links", dist.links,
             "must be 'auto' or 'collective' with elastic.enabled (rows link over gloo pair groups)")
+    require(dist.trusted_links in TRUSTED_LINKS, "dist.trusted_links", dist.trusted_links,
+            f"allowed: {list(TRUSTED_LINKS)} (a string)")
+    untrusted = dist.trusted_links == "false"
+    require(not untrusted or dist.links != "collective", "dist.links", dist.links,
+            "must be 'auto' or 'tcp' with dist.trusted_links = 'false' (collective links are process groups)")
+    require(not untrusted or not cfg.elastic.enabled, "dist.trusted_links", dist.trusted_links,
+            "must be 'auto' or 'true' with elastic.enabled (torchft's process groups carry its DP axis)")
     require(dist.shaping in SHAPINGS, "dist.shaping", dist.shaping, f"allowed: {list(SHAPINGS)}")
     for key, value in [("dist.timeout_s", dist.timeout_s), ("dist.heartbeat_s", dist.heartbeat_s),
                        ("dist.dead_after_s", dist.dead_after_s),

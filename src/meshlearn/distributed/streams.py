@@ -156,17 +156,20 @@ def dial(address: str, link: Link, deadline: float) -> Stream:
     return Stream(sock, link)
 
 
-def connect_streams(store, rank: int, address: str, hops: list[Hop], timeout_s: float) -> dict[int, Stream]:
+def connect_streams(store, rank: int, address: str, hops: list[Hop], timeout_s: float,
+                    channel: str = "links") -> dict[int, Stream]:
     """This process's end of each of ``hops`` it is on, by the hop's index: listen for those it
-    receives (published on ``store`` as ``links/<rank>``), dial those it sends. ``address``: the
-    one to bind (``listen_address``); ``timeout_s``: the whole set-up's deadline (dist.init_timeout_s).
-    Every process listens before it dials, so no two wait on each other."""
+    receives (published on ``store`` as ``<channel>/<rank>``), dial those it sends. ``address``: the
+    one to bind (``listen_address``); ``timeout_s``: the whole set-up's deadline (dist.init_timeout_s);
+    ``channel``: which set of streams (``links``: the pipeline's; ``collectives``: the framed
+    collectives', whose hops name the same worker pairs). Every process listens before it dials,
+    so no two wait on each other."""
     deadline = time.monotonic() + timeout_s
     receiving = {i: link for i, (link, _, b) in enumerate(hops) if b == rank}
     listener = Listener(address, set(receiving.values())) if receiving else None
     failure: list[BaseException] = []
     if listener is not None:
-        store.set(f"links/{rank}", listener.address)
+        store.set(f"{channel}/{rank}", listener.address)
 
         def accept() -> None:
             try:
@@ -176,7 +179,7 @@ def connect_streams(store, rank: int, address: str, hops: list[Hop], timeout_s: 
 
         thread = threading.Thread(target=accept, name="tcp-links-accept", daemon=True)
         thread.start()
-    streams = {i: dial(store.get(f"links/{b}").decode(), link, deadline)
+    streams = {i: dial(store.get(f"{channel}/{b}").decode(), link, deadline)
                for i, (link, a, b) in enumerate(hops) if a == rank}
     if listener is not None:
         thread.join(max(0.0, deadline - time.monotonic()))

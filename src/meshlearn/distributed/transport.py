@@ -30,9 +30,10 @@ does not decode is refused too; a refused message arrives as ``Forged`` and the 
   refused notice's buffer, which stays unmatched on ``OVERSIZE_TAG`` (the run stalls until a
   deadline). That is why an untrusted mesh (a verifier's) gets tcp links under ``auto``.
 
-Still open on either kind: the DP all-reduce and the per-step gather are gloo collectives, where a
-malicious replica can do what gloo lets any peer do; and a connection's identity is the hello that
-opened it (``streams.py``), not authenticated.
+Where links are trusted (``dist.trusted_links``) the DP all-reduce and the per-step gather are
+process-group collectives, where a malicious replica can do what gloo lets any peer do; untrusted,
+they run over framed streams (``collectives.py``). Either way a connection's identity is the hello
+that opened it (``streams.py``), not authenticated.
 The main thread waits for messages through ``next_message``, which checks liveness and a deadline
 derived from the link profile, and names the peer if either fails.
 

@@ -18,8 +18,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.health import WorkerFailure
-from meshlearn.elastic.binding import BoundStore, bound_process_group, create_manager, require_torchft
+from meshlearn.elastic.binding import bound_process_group, create_manager, require_torchft
 from meshlearn.elastic.settings import ElasticTimeouts
 from meshlearn.mesh.topology import WorkerId
 

@@ -33,10 +33,10 @@ from meshlearn.cluster.placement import Placement
 from meshlearn.cluster.role import HOST_ENV
 from meshlearn.cluster.shared import KEYS, share_run
 from meshlearn.config import RunConfig
+from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.procs import forward_signals, stop
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.streams import BIND_ADDRESS_ENV
-from meshlearn.elastic.binding import BoundStore
 from meshlearn.elastic.membership import WORKERS_FILE
 from meshlearn.entry.launch import (  # one machine's launcher: the same children and watch
     abort_message,

@@ -30,11 +30,12 @@ import torch.distributed as dist
 
 from meshlearn.atomic import atomic_write_json
 from meshlearn.config import RunConfig
+from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.groups import anchors, world_size
 from meshlearn.distributed.health import ABORT_KEY, process_name
 from meshlearn.distributed.procs import describe_exit, echo, forward_signals, stop
 from meshlearn.distributed.settings import derive_deadlines
-from meshlearn.elastic.binding import BoundStore, check_bound
+from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.membership import (
     LIGHTHOUSES_ENV,
     STARTED_ENV,

@@ -65,7 +65,7 @@ def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
 
         return build_elastic_driver(cfg, session, worker)
     driver = DistDriver(cfg, worker, session.health, session.device, session.comm, groups.dp, groups.links,
-                        workers_group=groups.workers, relay=verifier_rank(cfg, mesh))
+                        workers_group=groups.workers, relay=verifier_rank(cfg, mesh), framed=groups.framed)
     if anchors(cfg):
         from meshlearn.distributed.anchor import AnchorClient
 
@@ -134,7 +134,8 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
         if cfg.elastic.enabled or anchors(cfg):  # peers may be gone, or a receive from an anchor
             # still posted: tearing the world group down could block
             os._exit(end.code)
-        dist.destroy_process_group()
+        if dist.is_initialized():  # untrusted links (dist.trusted_links): there is no group
+            dist.destroy_process_group()
         return end.code
     except WorkerFailure as err:
         message, code = str(err), getattr(err, "exit_code", session.health.exit_code)  # evicted: its own
