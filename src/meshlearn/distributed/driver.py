@@ -53,8 +53,8 @@ _SQ, _BUSY, _PP, _DP, _STALE, _DPWAIT, _LINKS = 0, 1, 2, 3, 4, 5, 6
 
 class DistDriver(PipelineEvaluation):
     """Drives this process's one worker; ``workers`` holds just it (the Trainer's view of "local").
-    A ``Driver`` (mesh/driver.py) with the capabilities ``ControlChannel`` and, with a verifier,
-    ``RemoteVerdicts`` (verify/capabilities.py)."""
+    A ``Driver`` (mesh/driver.py) with the capabilities ``ControlChannel`` and ``RemoteVerdicts``
+    (verify/capabilities.py; its ``remote_sentinel`` is None without a verifier process)."""
 
     def __init__(self, cfg, worker: Worker, health: Health, device: torch.device, comm: str,
                  dp_group, link_groups: dict[tuple[WorkerId, WorkerId], object], workers_group=None,
