@@ -10,9 +10,12 @@ still a dependency, only a hidden one), type-only ones under ``TYPE_CHECKING`` t
 - the dist runtime never imports the elastic layer (elastic is composed on top of it);
 - the transport at the bottom (``net``: credentials, TLS, the one port, authenticated links)
   imports nothing of meshlearn's but itself and the leaf helpers ``atomic`` and ``errors``;
-- nothing imports ``meshlearn.entry`` but the entry points themselves and ``meshlearn.__main__``.
+- nothing imports ``meshlearn.entry`` but the entry points themselves and ``meshlearn.__main__``;
+- nobody probes a driver with ``getattr``/``hasattr`` (a call whose first argument is a name or
+  attribute ending in ``driver``): what a driver offers is declared (``mesh/driver.py``), and an
+  optional capability is tested with ``isinstance`` on its Protocol.
 
-Each broken rule is one line: the edge (importer -> imported, at FILE:LINE) and the rule.
+Each broken rule is one line: the edge (importer -> imported, at FILE:LINE) or the probe, and the rule.
 """
 
 from __future__ import annotations
@@ -164,6 +167,51 @@ def layer_violations(edges: list[Edge]) -> list[str]:
             lines.append(f"{e.importer} -> {e.imported} ({e.where}): only the entry points import "
                          f"{ROOT}.entry")
     return lines
+
+
+def driver_probes(src: Path = SRC) -> list[str]:
+    """One line per ``getattr``/``hasattr`` call on a driver (``driver``, ``self.driver``,
+    ``ctx.driver``, ``sim_driver``, ...) in the package: FILE:LINE and the call."""
+    lines = []
+    for path in module_names(src).values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and node.args):
+                continue
+            target = node.args[0]
+            name = (target.id if isinstance(target, ast.Name) else
+                    target.attr if isinstance(target, ast.Attribute) else "")
+            if name.endswith("driver"):
+                lines.append(f"{path.relative_to(src)}:{node.lineno}: {ast.unparse(node)}: probes a driver "
+                             "(declare the member in mesh/driver.py, or test a capability with isinstance)")
+    return lines
+
+
+def test_nobody_probes_a_driver():
+    assert not driver_probes(), "\n".join(driver_probes())
+
+
+def test_the_probe_check_finds_each_form_of_probe(tmp_path):
+    src = _fake_package(tmp_path, {
+        "__init__.py": "",
+        "train/__init__.py": "",
+        "train/loop.py": ("def f(driver, ctx):\n"
+                          "    a = getattr(driver, 'lookahead', 0)\n"
+                          "    b = hasattr(ctx.driver, 'timeline')\n"
+                          "    c = getattr(self.sim_driver, 'clock')\n"),
+        "verify/__init__.py": "",
+        "verify/plugin.py": ("from meshlearn.mesh.driver import DataPlan\n\n"
+                             "def g(driver, ctx, config):\n"
+                             "    x = isinstance(driver, DataPlan)\n"
+                             "    y = getattr(config, 'driver', None)\n"  # the driver is not the target
+                             "    z = getattr(ctx.driver_settings, 'x', 0)\n"
+                             "    return driver.lookahead\n"),
+    })
+    assert [line.split(": ")[0:2] for line in driver_probes(src)] == [
+        ["meshlearn/train/loop.py:2", "getattr(driver, 'lookahead', 0)"],
+        ["meshlearn/train/loop.py:3", "hasattr(ctx.driver, 'timeline')"],
+        ["meshlearn/train/loop.py:4", "getattr(self.sim_driver, 'clock')"],
+    ]
 
 
 def test_the_package_keeps_its_layers():

@@ -28,7 +28,7 @@ from meshlearn.dp.settings import DPConfig, validate_dp
 from meshlearn.elastic.settings import ElasticConfig, validate_elastic
 from meshlearn.errors import ConfigError
 from meshlearn.errors import require as _require
-from meshlearn.mesh.basis_updates import BasisUpdateConfig
+from meshlearn.mesh.basis_update_settings import BasisUpdateConfig
 from meshlearn.mesh.compute import DEVICES, ComputeConfig
 from meshlearn.mesh.network import ACCESS, LinkProfile, LinksConfig, parse_overrides
 from meshlearn.mesh.settings import MeshConfig, validate_mesh

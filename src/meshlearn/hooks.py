@@ -28,20 +28,35 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # types only: the registry imports nothing that registers in it
+    from meshlearn.config import RunConfig
+    from meshlearn.data.run_data import RunData
+    from meshlearn.mesh.driver import Clock, ControlChannel, Driver, TimeModels
+    from meshlearn.mesh.topology import WorkerId
+    from meshlearn.mesh.worker import Worker
 
 
 @dataclass
 class PluginContext:
-    """What a plugin factory may use to build its callback."""
+    """What a plugin factory may use to build its callback: the run's config and folder, this
+    process's workers, and the services of the run. A plugin takes data, time and control
+    messages from here, never by probing the driver or reading the corpus itself; what only some
+    runtimes offer is None elsewhere, and a plugin that needs it says so in its settings'
+    refusals."""
 
-    cfg: Any  # the resolved RunConfig
+    cfg: RunConfig  # the resolved config
     run_dir: Path
-    workers: dict  # this process's workers, by WorkerId
-    driver: Any  # the run's Driver (attach message monitors here)
+    workers: dict[WorkerId, Worker]  # this process's workers
+    driver: Driver  # the run's driver (its declared members only; see mesh/driver.py)
     resume_step: int | None  # the step a resumed run continues from; None for a fresh run
     writer: bool  # whether this process writes the run's files
-    callbacks: dict = field(default_factory=dict)  # the callbacks built so far (registration order)
+    data: RunData  # the training data as the trainer cuts it (batches, the train tokens)
+    clock: Clock  # the run's clock: virtual in the simulator, wall in a real run
+    control: ControlChannel | None = None  # control messages at drain points (sim, dist)
+    time_models: TimeModels | None = None  # the simulator's link and compute models
+    callbacks: dict[str, Callback] = field(default_factory=dict)  # built so far (registration order)
 
 
 @dataclass

@@ -14,7 +14,10 @@ hand-off. At each step end the plugin hands each fast worker's spectral correcti
 is due (computed for step t, now ≥ t + K) and has arrived by that worker's own virtual clock
 (``Worker.spectral.receive_basis`` for factors, ``receive_anchor`` for gradients); one still missing
 ``anchor.max_late`` steps past its due step is dropped and counted. The fast circuit never waits:
-the plugin reads the driver's clocks and never moves them.
+the plugin reads the run's clocks (``PluginContext.clock``) and never moves them.
+
+The circuit is charged with the simulator's link and compute models (``PluginContext.time_models``):
+its anchor stages are simulated processes beside the mesh.
 
 Why step ends: an arrival is folded in before the worker's next optimizer step that the trainer
 can see, so the worker uses exactly what had arrived by then (under the async schedule a worker
@@ -34,7 +37,9 @@ import torch
 
 from meshlearn.anchor.circuit import AnchorCircuit
 from meshlearn.anchor.settings import anchor_targets
+from meshlearn.data.run_data import RunData
 from meshlearn.hooks import Callback, PluginContext, StepOutput
+from meshlearn.mesh.driver import Clock, TimeModels
 from meshlearn.mesh.topology import WorkerId
 
 
@@ -70,24 +75,26 @@ class AnchorCounters:
 class AnchorCallback(Callback):
     circuit_class: type[AnchorCircuit] = AnchorCircuit  # ``plan.anchor``: the cost-only one
 
-    def __init__(self, cfg: Any, workers: dict, driver: Any, run_dir: Any, fresh: bool):
+    def __init__(self, cfg: Any, workers: dict, clock: Clock, models: TimeModels, data: RunData | None,
+                 fresh: bool):
+        """``clock``: the fast workers' (virtual) clocks; ``models``: the links and compute the
+        circuit is charged with; ``data``: the run's batches (None for a subclass that hands
+        batches by shape)."""
         self.cfg, self.a = cfg, cfg.anchor
-        self.workers, self.driver = workers, driver
+        self.workers, self.clock, self.network, self.data = workers, clock, models.network, data
         stages, replicas = cfg.mesh.stages, cfg.mesh.replicas
         wanted = set(anchor_targets(cfg))
         fast = [workers[WorkerId(0, s)] for s in range(stages)]
         targets = [[n for n in w.spectral.params if n.split(".")[-2] in wanted] for w in fast]
-        pp = driver.network.axes.get("pp", driver.network.default)
+        pp = self.network.axes.get("pp", self.network.default)
         profile = replace(pp, bandwidth_mbit=self.a.bandwidth_mbit or pp.bandwidth_mbit,
                           latency_ms=self.a.latency_ms if self.a.latency_ms >= 0 else pp.latency_ms)
         self.circuit = self.circuit_class([w.module for w in fast], targets, self.a.z, replicas,
-                                          driver.compute, profile, self.a.wire_dtype, cfg.seed,
+                                          models.compute, profile, self.a.wire_dtype, cfg.seed,
                                           send=self.a.send, rank=self.a.rank,
                                           beta=cfg.optim.spectral.beta_anc, weights=self.a.weights,
-                                          uplink=driver.network.uplink, **self._circuit_extra())
+                                          uplink=self.network.uplink, **self._circuit_extra())
         self.dp_seen = [0] * stages  # what fast (0, s) had sent on its DP links at the last relay
-        self.run_dir = run_dir
-        self.train_tokens = None
         self.pending: list[Delivery] = []
         self.counters = AnchorCounters()
         self.steps_seen = 0
@@ -102,14 +109,7 @@ class AnchorCallback(Callback):
 
     def _batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Replica 0's microbatches of ``step``, exactly as the trainer cuts them."""
-        from meshlearn.data import global_batch, shard_batch
-        from meshlearn.data.corpus import load_corpus
-
-        cfg = self.cfg
-        if self.train_tokens is None:
-            self.train_tokens = load_corpus(cfg, self.run_dir).splits.train
-        x, y = global_batch(self.train_tokens, step, cfg.train.batch_size, cfg.model.seq_len, cfg.seed)
-        return shard_batch(x, y, cfg.mesh.replicas, cfg.mesh.microbatches)[0]
+        return self.data.microbatches_of(step, self.cfg.mesh.replicas, 0)
 
     def _weights(self, wid: WorkerId) -> dict[str, torch.Tensor]:
         """What the anchor computes on for stage ``wid.stage``: the agreed weights (outer) or the
@@ -122,13 +122,13 @@ class AnchorCallback(Callback):
     def _listen(self) -> None:
         """``weights = outer``: relay to the anchor the reduced result of fast (0, s)'s DP rounds
         since the last step end (``relay_bytes`` of what it sent on its DP links)."""
-        links = self.driver.network.links.values()
+        links = self.network.links.values()
         fast = [WorkerId(0, s) for s in range(self.cfg.mesh.stages)]
         sent = [sum(link.bytes_sent for link in links if link.axis == "dp" and link.src == w) for w in fast]
         fresh = [relay_bytes(total - seen, self.cfg.mesh.replicas, self._collective(w))
                  for total, seen, w in zip(sent, self.dp_seen, fast, strict=True)]
         self.dp_seen = sent
-        self.circuit.listen([self.driver.clock.now[w] for w in fast], fresh)
+        self.circuit.listen([self.clock.worker_s(w) for w in fast], fresh)
 
     def _collective(self, wid: WorkerId) -> bool:
         dp = self.workers[wid].dp
@@ -138,7 +138,7 @@ class AnchorCallback(Callback):
         stages = self.cfg.mesh.stages
         fast = [WorkerId(0, s) for s in range(stages)]
         weights = [self._weights(w) for w in fast]
-        sent_at = [self.driver.clock.now[w] for w in fast]
+        sent_at = [self.clock.worker_s(w) for w in fast]
         result = self.circuit.run_pass(step, weights, sent_at, self._batches(step))
         for wid, arrival in result.arrival_s.items():
             self.pending.append(Delivery(step, wid, arrival, result.shares[wid.stage]))
@@ -150,7 +150,7 @@ class AnchorCallback(Callback):
             late = now - (d.step + self.a.delay)
             if late < 0:
                 kept.append(d)
-            elif d.arrival_s <= self.driver.clock.now[d.worker] and late <= self.a.max_late:
+            elif d.arrival_s <= self.clock.worker_s(d.worker) and late <= self.a.max_late:
                 spectral = self.workers[d.worker].spectral
                 receive = spectral.receive_basis if self.a.send == "factors" else spectral.receive_anchor
                 for name, value in d.share.items():
@@ -220,4 +220,7 @@ def anchor_plugin(ctx: PluginContext) -> Callback | None:
     the entry point builds ``distributed.anchor.dist_anchor_plugin`` instead)."""
     if ctx.cfg.anchor.z == 0:
         return None
-    return AnchorCallback(ctx.cfg, ctx.workers, ctx.driver, ctx.run_dir, fresh=ctx.resume_step is None)
+    if ctx.time_models is None:
+        raise RuntimeError("the simulated anchor circuit needs the simulator's link and compute models")
+    return AnchorCallback(ctx.cfg, ctx.workers, ctx.clock, ctx.time_models, ctx.data,
+                          fresh=ctx.resume_step is None)

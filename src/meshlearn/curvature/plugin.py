@@ -34,6 +34,7 @@ from meshlearn.curvature.power import (
     stability_ratio,
 )
 from meshlearn.curvature.tracker import CurvatureTracker
+from meshlearn.data.run_data import RunData
 from meshlearn.hooks import Callback, PluginContext
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models.llama import Decoder
@@ -43,8 +44,8 @@ PROBE_STEP = -1
 
 
 class CurvatureCallback(Callback):
-    def __init__(self, cfg: Any, workers: dict, run_dir: Any):
-        self.cfg, self.c, self.run_dir = cfg, cfg.curvature, run_dir
+    def __init__(self, cfg: Any, workers: dict, data: RunData):
+        self.cfg, self.c, self.data = cfg, cfg.curvature, data
         stages = cfg.mesh.stages
         self.workers = [workers[WorkerId(0, s)] for s in range(stages)]
         self.tracker = CurvatureTracker(self.c.iters, cfg.seed * 7919 + 17, self.c.tol)
@@ -53,12 +54,7 @@ class CurvatureCallback(Callback):
 
     def _probe(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.probe is None:
-            from meshlearn.data import global_batch
-            from meshlearn.data.corpus import load_corpus
-
-            corpus = load_corpus(self.cfg, self.run_dir)
-            self.probe = global_batch(corpus.splits.train, PROBE_STEP, self.c.batch_size,
-                                      self.cfg.model.seq_len, self.cfg.seed)
+            self.probe = self.data.batch(PROBE_STEP, self.c.batch_size)
         return self.probe
 
     def _loss(self) -> torch.Tensor:
@@ -200,4 +196,4 @@ def flagged_list(key: str, eigs: list[Eigen | None]) -> dict:
 def curvature_plugin(ctx: PluginContext) -> CurvatureCallback | None:
     if not ctx.cfg.curvature.every:
         return None
-    return CurvatureCallback(ctx.cfg, ctx.workers, ctx.run_dir)
+    return CurvatureCallback(ctx.cfg, ctx.workers, ctx.data)

@@ -55,6 +55,7 @@ from meshlearn.anchor.factors import AnchorEMA, pack, unpack
 from meshlearn.anchor.settings import anchor_targets
 from meshlearn.compress.codecs import Encoded
 from meshlearn.data import batch_offsets, shard_batch, windows
+from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.groups import Link, anchor_id, build_groups, rank_of
 from meshlearn.distributed.health import Health, WorkerFailure, run_and_exit, store_client
 from meshlearn.distributed.shaping import Pacer
@@ -319,7 +320,7 @@ class DistAnchorCallback(Callback):
     the driver, at each of the worker's step ends). Counters are summed over the worker
     processes; the anchors' passes and bytes come from what they posted on the store."""
 
-    def __init__(self, cfg, driver):
+    def __init__(self, cfg, driver: DistDriver):
         self.cfg, self.driver = cfg, driver
 
     def summary(self) -> dict:
@@ -352,9 +353,13 @@ class DistAnchorCallback(Callback):
 
 
 def dist_anchor_plugin(ctx: PluginContext) -> Callback | None:
-    """The anchor circuit's trainer plugin in a dist worker process (see ``DistAnchorCallback``)."""
+    """The anchor circuit's trainer plugin in a dist worker process (see ``DistAnchorCallback``):
+    the runtime's own plugin, over its own driver (its anchor client and its sums over workers)."""
     if ctx.cfg.anchor.z == 0:
         return None
+    if not isinstance(ctx.driver, DistDriver):
+        raise RuntimeError("the distributed anchor's callback needs a DistDriver, not "
+                           f"{type(ctx.driver).__name__}")
     return DistAnchorCallback(ctx.cfg, ctx.driver)
 
 

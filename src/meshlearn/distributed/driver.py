@@ -29,7 +29,7 @@ from meshlearn.cluster.role import role_of
 from meshlearn.distributed.collectives import FramedCollectives, RunCollectives, frame_bytes
 from meshlearn.distributed.evaluation import PipelineEvaluation
 from meshlearn.distributed.groups import GroupCollectives
-from meshlearn.distributed.health import Health, WorkerFailure, store_client
+from meshlearn.distributed.health import Health, RowBroken, WorkerFailure, store_client
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
 from meshlearn.distributed.transport import Transport
@@ -42,6 +42,7 @@ from meshlearn.mesh.schedule import AsyncPlan, feed_lookahead, pipeline_in_fligh
 from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.mesh.wall_clock import WallClock
 from meshlearn.mesh.worker import StepStats, Worker
 from meshlearn.verify.verdicts import RemoteSentinel
 
@@ -51,7 +52,9 @@ _SQ, _BUSY, _PP, _DP, _STALE, _DPWAIT, _LINKS = 0, 1, 2, 3, 4, 5, 6
 
 
 class DistDriver(PipelineEvaluation):
-    """Drives this process's one worker; ``workers`` holds just it (the Trainer's view of "local")."""
+    """Drives this process's one worker; ``workers`` holds just it (the Trainer's view of "local").
+    A ``Driver`` (mesh/driver.py) with the capabilities ``ControlChannel`` and ``RemoteVerdicts``
+    (verify/capabilities.py; its ``remote_sentinel`` is None without a verifier process)."""
 
     def __init__(self, cfg, worker: Worker, health: Health, device: torch.device, comm: str,
                  dp_group, link_groups: dict[tuple[WorkerId, WorkerId], object], workers_group=None,
@@ -71,6 +74,7 @@ class DistDriver(PipelineEvaluation):
         self.relay = relay  # the verifier's rank when it relays the pipeline links
         self.shaped = cfg.dist.shaping == "sender"
         self.epoch = time.monotonic()
+        self.clock = WallClock(self.epoch)
         self.network = build_network(cfg.link, cfg.links, self.mesh, cfg.seed)
         self.prev = self.mesh.prev_stage(self.me)
         self.next = self.mesh.next_stage(self.me)
@@ -140,7 +144,7 @@ class DistDriver(PipelineEvaluation):
                 restore=board.post_resume_state if self.writes_records else None)
         # Steps fed ahead of the one running. Verified async: only what this stage's plan can
         # reach before the running step ends (its own depth), so that a drain point a ban asks for
-        # is known from verdicts the verifier has already posted (see _feed).
+        # is known from verdicts the verifier has already posted (see feed).
         self.feed_ahead = self.lookahead
         if self.remote_sentinel is not None and isinstance(worker.plan, AsyncPlan):
             self.feed_ahead = math.ceil(worker.plan.in_flight / cfg.mesh.microbatches)
@@ -167,21 +171,17 @@ class DistDriver(PipelineEvaluation):
         worker = self.worker
         if self.anchor is not None:
             self.anchor.step_start(step)
-        self._feed(step, source)
+        self.feed(step, source)
         # From the previous step's end, so control messages sent at the drain point in between
         # (send_control) are in this step's bytes, as in the simulator.
         pp_before, dp_before = self._bytes_mark or (self._bytes("pp"), self._bytes("dp"))
-        rows = None
+        report = None
         while worker.steps_done <= step:
             action = worker.next_action()
             if action is None:  # its input has not arrived yet
                 self._receive_one()
-            elif action.kind == "U" and self.dp is not None:
-                rows = self._dp_update(action, pp_before, dp_before)
-            elif action.kind == "U" and worker.plan.flushes:
-                rows = self._flush_update(action, pp_before, dp_before)
             elif action.kind == "U":
-                self._async_update(action)
+                report = self.update(action, pp_before, dp_before)
             else:
                 started, begun = time.perf_counter(), time.monotonic()
                 outgoing = worker.run(action)
@@ -196,7 +196,7 @@ class DistDriver(PipelineEvaluation):
         self._bytes_mark = (self._bytes("pp"), self._bytes("dp"))
         stats = worker.pop_stats(step)
         if worker.plan.flushes:
-            return [self._report(step, rows)]
+            return [report]
         self.pending.append(self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before))
         if self.remote_sentinel is not None:  # a ban at step − L asks for a drain after this one
             self.remote_sentinel.learn_through(step - self.lookahead)
@@ -234,7 +234,36 @@ class DistDriver(PipelineEvaluation):
                                    f"got a {message.kind!r} message from {message.src}")
             return message
 
-    def _feed(self, step: int, source) -> None:
+    # --- the extension points of a runtime built on this pipeline (elastic/driver.py) ----------
+    # It overrides these four, nothing else of the step: what it feeds, how an update reduces and
+    # what the step reports, where a message goes, and what a partner's loss means.
+
+    def update(self, action, pp_before: int, dp_before: int) -> StepReport | None:
+        """Apply update ``action`` (a U) and, under a flushing schedule, return the step's report
+        (under ``async`` the reports come from the drain point's gather: None). ``pp_before`` and
+        ``dp_before``: the link counters at the step's start, for its bytes. Here: the mesh's
+        collectives (the stage's all-reduce, or a DP strategy's rounds, and the gather)."""
+        if self.dp is not None:
+            rows = self._dp_update(action, pp_before, dp_before)
+        elif self.worker.plan.flushes:
+            rows = self._flush_update(action, pp_before, dp_before)
+        else:
+            self._async_update(action)
+            return None
+        if rows is None:  # a DP strategy's update under async
+            return None
+        return self._report(action.microbatch // self.cfg.mesh.microbatches, rows)
+
+    def route(self, message: Message) -> Message | None:
+        """Where this worker's outgoing ``message`` goes (None: nowhere, it is dropped). Here: to
+        the worker it names."""
+        return message
+
+    def lost_partner(self, err: RowBroken) -> None:
+        """A receive or send found a pipeline partner gone. Here no partner may go: the run ends."""
+        raise err
+
+    def feed(self, step: int, source) -> None:
         """The simulator's feeding rule, for this worker: data up to the next drain point (or a
         lookahead that covers the first stage's in-flight depth); receives posted for all of it.
 
@@ -257,11 +286,16 @@ class DistDriver(PipelineEvaluation):
                 self.transport.expect(self.next, M, self.capacity)
         self.worker.horizon = (last + 1) * M
 
+    # --- the pipeline ------------------------------------------------------------------------
+
     def _receive_one(self) -> None:
         kind, j = self.worker.plan.peek(self.worker.horizon)
         peer, what = (self.prev, "activation") if kind == "F" else (self.next, "gradient")
         step, m = divmod(j, self.cfg.mesh.microbatches)
-        self._deliver(self.transport.next_message(f"{what} of microbatch {m} (step {step + 1})", peer))
+        try:
+            self._deliver(self.transport.next_message(f"{what} of microbatch {m} (step {step + 1})", peer))
+        except RowBroken as err:
+            self.lost_partner(err)
 
     def _deliver(self, message: Message) -> None:
         """Hand an arrival to its consumer: a dp message to the strategy, the rest to the worker."""
@@ -313,6 +347,16 @@ class DistDriver(PipelineEvaluation):
             self.timeline.compute(str(self.me), action.kind, step, action.microbatch, t0, time.monotonic())
 
     def _send(self, message: Message, capacity: int) -> None:
+        """Hand ``message`` to the transport where ``route`` sends it."""
+        routed = self.route(message)
+        if routed is None:
+            return
+        try:
+            self._transmit(routed, capacity)
+        except RowBroken as err:
+            self.lost_partner(err)
+
+    def _transmit(self, message: Message, capacity: int) -> None:
         """Hand ``message`` to the transport; when its step is recorded, the link model's times for
         it (queued start, end of serialization, delivery; known only with sender-side shaping)."""
         step = self.worker.steps_done if message.kind == "dp" else message.step
@@ -578,7 +622,7 @@ class DistDriver(PipelineEvaluation):
         self.network.idle()  # its queue times are on the old process's clock
         self.busy_s = state["busy_s"]
         # A checkpoint is a drain point: the worker (loaded first) was fed exactly the steps it has
-        # applied. Without this the first _feed would feed, and post the receives of, every step
+        # applied. Without this the first feed would feed, and post the receives of, every step
         # from 0 again: receives sized for training that the first evaluation's batches then meet.
         self.fed = self.worker.steps_done - 1
 

@@ -1,6 +1,6 @@
 """Cost-only DP strategies for ``meshlearn plan``: the real strategies over meta-device modules.
 
-A cost-only worker (``plan.cost_worker.CostWorker``) holds its stage on the meta device: every tensor
+A cost-only worker (``Worker(cost_only=...)``) holds its stage on the meta device: every tensor
 has its shape and dtype but no values. The strategies' phases, round schedules, deadlines and
 message sizes are their own code; only what needs values is replaced here:
 

@@ -90,7 +90,6 @@ class ElasticDriver(Evictions, DistDriver):
         self.writes_records = writer == str(self.me)
         self.records = ElasticRecords(progress, self.mesh, self.me, lambda: self.rows)
         self.current: QuorumStep | None = None
-        self.report: StepReport | None = None
         self.uncommitted = 0  # steps this worker trained whose update was dropped everywhere
         self.spectated = 0  # steps this worker applied without training (its row incomplete)
         self.quorum_s = 0.0
@@ -236,25 +235,15 @@ class ElasticDriver(Evictions, DistDriver):
         except RowBroken as err:
             self._row_broke(step, err)
 
-    def _receive_one(self) -> None:
-        try:
-            super()._receive_one()
-        except RowBroken as err:
-            self._abandon(err)
-
-    def _send(self, message: Message, capacity: int) -> None:
-        if self.linked_at is None:  # the row broke earlier in this step: its work is abandoned
-            return
-        # The worker addresses its slot row's neighbour; the agreed row's may be another replica.
+    def route(self, message: Message) -> Message | None:
+        """The worker addresses its slot row's neighbour; the agreed row's may be another replica.
+        Nothing leaves a worker whose row broke earlier in this step (its work is abandoned)."""
+        if self.linked_at is None:
+            return None
         dst = {"act": self.next, "grad": self.prev}.get(message.kind, message.dst)
-        if dst != message.dst:
-            message = dataclasses.replace(message, dst=dst)
-        try:
-            super()._send(message, capacity)
-        except RowBroken as err:
-            self._abandon(err)
+        return dataclasses.replace(message, dst=dst) if dst != message.dst else message
 
-    def _abandon(self, err: RowBroken) -> None:
+    def lost_partner(self, err: RowBroken) -> None:
         """A partner died in the middle of this step's pipeline: the step's microbatches in flight
         are dropped (it cannot commit anywhere: its row was agreed to train it), and this worker
         takes part in its stage's sum as a spectator (zeros, a contribution of 0), so its stage's
@@ -310,7 +299,7 @@ class ElasticDriver(Evictions, DistDriver):
         self.events += 1
         self.progress.add(f"{base}/count", 1)
 
-    def _feed(self, step: int, source) -> None:
+    def feed(self, step: int, source) -> None:
         """Only the coming step (its split follows the rows agreed for it); receives for it posted.
         ``next_drain`` is asked as the fixed driver asks it: it claims the step for a stop request
         (train/signals.py) and learns of one."""
@@ -331,19 +320,22 @@ class ElasticDriver(Evictions, DistDriver):
     def _spectate(self, step: int, source) -> StepReport:
         """A step this worker's row does not train: zero gradients into the stage's sum, then the
         update every replica of the stage applies."""
-        self._feed(step, source)
+        self.feed(step, source)
         pp_before, dp_before = self._bytes_mark or (self._bytes("pp"), self._bytes("dp"))
-        action = self.worker.spectate()
-        if self.dp is not None:
-            self._dp_update(action, pp_before, dp_before)
-        else:
-            self._flush_update(action, pp_before, dp_before)
+        report = self.update(self.worker.spectate(), pp_before, dp_before)
         self._bytes_mark = (self._bytes("pp"), self._bytes("dp"))
         self.worker.pop_stats(step)
         self.spectated += 1
-        return self.report
+        return report
 
-    def _flush_update(self, action, pp_before: int, dp_before: int) -> None:
+    def update(self, action, pp_before: int, dp_before: int) -> StepReport:
+        """The step's update over the stage's quorum, and the step's report from this worker's own
+        numbers (no collective spans the mesh)."""
+        if self.dp is not None:
+            return self._quorum_rounds_update(action, pp_before, dp_before)
+        return self._quorum_update(action, pp_before, dp_before)
+
+    def _quorum_update(self, action, pp_before: int, dp_before: int) -> StepReport:
         """Sum over the quorum of the gradients, the loss sum and count, the number of contributing
         replicas and of sequences trained; the mean divides by the contributing replicas. The
         stage says yes only if every agreed row's replica contributed and the whole global batch
@@ -386,13 +378,12 @@ class ElasticDriver(Evictions, DistDriver):
             worker.discard_update(action)
         self.busy_s += time.perf_counter() - began
         mean_loss = loss_sum / loss_count if current.mean_ok and loss_count > 0 else None
-        self.report = StepReport(step=step, losses=[mean_loss] if mean_loss is not None else [],
-                                 sim_s=None, bytes_pp=self._bytes("pp") - pp_before,
-                                 bytes_dp=self._bytes("dp") - dp_before + nbytes,
-                                 grad_norm=sq_norm**0.5, staleness=[])
-        return None
+        return StepReport(step=step, losses=[mean_loss] if mean_loss is not None else [],
+                          sim_s=None, bytes_pp=self._bytes("pp") - pp_before,
+                          bytes_dp=self._bytes("dp") - dp_before + nbytes,
+                          grad_norm=sq_norm**0.5, staleness=[])
 
-    def _dp_update(self, action, pp_before: int, dp_before: int) -> None:
+    def _quorum_rounds_update(self, action, pp_before: int, dp_before: int) -> StepReport:
         """A message-based strategy's update u (committed updates so far, so a step that does not
         commit is retried as the same update): the step's counts summed over the quorum, then the
         strategy's phases with their rounds over the quorum (``QuorumExchange``), the stage clip
@@ -443,10 +434,10 @@ class ElasticDriver(Evictions, DistDriver):
             rollback.restore(worker)
         self.dp_wait_s += time.monotonic() - started
         mean_loss = loss_sum / loss_count if current.mean_ok and loss_count > 0 else None
-        self.report = StepReport(step=step, losses=[mean_loss] if mean_loss is not None else [],
-                                 sim_s=None, bytes_pp=self._bytes("pp") - pp_before,
-                                 bytes_dp=self._bytes("dp") - dp_before + self.round_bytes,
-                                 grad_norm=sq_norm**0.5, staleness=[])
+        return StepReport(step=step, losses=[mean_loss] if mean_loss is not None else [],
+                          sim_s=None, bytes_pp=self._bytes("pp") - pp_before,
+                          bytes_dp=self._bytes("dp") - dp_before + self.round_bytes,
+                          grad_norm=sq_norm**0.5, staleness=[])
 
     def _reduce_round(self, flat: torch.Tensor) -> None:
         """``flat`` ← its sum over the quorum (garbage if a participant failed: the step then
@@ -469,9 +460,6 @@ class ElasticDriver(Evictions, DistDriver):
         if messages:
             raise RuntimeError(f"worker {self.me}: update {u + 1}'s DP strategy sent messages; "
                                "in an elastic run its rounds are sums over the quorum")
-
-    def _report(self, step: int, rows) -> StepReport:
-        return self.report
 
     def record_fields(self) -> dict:
         current = self.current

@@ -8,28 +8,15 @@ codec to the new U together, so no message encoded with the old basis is ever de
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from meshlearn.compress.subspace import SubspaceCodec
 from meshlearn.hooks import Callback, PluginContext
+from meshlearn.mesh.basis_update_settings import BasisUpdateConfig
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.mesh.worker import Worker
 from meshlearn.models.grassmann import grassmann_step, remap_module, remap_optimizer_state, set_basis
 from meshlearn.models.subspace import subspace_basis
-
-
-@dataclass(frozen=True)
-class BasisUpdateConfig:
-    """Optional updates of the subspace basis U (our reading of the paper; off by default)."""
-
-    every: int = 0
-    """Steps between Grassmann updates of U; 0 keeps U frozen (as all public Pluralis code does)."""
-    lr: float = 1.0
-    """Retraction step size η on the trace-normalised gradient second moment (η ≈ 2 reaches the
-    top-k gradient subspace in ~20 updates on a stationary spectrum; each update remaps the weights
-    lossily, so keep it moderate)."""
 
 
 class BasisUpdater:

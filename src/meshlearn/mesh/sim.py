@@ -16,6 +16,7 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -40,11 +41,19 @@ from meshlearn.models.llama import Decoder
 
 @dataclass
 class SimClock:
-    """Per-worker virtual clocks and busy time, carried across steps (and checkpoints)."""
+    """Per-worker virtual clocks and busy time, carried across steps (and checkpoints); the run's
+    ``Clock`` (mesh/driver.py)."""
 
     now: dict[WorkerId, float] = field(default_factory=dict)
     busy_s: dict[WorkerId, float] = field(default_factory=dict)
     step_end: float = 0.0
+    virtual: ClassVar[bool] = True
+
+    def worker_s(self, worker: WorkerId) -> float:
+        return self.now[worker]
+
+    def elapsed_s(self) -> float:
+        return self.step_end
 
     def state(self) -> dict:
         return {"now": {str(w): t for w, t in self.now.items()},
@@ -56,14 +65,58 @@ class SimClock:
         self.step_end = state["step_end"]
 
 
+class Collectives(Protocol):
+    """How the simulated DP axis computes, beside its time: the built-in all-reduce's arithmetic
+    and ring, and what arrives of a ``dp`` message. A training run computes values
+    (``VALUES``); the planner's cost-only runs count bytes, over every replica or over one row of
+    mirror images (``plan/collectives.py``)."""
+
+    def average_gradients(self, replicas: list[Worker]) -> int:
+        """Average the stage's gradients over ``replicas`` in place; return their fp32 bytes."""
+        ...
+
+    def stage_ring(self, replicas: list[WorkerId]) -> list[WorkerId]:
+        """The members of the stage's ring all-reduce, given its simulated ``replicas``."""
+        ...
+
+    def arriving(self, message: Message) -> Message:
+        """What arrives of a ``dp`` message sent."""
+        ...
+
+
+class ValueCollectives:
+    """The training run's: gradients averaged in replica order, a ring over the replicas, every
+    message arrives as sent."""
+
+    def average_gradients(self, replicas: list[Worker]) -> int:
+        return average_gradients(replicas)
+
+    def stage_ring(self, replicas: list[WorkerId]) -> list[WorkerId]:
+        return replicas
+
+    def arriving(self, message: Message) -> Message:
+        return message
+
+
+VALUES = ValueCollectives()
+
+
 class SimDriver:
+    """A ``Driver`` (mesh/driver.py) with the capabilities ``ControlChannel``, ``MessageMonitors``
+    and ``TimeModels``."""
+
     writes_records = True  # one process holds every worker: it writes the records and the summary
+    writes_run_files = True
     monitor_release = True  # asks monitors for their own delivery time (release_s), see attach_monitor
     shard = None  # checkpoints are one file (a DistDriver names its shard; see train/checkpoint.py)
+    checkpoint_store = None  # the trainer's single file
 
     def __init__(self, mesh: MeshShape, workers: dict[WorkerId, Worker], network: Network,
-                 compute: ComputeModel, grad_clip: float):
+                 compute: ComputeModel, grad_clip: float, collectives: Collectives = VALUES):
+        """``collectives``: how the DP axis computes (``VALUES``; the planner's cost-only runs
+        pass their own, over cost-only workers: ``Worker(cost_only=...)``)."""
         self.mesh = mesh
+        self.collectives = collectives
         self.everyone = mesh.workers()  # a flushing update's group (asked at every worker's update)
         self.workers = workers
         self.network = network
@@ -95,6 +148,7 @@ class SimDriver:
         self.lookahead = feed_lookahead(in_flight, next(iter(workers.values())).microbatches, self.flushes)
         self._bytes_mark: tuple[int, int] | None = None  # link bytes at the last step's end
         self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
+        self.control_mail: list[Message] = []  # control messages sent, not yet received
 
     def attach_monitor(self, monitor: MessageMonitor, charge_time: bool = True) -> None:
         """Add a subscriber that inspects every message on arrival, in the order attached. With
@@ -103,15 +157,23 @@ class SimDriver:
         virtual clock bit-reproducible."""
         self.monitors.append((monitor, charge_time))
 
-    def send_control(self, message: Message) -> Message:
+    def send_control(self, message: Message) -> None:
         """Carry a control message between two workers at a drain point (a protocol model's
         boundary transform): its bytes cross the link like any message's (counted in the next
-        step's report) and the receiver's clock waits for its arrival. Returns it as delivered."""
+        step's report) and the receiver's clock waits for its arrival; its receiver takes it with
+        ``receive_control``."""
         assert self.drained, "control messages travel at drain points"
         link = self.network.link(message.src, message.dst)
         arrival = link.transmit(self.clock.now[message.src], message.wire_bytes)
         self.clock.now[message.dst] = max(self.clock.now[message.dst], arrival)
-        return message
+        self.control_mail.append(message)
+
+    def receive_control(self, src: WorkerId, kind: str, what: str) -> Message:
+        """The oldest control message of ``kind`` from ``src`` sent at this drain point."""
+        for i, message in enumerate(self.control_mail):
+            if message.src == src and message.kind == kind:
+                return self.control_mail.pop(i)
+        raise RuntimeError(f"waited for {what} from {src} at a drain point, but {src} sent none")
 
     @property
     def drained(self) -> bool:
@@ -290,7 +352,7 @@ class SimDriver:
         arrived = dict(ready)
         for stage in sorted({w.stage for w in group} if _collective(self.workers[group[0]]) else ()):
             replicas = self.mesh.stage_replicas(stage)
-            nbytes = self._average_gradients([self.workers[w] for w in replicas])
+            nbytes = self.collectives.average_gradients([self.workers[w] for w in replicas])
             ready |= self._allreduce(replicas, ready, nbytes)
         if self.flushes:
             # Global-norm clipping needs every stage's norm: a scalar exchange, modeled as one latency.
@@ -352,11 +414,7 @@ class SimDriver:
             if key not in started:
                 started[key] = now
                 heapq.heappush(self._dp_started_keys[wid], key)
-            self._push(self._transmit(wid, message, now), "arrive", self._dp_arriving(message))
-
-    def _dp_arriving(self, message: Message) -> Message:
-        """What arrives of a dp message sent: the message (``plan.mirror``: its mirror image)."""
-        return message
+            self._push(self._transmit(wid, message, now), "arrive", self.collectives.arriving(message))
 
     def _dp_deliver(self, message: Message, now: float) -> None:
         wid, key = message.dst, (message.step, message.microbatch)
@@ -405,22 +463,20 @@ class SimDriver:
 
     def _allreduce(self, replicas: list[WorkerId], ready: dict[WorkerId, float],
                    nbytes: int) -> dict[WorkerId, float]:
-        """One stage's ring all-reduce of ``nbytes``: it starts once every replica is ready, is
-        charged to the ring's links, and returns when each replica has the average (nothing for
-        one replica)."""
-        if len(replicas) == 1:
+        """One stage's ring all-reduce of ``nbytes`` (over ``collectives.stage_ring``: members not
+        simulated are ready when the simulated ``replicas`` are): it starts once every replica is
+        ready, is charged to the ring's links, and returns when each replica has the average
+        (nothing for a ring of one)."""
+        ring = self.collectives.stage_ring(replicas)
+        if len(ring) == 1:
             return {}
         start = max(ready[w] for w in replicas)
         if self.network.access == UPLINK:  # the ring's sends queue behind what each uplink holds
-            start = max(start, *(self.network.link(a, b).queue_free_at for a, b in _ring(replicas)))
+            start = max(start, *(self.network.link(a, b).queue_free_at for a, b in _ring(ring)))
         step = self.waiting[replicas[0]].microbatch // self.workers[replicas[0]].microbatches
-        self._charge_allreduce(replicas, start, nbytes, step)
-        seconds = ring_allreduce_s(nbytes, len(replicas), self.network.link(*replicas[:2]).profile)
+        self._charge_allreduce(ring, start, nbytes, step)
+        seconds = ring_allreduce_s(nbytes, len(ring), self.network.link(*ring[:2]).profile)
         return {w: start + seconds for w in replicas}
-
-    def _average_gradients(self, replicas: list[Worker]) -> int:
-        """The built-in all-reduce's arithmetic; returns its fp32 bytes (CostSimDriver: bytes only)."""
-        return average_gradients(replicas)
 
     def _charge_allreduce(self, replicas: list[WorkerId], start: float, nbytes: int, step: int) -> None:
         ring = _ring(replicas)

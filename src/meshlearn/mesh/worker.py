@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.func import functional_call
 
-from meshlearn.compress.codecs import Codec, Encoded, Kind, MessageContext
+from meshlearn.compress.codecs import Codec, Encoded, Kind, MessageContext, SizedEncoded
 from meshlearn.mesh.compute import StageShape, stage_shape
 from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.schedule import Action, StagePlan
@@ -30,6 +30,19 @@ Tamper = Callable[[Kind, int, int, torch.Tensor], torch.Tensor]
 """(kind, step, microbatch, tensor) → the tensor actually sent; see ``meshlearn.verify.attacks``."""
 Forge = Callable[[Message], Message]
 """message → the message actually put on the wire (a wire-level forgery); see ``verify.forgeries``."""
+
+
+@dataclass(frozen=True)
+class CostOnly:
+    """Cost-only mode (``meshlearn plan``): F/B do no arithmetic. The stage's module lives on the
+    meta device (shapes, no storage), and each F/B sends a message of exactly the codec's wire
+    size (the codec's own ``encode`` run on a meta tensor of the message's shape: ``seq_len`` ×
+    ``d_model`` per sequence). Everything else — the plan, the inbox, versions, stash bookkeeping
+    (a stashed version is an empty placeholder), updates, the DP strategy's phases — is the same
+    code, so the simulator's event loop runs unchanged over it."""
+
+    seq_len: int
+    d_model: int
 
 
 @dataclass
@@ -66,7 +79,7 @@ class StepStats:
 class Worker:
     def __init__(self, wid: WorkerId, mesh: MeshShape, module: Decoder,
                  optimizer: torch.optim.Optimizer, codec: Codec, plan: StagePlan, microbatches: int,
-                 weight_stashing: bool = True):
+                 weight_stashing: bool = True, cost_only: CostOnly | None = None):
         self.id = wid
         self.mesh = mesh
         self.module = module
@@ -112,6 +125,13 @@ class Worker:
         self.spectral = None
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
+        self.cost_only = cost_only
+        if cost_only is not None:
+            self.in_flight_peak = 0  # the most microbatches held between F and B (activation memory)
+            self._wire: dict[tuple[Kind, int], Encoded] = {}
+            self._cost_shape = stage_shape(module)  # no warm-up locks in a cost-only run
+            self.trainable_bytes = sum(p.numel() * p.element_size() for p in module.parameters()
+                                       if p.requires_grad)
 
     # --- what the driver feeds and asks ------------------------------------------------------
 
@@ -126,7 +146,7 @@ class Worker:
     def shape(self) -> StageShape:
         """What this stage computes now, for the compute model (follows the module: locked blocks
         of architecture warm-up are not charged)."""
-        return stage_shape(self.module)
+        return self._cost_shape if self.cost_only is not None else stage_shape(self.module)
 
     @property
     def steps_done(self) -> int:
@@ -186,7 +206,10 @@ class Worker:
         assert action.kind != "U" and action == self.next_action(), f"{self.id}: {action} not ready"
         self.plan.advance(action.kind)
         j = action.microbatch
-        outgoing = self._forward(j) if action.kind == "F" else self._backward(j)
+        if self.cost_only is not None:
+            outgoing = self._forward_sized(j) if action.kind == "F" else self._backward_sized(j)
+        else:
+            outgoing = self._forward(j) if action.kind == "F" else self._backward(j)
         return outgoing if self.forge is None else [self.forge(m) for m in outgoing]
 
     def microbatch_size(self, j: int) -> int:
@@ -262,6 +285,45 @@ class Worker:
         payload = self.codec.encode(sent, "grad", record.ids, self.context("grad", j, False))
         return [Message("grad", step, m, self.id, dst, payload, skip=skip, version=record.version)]
 
+    def _forward_sized(self, j: int) -> list[Message]:
+        """Cost-only ``_forward``: the bookkeeping, and a message of the codec's wire size."""
+        step, m = divmod(j, self.microbatches)
+        weights = self._forward_weights()
+        if not self.is_first:
+            self.inbox.pop(("act", j))
+        self.in_flight[j] = InFlight(None, None, None, self.version, weights)
+        self.in_flight_peak = max(self.in_flight_peak, len(self.in_flight))
+        if self.is_last:
+            return []
+        payload = self.wire("act", self.work[step].microbatch_size)
+        return [Message("act", step, m, self.id, self.mesh.next_stage(self.id), payload,
+                        version=self.version)]
+
+    def _backward_sized(self, j: int) -> list[Message]:
+        """Cost-only ``_backward``: the bookkeeping, and a message of the codec's wire size."""
+        step, m = divmod(j, self.microbatches)
+        record = self.in_flight.pop(j)
+        if not self.is_last:
+            self.inbox.pop(("grad", j))
+        if record.weights is not None:
+            self._release_stash(record)
+        self._group_versions.append(record.version)
+        if self.is_first:
+            return []
+        payload = self.wire("grad", self.work[step].microbatch_size)
+        return [Message("grad", step, m, self.id, self.mesh.prev_stage(self.id), payload,
+                        version=record.version)]
+
+    def wire(self, kind: Kind, batch: int) -> Encoded:
+        """Cost-only: what the codec puts on the wire for one microbatch of ``batch`` sequences."""
+        key = (kind, batch)
+        if key not in self._wire:
+            x = torch.empty(batch, self.cost_only.seq_len, self.cost_only.d_model, device="meta")
+            ids = torch.empty(batch, self.cost_only.seq_len, dtype=torch.long, device="meta")
+            encoded = self.codec.encode(x, kind, ids)
+            self._wire[key] = SizedEncoded(encoded.tensors, encoded.shape, encoded.dtype, encoded.meta)
+        return self._wire[key]
+
     def _group_size(self) -> int:
         return self.microbatches // self.plan.updates_per_step
 
@@ -287,10 +349,15 @@ class Worker:
 
     def _aliases(self) -> dict[str, torch.Tensor]:
         """The live parameters' storage as leaves of their own (the No-WS forward's weights)."""
+        if self.cost_only is not None:
+            return {}
         return {n: p.data.requires_grad_(True) for n, p in self.module.named_parameters()}
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
-        """A stashed weight version: a copy of every parameter, a leaf of its own."""
+        """A stashed weight version: a copy of every parameter, a leaf of its own (cost-only: an
+        empty placeholder; its memory is ``stash_peak × param_bytes``)."""
+        if self.cost_only is not None:
+            return {}
         return {n: p.detach().clone().requires_grad_(True) for n, p in self.module.named_parameters()}
 
     def _collect_grads(self, record: InFlight) -> None:
@@ -327,6 +394,8 @@ class Worker:
         return [p.grad for p in self.module.parameters() if p.grad is not None]
 
     def grad_sq_norm(self) -> float:
+        if self.cost_only is not None:
+            return 0.0  # no values: clipping never scales (it would not change any time or byte)
         return float(sum(g.pow(2).sum() for g in self.grads()))
 
     def apply_update(self, action: Action, clip_coef: float, sq_norm: float) -> None:

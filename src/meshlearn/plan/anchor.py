@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from meshlearn.anchor.circuit import CostAnchorCircuit
 from meshlearn.anchor.plugin import AnchorCallback
 from meshlearn.config import RunConfig
+from meshlearn.mesh.sim import SimDriver
 from meshlearn.mesh.topology import WorkerId
 
 
@@ -34,9 +34,9 @@ class CostAnchorCallback(AnchorCallback):
 
     circuit_class = CostAnchorCircuit
 
-    def __init__(self, cfg: RunConfig, workers: dict, driver: Any, steps: int):
+    def __init__(self, cfg: RunConfig, workers: dict, driver: SimDriver, steps: int):
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
-        super().__init__(cfg, workers, driver, run_dir=None, fresh=False)
+        super().__init__(cfg, workers, driver.clock, driver, data=None, fresh=False)
 
     def start(self) -> None:
         """Step 0's hand-off, before the first step (the trainer's plugin makes it when built):

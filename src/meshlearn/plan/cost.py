@@ -1,4 +1,4 @@
-"""The simulator in cost-only mode: the real SimDriver over CostWorkers.
+"""The simulator in cost-only mode: the real SimDriver over cost-only workers.
 
 ``CostRun(cfg, drain_at)`` builds every worker of ``cfg``'s mesh on the meta device (exact
 parameter shapes, no storage), with the run's plans, codec (its ``encode`` run on meta tensors, so
@@ -10,7 +10,7 @@ formula: time is the virtual clock's, bytes are the links' counters, busy time t
 basis updates, the end): what ``meshlearn train`` would report on the virtual clock.
 
 When the replicas are mirror images (``plan.mirror.mirrors``: symmetric links), only replica 0's
-row is simulated (``MirrorSimDriver``): the same numbers from 1/D of the events. ``mirror=False``
+row is simulated (``MirrorCollectives``): the same numbers from 1/D of the events. ``mirror=False``
 simulates every replica (what the tests compare it with).
 
 With ``anchor.z > 0`` the anchor circuit runs beside the fast one (``plan.anchor``: the trainer's
@@ -38,15 +38,16 @@ from meshlearn.dp.cost import build_cost_strategy
 from meshlearn.mesh.compute import ComputeModel
 from meshlearn.mesh.network import Network, build_run_network
 from meshlearn.mesh.schedule import build_plan, pipeline_in_flight
+from meshlearn.mesh.sim import SimDriver
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.mesh.worker import StepWork
+from meshlearn.mesh.worker import CostOnly, StepWork, Worker
 from meshlearn.models.split import build_stage
 from meshlearn.optim.spectral import SpectralCorrection
 from meshlearn.plan.anchor import AnchorMarks, AnchorWindow, CostAnchorCallback
-from meshlearn.plan.cost_worker import CostSimDriver, CostWorker
+from meshlearn.plan.collectives import SizeCollectives
 from meshlearn.plan.critical import Seconds, SensitiveCompute, sensitive_network
 from meshlearn.plan.mask import MaskCostCodec
-from meshlearn.plan.mirror import MirrorSimDriver, mirrors
+from meshlearn.plan.mirror import MirrorCollectives, mirrors
 
 
 def cost_codec(cfg: RunConfig, mask_keep: float | None = None):
@@ -114,7 +115,7 @@ def dp_profile(network: Network, mesh: MeshShape, wid: WorkerId):
 
 
 def build_cost_workers(cfg: RunConfig, network: Network, mask_keep: float | None = None,
-                       row: bool = False) -> dict[WorkerId, CostWorker]:
+                       row: bool = False) -> dict[WorkerId, Worker]:
     """Every worker of ``cfg``'s mesh (``row``: replica 0's only, each built for the whole mesh)."""
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
     codec = cost_codec(cfg, mask_keep)
@@ -125,8 +126,8 @@ def build_cost_workers(cfg: RunConfig, network: Network, mask_keep: float | None
         optimizer = NoArithmetic(cfg.train.lr)
         plan = build_plan(cfg.mesh.schedule, wid.stage, mesh.stages, cfg.mesh.microbatches,
                           depths[wid.stage], cfg.mesh.update_every)
-        worker = CostWorker(wid, mesh, stages[wid.stage], optimizer, codec, plan, cfg.mesh.microbatches,
-                            cfg.mesh.weight_stashing, seq_len=cfg.model.seq_len, d_model=cfg.model.d_model)
+        worker = Worker(wid, mesh, stages[wid.stage], optimizer, codec, plan, cfg.mesh.microbatches,
+                        cfg.mesh.weight_stashing, cost_only=CostOnly(cfg.model.seq_len, cfg.model.d_model))
         with torch.device("meta"):  # what a strategy allocates (PowerSGD's Q, DiLoCo's copies) is shape only
             worker.dp = build_cost_strategy(cfg.dp, worker, dp_profile(network, mesh, wid))
         if cfg.anchor.z:  # the anchor's targets and its arrivals' counters; never attached (no values)
@@ -229,8 +230,10 @@ class CostRun:
             network, compute = sensitive_network(network), SensitiveCompute(cfg.sim, cfg.model)
         self.mirrored = mirror and mirrors(cfg)
         self.workers = build_cost_workers(cfg, network, mask_keep, row=self.mirrored)
-        driver = MirrorSimDriver if self.mirrored else CostSimDriver
-        self.driver = driver(self.mesh, self.workers, network, compute, cfg.train.grad_clip)
+        self.collectives = MirrorCollectives(self.mesh) if self.mirrored else SizeCollectives()
+        simulated = MeshShape(1, self.mesh.stages) if self.mirrored else self.mesh
+        self.driver = SimDriver(simulated, self.workers, network, compute, cfg.train.grad_clip,
+                                self.collectives)
         self.source = CostSource(cfg, steps, drain_at, row=self.mirrored)
         self.done = 0
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
@@ -248,12 +251,14 @@ class CostRun:
         return self.counters()
 
     def counters(self) -> Counters:
-        links = self.driver.network.links
+        network = self.driver.network
+        links = network.links
         return Counters(self.done, self.driver.clock.step_end, dict(self.driver.clock.busy_s),
                         {k: link.busy_s for k, link in links.items()},
                         {k: link.axis for k, link in links.items()},
-                        self.driver.bytes_on_axis("pp"), self.driver.bytes_on_axis("dp"),
-                        {w: up.busy_s for w, up in self.driver.network.uplinks.items()},
+                        self.collectives.bytes_on_axis(network, "pp"),
+                        self.collectives.bytes_on_axis(network, "dp"),
+                        {w: up.busy_s for w, up in network.uplinks.items()},
                         AnchorMarks.of(self.anchor) if self.anchor is not None else None)
 
     def window(self, a: Counters, b: Counters) -> Window:

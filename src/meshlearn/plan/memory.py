@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from meshlearn.config import RunConfig
 from meshlearn.mesh.compute import StageShape
-from meshlearn.plan.cost_worker import CostWorker
+from meshlearn.mesh.worker import Worker
 
 # Optimizer state in bytes per parameter (fp32): AdamW/NAdamW two moments; SGD its momentum (if
 # any); Muon/NuMuon one momentum for matrices (their AdamW part for 1-D tensors is ~1% of a stage).
@@ -45,7 +45,7 @@ def activation_bytes(cfg: RunConfig, stage: StageShape, batch: int) -> int:
     return tokens * per_token
 
 
-def worker_memory(cfg: RunConfig, worker: CostWorker, micro: int) -> WorkerMemory:
+def worker_memory(cfg: RunConfig, worker: Worker, micro: int) -> WorkerMemory:
     state = OPTIMIZER_STATE_BYTES.get(cfg.optim.name, 8)
     trainable = worker.trainable_bytes // 4  # fp32 parameters
     return WorkerMemory(worker.param_bytes, worker.trainable_bytes, state * trainable,

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from meshlearn.config import RunConfig
 from meshlearn.mesh.messages import Message
+from meshlearn.mesh.network import Network
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.plan.cost_worker import CostSimDriver
+from meshlearn.plan.collectives import SizeCollectives
 
 
 def mirrors(cfg: RunConfig) -> bool:
@@ -41,30 +42,30 @@ def mirrors(cfg: RunConfig) -> bool:
             and cfg.anchor.z == 0)
 
 
-class MirrorSimDriver(CostSimDriver):
-    """The cost-only SimDriver over replica 0's row of ``mesh`` (``workers``: that row's, built
-    for the whole mesh: their DP strategies know all D replicas)."""
+class MirrorCollectives(SizeCollectives):
+    """The cost-only DP axis of replica 0's row of ``full`` (the SimDriver then simulates
+    ``MeshShape(1, P)``; the row's workers are built for the whole mesh: their DP strategies know
+    all D replicas)."""
 
-    def __init__(self, mesh: MeshShape, workers, network, compute, grad_clip: float):
-        super().__init__(MeshShape(1, mesh.stages), workers, network, compute, grad_clip)
-        self.full = mesh
+    def __init__(self, full: MeshShape):
+        self.full = full
 
-    def _dp_arriving(self, message: Message) -> Message:
+    def stage_ring(self, replicas: list[WorkerId]) -> list[WorkerId]:
+        """Every replica of the stage, ready when (0, s) is."""
+        (wid,) = replicas
+        return self.full.stage_replicas(wid.stage)
+
+    def arriving(self, message: Message) -> Message:
+        """What (0, s) receives from (r, s) is the mirror image of what it sent r."""
         if message.dst.replica == 0:
             return message
         return Message("dp", message.step, message.microbatch, message.dst, message.src,  # r's part for 0
                        message.payload, message.skip, message.version)
 
-    def _allreduce(self, replicas: list[WorkerId], ready: dict[WorkerId, float],
-                   nbytes: int) -> dict[WorkerId, float]:
-        (wid,) = replicas
-        ring = self.full.stage_replicas(wid.stage)
-        return {wid: super()._allreduce(ring, dict.fromkeys(ring, ready[wid]), nbytes)[wid]}
-
-    def bytes_on_axis(self, axis: str) -> int:
+    def bytes_on_axis(self, network: Network, axis: str) -> int:
         """The whole mesh's bytes on ``axis``: D × what replica 0's links sent."""
-        return self.full.replicas * sum(link.bytes_sent for link in self.network.links.values()
+        return self.full.replicas * sum(link.bytes_sent for link in network.links.values()
                                         if link.axis == axis and link.src.replica == 0)
 
 
-__all__ = ["MirrorSimDriver", "mirrors"]
+__all__ = ["MirrorCollectives", "mirrors"]

@@ -4,7 +4,8 @@ boundary of the mesh gets a fresh transform (``protocol/morph.py``).
 
 Each pipeline boundary's transform travels as a ``morph`` message from the upper stage's replica
 to the lower one's, over their link: the simulator charges its bytes and time like any message
-(``SimDriver.send_control``), and the receiver folds only what arrived. The virtual clock does
+(the run's ``ControlChannel``, ``PluginContext.control``), and the receiver folds only what
+arrived. The virtual clock does
 not charge the folds' compute (measured here as ``protocol_morph_wall_s``: the paper's ~0.05 s
 per morph is mostly drawing the fp64 transforms).
 
@@ -23,7 +24,9 @@ from pathlib import Path
 import torch
 
 from meshlearn.compress.codecs import Encoded
+from meshlearn.data.run_data import RunData
 from meshlearn.hooks import Callback, PluginContext, StepOutput
+from meshlearn.mesh.driver import Clock, ControlChannel, Driver
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
@@ -72,11 +75,6 @@ def transform_of(message: Message, d: int) -> tuple[torch.Tensor, bool]:
     return t, orthogonal
 
 
-def run_clock(driver) -> float:
-    """The run's clock in seconds: the simulator's virtual time at the last step's end."""
-    return driver.record_fields()["sim_time_s"]
-
-
 class MorphCallback(Callback):
     """Morphs every boundary on its schedule. Usage: set ``protocol.morph = orthogonal`` (and
     optim.name = muon); the events ``protocol_morph`` in metrics.jsonl say when, with the bytes
@@ -87,16 +85,19 @@ class MorphCallback(Callback):
     its stage from the previous stage's process as a ``morph`` message, draws its own, sends the one
     below to the next stage's, and reports the mesh's totals (``epoch_stats``)."""
 
-    def __init__(self, cfg, workers: dict[WorkerId, Worker], driver, snapshots: SnapshotKeeper | None = None,
+    def __init__(self, cfg, workers: dict[WorkerId, Worker], driver: Driver, clock: Clock,
+                 control: ControlChannel, snapshots: SnapshotKeeper | None = None,
                  callbacks: dict[str, Callback] | None = None):
         self.cfg = cfg.protocol
         self.seed = cfg.seed
         self.mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
+        # Seconds are the run's clock at a step's end (refused under dist: settings.py).
         self.schedule = MorphSchedule(self.cfg, cfg.train.batch_size * cfg.model.seq_len,
-                                      lambda: run_clock(driver), getattr(driver, "lookahead", 0))
+                                      clock.elapsed_s, driver.lookahead)
         self.snapshots = snapshots
         self.workers = workers
         self.driver = driver
+        self.control = control
         self.morphs = {w: StageMorph(worker.module, worker.optimizer,
                                      holders=state_holders(w, worker, callbacks or {}))
                        for w, worker in workers.items()}
@@ -148,19 +149,21 @@ class MorphCallback(Callback):
         return Message("morph", step, 0, src, dst, payload, version=self.workers[src].version)
 
     def _sender(self, step: int):
-        """The simulator's: the message crosses the link and arrives at once (``send_control``)."""
+        """Every worker in this process (the simulator): the message crosses the link and its
+        receiver takes it at once."""
         def send(src: WorkerId, dst: WorkerId, t: Transform) -> tuple[torch.Tensor, bool]:
-            return transform_of(self.driver.send_control(self._message(step, src, dst, t)), self.d)
+            self.control.send_control(self._message(step, src, dst, t))
+            return self._receive(src, dst)
         return send
 
     def _send_to(self, step: int):
-        """The distributed driver's: queued on the link to the next stage's process."""
+        """One worker per process: queued on the link to the next stage's process."""
         def send(src: WorkerId, dst: WorkerId, t: Transform) -> None:
-            self.driver.send_control(self._message(step, src, dst, t))
+            self.control.send_control(self._message(step, src, dst, t))
         return send
 
     def _receive(self, src: WorkerId, me: WorkerId) -> tuple[torch.Tensor, bool]:
-        return transform_of(self.driver.receive_control(src, "morph", "the boundary transform"), self.d)
+        return transform_of(self.control.receive_control(src, "morph", "the boundary transform"), self.d)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "bytes": self.bytes, "schedule": self.schedule.state_dict(),
@@ -186,26 +189,20 @@ class SnapshotKeeper:
     """Writes replica 0's stages with their boundary traffic into ``RUN/protocol/`` (before and
     after each morph) and keeps the files of the last ``keep`` morphs."""
 
-    def __init__(self, cfg, run_dir: Path, workers: dict[WorkerId, Worker], resume_step: int | None):
+    def __init__(self, cfg, run_dir: Path, workers: dict[WorkerId, Worker], resume_step: int | None,
+                 data: RunData):
         self.cfg = cfg  # the resolved RunConfig
         self.folder = Path(run_dir) / SNAPSHOT_DIR
         for _, step, path in list_snapshots(self.folder):
             if resume_step is not None and step > resume_step:
                 path.unlink()  # written after the checkpoint this run resumes from: redone
         self.stages = [workers[WorkerId(0, s)].module for s in range(cfg.mesh.stages)]
-        self._tokens = None
+        self.data = data
         self.wall_s = 0.0
-
-    def _train_tokens(self):
-        if self._tokens is None:  # read once, at the first snapshot (as the curvature probe does)
-            from meshlearn.data.corpus import load_corpus
-
-            self._tokens = load_corpus(self.cfg, self.folder.parent).splits.train
-        return self._tokens
 
     def take(self, epoch: int, step: int) -> None:
         started = time.perf_counter()
-        tokens, p, seq_len = self._train_tokens(), self.cfg.protocol, self.cfg.model.seq_len
+        tokens, p, seq_len = self.data.train, self.cfg.protocol, self.cfg.model.seq_len
         passive = traffic_windows(tokens, p.traffic_tokens, seq_len, self.cfg.seed, "traffic",
                                   epoch, step)
         probe = traffic_windows(tokens, p.traffic_tokens, seq_len, self.cfg.seed, "probe")
@@ -225,7 +222,8 @@ def protocol_plugin(ctx: PluginContext) -> MorphCallback | None:
     cfg = ctx.cfg
     if cfg.protocol.morph in ("off", "none"):
         return None
+    if ctx.control is None:
+        raise RuntimeError("protocol.morph needs a runtime with a control channel (sim or dist)")
     keeps = cfg.protocol.keep_snapshots > 0 and ctx.writer  # refused under dist (settings.py)
-    return MorphCallback(cfg, ctx.workers, ctx.driver,
-                         SnapshotKeeper(cfg, ctx.run_dir, ctx.workers, ctx.resume_step) if keeps else None,
-                         dict(ctx.callbacks))
+    snapshots = SnapshotKeeper(cfg, ctx.run_dir, ctx.workers, ctx.resume_step, ctx.data) if keeps else None
+    return MorphCallback(cfg, ctx.workers, ctx.driver, ctx.clock, ctx.control, snapshots, dict(ctx.callbacks))

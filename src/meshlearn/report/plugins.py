@@ -58,12 +58,12 @@ class TimelineCallback(Callback):
 
 
 def timeline_plugin(ctx: PluginContext) -> TimelineCallback | None:
-    """Present when some chosen step is still ahead and the driver can record (both drivers)."""
+    """Present when some chosen step is still ahead (every driver records: ``Driver.timeline``)."""
     steps = parse_timeline_steps(ctx.cfg.report.timeline_steps, ctx.cfg.train.steps)
     ahead = frozenset(s for s in steps if ctx.resume_step is None or s >= ctx.resume_step)
-    if not ahead or not hasattr(ctx.driver, "timeline"):
+    if not ahead:
         return None
-    clock = "virtual" if ctx.driver.shard is None else "wall"
+    clock = "virtual" if ctx.clock.virtual else "wall"
     recorder = TimelineRecorder(ahead, clock)
     ctx.driver.timeline = recorder
     return TimelineCallback(ctx, recorder)

@@ -16,11 +16,12 @@ import torch
 
 from meshlearn.atomic import atomic_write_json
 from meshlearn.config import RunConfig, save_config, to_dict
-from meshlearn.data import global_batch, shard_batch, validation_batches
+from meshlearn.data import shard_batch, validation_batches
 from meshlearn.data.corpus import load_corpus
+from meshlearn.data.run_data import RunData
 from meshlearn.hooks import PluginContext, build_callbacks
 from meshlearn.jsonl import MetricsLog, read_records
-from meshlearn.mesh.driver import Driver
+from meshlearn.mesh.driver import ControlChannel, DataPlan, Driver, Membership, TimeModels
 from meshlearn.mesh.report import StepReport
 from meshlearn.mesh.sim import build_sim_driver, pipeline_loss
 from meshlearn.mesh.topology import MeshShape, WorkerId
@@ -63,18 +64,22 @@ class Trainer:
         self.corpus = load_corpus(cfg, self.run_dir)
         self.cfg = resolve(cfg, self.corpus.vocab_size)
         self.mesh = MeshShape(self.cfg.mesh.replicas, self.cfg.mesh.stages)
+        self.data = RunData(self.corpus.splits.train, self.cfg.train.batch_size, self.cfg.model.seq_len,
+                            self.cfg.seed, self.cfg.mesh.microbatches)
         self.driver = driver(self.cfg) if driver else build_sim_driver(self.cfg, build_workers(self.cfg))
         self.workers = self.driver.workers  # the workers of this process
         self.writer = self.driver.writes_records  # writes config, records, summary, manifests
         # config.toml and run.json: the writer, or in a cluster run one process per machine's folder
-        self.writes_files = getattr(self.driver, "writes_run_files", self.writer)
-        own_store = getattr(self.driver, "checkpoint_store", None)  # a cluster run's (cluster/)
+        self.writes_files = self.driver.writes_run_files
+        # A mesh whose processes come and go (elastic): its joiners, records and checkpoint shards.
+        membership = self.driver if isinstance(self.driver, Membership) else None
+        own_store = self.driver.checkpoint_store  # a cluster run's (cluster/)
         self.checkpoints = (SingleFileCheckpoint(self.run_dir) if self.driver.shard is None else
                             own_store(self.run_dir) if own_store else
                             ShardedCheckpoint(self.run_dir, self.driver.shard,
                                               [str(w) for w in self.mesh.workers()], self.driver.barrier,
                                               self.writer, self.cfg.dist.keep_checkpoints,
-                                              getattr(self.driver, "checkpoint_membership", None)))
+                                              membership.checkpoint_membership if membership else None))
         self.val_batches = validation_batches(self.corpus.splits.val, self.cfg.train.eval_batches,
                                               self.cfg.train.batch_size, self.cfg.model.seq_len)
         self.totals = Totals()
@@ -86,7 +91,7 @@ class Trainer:
         if common is not None:
             self.totals = Totals(**common["totals"])
             self.last_val_loss = common["last_val_loss"]
-        joined_at = getattr(self.driver, "joined_at", None)
+        joined_at = membership.joined_at if membership else None
         if joined_at is not None:  # a driver that joined a running mesh (elastic): start where it is
             self.totals.step = joined_at
             self.totals.tokens = joined_at * self.cfg.train.batch_size * self.cfg.model.seq_len
@@ -94,14 +99,13 @@ class Trainer:
         stops_early = self.totals.step < train.stop_at_step < train.steps
         # The step this invocation trains to (train.stop_at_step, if it stops early, else train.steps).
         self.last_step = train.stop_at_step if stops_early else train.steps
-        self.plugins = build_callbacks(PluginContext(self.cfg, self.run_dir, self.workers, self.driver,
-                                                     self.totals.step if resume else None, self.writer))
+        self.plugins = build_callbacks(self._plugin_context(self.totals.step if resume else None))
         if state is not None:
             self._load_state(state)
         self.metrics = None
         # A driver whose records' writer changes with membership (elastic) takes every record and
         # writes those it claims; the others' records go to ``metrics``.
-        self.sink = getattr(self.driver, "records", None)
+        self.sink = membership.records if membership else None
         if self.writes_files:
             # run.json first: it records the keys changed since the previous start's config.toml
             record_start(self.run_dir, to_dict(self.cfg), self.totals.step if resume else None)
@@ -112,6 +116,14 @@ class Trainer:
         if self.sink is not None:
             self.sink.attach(self.run_dir / "metrics.jsonl")
         self.progress = ProgressLine(self.cfg.train.steps) if progress and self.writer else None
+
+    def _plugin_context(self, resume_step: int | None) -> PluginContext:
+        """What the plugins get: the run's data and clock, and the driver's optional services."""
+        driver = self.driver
+        return PluginContext(self.cfg, self.run_dir, self.workers, driver, resume_step, self.writer,
+                             data=self.data, clock=driver.clock,
+                             control=driver if isinstance(driver, ControlChannel) else None,
+                             time_models=driver if isinstance(driver, TimeModels) else None)
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -220,8 +232,7 @@ class Trainer:
         its workers have finished ``step``, the next one, unless ``step`` ends at a drain point.
         Claiming the next step before deciding whether this one drains is what lets a stop land
         after the step in flight: no process can then be past the step every process agrees on."""
-        lookahead = getattr(self.driver, "lookahead", None)
-        fed = min(drain, step + lookahead) if lookahead is not None else drain
+        fed = min(drain, step + self.driver.lookahead)
         if all(worker.steps_done > step for worker in self.workers.values()):
             return max(fed, min(drain, step + 1))
         return fed
@@ -246,10 +257,9 @@ class Trainer:
         gets no data (it spectates)."""
         cfg = self.cfg
         stages = self.mesh.stages
-        index, rows = (self.driver.data_plan(step) if hasattr(self.driver, "data_plan")
+        index, rows = (self.driver.data_plan(step) if isinstance(self.driver, DataPlan)
                        else (step, tuple((r,) * stages for r in range(self.mesh.replicas))))
-        x, y = global_batch(self.corpus.splits.train, index, cfg.train.batch_size, cfg.model.seq_len,
-                            cfg.seed)
+        x, y = self.data.batch(index)
         factor = lr_factor(step, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
         shards = shard_batch(x, y, len(rows), cfg.mesh.microbatches) if rows else []
         works = {}
@@ -271,7 +281,7 @@ class Trainer:
         (at a drain point: the weights are settled)."""
         self.last_val_loss = self.driver.evaluate(self.val_batches)
         self._log({"kind": "eval", "step": self.totals.step, "val_loss": self.last_val_loss,
-                   **getattr(self.driver, "eval_fields", dict)()})
+                   **self.driver.eval_fields()})
         return self.last_val_loss
 
     # --- records -----------------------------------------------------------------------------

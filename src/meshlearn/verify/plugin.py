@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from meshlearn.hooks import Callback, PluginContext, StepOutput
 from meshlearn.jsonl import MetricsLog
+from meshlearn.verify.capabilities import RemoteVerdicts
 from meshlearn.verify.trust import TrustLayer
+from meshlearn.verify.verdicts import RemoteSentinel
+
+
+def remote_sentinel(ctx: PluginContext) -> RemoteSentinel | None:
+    """The verifier process's verdicts when SENTINEL runs in a process of its own (dist)."""
+    return ctx.driver.remote_sentinel if isinstance(ctx.driver, RemoteVerdicts) else None
 
 
 class TrustCallback(Callback):
@@ -12,7 +19,7 @@ class TrustCallback(Callback):
     every decision also goes to verify.jsonl (per ``verify.decision_log``) for replay and audits."""
 
     def __init__(self, ctx: PluginContext):
-        self.trust = TrustLayer(ctx.cfg, ctx.workers, remote=getattr(ctx.driver, "remote_sentinel", None))
+        self.trust = TrustLayer(ctx.cfg, ctx.workers, remote=remote_sentinel(ctx))
         self.trust.attach(ctx.driver)
         self.decision_log = None
         if self.trust.sentinel is not None and ctx.cfg.verify.decision_log != "none" and ctx.writer:
@@ -55,7 +62,7 @@ class WireRejectsCallback(Callback):
     leave a trace even when nothing verifies or attacks on purpose."""
 
     def __init__(self, ctx: PluginContext):
-        remote = getattr(ctx.driver, "remote_sentinel", None)  # dist: the verifier process guards
+        remote = remote_sentinel(ctx)  # dist: the verifier process guards
         self.guards = [remote] if remote is not None else [w.guard for w in ctx.workers.values()
                                                            if w.guard is not None]
         self.total = 0
@@ -79,7 +86,7 @@ def wire_rejects_plugin(ctx: PluginContext) -> WireRejectsCallback | None:
     """Where this process sees every receiver's rejections: the simulator's, or under dist the
     writer's when a verifier relays (its guard checks every pipeline message first). A dist process
     without a verifier logs its own rejections to stderr."""
-    sees_all = ctx.driver.shard is None or getattr(ctx.driver, "remote_sentinel", None) is not None
+    sees_all = ctx.driver.shard is None or remote_sentinel(ctx) is not None
     return WireRejectsCallback(ctx) if ctx.driver.writes_records and sees_all else None
 
 

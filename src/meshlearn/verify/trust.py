@@ -41,18 +41,17 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from meshlearn.compress.registry import build_codec
+from meshlearn.mesh.driver import Driver, MessageMonitors
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
 from meshlearn.verify.attacks import Attack, build_attacks
+from meshlearn.verify.capabilities import Evictor, RemoteVerdicts
 from meshlearn.verify.ledger import Ledger
 from meshlearn.verify.sentinel import Alert, Ban, Decision, Sentinel
 from meshlearn.verify.verdicts import RemoteSentinel
-
-if TYPE_CHECKING:
-    from meshlearn.mesh.sim import SimDriver
 
 
 @dataclass
@@ -132,7 +131,7 @@ class TrustLayer:
         self.rebases = 0
         self.rewarms = 0
         self.caught: set[WorkerId] = set()  # attackers banned while their attack ran
-        self.driver = None
+        self.driver: Driver | None = None
         self.deferred = cfg.mesh.schedule == "async"  # workers are idle only at drain points
         self.pending_bans: list[Ban] = []  # decided, carried out at the next drain point
         self.drain_at: int | None = None  # steps done after which that drain comes
@@ -142,18 +141,21 @@ class TrustLayer:
         """Whether this run verifies or attacks anything (else it leaves no trace in the outputs)."""
         return self.sentinel is not None or bool(self.attacks)
 
-    def attach(self, driver: SimDriver) -> None:
-        """Install SENTINEL as the driver's monitor. Its cost is CPU time on the verifiers' own
-        nodes, charged by a driver that calls ``Sentinel.release_s`` for the delivery time (one that
-        says so with ``monitor_release = True``; see verify/cost.py). A driver that would add the
-        inspection's wall time to the virtual clock instead — this machine's CPU time mixed into the
-        GPU device model — is not asked to charge anything."""
+    def attach(self, driver: Driver) -> None:
+        """Install SENTINEL as the driver's monitor (a runtime where every message passes this
+        process: ``MessageMonitors``). Its cost is CPU time on the verifiers' own nodes, charged by
+        a driver that calls ``Sentinel.release_s`` for the delivery time (one that says so with
+        ``monitor_release = True``; see verify/cost.py). A driver that would add the inspection's
+        wall time to the virtual clock instead — this machine's CPU time mixed into the GPU device
+        model — is not asked to charge anything."""
         self.driver = driver
         if self.sentinel is not None and not isinstance(self.sentinel, RemoteSentinel):
-            charge = self.cfg.verify.charge_time and getattr(driver, "monitor_release", False)
-            driver.attach_monitor(self.sentinel, charge)
+            if not isinstance(driver, MessageMonitors):
+                raise RuntimeError(f"{type(driver).__name__} takes no message monitor: SENTINEL runs "
+                                   "in a verifier process of its own there")
+            driver.attach_monitor(self.sentinel, self.cfg.verify.charge_time and driver.monitor_release)
             if self.deferred:  # steps overlap by up to the driver's feed-ahead (sentinel.py)
-                self.sentinel.set_lag(getattr(driver, "lookahead", 0))
+                self.sentinel.set_lag(driver.lookahead)
 
     def add_attack(self, wid: WorkerId, attack: Attack) -> None:
         """Make worker ``wid`` adversarial; the threat model keeps the first and last stages honest."""
@@ -173,9 +175,8 @@ class TrustLayer:
         """Score step ``step``'s decisions against the ground truth and carry out new bans."""
         changed = {wid: attack.pop_changed(step) for wid, attack in self.attacks.items()
                    if wid in self.workers}
-        exchange = getattr(self.driver, "exchange_truth", None)
-        if exchange is not None:  # dist: the other processes' attackers (for the records' writer)
-            changed = exchange(step, changed, sorted(self.attacks))
+        if isinstance(self.driver, RemoteVerdicts):  # dist: the other processes' attackers (for the writer)
+            changed = self.driver.exchange_truth(step, changed, sorted(self.attacks))
         for wid, keys in changed.items():
             self.tallies[wid].malicious += len(keys)
         out = StepTrust()
@@ -191,7 +192,7 @@ class TrustLayer:
         out.decisions = [d.record() for d in decisions if level == "all" or level == "flags" and d.flagged]
         if self.deferred and outcome.bans:
             self.pending_bans += outcome.bans
-            fed = getattr(self.driver, "fed", step)
+            fed = self.driver.fed
             self.drain_at = max(self.drain_at or 0, max(fed, step) + 1)
             # 1-based, as in metrics.jsonl: fed_step = the last step handed out when decided
             out.events = [{"kind": "ban_pending", "step": step + 1, "worker": str(b.worker),
@@ -252,12 +253,13 @@ class TrustLayer:
         """A fresh honest peer takes the banned slot, with an honest replica's weights and optimizer;
         under elastic membership (a driver with ``evict``) the banned worker's row leaves instead."""
         wid = ban.worker
-        evict = getattr(self.driver, "evict", None)
+        evicts = isinstance(self.driver, Evictor)
         donor = None
-        if evict is not None:  # elastic/evictions.py: no replacement, the slot stays closed
-            evict(ban)
+        if evicts:  # elastic/evictions.py: no replacement, the slot stays closed
+            self.driver.evict(ban)
         elif isinstance(self.sentinel, RemoteSentinel):
             donor = self.sentinel.donor(wid)
+            assert isinstance(self.driver, RemoteVerdicts)  # the verifier's verdicts came through it
             self.driver.copy_worker_state(donor, wid)  # a collective of the stage's replicas
         else:
             donor = choose_donor(self.sentinel, self.mesh, wid)
@@ -274,7 +276,7 @@ class TrustLayer:
             attack.stop(ban.step)
         self.sentinel.readmit(wid)
         entry = ban.record() | {"replaced_from": None if donor is None else str(donor), "honest": not running}
-        if evict is not None:
+        if evicts:
             entry["evicted"] = True
         self.banned.append(entry)
         return {"kind": "ban"} | entry
