@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from meshlearn.config import RunConfig, load_config, save_config
@@ -103,3 +105,21 @@ def launch_and_signal(cfg: RunConfig, run_dir: Path, worker: str | tuple[str, ..
     finally:
         kill_leftovers(run_dir)
     return result["code"]
+
+
+def gloo_receiver_exit_code(target: Callable[[int, int], None], receiver: int) -> int | None:
+    """Run ``target(rank, port)`` as ranks 0 and 1 of a gloo pair (spawned processes, a free
+    loopback port); the exit code of rank ``receiver`` once it ended (30 s at most), both killed
+    after: the negative control that shows gloo aborting a receiver on a send it did not post for."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(rank, port)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    procs[receiver].join(30)
+    for proc in procs:
+        proc.kill()
+        proc.join()
+    return procs[receiver].exitcode

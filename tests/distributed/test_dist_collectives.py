@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import gloo_receiver_exit_code
 
 from meshlearn.config import ConfigError, load_config
 from meshlearn.distributed.bound_store import BoundStore
@@ -233,19 +234,8 @@ def _gloo_replica(rank: int, port: int) -> None:
 
 def test_over_gloo_the_same_oversized_dp_contribution_aborts_the_receiving_process():
     """The negative control: gloo's all-reduce kills the receiver (SIGABRT in gloo's own thread)."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_gloo_replica, args=(rank, port)) for rank in (0, 1)]
-    for proc in procs:
-        proc.start()
-    receiver, _ = procs
-    receiver.join(30)
-    for proc in procs:
-        proc.kill()
-        proc.join()
-    assert receiver.exitcode == -signal.SIGABRT, receiver.exitcode
+    code = gloo_receiver_exit_code(_gloo_replica, receiver=0)
+    assert code == -signal.SIGABRT, code
 
 
 PLACEMENT = """

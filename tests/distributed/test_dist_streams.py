@@ -6,7 +6,6 @@ listener takes each expected link once, from a hello naming it, and nothing else
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import signal
 import socket
 import struct
@@ -17,6 +16,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import gloo_receiver_exit_code
 
 from meshlearn.compress.codecs import Encoded
 from meshlearn.distributed.bound_store import BoundStore
@@ -215,16 +215,5 @@ def _gloo_peer(rank: int, port: int) -> None:
 def test_over_gloo_a_send_larger_than_the_posted_receive_aborts_the_receiving_process():
     """Why the verifier's links are tcp: the same lie over a collective link kills the receiver
     (SIGABRT in gloo's own thread; nothing in Python can catch it)."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_gloo_peer, args=(rank, port)) for rank in (0, 1)]
-    for proc in procs:
-        proc.start()
-    sender, receiver = procs
-    receiver.join(30)
-    for proc in procs:
-        proc.kill()
-        proc.join()
-    assert receiver.exitcode == -signal.SIGABRT, receiver.exitcode
+    code = gloo_receiver_exit_code(_gloo_peer, receiver=1)
+    assert code == -signal.SIGABRT, code

@@ -15,7 +15,7 @@ import pytest
 from net_helpers import Keys, TcpFront, client_hello, closed_by_peer, stranger_context, trickle, wait_until
 
 from meshlearn.net.counters import Counters
-from meshlearn.net.keys import Credentials, Identity, add_joiner, create_run, revoke
+from meshlearn.net.keys import Credentials, Identity, KeysError, add_joiner, create_run, revoke
 from meshlearn.net.tls import Acceptor, Refused, RunTls
 
 
@@ -133,6 +133,16 @@ def test_credentials_name_their_files(keys: Keys) -> None:
     assert (creds.key.name, creds.cert.name, creds.ca.name, creds.crl.name) == (
         "carol.key", "carol.crt", "ca.crt", "ca.crl")
     assert keys.tls("carol").identity == Identity("carol", "joiner")
+
+
+def test_a_key_file_other_users_can_read_is_refused_in_one_line(tmp_path) -> None:
+    create_run(tmp_path, ["alice"], "test-run")
+    key = tmp_path / "alice.key"
+    assert key.stat().st_mode & 0o777 == 0o600
+    RunTls(Credentials.in_folder(tmp_path, "alice"))  # as written: accepted
+    key.chmod(0o640)
+    with pytest.raises(KeysError, match=r"--key = .*alice.key.*mode 0o640.*chmod 600"):
+        RunTls(Credentials.in_folder(tmp_path, "alice"))
 
 
 def test_a_revocation_takes_effect_at_the_next_handshake_after_reload(tmp_path) -> None:

@@ -39,6 +39,17 @@ def test_each_state_of_a_run_is_told_with_the_command_that_continues_it(make_run
     assert unfinished_lines([load_run(finished)]) == []
 
 
+def test_a_stopped_cluster_run_is_continued_on_every_machine_with_its_host(make_run):
+    run = make_run("cluster", config='[cluster]\ncoordinator = "alice"\n[cluster.hosts.alice]\n'
+                                     'address = "127.0.0.1"\n')
+    _set_summary(run, steps=8)
+    assert not run_status(load_run(run)).line.endswith("--host NAME")  # the simulator ignores [cluster]
+    (run / "config.toml").write_text('backend = "dist"\n' + (run / "config.toml").read_text())
+    assert run_status(load_run(run)).line == (
+        f"cluster: stopped at step 8 of 20 (train.stop_at_step); continue on every machine with: "
+        f"meshlearn train --resume {run} --host NAME")
+
+
 def test_a_stopped_real_run_says_so_first_and_why_it_has_no_timeline(tiny_corpus, tmp_path):
     run = tmp_path / "stopped"
     Trainer(tiny_config(tiny_corpus, "train.steps=8", "train.stop_at_step=2", "report.timeline_steps=auto"),

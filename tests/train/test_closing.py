@@ -60,3 +60,11 @@ def test_a_sim_run_stopped_before_its_first_evaluation_resumes_to_the_end(capsys
     assert train_losses(run) == pytest.approx(train_losses(straight), abs=1e-6)
     assert (json.loads((run / "summary.json").read_text())["final_val_loss"]
             == pytest.approx(json.loads((straight / "summary.json").read_text())["final_val_loss"], abs=1e-6))
+
+
+def test_a_cluster_run_says_to_resume_on_every_machine_with_its_own_host():
+    """A [cluster] run resumes with one command per machine, each naming itself (docs/cluster.md)."""
+    end = closing(summary(4, None), 10, 4, None, 0, RUN, "9 tok/s wall", cluster=True)
+    assert end.line.endswith("continue on every machine with: meshlearn train --resume runs/x --host NAME")
+    signalled = closing(summary(4, None), 10, 0, "SIGTERM", 143, RUN, "9 tok/s wall", cluster=True)
+    assert signalled.line.endswith("--resume runs/x --host NAME")

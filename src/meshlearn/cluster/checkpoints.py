@@ -23,38 +23,29 @@ checkpoint to ``meshlearn sample`` or ``report``, which need every shard.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
 from pathlib import Path
 
 from meshlearn.atomic import atomic_torch_save, atomic_write_json
-from meshlearn.train.checkpoint import CHECKPOINT_DIR, CheckpointError, load_checkpoint_file
+from meshlearn.train.checkpoint import (
+    CHECKPOINT_DIR,
+    CheckpointError,
+    load_checkpoint_file,
+    sha256_file,
+    step_folders,
+    step_of,
+)
 
 HOST_MANIFEST = "host.json"
 AGREED = "agreed.json"
 KEYS = "cluster/checkpoint"  # on the rendezvous store, below the run's prefix
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def step_folders(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    return sorted((f for f in root.iterdir() if f.is_dir() and f.name.startswith("step-")
-                   and f.name.removeprefix("step-").isdigit()), key=lambda f: int(f.name[5:]))
-
-
 def agreed_steps(run_dir: Path) -> list[int]:
     """The checkpoints of this folder that every host confirmed (oldest first)."""
-    return [int(f.name[5:]) for f in step_folders(Path(run_dir) / CHECKPOINT_DIR) if (f / AGREED).is_file()]
+    return [step_of(f) for f in step_folders(Path(run_dir) / CHECKPOINT_DIR) if (f / AGREED).is_file()]
 
 
 def _read_json(path: Path) -> dict | None:
@@ -137,7 +128,7 @@ class ClusterCheckpoint:
         """Keep the newest ``keep`` agreed checkpoints; drop older folders, agreed or not."""
         kept = {f"step-{s:06d}" for s in agreed_steps(self.root.parent)[-self.keep:]}
         for folder in step_folders(self.root):
-            if folder.name not in kept and int(folder.name[5:]) < newest:
+            if folder.name not in kept and step_of(folder) < newest:
                 shutil.rmtree(folder, ignore_errors=True)
 
     def _intact(self) -> list[int]:
@@ -147,7 +138,7 @@ class ClusterCheckpoint:
             listed = (_read_json(folder / HOST_MANIFEST) or {}).get("shards", {}).get(self.shard)
             path = folder / f"{self.shard}.pt"
             if listed and path.is_file() and path.stat().st_size == listed["size"]:
-                steps.append(int(folder.name[5:]))
+                steps.append(step_of(folder))
         return steps
 
     def load(self) -> tuple[dict, dict]:

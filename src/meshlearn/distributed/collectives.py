@@ -176,9 +176,9 @@ class FramedCollectives:
     # --- frames ------------------------------------------------------------------------------
 
     def _frame(self, tensor: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-        """The prefix and the body (a copy, so the caller may change ``tensor`` while it leaves);
-        the header is added per peer (its sequence number)."""
-        body = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().clone()
+        """The prefix and the body (one copy on the host, so the caller may change ``tensor`` while it
+        leaves); the header is added per peer (its sequence number)."""
+        body = tensor.detach().reshape(-1).to("cpu", copy=True).view(torch.uint8)
         return PREFIX.pack(HEADER.size, body.numel()), body
 
     def _send(self, peer: int, frame: tuple[bytes, torch.Tensor], release: float, op: str) -> None:

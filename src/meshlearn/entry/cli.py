@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import meshlearn
+from meshlearn.entry.arguments import add_worker_arguments
 from meshlearn.errors import ConfigError
 
 SWEEP = "25,100,400,1600"  # ``meshlearn plan``'s default bandwidths of the plot, Mbit/s
@@ -394,14 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="one worker process of a dist run: what torchrun starts "
                                            "(rank and rendezvous from its environment)")
-    worker.add_argument("--config", help="TOML config file (default: built-in defaults)")
-    worker.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key (repeatable; later wins)")
-    worker.add_argument("--out", default="runs/latest", help="run folder (default: runs/latest)")
-    worker.add_argument("--resume", metavar="RUN", help="continue RUN from its last complete checkpoint")
-    worker.add_argument("--join", metavar="HOST:PORT",
-                        help="join the running elastic run whose store is HOST:PORT (in RUN/elastic.json; "
-                             "--out names the run folder): take a free slot, heal from a live peer, train")
+    add_worker_arguments(worker)
     worker.set_defaults(func=_worker)
 
     report = sub.add_parser("report", help="an HTML/Markdown report of one or more runs: config, "

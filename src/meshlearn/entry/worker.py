@@ -31,6 +31,7 @@ from meshlearn.distributed.session import Session, start_session, train_tokenize
 from meshlearn.elastic.binding import interface_of
 from meshlearn.elastic.evictions import elastic_relay, refuse_resume_when_verified
 from meshlearn.elastic.membership import JOIN_ENV
+from meshlearn.entry.arguments import add_worker_arguments
 from meshlearn.entry.plugins import register_builtin_plugins
 from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape
@@ -154,19 +155,8 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshlearn worker",
                                      description="one worker process of a dist run (torchrun runs this)")
-    add_run_arguments(parser)
+    add_worker_arguments(parser)
     return parser
-
-
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML config file (default: built-in defaults)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key (repeatable; later wins)")
-    parser.add_argument("--out", default="runs/latest", help="run folder (default: runs/latest)")
-    parser.add_argument("--resume", metavar="RUN", help="continue RUN from its last complete checkpoint")
-    parser.add_argument("--join", metavar="HOST:PORT",
-                        help="join the running elastic run whose store is HOST:PORT (in RUN/elastic.json; "
-                             "--out names the run folder): take a free slot, heal from a live peer, train")
 
 
 def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path, bool]:

@@ -95,6 +95,17 @@ class Credentials:
         return cls(folder / f"{name}.key", folder / f"{name}.crt", folder / "ca.crt", folder / "ca.crl")
 
 
+def check_private(path: Path, field: str = "--key") -> Path:
+    """``path``, a private key file that no other user can read or write (as ssh refuses a key
+    with loose permissions: a copy through a group or a shared account would let another
+    account act as this participant); KeysError naming its mode otherwise."""
+    mode = Path(path).stat().st_mode & 0o777
+    if mode & 0o077:
+        raise KeysError(field, str(path), f"a private key must be readable by its owner only (mode "
+                                          f"{oct(mode)}): chmod 600 {path}")
+    return Path(path)
+
+
 def identity_of(cert: x509.Certificate) -> Identity:
     """The name and role a run's certificate states (ValueError if it states neither)."""
     names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)

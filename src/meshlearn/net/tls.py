@@ -35,7 +35,7 @@ from collections.abc import Callable
 from cryptography import x509
 
 from meshlearn.net.counters import Counters
-from meshlearn.net.keys import Credentials, Identity, identity_of
+from meshlearn.net.keys import Credentials, Identity, check_private, identity_of
 
 HANDSHAKE_TIMEOUT_S = 10.0
 """Seconds a connection may take from arrival to an authenticated peer (handshake and, for a
@@ -68,6 +68,7 @@ class RunTls:
     """
 
     def __init__(self, credentials: Credentials):
+        check_private(credentials.key)  # a key others can read is refused before it is used
         self.credentials = credentials
         self.identity = identity_of(x509.load_pem_x509_certificate(credentials.cert.read_bytes()))
         self.reload()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from meshlearn.report.records import RunData
 from meshlearn.report.units import as_number
+from meshlearn.train.closing import resume_hint
 from meshlearn.train.rundir import running_holder
 
 
@@ -32,10 +33,15 @@ def _last_step(run: RunData) -> int | None:
     return int(steps) if steps is not None else None
 
 
+def _is_cluster(run: RunData) -> bool:
+    """A ``[cluster]`` run under ``--backend dist``: it resumes on each machine with ``--host``."""
+    return run.config.get("backend") == "dist" and bool((run.config.get("cluster") or {}).get("hosts"))
+
+
 def run_status(run: RunData) -> RunStatus:
     step, total = _last_step(run), _total(run)
     at = f"step {step if step is not None else 0} of {total if total is not None else '?'}"
-    resume = f"continue with: meshlearn train --resume {run.path}"
+    resume = resume_hint(run.path, cluster=_is_cluster(run))
     holder = running_holder(run.path)
     if holder is not None:
         who = f" (pid {holder['pid']} on {holder['host']})" if "pid" in holder and "host" in holder else ""

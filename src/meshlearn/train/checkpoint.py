@@ -43,7 +43,8 @@ class CheckpointError(ConfigError):
         self.key = str(path)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file (hex), read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -52,7 +53,7 @@ def _sha256(path: Path) -> str:
 
 
 def _entry(path: Path, step: int) -> dict:
-    return {"step": step, "size": path.stat().st_size, "sha256": _sha256(path)}
+    return {"step": step, "size": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def _read_manifest(run_dir: Path) -> dict:
@@ -73,7 +74,7 @@ def _damage(path: Path, entry: dict | None, others: list[dict]) -> str | None:
     candidates = [e for e in [entry, *others] if e and e.get("size") == size]
     if not candidates:
         return f"{size} bytes, {entry['size']} expected: truncated or overwritten"
-    digest = _sha256(path)
+    digest = sha256_file(path)
     if not any(e.get("sha256") == digest for e in candidates):
         return "checksum mismatch: the file was changed after it was written"
     return None
@@ -213,22 +214,24 @@ class ShardedCheckpoint:
 
     def _prune(self, newest: int) -> None:
         """Keep the newest ``keep`` complete checkpoints; drop older folders, complete or not."""
-        complete = [f for f in _step_folders(self.root) if _is_complete(f)]
+        complete = [f for f in step_folders(self.root) if _is_complete(f)]
         kept = {f.name for f in complete[-self.keep:]}
-        for folder in _step_folders(self.root):
-            if folder.name not in kept and _step(folder) < newest:
+        for folder in step_folders(self.root):
+            if folder.name not in kept and step_of(folder) < newest:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
-def _step(folder: Path) -> int:
+def step_of(folder: Path) -> int:
+    """The step a ``step-NNNNNN`` folder holds."""
     return int(folder.name.removeprefix("step-"))
 
 
-def _step_folders(root: Path) -> list[Path]:
+def step_folders(root: Path) -> list[Path]:
+    """The ``step-NNNNNN`` folders under ``root``, oldest first."""
     if not root.is_dir():
         return []
     return sorted((f for f in root.iterdir() if f.is_dir() and f.name.startswith("step-")
-                   and f.name.removeprefix("step-").isdigit()), key=_step)
+                   and f.name.removeprefix("step-").isdigit()), key=step_of)
 
 
 def _is_complete(folder: Path) -> bool:
@@ -244,7 +247,7 @@ def _is_complete(folder: Path) -> bool:
 
 def latest_complete(run_dir: Path) -> Path | None:
     """The newest sharded checkpoint whose manifest and every listed shard exist."""
-    complete = [f for f in _step_folders(Path(run_dir) / CHECKPOINT_DIR) if _is_complete(f)]
+    complete = [f for f in step_folders(Path(run_dir) / CHECKPOINT_DIR) if _is_complete(f)]
     return complete[-1] if complete else None
 
 

@@ -11,7 +11,8 @@ A run ends in one of three ways (docs/runs.md, "How a run ends"):
   scheduler reads the exit code.
 
 Each line says what the run has: its last validation loss, or that none was computed yet (a run
-stopped before its first evaluation), and the throughput the caller measured.
+stopped before its first evaluation), and the throughput the caller measured. A ``[cluster]`` run
+resumes with one command per machine, each with its own ``--host`` (docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -28,17 +29,26 @@ class Closing:
     code: int
 
 
+def resume_hint(run_dir: Path | str, cluster: bool = False) -> str:
+    """How to continue a run: ``cluster`` (a ``[cluster]`` run under ``--backend dist``) on every
+    machine, each naming itself with ``--host``."""
+    if cluster:
+        return f"continue on every machine with: meshlearn train --resume {run_dir} --host NAME"
+    return f"continue with: meshlearn train --resume {run_dir}"
+
+
 def closing(summary: dict, steps: int, stop_at_step: int, signal_name: str | None, signal_code: int,
-            run_dir: Path, rates: str) -> Closing:
+            run_dir: Path, rates: str, cluster: bool = False) -> Closing:
     """The closing of a run whose ``summary`` (Trainer.summary) is in hand.
 
     ``steps``/``stop_at_step``: the config's ``train.steps`` and ``train.stop_at_step``;
     ``signal_name``: the signal that asked the run to stop (None: none came), ``signal_code`` its
-    exit code; ``rates``: the throughput, as the driver measures it (``12k tok/s wall``)."""
+    exit code; ``rates``: the throughput, as the driver measures it (``12k tok/s wall``);
+    ``cluster``: a ``[cluster]`` run, resumed on each machine with its ``--host``."""
     done = summary["steps"]
     val = summary["final_val_loss"]
     validation = f"val loss {val:.4f}" if val is not None else "no validation yet"
-    resume = f"continue with: meshlearn train --resume {run_dir}"
+    resume = resume_hint(run_dir, cluster)
     if signal_name is not None and done < steps:
         return Closing(f"meshlearn: stopped by {signal_name} after step {done} of {steps} with a checkpoint "
                        f"({validation}); {resume}", signal_code)
