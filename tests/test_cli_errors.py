@@ -129,3 +129,10 @@ def test_a_truncated_newest_checkpoint_resumes_from_the_previous(capsys, trained
     captured = capsys.readouterr()
     assert "falling back" in captured.err or "resuming from the previous checkpoint" in captured.err
     assert "resuming" in captured.out and "from step 2" in captured.out
+
+
+def test_a_changed_key_that_breaks_another_check_on_resume_is_refused_as_a_resume_change(capsys, trained):
+    """model.n_layer = 3 would fail 'mesh.stages must divide model.n_layer' first: the resume rule
+    is what the user needs to hear."""
+    one_line_error(capsys, ["train", "--resume", str(trained), "--set", "model.n_layer=3"],
+                   "model.n_layer = 3", "cannot change on --resume", "model.n_layer = ")

@@ -26,7 +26,7 @@ def _train(args: argparse.Namespace) -> int:
     from meshlearn.cluster.placement import host_of_command
     from meshlearn.config import load_config, to_dict
     from meshlearn.train.preflight import check_corpus, check_run
-    from meshlearn.train.provenance import check_resumable
+    from meshlearn.train.provenance import check_resumable, refuse_unresumable_sets
     from meshlearn.train.rundir import RunLock, default_out, start_fresh
     from meshlearn.train.signals import GracefulStop
 
@@ -42,8 +42,10 @@ def _train(args: argparse.Namespace) -> int:
         config = run_dir / "config.toml"
         if not config.is_file():
             raise ConfigError("--resume", str(run_dir), "not a run folder (no config.toml in it)")
+        saved = to_dict(load_config(config))
+        refuse_unresumable_sets(saved, args.set)
         cfg = load_config(config, args.set)
-        changed = check_resumable(to_dict(load_config(config)), to_dict(cfg))
+        changed = check_resumable(saved, to_dict(cfg))
         check_run(cfg)
         placement = host_of_command(cfg, args.host)
         created = False

@@ -84,6 +84,41 @@ def _resumable(key: str, old: Any, new: Any) -> bool:
     return not any(key == p or (p.endswith(".") and key.startswith(p)) for p in NOT_RESUMABLE)
 
 
+def _same(saved: Any, text: str) -> bool:
+    """Whether a ``--set`` value (text) says what the saved config holds."""
+    if str(saved).lower() == text.strip().lower():
+        return True
+    try:
+        return float(saved) == float(text)
+    except (TypeError, ValueError):
+        return False
+
+
+def refuse_unresumable_sets(old: dict[str, Any], sets: list[str]) -> None:
+    """Before a resumed config is built: a ``--set`` that changes a key a resume cannot change is
+    refused as such, rather than by whatever check of the new value fails first (a new
+    model.n_layer would otherwise be reported as not divisible by mesh.stages)."""
+    saved = flatten(old)
+    for item in sets:
+        key, _, text = item.partition("=")
+        key = key.strip()
+        if key in saved and not _same(saved[key], text) and not _resumable(key, saved[key], text.strip()):
+            was = saved[key]
+            raise ConfigError(key, _as_typed(text, was), f"cannot change on --resume (the run was trained "
+                                                         f"with {key} = {was!r}); start a new run with --out "
+                                                         f"instead")
+
+
+def _as_typed(text: str, like: Any) -> Any:
+    """``text`` as the saved value's type where it parses (so the message reads ``= 64``)."""
+    if not isinstance(like, int | float) or isinstance(like, bool):
+        return text
+    try:
+        return type(like)(text.strip())
+    except ValueError:
+        return text
+
+
 def check_resumable(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
     """The keys a resume changes; raises ConfigError naming the first that cannot change."""
     changed = changed_keys(old, new)
