@@ -29,14 +29,13 @@ import argparse
 import copy
 import dataclasses
 import math
-import os
 import shutil
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, ROOT, demo_config, markdown_table, write_results
+from common import RESULTS, ROOT, demo_config, load_average, markdown_table, write_results
 
 from meshlearn.compressibility import BLOCK_KINDS, CompressSettings, MatrixSpectrum, compress_run
 from meshlearn.compressibility.plots import plot_loss_vs_kept, plot_spectra
@@ -66,11 +65,6 @@ def run_config(optimizer: str, lr: float, steps: int, *extra: str) -> RunConfig:
     recipe = NUMUON_RECIPE if optimizer == "numuon" else ()
     return demo_config(*MESH, f"optim.name={optimizer}", f"train.lr={lr}", f"train.steps={steps}",
                        f"name={optimizer}", "train.checkpoint_every=0", *recipe, *extra)
-
-
-def load_average() -> str:
-    """The 1, 5 and 15 minute load averages, as ``uptime`` prints them."""
-    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def train(cfg: RunConfig, run_dir: Path) -> dict:
