@@ -3,12 +3,17 @@
 Part 1, schedules. The demo model at P = 4 and an 8-layer demo model at P = 8, one replica
 (``mesh.replicas = 1``, the same ``train.batch_size`` so every run sees the same tokens), 200 Mbit/s /
 50 ms links, device model (RTX 4090 @ 40%): GPipe, 1F1B, async + AdamW, async + NAdamW with weight
-stashing, async + NAdamW without (No-WS). Per run: validation loss at equal tokens (end of run) and
+stashing, async + NAdamW without (No-WS). 1F1B and async + NAdamW (WS) each run at every lr of one
+grid (``--lrs``, default 1.5e-3 … 1.2e-2, factor 2) and are compared at their best, so neither is
+handicapped by the other's lr; the other schedules run at the config's ``train.lr`` (3e-3). Every
+async run uses ``mesh.async_lr_rule``'s default (each stage's lr × 1/√(n·(1 + τ_s)),
+optim/async_lr.py); one more async + NAdamW run at 3e-3 with the rule off shows what it changes.
+Per run: validation loss at equal tokens (end of run) and
 at equal virtual time (the fastest run's end; eval records interpolated linearly over
 ``sim_time_s``, with an evaluation of the initial weights at t = 0), virtual tokens/s (whole run,
 drains included, and steady state = batch tokens / median step time), idle fraction, mean
-staleness, stash memory. Extras at P = 4: a tiny learning-rate check of async + NAdamW (×½, ×2) and
-1F1B + NAdamW, to separate the optimizer from the schedule.
+staleness, stash memory, and the machine's load average before and after (as ``uptime`` prints it;
+the virtual-time numbers and losses do not depend on it, the wall seconds do).
 
 Part 2, latency hiding. The subspace model (configs/subspace.toml, k = 8, bf16 coefficients), one
 replica, 200 Mbit/s / 50 ms, with the device's peak FLOP/s lowered (``sim.peak_tflops``) so that the
@@ -18,7 +23,7 @@ staleness and validation loss per depth, against the compute-bound throughput (t
 ÷ the slowest stage's F + B + U time, from the compute model and measured with free links) and
 against 1F1B's validation loss on the same model.
 
-    python bench/async_pipeline.py [--steps 100] [--sweep-steps 100]
+    python bench/async_pipeline.py [--steps 100] [--sweep-steps 100] [--lrs 1.5e-3,3e-3,6e-3,1.2e-2]
                                    [--depths default,2,4,8,16,auto:8,auto:12,auto] [--compute-ms 50]
                                    [--no-extras] [--part all|schedules|sweep] [--reuse]
 
@@ -39,6 +44,7 @@ from common import (
     demo_config,
     eval_curve,
     finished_run,
+    load_average,
     markdown_table,
     scratch_trainer,
     slug,
@@ -68,13 +74,12 @@ SCENARIOS = {
     "demo P=4": [],
     "8 layers P=8": ["model.n_layer=8", "mesh.stages=8"],
 }
-EXTRAS = {  # at P = 4: the lr check (×½, ×2) of the look-ahead run and of 1F1B; NAdamW alone under 1F1B
-    "async + nadamw (WS), lr 1.5e-3": [*SCHEDULES["async + nadamw (WS)"], "train.lr=1.5e-3"],
-    "async + nadamw (WS), lr 6e-3": [*SCHEDULES["async + nadamw (WS)"], "train.lr=6e-3"],
-    "1f1b + nadamw": ["mesh.schedule=1f1b", "optim.name=nadamw"],
-    "1f1b, lr 1.5e-3": ["mesh.schedule=1f1b", "train.lr=1.5e-3"],
-    "1f1b, lr 6e-3": ["mesh.schedule=1f1b", "train.lr=6e-3"],
-}
+TUNED = ("1f1b", "async + nadamw (WS)")
+"""The two schedules the goal compares: each runs at every lr of the grid and is judged at its best."""
+LR_GRID = (1.5e-3, 3e-3, 6e-3, 1.2e-2)
+"""Factor 2 apart around the shipped train.lr (3e-3); 1F1B was best at 6e-3 on the old ×½/×2 check."""
+RULE_OFF = ("async + nadamw (WS), rule off", [*SCHEDULES["async + nadamw (WS)"], "mesh.async_lr_rule=off"])
+"""The look-ahead run at the config's lr without the async lr rule (the bench's setting before it)."""
 GOAL_LOSS = 0.03  # async + look-ahead within 3% of 1F1B's validation loss ...
 GOAL_SPEED = 1.5  # ... with ≥ 1.5× its virtual tokens/s
 GOAL_BOUND = 0.9  # latency hiding: ≥ 0.9 of the compute-bound throughput
@@ -87,20 +92,22 @@ def run(cfg: RunConfig, run_dir: Path, reuse: bool, eval_at_start: bool) -> dict
     """Train ``cfg`` in ``run_dir`` (or reuse a finished run with the same config); return its
     summary and metrics records. ``eval_at_start`` evaluates the initial weights first (t = 0)."""
     summary = finished_run(run_dir, cfg) if reuse else None
-    wall = None
+    wall, load = None, "reused run"
     if summary is None:
         shutil.rmtree(run_dir, ignore_errors=True)
+        load_before = load_average()
         started = time.perf_counter()
         trainer = Trainer(cfg, run_dir, progress=False)
         if eval_at_start:
             trainer.evaluate()
         summary = trainer.train()
         wall = time.perf_counter() - started
+        load = f"{load_before} → {load_average()}"
         (run_dir / "bench_wall_s.txt").write_text(f"{wall:.3f}\n")
     elif (run_dir / "bench_wall_s.txt").is_file():
         wall = float((run_dir / "bench_wall_s.txt").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"summary": summary, "records": records, "bench_wall_s": wall}
+    return {"summary": summary, "records": records, "bench_wall_s": wall, "load_avg": load}
 
 
 def train_records(records: list[dict]) -> list[dict]:
@@ -126,30 +133,47 @@ def describe(name: str, result: dict, tokens_per_step: int) -> dict:
         "stash_mb": s["stash_bytes_peak"] / 1e6,
         "bytes_per_token_pp": s["bytes_per_token_pp"],
         "wall_s": result["bench_wall_s"] if result["bench_wall_s"] is not None else s["wall_time_s"],
+        "load_avg": result["load_avg"],
     }
 
 
 # --- part 1: schedules ------------------------------------------------------------------------
 
 
-def schedules(steps: int, eval_every: int, reuse: bool, extras: bool) -> dict:
+def cases(lrs: tuple[float, ...], extras: bool) -> dict[str, tuple[str, list[str]]]:
+    """run name → (schedule family, overrides); a family outside :data:`TUNED` runs at train.lr."""
+    out = {}
+    for family, overrides in SCHEDULES.items():
+        if family in TUNED:
+            for lr in lrs:
+                out[f"{family}, lr {lr:g}"] = (family, [*overrides, f"train.lr={lr}"])
+        else:
+            out[family] = (family, overrides)
+    if extras:
+        out[RULE_OFF[0]] = (RULE_OFF[0], RULE_OFF[1])
+    return out
+
+
+def schedules(steps: int, eval_every: int, reuse: bool, extras: bool, lrs: tuple[float, ...]) -> dict:
     common = [*D1, f"train.steps={steps}", f"train.eval_every={eval_every}", "train.checkpoint_every=0"]
     out = {}
     for scenario, base in SCENARIOS.items():
-        cases = dict(SCHEDULES)
-        if extras and scenario == "demo P=4":
-            cases |= EXTRAS
         results, rows = {}, []
-        for name, overrides in cases.items():
+        for name, (family, overrides) in cases(lrs, extras).items():
             cfg = demo_config(*base, *common, *overrides, f"name={name}")
             tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
             results[name] = run(cfg, OUT / slug(scenario) / slug(name), reuse, eval_at_start=True)
-            rows.append(describe(name, results[name], tokens_per_step) | {"overrides": overrides})
+            rows.append(describe(name, results[name], tokens_per_step)
+                        | {"family": family, "lr": cfg.train.lr, "overrides": overrides})
             print(f"[{scenario}] {name}: val {rows[-1]['final_val_loss']:.4f}, "
-                  f"{rows[-1]['sim_tokens_per_s']:.0f} tok/s, wall {rows[-1]['wall_s']:.0f} s", flush=True)
-        main_rows = [r for r in rows if r["run"] in SCHEDULES]
-        budget = min(r["sim_time_s"] for r in main_rows)  # the fastest main run's end
-        ref = next(r for r in rows if r["run"] == "1f1b")
+                  f"{rows[-1]['sim_tokens_per_s']:.0f} tok/s, wall {rows[-1]['wall_s']:.0f} s, "
+                  f"load {rows[-1]['load_avg']}", flush=True)
+        best = {family: min((r for r in rows if r["family"] == family), key=lambda r: r["final_val_loss"])
+                for family in TUNED}
+        for r in rows:
+            r["best_of_grid"] = r is best.get(r["family"])
+        budget = min(r["sim_time_s"] for r in rows)  # the fastest run's end
+        ref = best["1f1b"]
         for r in rows:
             curve = eval_curve(results[r["run"]]["records"])
             r["val_at_budget"] = val_at_time(curve, budget)
@@ -158,7 +182,7 @@ def schedules(steps: int, eval_every: int, reuse: bool, extras: bool) -> dict:
             r["steady_speed_vs_1f1b"] = r["steady_tokens_per_s"] / ref["steady_tokens_per_s"]
             r["time_to_1f1b_loss_s"] = time_to_loss(curve, ref["final_val_loss"])
             r["eval_curve"] = curve
-        out[scenario] = {"overrides": base, "time_budget_s": budget, "rows": rows}
+        out[scenario] = {"overrides": base, "time_budget_s": budget, "reference": ref["run"], "rows": rows}
     return out
 
 
@@ -245,35 +269,24 @@ def sweep(steps: int, depths: list[str], compute_ms: float, reuse: bool) -> dict
 # --- the report --------------------------------------------------------------------------------
 
 
-def goal_lines(part1: dict) -> list[str]:
+def goal_lines(part1: dict, config_lr: float) -> list[str]:
+    """The goal for async + NAdamW (WS) at its best lr of the grid, and at the config's lr (the rule's
+    promise: no retuning), each against 1F1B at its best lr."""
     lines = []
     for scenario, result in part1.items():
-        for r in result["rows"]:
-            if not r["run"].startswith("async + nadamw"):
-                continue
+        rows = result["rows"]
+        picks = [("best lr of the grid", next(r for r in rows if r["best_of_grid"]
+                                               and r["family"] == "async + nadamw (WS)")),
+                 (f"the config's lr {config_lr:g}, not retuned",
+                  next(r for r in rows if r["family"] == "async + nadamw (WS)" and r["lr"] == config_lr))]
+        for label, r in picks:
             ok = r["val_vs_1f1b"] <= GOAL_LOSS and r["speed_vs_1f1b"] >= GOAL_SPEED
             lines.append(
-                f"- {scenario}, {r['run']}: val loss {r['val_vs_1f1b']:+.1%} vs 1F1B (goal ≤ +3%), "
-                f"{r['speed_vs_1f1b']:.2f}× its virtual tokens/s (goal ≥ 1.5×; steady state "
-                f"{r['steady_speed_vs_1f1b']:.2f}×): {'met' if ok else 'missed'}")
+                f"- {scenario}, {r['run']} ({label}): val {r['final_val_loss']:.4f} vs "
+                f"{result['reference']} {r['final_val_loss'] / (1 + r['val_vs_1f1b']):.4f}, "
+                f"{r['val_vs_1f1b']:+.1%} (goal ≤ +3%), {r['speed_vs_1f1b']:.2f}× its virtual tokens/s "
+                f"(goal ≥ 1.5×; steady state {r['steady_speed_vs_1f1b']:.2f}×): {'met' if ok else 'missed'}")
     return lines
-
-
-def lr_lines(part1: dict) -> list[str]:
-    """The lr check: the best of lr ∈ {1.5e-3, 3e-3, 6e-3} for async + NAdamW (WS) and for 1F1B."""
-    rows = part1.get("demo P=4", {}).get("rows", [])
-    best = {}
-    for family, prefix in (("async + nadamw (WS)", "async + nadamw (WS)"), ("1f1b", "1f1b")):
-        runs = [r for r in rows if r["run"] == prefix or r["run"].startswith(prefix + ", lr")]
-        if len(runs) > 1:
-            best[family] = min(runs, key=lambda r: r["final_val_loss"])
-    if len(best) < 2:
-        return []
-    a, b = best["async + nadamw (WS)"], best["1f1b"]
-    return [f"- lr check (demo P=4, lr ∈ {{1.5e-3, 3e-3, 6e-3}}, each schedule at its best): "
-            f"{a['run']} {a['final_val_loss']:.4f} vs {b['run']} {b['final_val_loss']:.4f} "
-            f"({a['final_val_loss'] / b['final_val_loss'] - 1:+.1%}), "
-            f"{a['sim_tokens_per_s'] / b['sim_tokens_per_s']:.2f}× its virtual tokens/s"]
 
 
 def sweep_goal(part2: dict) -> str:
@@ -309,9 +322,13 @@ def markdown(args, part1: dict | None, part2: dict | None, wall_s: float) -> str
            f"--steps {args.steps} --sweep-steps {args.sweep_steps}`; wall time {wall_s / 60:.1f} min "
            f"for this invocation{' (--reuse)' if args.reuse else ''}, {runs_wall / 60:.1f} min summed "
            f"over its training runs "
-           f"on 2 shared CPU cores (OMP_NUM_THREADS=1). Device model RTX 4090 @ 40%, 200 Mbit/s / 50 ms "
-           f"links, D = 1, train.batch_size 32 (4 microbatches of 8 × 128 tokens), lr 3e-3 (train.lr "
-           f"shared by AdamW and NAdamW), warm-up 20 steps, cosine to 0.1×."]
+           f"on 2 shared CPU cores (OMP_NUM_THREADS=1; each row's load average in the JSON). Device "
+           f"model RTX 4090 @ 40%, 200 Mbit/s / 50 ms links, D = 1, train.batch_size 32 (4 microbatches "
+           f"of 8 × 128 tokens), warm-up 20 steps, cosine to 0.1×. 1F1B and async + NAdamW (WS) at every "
+           f"train.lr of {{{', '.join(f'{lr:g}' for lr in args.lr_grid)}}}, compared at their best (✓); "
+           f"the other rows at train.lr 3e-3. Async runs apply `mesh.async_lr_rule = "
+           f"microbatch_staleness` (each stage's lr × 1/√(n·(1 + τ_s)): ×1/4 … ×1/2 at P = 4, "
+           f"×0.18 … ×1/2 at P = 8) unless the row says `rule off`."]
     if part1:
         eval_every = args.eval_every or max(1, args.steps // 5)
         for scenario, result in part1.items():
@@ -319,13 +336,16 @@ def markdown(args, part1: dict | None, part2: dict | None, wall_s: float) -> str
                        f"{args.steps} steps\n\nEqual virtual time = {result['time_budget_s']:.1f} s, the "
                        f"fastest run's end; val loss there is interpolated linearly between evaluations "
                        f"(every {eval_every} steps, plus the initial weights at t = 0) over `sim_time_s`. "
+                       f"Ratios are against {result['reference']}, 1F1B at its best lr. "
                        f"Whole-run tokens/s include the drain at every evaluation; steady = batch tokens ÷ "
                        f"median step time. Staleness: versions behind of the applied gradients, mean over "
                        f"the run, mean over stages (per stage in the JSON).\n")
-            shown = [r | {"time_to_1f1b_loss_s": "not reached"} if r["time_to_1f1b_loss_s"] is None
-                     else r for r in result["rows"]]
+            shown = [r | {"best": "✓" if r["best_of_grid"] else ""}
+                     | ({"time_to_1f1b_loss_s": "not reached"} if r["time_to_1f1b_loss_s"] is None else {})
+                     for r in result["rows"]]
             out.append(markdown_table(shown, [
-                ("run", "run", ""), ("final_val_loss", f"val @ {args.steps} steps", ".4f"),
+                ("run", "run", ""), ("best", "best lr", ""),
+                ("final_val_loss", f"val @ {args.steps} steps", ".4f"),
                 ("val_vs_1f1b", "÷ 1F1B − 1", "+.1%"),
                 ("val_at_budget", f"val @ {result['time_budget_s']:.0f} s virtual", ".4f"),
                 ("time_to_1f1b_loss_s", "virtual s to 1F1B's val", ".1f"),
@@ -335,8 +355,7 @@ def markdown(args, part1: dict | None, part2: dict | None, wall_s: float) -> str
                 ("stash_mb", "stash peak (MB)", ".2f"), ("wall_s", "wall (s)", ".0f")]))
         out.append("\n### Goal: async + look-ahead within 3% of 1F1B's val loss at equal tokens, ≥ 1.5× its "
                    "virtual tokens/s\n")
-        out += goal_lines(part1)
-        out += lr_lines(part1)
+        out += goal_lines(part1, demo_config().train.lr)
     if part2:
         c = part2["compute"]
         slow = c["per_stage"][c["slowest"]]
@@ -383,22 +402,25 @@ def main() -> None:
                              "mesh.max_in_flight=N")
     parser.add_argument("--compute-ms", type=float, default=50.0,
                         help="part 2: the slowest stage's F + B per microbatch, in ms; sets sim.peak_tflops")
+    parser.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LR_GRID),
+                        help="train.lr grid of 1F1B and async + NAdamW (WS) in part 1")
     parser.add_argument("--no-extras", action="store_true",
-                        help="skip the P = 4 extras (lr ×½, ×2 of async + NAdamW and of 1F1B; "
-                             "1F1B + NAdamW)")
+                        help="skip the async + NAdamW run with mesh.async_lr_rule = off")
     parser.add_argument("--part", choices=("all", "schedules", "sweep"), default="all")
     parser.add_argument("--reuse", action="store_true",
                         help="keep runs in bench/out/async_pipeline/ that finished with the same config")
     args = parser.parse_args()
+    args.lr_grid = tuple(float(v) for v in args.lrs.split(","))
     started = time.perf_counter()
     eval_every = args.eval_every or max(1, args.steps // 5)
-    part1 = (schedules(args.steps, eval_every, args.reuse, not args.no_extras)
+    part1 = (schedules(args.steps, eval_every, args.reuse, not args.no_extras, args.lr_grid)
              if args.part in ("all", "schedules") else None)
     part2 = (sweep(args.sweep_steps, args.depths.split(","), args.compute_ms, args.reuse)
              if args.part in ("all", "sweep") else None)
     wall = time.perf_counter() - started
     name = "async_pipeline" if args.part == "all" else f"async_pipeline_{args.part}"
     write_results(name, {"steps": args.steps, "sweep_steps": args.sweep_steps, "eval_every": eval_every,
+                         "lr_grid": args.lr_grid, "uptime_after": load_average(),
                          "config": "configs/demo.toml", "compute_model": "device:rtx4090 at 40% utilization",
                          "links": "200 Mbit/s, 50 ms", "bench_wall_s": wall,
                          "schedules": part1, "sweep": part2},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tempfile
 import tomllib
 from pathlib import Path
@@ -25,6 +26,12 @@ register_builtin_plugins()  # benchmarks build Trainers directly, with the built
 
 def demo_config(*overrides: str) -> RunConfig:
     return load_config(DEMO, list(overrides))
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, as ``uptime`` prints them: recorded beside every
+    timing, since the machine is shared."""
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def scratch_trainer(cfg: RunConfig) -> Trainer:

@@ -2,7 +2,9 @@
 
 1. A learning-rate sweep per optimizer: short runs (``--sweep-steps``, full warm-up + cosine
    schedule squeezed into them) at each lr of its grid (:data:`GRIDS`; ``--lrs NAME=LR,...``
-   replaces one); the lowest final validation loss wins.
+   replaces one); the lowest final validation loss wins. Muon and NuMuon share one grid, and
+   NuMuon runs like for like with Muon (:data:`NUMUON_RECIPE`: Nesterov momentum as Muon's, and the
+   method note's rank schedule, full rank for 10 % of the run, cosine to the rank fraction at 80 %).
 2. One full-length run per optimizer at its best lr (``--steps``, the demo's 300 by default), so
    every optimizer sees the same tokens; ``--numuon-fractions 0.5`` adds NuMuon runs at other rank
    fractions (at NuMuon's best lr, not swept again).
@@ -15,6 +17,7 @@ The mesh is one stage × one replica: the mesh equivalence tests pin the mesh to
 (1e-5), so the demo's 4 × 2 mesh trains the same model up to rounding, and the simulator's overhead
 would only slow the sweep down. Intra-op threads are pinned to 1: on a shared 2-core machine, OpenMP
 spin-waiting made a whole NuMuon training step 12× slower (its small QR/SVD calls), AdamW's 4×.
+Every timing is stored with the machine's load average (as ``uptime`` prints it) beside it.
 
     python bench/compressibility.py [--steps 300] [--sweep-steps 100] [--lrs muon=0.012,0.024]
                                     [--numuon-fractions 0.5]
@@ -32,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, ROOT, demo_config, markdown_table, write_results
+from common import RESULTS, ROOT, demo_config, load_average, markdown_table, write_results
 
 from meshlearn.compressibility import BLOCK_KINDS, CompressSettings, MatrixSpectrum, compress_run
 from meshlearn.compressibility.plots import plot_loss_vs_kept, plot_spectra
@@ -46,9 +49,13 @@ from meshlearn.train import Trainer
 from meshlearn.train.assemble import resolve
 
 OPTIMIZERS = ("adamw", "muon", "numuon")
-GRIDS = {"adamw": (3e-3, 6e-3, 1.2e-2), "muon": (1.2e-2, 2.4e-2, 4.8e-2), "numuon": (1.2e-2, 2.4e-2, 4.8e-2)}
+MATRIX_GRID = (1.2e-2, 2.4e-2, 4.8e-2)
+GRIDS = {"adamw": (3e-3, 6e-3, 1.2e-2), "muon": MATRIX_GRID, "numuon": MATRIX_GRID}
 """Three lrs per optimizer, factor 2 apart, centred on the best of a first shared grid (1.5e-3 … 1.2e-2)
-where AdamW peaked at 6e-3 and Muon and NuMuon at its top edge."""
+where AdamW peaked at 6e-3 and Muon and NuMuon at its top edge; Muon and NuMuon share theirs."""
+NUMUON_RECIPE = ("optim.numuon_rank_schedule=cosine", "optim.numuon_nesterov=true")
+"""NuMuon against Muon like for like: the same (Nesterov) momentum, and the note's rank schedule from
+``optim.numuon_start_fraction`` (1.0) down to ``optim.numuon_rank_fraction`` (0.25)."""
 MESH = ("mesh.stages=1", "mesh.replicas=1")
 OUT = ROOT / "bench" / "out" / "compressibility"
 SETTINGS = CompressSettings()  # keeps 0.75, 0.5, 0.25; svd, asvd, svdllm; 64 calibration sequences
@@ -56,15 +63,18 @@ WIDE = ("model.d_model=512", "model.n_head=8")
 
 
 def run_config(optimizer: str, lr: float, steps: int, *extra: str) -> RunConfig:
+    recipe = NUMUON_RECIPE if optimizer == "numuon" else ()
     return demo_config(*MESH, f"optim.name={optimizer}", f"train.lr={lr}", f"train.steps={steps}",
-                       f"name={optimizer}", "train.checkpoint_every=0", *extra)
+                       f"name={optimizer}", "train.checkpoint_every=0", *recipe, *extra)
 
 
 def train(cfg: RunConfig, run_dir: Path) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
+    load_before = load_average()
     summary = Trainer(cfg, run_dir, progress=False).train()
     steps = [r["step_wall_s"] for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == "train"]
-    return summary | {"mean_step_wall_s": statistics.mean(steps)}
+    return summary | {"mean_step_wall_s": statistics.mean(steps),
+                      "load_avg": f"{load_before} → {load_average()}"}
 
 
 def sweep(grids: dict[str, tuple[float, ...]], steps: int) -> list[dict]:
@@ -117,6 +127,7 @@ def optimizer_step_times(extra: tuple[str, ...], lrs: dict[str, float], repeats:
             mine.grad = source.grad.clone()  # deepcopy drops .grad
         optimizers[name] = build_optimizer(replica, dataclasses.replace(cfg.optim, name=name), lrs[name])
     times: dict[str, list[float]] = {name: [] for name in OPTIMIZERS}
+    load_before = load_average()
     for i in range(warmup + repeats):
         for name in OPTIMIZERS if i % 2 == 0 else OPTIMIZERS[::-1]:
             started = time.perf_counter()
@@ -127,7 +138,8 @@ def optimizer_step_times(extra: tuple[str, ...], lrs: dict[str, float], repeats:
     return [{"model": f"d_model={cfg.model.d_model}", "optimizer": name,
              "median_ms": 1e3 * statistics.median(times[name]), "min_ms": 1e3 * min(times[name]),
              "mean_ms": 1e3 * statistics.mean(times[name]),
-             "over_muon": statistics.median(times[name]) / muon} for name in OPTIMIZERS]
+             "over_muon": statistics.median(times[name]) / muon,
+             "load_avg": f"{load_before} → {load_average()}"} for name in OPTIMIZERS]
 
 
 def compression_rows(compressed: dict[str, dict]) -> list[dict]:
@@ -154,7 +166,8 @@ def goals(base: dict[str, float], rows: list[dict]) -> list[str]:
         for row in (r for r in rows if r["keep"] == 0.5):
             met = row[label] < min(row["muon"], row["adamw"])
             lines.append(f"- {label}, 50 % kept, {row['pipeline']}: {row[label]:.4f} vs Muon "
-                         f"{row['muon']:.4f}, AdamW {row['adamw']:.4f} → {'met' if met else 'missed'}")
+                         f"{row['muon']:.4f} ({row[label] - row['muon']:+.4f}), AdamW {row['adamw']:.4f} "
+                         f"({row[label] - row['adamw']:+.4f}) → {'met' if met else 'missed'}")
         gap = base[label] / base["muon"] - 1
         lines.append(f"- {label}, uncompressed: {base[label]:.4f} vs Muon {base['muon']:.4f} ({gap:+.2%}; "
                      f"goal ≤ +2 %) → {'met' if gap <= 0.02 else 'missed'}")
@@ -196,7 +209,8 @@ def main() -> None:
     runs = [{"variant": label, "lr": lr, "tokens": full[label]["tokens"], "val_loss": base[label],
              "over_muon": base[label] / base["muon"] - 1,
              "stable_rank": compressed[label]["stable_rank"]["mean"],
-             "mean_step_wall_s": full[label]["mean_step_wall_s"]} for label, (_, lr, _) in variants.items()]
+             "mean_step_wall_s": full[label]["mean_step_wall_s"],
+             "load_avg": full[label]["load_avg"]} for label, (_, lr, _) in variants.items()]
     ranks = [{"variant": label, **c["stable_rank"]["by_kind"], "mean": c["stable_rank"]["mean"]}
              for label, c in compressed.items()]
     figures = RESULTS / "compressibility"
@@ -215,7 +229,8 @@ def main() -> None:
     run_table = markdown_table(runs, [
         ("variant", "optimizer", ""), ("lr", "lr", "g"), ("tokens", "tokens", "d"),
         ("val_loss", f"val loss @ {args.steps} steps", ".4f"), ("over_muon", "vs Muon", "+.2%"),
-        ("stable_rank", "mean stable rank", ".2f"), ("mean_step_wall_s", "wall s/step (whole step)", ".3f")])
+        ("stable_rank", "mean stable rank", ".2f"), ("mean_step_wall_s", "wall s/step (whole step)", ".3f"),
+        ("load_avg", "load average (before → after)", "")])
     compress_table = markdown_table(rows, [
         ("pipeline", "pipeline", ""), ("keep", "target keep", ".2f"),
         ("kept_in_compressed", "kept in compressed (measured)", ".4f"),
@@ -225,7 +240,8 @@ def main() -> None:
                                         *((k, k, ".2f") for k in BLOCK_KINDS), ("mean", "mean", ".2f")])
     timing_table = markdown_table(timing, [
         ("model", "model", ""), ("optimizer", "optimizer", ""), ("median_ms", "median ms/step", ".2f"),
-        ("min_ms", "min ms", ".2f"), ("mean_ms", "mean ms", ".2f"), ("over_muon", "÷ Muon (median)", ".2f")])
+        ("min_ms", "min ms", ".2f"), ("mean_ms", "mean ms", ".2f"), ("over_muon", "÷ Muon (median)", ".2f"),
+        ("load_avg", "load average (before → after)", "")])
     command = " ".join(["python bench/compressibility.py", f"--steps {args.steps}",
                         f"--sweep-steps {args.sweep_steps}", *(f"--lrs {v}" for v in args.lrs),
                         *([f"--numuon-fractions {args.numuon_fractions}"] if args.numuon_fractions else [])])
@@ -233,7 +249,9 @@ def main() -> None:
     markdown = "\n\n".join([
         f"Demo model (configs/demo.toml, mesh 1 × 1), {args.steps} steps × "
         f"{runs[0]['tokens'] // args.steps} tokens for every run; NuMuon rank fraction "
-        f"{cfg.optim.numuon_rank_fraction} (fixed) unless named, Muon/NuMuon lr scale "
+        f"{cfg.optim.numuon_start_fraction} → {cfg.optim.numuon_rank_fraction} (cosine schedule) "
+        "unless named, with Nesterov momentum as Muon's (`" + " ".join(NUMUON_RECIPE) + "`), "
+        "Muon/NuMuon lr scale "
         f"{cfg.optim.muon_adjust_lr}, weight decay {cfg.optim.weight_decay}; `{command}` "
         f"({elapsed / 60:.1f} min on this machine)",
         f"LR sweep ({args.sweep_steps}-step runs, same warm-up and cosine schedule)\n\n{sweep_table}",

@@ -16,6 +16,7 @@ from meshlearn.mesh.schedule import stage_in_flight
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models import Decoder, init_model, merge_stages, split_model
 from meshlearn.optim import build_optimizer
+from meshlearn.optim.async_lr import async_lr_scale
 from meshlearn.optim.schedule_lr import lr_factor
 from meshlearn.train import Trainer
 
@@ -32,10 +33,11 @@ def delayed_oracle(trainer: Trainer, steps: int) -> tuple[list[float], Decoder]:
     of version max(0, j − (n_s − 1)) // update_every, n_s the stage's in-flight depth (P − s by
     default) — the version no-flush 1F1B has when it runs F(j) — and its backward the same weights; each
     stage steps after every group of update_every microbatches, averaged over the replicas and
-    clipped per stage at grad_clip / √P."""
+    clipped per stage at grad_clip / √P, at the scheduled lr × the stage's mesh.async_lr_rule factor."""
     cfg = trainer.cfg
     P, D, M, ue = cfg.mesh.stages, cfg.mesh.replicas, cfg.mesh.microbatches, cfg.mesh.update_every
     depth = [trainer.workers[WorkerId(0, s)].plan.in_flight for s in range(P)]
+    stage_scale = [async_lr_scale(cfg.mesh.async_lr_rule, M, ue, depth[s]) for s in range(P)]
     stages = split_model(init_model(cfg.model, cfg.seed), P)
     optimizers = [build_optimizer(stage, cfg.optim, cfg.train.lr, cfg.train.steps) for stage in stages]
     history = [[{n: p.detach().clone() for n, p in stage.named_parameters()}] for stage in stages]
@@ -72,7 +74,7 @@ def delayed_oracle(trainer: Trainer, steps: int) -> tuple[list[float], Decoder]:
                 torch.nn.utils.clip_grad_norm_(stage.parameters(), cfg.train.grad_clip / P**0.5,
                                                foreach=False)
                 for group in optimizers[s].param_groups:
-                    group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
+                    group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor * stage_scale[s]
                 optimizers[s].step()
                 optimizers[s].zero_grad(set_to_none=True)
                 history[s].append({n: p.detach().clone() for n, p in stage.named_parameters()})
@@ -109,7 +111,9 @@ def test_stashed_async_mesh_equals_the_delayed_oracle(tiny_corpus, tmp_path, sta
     ["optim.name=nadamw", "mesh.replicas=2"],
     ["optim.name=muon", "mesh.replicas=2"],
     ["optim.name=numuon"],
-], ids=["update_every", "in_flight", "nadamw", "muon", "numuon"])
+    ["mesh.async_lr_rule=off"],
+    ["mesh.async_lr_rule=microbatch", "mesh.update_every=2"],
+], ids=["update_every", "in_flight", "nadamw", "muon", "numuon", "lr_rule_off", "lr_rule_microbatch"])
 def test_groups_depths_and_optimizers_follow_the_oracle_too(tiny_corpus, tmp_path, overrides):
     cfg = tiny_config(tiny_corpus, *ASYNC, "mesh.stages=4", *overrides)
     trainer = Trainer(cfg, tmp_path, progress=False)

@@ -247,3 +247,46 @@ def test_the_config_cosine_schedule_holds_then_anneals_to_the_rank_fraction():
     assert ranks[0] == ranks[1] == 32 and 8 < ranks[2] < 32 and ranks[3] == ranks[4] == 8
     fixed = build_optimizer(model, OptimConfig(name="numuon", numuon_rank_fraction=0.25), lr=1e-2)
     assert fixed.rank_at(next(g for g in fixed.param_groups if "rank_schedule" in g), 0, (32, 64)) == 8
+
+
+def _train_through_the_factory(cfg, make_lm, lm_batches, loss_fn) -> list[torch.Tensor]:
+    from meshlearn.optim import build_optimizer
+
+    model = make_lm(0)
+    opt = build_optimizer(model, cfg, lr=0.02, total_steps=len(lm_batches))
+    for batch in lm_batches:
+        loss_fn(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_config_nesterov_makes_full_rank_numuon_muon(make_lm, lm_batches, loss_fn):
+    """optim.numuon_nesterov = true at rank fraction 1.0 trains exactly as optim.name = muon (which
+    always uses Nesterov) over five steps; without it the same run differs (negative control)."""
+    from meshlearn.optim import OptimConfig
+
+    muon = _train_through_the_factory(OptimConfig(name="muon"), make_lm, lm_batches, loss_fn)
+    runs = {nesterov: _train_through_the_factory(
+        OptimConfig(name="numuon", numuon_rank_fraction=1.0, numuon_nesterov=nesterov),
+        make_lm, lm_batches, loss_fn) for nesterov in (True, False)}
+    for p, q in zip(runs[True], muon, strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+    assert max((p - q).abs().max().item() for p, q in zip(runs[False], muon, strict=True)) > 1e-4
+
+
+def test_numuon_nesterov_defaults_off_as_the_method_note_says():
+    from meshlearn.optim import OptimConfig, build_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False))
+    opt = build_optimizer(model, OptimConfig(name="numuon"), lr=1e-2)
+    assert OptimConfig().numuon_nesterov is False
+    assert [g["nesterov"] for g in opt.param_groups if "rank_schedule" in g] == [False]
+
+
+def test_the_config_key_takes_a_boolean_and_names_itself_otherwise():
+    from meshlearn.config import ConfigError, load_config
+
+    assert load_config(None, ["optim.numuon_nesterov=true"]).optim.numuon_nesterov is True
+    with pytest.raises(ConfigError, match=r"optim.numuon_nesterov = .*boolean"):
+        load_config(None, ["optim.numuon_nesterov=sometimes"])

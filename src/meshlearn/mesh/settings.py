@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshlearn.mesh.schedule import SCHEDULES
+from meshlearn.optim.async_lr import ASYNC_LR_RULES
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,14 @@ class MeshConfig:
     proportionally fewer (1 + ⌈(N − 1)(P − 1 − s)/(P − 1)⌉; N = P is the default), the last 1."""
     max_in_flight: int = 16
     """async: the cap of mesh.in_flight = auto (bounds staleness and stash memory)."""
+    async_lr_rule: str = "microbatch_staleness"
+    """async: how each stage's lr follows from train.lr (tuned for one update per step on the whole
+    batch), so that switching to async needs no retuning. ``microbatch_staleness``: × 1/√(n·(1 + τ_s))
+    with n = microbatches / update_every updates per step (the square-root batch-size rule of Adam)
+    and τ_s = (in-flight depth − 1) / update_every the stage's staleness (P − 1 − s by default; a
+    delay-adaptive step, PipeMare-style); 1/4 … 1/2 at P = 4, M = 4. ``microbatch``: × 1/√n only.
+    ``off``: train.lr as given. No-WS keeps its own staleness rule (optim.no_ws_lr_anneal) and takes
+    only the microbatch term. See optim/async_lr.py and docs/async.md."""
 
 
 def validate_mesh(cfg: Any, require: Callable[[bool, str, Any, str], None]) -> None:
@@ -50,10 +59,13 @@ def validate_mesh(cfg: Any, require: Callable[[bool, str, Any, str], None]) -> N
     require(text in ("default", "auto") or (text.isdigit() and int(text) >= 1), "mesh.in_flight",
             mesh.in_flight, "allowed: default, auto or a positive integer")
     require(mesh.max_in_flight >= 1, "mesh.max_in_flight", mesh.max_in_flight, "must be >= 1")
+    require(mesh.async_lr_rule in ASYNC_LR_RULES, "mesh.async_lr_rule", mesh.async_lr_rule,
+            f"allowed: {list(ASYNC_LR_RULES)}")
     if mesh.schedule != "async":
         for key, value, default in [("mesh.update_every", mesh.update_every, 1),
                                     ("mesh.weight_stashing", mesh.weight_stashing, True),
-                                    ("mesh.in_flight", mesh.in_flight, "default")]:
+                                    ("mesh.in_flight", mesh.in_flight, "default"),
+                                    ("mesh.async_lr_rule", mesh.async_lr_rule, "microbatch_staleness")]:
             require(value == default, key, value,
                     f"only the async schedule uses it; mesh.schedule = {mesh.schedule!r} flushes "
                     f"every step (leave it at {default!r} or set mesh.schedule = async)")

@@ -66,6 +66,11 @@ class OptimConfig:
     numuon_match_muon_rms: bool = False
     """Scale each step by √(min(m, n)/k) so its RMS equals Muon's (the note's ``rms_match``; off by
     default: it enlarges each singular direction of the step)."""
+    numuon_nesterov: bool = False
+    """NuMuon's momentum input: ``true`` = Nesterov (the step follows G + μ(M − G), as Muon always
+    does), ``false`` = the momentum buffer M itself. Off by default, the reimplementations' "paper
+    recipe" in the method note; turn it on to compare NuMuon with Muon like for like (at rank
+    fraction 1.0 it is then Muon exactly; docs/compressibility.md measures both settings)."""
     no_ws_lr_anneal: float = 0.12
     """No-WS asynchronous pipelines (no weight stashing): E, the fraction of ``train.steps`` over
     which an earlier stage's reduced lr, lr / max(τ_s, 1)^(1 − min(progress/E, 1)), returns to the
@@ -156,7 +161,8 @@ def _numuon(module: nn.Module, cfg: OptimConfig, lr: float, total_steps: int) ->
     fraction, schedule, kwargs = numuon_schedule(cfg, total_steps)
     return NuMuon(trainable(module), lr=lr, rank_fraction=fraction, rank_schedule=schedule,
                   rank_schedule_kwargs=kwargs, match_muon_rms=cfg.numuon_match_muon_rms,
-                  momentum=cfg.momentum, weight_decay=cfg.weight_decay, adjust_lr_fn=cfg.muon_adjust_lr,
+                  momentum=cfg.momentum, nesterov=cfg.numuon_nesterov, weight_decay=cfg.weight_decay,
+                  adjust_lr_fn=cfg.muon_adjust_lr,
                   adamw_lr=lr, adamw_betas=resolve_betas(cfg, ADAMW_BETAS), adamw_eps=cfg.eps)
 
 

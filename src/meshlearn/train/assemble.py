@@ -15,6 +15,7 @@ from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
 from meshlearn.models.llama import Decoder
 from meshlearn.models.split import init_model, split_model
+from meshlearn.optim.async_lr import async_lr_scale
 from meshlearn.optim.factory import build_optimizer
 from meshlearn.optim.no_ws import no_ws_stage_hparams
 from meshlearn.optim.spectral import SpectralCorrection
@@ -52,7 +53,22 @@ def build_worker(cfg: RunConfig, wid: WorkerId, module: Decoder) -> Worker:
         worker.spectral.attach(optimizer)
     if cfg.mesh.schedule == "async" and not cfg.mesh.weight_stashing:
         use_no_ws_hparams(worker, cfg)
+    if cfg.mesh.schedule == "async":
+        use_async_lr_rule(worker, cfg)
     return worker
+
+
+def use_async_lr_rule(worker: Worker, cfg: RunConfig) -> None:
+    """``mesh.async_lr_rule``: the stage's lr factor for per-microbatch, stale updates
+    (:func:`~meshlearn.optim.async_lr.async_lr_scale`), on top of any No-WS scale. No-WS already
+    compensates staleness, so it gets only the microbatch term."""
+    rule = cfg.mesh.async_lr_rule
+    if rule == "microbatch_staleness" and not cfg.mesh.weight_stashing:
+        rule = "microbatch"
+    scale = async_lr_scale(rule, cfg.mesh.microbatches, cfg.mesh.update_every, worker.plan.in_flight)
+    inner = worker.stage_lr_scale
+    if scale != 1.0:
+        worker.stage_lr_scale = (lambda step: scale) if inner is None else (lambda step: scale * inner(step))
 
 
 def use_no_ws_hparams(worker: Worker, cfg: RunConfig) -> None:
