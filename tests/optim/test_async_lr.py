@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
-from meshlearn.optim.schedule_lr import lr_factor
 from tiny import tiny_config
 
 from meshlearn.config import ConfigError
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.optim.async_lr import ASYNC_LR_RULES, async_lr_scale
 from meshlearn.optim.no_ws import no_ws_stage_hparams
+from meshlearn.optim.schedule_lr import lr_factor
 from meshlearn.train import Trainer
 
 
