@@ -318,10 +318,12 @@ def sweep_goal(part2: dict) -> str:
 def markdown(args, part1: dict | None, part2: dict | None, wall_s: float) -> str:
     runs_wall = sum(r["wall_s"] for part in (part1 or {}).values() for r in part["rows"]) + sum(
         r["wall_s"] for r in (part2 or {}).get("rows", []))
-    out = [f"# Asynchronous pipeline (`mesh.schedule = async`)\n\n`python bench/async_pipeline.py "
-           f"--steps {args.steps} --sweep-steps {args.sweep_steps}`; wall time {wall_s / 60:.1f} min "
-           f"for this invocation{' (--reuse)' if args.reuse else ''}, {runs_wall / 60:.1f} min summed "
-           f"over its training runs "
+    command = " ".join(["python bench/async_pipeline.py", f"--steps {args.steps}",
+                        f"--sweep-steps {args.sweep_steps}", f"--lrs {args.lrs}", f"--part {args.part}",
+                        *([f"--depths {args.depths}"] if args.part != "schedules" else [])])
+    out = [f"# Asynchronous pipeline (`mesh.schedule = async`)\n\n`{command}`; wall time "
+           f"{wall_s / 60:.1f} min for this invocation{' (--reuse)' if args.reuse else ''}, "
+           f"{runs_wall / 60:.1f} min summed over its training runs "
            f"on 2 shared CPU cores (OMP_NUM_THREADS=1; each row's load average in the JSON). Device "
            f"model RTX 4090 @ 40%, 200 Mbit/s / 50 ms links, D = 1, train.batch_size 32 (4 microbatches "
            f"of 8 × 128 tokens), warm-up 20 steps, cosine to 0.1×. 1F1B and async + NAdamW (WS) at every "

@@ -24,8 +24,9 @@ The rule (``microbatch_staleness``, the default) scales each stage's scheduled l
   1/τ: the gradient is old, not wrong. τ_s is the stage's steady-state staleness in updates:
   P − 1 − s by default (``mesh.in_flight`` deepens it), divided by ``update_every``.
 
-On the shipped configs (P = 4, M = 4) f runs from 1/4 (stage 0) to 1/2 (the last stage): from
-``train.lr = 3e-3``, 7.5e-4 … 1.5e-3, the window where async + NAdamW was best when tuned by hand.
+On the shipped configs (P = 4, M = 4) f runs from 1/4 (stage 0) to 1/2 (the last stage), at P = 8
+from 0.18 to 1/2. Measured (docs/async.md): with it, async + NAdamW's best ``train.lr`` is 1F1B's
+shipped 3e-3 at P = 4 and P = 8, and it ends 7.2% and 4.4% below 1F1B at 1F1B's own best lr.
 ``microbatch`` keeps only the first term, ``off`` neither. Under No-WS (``mesh.weight_stashing =
 false``) the staleness term is left to No-WS's own PipeMare schedule (``optim/no_ws.py``), so a
 delay is never compensated twice.
