@@ -77,3 +77,17 @@ def describe_exit(code: int | str) -> str:
     if code == EXIT_PEER_FAILURE:
         return "stopped: a peer failed"
     return f"exit code {code}"
+
+
+def stop_at_once(procs: list, err: BaseException, stopping: dict, resume: str) -> int:
+    """After a second Ctrl-C (or a caller's timeout) while watching: never leave workers behind.
+    A KeyboardInterrupt ends with the resume command (``resume``) and 128 + the signal; anything
+    else is raised again once the workers are gone."""
+    stop(procs, signal.SIGTERM, wait_s=5.0)
+    stop(procs, signal.SIGKILL, wait_s=5.0)
+    if not isinstance(err, KeyboardInterrupt):
+        raise err
+    print(f"meshlearn: stopped at once; workers killed — continue from the last complete checkpoint "
+          f"with: {resume}", file=sys.stderr)
+    return 128 + (stopping.get("signum") or signal.SIGINT)
+

@@ -34,7 +34,7 @@ from meshlearn.cluster.role import HOST_ENV
 from meshlearn.cluster.shared import KEYS, share_run
 from meshlearn.config import RunConfig
 from meshlearn.distributed.bound_store import BoundStore
-from meshlearn.distributed.procs import forward_signals, stop
+from meshlearn.distributed.procs import forward_signals, stop_at_once
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.streams import BIND_ADDRESS_ENV
 from meshlearn.elastic.membership import WORKERS_FILE
@@ -101,15 +101,9 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
     stopping = forward_signals(procs, STOPPING)
     try:
         codes = watch_children(procs, cfg, logs / f"{echo}.log", out)
-    except BaseException as err:  # a second Ctrl-C, or a caller's timeout: never leave workers behind
-        stop(procs, signal.SIGTERM, wait_s=5.0)
-        stop(procs, signal.SIGKILL, wait_s=5.0)
-        if isinstance(err, KeyboardInterrupt):
-            print(f"meshlearn: stopped at once; workers killed — continue from the last complete "
-                  f"checkpoint with: meshlearn train --resume {run_dir} --host {placement.host}",
-                  file=sys.stderr)
-            return 128 + (stopping.get("signum") or signal.SIGINT)
-        raise
+    except BaseException as err:  # a second Ctrl-C, or a caller's timeout
+        resume = f"meshlearn train --resume {run_dir} --host {placement.host}"
+        return stop_at_once(procs, err, stopping, resume)
     finally:
         stopping["restore"]()
     _finish(store, cfg, placement)

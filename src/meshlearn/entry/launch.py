@@ -33,7 +33,7 @@ from meshlearn.config import RunConfig
 from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.groups import anchors, world_size
 from meshlearn.distributed.health import ABORT_KEY, process_name
-from meshlearn.distributed.procs import describe_exit, echo, forward_signals, stop
+from meshlearn.distributed.procs import describe_exit, echo, forward_signals, stop, stop_at_once
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.membership import (
@@ -132,14 +132,8 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
                                  grace_s=timeouts.quorum_s + timeouts.heartbeat_s + 10.0, absent=absent,
                                  verifier=next((p for p in procs if p.name == "verifier"), None))
         codes = watch_children(procs, cfg, logs / f"{mesh.worker(0)}.log", out)
-    except BaseException as err:  # a second Ctrl-C, or a caller's timeout: never leave workers behind
-        stop(procs, signal.SIGTERM, wait_s=5.0)
-        stop(procs, signal.SIGKILL, wait_s=5.0)
-        if isinstance(err, KeyboardInterrupt):
-            print(f"meshlearn: stopped at once; workers killed — continue from the last complete "
-                  f"checkpoint with: meshlearn train --resume {run_dir}", file=sys.stderr)
-            return 128 + (stopping.get("signum") or signal.SIGINT)
-        raise
+    except BaseException as err:  # a second Ctrl-C, or a caller's timeout
+        return stop_at_once(procs, err, stopping, f"meshlearn train --resume {run_dir}")
     finally:
         stopping["restore"]()
         for server, _ in lighthouses:
