@@ -4,6 +4,7 @@ its long-run extrapolation equals simulating the whole run."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ from meshlearn.plan.mask import mask_wire_values
 from meshlearn.plan.methods import replace
 from meshlearn.plan.steady import horizon, predict, segment_lengths
 from meshlearn.train import Trainer
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # the shipped configs, from any cwd
+DEMO = str(CONFIGS / "demo.toml")
 
 SHORT = ["train.steps=4", "train.eval_every=2", "train.eval_batches=1", "train.checkpoint_every=0"]
 
@@ -38,7 +42,7 @@ def _real(cfg, tmp_path):
     ["mesh.schedule=async", "dp.name=powersgd", "links.access=uplink"],
 ], ids=lambda e: "+".join(e) or "demo")
 def test_cost_only_equals_real_simulator(tmp_path, extra):
-    cfg = load_config("configs/demo.toml", [*SHORT, *extra])
+    cfg = load_config(DEMO, [*SHORT, *extra])
     trainer, summary = _real(cfg, tmp_path)
     _, window = simulate(trainer.cfg, trainer.cfg.train.steps)
     assert window.tokens_per_s == pytest.approx(summary["sim_tokens_per_s"], rel=1e-6)
@@ -48,7 +52,7 @@ def test_cost_only_equals_real_simulator(tmp_path, extra):
 
 
 def test_subspace_codec_bytes_equal(tmp_path):
-    cfg = load_config("configs/subspace.toml", [*SHORT, "mesh.schedule=async"])
+    cfg = load_config(str(CONFIGS / "subspace.toml"), [*SHORT, "mesh.schedule=async"])
     trainer, summary = _real(cfg, tmp_path)
     run, window = simulate(trainer.cfg, trainer.cfg.train.steps)
     assert window.tokens_per_s == pytest.approx(summary["sim_tokens_per_s"], rel=1e-6)
@@ -64,7 +68,7 @@ def test_subspace_codec_bytes_equal(tmp_path):
 ], ids=lambda e: "+".join(e))
 def test_extrapolation_equals_the_whole_run(extra):
     """predict() simulates a few steps; simulating all 36 (drain points every 12) agrees to 1%."""
-    cfg = load_config("configs/demo.toml", ["model.vocab_size=256", "train.steps=36", "train.eval_every=12",
+    cfg = load_config(DEMO, ["model.vocab_size=256", "train.steps=36", "train.eval_every=12",
                                             "train.checkpoint_every=0", *extra])
     assert horizon(cfg).steps < 36
     prediction = predict(cfg)
@@ -74,7 +78,7 @@ def test_extrapolation_equals_the_whole_run(extra):
 
 
 def test_segments_and_horizon():
-    cfg = load_config("configs/demo.toml", ["train.steps=250", "train.eval_every=50",
+    cfg = load_config(DEMO, ["train.steps=250", "train.eval_every=50",
                                             "train.checkpoint_every=100"])
     assert segment_lengths(cfg) == {50: 5}
     sparse = replace(cfg, dp={"name": "sparse", "delay": 10, "every": 1}, mesh={"schedule": "async"})
@@ -95,11 +99,11 @@ def test_mask_wire_values():
         mask_wire_values(0.0, 64)
 
 
-def test_cli_json_tokens_per_s_is_the_demo_run(tmp_path, capsys):
-    cfg = load_config("configs/demo.toml", SHORT)
+def test_cli_json_tokens_per_s_is_the_demo_run(tmp_path, capsys, monkeypatch):
+    cfg = load_config(DEMO, SHORT)
     _, summary = _real(cfg, tmp_path / "run")
     sets = [x for s in SHORT for x in ("--set", s)]
-    code = main(["plan", "--config", "configs/demo.toml", *sets, "--json", "--sweep", "100",
+    code = main(["plan", "--config", DEMO, *sets, "--json", "--sweep", "100",
                  "--plot", str(tmp_path / "plan.png")])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
@@ -115,10 +119,12 @@ def test_cli_json_tokens_per_s_is_the_demo_run(tmp_path, capsys):
     assert out["binds_from"] == "path" and out["given"]["gain_if_doubled"] == {}
     assert (tmp_path / "plan.png").stat().st_size > 0
     # the reference way: every resource doubled in a simulation of its own, the same binds
-    assert main(["plan", "--config", "configs/demo.toml", *sets, "--json", "--plot", "none",
-                 "--binds", "doubling"]) == 0
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert main(["plan", "--config", DEMO, *sets, "--json", "--binds", "doubling"]) == 0
     doubled = json.loads(capsys.readouterr().out)
-    assert doubled["sweep"]["bandwidth_mbit"] == []  # no plot: no sweep simulated
+    assert doubled["sweep"]["bandwidth_mbit"] == []  # no plot unless asked: no sweep simulated
+    assert list((tmp_path / "cwd").iterdir()) == []  # and no file written where it ran
     assert set(doubled["given"]["gain_if_doubled"]) == {"compute", "PP link", "DP link", "latency"}
     assert [r["binds"] for r in doubled["methods"]] == [r["binds"] for r in out["methods"]]
     assert [r["tokens_per_s"] for r in doubled["methods"]] == [r["tokens_per_s"] for r in out["methods"]]
@@ -153,7 +159,7 @@ def test_bad_input_is_one_line(capsys, argv, needle):
 def test_planner_predicts_a_real_simulated_run(tmp_path, steps, extra):
     """The planner's extrapolation from a few cost-only steps against a real simulated run (real
     forward/backward, the trainer's drain points) longer than what the planner simulates."""
-    cfg = load_config("configs/demo.toml", [f"train.steps={steps}", f"train.eval_every={steps // 2}",
+    cfg = load_config(DEMO, [f"train.steps={steps}", f"train.eval_every={steps // 2}",
                                             "train.eval_batches=1", "train.checkpoint_every=0", *extra])
     trainer, summary = _real(cfg, tmp_path)
     prediction = predict(trainer.cfg)

@@ -4,6 +4,8 @@ on fast (0, s)'s uplink slows the fast circuit; a slow anchor is reported as not
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from meshlearn.config import load_config
@@ -12,6 +14,9 @@ from meshlearn.plan.planner import plan
 from meshlearn.plan.steady import steady
 from meshlearn.plan.table import format_table
 from meshlearn.train import Trainer
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # the shipped configs, from any cwd
+DEMO = str(CONFIGS / "demo.toml")
 
 SHORT = ["train.steps=4", "train.eval_every=2", "train.eval_batches=1", "train.checkpoint_every=0"]
 ANCHOR = ["optim.spectral.enabled=true", "anchor.z=1", "anchor.delay=2"]
@@ -24,7 +29,7 @@ TERMS = ("snapshot", "boundary", "gradients", "factors", "listen")
     ["mesh.schedule=async", "dp.name=diloco", "dp.inner_steps=2", "anchor.bandwidth_mbit=20"],
 ], ids=["uplink-outer-factors", "uplink-snapshot-gradients-async", "async-diloco-slow-anchor"])
 def test_cost_only_anchor_equals_real_simulator(tmp_path, extra):
-    cfg = load_config("configs/demo.toml", [*SHORT, *ANCHOR, *extra])
+    cfg = load_config(DEMO, [*SHORT, *ANCHOR, *extra])
     trainer = Trainer(cfg, tmp_path, progress=False)
     summary = trainer.train()
     run, window = simulate(trainer.cfg, trainer.cfg.train.steps)
@@ -46,7 +51,7 @@ def test_cost_only_anchor_equals_real_simulator(tmp_path, extra):
 
 
 def _fast(extra: list[str]):
-    cfg = load_config("configs/demo.toml", ["model.vocab_size=256", *SHORT, *extra])
+    cfg = load_config(DEMO, ["model.vocab_size=256", *SHORT, *extra])
     return simulate(cfg, cfg.train.steps)[1]
 
 
@@ -66,29 +71,29 @@ def test_the_anchor_slows_the_fast_circuit_only_through_a_shared_uplink():
 
 def test_a_slow_anchor_is_reported_as_not_keeping_up():
     base = ["model.vocab_size=256", "mesh.schedule=async", *ANCHOR, "anchor.max_late=0"]
-    cfg = load_config("configs/demo.toml", base)
+    cfg = load_config(DEMO, base)
     fast = steady(cfg).window.anchor
     assert fast.keeps_up and fast.dropped_late == 0 and fast.late_max == 0
-    slow = steady(load_config("configs/demo.toml", [*base, "anchor.bandwidth_mbit=2"])).window.anchor
+    slow = steady(load_config(DEMO, [*base, "anchor.bandwidth_mbit=2"])).window.anchor
     assert not slow.keeps_up and slow.dropped_late > 0 and slow.delivered == 0
     assert slow.passes == fast.passes > 0  # the same window: whole hand-off periods
 
 
 def test_the_planner_reports_the_anchor_on_every_row():
-    cfg = load_config("configs/demo.toml", ["model.vocab_size=256", "mesh.replicas=1", *ANCHOR,
+    cfg = load_config(DEMO, ["model.vocab_size=256", "mesh.replicas=1", *ANCHOR,
                                             "anchor.weights=snapshot", "links.access=uplink"])
     result = plan(cfg, sweep=())
     rows = [result["given"], *result["methods"]]
     assert len(rows) > 2 and all(r["anchor"]["keeps_up"] and r["anchor"]["bytes_per_token"] > 0 for r in rows)
     assert "anchor B/tok" in format_table(result) and "keeps up" in format_table(result)
-    plain = plan(load_config("configs/demo.toml", ["model.vocab_size=256", "mesh.replicas=1"]), sweep=())
+    plain = plan(load_config(DEMO, ["model.vocab_size=256", "mesh.replicas=1"]), sweep=())
     assert "anchor" not in plain["given"] and "anchor B/tok" not in format_table(plain)
 
 
 def test_a_hand_off_period_longer_than_half_the_search_is_one_window():
     """K = 50 (the paper's longest ablation): the steady window is one whole hand-off period,
     longer than half of plan.steady.MAX_STEPS (before: a window of 0 steps, a division by zero)."""
-    cfg = load_config("configs/demo.toml", ["model.vocab_size=256", "mesh.schedule=async", *ANCHOR,
+    cfg = load_config(DEMO, ["model.vocab_size=256", "mesh.schedule=async", *ANCHOR,
                                             "anchor.delay=50", "optim.spectral.max_staleness=60"])
     window = steady(cfg).window
     assert window.steps == 50 and window.anchor.passes == 1 and window.anchor.keeps_up

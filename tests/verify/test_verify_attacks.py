@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +13,9 @@ from meshlearn.errors import ConfigError
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.verify.attacks import ATTACKS, FORGERIES, AttackConfig, build_attack
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # the shipped configs, from any cwd
+DEMO = str(CONFIGS / "demo.toml")
 
 X = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0)) + 0.3
 
@@ -98,12 +103,12 @@ def test_mixed_switches_among_its_attacks():
 ])
 def test_bad_attack_and_verify_settings_fail_before_training(override, hint):
     with pytest.raises(ConfigError) as err:
-        load_config("configs/demo.toml", ["attack.kind=zeros", "attack.workers=r1s1", *override.split()])
+        load_config(DEMO, ["attack.kind=zeros", "attack.workers=r1s1", *override.split()])
     assert hint in str(err.value)
 
 
 def test_attack_workers_parse_from_the_command_line():
-    cfg = load_config("configs/demo.toml", ["attack.kind=replay", "attack.workers=r0s1, r1s2",
+    cfg = load_config(DEMO, ["attack.kind=replay", "attack.workers=r0s1, r1s2",
                                             "attack.start_step=150", "attack.target=gradients",
                                             "verify.name=sentinel"])
     assert (cfg.attack.workers, cfg.attack.start_step, cfg.verify.name) == ("r0s1, r1s2", 150, "sentinel")

@@ -463,8 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--sweep", default=None,
                       help=f"link bandwidths of the plot, Mbit/s, comma-separated (default {SWEEP}; "
                            "with --plot none: no sweep unless given)")
-    plan.add_argument("--plot", default="plan.png", help="PNG of tokens/s vs link bandwidth per method "
-                                                         "(default plan.png; none: no plot)")
+    plan.add_argument("--plot", default="none", help="write a PNG of tokens/s vs link bandwidth per method "
+                                                     "to this file (default none: no plot, no file)")
     plan.add_argument("--jobs", type=int, default=None,
                       help="processes the simulations run on (default: the CPUs available; the numbers "
                            "do not depend on it)")
