@@ -9,7 +9,8 @@ still a dependency, only a hidden one), type-only ones under ``TYPE_CHECKING`` t
   update plugin) imports no trainer, planner, runtime, entry point or config tree;
 - the dist runtime never imports the elastic layer (elastic is composed on top of it);
 - the transport at the bottom (``net``: credentials, TLS, the one port, authenticated links)
-  imports nothing of meshlearn's but itself and the leaf helpers ``atomic`` and ``errors``;
+  imports nothing of meshlearn's but itself and the leaf helpers ``atomic`` and ``errors``, and of
+  the rest only the standard library, torch and cryptography (it stays light to audit);
 - nothing imports ``meshlearn.entry`` but the entry points themselves and ``meshlearn.__main__``;
 - nobody probes a driver with ``getattr``/``hasattr`` (a call whose first argument is a name or
   attribute ending in ``driver``): what a driver offers is declared (``mesh/driver.py``), and an
@@ -21,6 +22,7 @@ Each broken rule is one line: the edge (importer -> imported, at FILE:LINE) or t
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ ROOT = "meshlearn"
 METHODS = ("anchor", "compress", "curvature", "dp", "protocol", "verify", "warmup", "mesh.basis_updates")
 ABOVE_METHODS = ("train", "plan", "distributed", "elastic", "entry", "config")
 BELOW_NET = ("net", "atomic", "errors")  # what the transport may import
+NET_THIRD_PARTY = ("torch", "cryptography")  # besides the standard library
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,32 @@ def driver_probes(src: Path = SRC) -> list[str]:
                 lines.append(f"{path.relative_to(src)}:{node.lineno}: {ast.unparse(node)}: probes a driver "
                              "(declare the member in mesh/driver.py, or test a capability with isinstance)")
     return lines
+
+
+def transport_third_party(src: Path = SRC) -> list[str]:
+    """One line per import in ``net`` of a module that is neither the standard library, meshlearn,
+    nor one of ``NET_THIRD_PARTY``."""
+    lines = []
+    for module, path in module_names(src).items():
+        if not _within(module, "net"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module
+                     else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top not in (*sys.stdlib_module_names, ROOT, "__future__", *NET_THIRD_PARTY):
+                    lines.append(f"{path.relative_to(src)}:{node.lineno}: imports {name}: the transport "
+                                 f"uses only the standard library and {', '.join(NET_THIRD_PARTY)}")
+    return lines
+
+
+def test_the_transport_needs_only_the_standard_library_torch_and_cryptography(tmp_path):
+    assert not transport_third_party(), "\n".join(transport_third_party())
+    src = _fake_package(tmp_path, {"__init__.py": "", "net/__init__.py": "",
+                                   "net/tls.py": "import ssl\nimport numpy\nfrom cryptography import x509\n"})
+    assert [line.split(": ")[0] for line in transport_third_party(src)] == ["meshlearn/net/tls.py:2"]
 
 
 def test_nobody_probes_a_driver():
