@@ -111,8 +111,9 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
         return 0
     signum = stopping.get("signum")
     if signum and all(code == 128 + signum for code in codes.values()):
-        print(f"meshlearn: stopped by {signal.Signals(signum).name} with a checkpoint; continue with: "
-              f"meshlearn train --resume {run_dir} --host {placement.host}", file=sys.stderr)
+        if not placement.is_coordinator:  # the coordinator echoes the writer's closing line, which says it
+            print(f"meshlearn: stopped by {signal.Signals(signum).name} with a checkpoint; continue with: "
+                  f"meshlearn train --resume {run_dir} --host {placement.host}", file=sys.stderr)
         return 128 + signum
     report = failure_report(codes, abort_message(store), run_dir).splitlines()[:3]  # error, workers, logs
     agreed = agreed_steps(run_dir)

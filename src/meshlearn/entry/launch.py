@@ -140,15 +140,8 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
             server.shutdown()
     signum = stopping.get("signum") or _signal_of(codes)
     if signum and all(code in (0, 128 + signum) for code in codes.values()):
-        # Stopped by the signal (rank 0's closing line, echoed above, says where and how to go
-        # on), or finished before it could stop anything: either way the exit code says it came.
-        if all(code == 0 for code in codes.values()):
-            print(f"meshlearn: {signal.Signals(signum).name} came as the run finished: nothing was left "
-                  f"to stop ({run_dir})", file=sys.stderr)
-        else:
-            print(f"meshlearn: stopped by {signal.Signals(signum).name} with a checkpoint "
-                  f"({latest_complete(run_dir)}); continue with: meshlearn train --resume {run_dir}",
-                  file=sys.stderr)
+        # Stopped by the signal, or finished before it could stop anything: rank 0's closing line,
+        # echoed above, says which and how to go on; the exit code says the signal came.
         return 128 + signum
     if all(code == 0 for code in codes.values()):
         return 0
