@@ -11,11 +11,11 @@ import os
 from pathlib import Path
 
 import pytest
+from browser import INSTALL_HINT, WIDTH, Chromium, find_chromium
 from PIL import Image
 from tiny import tiny_config
 
 from meshlearn.report import render_report
-from meshlearn.report.browser import INSTALL_HINT, WIDTH, Chromium, find_chromium
 from meshlearn.train import Trainer
 from meshlearn.train.rundir import RunLock
 

@@ -1,5 +1,6 @@
-"""Open a report in headless Chromium and check it: no console errors, every image loaded; and take
-a full-page screenshot. ``python -m meshlearn.report.browser INDEX.html SHOT.png``.
+"""The browser of the report's tests and of the docs' screenshots: open a report in headless
+Chromium and check it (no console errors, every image loaded); take a full-page screenshot.
+``python tests/report/browser.py INDEX.html SHOT.png``. A tool of the tests, not of the package.
 
 A minimal client of the Chrome DevTools Protocol over a pipe (``--remote-debugging-pipe``: the
 browser reads NUL-terminated JSON commands on its fd 3 and writes replies and events on fd 4), so it
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     """Check a report page and save its screenshot; exit 1 if it has errors or broken images."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m meshlearn.report.browser INDEX.html SHOT.png", file=sys.stderr)
+        print("usage: python tests/report/browser.py INDEX.html SHOT.png", file=sys.stderr)
         return 2
     with Chromium() as browser:
         check = browser.check_page(Path(args[0]))
