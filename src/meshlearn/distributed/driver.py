@@ -37,7 +37,7 @@ from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, buffer_capacities, message_bound
 from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.network import build_network, ring_allreduce_bytes_per_member
-from meshlearn.mesh.report import StepReport
+from meshlearn.mesh.report import ProcessRow, StepReport
 from meshlearn.mesh.schedule import AsyncPlan, feed_lookahead, pipeline_in_flight
 from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm
 from meshlearn.mesh.timeline import TimelineRecorder
@@ -45,10 +45,6 @@ from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.wall_clock import WallClock
 from meshlearn.mesh.worker import StepStats, Worker
 from meshlearn.verify.verdicts import RemoteSentinel
-
-# A row of the per-step gather: M losses, M flags (1 = loss present; a microbatch a verifier
-# quarantined has none), then these stats, then 3 link slots × (bytes sent, busy seconds).
-_SQ, _BUSY, _PP, _DP, _STALE, _DPWAIT, _LINKS = 0, 1, 2, 3, 4, 5, 6
 
 
 class DistDriver(PipelineEvaluation):
@@ -127,9 +123,9 @@ class DistDriver(PipelineEvaluation):
                                       cleanup=self.writes_records and flushes)
                          if relay is not None else None)
         self.busy_s = 0.0
-        self.rows: torch.Tensor | None = None  # the last step's gather, for the summary
+        self.last_rows: list[ProcessRow] | None = None  # the last step's, every process's, for the summary
         self.rejections = 0  # messages this worker's guard refused (each also logged to stderr)
-        self.pending: list[torch.Tensor] = []  # async: this worker's rows of steps not yet gathered
+        self.pending: list[ProcessRow] = []  # async: this worker's rows of steps not yet gathered
         self.fed = -1  # the last step whose work this worker has
         # The simulator's rule, from the deepest stage of the mesh (not this worker's own depth), so
         # every process feeds equally far ahead.
@@ -148,7 +144,6 @@ class DistDriver(PipelineEvaluation):
         self.feed_ahead = self.lookahead
         if self.remote_sentinel is not None and isinstance(worker.plan, AsyncPlan):
             self.feed_ahead = math.ceil(worker.plan.in_flight / cfg.mesh.microbatches)
-        self.stats = 2 * cfg.mesh.microbatches  # where the stats start in a row
         self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
         self.anchor = None  # an AnchorClient (distributed/anchor.py) with anchor.z > 0
 
@@ -204,10 +199,10 @@ class DistDriver(PipelineEvaluation):
             return []
         if self.remote_sentinel is not None and self.writes_records:
             self.verdicts.post_drained(step)  # before the gather: ahead of any next-step message
-        gathered = self._gather(torch.stack(self.pending))  # (world, steps, row)
+        gathered = self._gather_rows(self.pending)  # per step: every process's row
         first = step - len(self.pending) + 1
         self.pending = []
-        return [self._report(first + i, gathered[:, i]) for i in range(gathered.shape[1])]
+        return [self._report(first + i, rows) for i, rows in enumerate(gathered)]
 
     @property
     def drained(self) -> bool:
@@ -323,10 +318,9 @@ class DistDriver(PipelineEvaluation):
         stats = self.worker.stats.get(step, StepStats())
         row = self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before,
                         sq_norm=self.worker.grad_sq_norm())
-        rows = self._gather(row[None])[:, 0]
+        [rows] = self._gather_rows([row])
         # Summed in stage order from 0, exactly as the simulator sums the stages' squared norms.
-        sq_norm = sum(rows[self.mesh.rank(WorkerId(0, s)), self.stats + _SQ].item()
-                      for s in range(self.mesh.stages))
+        sq_norm = sum(rows[self.mesh.rank(WorkerId(0, s))].sq_norm for s in range(self.mesh.stages))
         grad_clip = self.cfg.train.grad_clip
         if grad_clip > 0 and self.shaped:
             time.sleep(self.network.default.latency_s)  # the scalar exchange, as the simulator models it
@@ -424,7 +418,7 @@ class DistDriver(PipelineEvaluation):
             stats = worker.stats.get(step, StepStats())
             row = self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before,
                             sq_norm=stage_sq)
-            rows = self._gather(row[None])[:, 0]
+            [rows] = self._gather_rows([row])
         return rows
 
     def _dp_send(self, messages: list[Message]) -> None:
@@ -517,46 +511,48 @@ class DistDriver(PipelineEvaluation):
         return release
 
     def _row(self, stats: StepStats, bytes_pp: int, bytes_dp: int,
-             sq_norm: float | None = None) -> torch.Tensor:
+             sq_norm: float | None = None) -> ProcessRow:
         """This process's numbers for one step: losses, squared norm, busy time, bytes, staleness, links."""
-        M, at = self.cfg.mesh.microbatches, self.stats
-        row = torch.zeros(at + _LINKS + 2 * len(self.slots), dtype=torch.float64)
-        for j, loss in stats.losses.items():
-            m = j % M
-            row[m], row[M + m] = loss, 1.0
-        norms = stats.update_sq_norms
-        row[at + _SQ] = sq_norm if sq_norm is not None else (sum(norms) / len(norms) if norms else 0.0)
-        row[at + _BUSY] = self.busy_s
-        row[at + _PP] = bytes_pp
-        row[at + _DP] = bytes_dp
-        row[at + _STALE] = sum(stats.staleness) / len(stats.staleness) if stats.staleness else 0.0
-        row[at + _DPWAIT] = self.dp_wait_s
-        for i, (src, dst) in enumerate(self.slots):
-            if dst is not None:
-                link = self.network.link(src, dst)
-                row[at + _LINKS + 2 * i], row[at + _LINKS + 1 + 2 * i] = link.bytes_sent, link.busy_s
-        return row
+        M, norms = self.cfg.mesh.microbatches, stats.update_sq_norms
+        links = []
+        for src, dst in self.slots:
+            link = self.network.link(src, dst) if dst is not None else None
+            links.append((link.bytes_sent, link.busy_s) if link is not None else (0.0, 0.0))
+        return ProcessRow(
+            losses={j % M: loss for j, loss in stats.losses.items()},
+            sq_norm=sq_norm if sq_norm is not None else (sum(norms) / len(norms) if norms else 0.0),
+            busy_s=self.busy_s, bytes_pp=bytes_pp, bytes_dp=bytes_dp,
+            staleness=sum(stats.staleness) / len(stats.staleness) if stats.staleness else 0.0,
+            dp_wait_s=self.dp_wait_s, links=links)
 
-    def _gather(self, rows: torch.Tensor) -> torch.Tensor:
-        """Every process's rows (steps × row) → every process: (world, steps, row)."""
-        gathered = self.collectives.gather(rows, "the gather of losses and norms")
-        self.rows = gathered[:, -1]
-        return gathered
+    def _gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Every process's ``values`` (steps × n) → every process: (world, steps, n)."""
+        return self.collectives.gather(values, "the gather of losses and norms")
 
-    def _report(self, step: int, rows: torch.Tensor) -> StepReport:
-        """One step's report from the gathered rows (world × row), the simulator's arithmetic."""
-        M, at, P = self.cfg.mesh.microbatches, self.stats, self.mesh.stages
-        last = [self.mesh.rank(WorkerId(r, P - 1)) for r in range(self.mesh.replicas)]
+    def _gather_rows(self, rows: list[ProcessRow]) -> list[list[ProcessRow]]:
+        """This process's rows of some steps → per step, every process's row (by rank); the last
+        step's are kept for the summary."""
+        M, slots = self.cfg.mesh.microbatches, len(self.slots)
+        gathered = self._gather(torch.stack([row.pack(M, slots) for row in rows]))
+        per_step = [[ProcessRow.unpack(gathered[rank, i], M, slots) for rank in range(gathered.shape[0])]
+                    for i in range(gathered.shape[1])]
+        self.last_rows = per_step[-1]
+        return per_step
+
+    def _report(self, step: int, rows: list[ProcessRow]) -> StepReport:
+        """One step's report from every process's row (by rank), the simulator's arithmetic."""
+        P, replicas = self.mesh.stages, self.mesh.replicas
         # Flushing: each stage's norm before the global clip; async: its mean over the step's updates.
-        sq = sum(rows[self.mesh.rank(WorkerId(0, s)), at + _SQ].item() for s in range(P))
-        staleness = [sum(rows[self.mesh.rank(w), at + _STALE].item() for w in self.mesh.stage_replicas(s))
-                     / self.mesh.replicas for s in range(P)]
+        sq = sum(rows[self.mesh.rank(WorkerId(0, s))].sq_norm for s in range(P))
+        staleness = [sum(rows[self.mesh.rank(w)].staleness for w in self.mesh.stage_replicas(s)) / replicas
+                     for s in range(P)]
+        last = [rows[self.mesh.rank(WorkerId(r, P - 1))] for r in range(replicas)]
         return StepReport(
             step=step,
-            losses=[rows[rank, m].item() for rank in last for m in range(M) if rows[rank, M + m] > 0],
+            losses=[loss for row in last for _, loss in sorted(row.losses.items())],
             sim_s=None,
-            bytes_pp=int(rows[:, at + _PP].sum().item()),
-            bytes_dp=int(rows[:, at + _DP].sum().item()),
+            bytes_pp=sum(row.bytes_pp for row in rows),
+            bytes_dp=sum(row.bytes_dp for row in rows),
             grad_norm=sq**0.5,
             staleness=staleness,
         )
@@ -570,7 +566,7 @@ class DistDriver(PipelineEvaluation):
         return {}  # no virtual clock: records carry wall time only
 
     def summary_fields(self, tokens: int, wall_s: float) -> dict:
-        rows = self.rows
+        rows = self.last_rows
         links = []
         if rows is not None:
             for rank in range(self.mesh.world_size):
@@ -581,13 +577,12 @@ class DistDriver(PipelineEvaluation):
                 for i, peer in enumerate(peers):
                     if peer is None:
                         continue
-                    at = self.stats + _LINKS + 2 * i
-                    nbytes, busy = rows[rank, at].item(), rows[rank, at + 1].item()
+                    nbytes, busy = rows[rank].links[i]
                     links.append({"src": str(wid), "dst": str(peer), "axis": "pp" if i < 2 else "dp",
                                   "bytes": int(nbytes), "busy_s": busy,
                                   "utilization": busy / wall_s if wall_s else 0.0})
             links.sort(key=lambda ln: (ln["axis"], WorkerId.parse(ln["src"]), WorkerId.parse(ln["dst"])))
-        busy = rows[:, self.stats + _BUSY].sum().item() if rows is not None else None
+        busy = sum(row.busy_s for row in rows) if rows is not None else None
         return {
             "sim_time_s": None,
             "sim_tokens_per_s": None,
@@ -609,10 +604,7 @@ class DistDriver(PipelineEvaluation):
 
     def sum_over_workers(self, values: list[float]) -> list[float]:
         """Each value summed over every worker process (a collective: all of them call it)."""
-        kept = self.rows
-        rows = self._gather(torch.tensor(values, dtype=torch.float64)[None])[:, 0]
-        self.rows = kept
-        return rows.sum(0).tolist()
+        return self._gather(torch.tensor(values, dtype=torch.float64)[None])[:, 0].sum(0).tolist()
 
     def state(self) -> dict:
         return {"network": self.network.state(), "busy_s": self.busy_s}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class StepReport:
@@ -17,3 +19,48 @@ class StepReport:
     grad_norm: float
     staleness: list[float] = field(default_factory=list)  # per stage: mean versions behind
     dp_wait_s: float = 0.0  # seconds workers' updates waited on the DP axis (summed over workers)
+
+
+@dataclass
+class ProcessRow:
+    """One process's numbers for one step, in a runtime whose workers are processes of their own:
+    gathered to every process (at the step's end, or at a drain point under ``async``), so each
+    computes the same report, global clip norm and link table from them. Travels as one float64
+    vector (``pack``/``unpack``): a gather moves tensors, and every process knows the layout from
+    the config (M microbatches, the link slots)."""
+
+    losses: dict[int, float] = field(default_factory=dict)  # microbatch in the step (0..M-1) → loss
+    sq_norm: float = 0.0  # this stage's squared gradient norm (its mean over the step's updates)
+    busy_s: float = 0.0  # compute time so far
+    bytes_pp: int = 0  # bytes this process sent in the step, per axis
+    bytes_dp: int = 0
+    staleness: float = 0.0  # mean versions behind of the gradients it applied in the step
+    dp_wait_s: float = 0.0  # time its updates waited on the DP axis so far
+    links: list[tuple[float, float]] = field(default_factory=list)  # per link slot: bytes sent, busy s
+
+    SCALARS = ("sq_norm", "busy_s", "bytes_pp", "bytes_dp", "staleness", "dp_wait_s")
+
+    def pack(self, microbatches: int, slots: int) -> torch.Tensor:
+        """M losses, M flags (1: the loss is there; a microbatch a verifier quarantined has none),
+        the scalars, then (bytes, busy) per link slot."""
+        M = microbatches
+        row = torch.zeros(2 * M + len(self.SCALARS) + 2 * slots, dtype=torch.float64)
+        for m, loss in self.losses.items():
+            row[m], row[M + m] = loss, 1.0
+        at = 2 * M
+        for i, name in enumerate(self.SCALARS):
+            row[at + i] = getattr(self, name)
+        at += len(self.SCALARS)
+        for i, (nbytes, busy) in enumerate(self.links):
+            row[at + 2 * i], row[at + 2 * i + 1] = nbytes, busy
+        return row
+
+    @classmethod
+    def unpack(cls, row: torch.Tensor, microbatches: int, slots: int) -> ProcessRow:
+        M, values = microbatches, row.tolist()
+        at = 2 * M
+        scalars = dict(zip(cls.SCALARS, values[at:at + len(cls.SCALARS)], strict=True))
+        at += len(cls.SCALARS)
+        return cls(losses={m: values[m] for m in range(M) if values[M + m] > 0},
+                   **scalars | {"bytes_pp": int(scalars["bytes_pp"]), "bytes_dp": int(scalars["bytes_dp"])},
+                   links=[(values[at + 2 * i], values[at + 2 * i + 1]) for i in range(slots)])
