@@ -22,7 +22,7 @@ from meshlearn.config import RunConfig
 from meshlearn.data.corpus import load_corpus
 from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.groups import anchor_id, anchors, verifier_rank, world_size
-from meshlearn.distributed.health import Health, store_client
+from meshlearn.distributed.health import Health, group_store, store_client
 from meshlearn.distributed.settings import derive_deadlines, links_trusted
 from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape, WorkerId
@@ -88,10 +88,12 @@ def start_session(cfg: RunConfig, run_dir: Path, gloo_interface: Callable[[], st
         scope = {rank} if rank < mesh.world_size else None
     # Elastic rows link over the store (joiners); untrusted links (dist.trusted_links): no group.
     grouped = not cfg.elastic.enabled and links_trusted(cfg)
-    if grouped:
-        dist.init_process_group(comm, timeout=timedelta(seconds=cfg.dist.init_timeout_s),
-                                device_id=device if device.type == "cuda" else None)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if grouped:
+        met = group_store(host, port, cfg.dist.init_timeout_s)
+        placed = {} if met is None else {"store": met, "rank": rank, "world_size": world}
+        dist.init_process_group(comm, timeout=timedelta(seconds=cfg.dist.init_timeout_s),
+                                device_id=device if device.type == "cuda" else None, **placed)
     deadlines = derive_deadlines(cfg.dist, cfg.link, 0, 0, 0, 1)
     rendezvous = None
     if not cfg.elastic.enabled and not grouped:

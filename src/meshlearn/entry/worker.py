@@ -23,10 +23,18 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from meshlearn.cluster.control_store import control_connector
+from meshlearn.cluster.role import HOST_ENV
 from meshlearn.config import RunConfig, load_config
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.groups import anchors, build_groups, verifier_rank
-from meshlearn.distributed.health import EXIT_PEER_FAILURE, WorkerFailure, process_name, store_client
+from meshlearn.distributed.health import (
+    EXIT_PEER_FAILURE,
+    WorkerFailure,
+    process_name,
+    store_client,
+    use_store,
+)
 from meshlearn.distributed.session import Session, start_session, train_tokenizer_once
 from meshlearn.elastic.binding import interface_of
 from meshlearn.elastic.evictions import elastic_relay, refuse_resume_when_verified
@@ -84,6 +92,9 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
         from meshlearn.elastic.evictions import refuse_banned_start
 
         refuse_banned_start(cfg)  # SENTINEL banned this identity: it never comes back
+    if cfg.cluster.enabled and os.environ.get(HOST_ENV):
+        # a cluster host's launcher started us: the rendezvous is the coordinator's control service
+        use_store(control_connector(cfg.cluster.coordinator))
     try:
         # elastic: gloo's sockets on elastic.host's interface (asked once the rank checks out)
         interface = (lambda: interface_of(cfg.elastic.host)) if cfg.elastic.enabled else None
