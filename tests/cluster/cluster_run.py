@@ -32,18 +32,21 @@ def issue_keys(tmp_path: Path, hosts: tuple[str, ...]) -> dict[str, Path]:
     return keys
 
 
-def start_all(wan: Wan, tmp_path: Path, hosts: tuple[str, ...], args: dict[str, list[str]], tag: str,
-              limit_s: float = 180) -> dict[str, int]:
-    """Each host's launcher in its namespace (``hosts[i]`` in namespace i), started together, run in
-    ``tmp_path/<host>``; their exit codes."""
+def start(wan: Wan, tmp_path: Path, hosts: tuple[str, ...], args: dict[str, list[str]],
+          tag: str) -> dict[str, subprocess.Popen]:
+    """Each host's launcher in its namespace (``hosts[i]`` in namespace i), run in ``tmp_path/<host>``."""
     env = os.environ | {"PYTHONPATH": str(Path(meshlearn.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
     procs = {}
+    for side, host in enumerate(hosts):
+        log = (tmp_path / f"{host}-{tag}.log").open("w")
+        procs[host] = wan.run(side, [sys.executable, "-m", "meshlearn", "train", *args[host], "--host", host],
+                              env=env, cwd=tmp_path / host, stdout=log, stderr=subprocess.STDOUT)
+    return procs
+
+
+def finish(procs: dict[str, subprocess.Popen], limit_s: float = 180) -> dict[str, int]:
+    """The launchers' exit codes, each killed if it has not ended within ``limit_s`` of now."""
     try:
-        for side, host in enumerate(hosts):
-            log = (tmp_path / f"{host}-{tag}.log").open("w")
-            procs[host] = wan.run(side, [sys.executable, "-m", "meshlearn", "train", *args[host],
-                                         "--host", host], env=env, cwd=tmp_path / host, stdout=log,
-                                  stderr=subprocess.STDOUT)
         end = time.monotonic() + limit_s
         for p in procs.values():
             p.wait(timeout=max(1.0, end - time.monotonic()))
@@ -53,6 +56,13 @@ def start_all(wan: Wan, tmp_path: Path, hosts: tuple[str, ...], args: dict[str, 
                 p.send_signal(signal.SIGKILL)
                 p.wait(timeout=10)
     return {host: p.returncode for host, p in procs.items()}
+
+
+def start_all(wan: Wan, tmp_path: Path, hosts: tuple[str, ...], args: dict[str, list[str]], tag: str,
+              limit_s: float = 180) -> dict[str, int]:
+    """``start`` then ``finish``: the exit codes of a run left undisturbed."""
+    procs = start(wan, tmp_path, hosts, args, tag)
+    return finish(procs, limit_s)
 
 
 def logs(tmp_path: Path) -> str:

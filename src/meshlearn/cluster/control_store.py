@@ -29,6 +29,7 @@ from meshlearn.net.tls import HANDSHAKE_TIMEOUT_S, Refused, RunTls
 
 KEY_ENV = "MESHLEARN_KEY"  # this host's private key (credentials beside it), set by the launcher
 PORT_SOCKET_ENV = "MESHLEARN_PORT_SOCKET"  # this host's PortAgent Unix socket, set by the launcher
+FINAL = ("certificate_refused", "identity_refused", "refused_by_peer")  # refusals a retry will not change
 ANSWER_MARGIN_S = 10.0  # beyond a request's own wait, how long its answer may take to arrive
 
 
@@ -57,28 +58,43 @@ class ControlLine:
 
     def reach(self, within_s: float) -> None:
         """First contact: dial until the coordinator answers (it may start later than this host)
-        or ``within_s`` passes (the last OSError). A refusal by the coordinator (``tls.Refused``)
-        is not retried: the credentials will not change."""
+        or ``within_s`` passes (the last OSError). A refusal of the credentials (``FINAL``) is not
+        retried: they will not change."""
         end = time.monotonic() + within_s
         while True:
             try:
-                self._link()
+                self._local.link = self._connect(time.monotonic() + self.connect_timeout_s)
                 return
-            except Refused:
-                raise
+            except Refused as err:
+                if err.reason in FINAL or time.monotonic() > end:
+                    raise
+                time.sleep(0.2)  # a handshake cut short (a flood evicted it): again
             except OSError:
                 if time.monotonic() > end:
                     raise
                 time.sleep(0.2)
 
     def _link(self) -> FramedStream:
+        """This thread's connection; a new one is tried again until ``connect_timeout_s`` passes
+        (a stranger's flood may evict a half-open connection of ours; nothing was sent yet)."""
         link = getattr(self._local, "link", None)
         if link is None:
             deadline = time.monotonic() + self.connect_timeout_s
-            sock = dial(self.address, self.port, DESTINATION, self.connect_timeout_s)
-            tls_sock, _ = self.tls.connect(sock, expect=self.coordinator, deadline=deadline)
-            link = self._local.link = stream(tls_sock, f"control->{self.coordinator}")
+            while True:
+                try:
+                    link = self._connect(deadline)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+            self._local.link = link
         return link
+
+    def _connect(self, deadline: float) -> FramedStream:
+        sock = dial(self.address, self.port, DESTINATION, max(deadline - time.monotonic(), 0.1))
+        tls_sock, _ = self.tls.connect(sock, expect=self.coordinator, deadline=deadline)
+        return stream(tls_sock, f"control->{self.coordinator}")
 
 
 class ControlStore(dist.Store):
