@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ from meshlearn.cluster.settings import ClusterConfig, HostConfig
 from meshlearn.config import save_config
 from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.collectives import FramedCollectives
-from meshlearn.distributed.groups import collective_hops
+from meshlearn.distributed.groups import collective_hops, link_hops
 from meshlearn.distributed.health import Health, store_client
 from meshlearn.distributed.transport import Forged, Transport
 from meshlearn.distributed.wire import pack
@@ -71,11 +72,13 @@ class Machines:
 
     agents: dict[str, PortAgent]
     keys: Path
+    names: dict[int, str] = dataclasses.field(default_factory=lambda: dict(NAMES))  # rank → process
+    hosts_of: dict[str, str] = dataclasses.field(default_factory=lambda: dict(HOSTS_OF))  # process → host
 
     def connector(self, host: str) -> ClusterConnector:
         ports = {h: ("127.0.0.1", a.port) for h, a in self.agents.items()}
         return ClusterConnector(RunTls(Credentials.in_folder(self.keys, host)), self.agents[host].socket_path,
-                                NAMES, HOSTS_OF, ports)
+                                self.names, self.hosts_of, ports)
 
 
 @pytest.fixture
@@ -99,11 +102,12 @@ def _connect_all(machines: Machines, channels: dict[str, list]) -> Connected:
 
     def one(rank: int) -> None:
         try:
-            got[rank] = machines.connector(HOSTS_OF[NAMES[rank]]).connect(rank, channels, 20.0)
+            host = machines.hosts_of[machines.names[rank]]
+            got[rank] = machines.connector(host).connect(rank, channels, 20.0)
         except BaseException as err:  # noqa: BLE001 — asserted below
             errors.append(err)
 
-    threads = [threading.Thread(target=one, args=(rank,)) for rank in NAMES]
+    threads = [threading.Thread(target=one, args=(rank,)) for rank in machines.names]
     for t in threads:
         t.start()
     for t in threads:
@@ -148,6 +152,29 @@ def test_links_and_collectives_cross_the_ports_authenticated_both_ways(machines:
         for streams in channels.values():
             for stream in streams.values():
                 stream.close()
+
+
+def test_a_verifier_receives_each_relayed_link_on_a_stream_of_its_own(machines: Machines) -> None:
+    """P = 3 with the SENTINEL verifier (on alice): r0s1 sends two links through it, each its own
+    authenticated stream, named by its link."""
+    mesh = MeshShape(1, 3)
+    machines.names = {0: "r0s0", 1: "r0s1", 2: "r0s2", 3: "verifier"}
+    machines.hosts_of = {"r0s0": "alice", "r0s1": "bob", "r0s2": "alice", "verifier": "alice"}
+    cfg = SimpleNamespace(verify=SimpleNamespace(name="sentinel"), dp=SimpleNamespace(name="allreduce"))
+    hops = link_hops(cfg, mesh)
+    got = _connect_all(machines, {"links": hops})
+    relayed = {i: link for i, (link, a, b) in enumerate(hops) if a == 1}  # r0s1 → verifier, per link
+    assert sorted(str(link[1]) for link in relayed.values()) == ["r0s0", "r0s2"]
+    assert len(got[3]["links"]) == 8  # the verifier: every link in and out
+    for i, link in relayed.items():
+        data = torch.frombuffer(bytearray(frame(b"h", str(link).encode())), dtype=torch.uint8)
+        got[1]["links"][i].send(data)
+        stream = got[3]["links"][i]
+        assert stream.peer.name == "bob" and stream.link == ("r0s1", f"verifier[{link[0]}->{link[1]}]")
+        assert bytes(stream.read_frame(1024).numpy()).endswith(str(link).encode())
+    for channels in got.values():
+        for stream in channels["links"].values():
+            stream.close()
 
 
 def _receive_in_background(machines: Machines, rank: int) -> tuple[threading.Thread, dict, ClusterConnector]:
