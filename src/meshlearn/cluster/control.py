@@ -100,6 +100,7 @@ class ControlService:
         timing = {} if handshake_timeout_s is None else {"timeout_s": handshake_timeout_s}
         self.acceptor = Acceptor(self._authenticate, counters, on_ready=self._start, **timing)
         self._inbox: Inbox | None = None
+        self.admitted = 0  # authenticated connections served
         self._links: set[FramedStream] = set()
         self._lock = threading.Lock()
 
@@ -129,6 +130,7 @@ class ControlService:
         link, peer = ready
         with self._lock:
             self._links.add(link)
+            self.admitted += 1
         threading.Thread(target=self._serve, args=(link, peer), name=f"control-{peer.name}",
                          daemon=True).start()
 

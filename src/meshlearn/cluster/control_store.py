@@ -23,12 +23,11 @@ import torch.distributed as dist
 from meshlearn.cluster.control import DESTINATION
 from meshlearn.cluster.control_wire import raise_for, receive, send, stream
 from meshlearn.cluster.identity import credentials_beside
+from meshlearn.cluster.links import KEY_ENV
 from meshlearn.net.frames import FramedStream
 from meshlearn.net.port import dial
 from meshlearn.net.tls import HANDSHAKE_TIMEOUT_S, Refused, RunTls
 
-KEY_ENV = "MESHLEARN_KEY"  # this host's private key (credentials beside it), set by the launcher
-PORT_SOCKET_ENV = "MESHLEARN_PORT_SOCKET"  # this host's PortAgent Unix socket, set by the launcher
 FINAL = ("certificate_refused", "identity_refused", "refused_by_peer")  # refusals a retry will not change
 ANSWER_MARGIN_S = 10.0  # beyond a request's own wait, how long its answer may take to arrive
 

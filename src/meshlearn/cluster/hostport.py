@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from meshlearn.atomic import atomic_write_json
-from meshlearn.cluster.control_store import KEY_ENV, PORT_SOCKET_ENV
+from meshlearn.cluster.links import KEY_ENV, PORT_SOCKET_ENV
 from meshlearn.cluster.placement import Placement
 from meshlearn.errors import ConfigError
 from meshlearn.net.counters import Counters
