@@ -74,3 +74,29 @@ def wan_link(delay_ms: float, rate: str, subnet: str = "10.231.7") -> Iterator[W
             relay.wait(timeout=10)
         for ns in spaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+@contextlib.contextmanager
+def stranger(wan: Wan, subnet: str = "10.232.9") -> Iterator[str]:
+    """A third namespace that reaches both of ``wan``'s addresses, over a veth pair to each side
+    (``subnet``.0/30 to side 0, .4/30 to side 1), as a machine on the same network that no one
+    invited. Yields its name (run processes in it with ``ip netns exec``)."""
+    tag = wan.namespaces[0][:-1]
+    space = f"{tag}x"
+    try:
+        _ip("netns", "add", space)
+        _ip("-n", space, "link", "set", "lo", "up")
+        for side, (ns, address) in enumerate(zip(wan.namespaces, wan.addresses, strict=True)):
+            ours, theirs = f"{tag}x{side}", f"{tag}y{side}"
+            near, far = f"{subnet}.{4 * side + 2}", f"{subnet}.{4 * side + 1}"
+            _ip("link", "add", ours, "type", "veth", "peer", "name", theirs)
+            _ip("link", "set", ours, "netns", space)
+            _ip("link", "set", theirs, "netns", ns)
+            _ip("-n", space, "addr", "add", f"{near}/30", "dev", ours)
+            _ip("-n", ns, "addr", "add", f"{far}/30", "dev", theirs)
+            _ip("-n", space, "link", "set", ours, "up")
+            _ip("-n", ns, "link", "set", theirs, "up")
+            _ip("-n", space, "route", "add", f"{address}/32", "via", far)
+        yield space
+    finally:
+        subprocess.run(["ip", "netns", "del", space], capture_output=True, timeout=10)  # its veths go too

@@ -1,4 +1,4 @@
-"""What `meshlearn train --host` accepts, and the coordinator's rendezvous on its one address:port."""
+"""What `meshlearn train --host` accepts, and each host's one port on its configured address:port."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from meshlearn.cluster.placement import host_of_command
 from meshlearn.config import ConfigError, load_config
 from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.entry.cli import main
+from meshlearn.net.keys import create_run
 
 
 def test_host_needs_dist_and_a_cluster_run_needs_host(tmp_path):
@@ -57,9 +58,10 @@ def test_a_host_whose_coordinator_never_answers_stops_in_one_line(tmp_path, caps
     config = tmp_path / "run.toml"
     port = _free_port()  # nobody listens there: the coordinator was never started
     config.write_text(PLACEMENT.replace('"127.0.0.2"', '"127.0.0.1"').replace("29500", str(port)))
+    create_run(tmp_path / "keys", ["alice", "bob"], "test-run")
     assert main(["train", "--backend", "dist", "--config", str(config), "--host", "bob", "--out",
                  str(tmp_path / "run"), "--set", f"data.corpus={tiny_corpus}", "--set",
-                 "dist.init_timeout_s=0.5"]) == 2
+                 "dist.init_timeout_s=0.5", "--key", str(tmp_path / "keys" / "bob.key")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"meshlearn: error: cluster.coordinator = 'alice': its rendezvous at "
                           f"127.0.0.1:{port} did not answer within dist.init_timeout_s = 0.5 s")
@@ -72,6 +74,8 @@ def test_a_coordinator_whose_port_is_taken_stops_in_one_line(tmp_path, capsys, t
         port = taken.getsockname()[1]
         config = tmp_path / "run.toml"
         config.write_text(PLACEMENT.replace("29500", str(port)))
+        create_run(tmp_path / "keys", ["alice", "bob"], "test-run")
         assert main(["train", "--backend", "dist", "--config", str(config), "--host", "alice", "--out",
-                     str(tmp_path / "run"), "--set", f"data.corpus={tiny_corpus}"]) == 2
+                     str(tmp_path / "run"), "--set", f"data.corpus={tiny_corpus}", "--key",
+                     str(tmp_path / "keys" / "alice.key")]) == 2
     assert f"cluster.hosts.alice.port = {port}: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

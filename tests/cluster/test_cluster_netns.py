@@ -1,6 +1,6 @@
 """A cluster run on two emulated machines: two network namespaces joined by a shaped link (tbf rate,
 TUN relay delay), each with its own run folder and its own copy of the corpus, each running
-`meshlearn train --backend dist --host NAME`. The placement makes both the pipeline links and the
+`meshlearn train --backend dist --host NAME --key FILE`. The placement makes both the pipeline links and the
 DP links cross the link (alice: r0s0, r1s1; bob: r0s1, r1s0). The run stops at a step, then
 resumes on each machine from its own folder; its losses are the single-process simulator's.
 
@@ -12,19 +12,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-from netns import Wan, missing, wan_link
+from cluster_run import issue_keys, logs, start_all
+from netns import missing, wan_link
 from tiny import tiny_config
 
-import meshlearn
 from meshlearn.cluster.settings import ClusterConfig, HostConfig
 from meshlearn.config import save_config
 from meshlearn.jsonl import read_records
@@ -43,31 +37,6 @@ def wan():
         yield link
 
 
-def _start_all(wan: Wan, tmp_path: Path, args: dict[str, list[str]], tag: str) -> dict[str, int]:
-    """Each host's launcher in its namespace, started together; their exit codes."""
-    env = os.environ | {"PYTHONPATH": str(Path(meshlearn.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-    procs = {}
-    try:
-        for side, host in enumerate(HOSTS):
-            log = (tmp_path / f"{host}-{tag}.log").open("w")
-            procs[host] = wan.run(side, [sys.executable, "-m", "meshlearn", "train", *args[host],
-                                         "--host", host], env=env, cwd=tmp_path / host, stdout=log,
-                                  stderr=subprocess.STDOUT)
-        end = time.monotonic() + 180
-        for p in procs.values():
-            p.wait(timeout=max(1.0, end - time.monotonic()))
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait(timeout=10)
-    return {host: p.returncode for host, p in procs.items()}
-
-
-def _logs(tmp_path: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log")))
-
-
 def test_two_machines_stop_and_resume_each_from_its_own_folder_match_the_simulator(wan, tiny_corpus,
                                                                                    tmp_path):
     cfg = tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=2", "train.steps=4",
@@ -77,14 +46,15 @@ def test_two_machines_stop_and_resume_each_from_its_own_folder_match_the_simulat
     hosts = {name: HostConfig(address, 29533, PLACED[name]) for name, address in zip(HOSTS, wan.addresses,
                                                                                       strict=True)}
     placed = dataclasses.replace(cfg, cluster=ClusterConfig("alice", hosts))
+    keys = issue_keys(tmp_path, HOSTS)
     for host in HOSTS:  # each machine: its own folder, its own copy of the corpus at its own path
-        (tmp_path / host).mkdir()
         shutil.copy(tiny_corpus, tmp_path / host / f"corpus-{host}.txt")
     save_config(placed, tmp_path / "alice" / "run.toml")
     save_config(placed, tmp_path / "bob" / "run.toml")
     fresh = {h: ["--backend", "dist", "--config", "run.toml", "--out", "runs/x", "--set",
-                 f"data.corpus=corpus-{h}.txt", "--set", "train.stop_at_step=2"] for h in HOSTS}
-    assert _start_all(wan, tmp_path, fresh, "fresh") == {"alice": 0, "bob": 0}, _logs(tmp_path)
+                 f"data.corpus=corpus-{h}.txt", "--set", "train.stop_at_step=2", "--key", str(keys[h])]
+             for h in HOSTS}
+    assert start_all(wan, tmp_path, HOSTS, fresh, "fresh") == {"alice": 0, "bob": 0}, logs(tmp_path)
     runs = {h: tmp_path / h / "runs" / "x" for h in HOSTS}
     for host, run in runs.items():  # stopped at step 2: the agreed checkpoint, older ones pruned
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"], host
@@ -95,8 +65,8 @@ def test_two_machines_stop_and_resume_each_from_its_own_folder_match_the_simulat
                for h, run in runs.items()}
     assert digests["alice"] == digests["bob"]  # trained once, by the coordinator, and sent
 
-    resume = {h: ["--resume", "runs/x"] for h in HOSTS}
-    assert _start_all(wan, tmp_path, resume, "resume") == {"alice": 0, "bob": 0}, _logs(tmp_path)
+    resume = {h: ["--resume", "runs/x", "--key", str(keys[h])] for h in HOSTS}
+    assert start_all(wan, tmp_path, HOSTS, resume, "resume") == {"alice": 0, "bob": 0}, logs(tmp_path)
 
     alice, bob = runs["alice"], runs["bob"]
     assert {"metrics.jsonl", "summary.json", "workers.json"} <= {p.name for p in alice.iterdir()}

@@ -43,11 +43,11 @@ def test_a_stopped_cluster_run_is_continued_on_every_machine_with_its_host(make_
     run = make_run("cluster", config='[cluster]\ncoordinator = "alice"\n[cluster.hosts.alice]\n'
                                      'address = "127.0.0.1"\n')
     _set_summary(run, steps=8)
-    assert not run_status(load_run(run)).line.endswith("--host NAME")  # the simulator ignores [cluster]
+    assert not run_status(load_run(run)).line.endswith("--key FILE")  # the simulator ignores [cluster]
     (run / "config.toml").write_text('backend = "dist"\n' + (run / "config.toml").read_text())
     assert run_status(load_run(run)).line == (
         f"cluster: stopped at step 8 of 20 (train.stop_at_step); continue on every machine with: "
-        f"meshlearn train --resume {run} --host NAME")
+        f"meshlearn train --resume {run} --host NAME --key FILE")
 
 
 def test_a_stopped_real_run_says_so_first_and_why_it_has_no_timeline(tiny_corpus, tmp_path):

@@ -65,6 +65,7 @@ def test_a_sim_run_stopped_before_its_first_evaluation_resumes_to_the_end(capsys
 def test_a_cluster_run_says_to_resume_on_every_machine_with_its_own_host():
     """A [cluster] run resumes with one command per machine, each naming itself (docs/cluster.md)."""
     end = closing(summary(4, None), 10, 4, None, 0, RUN, "9 tok/s wall", cluster=True)
-    assert end.line.endswith("continue on every machine with: meshlearn train --resume runs/x --host NAME")
+    assert end.line.endswith(
+        "continue on every machine with: meshlearn train --resume runs/x --host NAME --key FILE")
     signalled = closing(summary(4, None), 10, 0, "SIGTERM", 143, RUN, "9 tok/s wall", cluster=True)
-    assert signalled.line.endswith("--resume runs/x --host NAME")
+    assert signalled.line.endswith("--resume runs/x --host NAME --key FILE")

@@ -28,6 +28,7 @@ class Placement:
 
     host: str
     address: str  # this host's address, resolved to an IP
+    port: int  # this host's one inbound TCP port
     interface: str  # the network interface that carries it (for GLOO_SOCKET_IFNAME)
     coordinator: str
     store_address: str  # the rendezvous: the coordinator's address (resolved) ...
@@ -103,9 +104,9 @@ def place(cfg: RunConfig, host: str) -> Placement:
     store_address = resolve_address(f"cluster.hosts.{cluster.coordinator}.address", coordinator.address)
     where = hosts_of(cfg)
     by_rank = ranks(cfg)
-    return Placement(host, address, interface, cluster.coordinator, store_address, coordinator.port,
-                     {p: r for p, r in by_rank.items() if where[p] == host}, where, by_rank, len(by_rank),
-                     records_writer(cfg))
+    return Placement(host, address, mine.port, interface, cluster.coordinator, store_address,
+                     coordinator.port, {p: r for p, r in by_rank.items() if where[p] == host}, where,
+                     by_rank, len(by_rank), records_writer(cfg))
 
 
 def host_of_command(cfg: RunConfig, host: str | None) -> Placement | None:

@@ -33,8 +33,9 @@ class HostConfig:
     """Where this machine is reached, and the one address its processes bind to: an IP address
     or a name that resolves to one. It must be an address of the machine's own interfaces."""
     port: int = 29500
-    """Its inbound TCP port. The coordinator's is where the run's rendezvous listens; the other
-    processes still listen on OS-chosen ports of ``address`` (docs/cluster.md)."""
+    """Its one inbound TCP port: the machine's port agent, which hands each connection to the local
+    process it is for. The coordinator's also serves the run's control plane. The plain link
+    listeners still take OS-chosen ports of ``address`` while the run starts (docs/cluster.md)."""
     workers: tuple[str, ...] = ()
     """The processes this machine runs: workers ``r{r}s{s}`` (each of the mesh on exactly one
     host), and optionally ``verifier`` (verify.name = sentinel) or anchor stages ``a{z}s{s}``
@@ -47,8 +48,9 @@ class ClusterConfig:
     ``[cluster.hosts.NAME]``. Empty (no hosts): every process on this machine."""
 
     coordinator: str = ""
-    """The host that holds the run's control plane: its launcher hosts the rendezvous on its
-    ``address:port``, and its run folder gets the metrics, the summary and workers.json."""
+    """The host that holds the run's control plane: its launcher serves the authenticated control
+    service behind its ``address:port``, and its run folder gets the metrics, the summary and
+    workers.json."""
     # hash=False: a dict cannot be hashed, and a RunConfig is (the planner caches by it); two
     # configs that differ only in their hosts still compare unequal.
     hosts: dict[str, HostConfig] = field(default_factory=dict, hash=False)

@@ -533,7 +533,7 @@ def run_anchor(cfg, run_dir: Path, session) -> NoReturn:
             train_tokenizer_once(cfg, run_dir, session)  # a collective of every rank
         corpus = load_corpus(cfg, Path(run_dir))
         cfg = resolve(cfg, corpus.vocab_size)
-        groups = build_groups(cfg, session.mesh, session.rank)
+        groups = build_groups(cfg, session.mesh, session.rank, connector=session.connector)
         module = stage_modules(cfg, split_model(init_model(cfg.model, cfg.seed), cfg.mesh.stages))[me.stage]
         store = store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                              cfg.dist.init_timeout_s)

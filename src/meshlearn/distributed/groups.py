@@ -23,7 +23,7 @@ import torch.distributed as dist
 from meshlearn.distributed.collectives import FramedCollectives
 from meshlearn.distributed.health import Health, store_client
 from meshlearn.distributed.settings import links_of, links_trusted
-from meshlearn.distributed.streams import Hop, Link, connect_streams, listen_address
+from meshlearn.distributed.streams import Hop, Link, PlainConnector, StreamConnector, listen_address
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
 
@@ -86,11 +86,14 @@ class Groups:
     framed: FramedCollectives | None = None  # untrusted links: the workers' collectives, no group
 
 
-def build_groups(cfg, mesh: MeshShape, rank: int, dp_groups: bool = True) -> Groups:
+def build_groups(cfg, mesh: MeshShape, rank: int, dp_groups: bool = True,
+                 connector: StreamConnector | None = None) -> Groups:
     """The run's groups, in the same order everywhere; ``rank``'s are returned. ``dp_groups``: one
     per stage for the all-reduce (False: elastic runs, where torchft's quorum owns that axis).
     The point-to-point links are groups too, or with ``dist.links`` resolving to tcp, streams
-    of our own (``streams.py``), connected here: every process of the run comes through here."""
+    of our own (``streams.py``), connected here: every process of the run comes through here.
+    ``connector``: who makes those streams (the entry point's; None: ``PlainConnector`` over the
+    rendezvous store)."""
     verifier = verifier_rank(cfg, mesh)
     me = mesh.worker(rank) if rank < mesh.world_size else None
     trusted = links_trusted(cfg)
@@ -104,13 +107,16 @@ def build_groups(cfg, mesh: MeshShape, rank: int, dp_groups: bool = True) -> Gro
     links, anchor_links = link_hops(cfg, mesh), anchor_hops(mesh, anchors(cfg))
     hops = links + anchor_links
     if links_of(cfg) == "tcp" or not trusted:
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        store, address = store_client(host, port, cfg.dist.init_timeout_s), listen_address(host, port)
-        ends = connect_streams(store, rank, address, hops, cfg.dist.init_timeout_s)
+        if connector is None:
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            connector = PlainConnector(store_client(host, port, cfg.dist.init_timeout_s),
+                                       listen_address(host, port))
+        pairs = collective_hops(mesh)
+        channels = {"links": hops} | ({"collectives": pairs} if not trusted else {})
+        connected = connector.connect(rank, channels, cfg.dist.init_timeout_s)
+        ends = connected["links"]
         if not trusted:
-            pairs = collective_hops(mesh)
-            mine = connect_streams(store, rank, address, pairs, cfg.dist.init_timeout_s,
-                                   channel="collectives")
+            mine = connected["collectives"]
             groups.framed = FramedCollectives(
                 rank, {b: mine[i] for i, (_, a, b) in enumerate(pairs) if a == rank},
                 {a: mine[i] for i, (_, a, b) in enumerate(pairs) if b == rank}) if me is not None else None

@@ -282,12 +282,37 @@ def gist(err: BaseException) -> str:
     return f"{type(err).__name__}: {first.split('. ')[0][:240]}"
 
 
+StoreConnector = Callable[[str, int, float], dist.Store]
+
+
+def _tcp_store(host: str, port: int, timeout_s: float) -> dist.Store:
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+_connector: list[StoreConnector] = [_tcp_store]
+
+
+def use_store(connect: StoreConnector) -> None:
+    """This process reaches the rendezvous through ``connect`` (host, port, timeout → a store)
+    instead of a TCPStore client: a cluster run's entry point gives its authenticated control
+    store (``cluster/control_store.py``), which the dist runtime never imports."""
+    _connector[0] = connect
+
+
 def store_client(host: str, port: int, timeout_s: float) -> dist.Store:
-    """A TCPStore client of our own (the process group's is not for a second thread), namespaced
+    """A rendezvous client of our own (the process group's is not for a second thread), namespaced
     by torchelastic's restart count so a restarted group never reads an old abort."""
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    store = _connector[0](host, port, timeout_s)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"meshlearn/{restart}/", store)
+
+
+def group_store(host: str, port: int, timeout_s: float) -> dist.Store | None:
+    """The store a process group meets on: None (torchrun's env:// rendezvous) unless ``use_store``
+    gave another rendezvous, on which the group's keys go under ``pg``."""
+    if _connector[0] is _tcp_store:
+        return None
+    return dist.PrefixStore("pg", store_client(host, port, timeout_s))
 
 
 def run_and_exit(health: Health, label: str, who: str, body: Callable[[], None]) -> NoReturn:

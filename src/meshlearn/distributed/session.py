@@ -22,8 +22,9 @@ from meshlearn.config import RunConfig
 from meshlearn.data.corpus import load_corpus
 from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.groups import anchor_id, anchors, verifier_rank, world_size
-from meshlearn.distributed.health import Health, store_client
+from meshlearn.distributed.health import Health, group_store, store_client
 from meshlearn.distributed.settings import derive_deadlines, links_trusted
+from meshlearn.distributed.streams import StreamConnector
 from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
@@ -43,6 +44,7 @@ class Session:
     run_dir: Path
     anchor: WorkerId | None = None  # an anchor stage's id (distributed/anchor.py)
     rendezvous: object | None = None  # the store this process hosts, if any (join_without_group)
+    connector: StreamConnector | None = None  # who makes its streams (None: streams.PlainConnector)
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -55,11 +57,14 @@ def _env_int(name: str, default: int | None = None) -> int:
     return int(value)
 
 
-def start_session(cfg: RunConfig, run_dir: Path, gloo_interface: Callable[[], str] | None = None) -> Session:
+def start_session(cfg: RunConfig, run_dir: Path, gloo_interface: Callable[[], str] | None = None,
+                  connector: StreamConnector | None = None) -> Session:
     """Join the process group (deadline: dist.init_timeout_s) and start the heartbeat.
 
     ``gloo_interface`` (elastic runs, given by the entry point): the network interface gloo's sockets
-    must use (``elastic.host``'s), asked once this process's place in the run checks out."""
+    must use (``elastic.host``'s), asked once this process's place in the run checks out.
+    ``connector`` (given by the entry point): who makes this process's streams, kept in the session
+    for every role's ``build_groups``."""
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
@@ -88,10 +93,12 @@ def start_session(cfg: RunConfig, run_dir: Path, gloo_interface: Callable[[], st
         scope = {rank} if rank < mesh.world_size else None
     # Elastic rows link over the store (joiners); untrusted links (dist.trusted_links): no group.
     grouped = not cfg.elastic.enabled and links_trusted(cfg)
-    if grouped:
-        dist.init_process_group(comm, timeout=timedelta(seconds=cfg.dist.init_timeout_s),
-                                device_id=device if device.type == "cuda" else None)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if grouped:
+        met = group_store(host, port, cfg.dist.init_timeout_s)
+        placed = {} if met is None else {"store": met, "rank": rank, "world_size": world}
+        dist.init_process_group(comm, timeout=timedelta(seconds=cfg.dist.init_timeout_s),
+                                device_id=device if device.type == "cuda" else None, **placed)
     deadlines = derive_deadlines(cfg.dist, cfg.link, 0, 0, 0, 1)
     rendezvous = None
     if not cfg.elastic.enabled and not grouped:
@@ -112,7 +119,7 @@ def start_session(cfg: RunConfig, run_dir: Path, gloo_interface: Callable[[], st
         z, s = divmod(rank - mesh.world_size, mesh.stages)
         anchor = anchor_id(mesh, z, s)
     return Session(rank, world, local_world, mesh, me, device, comm, health, Path(run_dir), anchor,
-                   rendezvous)
+                   rendezvous, connector)
 
 
 def join_without_group(host: str, port: int, rank: int, world: int, timeout_s: float) -> BoundStore | None:

@@ -21,6 +21,11 @@ expected link is in. The hello is the only identity: a process that can reach th
 speaks first could take a link in its peer's place (nothing is authenticated; see
 docs/distributed.md) — the real peer is then refused and its failure stops the run at start-up.
 Hellos are read one connection at a time, each within the set-up deadline.
+
+Who connects (``StreamConnector``): ``build_groups`` asks a connector for every set of streams
+(``links``, ``collectives``), so the runtime never knows how they are made. ``PlainConnector`` is
+the above; a cluster run with credentials gets ``cluster/links.py``'s, which dials through each
+host's one port and authenticates both ends with the run's certificates, given by the entry point.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Mapping
+from typing import Protocol
 
 from meshlearn.distributed.wire import HEADER_ROOM
 from meshlearn.mesh.topology import WorkerId
@@ -187,3 +194,24 @@ def connect_streams(store, rank: int, address: str, hops: list[Hop], timeout_s: 
             raise TimeoutError(f"rank {rank}: {failure[0] if failure else 'links never connected'}")
         streams |= {i: listener.streams[link] for i, link in receiving.items()}
     return streams
+
+
+class StreamConnector(Protocol):
+    """Makes a process's streams, per channel: by each hop's index, this process's end of each hop
+    it is on. Every process of the run calls it once, with the same channels and hops."""
+
+    def connect(self, rank: int, channels: Mapping[str, list[Hop]],
+                timeout_s: float) -> dict[str, dict[int, FramedStream]]: ...
+
+
+class PlainConnector:
+    """Today's streams: a listener per receiving process, its address published on the store,
+    nothing authenticated (``connect_streams``); channels connected one after the other."""
+
+    def __init__(self, store, address: str):
+        self.store, self.address = store, address
+
+    def connect(self, rank: int, channels: Mapping[str, list[Hop]],
+                timeout_s: float) -> dict[str, dict[int, FramedStream]]:
+        return {channel: connect_streams(self.store, rank, self.address, hops, timeout_s, channel)
+                for channel, hops in channels.items()}

@@ -33,7 +33,9 @@ does not decode is refused too; a refused message arrives as ``Forged`` and the 
 Where links are trusted (``dist.trusted_links``) the DP all-reduce and the per-step gather are
 process-group collectives, where a malicious replica can do what gloo lets any peer do; untrusted,
 they run over framed streams (``collectives.py``). Either way a connection's identity is the hello
-that opened it (``streams.py``), not authenticated.
+that opened it (``streams.py``), not authenticated — except in a cluster run with credentials,
+where every stream is mutual TLS through the hosts' ports and its hello's sender must belong to
+the peer's certificate (``cluster/links.py``).
 The main thread waits for messages through ``next_message``, which checks liveness and a deadline
 derived from the link profile, and names the peer if either fails.
 
@@ -58,10 +60,11 @@ import torch.distributed as dist
 from meshlearn.distributed.groups import PairGroup, rank_of
 from meshlearn.distributed.health import Health, WorkerFailure, gist
 from meshlearn.distributed.shaping import Pacer, hold_until
-from meshlearn.distributed.streams import FrameRefused, Link, Stream
+from meshlearn.distributed.streams import FrameRefused, Link
 from meshlearn.distributed.wire import PREFIX_BYTES, WireError, pack, prefix, read_prefix, unpack
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.net.frames import FramedStream
 
 POLL_S = 0.05  # how often a waiting main thread looks at liveness; arrivals wake it at once
 WINDOW = 4  # receives posted ahead per link (memory: WINDOW × capacity bytes)
@@ -118,7 +121,8 @@ def _send_posted(buffer: torch.Tensor, dst: int, group, capacity: int, timeout: 
 
 class Transport:
     """``groups``: one connection per logical link this process sends or receives on — a process
-    group, or a ``Stream`` (``dist.links = tcp``, from ``groups.build_groups``). ``relay``: the rank
+    group, or a framed stream (``dist.links = tcp``, from ``groups.build_groups``: ``streams.Stream``,
+    or an authenticated ``net.links.AuthStream`` in a cluster run with credentials). ``relay``: the rank
     that carries pipeline links (stages differ) instead of the peer. A worker (``me``) sends on the
     links from it and receives on those to it; the relay itself (``me = None``) gets each link as a
     (receive group, send group) pair and does both."""
@@ -141,7 +145,7 @@ class Transport:
         self._recv_q: dict[Link, queue.Queue] = {}
         self._threads: list[threading.Thread] = []
         ends = [end for group in groups.values() for end in (group if isinstance(group, tuple) else (group,))]
-        self._streams = [end for end in ends if isinstance(end, Stream)]  # closed by ``close``
+        self._streams = [end for end in ends if isinstance(end, FramedStream)]  # closed by ``close``
 
         def remote(peer: WorkerId) -> int:
             relayed = relay is not None and me is not None and peer.stage != me.stage
@@ -265,14 +269,14 @@ class Transport:
     def _send_loop(self, link: Link, dst: int, group, q: queue.Queue) -> None:
         peer = link[1]
         timeout = timedelta(seconds=3 * self.message_s)
-        if isinstance(group, Stream):
+        if isinstance(group, FramedStream):
             group.set_timeout(timeout.total_seconds())
         while (item := q.get()) is not None:
             message, release, capacity = item
             try:
                 buffer = pack(message, self.device)  # while the link still "carries" it
                 hold_until(release)  # the link model says the message arrives now
-                if isinstance(group, Stream):  # a frame of its own size: no capacity, no notice
+                if isinstance(group, FramedStream):  # a frame of its own size: no capacity, no notice
                     group.send(buffer)
                 else:
                     _send_posted(buffer, dst, group, capacity, timeout)
@@ -294,12 +298,12 @@ class Transport:
         peer = link[0]
         # A backstop only: the main thread's own deadline (message_s) normally fires first.
         timeout = timedelta(seconds=3 * self.message_s)
-        if isinstance(group, Stream):
+        if isinstance(group, FramedStream):
             group.set_timeout(timeout.total_seconds())
         while (job := q.get()) is not None:
             count, capacity = job
             try:
-                if isinstance(group, Stream):
+                if isinstance(group, FramedStream):
                     self._read_frames(link, group, count)
                 else:
                     self._receive_posted(link, src, group, count, max(capacity, PREFIX_BYTES), timeout)
@@ -332,7 +336,7 @@ class Transport:
                 torch.cuda.current_stream(self.device).synchronize()
             self._deliver(buffer, link)
 
-    def _read_frames(self, link: Link, stream: Stream, count: int) -> None:
+    def _read_frames(self, link: Link, stream: FramedStream, count: int) -> None:
         """TCP: ``count`` frames off the stream, each refused before allocation if beyond the bound."""
         for _ in range(count):
             try:

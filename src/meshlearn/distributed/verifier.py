@@ -403,7 +403,8 @@ def run_verifier(cfg: RunConfig, run_dir: Path, resume: bool, session,
         if elastic_links is not None:  # no world group: pair groups over the store, and the agreed rows
             links, membership = elastic_links(cfg, session)
         else:
-            links, membership = build_groups(cfg, session.mesh, session.rank).links, None
+            links, membership = build_groups(cfg, session.mesh, session.rank,
+                                             connector=session.connector).links, None
         relay = Relay(cfg, session, links, len(batches) * evaluation_passes(cfg), membership=membership)
         if resume:  # rank 0 hands back the state it kept in its checkpoint shard
             relay.restore(relay.board.resume_state(cfg.dist.init_timeout_s))

@@ -48,19 +48,21 @@ def _train(args: argparse.Namespace) -> int:
         changed = check_resumable(saved, to_dict(cfg))
         check_run(cfg)
         placement = host_of_command(cfg, args.host)
+        credentials = _credentials(placement, args.key)
         created = False
     else:
         cfg = load_config(args.config, args.set)
         check_corpus(cfg)
         check_run(cfg)
         placement = host_of_command(cfg, args.host)
+        credentials = _credentials(placement, args.key)
         run_dir = Path(args.out) if args.out else default_out(cfg.name, args.config)
         created = not args.out or not run_dir.exists()
     with RunLock(run_dir):
         if not args.resume:
             start_fresh(run_dir, args.overwrite)
         if cfg.backend == "dist":
-            return _launch_dist(args, cfg, run_dir, changed, placement)
+            return _launch_dist(args, cfg, run_dir, changed, placement, credentials)
         with GracefulStop() as stop:
             trainer = _setup(cfg, run_dir, args.resume, created, stop)
             print(trainer.opening(), flush=True)
@@ -107,7 +109,18 @@ def _resuming(run_dir: Path, step: int, last: int, changed: dict) -> str:
     return what
 
 
-def _launch_dist(args: argparse.Namespace, cfg, run_dir: Path, changed: dict, placement) -> int:
+def _credentials(placement, key: str | None):
+    """``--key``: this host's checked credentials in a cluster run; refused without ``--host``."""
+    from meshlearn.cluster.identity import host_credentials
+
+    if placement is None:
+        if key is not None:
+            raise ConfigError("--key", key, "only with --host in a [cluster] run (docs/cluster.md)")
+        return None
+    return host_credentials(placement.host, key)
+
+
+def _launch_dist(args: argparse.Namespace, cfg, run_dir: Path, changed: dict, placement, credentials) -> int:
     from meshlearn.cluster.checkpoints import agreed_steps
     from meshlearn.entry.launch import launch_local
     from meshlearn.train.checkpoint import latest_complete
@@ -124,7 +137,7 @@ def _launch_dist(args: argparse.Namespace, cfg, run_dir: Path, changed: dict, pl
     if placement is not None:
         from meshlearn.entry.cluster_launch import launch_host
 
-        return launch_host(worker_argv, cfg, run_dir, placement)
+        return launch_host(worker_argv, cfg, run_dir, placement, credentials)
     return launch_local(worker_argv, cfg, run_dir)
 
 
@@ -393,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--host", metavar="NAME",
                        help="with --backend dist and a [cluster] config: run this machine's part, "
                             "as host NAME of [cluster.hosts] (docs/cluster.md)")
+    train.add_argument("--key", metavar="FILE",
+                       help="with --host: this host's private key, made by `meshlearn keys` (its .crt, "
+                            "ca.crt and ca.crl beside it; docs/security.md)")
     train.set_defaults(func=_train)
 
     worker = sub.add_parser("worker", help="one worker process of a dist run: what torchrun starts "

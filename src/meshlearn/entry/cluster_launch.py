@@ -1,41 +1,51 @@
-"""``meshlearn train --backend dist --host NAME``: start this machine's part of a cluster run.
+"""``meshlearn train --backend dist --host NAME --key FILE``: start this machine's part of a cluster run.
 
-Every machine runs the same command with its own ``--host``. The launcher starts only the
-processes the placement gives this host, with the ranks the placement gives them (independent of
-which machine starts first), and hands each torchrun's environment plus its host's address:
+Every machine runs the same command with its own ``--host`` and its own key. The launcher starts
+only the processes the placement gives this host, with the ranks the placement gives them
+(independent of which machine starts first), and hands each torchrun's environment plus its
+host's address and credentials:
 
-- the rendezvous is the coordinator's ``address:port``; the coordinator's launcher hosts it, on
-  that address only (never every interface), and the others connect to it;
+- this machine listens on one TCP port, ``cluster.hosts.NAME.address:port``: its ``PortAgent``
+  (``cluster/hostport.py``), which hands each connection to the local process it names;
+- the run's control state (rendezvous, heartbeats, abort, agreements) is the coordinator's
+  control service (``cluster/control.py``), behind the coordinator's port, reached by every
+  process over mutual TLS and allowed only what its host may say (``cluster/authority.py``);
 - gloo binds to the interface that carries the host's address (``GLOO_SOCKET_IFNAME``) and the
   link listeners to the address itself (``streams.BIND_ADDRESS_ENV``): nothing is guessed from
   the hostname or the route.
 
 Before any worker starts, the coordinator's decisions reach every host (``cluster/shared.py``).
-The coordinator's launcher keeps the rendezvous up until every host's workers are done.
+The coordinator's launcher keeps the service up until every host's workers are done, then adds
+every host's refusals to the run's summary.json (each host also keeps its own security.json).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
 import signal
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import TextIO
 
 import torch.distributed as dist
 
 from meshlearn.atomic import atomic_write_json
+from meshlearn.cluster.authority import Authority
 from meshlearn.cluster.checkpoints import agreed_steps
+from meshlearn.cluster.control import ControlService
+from meshlearn.cluster.control_store import ControlLine, ControlStore
+from meshlearn.cluster.control_wire import ControlRefused
+from meshlearn.cluster.hostport import HostPort
 from meshlearn.cluster.placement import Placement
 from meshlearn.cluster.role import HOST_ENV
+from meshlearn.cluster.security import record_refusals
 from meshlearn.cluster.shared import KEYS, share_run
 from meshlearn.config import RunConfig
-from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.procs import forward_signals, stop_at_once
-from meshlearn.distributed.settings import derive_deadlines
+from meshlearn.distributed.settings import derive_deadlines, links_trusted
 from meshlearn.distributed.streams import BIND_ADDRESS_ENV
 from meshlearn.elastic.membership import WORKERS_FILE
 from meshlearn.entry.launch import (  # one machine's launcher: the same children and watch
@@ -46,11 +56,13 @@ from meshlearn.entry.launch import (  # one machine's launcher: the same childre
 )
 from meshlearn.entry.worker import refuse_resume
 from meshlearn.errors import ConfigError
+from meshlearn.net.keys import Credentials
+from meshlearn.net.tls import Refused, RunTls
 from meshlearn.train.signals import STOPPING
 
 
 def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement: Placement,
-                out: TextIO | None = None) -> int:
+                credentials: Credentials, out: TextIO | None = None) -> int:
     """Run this host's processes of the cluster run; return the exit code (as ``launch_local``)."""
     out = out or sys.stdout
     resume = "--resume" in worker_argv
@@ -59,18 +71,28 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
     run_dir = Path(run_dir)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    if placement.is_coordinator:  # the run's rendezvous, on this host's address and port only
-        try:
-            bound = BoundStore(placement.address, cfg.dist.init_timeout_s, world_size=placement.world,
-                               port=placement.store_port)
-        except OSError as err:
-            raise ConfigError(f"cluster.hosts.{placement.host}.port", placement.store_port,
-                              f"cannot listen on {placement.address}:{placement.store_port} "
-                              f"({err.strerror}): choose a free port") from None
-        store = bound.store
-        share_run(cfg, run_dir, placement, store, resume)
-    else:
-        store = _join_coordinator(cfg, run_dir, placement, resume)
+    port = HostPort(placement, credentials)
+    service = None
+    try:
+        tls = RunTls(credentials)
+        if placement.is_coordinator:  # the run's control state, behind this host's port
+            authority = Authority(placement.hosts_of, placement.ranks, placement.coordinator,
+                                  trusted_groups=links_trusted(cfg))
+            service = ControlService(tls, authority, port.counters,
+                                     log=lambda line: print(line, file=sys.stderr, flush=True))
+            service.serve(port.socket_path)
+        line = ControlLine(tls, placement.store_address, placement.store_port, placement.coordinator)
+        store = _join_coordinator(cfg, run_dir, placement, line, resume)
+        return _run_workers(worker_argv, cfg, run_dir, placement, port, store, out)
+    finally:
+        if service is not None:
+            service.close()
+        port.close()
+
+
+def _run_workers(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement: Placement, port: HostPort,
+                 store: dist.Store, out: TextIO) -> int:
+    logs = run_dir / "logs"
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["meshlearn.entry.worker", "torch._dynamo"])
     local = len(placement.processes)
@@ -80,10 +102,10 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
                "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": "0",
                "MASTER_ADDR": placement.store_address, "MASTER_PORT": str(placement.store_port),
                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
-               "MESHLEARN_STORE_OWNER": f"the coordinator {placement.coordinator}'s rendezvous at "
+               "MESHLEARN_STORE_OWNER": f"the coordinator {placement.coordinator}'s control service at "
                                         f"{placement.store_address}:{placement.store_port}",
                "GLOO_SOCKET_IFNAME": placement.interface, BIND_ADDRESS_ENV: placement.address,
-               HOST_ENV: placement.host}
+               HOST_ENV: placement.host, **port.worker_env()}
         log = logs / f"{name}.log"
         with log.open("a") as f:
             f.write(f"--- meshlearn worker {name} (rank {rank}) on host {placement.host} "
@@ -102,47 +124,55 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
     try:
         codes = watch_children(procs, cfg, logs / f"{echo}.log", out)
     except BaseException as err:  # a second Ctrl-C, or a caller's timeout
-        resume = f"meshlearn train --resume {run_dir} --host {placement.host}"
+        resume = f"meshlearn train --resume {run_dir} --host {placement.host} --key FILE"
         return stop_at_once(procs, err, stopping, resume)
     finally:
         stopping["restore"]()
-    _finish(store, cfg, placement)
+    _finish(store, cfg, placement, port, run_dir)
     if all(code == 0 for code in codes.values()):
         return 0
     signum = stopping.get("signum")
     if signum and all(code == 128 + signum for code in codes.values()):
         if not placement.is_coordinator:  # the coordinator echoes the writer's closing line, which says it
             print(f"meshlearn: stopped by {signal.Signals(signum).name} with a checkpoint; continue with: "
-                  f"meshlearn train --resume {run_dir} --host {placement.host}", file=sys.stderr)
+                  f"meshlearn train --resume {run_dir} --host {placement.host} --key FILE", file=sys.stderr)
         return 128 + signum
     report = failure_report(codes, abort_message(store), run_dir).splitlines()[:3]  # error, workers, logs
     agreed = agreed_steps(run_dir)
     report.append(f"  last agreed checkpoint: step {agreed[-1]} — continue on every machine with: meshlearn "
-                  f"train --resume {run_dir} --host NAME" if agreed else
+                  f"train --resume {run_dir} --host NAME --key FILE" if agreed else
                   "  no agreed checkpoint yet: start the run again")
     print("\n".join(report), file=sys.stderr)
     return 1
 
 
-def _join_coordinator(cfg: RunConfig, run_dir: Path, placement: Placement, resume: bool) -> dist.Store:
-    """The coordinator's rendezvous, and what it decided (waits dist.init_timeout_s for both)."""
+def _join_coordinator(cfg: RunConfig, run_dir: Path, placement: Placement, line: ControlLine,
+                      resume: bool) -> dist.Store:
+    """The coordinator's control service, and what it decided (waits dist.init_timeout_s for both)."""
+    where = f"{placement.store_address}:{placement.store_port}"
     try:
-        store = dist.TCPStore(placement.store_address, placement.store_port, is_master=False,
-                              timeout=timedelta(seconds=cfg.dist.init_timeout_s))
+        line.reach(cfg.dist.init_timeout_s)
+        store = ControlStore(line, cfg.dist.init_timeout_s)
         share_run(cfg, run_dir, placement, store, resume)
-    except dist.DistError as err:
+    except Refused as err:
+        raise ConfigError("--key", str(line.tls.credentials.key),
+                          f"the coordinator {placement.coordinator} at {where} refused this host's "
+                          f"credentials ({err.detail}): ask the run's owner for a valid key") from None
+    except (OSError, ControlRefused) as err:
         raise ConfigError("cluster.coordinator", placement.coordinator,
-                          f"its rendezvous at {placement.store_address}:{placement.store_port} did not "
-                          f"answer within dist.init_timeout_s = {cfg.dist.init_timeout_s:g} s "
-                          f"({type(err).__name__}): start `meshlearn train --host {placement.coordinator}` "
-                          "there") from None
+                          f"its rendezvous at {where} did not answer within dist.init_timeout_s = "
+                          f"{cfg.dist.init_timeout_s:g} s ({type(err).__name__}): start `meshlearn "
+                          f"train --host {placement.coordinator}` there") from None
     return store
 
 
-def _finish(store, cfg: RunConfig, placement: Placement) -> None:
-    """Say this host is done; the coordinator's launcher waits for every host (their workers' last
-    words go through its rendezvous), as long as a failure takes to be noticed."""
+def _finish(store: dist.Store, cfg: RunConfig, placement: Placement, port: HostPort, run_dir: Path) -> None:
+    """Say this host is done, with what it refused; the coordinator's launcher waits for every
+    host (their workers' last words go through its control service), as long as a failure takes
+    to be noticed, then records every host's refusals in the run's summary.json."""
+    record = port.write_record(run_dir)
     with contextlib.suppress(Exception):  # the coordinator may be gone already
+        store.set(f"{KEYS}/security/{placement.host}", json.dumps(record))
         store.set(f"{KEYS}/done/{placement.host}", "1")
     if not placement.is_coordinator:
         return
@@ -151,3 +181,10 @@ def _finish(store, cfg: RunConfig, placement: Placement) -> None:
     end = time.monotonic() + deadlines.dead_after_s + 3 * cfg.dist.heartbeat_s + 10.0
     while time.monotonic() < end and not store.check([f"{KEYS}/done/{h}" for h in hosts]):
         time.sleep(0.1)
+    records = {placement.host: port.write_record(run_dir)}  # again: the others' last words were refusable
+    for host in hosts:
+        key = f"{KEYS}/security/{host}"
+        with contextlib.suppress(Exception):
+            if host != placement.host and store.check([key]):
+                records[host] = json.loads(store.get(key))
+    record_refusals(run_dir, records)

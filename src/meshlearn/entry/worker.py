@@ -23,10 +23,19 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from meshlearn.cluster.control_store import control_connector
+from meshlearn.cluster.links import cluster_connector
+from meshlearn.cluster.role import HOST_ENV
 from meshlearn.config import RunConfig, load_config
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.groups import anchors, build_groups, verifier_rank
-from meshlearn.distributed.health import EXIT_PEER_FAILURE, WorkerFailure, process_name, store_client
+from meshlearn.distributed.health import (
+    EXIT_PEER_FAILURE,
+    WorkerFailure,
+    process_name,
+    store_client,
+    use_store,
+)
 from meshlearn.distributed.session import Session, start_session, train_tokenizer_once
 from meshlearn.elastic.binding import interface_of
 from meshlearn.elastic.evictions import elastic_relay, refuse_resume_when_verified
@@ -56,7 +65,8 @@ def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
     """This process's worker and its groups. Group creation is collective: same order everywhere."""
     mesh, me = session.mesh, session.me
     # Elastic runs: torchft owns the DP axis, and each row links its own stages (elastic/links.py).
-    groups = None if cfg.elastic.enabled else build_groups(cfg, mesh, session.rank)
+    groups = None if cfg.elastic.enabled else build_groups(cfg, mesh, session.rank,
+                                                           connector=session.connector)
     # Every process builds the same seeded unsplit model and keeps its stage: identical replicas.
     stages = stage_modules(cfg, split_model(init_model(cfg.model, cfg.seed), mesh.stages))
     module = stages[me.stage].to(session.device)
@@ -84,10 +94,14 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
         from meshlearn.elastic.evictions import refuse_banned_start
 
         refuse_banned_start(cfg)  # SENTINEL banned this identity: it never comes back
+    if cfg.cluster.enabled and os.environ.get(HOST_ENV):
+        # a cluster host's launcher started us: the rendezvous is the coordinator's control service
+        use_store(control_connector(cfg.cluster.coordinator))
+    connector = cluster_connector(cfg)  # a cluster run's authenticated streams (None: plain ones)
     try:
         # elastic: gloo's sockets on elastic.host's interface (asked once the rank checks out)
         interface = (lambda: interface_of(cfg.elastic.host)) if cfg.elastic.enabled else None
-        session = start_session(cfg, run_dir, gloo_interface=interface)
+        session = start_session(cfg, run_dir, gloo_interface=interface, connector=connector)
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 — e.g. a peer that never came up

@@ -79,11 +79,14 @@ class RunTls:
         self._server = self._context(ssl.PROTOCOL_TLS_SERVER)
         self._client = self._context(ssl.PROTOCOL_TLS_CLIENT)
 
-    def accept(self, sock: socket.socket, deadline: float) -> tuple[ssl.SSLSocket, Identity]:
+    def accept(self, sock: socket.socket, deadline: float,
+               admit: Callable[[Identity], str | None] | None = None) -> tuple[ssl.SSLSocket, Identity]:
         """The server end of a handshake on ``sock`` by ``deadline`` (a monotonic time); the
-        authenticated socket (blocking) and who is at the other end, or Refused (``sock`` closed)."""
+        authenticated socket (blocking) and who is at the other end, or Refused (``sock`` closed).
+        ``admit``: why a peer of the run is not wanted here (None: it is), asked before ``ADMITTED``,
+        so the dialer learns of its refusal in the handshake."""
         tls = self._server.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        return self._handshake(tls, None, deadline)
+        return self._handshake(tls, None, deadline, admit)
 
     def connect(self, sock: socket.socket, expect: str, deadline: float) -> tuple[ssl.SSLSocket, Identity]:
         """The client end: as ``accept``, and the peer must be ``expect``. In TLS 1.3 the server
@@ -93,13 +96,16 @@ class RunTls:
         tls = self._client.wrap_socket(sock, server_side=False, do_handshake_on_connect=False)
         return self._handshake(tls, expect, deadline)
 
-    def _handshake(self, tls: ssl.SSLSocket, expect: str | None,
-                   deadline: float) -> tuple[ssl.SSLSocket, Identity]:
+    def _handshake(self, tls: ssl.SSLSocket, expect: str | None, deadline: float,
+                   admit: Callable[[Identity], str | None] | None = None) -> tuple[ssl.SSLSocket, Identity]:
         try:
             _handshake_by(tls, deadline)
             peer = identity_of(x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)))
             if expect is not None and peer.name != expect:
                 raise Refused("identity_refused", f"the peer is {peer}, not {expect}")
+            unwanted = admit(peer) if admit is not None else None
+            if unwanted is not None:
+                raise Refused("identity_refused", unwanted)
             tls.settimeout(max(deadline - time.monotonic(), 1e-3))
             if tls.server_side:
                 tls.sendall(ADMITTED)

@@ -33,7 +33,7 @@ def resume_hint(run_dir: Path | str, cluster: bool = False) -> str:
     """How to continue a run: ``cluster`` (a ``[cluster]`` run under ``--backend dist``) on every
     machine, each naming itself with ``--host``."""
     if cluster:
-        return f"continue on every machine with: meshlearn train --resume {run_dir} --host NAME"
+        return f"continue on every machine with: meshlearn train --resume {run_dir} --host NAME --key FILE"
     return f"continue with: meshlearn train --resume {run_dir}"
 
 

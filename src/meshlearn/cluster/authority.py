@@ -1,0 +1,171 @@
+"""Who may write which key of a cluster run's control state (``cluster/control.py`` asks).
+
+The control service knows who is asking (the TLS identity: a host of ``[cluster.hosts]``) and,
+from the placement, which host runs which process (rank). Every key family the runtime uses has
+an owner rule; a key of no family is refused, to read as to write (a key nobody reads is a place
+to smuggle state; a key nobody writes is a read that can only wait). Reads of a known family are
+open to every host of the run: the control state is the run's shared view, and its writes are
+what is guarded.
+
+Owners, by family (keys of the workers' namespace ``meshlearn/<restart>//`` and of the
+launchers' ``meshlearn-cluster/``):
+
+- a process's own records — heartbeat ``hb/<rank>`` (another host may only create it, adding 0),
+  ``done/``, ``joined/``, ``links/``, ``collectives/``, ``anchor/<rank>``, an attacker's
+  ``truth/<step>/<worker>``, checkpoint shard entries and resume lists ``cluster/checkpoint/...
+  /<worker>``: the host that runs that rank or worker;
+- a host's own records — its checkpoint manifest ``.../host/<host>``, the launcher's
+  ``done/<host>`` and ``security/<host>``: that host;
+- the run's decisions — the config and tokenizer, the tokenizer's ``ready``, the checkpoint
+  agreement and resume step, the records writer's drain marks, state requests and resume state:
+  the coordinator (which runs the records writer); rank 0's tokenizer mark: rank 0's host;
+- the verifier's verdicts and states: the verifier's host (the coordinator and the verifier's
+  host may delete what they have read);
+- ``abort`` and the graceful-stop ``drain``: any host, by compare-and-set; an abort is stored
+  as the writer's report (``attributed``), so it can never read as another participant's words;
+- a process group's own rendezvous (``pg/``): any host, only when the run declares its links
+  trusted (``dist.trusted_links``), the one case where hosts trust each other's bytes anyway.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+WORKERS = re.compile(r"meshlearn/\d+//(?P<rest>.+)\Z")  # what health.store_client's PrefixStore makes
+LAUNCHERS = "meshlearn-cluster/"  # cluster/shared.py's KEYS
+ABORT = "abort"
+WRITES = ("set", "add", "compare_set", "delete_key")
+READS = ("get", "check", "wait", "multi_get", "num_keys")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A key family: its pattern (of the key inside its namespace) and who may do which write."""
+
+    pattern: re.Pattern
+    may: Callable[[Authority, str, str, re.Match, int], bool]  # (authority, writer, op, match, amount)
+
+
+def _owner_of_rank(op_allowed: tuple[str, ...]):
+    return lambda a, who, op, m, n: op in op_allowed and a.rank_host.get(int(m["rank"])) == who
+
+
+def _owner_of_worker(a, who, op, m, n) -> bool:
+    return op == "set" and a.hosts_of.get(m["worker"]) == who
+
+
+def _coordinator(a, who, op, m, n) -> bool:
+    return op == "set" and who == a.coordinator
+
+
+def _that_host(a, who, op, m, n) -> bool:
+    return op == "set" and m["host"] == who
+
+
+def _verifier_posts(a, who, op, m, n) -> bool:
+    """The verifier's host posts; the coordinator (the records writer) deletes what it has read."""
+    return (op == "set" and who == a.verifier_host) or (op == "delete_key" and who in (a.verifier_host,
+                                                                                       a.coordinator))
+
+
+def _coordinator_posts(a, who, op, m, n) -> bool:
+    """The coordinator (records writer) posts; the verifier's host deletes what it has read."""
+    return (op == "set" and who == a.coordinator) or (op == "delete_key" and who == a.verifier_host)
+
+
+def _heartbeat(a, who, op, m, n) -> bool:
+    # every process creates every counter (``Health.start`` adds 0); only the owner moves its own
+    return op == "add" and (n == 0 or a.rank_host.get(int(m["rank"])) == who)
+
+
+def _anyone_compare_set(a, who, op, m, n) -> bool:
+    return op == "compare_set"
+
+
+def _truth(a, who, op, m, n) -> bool:
+    return _owner_of_worker(a, who, op, m, n) or (op == "delete_key" and who == a.verifier_host)
+
+
+def _rank0(a, who, op, m, n) -> bool:
+    return op == "set" and a.rank_host.get(0) == who
+
+
+def _trusted(a, who, op, m, n) -> bool:
+    return a.trusted_groups
+
+
+NAME = r"[A-Za-z0-9_-]+"
+WORKER_FAMILIES = (
+    Family(re.compile(r"hb/(?P<rank>\d+)\Z"), _heartbeat),
+    Family(re.compile(rf"{ABORT}\Z"), _anyone_compare_set),
+    Family(re.compile(r"drain\Z"), _anyone_compare_set),
+    Family(re.compile(r"(done|joined|anchor|links|collectives)/(?P<rank>\d+)\Z"), _owner_of_rank(("set",))),
+    Family(re.compile(r"tokenizer/ready\Z"), _rank0),
+    Family(re.compile(r"verdict/\d+\Z"), _verifier_posts),
+    Family(re.compile(r"state/\d+\Z"), _verifier_posts),
+    Family(re.compile(r"drained/\d+\Z"), _coordinator_posts),
+    Family(re.compile(r"state_request\Z"), _coordinator_posts),
+    Family(re.compile(r"resume_state\Z"), _coordinator),
+    Family(re.compile(rf"truth/\d+/(?P<worker>{NAME})\Z"), _truth),
+    Family(re.compile(r"cluster/checkpoint/(\d+/agreed|resume/step)\Z"), _coordinator),
+    Family(re.compile(rf"cluster/checkpoint/\d+/host/(?P<host>{NAME})\Z"), _that_host),
+    Family(re.compile(rf"cluster/checkpoint/(\d+/shard|resume)/(?P<worker>{NAME})\Z"), _owner_of_worker),
+    Family(re.compile(r"pg/.+\Z", re.DOTALL), _trusted),
+)
+LAUNCHER_FAMILIES = (
+    Family(re.compile(r"(config|tokenizer|tokenizer_sha256)\Z"), _coordinator),
+    Family(re.compile(rf"(done|security)/(?P<host>{NAME})\Z"), _that_host),
+)
+
+
+class Authority:
+    """The owner rules of one run's placement. ``hosts_of``: every process → its host;
+    ``ranks``: every process → its rank; ``verifier_host``: where the SENTINEL verifier runs (None:
+    no verifier); ``trusted_groups``: the run declares its links trusted (process groups)."""
+
+    def __init__(self, hosts_of: Mapping[str, str], ranks: Mapping[str, int], coordinator: str,
+                 trusted_groups: bool = False):
+        self.hosts_of = dict(hosts_of)
+        self.rank_host = {rank: self.hosts_of[name] for name, rank in ranks.items()}
+        self.coordinator = coordinator
+        self.verifier_host = self.hosts_of.get("verifier")
+        self.trusted_groups = trusted_groups
+        self.hosts = set(self.hosts_of.values()) | {coordinator}
+
+    def refusal(self, who: str, op: str, key: str, amount: int = 0) -> str | None:
+        """Why host ``who`` may not do ``op`` on ``key`` (None: it may)."""
+        if who not in self.hosts:
+            return f"{who} is not a host of this run"
+        family, match = self._family(key)
+        if family is None:
+            return f"{key!r} is no key of a meshlearn run"
+        if op in READS:
+            return None
+        if op not in WRITES or not family.may(self, who, op, match, amount):
+            return f"host {who} may not {op} {key!r}"
+        return None
+
+    def attributed(self, who: str, key: str, value: bytes) -> bytes:
+        """The value stored for ``who``'s write: an abort becomes ``who``'s report (whatever it says
+        about others is its claim, never the run's finding)."""
+        match = WORKERS.match(key)
+        if value and match and match["rest"] == ABORT:
+            return f"reported by host {who}: ".encode() + value
+        return value
+
+    @staticmethod
+    def _family(key: str) -> tuple[Family | None, re.Match | None]:
+        worker = WORKERS.match(key)
+        if worker:
+            rest, families = worker["rest"], WORKER_FAMILIES
+        elif key.startswith(LAUNCHERS):
+            rest, families = key[len(LAUNCHERS):], LAUNCHER_FAMILIES
+        else:
+            return None, None
+        for family in families:
+            match = family.pattern.match(rest)
+            if match:
+                return family, match
+        return None, None

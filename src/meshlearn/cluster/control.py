@@ -1,0 +1,199 @@
+"""The control service of a cluster run: the run's rendezvous and control state, held by the
+coordinator's launcher, reached only through its machine's port (destination ``control``).
+
+It replaces the unauthenticated TCPStore of a cluster run. A connection is handed over by the
+``PortAgent``, authenticated by mutual TLS with the run's CA (``tls.Acceptor``: a handshake
+deadline, a cap on half-open connections; a peer that is not a host of the placement is refused
+there), and only then read: request frames bounded before allocation (``control_wire``), each
+checked against the owner rules (``authority.py``) before it touches the state. It implements
+exactly the store operations meshlearn uses, with the TCPStore's meaning (``get`` and
+``multi_get`` wait for their keys, ``compare_set`` creates a missing key when ``expected`` is
+empty, ``add`` counts from 0). A refused request is answered with the reason, counted in the
+run's ``Counters`` and logged with the sender's identity; the connection stays up for the
+sender's honest requests. One thread per authenticated connection: a waiting ``get`` blocks only
+its own connection.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from meshlearn.cluster.authority import Authority
+from meshlearn.cluster.control_wire import receive, send, stream
+from meshlearn.net.counters import Counters
+from meshlearn.net.frames import FramedStream, FrameRefused
+from meshlearn.net.keys import Identity
+from meshlearn.net.port import Inbox
+from meshlearn.net.tls import Acceptor, RunTls
+
+DESTINATION = "control"
+MAX_WAIT_S = 3600.0  # the longest wait one request may ask for
+
+
+class ControlState:
+    """The keys and values, and the waits on them (the TCPStore's semantics)."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._changed = threading.Condition()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._changed:
+            self._data[key] = value
+            self._changed.notify_all()
+
+    def add(self, key: str, amount: int) -> int:
+        with self._changed:
+            value = int(self._data.get(key, b"0") or 0) + amount
+            self._data[key] = str(value).encode()
+            self._changed.notify_all()
+            return value
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        with self._changed:
+            current = self._data.get(key)
+            if current is None:
+                if expected:
+                    return expected
+            elif current != expected:
+                return current
+            self._data[key] = desired
+            self._changed.notify_all()
+            return desired
+
+    def delete(self, key: str) -> bool:
+        with self._changed:
+            return self._data.pop(key, None) is not None
+
+    def check(self, keys: list[str]) -> bool:
+        with self._changed:
+            return all(k in self._data for k in keys)
+
+    def count(self) -> int:
+        with self._changed:
+            return len(self._data)
+
+    def wait(self, keys: list[str], timeout_s: float) -> list[bytes] | None:
+        """The values of ``keys`` once all exist, or None after ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        with self._changed:
+            while not all(k in self._data for k in keys):
+                left = end - time.monotonic()
+                if left <= 0:
+                    return None
+                self._changed.wait(left)
+            return [self._data[k] for k in keys]
+
+
+class ControlService:
+    """Serves ``state`` to the run's hosts as ``authority`` allows. ``log`` receives one line per
+    refusal (the launcher's log); ``counters`` the counts (the run's security record)."""
+
+    def __init__(self, tls: RunTls, authority: Authority, counters: Counters,
+                 log: Callable[[str], None] = lambda line: None, handshake_timeout_s: float | None = None):
+        self.tls, self.authority, self.counters, self.log = tls, authority, counters, log
+        self.state = ControlState()
+        timing = {} if handshake_timeout_s is None else {"timeout_s": handshake_timeout_s}
+        self.acceptor = Acceptor(self._authenticate, counters, on_ready=self._start, **timing)
+        self._inbox: Inbox | None = None
+        self.admitted = 0  # authenticated connections served
+        self._links: set[FramedStream] = set()
+        self._lock = threading.Lock()
+
+    def serve(self, port_socket: Path) -> None:
+        """Register as ``control`` at this machine's port agent and serve in daemon threads."""
+        self._inbox = Inbox(port_socket, DESTINATION)
+        self._inbox.serve_into(self.acceptor.submit)
+
+    def close(self) -> None:
+        if self._inbox is not None:
+            self._inbox.close()
+        with self._lock:
+            links, self._links = list(self._links), set()
+        for link in links:
+            link.close()
+
+    def _authenticate(self, sock: socket.socket, deadline: float) -> tuple[FramedStream, Identity]:
+        tls_sock, peer = self.tls.accept(sock, deadline, admit=self._admit)
+        return stream(tls_sock, f"control<-{peer.name}"), peer
+
+    def _admit(self, peer: Identity) -> str | None:
+        if peer.role != "host" or peer.name not in self.authority.hosts:
+            return f"{peer} is not a host of this run's placement"
+        return None
+
+    def _start(self, ready: object) -> None:
+        link, peer = ready
+        with self._lock:
+            self._links.add(link)
+            self.admitted += 1
+        threading.Thread(target=self._serve, args=(link, peer), name=f"control-{peer.name}",
+                         daemon=True).start()
+
+    def _serve(self, link: FramedStream, peer: Identity) -> None:
+        try:
+            while True:
+                try:
+                    header, values = receive(link)
+                    answer = self._answer(peer.name, header, values)
+                except FrameRefused as err:
+                    answer = self._refuse(peer.name, "oversized_frame", str(err))
+                except (ValueError, TypeError, KeyError, IndexError) as err:  # the frame was whole: in step
+                    answer = self._refuse(peer.name, "malformed_request", str(err))
+                send(link, *answer)
+        except (ConnectionError, OSError):
+            pass  # the host closed its connection (or its machine went away)
+        finally:
+            with self._lock:
+                self._links.discard(link)
+            link.close()
+
+    def _refuse(self, who: str, reason: str, why: str) -> tuple[dict, list[bytes]]:
+        self.counters.add(reason, f"host {who}: {why}")
+        self.log(f"meshlearn control: refused {reason} from host {who}: {why}")
+        return {"error": reason, "why": why}, []
+
+    def _answer(self, who: str, header: dict, values: list[bytes]) -> tuple[dict, list[bytes]]:
+        op, keys = header["op"], header.get("keys", [])
+        if not isinstance(op, str) or not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise ValueError("a request needs an 'op' string and a 'keys' list of strings")
+        amount = int(header.get("amount", 0))
+        for key in keys:
+            why = self.authority.refusal(who, op, key, amount)
+            if why is not None:
+                return self._refuse(who, "authority", why)
+        if op == "num_keys":
+            if who not in self.authority.hosts:
+                return self._refuse(who, "authority", f"{who} is not a host of this run")
+            return {"value": self.state.count()}, []
+        if not keys:
+            raise ValueError(f"{op!r} needs keys")
+        return self._apply(who, op, keys, values, amount, float(header.get("timeout_s", 0.0)))
+
+    def _apply(self, who: str, op: str, keys: list[str], values: list[bytes], amount: int,
+               timeout_s: float) -> tuple[dict, list[bytes]]:
+        key, state = keys[0], self.state
+        timeout_s = min(max(timeout_s, 0.0), MAX_WAIT_S)
+        if op == "set":
+            state.set(key, self.authority.attributed(who, key, values[0]))
+            return {}, []
+        if op == "add":
+            return {"value": state.add(key, amount)}, []
+        if op == "compare_set":
+            expected, desired = values
+            return {}, [state.compare_set(key, expected, self.authority.attributed(who, key, desired))]
+        if op == "delete_key":
+            return {"value": state.delete(key)}, []
+        if op == "check":
+            return {"value": state.check(keys)}, []
+        if op in ("get", "multi_get", "wait"):
+            got = state.wait(keys, timeout_s)
+            if got is None:
+                return {"error": "timeout", "why": f"{keys[:4]} did not appear within {timeout_s:g} s"}, []
+            return {}, ([] if op == "wait" else got)
+        raise ValueError(f"{op!r} is not an operation of the control service")
+

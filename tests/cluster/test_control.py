@@ -1,0 +1,178 @@
+"""The control service of a cluster run, behind a real port agent on 127.0.0.1: honest store
+operations round-trip (through torch's PrefixStore, as the runtime uses them); a stranger, another
+run's host, a joiner and a revoked host never get past the handshake; a host writing another's
+records is refused, counted, and keeps its connection; an oversized frame is refused whole."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from net.net_helpers import wait_until
+
+from meshlearn.cluster.authority import Authority
+from meshlearn.cluster.control import ControlService
+from meshlearn.cluster.control_store import ControlLine, ControlStore
+from meshlearn.cluster.control_wire import MAX_FRAME, ControlRefused, receive
+from meshlearn.net.counters import Counters
+from meshlearn.net.frames import PREFIX
+from meshlearn.net.keys import Credentials, add_joiner, create_run, revoke
+from meshlearn.net.port import PortAgent, dial
+from meshlearn.net.tls import Refused, RunTls
+
+HOSTS_OF = {"r0s0": "alice", "r0s1": "bob", "verifier": "alice"}
+RANKS = {"r0s0": 0, "r0s1": 1, "verifier": 2}
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("keys")
+    create_run(root / "run", ["alice", "bob", "carol"], "test-run")
+    add_joiner(root / "run", "joe")
+    revoke(root / "run", "carol")
+    create_run(root / "other", ["bob"], "another-run")
+    return {"run": root / "run", "other": root / "other"}
+
+
+class Service:
+    def __init__(self, keys: dict[str, Path], folder: Path):
+        self.keys = keys
+        self.counters = Counters()
+        self.made: list[ControlStore] = []
+        self.agent = PortAgent("127.0.0.1", 0, folder / "agent.sock", self.counters)
+        self.agent.start()
+        self.service = ControlService(self.tls("alice"), Authority(HOSTS_OF, RANKS, "alice"), self.counters,
+                                      handshake_timeout_s=3.0)
+        self.service.serve(self.agent.socket_path)
+
+    def tls(self, name: str, run: str = "run") -> RunTls:
+        return RunTls(Credentials.in_folder(self.keys[run], name))
+
+    def store(self, name: str, run: str = "run", timeout_s: float = 5.0) -> ControlStore:
+        line = ControlLine(self.tls(name, run), "127.0.0.1", self.agent.port, "alice")
+        made = ControlStore(line, timeout_s)
+        self.made.append(made)  # a Python Store must outlive the PrefixStore over it
+        return made
+
+    def count(self, reason: str) -> int:
+        return self.counters.as_dict().get(reason, 0)
+
+
+@pytest.fixture
+def control(keys) -> Iterator[Service]:
+    folder = Path(tempfile.mkdtemp(prefix="ml-ctl-"))
+    service = Service(keys, folder)
+    yield service
+    service.service.close()
+    service.agent.close()
+    shutil.rmtree(folder)
+
+
+def _workers(store: dist.Store) -> dist.Store:
+    return dist.PrefixStore("meshlearn/0/", store)  # what distributed.health.store_client makes
+
+
+def test_honest_operations_round_trip(control: Service) -> None:
+    alice, bob = _workers(control.store("alice")), _workers(control.store("bob"))
+    for store in (alice, bob):
+        for key in ("hb/0", "hb/1", "hb/2"):
+            store.add(key, 0)  # every process creates every counter
+        assert store.compare_set("abort", "", "") == b""
+    assert bob.add("hb/1", 1) == 1 and bob.add("hb/1", 1) == 2
+    assert alice.multi_get(["hb/0", "hb/1", "abort"]) == [b"0", b"2", b""]
+    bob.set("links/1", "10.0.0.2:1234")
+    assert alice.get("links/1") == b"10.0.0.2:1234"  # get waits for its key, as TCPStore's
+    assert not alice.check(["done/1"])
+    bob.set("done/1", "1")
+    assert alice.check(["done/1"])
+    bob.set("joined/1", "1")
+    alice.set("joined/0", "1")
+    bob.wait(["joined/0", "joined/1"], timedelta(seconds=2))
+    alice.set("verdict/3", b"\x00\xffbytes")
+    assert bob.get("verdict/3") == b"\x00\xffbytes"
+    assert alice.delete_key("verdict/3") and not alice.check(["verdict/3"])
+    assert bob.compare_set("drain", "", "f:7") == b"f:7"
+    assert alice.compare_set("drain", "f:7", "s:9") == b"s:9"
+    assert bob.compare_set("drain", "f:7", "x") == b"s:9"  # not expected: the current value
+    assert alice.num_keys() >= 8
+    with pytest.raises(Exception, match="timeout"):  # noqa: PT011 — torch wraps it
+        bob.wait(["done/0"], timedelta(seconds=0.2))
+    assert control.counters.total() == 0
+
+
+def test_a_host_may_write_only_its_own_records(control: Service) -> None:
+    bob_raw = control.store("bob")
+    bob = _workers(bob_raw)
+    bob.add("hb/0", 0)  # creating a counter is everyone's
+    refusals = [(lambda: bob.add("hb/0", 1)), (lambda: bob.set("done/0", "1")),
+                (lambda: bob.set("links/0", "10.6.6.6:1")), (lambda: bob.set("verdict/1", "{}")),
+                (lambda: bob.set("cluster/checkpoint/4/agreed", "{}")),
+                (lambda: bob.set("cluster/checkpoint/4/host/alice", "x")),
+                (lambda: bob.set("cluster/checkpoint/4/shard/r0s0", "{}")),
+                (lambda: bob_raw.set("meshlearn-cluster/config", "{}")),
+                (lambda: bob_raw.set("meshlearn-cluster/done/alice", "1")),
+                (lambda: bob.set("hb/1", "99")),  # own key, but a heartbeat only counts up
+                (lambda: bob_raw.set("abort", "x")),  # no such key of a run (outside its namespace)
+                (lambda: bob.get("anything/else"))]
+    for refused in refusals:
+        with pytest.raises(Exception, match="authority"):  # noqa: PT011 — torch wraps it
+            refused()
+    assert control.count("authority") == len(refusals)
+    # the connection stays up for bob's honest requests, and nothing of the refused was stored
+    bob.set("done/1", "1")
+    bob.set("cluster/checkpoint/4/host/bob", "ab")
+    alice = _workers(control.store("alice"))
+    assert not alice.check(["done/0"]) and alice.get("hb/0") == b"0"
+
+
+def test_an_abort_is_stored_as_its_writers_report(control: Service) -> None:
+    bob = _workers(control.store("bob"))
+    won = bob.compare_set("abort", "", "worker r0s0 stopped answering")
+    assert won == b"reported by host bob: worker r0s0 stopped answering"
+    assert _workers(control.store("alice")).get("abort") == won
+
+
+def _handshake(control: Service, tls: RunTls) -> None:
+    sock = dial("127.0.0.1", control.agent.port, "control", 5.0)
+    tls.connect(sock, expect="alice", deadline=time.monotonic() + 5.0)
+
+
+def test_strangers_never_get_past_the_handshake(control: Service) -> None:
+    with pytest.raises(Refused):
+        _handshake(control, control.tls("bob", "other"))  # another run's CA
+    with pytest.raises(Refused):
+        _handshake(control, control.tls("carol"))  # revoked
+    with pytest.raises(Refused):
+        _handshake(control, control.tls("joe"))  # the run's joiner: not a host of the placement
+    sock = dial("127.0.0.1", control.agent.port, "control", 5.0)
+    sock.sendall(b"\x00\xce\xf7\x85<" + bytes(200))  # what a TCPStore client says first
+    sock.settimeout(10)
+    with contextlib.suppress(ConnectionResetError):
+        while sock.recv(4096):  # whatever the server answers (an alert), it closes
+            pass
+    sock.close()
+    assert wait_until(lambda: control.count("handshake_failed") + control.count("certificate_refused") >= 3)
+    assert wait_until(lambda: control.count("identity_refused") == 1)
+    # an honest host is still served
+    assert _workers(control.store("bob")).add("hb/1", 1) == 1
+
+
+def test_an_oversized_frame_is_refused_and_the_link_stays_in_step(control: Service) -> None:
+    store = control.store("bob")
+    store.add("meshlearn/0//hb/1", 0)  # the per-thread connection is up
+    link = store.line._link()
+    body = MAX_FRAME + 1
+    link.sock.sendall(PREFIX.pack(16, body) + b"{\"lengths\": [] }" + bytes(body))
+    header, values = receive(link)
+    assert header["error"] == "oversized_frame" and control.count("oversized_frame") == 1
+    assert store.add("meshlearn/0//hb/1", 1) == 1  # the same connection, still in step
+    with pytest.raises(ControlRefused, match="malformed_request"):
+        store.line.call({"op": 7, "keys": "x"}, [], 1.0)
+
