@@ -62,14 +62,21 @@ class _Encoder:
     def tensor(self, t: torch.Tensor) -> dict:
         key = f"t{len(self.tensors)}"
         device = str(t.device)
-        flat = t.detach().to("cpu").contiguous()
+        # The memory layout too (a QR's column-major Q): a resumed run multiplies the same strides,
+        # or it rounds differently. A dense layout is stored as the permutation that makes it
+        # contiguous; a view with gaps becomes contiguous.
+        order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
+        flat = t.detach().to("cpu").permute(order)
+        if not flat.is_contiguous():
+            order, flat = list(range(t.dim())), t.detach().to("cpu").contiguous()
         storage = (str(flat.device), flat.untyped_storage().data_ptr())
         if storage in self.storages or flat.data_ptr() != storage[1] or \
                 flat.nbytes != flat.untyped_storage().nbytes():
             flat = flat.clone()  # safetensors refuses tensors that share memory with another
         self.storages.add((str(flat.device), flat.untyped_storage().data_ptr()))
         self.tensors[key] = flat
-        return {TAG: "tensor", "k": key, "device": device}
+        node = {TAG: "tensor", "k": key, "device": device}
+        return node if order == sorted(order) else node | {"order": order}
 
     def node(self, value: Any, where: str) -> Any:
         if value is None or isinstance(value, (bool, str)):
@@ -154,7 +161,7 @@ def _decode(tree: Any, tensors: dict[str, torch.Tensor], used: set[str], device,
             raise CheckpointError(source, f"the tree refers to tensor {key!r}, which the file "
                                           f"{'refers to twice' if key in used else 'does not hold'}")
         used.add(key)
-        read = tensors[key]
+        read = _laid_out(tensors[key], tree.get("order"), source)
         moved = read.to(device if device is not None else _device(tree.get("device"), source))
         # safetensors' tensors view its immutable input buffers: a state is trained on, so own it.
         return moved.clone() if moved.numel() and moved.data_ptr() == read.data_ptr() else moved
@@ -172,6 +179,15 @@ def _decode(tree: Any, tensors: dict[str, torch.Tensor], used: set[str], device,
         if all(isinstance(kv, list) and len(kv) == 2 for kv in items):
             return {_key(k): value for k, value in items}
     raise CheckpointError(source, f"a node tagged {str(tag)[:40]!r} that this version does not read")
+
+
+def _laid_out(t: torch.Tensor, order: Any, source) -> torch.Tensor:
+    """``t`` (stored contiguous in ``order``) with the strides it was saved with."""
+    if order is None:
+        return t
+    if not isinstance(order, list) or sorted(order) != list(range(t.dim())):
+        raise CheckpointError(source, f"a tensor of {t.dim()} dimensions laid out as {str(order)[:40]}")
+    return t.permute([order.index(i) for i in range(t.dim())])
 
 
 def _key(k: Any) -> Any:
