@@ -81,9 +81,8 @@ class _Encoder:
     def node(self, value: Any, where: str) -> Any:
         if value is None or isinstance(value, (bool, str)):
             return value
-        if isinstance(value, (int, float)):
-            return value if type(value) in (int, float) else (int(value) if isinstance(value, int)
-                                                              else float(value))
+        if isinstance(value, (int, float)):  # an IntEnum or a numpy float64 as the number it is
+            return int(value) if isinstance(value, int) else float(value)
         if isinstance(value, np.generic):
             return self.node(value.item(), where)
         if isinstance(value, torch.Tensor):
@@ -211,7 +210,7 @@ def _from_parts(metadata: dict[str, str] | None, tensors: dict[str, torch.Tensor
         tree = json.loads(metadata[TREE_KEY])
         used: set[str] = set()
         state = _decode(tree, tensors, used, device, source)
-    except (ValueError, TypeError, RuntimeError) as err:
+    except (ValueError, TypeError, RuntimeError, RecursionError) as err:  # RecursionError: nesting
         if isinstance(err, CheckpointError):
             raise
         raise CheckpointError(source, f"its state tree does not decode ({type(err).__name__}: "

@@ -214,6 +214,10 @@ def test_safetensors_of_something_else_and_a_bad_tree_are_refused():
         "meshlearn.format": "meshlearn-state/1", "meshlearn.tree": '{"__t": "object", "v": "os.system"}'})
     with pytest.raises(CheckpointError, match="tagged 'object'"):
         decode_state(unknown, "forged", 1 << 20)
+    deep = safetensors.torch.save({}, metadata={
+        "meshlearn.format": "meshlearn-state/1", "meshlearn.tree": "[" * 100_000 + "]" * 100_000})
+    with pytest.raises(CheckpointError, match="does not decode"):
+        decode_state(deep, "forged", 1 << 20)
 
 
 def test_a_peers_blob_beyond_its_bound_is_refused():
