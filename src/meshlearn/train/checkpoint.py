@@ -11,6 +11,10 @@ The simulator's single file keeps the previous checkpoint beside the newest one
 step, size and SHA-256. Loading verifies the newest against it and falls back to the previous one
 with a warning, so one truncated file never costs the run. A file that is not a meshlearn
 checkpoint raises ``CheckpointError`` (one line, naming the file), never a traceback.
+
+Every file is a meshlearn state file (safetensors + JSON, ``meshlearn/statefile.py``), never a
+pickle: a run folder may come from someone else (``--resume``, ``sample``, ``model.init``), and
+loading it must not run code. The ``.pt`` names stayed; a pickle under them is refused.
 """
 
 from __future__ import annotations
