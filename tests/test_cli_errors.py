@@ -114,7 +114,7 @@ def test_a_damaged_checkpoint_in_resume_and_sample(capsys, trained, tmp_path, da
             (run / name).unlink(missing_ok=True)
             torch.save({"state_dict": {}}, run / name)
     (run / "checkpoint.json").unlink()  # foreign: no manifest either
-    needle = "cannot be read as a checkpoint" if damage == "truncated" else "not a meshlearn checkpoint"
+    needle = "truncated" if damage == "truncated" else "a torch.save zip (a pickle"
     one_line_error(capsys, ["train", "--resume", str(run)], str(run), needle)
     one_line_error(capsys, ["sample", str(run)], needle)
 

@@ -15,8 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
@@ -46,12 +44,20 @@ def atomic_write_text(path: Path, text: str) -> Path:
     return Path(path)
 
 
+def write_synced(path: Path, data: bytes) -> None:
+    """``data`` into ``path``, on the disk (fsynced) before this returns."""
+    with Path(path).open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> Path:
+    with atomic_path(path) as tmp:
+        write_synced(tmp, data)
+    return Path(path)
+
+
 def atomic_write_json(path: Path, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
-
-def atomic_torch_save(path: Path, obj: Any) -> Path:
-    with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
-        _fsync(tmp)
-    return Path(path)

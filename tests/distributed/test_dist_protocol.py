@@ -5,11 +5,11 @@ turn trains like the run without morphs, tests/protocol)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from dist_helpers import deadline, kill_leftovers, launch, records
 from tiny import tiny_config
 
 from meshlearn.mesh.topology import WorkerId
+from meshlearn.statefile import load_state
 from meshlearn.train import Trainer
 
 
@@ -40,10 +40,10 @@ def test_dist_morphs_equal_sim_morphs(tiny_corpus, tmp_path, shape):
     assert ma == mb and [m[0] for m in ma] == [2, 4, 6]
     # The same transforms, drawn by each stage's own process: the stages' weights are the
     # simulator's, in the basis of epoch 3 (the boundary stage's writers and skips changed).
-    sim = torch.load(tmp_path / "sim" / "checkpoint.pt", weights_only=False)["workers"]
+    sim = load_state(tmp_path / "sim" / "checkpoint.pt")["workers"]
     for w in ("r0s0", "r1s1"):
         path = next((tmp_path / "dist" / "checkpoints").glob(f"step-*/{w}.pt"))
-        shard = torch.load(path, weights_only=False)
+        shard = load_state(path)
         ours, theirs = shard["workers"][w]["module"], sim[w]["module"]
         assert max(float((ours[k] - theirs[k]).abs().max()) for k in theirs) <= 1e-5
     start = tiny_config(tiny_corpus, *shape, "mesh.stages=2", "mesh.replicas=2", "protocol.morph=none")

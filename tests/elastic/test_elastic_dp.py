@@ -19,6 +19,7 @@ from dist_helpers import deadline, kill_leftovers, launch, launch_and_signal, re
 from tiny import tiny_config  # noqa: E402
 
 from meshlearn.entry.launch import WORKERS_FILE  # noqa: E402
+from meshlearn.statefile import load_state
 
 # Long deadlines: the fixed driver drops a round that runs behind past its deadline (the elastic
 # one reduces every round inside its step), and a dropped round would make the runs differ.
@@ -37,7 +38,7 @@ PIPELINE = ["mesh.stages=2", "train.grad_clip=0"]
 
 def _shard(run: Path, step: int, name: str) -> dict:
     folder = run / "checkpoints" / f"step-{step:06d}"
-    return torch.load(folder / f"{name}.pt", weights_only=False)["workers"][name]
+    return load_state(folder / f"{name}.pt")["workers"][name]
 
 
 @pytest.mark.parametrize(("strategy", "stages"), [("diloco", 2), ("diloco_powersgd", 1), ("powersgd", 1),

@@ -33,6 +33,7 @@ from tiny import tiny_config  # noqa: E402
 
 from meshlearn.entry.launch import WORKERS_FILE  # noqa: E402
 from meshlearn.jsonl import read_records  # noqa: E402
+from meshlearn.statefile import load_state
 from meshlearn.train.checkpoint import MANIFEST, latest_complete  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -66,7 +67,7 @@ def _join(address: str, run: Path, log: Path) -> subprocess.Popen:
 
 
 def _shard(folder: Path, name: str) -> dict:
-    return torch.load(folder / f"{name}.pt", weights_only=False)["workers"][name]
+    return load_state(folder / f"{name}.pt")["workers"][name]
 
 
 def _assert_identical(a: dict, b: dict, what: str) -> None:

@@ -27,6 +27,7 @@ from dist_helpers import (  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
 from meshlearn.entry.launch import WORKERS_FILE  # noqa: E402
+from meshlearn.statefile import load_state
 from meshlearn.train.checkpoint import latest_complete  # noqa: E402
 
 ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "train.steps=8", "elastic.enabled=true",
@@ -244,7 +245,7 @@ def test_a_replacement_joins_heals_from_a_live_peer_and_contributes(tiny_corpus,
     assert joined_at >= 3 and all(r["participants"] == 2 for r in rows[joined_at:])  # it contributes
     assert all(r["committed"] for r in rows[joined_at:])
     final = run / "checkpoints" / f"step-{steps:06d}"
-    a, b = (torch.load(final / f"{w}.pt", weights_only=False)["workers"][w] for w in ("r0s0", "r1s0"))
+    a, b = (load_state(final / f"{w}.pt")["workers"][w] for w in ("r0s0", "r1s0"))
     for key, tensor in a["module"].items():
         assert torch.equal(tensor, b["module"][key]), key
     for (pa, sa), (pb, sb) in zip(a["optimizer"]["state"].items(), b["optimizer"]["state"].items(),

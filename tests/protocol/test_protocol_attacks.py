@@ -17,6 +17,7 @@ from meshlearn.protocol.attacks import (
 )
 from meshlearn.protocol.snapshots import SNAPSHOT_DIR, list_snapshots, load_snapshot
 from meshlearn.protocol.transforms import haar_orthogonal, low_condition, seeded_generator
+from meshlearn.statefile import load_state
 from meshlearn.train import Trainer
 
 # 4 stages of one layer each, a morph every 4 steps, trained long enough to be far from random init.
@@ -88,7 +89,7 @@ def test_a_morphing_run_keeps_two_epochs_of_snapshots_and_traffic(morph_run):
         assert relative_error(before.probe[b], after.probe[b], fit) < 1e-5
         assert not torch.equal(before.passive[b], load_snapshot(found[0][2]).passive[b])
     # The final snapshot holds the checkpoint's weights.
-    ckpt = torch.load(morph_run / "checkpoint.pt", weights_only=False)
+    ckpt = load_state(morph_run / "checkpoint.pt")
     final = ckpt["workers"]["r0s3"]["module"]
     assert all(torch.equal(final[k], after.stages[3][k]) for k in final)
 

@@ -4,11 +4,11 @@ gives the losses of training without them (Muon), the transforms cross the links
 import json
 
 import pytest
-import torch
 from tiny import tiny_config
 
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.protocol import ProtocolDecoder
+from meshlearn.statefile import load_state
 from meshlearn.train import Trainer
 
 # train.eval_every = protocol.every_steps: the runs without morphs drain at the same points (under
@@ -88,5 +88,5 @@ def test_a_morphing_run_resumes_exactly(tiny_corpus, tmp_path):
             progress=False).train()
     a, b = records(tmp_path / "a", "train"), records(tmp_path / "b", "train")
     assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
-    ckpt = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)
+    ckpt = load_state(tmp_path / "a" / "checkpoint.pt")
     assert ckpt["plugins"]["protocol"]["epoch"] == 4

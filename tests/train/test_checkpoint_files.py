@@ -3,9 +3,9 @@
 import json
 
 import pytest
-import torch
 from tiny import tiny_config
 
+from meshlearn.statefile import save_state
 from meshlearn.train import Trainer
 from meshlearn.train.checkpoint import (
     CHECKPOINT,
@@ -69,6 +69,6 @@ def test_foreign_or_destroyed_checkpoints_are_one_line_errors(run, tmp_path):
     assert "no usable checkpoint" in str(err.value) and "\n" not in str(err.value)
     foreign = tmp_path / "foreign"
     foreign.mkdir()
-    torch.save({"model": {}}, foreign / CHECKPOINT)
+    save_state(foreign / CHECKPOINT, {"model": {}})
     with pytest.raises(CheckpointError, match=r"not a meshlearn checkpoint \(it holds \['model'\]"):
         load_run_state(foreign)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from meshlearn.anchor.circuit import AnchorCircuit
 from meshlearn.anchor.settings import anchor_targets
@@ -41,6 +42,7 @@ from meshlearn.data.run_data import RunData
 from meshlearn.hooks import Callback, PluginContext, StepOutput
 from meshlearn.mesh.driver import Clock, TimeModels
 from meshlearn.mesh.topology import WorkerId
+from meshlearn.optim.spectral import AnchorBasis
 
 
 def relay_bytes(sent: int, replicas: int, collective: bool) -> int:
@@ -203,7 +205,7 @@ class AnchorCallback(Callback):
         return {"circuit": self.circuit.state(), "counters": vars(self.counters).copy(),
                 "steps_seen": self.steps_seen, "dp_seen": list(self.dp_seen),
                 "pending": [{"step": d.step, "worker": str(d.worker), "arrival_s": d.arrival_s,
-                             "share": d.share} for d in self.pending]}
+                             "share": {k: _plain(v) for k, v in d.share.items()}} for d in self.pending]}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state is None:
@@ -211,8 +213,16 @@ class AnchorCallback(Callback):
         self.circuit.load_state(state["circuit"])
         self.counters = AnchorCounters(**state["counters"])
         self.steps_seen, self.dp_seen = state["steps_seen"], list(state["dp_seen"])
-        self.pending = [Delivery(d["step"], WorkerId.parse(d["worker"]), d["arrival_s"], d["share"])
+        self.pending = [Delivery(d["step"], WorkerId.parse(d["worker"]), d["arrival_s"],
+                                 {k: AnchorBasis(**v) if isinstance(v, dict) else v
+                                  for k, v in d["share"].items()})
                         for d in state["pending"]]
+
+
+def _plain(value: Tensor | AnchorBasis) -> Tensor | dict[str, Tensor]:
+    """A share's value as a checkpoint holds it: a factor basis as its three tensors (a checkpoint
+    stores data, never a class to construct: meshlearn/statefile.py)."""
+    return vars(value).copy() if isinstance(value, AnchorBasis) else value
 
 
 def anchor_plugin(ctx: PluginContext) -> Callback | None:

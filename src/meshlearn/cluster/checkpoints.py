@@ -28,7 +28,8 @@ import shutil
 import time
 from pathlib import Path
 
-from meshlearn.atomic import atomic_torch_save, atomic_write_json
+from meshlearn.atomic import atomic_write_json
+from meshlearn.statefile import save_state
 from meshlearn.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointError,
@@ -101,7 +102,7 @@ class ClusterCheckpoint:
         folder = self.root / f"step-{step:06d}"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{self.shard}.pt"
-        atomic_torch_save(path, {"common": common} | shard)
+        save_state(path, {"common": common} | shard)
         entry = {"size": path.stat().st_size, "sha256": sha256_file(path)}
         store, keys = self.waits.store, f"{KEYS}/{step}"
         store.set(f"{keys}/shard/{self.shard}", json.dumps(entry))

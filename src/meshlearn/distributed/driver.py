@@ -33,7 +33,7 @@ from meshlearn.distributed.health import Health, RowBroken, WorkerFailure, store
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
 from meshlearn.distributed.transport import Transport
-from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch_state
+from meshlearn.distributed.verdict_board import VerdictBoard, blob_state, state_blob
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, buffer_capacities, message_bound
 from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.network import build_network, ring_allreduce_bytes_per_member
@@ -636,13 +636,13 @@ class DistDriver(PipelineEvaluation):
         replica of the stage calls it (the verdict told all of them); the others pass."""
         if self.me.stage != donor.stage:
             return
-        own = torch_bytes(self.worker.state_dict())
+        own = state_blob(self.worker.state_dict())
         # The donor's state has this worker's shapes: twice its own size is room to spare.
         blob = self.collectives.broadcast_state(own if self.me == donor else None, self.mesh.rank(donor),
                                                 2 * own.numel(),
                                                 f"the transfer of {donor}'s state to {target}")
         if self.me == target:
-            self.worker.load_state_dict(torch_state(blob))
+            self.worker.load_state_dict(blob_state(blob, f"{donor}'s state", 2 * own.numel()))
 
     def barrier(self, what: str) -> None:
         self.collectives.barrier(f"the barrier after the {what}")

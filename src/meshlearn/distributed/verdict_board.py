@@ -16,7 +16,6 @@ on resume (``resume_state``), so the checkpoint layout and its completeness rule
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import time
@@ -25,6 +24,7 @@ import torch
 
 from meshlearn.distributed.health import Health, WorkerFailure, store_client
 from meshlearn.mesh.topology import WorkerId
+from meshlearn.statefile import decode_state, encode_state
 
 POLL_S = 0.002  # a step's end waits on this
 
@@ -120,13 +120,14 @@ class VerdictBoard:
         return store.get(key)
 
 
-def torch_bytes(state: dict) -> torch.Tensor:
-    """A state dict as one uint8 tensor (to broadcast it)."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+def state_blob(state: dict) -> torch.Tensor:
+    """A state dict as one uint8 tensor (to broadcast it): safetensors + JSON, never a pickle
+    (meshlearn/statefile.py), because the receiver must not run what a peer sends."""
+    return torch.frombuffer(bytearray(encode_state(state)), dtype=torch.uint8)
 
 
-def torch_state(blob: torch.Tensor) -> dict:
-    """The inverse of ``torch_bytes``; tensors and plain containers only (a peer sent it)."""
-    return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+def blob_state(blob: torch.Tensor | bytes, source: str, max_bytes: int) -> dict:
+    """The inverse of ``state_blob``, of at most ``max_bytes``: tensors and plain containers only;
+    anything else is refused in one line naming ``source`` (CheckpointError)."""
+    data = blob if isinstance(blob, bytes) else blob.numpy().tobytes()
+    return decode_state(data, source, max_bytes)

@@ -67,7 +67,7 @@ from meshlearn.distributed.health import WorkerFailure, run_and_exit
 from meshlearn.distributed.session import Session, train_tokenizer_once
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.transport import Broken, Forged, Transport
-from meshlearn.distributed.verdict_board import VerdictBoard, torch_bytes, torch_state
+from meshlearn.distributed.verdict_board import VerdictBoard, blob_state, state_blob
 from meshlearn.distributed.wire import buffer_capacities, message_bound
 from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.schedule import feed_lookahead, pipeline_in_flight, send_order
@@ -79,6 +79,7 @@ from meshlearn.verify.trust import choose_donor
 from meshlearn.verify.verdicts import verdict_record
 
 POLL_S = 0.2  # how often an idle verifier looks at liveness and at whether the workers are done
+MAX_STATE_BYTES = 1 << 30  # the verifier's state handed back on resume (its ledger and counters)
 
 
 def evaluates_after(cfg: RunConfig, step: int) -> bool:
@@ -352,11 +353,11 @@ class Relay:
         if self.deferred and self.drained_at != done:
             self.drain(done)
         state = {"sentinel": self.sentinel.state_dict(), "done": done}
-        self.board.post_state(done, torch_bytes(state).numpy().tobytes())
+        self.board.post_state(done, state_blob(state).numpy().tobytes())
 
     def restore(self, blob: bytes) -> None:
         """On resume: the state at the checkpoint's drain point (after its drain was carried out)."""
-        state = torch_state(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        state = blob_state(blob, "the verifier's state from rank 0's checkpoint", MAX_STATE_BYTES)
         self.sentinel.load_state_dict(state["sentinel"])
         done = state["done"]
         self.slots.restart(done)

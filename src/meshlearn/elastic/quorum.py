@@ -21,6 +21,7 @@ import torch.distributed as dist
 from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.health import WorkerFailure
 from meshlearn.elastic.binding import bound_process_group, create_manager, require_torchft
+from meshlearn.elastic.heal_transport import StateTransport, own_bound
 from meshlearn.elastic.settings import ElasticTimeouts
 from meshlearn.mesh.topology import WorkerId
 
@@ -42,8 +43,6 @@ class StageQuorum:
     def __init__(self, me: WorkerId, replica_id: str, host: str, lighthouse: str,
                  timeouts: ElasticTimeouts, min_replicas: int, state_dict, load_state_dict):
         require_torchft()
-        from torchft.checkpointing.pg_transport import PGTransport
-
         timeout = timedelta(seconds=timeouts.collective_s)
         self.me = me
         self.store = BoundStore(host, timeouts.quorum_s)  # the replica group's own store
@@ -54,7 +53,8 @@ class StageQuorum:
             quorum_timeout=timedelta(seconds=timeouts.quorum_s),
             connect_timeout=timedelta(seconds=timeouts.quorum_s), rank=0, world_size=1,
             store_addr=host, store_port=self.store.port, lighthouse_addr=lighthouse,
-            replica_id=replica_id, checkpoint_transport=PGTransport(self.pg, timeout, torch.device("cpu")),
+            replica_id=replica_id,
+            checkpoint_transport=StateTransport(self.pg, timeout, own_bound(state_dict)),  # no pickle
             init_sync=False)  # every replica builds the same seeded model: nothing to sync at step 0
 
     def begin(self) -> QuorumStep:

@@ -13,7 +13,8 @@ pipeline boundary, the activations crossing it on
 - ``probe``: fixed windows, the same in every snapshot: the traffic of identical inputs at two
   times, which an attacker controlling the upstream input could provoke (the bridge attack).
 
-Files: ``RUN/protocol/epoch-EEEE-step-SSSSSS.pt``, each written atomically; older ones are removed
+Files: ``RUN/protocol/epoch-EEEE-step-SSSSSS.pt`` (safetensors + JSON, meshlearn/statefile.py;
+no pickle), each written atomically; older ones are removed
 once a newer morph's pair is on disk.
 """
 
@@ -27,10 +28,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from meshlearn.atomic import atomic_torch_save
 from meshlearn.models.llama import DecoderConfig
 from meshlearn.protocol.model import ProtocolDecoder
 from meshlearn.protocol.transforms import seeded_generator
+from meshlearn.statefile import load_state, save_state
 
 SNAPSHOT_DIR = "protocol"
 TRAFFIC_BATCH = 16  # windows per forward when computing traffic (bounds the activation memory)
@@ -118,7 +119,7 @@ def snapshot_path(folder: Path, epoch: int, step: int) -> Path:
 def write_snapshot(folder: Path, snap: Snapshot) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    return atomic_torch_save(snapshot_path(folder, snap.epoch, snap.step), snap.to_dict())
+    return save_state(snapshot_path(folder, snap.epoch, snap.step), snap.to_dict())
 
 
 def list_snapshots(folder: Path) -> list[tuple[int, int, Path]]:
@@ -137,4 +138,6 @@ def prune_snapshots(folder: Path, keep: int) -> None:
 
 
 def load_snapshot(path: Path) -> Snapshot:
-    return Snapshot.from_dict(torch.load(path, weights_only=False))
+    """A snapshot file, read without pickle (meshlearn/statefile.py: the run folder may be someone
+    else's); CheckpointError, one line, for anything else."""
+    return Snapshot.from_dict(load_state(path, device="cpu"))

@@ -11,6 +11,10 @@ The simulator's single file keeps the previous checkpoint beside the newest one
 step, size and SHA-256. Loading verifies the newest against it and falls back to the previous one
 with a warning, so one truncated file never costs the run. A file that is not a meshlearn
 checkpoint raises ``CheckpointError`` (one line, naming the file), never a traceback.
+
+Every file is a meshlearn state file (safetensors + JSON, ``meshlearn/statefile.py``), never a
+pickle: a run folder may come from someone else (``--resume``, ``sample``, ``model.init``), and
+loading it must not run code. The ``.pt`` names stayed; a pickle under them is refused.
 """
 
 from __future__ import annotations
@@ -23,10 +27,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from meshlearn.atomic import atomic_path, atomic_torch_save, atomic_write_json
-from meshlearn.errors import ConfigError
+from meshlearn.atomic import atomic_path, atomic_write_json, write_synced
+from meshlearn.statefile import CheckpointError, encode_state, load_state, save_state
 
 CHECKPOINT = "checkpoint.pt"
 PREVIOUS = "checkpoint.prev.pt"
@@ -34,13 +36,7 @@ SINGLE_MANIFEST = "checkpoint.json"
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST = "manifest.json"
 
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be used: names the file and why."""
-
-    def __init__(self, path: Path, why: str):
-        ValueError.__init__(self, f"{path}: {why}")
-        self.key = str(path)
+__all__ = ["CheckpointError"]  # defined with the file format (meshlearn/statefile.py), raised here too
 
 
 def sha256_file(path: Path) -> str:
@@ -80,19 +76,11 @@ def _damage(path: Path, entry: dict | None, others: list[dict]) -> str | None:
     return None
 
 
-def _torch_load(path: Path, **kwargs) -> object:
-    try:
-        return torch.load(path, weights_only=False, **kwargs)
-    except Exception as err:  # noqa: BLE001 — a truncated zip, a text file, a foreign pickle
-        raise CheckpointError(path, f"cannot be read as a checkpoint ({type(err).__name__}: "
-                                    f"{str(err).strip().splitlines()[0][:160] if str(err).strip() else ''})"
-                              ) from None
-
-
 def load_checkpoint_file(path: Path, keys: tuple[str, ...] = ("config", "totals", "workers"),
-                         **kwargs) -> dict:
-    """``torch.load`` of a meshlearn checkpoint (or shard); CheckpointError for anything else."""
-    state = _torch_load(path, **kwargs)
+                         device=None) -> dict:
+    """A meshlearn checkpoint (or shard), read without pickle (meshlearn/statefile.py); tensors on
+    ``device`` (None: where they were saved). CheckpointError for anything else."""
+    state = load_state(path, device)
     if not isinstance(state, dict) or not set(keys) <= set(state):
         got = sorted(state)[:5] if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(path, f"not a meshlearn checkpoint (it holds {got}, expected the "
@@ -142,9 +130,7 @@ class SingleFileCheckpoint:
         previous = self.run_dir / PREVIOUS
         manifest = _read_manifest(self.run_dir)
         with atomic_path(self.path) as tmp:
-            torch.save(common | shard, tmp)
-            with tmp.open("rb") as f:
-                os.fsync(f.fileno())
+            write_synced(tmp, encode_state(common | shard))
             entry = _entry(tmp, step)
             if self.path.is_file():
                 os.replace(self.path, previous)
@@ -185,7 +171,7 @@ class ShardedCheckpoint:
     def save(self, step: int, common: dict, shard: dict) -> Path:
         folder = self.root / f"step-{step:06d}"
         folder.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save(folder / f"{self.shard}.pt", {"common": common} | shard)
+        save_state(folder / f"{self.shard}.pt", {"common": common} | shard)
         if self.membership is not None:
             shards, writes = self.membership.manifest(step)
         else:
@@ -262,7 +248,7 @@ def load_run_state(run_dir: Path) -> dict:
         raise FileNotFoundError(f"{run_dir}: no checkpoint; train (or resume) the run first")
     state: dict = {"workers": {}}
     for name in json.loads((folder / MANIFEST).read_text())["shards"]:
-        shard = load_checkpoint_file(folder / f"{name}.pt", ("common", "workers"), map_location="cpu")
+        shard = load_checkpoint_file(folder / f"{name}.pt", ("common", "workers"), device="cpu")
         workers = state["workers"] | shard.pop("workers")
         state |= shard.pop("common") | shard  # the same in every shard but the workers
         state["workers"] = workers
