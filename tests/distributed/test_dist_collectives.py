@@ -12,7 +12,7 @@ import struct
 import threading
 import time
 from datetime import timedelta
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import pytest
 import torch
@@ -37,6 +37,7 @@ from meshlearn.distributed.wire import HEADER_ROOM
 from meshlearn.mesh.network import LinkProfile
 from meshlearn.mesh.sync import average_gradients
 from meshlearn.mesh.topology import MeshShape
+from meshlearn.mesh.worker import Worker
 from meshlearn.net.frames import PREFIX, FramedStream
 
 SHAPES = [(7, 5), (5,), (3, 4, 2)]  # a stage's parameters
@@ -82,7 +83,7 @@ def _each(members, call) -> list:
 @pytest.mark.parametrize("replicas", [2, 3, 4])
 def test_the_sum_is_the_simulators_bit_for_bit_on_every_replica(replicas):
     """Gradients of D replicas (values chosen to round differently in other orders) summed over
-    frames, divided by D, equal the simulator's per-parameter mean on every member, bit for bit."""
+    frames, divided by D, equal the simulator's mean on every member, bit for bit."""
     gen = torch.Generator().manual_seed(replicas)
     grads = [[torch.randn(s, generator=gen) * 10 ** torch.randint(-6, 6, s, generator=gen) for s in SHAPES]
              for _ in range(replicas)]
@@ -92,8 +93,12 @@ def test_the_sum_is_the_simulators_bit_for_bit_on_every_replica(replicas):
         for i, g in enumerate(own):
             module.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros_like(g)))
             getattr(module, f"p{i}").grad = g.clone()
-        workers.append(SimpleNamespace(module=module,
-                                       grads=lambda m=module: [p.grad for p in m.parameters()]))
+        worker = SimpleNamespace(module=module, dp=None,
+                                 grads=lambda m=module: [p.grad for p in m.parameters()],
+                                 flat_gradients=lambda m=module: torch.cat([p.grad.reshape(-1)
+                                                                            for p in m.parameters()]))
+        worker.set_flat_gradients = MethodType(Worker.set_flat_gradients, worker)
+        workers.append(worker)
     average_gradients(workers)
     expected = torch.cat([p.grad.reshape(-1) for p in workers[0].module.parameters()])
     flats = [torch.cat([g.reshape(-1) for g in own]) for own in grads]

@@ -87,7 +87,7 @@ def test_mixed_switches_among_its_attacks():
     ("attack.workers=r0s3", "first and last stages are honest"),
     ("attack.workers=r5s1", "not in the mesh of 2 replicas × 4 stages"),
     ("attack.workers=stage2", "not of the form r<replica>s<stage>"),
-    ("attack.target=weights", "allowed: ['activations', 'gradients', 'both']"),
+    ("attack.target=weights", "allowed: ['activations', 'gradients', 'both', 'dp']"),
     ("attack.mixed_kinds=zeros,adaptive", "attack.mixed_kinds"),
     ("attack.period=-1", "attack.period = -1: must be >= 0"),
     ("attack.period=2 attack.duty=3", "attack.duty = 3: in [1, attack.period = 2]"),

@@ -46,6 +46,7 @@ from typing import Protocol
 import torch
 
 from meshlearn.distributed.health import Health, WorkerFailure, gist
+from meshlearn.dp.robust import Robust
 from meshlearn.net.frames import PREFIX, PREFIX_BYTES, FrameRefused
 
 MAGIC = b"MLC1"
@@ -265,6 +266,14 @@ class RunCollectives:
         frame may leave)."""
         with self._failing(what):
             return self.peers.sum(flat, self.stage_ranks, release)
+
+    def stage_reduce(self, flat: torch.Tensor, rule: Robust, what: str,
+                     release: Mapping[int, float] | None = None) -> torch.Tensor:
+        """``rule``'s aggregate (``dp.robust``) of this stage's replicas' ``flat``, stacked in
+        replica order: the same frames as ``stage_sum``, reduced as the simulator reduces."""
+        with self._failing(what):
+            parts = self.peers.all_gather(flat, self.stage_ranks, "gather", release)
+        return rule.reduce(torch.stack([p.to(flat.device) for p in parts]))
 
     def gather(self, rows: torch.Tensor, what: str) -> torch.Tensor:
         """Every worker's ``rows`` (same shape everywhere), stacked in rank order."""

@@ -39,7 +39,7 @@ from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.network import build_network, ring_allreduce_bytes_per_member
 from meshlearn.mesh.report import ProcessRow, StepReport
 from meshlearn.mesh.schedule import AsyncPlan, feed_lookahead, pipeline_in_flight
-from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm
+from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm, stage_rule
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.wall_clock import WallClock
@@ -459,26 +459,48 @@ class DistDriver(PipelineEvaluation):
                     self.dp.expire(key)
 
     def _allreduce_gradients(self, step: int) -> None:
-        """Mean of the stage's gradients over its replicas: (Σ over replicas) / D, as the simulator."""
+        """The stage's aggregate of its replicas' gradients, as the simulator: the mean, (Σ over
+        replicas) / D, or with a robust rule (``dp.robust``) its reduce of every contribution."""
         replicas = self.mesh.replicas
         if replicas == 1:
             return
         started = time.monotonic()
-        grads = self.worker.grads()
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        what = f"the data-parallel all-reduce of stage {self.me.stage}"
+        flat = self.worker.flat_gradients()
+        rule = stage_rule(self.worker)
+        what = f"the data-parallel {'all-gather' if rule.gathers else 'all-reduce'} of stage {self.me.stage}"
         if self.collectives.framed:  # each frame held to its own link's model, counted as sent
             release = self._dp_frames_release(flat, step)
-            flat = self.collectives.stage_sum(flat, what, release)
+            flat = (self.collectives.stage_reduce(flat, rule, what, release) if rule.gathers
+                    else self.collectives.stage_sum(flat, what, release).div_(replicas))
+        elif rule.gathers:
+            flat = self.collectives.stage_reduce(flat, rule, what)
+            self._hold_gather(flat, step)
         else:
             flat = self.collectives.stage_sum(flat, what)
             self._hold_ring(flat, step)
-        flat.div_(replicas)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+            flat.div_(replicas)
+        self.worker.set_flat_gradients(flat)
         self.dp_wait_s += time.monotonic() - started
+
+    def _hold_gather(self, flat: torch.Tensor, step: int) -> None:
+        """A process-group all-gather (a robust rule) ran at loopback speed: hold its completion to
+        the simulator's model from here, this replica's contribution queued on the link to each
+        peer, and count those bytes."""
+        joined = time.monotonic()
+        nbytes = flat.numel() * flat.element_size()
+        done = joined
+        for peer in self.mesh.stage_replicas(self.me.stage):
+            if peer == self.me:
+                continue
+            link = self.network.link(self.me, peer)
+            leaves = max(joined - self.epoch, link.queue_free_at)
+            at = self.epoch + link.transmit(joined - self.epoch, nbytes)
+            done = max(done, at)
+            if self.timeline is not None and self.timeline.wants(step):
+                self.timeline.send(str(self.me), str(peer), "dp", "allgather", step, nbytes,
+                                   self.epoch + leaves, self.epoch + link.free_at, at)
+        if self.shaped:
+            hold_until(done)
 
     def _hold_ring(self, flat: torch.Tensor, step: int) -> None:
         """A process-group all-reduce ran at loopback speed once the last replica joined: hold its

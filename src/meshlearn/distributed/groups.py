@@ -24,6 +24,7 @@ from meshlearn.distributed.collectives import FramedCollectives
 from meshlearn.distributed.health import Health, store_client
 from meshlearn.distributed.settings import links_of, links_trusted
 from meshlearn.distributed.streams import Hop, Link, PlainConnector, StreamConnector, listen_address
+from meshlearn.dp.robust import Robust
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
 
@@ -151,6 +152,14 @@ class GroupCollectives:
         work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
         self.health.wait_work(work, what, self.deadline_s)
         return flat
+
+    def stage_reduce(self, flat: torch.Tensor, rule: Robust, what: str) -> torch.Tensor:
+        """``rule``'s aggregate (``dp.robust``) of the stage's replicas' ``flat``: an all-gather
+        over the stage's group, then the simulator's reduce of the stacked contributions."""
+        parts = [torch.zeros_like(flat) for _ in range(dist.get_world_size(self.dp_group))]
+        work = dist.all_gather(parts, flat, group=self.dp_group, async_op=True)
+        self.health.wait_work(work, what, self.deadline_s)
+        return rule.reduce(torch.stack(parts))
 
     def gather(self, rows: torch.Tensor, what: str) -> torch.Tensor:
         rows = rows.to(self.device)

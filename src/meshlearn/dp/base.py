@@ -28,14 +28,19 @@ as before this seam existed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from meshlearn.basis import BasisTensor
 from meshlearn.compress.codecs import Encoded
+from meshlearn.dp.robust import Robust
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import WorkerId
 
 Key = tuple[int, int]  # (the update that started the round, phase or fragment)
+Outgoing = Callable[[Key, torch.Tensor], torch.Tensor]
+"""(round key, this replica's flat part) → the part that leaves it (``Worker.dp_contribution``)."""
 
 
 class DPStrategy:
@@ -53,6 +58,15 @@ class DPStrategy:
         self.exchange = Exchange(me, replicas)
         self.rounds = 0  # rounds started
         self.dropped = 0  # rounds dropped at their deadline
+        # Where this replica's part of a round leaves it (the registry installs the worker's
+        # ``dp_contribution``, the seam of ``attack.target = dp``); None: as computed.
+        self.outgoing: Outgoing | None = None
+
+    @property
+    def robust(self) -> Robust:
+        """How this stage aggregates its contributions (``dp.robust``; also the built-in
+        all-reduce's rule, read by the drivers)."""
+        return self.exchange.robust
 
     def agreed_weights(self) -> dict[str, torch.Tensor] | None:
         """Weights every replica of this stage holds alike, by parameter name, where the strategy
@@ -83,11 +97,13 @@ class DPStrategy:
 
     def share(self, key: Key, values: torch.Tensor, version: int) -> list[Message]:
         """Start round ``key`` with this replica's part (its peers may have sent theirs already)."""
+        if self.outgoing is not None:
+            values = self.outgoing(key, values.detach().reshape(-1))
         out = self.exchange.share(key, values, version)
         return out + (self.on_complete(key) if self.exchange.complete(key) else [])
 
     def on_complete(self, key: Key) -> list[Message]:
-        """Every replica's part of round ``key`` is in (``exchange.mean`` gives the average)."""
+        """Every replica's part of round ``key`` is in (``exchange.mean`` gives the aggregate)."""
         return []
 
     def expire(self, key: Key) -> None:
@@ -146,11 +162,13 @@ class Exchange:
     peer's part; once every replica's part is in, ``mean`` sums them in replica order and divides,
     so every replica computes the bitwise same average. Parts are checked before use: a part that
     is missing, not floating point, not finite or shaped unlike this replica's own drops the round.
+    ``robust`` (``dp.robust``) replaces the average by a robust aggregate of the same stacked parts.
     """
 
-    def __init__(self, me: WorkerId, replicas: int):
+    def __init__(self, me: WorkerId, replicas: int, robust: Robust | None = None):
         self.me = me
         self.replicas = replicas
+        self.robust = robust or Robust()
         self.peers = [WorkerId(r, me.stage) for r in range(replicas) if r != me.replica]
         self.parts: dict[Key, dict[int, torch.Tensor]] = {}
         self.dropped: set[Key] = set()
@@ -183,7 +201,8 @@ class Exchange:
         return len(self.parts.get(key, ())) == self.replicas
 
     def mean(self, key: Key) -> torch.Tensor | None:
-        """The average of a complete round (None, and the round dropped, if a part is misshapen)."""
+        """The aggregate (``robust``; by default the average) of a complete round (None, and the
+        round dropped, if a part is misshapen)."""
         parts = self.parts.pop(key)
         own = parts[self.me.replica]
         if any(p.shape != own.shape for p in parts.values()):
@@ -192,7 +211,7 @@ class Exchange:
             return None
         if self.replicas == 1:
             return own.clone()
-        return torch.stack([parts[r].to(own.dtype) for r in range(self.replicas)]).sum(0) / self.replicas
+        return self.robust.reduce(torch.stack([parts[r].to(own.dtype) for r in range(self.replicas)]))
 
     def expire(self, key: Key) -> None:
         self.parts.pop(key, None)

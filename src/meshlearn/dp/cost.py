@@ -27,7 +27,7 @@ from meshlearn.compress.codecs import SizedEncoded
 from meshlearn.dp.base import DPStrategy, Exchange, Key
 from meshlearn.dp.diloco import StreamingDiLoCo, Sync
 from meshlearn.dp.powersgd import PowerSGD
-from meshlearn.dp.registry import BUILDERS, _deadline
+from meshlearn.dp.registry import BUILDERS, _deadline, robust_of
 from meshlearn.dp.sparse import Round, SparseAveraging
 from meshlearn.mesh.messages import Message
 
@@ -169,5 +169,5 @@ def build_cost_strategy(cfg, worker, profile) -> DPStrategy:
         cost_class = {"diloco": CostDiLoCo}.get(cfg.name)
         if cost_class is not None:
             strategy.__class__ = cost_class  # built by the registry's own rule, then made cost-only
-    strategy.exchange = CostExchange(worker.id, worker.mesh.replicas)
+    strategy.exchange = CostExchange(worker.id, worker.mesh.replicas, robust_of(cfg))
     return strategy

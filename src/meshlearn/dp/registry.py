@@ -7,6 +7,7 @@ from collections.abc import Callable
 from meshlearn.dp.base import DPStrategy, round_deadline_s
 from meshlearn.dp.diloco import StreamingDiLoCo
 from meshlearn.dp.powersgd import PowerSGD
+from meshlearn.dp.robust import Robust
 from meshlearn.dp.settings import STRATEGIES, DPConfig
 from meshlearn.dp.sparse import SparseAveraging
 
@@ -64,9 +65,18 @@ BUILDERS: dict[str, Callable] = {
 assert set(BUILDERS) == set(STRATEGIES)
 
 
+def robust_of(cfg: DPConfig) -> Robust:
+    """The aggregation rule of ``dp.robust`` / ``dp.trim``."""
+    return Robust(cfg.robust, cfg.trim)
+
+
 def build_strategy(cfg: DPConfig, worker, profile) -> DPStrategy:
     """The strategy of ``worker`` (built after its module and optimizer); ``profile``: the
-    LinkProfile of its DP links, from which default deadlines derive."""
+    LinkProfile of its DP links, from which default deadlines derive. Its parts leave through
+    the worker's ``dp_contribution`` (the seam of ``attack.target = dp``)."""
     if cfg.name not in BUILDERS:
         raise ValueError(f"dp.name = {cfg.name!r}: allowed: {sorted(BUILDERS)}")
-    return BUILDERS[cfg.name](cfg, worker, profile)
+    strategy = BUILDERS[cfg.name](cfg, worker, profile)
+    strategy.exchange.robust = robust_of(cfg)
+    strategy.outgoing = worker.dp_contribution
+    return strategy

@@ -13,6 +13,7 @@ STRATEGIES = ("allreduce", "sparse", "powersgd", "diloco")
 RULES = ("avg", "delta", "ema")
 EMA_INITS = ("first_round", "per_coordinate")
 COMPRESSIONS = ("none", "powersgd")
+ROBUST_RULES = ("none", "trimmed_mean", "median", "centered_clip")  # dp.robust (meshlearn.dp.robust)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,15 @@ class DPConfig:
     compress: str = "none"
     """diloco: ``none`` (the pseudo-gradient's fp32 mean) or ``powersgd`` (rank ``dp.rank`` factors
     with error feedback and a warm start, two rounds per sync; vectors travel whole)."""
+    robust: str = "none"
+    """How every strategy aggregates its D contributions (docs/dp_robust.md): ``none`` (the mean),
+    ``trimmed_mean`` (per coordinate, without the dp.trim largest and smallest), ``median``
+    (per coordinate) or ``centered_clip`` (iterative clipping around the median). A robust rule
+    needs every contribution whole: the all-reduce becomes an all-gather ((D − 1)·N bytes sent
+    per replica instead of the ring's 2(D − 1)/D·N). Needs mesh.replicas >= 3."""
+    trim: int = 1
+    """trimmed_mean: values dropped at each end per coordinate (the outliers tolerated); 2·trim <
+    mesh.replicas."""
 
 
 def validate_dp(cfg, require) -> None:
@@ -122,6 +132,25 @@ def validate_dp(cfg, require) -> None:
     require(0 <= dp.outer_momentum < 1, "dp.outer_momentum", dp.outer_momentum, "in [0, 1)")
     require(0 < dp.merge_weight <= 1, "dp.merge_weight", dp.merge_weight, "in (0, 1]")
     require(dp.compress in COMPRESSIONS, "dp.compress", dp.compress, f"allowed: {list(COMPRESSIONS)}")
+    validate_robust(cfg, require)
     require(dp.compress == "none" or dp.name == "diloco", "dp.compress", dp.compress,
             f"compresses diloco's pseudo-gradients only (dp.name = {dp.name!r}; powersgd "
             "compresses gradients itself)")
+
+
+def validate_robust(cfg, require) -> None:
+    """``dp.robust`` and ``dp.trim``: a robust rule needs a majority to outvote (D ≥ 3; at D = 2
+    every rule is the mean of the two and nothing can be attributed)."""
+    dp, replicas = cfg.dp, cfg.mesh.replicas
+    require(dp.robust in ROBUST_RULES, "dp.robust", dp.robust, f"allowed: {list(ROBUST_RULES)}")
+    require(dp.trim >= 1, "dp.trim", dp.trim, "must be >= 1")
+    if dp.robust == "none":
+        return
+    require(replicas >= 3, "dp.robust", dp.robust,
+            f"needs mesh.replicas >= 3 (mesh.replicas = {replicas}: with 2 there is no majority, "
+            "every rule is their mean); use dp.robust = none")
+    if dp.robust == "trimmed_mean":
+        require(2 * dp.trim < replicas, "dp.trim", dp.trim,
+                f"2·dp.trim < mesh.replicas = {replicas} (trimmed_mean keeps D − 2·trim values)")
+    require(not cfg.elastic.enabled, "dp.robust", dp.robust,
+            "none with elastic.enabled (quorum rounds sum their contributions; not implemented)")

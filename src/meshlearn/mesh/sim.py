@@ -32,7 +32,13 @@ from meshlearn.mesh.network import (
 )
 from meshlearn.mesh.report import StepReport
 from meshlearn.mesh.schedule import Action, AsyncPlan, feed_lookahead
-from meshlearn.mesh.sync import average_gradients, clip_coefficient, stage_clip_norm, step_grad_norm
+from meshlearn.mesh.sync import (
+    average_gradients,
+    clip_coefficient,
+    stage_clip_norm,
+    stage_rule,
+    step_grad_norm,
+)
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepStats, Worker
@@ -466,17 +472,40 @@ class SimDriver:
         """One stage's ring all-reduce of ``nbytes`` (over ``collectives.stage_ring``: members not
         simulated are ready when the simulated ``replicas`` are): it starts once every replica is
         ready, is charged to the ring's links, and returns when each replica has the average
-        (nothing for a ring of one)."""
+        (nothing for a ring of one). A robust rule (``dp.robust``) runs an all-gather instead."""
         ring = self.collectives.stage_ring(replicas)
         if len(ring) == 1:
             return {}
         start = max(ready[w] for w in replicas)
+        step = self.waiting[replicas[0]].microbatch // self.workers[replicas[0]].microbatches
+        if stage_rule(self.workers[replicas[0]]).gathers:
+            done = self._allgather(ring, start, nbytes, step)
+            return {w: done[w] for w in replicas}
         if self.network.access == UPLINK:  # the ring's sends queue behind what each uplink holds
             start = max(start, *(self.network.link(a, b).queue_free_at for a, b in _ring(ring)))
-        step = self.waiting[replicas[0]].microbatch // self.workers[replicas[0]].microbatches
         self._charge_allreduce(ring, start, nbytes, step)
         seconds = ring_allreduce_s(nbytes, len(ring), self.network.link(*ring[:2]).profile)
         return {w: start + seconds for w in replicas}
+
+    def _allgather(self, members: list[WorkerId], start: float, nbytes: int,
+                   step: int) -> dict[WorkerId, float]:
+        """A robust rule's all-gather (``dp.robust``): from ``start`` every member sends its
+        ``nbytes`` to each of the D − 1 others on that pair's link (queued like any message, on
+        the sender's uplink where access is shared); a member has the aggregate when the last
+        contribution reached it."""
+        done = dict.fromkeys(members, start)
+        for src in members:
+            for dst in members:
+                if src == dst:
+                    continue
+                link = self.network.link(src, dst)
+                leaves = max(start, link.queue_free_at)
+                arrival = link.transmit(start, nbytes)
+                done[dst] = max(done[dst], arrival)
+                if self.timeline is not None and self.timeline.wants(step):
+                    self.timeline.send(str(src), str(dst), "dp", "allgather", step, nbytes, leaves,
+                                       link.free_at, arrival)
+        return done
 
     def _charge_allreduce(self, replicas: list[WorkerId], start: float, nbytes: int, step: int) -> None:
         ring = _ring(replicas)

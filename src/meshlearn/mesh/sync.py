@@ -6,27 +6,29 @@ import math
 
 import torch
 
+from meshlearn.dp.robust import Robust
 from meshlearn.mesh.worker import Worker
 
 
 def average_gradients(group: list[Worker]) -> int:
-    """All-reduce (mean) the gradients of one stage's replicas in place; return the fp32 bytes.
+    """All-reduce the gradients of one stage's replicas in place by the stage's rule
+    (``dp.robust``; by default the mean); return the fp32 bytes of one contribution.
 
-    Summed in replica order then divided, so the result is identical on every replica.
+    Each replica's contribution is its flattened gradients (``Worker.flat_gradients``, where
+    ``attack.target = dp`` corrupts), stacked in replica order and reduced with the dist driver's
+    own expression, so the result is identical on every replica and in both drivers.
     """
     if len(group) == 1:
         return sum(g.numel() * g.element_size() for g in group[0].grads())
-    params = [list(w.module.parameters()) for w in group]
-    nbytes = 0
-    for replica_params in zip(*params, strict=True):
-        grads = [p.grad for p in replica_params]
-        if all(g is None for g in grads):
-            continue  # a parameter outside the optimizer (e.g. a locked block): nothing to average
-        mean = torch.stack(grads).sum(0) / len(grads)
-        for g in grads:
-            g.copy_(mean)
-        nbytes += mean.numel() * mean.element_size()
-    return nbytes
+    aggregate = stage_rule(group[0]).reduce(torch.stack([w.flat_gradients() for w in group]))
+    for w in group:
+        w.set_flat_gradients(aggregate)
+    return aggregate.numel() * aggregate.element_size()
+
+
+def stage_rule(worker: Worker) -> Robust:
+    """The aggregation rule of the built-in all-reduce of ``worker``'s stage."""
+    return worker.dp.robust if worker.dp is not None else Robust()
 
 
 def clip_coefficient(sq_norm: float, max_norm: float) -> float:

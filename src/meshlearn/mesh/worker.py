@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch.func import functional_call
@@ -26,8 +27,9 @@ from meshlearn.mesh.schedule import Action, StagePlan
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.models.llama import Decoder
 
-Tamper = Callable[[Kind, int, int, torch.Tensor], torch.Tensor]
-"""(kind, step, microbatch, tensor) → the tensor actually sent; see ``meshlearn.verify.attacks``."""
+Tamper = Callable[[Kind | Literal["dp"], int, int, torch.Tensor], torch.Tensor]
+"""(kind, step, microbatch, tensor) → the tensor actually sent; see ``meshlearn.verify.attacks``.
+Kind ``dp``: this worker's part of a DP round (``dp_contribution``; microbatch = the round's phase)."""
 Forge = Callable[[Message], Message]
 """message → the message actually put on the wire (a wire-level forgery); see ``verify.forgeries``."""
 
@@ -392,6 +394,25 @@ class Worker:
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.module.parameters() if p.grad is not None]
+
+    def dp_contribution(self, key: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
+        """What leaves this worker of its part ``x`` of DP round ``key`` (update u, phase): the one
+        seam where ``attack.target = dp`` corrupts, for every strategy (the flat gradient of the
+        built-in all-reduce; the parts of message rounds) and both drivers. The attacker keeps the
+        corrupted part as its own too, so it aggregates exactly what its peers do."""
+        return self._tampered("dp", key[0] // self.plan.updates_per_step, key[1], x)
+
+    def flat_gradients(self) -> torch.Tensor:
+        """This worker's contribution to the built-in all-reduce at its next update: its
+        gradients flattened in parameter order (``dp_contribution`` of round (version, 0))."""
+        return self.dp_contribution((self.version, 0), torch.cat([g.reshape(-1) for g in self.grads()]))
+
+    def set_flat_gradients(self, flat: torch.Tensor) -> None:
+        """Write the stage's aggregate (``flat_gradients``' layout) into this worker's gradients."""
+        offset = 0
+        for g in self.grads():
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def grad_sq_norm(self) -> float:
         if self.cost_only is not None:

@@ -23,6 +23,7 @@ TARGETS: dict[str, frozenset[str]] = {
     "activations": frozenset({"act"}),
     "gradients": frozenset({"grad"}),
     "both": frozenset({"act", "grad"}),
+    "dp": frozenset({"dp"}),  # its part of every DP round (``Worker.dp_contribution``)
 }
 
 
@@ -54,7 +55,10 @@ class AttackConfig:
     X + r·(attack(X) − X), r = 1/ramp_steps … 1 (with ``bias``: a bias growing from ~0); 0 = full
     strength at once. Not for adaptive or wire forgeries."""
     target: str = "both"
-    """What is corrupted: ``activations`` (forward), ``gradients`` (backward) or ``both``."""
+    """What is corrupted: ``activations`` (forward), ``gradients`` (backward), ``both``, or ``dp``:
+    the worker's contribution to its stage's data-parallel sync (the gradient it all-reduces, its
+    sparse slice, its PowerSGD factors, its DiLoCo pseudo-gradient), with the step of the update
+    the round belongs to; needs mesh.replicas >= 2 and a tensor attack (docs/dp_robust.md)."""
     seed: int = 0
     """Seeds every attacker's generator (combined with its worker id)."""
     scale: float = -1.0

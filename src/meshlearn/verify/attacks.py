@@ -353,6 +353,12 @@ def validate_attack(cfg: Any, require: Callable[[bool, str, Any, str], None]) ->
     require(a.kind == "none" or a.kind in ATTACKS, "attack.kind", a.kind,
             f"allowed: {['none', *sorted(ATTACKS)]}")
     require(a.target in TARGETS, "attack.target", a.target, f"allowed: {list(TARGETS)}")
+    if a.target == "dp" and a.kind != "none":
+        require(a.kind not in ("adaptive", *FORGERIES), "attack.kind", a.kind,
+                "a tensor attack other than adaptive with attack.target = dp (DP parts are not "
+                "pipeline messages, which forgeries rewrite and SENTINEL's shadow verifier scores)")
+        require(mesh.replicas >= 2, "attack.target", a.target,
+                f"needs mesh.replicas >= 2 for a DP contribution (mesh.replicas = {mesh.replicas})")
     require(a.start_step >= 0, "attack.start_step", a.start_step, "must be >= 0")
     require(a.period >= 0, "attack.period", a.period, "must be >= 0 (0 = always on)")
     if a.period:
