@@ -37,9 +37,12 @@ Quarantine (method note, "Algorithm"):
   and harmless), the message is marked ``skip``, and the last stage gives the microbatch zero loss
   weight. Every later message of the microbatch is neutralized (activations → EMA, gradients → 0)
   and not scored, so one attack does not cascade into flags on honest downstream workers;
-- a flagged **gradient** is replaced by its EMA broadcast over samples (the paper's choice;
-  ``verify.grad_action = zero`` sends zeros instead); the microbatch's later gradients are passed on
-  but not scored, since they derive from the replacement.
+- a flagged **gradient** is replaced by zeros (``verify.grad_action``, chosen by measurement,
+  issue 31; ``ema`` is the paper's broadcast reference); the microbatch's later gradients are passed
+  on but not scored, since they derive from the replacement.
+
+At a ban budget of 0 (2 replicas) a split between the two senders of a boundary that the verifier
+cannot decide passes traffic on instead (``capture.py``).
 
 Usage::
 
