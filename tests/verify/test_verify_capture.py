@@ -55,7 +55,7 @@ def ramp(step: int, x: torch.Tensor) -> torch.Tensor:
 
 def test_a_slow_drift_does_not_become_the_reference_at_two_replicas():
     """The honest sender's burst flags it for 8 steps; the reference then followed the drifting
-    attacker alone and the honest sender stayed flagged for good (measured before the fix: 164
+    attacker alone and the honest sender stayed flagged for good (measured before the fix: 168
     of its 168 later messages quarantined). Now the split is undecided (the attacker moved farther
     from where both last agreed), the reference restarts from both and flags are passed on."""
     counts = drift_run(ramp)
