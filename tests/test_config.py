@@ -42,6 +42,9 @@ def test_shipped_configs_load(path):
     ("optim.numuon_rank_schedule=linear", "optim.numuon_rank_schedule", "allowed: ['fixed', 'cosine']"),
     ("verify.fpr_target=1.5", "verify.fpr_target", "in [0, 1)"),
     ("verify.reference_update=trimmed", "verify.reference_update", "allowed: ['mean', 'median']"),
+    ("data.replica_corpus=5:README.md", "data.replica_corpus", "replica 5 of 2"),
+    ("data.replica_corpus=1:/no/such.txt", "data.replica_corpus", "/no/such.txt does not exist"),
+    ("data.replica_corpus=one:README.md", "data.replica_corpus", "R:PATH"),
 ])
 def test_bad_values_name_field_value_and_allowed(override, field, hint):
     with pytest.raises(ConfigError) as err:

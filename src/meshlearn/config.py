@@ -23,6 +23,7 @@ from meshlearn.anchor.settings import AnchorConfig, validate_anchor
 from meshlearn.cluster.settings import ClusterConfig, validate_cluster
 from meshlearn.compress.registry import CodecConfig, validate_codec
 from meshlearn.curvature.settings import CurvatureConfig, validate_curvature
+from meshlearn.data.replica_spec import replica_corpus_problem
 from meshlearn.distributed.settings import DistConfig, validate_dist
 from meshlearn.dp.settings import DPConfig, validate_dp
 from meshlearn.elastic.settings import ElasticConfig, validate_elastic
@@ -55,6 +56,10 @@ class DataConfig:
     """Target vocabulary of the BPE tokenizer."""
     val_fraction: float = 0.05
     """Tail fraction of the token stream held out for validation."""
+    replica_corpus: str = ""
+    """Replicas with a corpus of their own (non-identical data, as among strangers): ``"R:PATH"``,
+    several separated by commas; replica R's rows of every batch come from PATH (tokenized like
+    data.corpus), validation stays on data.corpus. Empty: every replica reads data.corpus."""
 
 
 @dataclass(frozen=True)
@@ -411,6 +416,9 @@ def validate(cfg: RunConfig) -> None:
     if data.corpus != "shakespeare":
         _require(Path(data.corpus).exists(), "data.corpus", data.corpus,
                  "must be 'shakespeare' or an existing text file, folder or .bin token file")
+    if data.replica_corpus:
+        problem = replica_corpus_problem(data.replica_corpus, cfg.mesh.replicas)
+        _require(not problem, "data.replica_corpus", data.replica_corpus, problem)
     _require(cfg.sim.compute in ("device", "measured"), "sim.compute", cfg.sim.compute,
              "allowed: ['device', 'measured']")
     _require(cfg.sim.device in DEVICES, "sim.device", cfg.sim.device, f"allowed: {sorted(DEVICES)}")

@@ -18,6 +18,7 @@ from meshlearn.atomic import atomic_write_json
 from meshlearn.config import RunConfig, save_config, to_dict
 from meshlearn.data import shard_batch, validation_batches
 from meshlearn.data.corpus import load_corpus
+from meshlearn.data.replica_corpus import load_replica_tokens, own_rows
 from meshlearn.data.run_data import RunData
 from meshlearn.hooks import PluginContext, build_callbacks
 from meshlearn.jsonl import MetricsLog, read_records
@@ -66,6 +67,8 @@ class Trainer:
         self.mesh = MeshShape(self.cfg.mesh.replicas, self.cfg.mesh.stages)
         self.data = RunData(self.corpus.splits.train, self.cfg.train.batch_size, self.cfg.model.seq_len,
                             self.cfg.seed, self.cfg.mesh.microbatches)
+        self.own_tokens = (load_replica_tokens(cfg.data.replica_corpus, self.corpus.tokenizer,
+                                               cfg.data.val_fraction) if cfg.data.replica_corpus else {})
         self.driver = driver(self.cfg) if driver else build_sim_driver(self.cfg, build_workers(self.cfg))
         self.workers = self.driver.workers  # the workers of this process
         self.writer = self.driver.writes_records  # writes config, records, summary, manifests
@@ -262,6 +265,9 @@ class Trainer:
         x, y = self.data.batch(index)
         factor = lr_factor(step, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio)
         shards = shard_batch(x, y, len(rows), cfg.mesh.microbatches) if rows else []
+        if self.own_tokens and rows:  # data.replica_corpus: some replicas read their own text
+            shards = own_rows(self.own_tokens, shards, rows, index, cfg.train.batch_size,
+                              cfg.model.seq_len, cfg.seed, cfg.mesh.microbatches)
         works = {}
         for wid in self.workers:
             k = next((k for k, row in enumerate(rows) if row[wid.stage] == wid.replica), None)

@@ -59,6 +59,7 @@ class View:
     medians: dict[str, float]
     median_norm: float | None
     rewarming: frozenset[str]
+    passing: bool = False  # fence flags delivered, not quarantined (``capture.py``)
 
 
 @dataclass
@@ -98,6 +99,11 @@ class BoundaryVerifier:
         self.rewarming: dict[str, int] = {}  # metric → first step its fence applies again
         self.locked = 0  # consecutive steps with a strict majority of senders flagged
         self.reacted_at = -1  # the last step whose end rebased or re-warmed this boundary
+        # The reference as it stood after the last step in which no sender was flagged here (the
+        # last consensus), and whether flags are passed on rather than quarantined: the fallback
+        # when a split between two senders cannot be decided (``capture.py``).
+        self.anchor: Summary | None = None
+        self.passing = False
         self.norms: deque[float] = deque(maxlen=cfg.window)
         self.median_norm: float | None = None
         self.shape: tuple[int, ...] | None = None
@@ -111,7 +117,22 @@ class BoundaryVerifier:
     def view(self) -> View:
         """The live state, frozen (what ``check`` reads when it is given no view)."""
         return View(self.reference, self.gain_reference, self.thresholds, self.medians,
-                    self.median_norm, frozenset(self.rewarming))
+                    self.median_norm, frozenset(self.rewarming), self.passing)
+
+    def step_summaries(self, step: int) -> dict[int, list[Summary]]:
+        """Step ``step``'s queued summaries (accepted and flagged) by sending replica."""
+        out: dict[int, list[Summary]] = {}
+        for (_, replica), summary in [(o, s) for o, s, _, _ in self.pending.get(step, [])] + \
+                self.rejected.get(step, []):
+            out.setdefault(replica, []).append(summary)
+        return out
+
+    def anchor_score(self, summary: Summary) -> float:
+        """How far ``summary`` sits from the anchor, in fence widths (``score``); 0 without one."""
+        if self.anchor is None:
+            return 0.0
+        metrics = [m for m in self.metrics if m not in PAIR_DISTANCES]
+        return self.score(message_distances(summary, self.anchor, metrics))
 
     def summarize(self, values: torch.Tensor) -> Summary:
         if self.directions is None:
@@ -311,6 +332,8 @@ class BoundaryVerifier:
                 "gain_reference": self.gain_reference,
                 "fences": {m: f.state_dict() for m, f in self.fences.items()},
                 "rewarming": dict(self.rewarming), "locked": self.locked, "reacted_at": self.reacted_at,
+                "anchor": None if self.anchor is None else dataclasses.asdict(self.anchor),
+                "passing": self.passing,
                 "norms": list(self.norms), "shape": self.shape,
                 "pending": [(order, dataclasses.asdict(summary), distances, norm, step)
                             for step, queue in sorted(self.pending.items())
@@ -329,6 +352,8 @@ class BoundaryVerifier:
         self.rewarming = dict(state.get("rewarming", {}))
         self.locked = state.get("locked", 0)
         self.reacted_at = state.get("reacted_at", -1)
+        self.anchor = None if state.get("anchor") is None else Summary(**state["anchor"])
+        self.passing = state.get("passing", False)
         self.norms.clear()
         self.norms.extend(state["norms"])
         self.shape = None if state["shape"] is None else tuple(state["shape"])

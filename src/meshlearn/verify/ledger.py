@@ -64,6 +64,7 @@ class Decision:
     distances: dict[str, float] = field(default_factory=dict)
     thresholds: dict[str, float] = field(default_factory=dict)
     explained_by: str = ""
+    delivered: bool = False  # a flag passed on unchanged (an undecided boundary, ``capture.py``)
 
     @property
     def scored(self) -> bool:
@@ -79,6 +80,7 @@ class Decision:
         return {"kind": "decision", "step": self.step + 1, "microbatch": self.microbatch,
                 "message": self.kind, "src": str(self.src), "dst": str(self.dst),
                 "action": self.action, "reason": self.reason, "explained_by": self.explained_by,
+                "delivered": self.delivered,
                 "distances": self.distances,
                 "thresholds": {m: t if t != float("inf") else None for m, t in self.thresholds.items()}}
 
@@ -106,7 +108,7 @@ class Alert:
 
     worker: WorkerId
     step: int  # 0-based
-    cause: Literal["budget", "honest_stage"]
+    cause: Literal["budget", "honest_stage", "undecided"]
     strikes: int
     detail: str
 
@@ -284,6 +286,10 @@ class Ledger:
         self.banned[wid] = ban
         self.bans.append(ban)
         return ban, None
+
+    def undecided(self, wid: WorkerId, step: int, detail: str) -> Alert | None:
+        """An undecided split (``capture.py``): flagged, but nothing says it is the one that lies."""
+        return self._alert(wid, step, "undecided", 0, detail)
 
     def _alert(self, wid: WorkerId, step: int, cause: str, strikes: int, detail: str) -> Alert | None:
         if (wid, cause) in self.alerted:

@@ -37,9 +37,12 @@ Quarantine (method note, "Algorithm"):
   and harmless), the message is marked ``skip``, and the last stage gives the microbatch zero loss
   weight. Every later message of the microbatch is neutralized (activations → EMA, gradients → 0)
   and not scored, so one attack does not cascade into flags on honest downstream workers;
-- a flagged **gradient** is replaced by its EMA broadcast over samples (the paper's choice;
-  ``verify.grad_action = zero`` sends zeros instead); the microbatch's later gradients are passed on
-  but not scored, since they derive from the replacement.
+- a flagged **gradient** is replaced by zeros (``verify.grad_action``, chosen by measurement,
+  issue 31; ``ema`` is the paper's broadcast reference); the microbatch's later gradients are passed
+  on but not scored, since they derive from the replacement.
+
+At a ban budget of 0 (2 replicas) a split between the two senders of a boundary that the verifier
+cannot decide passes traffic on instead (``capture.py``).
 
 Usage::
 
@@ -60,6 +63,7 @@ from meshlearn.compress.codecs import Codec
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.verify.boundary import ROBUST_GROUP, SANITY, BoundaryVerifier, Verdict, View, combine
+from meshlearn.verify.capture import splits, undecided
 from meshlearn.verify.cost import VerifierClock
 from meshlearn.verify.ledger import (
     Action,
@@ -242,6 +246,8 @@ class Sentinel:
         stale, voided, fired = self._stale_references(scored) if self.cfg.majority_rebase else ({}, set(), {})
         for key in self._stale_norms(scored):
             self.verifiers[key].renorm(step)
+        captured, alerts = self._captured(scored, step)
+        voided = voided | set(captured)
         rewarmed = []
         # Boundaries that scored nothing this step (every microbatch dropped before reaching them)
         # while another was mostly flagged: the regime change that stales one boundary's state
@@ -250,14 +256,26 @@ class Sentinel:
         # demo, a boundary at a time), so they re-warm at once. An attacker cannot cause this:
         # blinding a boundary takes a majority of some boundary's senders flagged.
         blind = set(self.verifiers) - {e.verifier for e in scored} if stale else set()
+        # Where every replica's sender was scored and none flagged: the anchor moves (capture.py).
+        # A step whose other messages were dropped upstream is no consensus: one sender alone.
+        senders: dict[tuple[int, str], set[int]] = {}
+        for e in scored:
+            senders.setdefault(e.verifier, set()).add(e.src.replica)
+        consensus = ({key for key, replicas in senders.items() if len(replicas) == self.mesh.replicas}
+                     - {e.verifier for e in scored if e.flagged})
         for key, verifier in self.verifiers.items():
             if key in blind and not verifier.rewarming:
                 verifier.rewarm(list(verifier.fences), step + 1 + self.cfg.rewarm_steps)
                 verifier.locked = 0
                 rewarmed.append(f"s{key[0]}|s{key[0] + 1} {key[1]}: all (blind)")
-            if key not in stale:
+            if key in captured:  # undecided split (capture.py): restart from both, pass flags on
+                verifier.rebase(step)
+                verifier.passing = True
+            elif key not in stale:
                 verifier.locked = 0
                 verifier.commit(step)
+                if key in consensus:
+                    verifier.anchor = verifier.reference
             elif self.view_step(step) < verifier.reacted_at:
                 # Scored against a view from before this boundary's last rebase or re-warm-up
                 # (async lag): an echo of the state already reacted to, not new evidence. Refresh
@@ -280,7 +298,8 @@ class Sentinel:
                 verifier.calibrate(self.cfg.fpr_target)
         attribute(scored, self.mesh.stages, self.cfg.explain_level)
         peer_excess(scored)
-        bans, alerts = self.ledger.enter(step, scored, voided)
+        bans, strike_alerts = self.ledger.enter(step, scored, voided)
+        alerts += strike_alerts
         # Only while fences are open somewhere (the warm-up, a re-warm-up): elsewhere the fences
         # decide and the peer check would be wasted work.
         warming = self.cfg.warmup_suspend and any(e.open_fences for e in scored)
@@ -356,6 +375,9 @@ class Sentinel:
         if flagged:
             verifier.reject(order, summary, verdict.gain, step=message.step,
                             off_norm=verdict.norm if verdict.sanity == "norm" else None)
+            if view.passing and not verdict.sanity and reason != "suspended":
+                decision.delivered = True  # an undecided boundary passes fence flags on (capture.py)
+                return message, values
             return self._quarantine(message, view, values, key)
         verifier.accept(order, tuple(values.shape), summary, verdict.distances, verdict.norm, verdict.gain,
                         step=message.step)
@@ -390,6 +412,28 @@ class Sentinel:
         stale = {key: by_sender for key, by_sender in senders.items()
                  if len(by_sender) >= 2 and 2 * sum(by_sender.values()) > len(by_sender)}
         return stale, {key for key in stale if len(senders[key]) >= 3}, fired
+
+    def _captured(self, scored: list[Scored], step: int) -> tuple[dict, list[Alert]]:
+        """At a ban budget of 0, the splits of this step that cannot be decided (``capture.py``):
+        boundary → the flagged sender; and the alerts they raise. A decided split ends a
+        boundary's passing."""
+        captured: dict[tuple[int, str], WorkerId] = {}
+        alerts: list[Alert] = []
+        if self.ledger.budget > 0:
+            return captured, alerts
+        for key, (bad, good) in sorted(splits(scored).items()):
+            verifier = self.verifiers[key]
+            if not undecided(verifier, step, bad, good):
+                verifier.passing = False
+                continue
+            captured[key] = bad
+            alert = self.ledger.undecided(bad, step, (
+                f"s{key[0]}|s{key[0] + 1} {key[1]}: {bad} flagged, {good} accepted, but {good}'s "
+                f"messages moved at least as far from where both last agreed; with "
+                f"{self.mesh.replicas} replicas nothing says which one lies: the reference restarts "
+                "from both and flags there are passed on (alerts only) until a split is decided"))
+            alerts += [alert] if alert is not None else []
+        return captured, alerts
 
     @staticmethod
     def _stale_norms(scored: list[Scored]) -> set[tuple[int, str]]:

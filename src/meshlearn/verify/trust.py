@@ -125,6 +125,7 @@ class TrustLayer:
         self.explained = {"malicious": 0, "honest": 0}  # flags attribution took off their sender
         self.warmup_messages = 0
         self.skipped = {"malicious": 0, "honest": 0}
+        self.passed = {"malicious": 0, "honest": 0}  # flagged but delivered (capture.py)
         self.tallies: dict[WorkerId, WorkerTally] = {w: WorkerTally() for w in self.mesh.workers()}
         self.banned: list[dict] = []
         self.honest_bans = 0  # bans of a slot with no running attack (ground truth, not evidence)
@@ -245,6 +246,8 @@ class TrustLayer:
             self.stages.setdefault(f"s{d.src.stage}", Confusion()).add(d.flagged, malicious)
             if d.explained_by:
                 self.explained["malicious" if malicious else "honest"] += 1
+            if d.delivered:
+                self.passed["malicious" if malicious else "honest"] += 1
             tally = self.tallies[d.src]
             tally.scored += 1
             tally.flags += d.flagged
@@ -313,6 +316,7 @@ class TrustLayer:
             "messages": {"all": total.report()} | {k: c.report() for k, c in self.messages.items()},
             "warmup_messages": self.warmup_messages,
             "skipped_messages": dict(self.skipped),
+            "passed_flags": dict(self.passed),
             "workers": {k: v for k, v in workers.report().items() if k not in ("tn", "fpr")},
             "bans": len(self.banned),
             "rebased_references": self.rebases,
