@@ -87,6 +87,8 @@ class _Encoder:
             return self.node(value.item(), where)
         if isinstance(value, torch.Tensor):
             return self.tensor(value)
+        if isinstance(value, torch.dtype):  # a payload's dtype (a forgery's kept messages)
+            return {TAG: "dtype", "v": str(value).removeprefix("torch.")}
         if isinstance(value, np.ndarray):
             return {TAG: "ndarray", "v": self.tensor(torch.from_numpy(np.ascontiguousarray(value)))}
         if isinstance(value, bytes):  # a blob (the verifier's state in rank 0's shard): raw, not JSON
@@ -103,8 +105,8 @@ class _Encoder:
             return {TAG: "map", "v": [[self.node(k, f"{where} key"), self.node(v, f"{where}[{k!r}]")]
                                       for k, v in value.items()]}
         raise TypeError(f"state{where}: a {type(value).__module__}.{type(value).__qualname__} cannot be "
-                        "stored (meshlearn.statefile stores tensors, arrays, numbers, strings, bytes, "
-                        "None and lists/tuples/sets/dicts of them)")
+                        "stored (meshlearn.statefile stores tensors, arrays, dtypes, numbers, strings, "
+                        "bytes, None and lists/tuples/sets/dicts of them)")
 
 
 def encode_state(state: Any) -> bytes:
@@ -169,6 +171,11 @@ def _decode(tree: Any, tensors: dict[str, torch.Tensor], used: set[str], device,
         return _decode(v, tensors, used, "cpu", source).numpy()
     if tag == "bytes":
         return _decode(v, tensors, used, "cpu", source).numpy().tobytes()
+    if tag == "dtype":
+        dtype = getattr(torch, v, None) if isinstance(v, str) and v.isidentifier() else None
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(source, f"a dtype named {str(v)[:40]!r}, which torch does not have")
+        return dtype
     if tag in ("tuple", "set", "map") and isinstance(v, list):
         items = [_decode(x, tensors, used, device, source) for x in v]
         if tag == "tuple":

@@ -80,6 +80,7 @@ def every_kind() -> dict:
                                          (torch.bfloat16, torch.float16, torch.int8, torch.bool)],
         "tag": {"__t": "tuple", "v": [1]},  # a plain dict that looks like a tagged node
         "nested": [None, True, 1, 2.5, "s", ()],
+        "payload_dtypes": (torch.float32, torch.bfloat16),  # a forgery keeps its messages' dtypes
     }
 
 
@@ -214,6 +215,11 @@ def test_safetensors_of_something_else_and_a_bad_tree_are_refused():
         "meshlearn.format": "meshlearn-state/1", "meshlearn.tree": '{"__t": "object", "v": "os.system"}'})
     with pytest.raises(CheckpointError, match="tagged 'object'"):
         decode_state(unknown, "forged", 1 << 20)
+    for name in ("os.system", "Tensor", "manual_seed"):  # a dtype node names a dtype, nothing else
+        not_a_dtype = safetensors.torch.save({}, metadata={
+            "meshlearn.format": "meshlearn-state/1", "meshlearn.tree": f'{{"__t": "dtype", "v": "{name}"}}'})
+        with pytest.raises(CheckpointError, match="which torch does not have"):
+            decode_state(not_a_dtype, "forged", 1 << 20)
     deep = safetensors.torch.save({}, metadata={
         "meshlearn.format": "meshlearn-state/1", "meshlearn.tree": "[" * 100_000 + "]" * 100_000})
     with pytest.raises(CheckpointError, match="does not decode"):
