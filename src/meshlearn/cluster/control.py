@@ -153,7 +153,7 @@ class ControlService:
             link.close()
 
     def _refuse(self, who: str, reason: str, why: str) -> tuple[dict, list[bytes]]:
-        self.counters.add(reason, f"host {who}: {why}")
+        self.counters.add(reason, f"host {who}: {why}", sender=who)
         self.log(f"meshlearn control: refused {reason} from host {who}: {why}")
         return {"error": reason, "why": why}, []
 

@@ -18,11 +18,16 @@ SUMMARY = "summary.json"
 
 
 def refused_block(records: dict[str, dict]) -> dict:
-    """The counts by reason over every host, each host's, and their total."""
+    """The counts by reason over every host, each host's, their total, and the refusals
+    attributed to each authenticated participant (``by_sender``: who misbehaved; a stranger's
+    connections are attributed to nobody)."""
     by_reason: Counter[str] = Counter()
+    by_sender: Counter[str] = Counter()
     for record in records.values():
         by_reason.update(record.get("refused", {}))
+        by_sender.update(record.get("by_sender", {}))
     return {"total": sum(by_reason.values()), "by_reason": dict(sorted(by_reason.items())),
+            "by_sender": dict(sorted(by_sender.items())),
             "by_host": {host: record.get("refused", {}) for host, record in sorted(records.items())}}
 
 

@@ -105,7 +105,7 @@ def _run_workers(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placemen
                "MESHLEARN_STORE_OWNER": f"the coordinator {placement.coordinator}'s control service at "
                                         f"{placement.store_address}:{placement.store_port}",
                "GLOO_SOCKET_IFNAME": placement.interface, BIND_ADDRESS_ENV: placement.address,
-               HOST_ENV: placement.host, **port.worker_env()}
+               HOST_ENV: placement.host, **port.worker_env(run_dir)}
         log = logs / f"{name}.log"
         with log.open("a") as f:
             f.write(f"--- meshlearn worker {name} (rank {rank}) on host {placement.host} "
