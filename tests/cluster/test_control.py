@@ -1,13 +1,15 @@
 """The control service of a cluster run, behind a real port agent on 127.0.0.1: honest store
 operations round-trip (through torch's PrefixStore, as the runtime uses them); a stranger, another
 run's host, a joiner and a revoked host never get past the handshake; a host writing another's
-records is refused, counted, and keeps its connection; an oversized frame is refused whole."""
+records is refused, counted, and keeps its connection; an oversized frame is refused whole; a
+host flooding requests on one connection is throttled and counted, and nobody else is."""
 
 from __future__ import annotations
 
 import contextlib
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from net.net_helpers import wait_until
 
 from meshlearn.cluster.authority import Authority
-from meshlearn.cluster.control import ControlService
+from meshlearn.cluster.control import RATE_BURST, RATE_PER_S, ControlService
 from meshlearn.cluster.control_store import ControlLine, ControlStore
 from meshlearn.cluster.control_wire import MAX_FRAME, ControlRefused, receive
 from meshlearn.net.counters import Counters
@@ -42,14 +44,15 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 class Service:
-    def __init__(self, keys: dict[str, Path], folder: Path):
+    def __init__(self, keys: dict[str, Path], folder: Path,
+                 rate: tuple[float, float] = (RATE_PER_S, RATE_BURST)):
         self.keys = keys
         self.counters = Counters()
         self.made: list[ControlStore] = []
         self.agent = PortAgent("127.0.0.1", 0, folder / "agent.sock", self.counters)
         self.agent.start()
         self.service = ControlService(self.tls("alice"), Authority(HOSTS_OF, RANKS, "alice"), self.counters,
-                                      handshake_timeout_s=3.0)
+                                      handshake_timeout_s=3.0, rate=rate)
         self.service.serve(self.agent.socket_path)
 
     def tls(self, name: str, run: str = "run") -> RunTls:
@@ -65,14 +68,22 @@ class Service:
         return self.counters.as_dict().get(reason, 0)
 
 
+@contextlib.contextmanager
+def _serving(keys: dict[str, Path], **options) -> Iterator[Service]:
+    folder = Path(tempfile.mkdtemp(prefix="ml-ctl-"))
+    service = Service(keys, folder, **options)
+    try:
+        yield service
+    finally:
+        service.service.close()
+        service.agent.close()
+        shutil.rmtree(folder)
+
+
 @pytest.fixture
 def control(keys) -> Iterator[Service]:
-    folder = Path(tempfile.mkdtemp(prefix="ml-ctl-"))
-    service = Service(keys, folder)
-    yield service
-    service.service.close()
-    service.agent.close()
-    shutil.rmtree(folder)
+    with _serving(keys) as service:
+        yield service
 
 
 def _workers(store: dist.Store) -> dist.Store:
@@ -176,3 +187,26 @@ def test_an_oversized_frame_is_refused_and_the_link_stays_in_step(control: Servi
     with pytest.raises(ControlRefused, match="malformed_request"):
         store.line.call({"op": 7, "keys": "x"}, [], 1.0)
 
+
+
+FLOOD, PER_S, BURST = 20, 50.0, 5
+
+
+def test_a_host_flooding_the_service_is_throttled_counted_and_nobody_else_is(keys) -> None:
+    """bob's connection asks FLOOD times in a row: the first BURST pass at once, the rest wait their
+    turn at PER_S (counted under bob's name, each still answered); alice, asking on her own
+    connection meanwhile, is never held, and neither is a second connection of bob's own."""
+    with _serving(keys, rate=(PER_S, BURST)) as control:
+        bob = _workers(control.store("bob"))
+        bob.add("hb/1", 0)
+        flood = threading.Thread(target=lambda: [bob.add("hb/1", 1) for _ in range(FLOOD)])
+        flood.start()
+        alice = _workers(control.store("alice"))
+        for _ in range(BURST - 1):
+            alice.add("hb/0", 1)
+        flood.join(30)
+        assert not flood.is_alive() and alice.get("hb/1") == str(FLOOD).encode()  # every request served
+        throttled = control.count("rate_limited")
+        assert 1 <= throttled <= FLOOD + 1 - BURST, throttled
+        assert control.counters.by_sender() == {"bob": throttled}  # alice was never held
+        assert "more than 50 requests/s on one connection" in control.counters.recent()[-1]

@@ -12,6 +12,13 @@ empty, ``add`` counts from 0). A refused request is answered with the reason, co
 run's ``Counters`` and logged with the sender's identity; the connection stays up for the
 sender's honest requests. One thread per authenticated connection: a waiting ``get`` blocks only
 its own connection.
+
+Each connection may make ``rate[0]`` requests a second after a burst of ``rate[1]``
+(``net/rate.TokenBucket``): a request beyond that is counted (``rate_limited``, under the
+sender's identity), and the connection's next request is read only once the rate allows it, so a
+participant flooding the service slows itself down and nobody else (its flood waits in its own
+connection's thread and buffers). The defaults are far above what an honest process asks: a
+heartbeat round every ``dist.heartbeat_s`` per process, and a few requests per step.
 """
 
 from __future__ import annotations
@@ -28,10 +35,13 @@ from meshlearn.net.counters import Counters
 from meshlearn.net.frames import FramedStream, FrameRefused
 from meshlearn.net.keys import Identity
 from meshlearn.net.port import Inbox
+from meshlearn.net.rate import TokenBucket
 from meshlearn.net.tls import Acceptor, RunTls
 
 DESTINATION = "control"
 MAX_WAIT_S = 3600.0  # the longest wait one request may ask for
+RATE_PER_S = 1000.0  # requests per second one connection may make, sustained
+RATE_BURST = 1000  # requests one connection may make at once
 
 
 class ControlState:
@@ -91,11 +101,14 @@ class ControlState:
 
 class ControlService:
     """Serves ``state`` to the run's hosts as ``authority`` allows. ``log`` receives one line per
-    refusal (the launcher's log); ``counters`` the counts (the run's security record)."""
+    refusal (the launcher's log); ``counters`` the counts (the run's security record);
+    ``rate``: requests per second and burst per connection."""
 
     def __init__(self, tls: RunTls, authority: Authority, counters: Counters,
-                 log: Callable[[str], None] = lambda line: None, handshake_timeout_s: float | None = None):
+                 log: Callable[[str], None] = lambda line: None, handshake_timeout_s: float | None = None,
+                 rate: tuple[float, float] = (RATE_PER_S, RATE_BURST)):
         self.tls, self.authority, self.counters, self.log = tls, authority, counters, log
+        self.rate = rate
         self.state = ControlState()
         timing = {} if handshake_timeout_s is None else {"timeout_s": handshake_timeout_s}
         self.acceptor = Acceptor(self._authenticate, counters, on_ready=self._start, **timing)
@@ -135,6 +148,7 @@ class ControlService:
                          daemon=True).start()
 
     def _serve(self, link: FramedStream, peer: Identity) -> None:
+        bucket = TokenBucket(*self.rate)
         try:
             while True:
                 try:
@@ -145,12 +159,22 @@ class ControlService:
                 except (ValueError, TypeError, KeyError, IndexError) as err:  # the frame was whole: in step
                     answer = self._refuse(peer.name, "malformed_request", str(err))
                 send(link, *answer)
+                self._throttle(bucket, peer.name)  # every request counts, refused ones too
         except (ConnectionError, OSError):
             pass  # the host closed its connection (or its machine went away)
         finally:
             with self._lock:
                 self._links.discard(link)
             link.close()
+
+    def _throttle(self, bucket: TokenBucket, who: str) -> None:
+        """Charge the request just answered; wait as long as the connection's rate requires before
+        its next one is read."""
+        wait = bucket.delay()
+        if wait > 0:
+            self.counters.add("rate_limited", f"host {who}: more than {self.rate[0]:g} requests/s on one "
+                                              f"connection (served {wait * 1000:.0f} ms later)", sender=who)
+            time.sleep(wait)
 
     def _refuse(self, who: str, reason: str, why: str) -> tuple[dict, list[bytes]]:
         self.counters.add(reason, f"host {who}: {why}", sender=who)
