@@ -210,3 +210,30 @@ def test_a_host_flooding_the_service_is_throttled_counted_and_nobody_else_is(key
         assert 1 <= throttled <= FLOOD + 1 - BURST, throttled
         assert control.counters.by_sender() == {"bob": throttled}  # alice was never held
         assert "more than 50 requests/s on one connection" in control.counters.recent()[-1]
+
+
+def test_a_host_revoked_while_connected_is_cut_off_without_a_restart(tmp_path) -> None:
+    """The owner revokes bob and the coordinator's ca.crl is replaced while bob is connected: the
+    running service applies the list (no restart), closes bob's connection and refuses his next
+    handshake; alice goes on. A list the CA did not sign is refused and changes nothing."""
+    create_run(tmp_path / "run", ["alice", "bob"], "revoke-test")
+    create_run(tmp_path / "other", ["alice"], "another-run")
+    with _serving({"run": tmp_path / "run"}) as control:
+        lines = []
+        watch = control.service.watch_revocations(every_s=3600.0)  # looked at by hand below
+        watch.log = lines.append
+        bob, alice = _workers(control.store("bob")), _workers(control.store("alice"))
+        bob.add("hb/1", 0)
+        alice.add("hb/0", 0)
+        shutil.copy(tmp_path / "other" / "ca.crl", tmp_path / "run" / "ca.crl")  # another CA's list
+        assert not watch.check() and "not signed by the run's CA" in lines[-1]
+        assert bob.add("hb/1", 1) == 1  # nothing changed
+        revoke(tmp_path / "run", "bob")  # rewrites the run's ca.crl, beside the coordinator's key
+        assert watch.check() and "1 serial(s) revoked" in lines[-1]
+        assert control.count("revoked") == 1 and control.counters.by_sender() == {"bob": 1}
+        with pytest.raises(Exception, match="the peer closed the link control->alice"):  # noqa: PT011
+            bob.add("hb/1", 1)  # its connection is gone (torch wraps the error)...
+        with pytest.raises(Exception, match="refused_by_peer: alice refused us: .*certificate revoked"):  # noqa: PT011
+            bob.add("hb/1", 1)  # ...and a new one is refused in the handshake, at once
+        assert wait_until(lambda: control.count("certificate_refused") >= 1)
+        assert alice.add("hb/0", 1) == 1 and alice.get("hb/1") == b"1"

@@ -19,6 +19,10 @@ sender's identity), and the connection's next request is read only once the rate
 participant flooding the service slows itself down and nobody else (its flood waits in its own
 connection's thread and buffers). The defaults are far above what an honest process asks: a
 heartbeat round every ``dist.heartbeat_s`` per process, and a few requests per step.
+
+Revocation needs no restart: ``watch_revocations`` applies a new ``ca.crl`` beside the
+coordinator's key (``net/revocations.py``), so the revoked host's next handshake is refused and
+the connections it holds are closed at once (counted as ``revoked``, under its name).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from cryptography import x509
+
 from meshlearn.cluster.authority import Authority
 from meshlearn.cluster.control_wire import receive, send, stream
 from meshlearn.net.counters import Counters
@@ -36,6 +42,7 @@ from meshlearn.net.frames import FramedStream, FrameRefused
 from meshlearn.net.keys import Identity
 from meshlearn.net.port import Inbox
 from meshlearn.net.rate import TokenBucket
+from meshlearn.net.revocations import RevocationWatch
 from meshlearn.net.tls import Acceptor, RunTls
 
 DESTINATION = "control"
@@ -113,8 +120,9 @@ class ControlService:
         timing = {} if handshake_timeout_s is None else {"timeout_s": handshake_timeout_s}
         self.acceptor = Acceptor(self._authenticate, counters, on_ready=self._start, **timing)
         self._inbox: Inbox | None = None
+        self._watch: RevocationWatch | None = None
         self.admitted = 0  # authenticated connections served
-        self._links: set[FramedStream] = set()
+        self._links: dict[FramedStream, tuple[Identity, int]] = {}  # each with its peer's certificate serial
         self._lock = threading.Lock()
 
     def serve(self, port_socket: Path) -> None:
@@ -122,17 +130,37 @@ class ControlService:
         self._inbox = Inbox(port_socket, DESTINATION)
         self._inbox.serve_into(self.acceptor.submit)
 
+    def watch_revocations(self, every_s: float | None = None) -> RevocationWatch:
+        """Apply a new revocation list beside this service's key while it serves (no restart)."""
+        timing = {} if every_s is None else {"every_s": every_s}
+        self._watch = RevocationWatch(self.tls, self.cut_off, self.log, **timing)
+        self._watch.start()
+        return self._watch
+
+    def cut_off(self, serials: set[int]) -> None:
+        """Close every connection whose certificate's serial is in ``serials`` (just revoked)."""
+        with self._lock:
+            revoked = [(link, peer) for link, (peer, serial) in self._links.items() if serial in serials]
+        for link, peer in revoked:
+            self.counters.add("revoked", f"{peer}: its certificate was revoked while connected",
+                              sender=peer.name)
+            self.log(f"meshlearn control: closed a connection of {peer}: its certificate was revoked")
+            link.close()
+
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
         if self._inbox is not None:
             self._inbox.close()
         with self._lock:
-            links, self._links = list(self._links), set()
+            links, self._links = list(self._links), {}
         for link in links:
             link.close()
 
-    def _authenticate(self, sock: socket.socket, deadline: float) -> tuple[FramedStream, Identity]:
+    def _authenticate(self, sock: socket.socket, deadline: float) -> tuple[FramedStream, Identity, int]:
         tls_sock, peer = self.tls.accept(sock, deadline, admit=self._admit)
-        return stream(tls_sock, f"control<-{peer.name}"), peer
+        serial = x509.load_der_x509_certificate(tls_sock.getpeercert(binary_form=True)).serial_number
+        return stream(tls_sock, f"control<-{peer.name}"), peer, serial
 
     def _admit(self, peer: Identity) -> str | None:
         if peer.role != "host" or peer.name not in self.authority.hosts:
@@ -140,9 +168,9 @@ class ControlService:
         return None
 
     def _start(self, ready: object) -> None:
-        link, peer = ready
+        link, peer, serial = ready
         with self._lock:
-            self._links.add(link)
+            self._links[link] = peer, serial
             self.admitted += 1
         threading.Thread(target=self._serve, args=(link, peer), name=f"control-{peer.name}",
                          daemon=True).start()
@@ -164,7 +192,7 @@ class ControlService:
             pass  # the host closed its connection (or its machine went away)
         finally:
             with self._lock:
-                self._links.discard(link)
+                self._links.pop(link, None)
             link.close()
 
     def _throttle(self, bucket: TokenBucket, who: str) -> None:

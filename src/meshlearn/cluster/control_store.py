@@ -75,7 +75,8 @@ class ControlLine:
 
     def _link(self) -> FramedStream:
         """This thread's connection; a new one is tried again until ``connect_timeout_s`` passes
-        (a stranger's flood may evict a half-open connection of ours; nothing was sent yet)."""
+        (a stranger's flood may evict a half-open connection of ours; nothing was sent yet), but
+        not after a refusal of our credentials (``FINAL``: revoked while the run goes on, say)."""
         link = getattr(self._local, "link", None)
         if link is None:
             deadline = time.monotonic() + self.connect_timeout_s
@@ -83,8 +84,8 @@ class ControlLine:
                 try:
                     link = self._connect(deadline)
                     break
-                except OSError:
-                    if time.monotonic() > deadline:
+                except OSError as err:
+                    if time.monotonic() > deadline or getattr(err, "reason", None) in FINAL:
                         raise
                     time.sleep(0.1)
             self._local.link = link
