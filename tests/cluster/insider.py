@@ -8,8 +8,9 @@ worker with bob's real key, plus what a malicious host can add to its own code:
   replay of its previous contribution, one whose header does not decode;
 - at its first contribution, through its host's authenticated control connection: another
   worker's heartbeat, done mark and link address, another worker's checkpoint entry, the
-  coordinator's resume state and another host's security record; and the joiner key the owner
-  also issued it, knocking at the control service.
+  coordinator's resume state and another host's security record; two aborts that speak for
+  alice's processes (r0s0's own failure, and what r0s0 "noticed" of bob's r0s1); and the joiner
+  key the owner also issued it, knocking at the control service.
 
 What each attempt got is appended to ``INSIDER_REPORT`` (JSON lines: ``attack``, ``outcome``).
 
@@ -123,6 +124,10 @@ def _control_plane() -> None:
     _try("the coordinator's resume state", lambda: store.set("resume_state", "{}"))
     _try("another host's security record",
          lambda: store.underlying_store.set("meshlearn-cluster/security/alice", "{}"))
+    _try("an abort in another worker's name",
+         lambda: store.compare_set("abort", "", f"worker {victim} failed: RuntimeError: the insider says so"))
+    noticed = f"worker r0s1 stopped answering (rank 1; noticed by {victim})"
+    _try("an abort that another worker noticed", lambda: store.compare_set("abort", "", noticed))
     joiner = Path(os.environ["INSIDER_JOINER"])
     line = ControlLine(RunTls(Credentials.in_folder(joiner.parent, joiner.stem)), os.environ["MASTER_ADDR"],
                        int(os.environ["MASTER_PORT"]), "alice")

@@ -1,8 +1,9 @@
 """A malicious participant with valid credentials inside a cluster run (issue 27): bob's worker r1s0
 is ``insider.py`` — meshlearn's worker with bob's real key, plus what a malicious host can add to
 its own code. While P = 2 × D = 2 trains over two hosts' ports on 127.0.0.1 it claims a link of
-alice's worker and a second slot on its own, writes other participants' control records, knocks
-at the control service with the joiner key it was also issued, and puts a 40× oversized frame, a
+alice's worker and a second slot on its own, writes other participants' control records, forges
+two aborts in the name of alice's r0s0, knocks at the control service with the joiner key it was
+also issued, and puts a 40× oversized frame, a
 replay of its previous contribution and a frame that does not decode in front of its first three
 DP contributions.
 
@@ -38,7 +39,8 @@ INSIDER = Path(__file__).parent / "insider.py"
 STEPS = 4
 CONTROL_WRITES = ("another worker's heartbeat", "another worker's done mark", "another worker's link address",
                   "another worker's checkpoint entry", "the coordinator's resume state",
-                  "another host's security record")
+                  "another host's security record", "an abort in another worker's name",
+                  "an abort that another worker noticed")
 
 
 @pytest.fixture

@@ -143,11 +143,28 @@ def test_a_host_may_write_only_its_own_records(control: Service) -> None:
     assert not alice.check(["done/0"]) and alice.get("hb/0") == b"0"
 
 
+@pytest.mark.parametrize("forged", [
+    "worker r0s0 failed: RuntimeError: the insider says so",  # r0s0's own failure, in bob's mouth
+    "worker r0s1 stopped answering (rank 1; noticed by r0s0)",  # what alice's r0s0 observed
+    "the verifier failed: ValueError: bad state",  # alice runs the verifier
+    "lost the connection to worker r0s1 (reset; noticed by the verifier)",
+])
+def test_an_abort_that_speaks_for_another_hosts_process_is_refused(control: Service, forged: str) -> None:
+    bob = _workers(control.store("bob"))
+    with pytest.raises(Exception, match="authority.*host bob may not report for"):  # noqa: PT011
+        bob.compare_set("abort", "", forged)
+    with pytest.raises(Exception, match="authority: host bob may not set"):  # noqa: PT011
+        bob.set("abort", forged)  # nor by a plain write (an abort is compare_set only)
+    assert control.counters.by_sender() == {"bob": 2}
+    assert _workers(control.store("alice")).compare_set("abort", "", "") == b""  # nothing was stored
+
+
 def test_an_abort_is_stored_as_its_writers_report(control: Service) -> None:
     bob = _workers(control.store("bob"))
-    won = bob.compare_set("abort", "", "worker r0s0 stopped answering")
-    assert won == b"reported by host bob: worker r0s0 stopped answering"
+    won = bob.compare_set("abort", "", "worker r0s0 stopped answering (rank 0; noticed by r0s1)")
+    assert won == b"reported by host bob: worker r0s0 stopped answering (rank 0; noticed by r0s1)"
     assert _workers(control.store("alice")).get("abort") == won
+    assert control.counters.total() == 0
 
 
 def _handshake(control: Service, tls: RunTls) -> None:
