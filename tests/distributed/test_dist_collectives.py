@@ -200,6 +200,24 @@ def test_a_sender_that_only_lies_is_named_after_max_refused_frames(frames, said)
         sock.close()
 
 
+def test_a_lie_in_place_of_a_contribution_names_its_sender_at_the_deadline():
+    """One refused frame and then silence: at the deadline the sender is named for its lie (the
+    refused frame), not merely as silent."""
+    tx, rx = socket.socketpair()
+    back_tx, back_rx = socket.socketpair()
+    receiver = FramedCollectives(0, {1: FramedStream(back_tx, "0->1", HEADER_ROOM)},
+                                 {1: FramedStream(rx, "1->0", HEADER_ROOM)})
+    receiver.set_timeout(0.5)
+    tx.sendall(_honest(TENSOR[:100], "sum", 0))  # a short frame, and nothing after it
+    with pytest.raises(Refused) as err:
+        receiver.sum(TENSOR, [0, 1])
+    said = "nothing valid for its sum by the deadline after 1 refused frame(s) (the last: a frame of"
+    assert err.value.sender == 1 and err.value.reason.startswith(said), err.value.reason
+    receiver.close()
+    for sock in (tx, back_rx):
+        sock.close()
+
+
 @pytest.fixture
 def store() -> BoundStore:
     return BoundStore("127.0.0.1", 10)

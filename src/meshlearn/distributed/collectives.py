@@ -18,9 +18,9 @@ A refused frame does not take the contribution's place: it is counted (``FramedC
 and the run's ``Counters`` under the sender's authenticated identity when the stream has one,
 ``net/links.AuthStream.peer``), and the receiver reads the sender's next frame for the same
 contribution. So a participant that adds garbage, an oversized frame or a replay to its honest
-contributions changes nothing (the step is the simulator's), and one that only ever sends what is
-refused is named once it has spent ``MAX_REFUSED`` refusals on one contribution, or sent nothing
-valid by the collective's deadline.
+contributions changes nothing (the step is the simulator's), and one that sends only what is
+refused is named as the liar it is once it has spent ``MAX_REFUSED`` refusals on one
+contribution, or sent nothing valid after a refused frame by the collective's deadline.
 
 What the run does then (``RunCollectives``): the step cannot be computed without that
 contribution (every replica must apply the same mean), so the run stops, with one line naming the
@@ -219,13 +219,20 @@ class FramedCollectives:
         """``src``'s next contribution as a tensor like ``like``: refused frames are counted and
         passed over, up to ``MAX_REFUSED`` in a row (then Refused). ``bound`` (blobs only): the
         frame may be any size up to it; otherwise exactly ``like``'s."""
-        for _ in range(MAX_REFUSED):
+        refused = []
+        while len(refused) < MAX_REFUSED:
             try:
                 return self._read_frame(src, like, op, bound)
             except Refused as err:
                 self._count(src, op, err.reason)
-                last = err.reason
-        raise Refused(src, f"{MAX_REFUSED} frames in a row refused in place of its {op} (the last: {last})")
+                refused.append(err.reason)
+            except Lost as err:
+                if not (err.timed_out and refused):
+                    raise
+                raise Refused(src, f"nothing valid for its {op} by the deadline after {len(refused)} refused "
+                                   f"frame(s) (the last: {refused[-1]})") from None
+        raise Refused(src, f"{MAX_REFUSED} frames in a row refused in place of its {op} "
+                           f"(the last: {refused[-1]})")
 
     def _read_frame(self, src: int, like: torch.Tensor, op: str, bound: int | None) -> torch.Tensor:
         """The next frame from ``src`` as its contribution, or Refused (the stream is past it)."""
