@@ -20,7 +20,7 @@ import torch.distributed as dist
 from net.net_helpers import wait_until
 
 from meshlearn.cluster.authority import Authority
-from meshlearn.cluster.control import RATE_BURST, RATE_PER_S, ControlService
+from meshlearn.cluster.control import MAX_PER_HOST, RATE_BURST, RATE_PER_S, ControlService
 from meshlearn.cluster.control_store import ControlLine, ControlStore
 from meshlearn.cluster.control_wire import MAX_FRAME, ControlRefused, receive
 from meshlearn.net.counters import Counters
@@ -45,14 +45,14 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 class Service:
     def __init__(self, keys: dict[str, Path], folder: Path,
-                 rate: tuple[float, float] = (RATE_PER_S, RATE_BURST)):
+                 rate: tuple[float, float] = (RATE_PER_S, RATE_BURST), max_per_host: int = MAX_PER_HOST):
         self.keys = keys
         self.counters = Counters()
         self.made: list[ControlStore] = []
         self.agent = PortAgent("127.0.0.1", 0, folder / "agent.sock", self.counters)
         self.agent.start()
         self.service = ControlService(self.tls("alice"), Authority(HOSTS_OF, RANKS, "alice"), self.counters,
-                                      handshake_timeout_s=3.0, rate=rate)
+                                      handshake_timeout_s=3.0, rate=rate, max_per_host=max_per_host)
         self.service.serve(self.agent.socket_path)
 
     def tls(self, name: str, run: str = "run") -> RunTls:
@@ -254,3 +254,21 @@ def test_a_host_revoked_while_connected_is_cut_off_without_a_restart(tmp_path) -
             bob.add("hb/1", 1)  # ...and a new one is refused in the handshake, at once
         assert wait_until(lambda: control.count("certificate_refused") >= 1)
         assert alice.add("hb/0", 1) == 1 and alice.get("hb/1") == b"1"
+
+
+def test_a_host_holds_at_most_max_per_host_connections(keys) -> None:
+    """The rate is per connection, so connections are capped per host: bob's third is refused in
+    the handshake (counted under bob), alice still connects, and bob may connect again once one of
+    his has closed."""
+    with _serving(keys, max_per_host=2) as control:
+        bobs = [control.store("bob") for _ in range(3)]
+        for store in bobs[:2]:
+            store.add("meshlearn/0//hb/1", 0)
+        with pytest.raises(Refused, match="refused_by_peer"):
+            bobs[2].add("meshlearn/0//hb/1", 0)
+        assert wait_until(lambda: control.count("too_many_connections") == 1)
+        assert control.counters.by_sender() == {"bob": 1}
+        assert _workers(control.store("alice")).add("hb/0", 1) == 1
+        bobs[0].line._link().close()
+        assert wait_until(lambda: control.service.admitted == 3 and control.service.held("bob") == 1)
+        assert bobs[2].add("meshlearn/0//hb/1", 1) == 1

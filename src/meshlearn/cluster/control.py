@@ -17,8 +17,10 @@ Each connection may make ``rate[0]`` requests a second after a burst of ``rate[1
 (``net/rate.TokenBucket``): a request beyond that is counted (``rate_limited``, under the
 sender's identity), and the connection's next request is read only once the rate allows it, so a
 participant flooding the service slows itself down and nobody else (its flood waits in its own
-connection's thread and buffers). The defaults are far above what an honest process asks: a
-heartbeat round every ``dist.heartbeat_s`` per process, and a few requests per step.
+connection's thread and buffers). A host may hold ``max_per_host`` connections at once (a further
+handshake is refused, ``too_many_connections``), so it cannot multiply its rate by connecting
+again. The defaults are far above what an honest process asks: a heartbeat round every
+``dist.heartbeat_s`` per process, a few requests per step, a connection per thread.
 
 Revocation needs no restart: ``watch_revocations`` applies a new ``ca.crl`` beside the
 coordinator's key (``net/revocations.py``), so the revoked host's next handshake is refused and
@@ -43,12 +45,13 @@ from meshlearn.net.keys import Identity
 from meshlearn.net.port import Inbox
 from meshlearn.net.rate import TokenBucket
 from meshlearn.net.revocations import RevocationWatch
-from meshlearn.net.tls import Acceptor, RunTls
+from meshlearn.net.tls import Acceptor, Refused, RunTls
 
 DESTINATION = "control"
 MAX_WAIT_S = 3600.0  # the longest wait one request may ask for
 RATE_PER_S = 1000.0  # requests per second one connection may make, sustained
 RATE_BURST = 1000  # requests one connection may make at once
+MAX_PER_HOST = 256  # connections one host may hold open (one per thread of each of its processes)
 
 
 class ControlState:
@@ -113,9 +116,9 @@ class ControlService:
 
     def __init__(self, tls: RunTls, authority: Authority, counters: Counters,
                  log: Callable[[str], None] = lambda line: None, handshake_timeout_s: float | None = None,
-                 rate: tuple[float, float] = (RATE_PER_S, RATE_BURST)):
+                 rate: tuple[float, float] = (RATE_PER_S, RATE_BURST), max_per_host: int = MAX_PER_HOST):
         self.tls, self.authority, self.counters, self.log = tls, authority, counters, log
-        self.rate = rate
+        self.rate, self.max_per_host = rate, max_per_host
         self.state = ControlState()
         timing = {} if handshake_timeout_s is None else {"timeout_s": handshake_timeout_s}
         self.acceptor = Acceptor(self._authenticate, counters, on_ready=self._start, **timing)
@@ -162,9 +165,18 @@ class ControlService:
         serial = x509.load_der_x509_certificate(tls_sock.getpeercert(binary_form=True)).serial_number
         return stream(tls_sock, f"control<-{peer.name}"), peer, serial
 
+    def held(self, host: str) -> int:
+        """The connections ``host`` holds open now."""
+        with self._lock:
+            return sum(1 for peer, _ in self._links.values() if peer.name == host)
+
     def _admit(self, peer: Identity) -> str | None:
         if peer.role != "host" or peer.name not in self.authority.hosts:
             return f"{peer} is not a host of this run's placement"
+        held = self.held(peer.name)
+        if held >= self.max_per_host:  # the rate is per connection: the cap bounds the host's
+            raise Refused("too_many_connections", f"{peer} holds {held} connections already (at most "
+                                                  f"{self.max_per_host})", peer.name)
         return None
 
     def _start(self, ready: object) -> None:
