@@ -98,6 +98,8 @@ def test_honest_operations_round_trip(control: Service) -> None:
     alice.set("verdict/3", b"\x00\xffbytes")
     assert bob.get("verdict/3") == b"\x00\xffbytes"
     assert alice.delete_key("verdict/3") and not alice.check(["verdict/3"])
+    bob.set("truth/3/r0s1", "[]")  # an attacker's ground truth, from its own host...
+    assert alice.delete_key("truth/3/r0s1")  # ...deleted by the coordinator's records writer once read
     assert bob.compare_set("drain", "", "f:7") == b"f:7"
     assert alice.compare_set("drain", "f:7", "s:9") == b"s:9"
     assert bob.compare_set("drain", "f:7", "x") == b"s:9"  # not expected: the current value
@@ -119,6 +121,8 @@ def test_a_host_may_write_only_its_own_records(control: Service) -> None:
                 (lambda: bob_raw.set("meshlearn-cluster/config", "{}")),
                 (lambda: bob_raw.set("meshlearn-cluster/done/alice", "1")),
                 (lambda: bob.set("hb/1", "99")),  # own key, but a heartbeat only counts up
+                (lambda: bob.set("truth/2/r0s0", "[]")),  # another host's worker's ground truth
+                (lambda: bob.delete_key("truth/2/r0s1")),  # only the coordinator deletes it
                 (lambda: bob_raw.set("abort", "x")),  # no such key of a run (outside its namespace)
                 (lambda: bob.get("anything/else"))]
     for refused in refusals:
@@ -130,6 +134,17 @@ def test_a_host_may_write_only_its_own_records(control: Service) -> None:
     bob.set("cluster/checkpoint/4/host/bob", "ab")
     alice = _workers(control.store("alice"))
     assert not alice.check(["done/0"]) and alice.get("hb/0") == b"0"
+
+
+def test_the_coordinator_deletes_ground_truth_wherever_the_verifier_runs() -> None:
+    """The records writer (rank 0, on the coordinator) reads an attacker's ground truth and deletes
+    it; with the verifier on another host that deletion was refused and the run stopped."""
+    authority = Authority(HOSTS_OF | {"verifier": "bob"}, RANKS, "alice")
+    key = "meshlearn/0//truth/3/r0s1"
+    assert authority.refusal("bob", "set", key) is None
+    assert authority.refusal("alice", "delete_key", key) is None
+    assert authority.refusal("bob", "delete_key", key) == f"host bob may not delete_key {key!r}"
+    assert authority.refusal("alice", "set", key) == f"host alice may not set {key!r}"
 
 
 def test_an_abort_is_stored_as_its_writers_report(control: Service) -> None:
