@@ -191,3 +191,27 @@ def test_an_oversized_frame_is_refused_and_the_link_stays_in_step(control: Servi
     with pytest.raises(ControlRefused, match="malformed_request"):
         store.line.call({"op": 7, "keys": "x"}, [], 1.0)
 
+
+@pytest.mark.parametrize(("header", "why"), [
+    ('{"op": "get", "keys": ["meshlearn/0//done/9"], "timeout_s": NaN, "lengths": []}', "holding NaN"),
+    ('{"op": "add", "keys": ["meshlearn/0//hb/1"], "amount": Infinity, "lengths": []}', "holding Infinity"),
+    ('{"op": "add", "keys": ["meshlearn/0//hb/1"], "amount": 1e300, "lengths": []}', "'amount' must be"),
+    ('{"op": "add", "keys": ["meshlearn/0//hb/1"], "amount": 99999999999999999999, "lengths": []}',
+     "'amount' must be"),
+    ('{"op": "get", "keys": ["meshlearn/0//done/9"], "timeout_s": "forever", "lengths": []}',
+     "'timeout_s' must be"),
+    ("[" * 30_000 + "]" * 30_000, "nested too deep"),
+])
+def test_numbers_that_would_spin_or_crash_the_service_are_refused(control: Service, header: str,
+                                                                   why: str) -> None:
+    """A NaN wait never ends (it spun a core per request); an infinite amount, a nesting deep
+    enough to exhaust the stack: each killed the connection's thread with a traceback."""
+    store = control.store("bob")
+    store.add("meshlearn/0//hb/1", 0)
+    link = store.line._link()
+    raw = header.encode()
+    link.sock.sendall(PREFIX.pack(len(raw), 0) + raw)
+    answer, _ = receive(link)
+    assert answer["error"] == "malformed_request" and why in answer["why"], answer
+    assert store.add("meshlearn/0//hb/1", 1) == 1  # the same connection, still served
+

@@ -15,15 +15,31 @@ from pathlib import Path
 from meshlearn.atomic import atomic_write_json
 
 SUMMARY = "summary.json"
+MAX_REASONS = 64  # far more kinds of refusal than the counters have (docs/security.md, "Counters")
 
 
-def refused_block(records: dict[str, dict]) -> dict:
-    """The counts by reason over every host, each host's, and their total."""
+def refused_block(records: dict[str, object]) -> dict:
+    """The counts by reason over every host, each host's, and their total. Another host's record
+    is its word, and may be anything: one that is not counts by reason is left out, and named
+    under ``unreadable``."""
+    counts = {host: _counts(record) for host, record in sorted(records.items())}
     by_reason: Counter[str] = Counter()
-    for record in records.values():
-        by_reason.update(record.get("refused", {}))
-    return {"total": sum(by_reason.values()), "by_reason": dict(sorted(by_reason.items())),
-            "by_host": {host: record.get("refused", {}) for host, record in sorted(records.items())}}
+    for refused in counts.values():
+        by_reason.update(refused or {})
+    block = {"total": sum(by_reason.values()), "by_reason": dict(sorted(by_reason.items())),
+             "by_host": {host: refused for host, refused in counts.items() if refused is not None}}
+    unreadable = [host for host, refused in counts.items() if refused is None]
+    return block | ({"unreadable": unreadable} if unreadable else {})
+
+
+def _counts(record: object) -> dict[str, int] | None:
+    """A host record's ``refused`` counts, or None when they are not counts by reason."""
+    refused = record.get("refused", {}) if isinstance(record, dict) else None
+    if not isinstance(refused, dict) or len(refused) > MAX_REASONS:
+        return None
+    if not all(isinstance(k, str) and len(k) <= 64 and type(v) is int and v >= 0 for k, v in refused.items()):
+        return None
+    return refused
 
 
 def record_refusals(run_dir: Path, records: dict[str, dict]) -> None:
