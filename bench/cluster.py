@@ -29,6 +29,7 @@ refused), so there is no elastic row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -170,7 +171,7 @@ def run_machines(cfg: RunConfig, arm: Arm, scratch: Path) -> tuple[Path, float]:
     names = HOSTS[:arm.count]
     create_run(scratch / "owner", list(names), "cluster-bench")
     delays = {SLOW_PAIR[arm.count]: arm.one_way_ms} if arm.one_way_ms else {}
-    with machines(arm.count, f"{RATE_MBIT}mbit", delays) as hosts:
+    with machines(arm.count, f"{RATE_MBIT}mbit", delays) as hosts, contextlib.ExitStack() as logs:
         rtt = rtt_ms(*(hosts[i] for i in SLOW_PAIR[arm.count]))
         run_cfg = placed(cfg, arm, hosts)
         procs = {}
@@ -180,7 +181,7 @@ def run_machines(cfg: RunConfig, arm: Arm, scratch: Path) -> tuple[Path, float]:
             for file in (f"{name}.key", f"{name}.crt", "ca.crt", "ca.crl"):
                 shutil.copy(scratch / "owner" / file, folder / "keys" / file)  # the key keeps mode 0600
             save_config(run_cfg, folder / "run.toml")
-            log = (scratch / f"{name}.log").open("w")
+            log = logs.enter_context((scratch / f"{name}.log").open("w"))
             procs[name] = host.popen([sys.executable, "-m", "meshlearn", "train", "--backend", "dist",
                                       "--config", "run.toml", "--host", name, "--key", f"keys/{name}.key",
                                       "--out", "runs/x"], cwd=folder, env=_env(), stdout=log,
@@ -190,6 +191,8 @@ def run_machines(cfg: RunConfig, arm: Arm, scratch: Path) -> tuple[Path, float]:
 
 
 def measure(arm: Arm, steps: int, warmup: int) -> dict:
+    """One run of ``arm`` and the simulator's of the same config: the row, its losses checked
+    against the simulator's (SystemExit where they differ, or where the run stopped early)."""
     cfg = arm_config(arm, steps)
     scratch = Path(tempfile.mkdtemp(prefix="ml-cb-"))  # short: AF_UNIX paths stop at 107 bytes
     load_before = os.getloadavg()
