@@ -11,7 +11,8 @@ mesh placed so that every pipeline and DP link crosses hosts, the same config th
   receiver listening on its own port (``streams.PlainConnector``);
 - ``auth``: the same framed streams, each dialed through the receiver host's port and
   authenticated with the run's certificates (the launcher's ``MESHLEARN_PORT_SOCKET`` and
-  ``MESHLEARN_KEY`` set).
+  ``MESHLEARN_KEY`` set), and the rendezvous on the coordinator's control service behind its
+  port, as a keyed cluster run has it (the other two arms rendezvous on a TCPStore).
 
 Links shaped in process (``dist.shaping = sender``) to 200 Mbit/s and 10 ms. The number is the
 median ``step_wall_s`` of the records after the first three steps; the arms alternate
@@ -37,12 +38,16 @@ from pathlib import Path
 
 from common import ROOT, demo_config, markdown_table, write_results
 
+from meshlearn.cluster.authority import Authority
+from meshlearn.cluster.control import ControlService
 from meshlearn.cluster.links import KEY_ENV, PORT_SOCKET_ENV
 from meshlearn.cluster.role import HOST_ENV
 from meshlearn.cluster.settings import ClusterConfig, HostConfig
 from meshlearn.config import save_config
-from meshlearn.net.keys import create_run
+from meshlearn.net.counters import Counters
+from meshlearn.net.keys import Credentials, create_run
 from meshlearn.net.port import PortAgent
+from meshlearn.net.tls import RunTls
 
 MESH = ["model.n_layer=4", "model.d_model=64", "model.n_head=2", "model.seq_len=32", "mesh.stages=2",
         "mesh.replicas=2", "mesh.microbatches=2", "train.batch_size=8", "train.warmup_steps=1",
@@ -68,9 +73,18 @@ def measure(arm: str, steps: int, keys: Path, agents: dict[str, PortAgent]) -> d
     cfg = dataclasses.replace(cfg, cluster=ClusterConfig("alice", hosts))
     run_dir = Path(tempfile.mkdtemp(prefix="meshlearn-auth-wall-"))
     save_config(cfg, run_dir / "run.toml")
+    control = None
+    if arm == "auth":  # the coordinator's control service behind alice's port: the rendezvous
+        hosts_of = {w: h for h, placed in PLACED.items() for w in placed}
+        control = ControlService(RunTls(Credentials.in_folder(keys, "alice")),
+                                 Authority(hosts_of, RANKS, "alice"), Counters())
+        control.serve(agents["alice"].socket_path)
+    master = agents["alice"].port if control is not None else _free_port()
     env = os.environ | {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "4",
-                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master),
                         "MESHLEARN_BIND_ADDRESS": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
+    if control is not None:  # the store exists (the service), as under a host's launcher
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     procs = []
     for host, workers in PLACED.items():
         for local, worker in enumerate(workers):
@@ -82,6 +96,8 @@ def measure(arm: str, steps: int, keys: Path, agents: dict[str, PortAgent]) -> d
                                            str(run_dir / "run.toml"), "--out", str(run_dir / host)],
                                           env=env | mine, stdout=log, stderr=subprocess.STDOUT))
     codes = [p.wait(timeout=1800) for p in procs]
+    if control is not None:
+        control.close()
     if any(codes):
         raise SystemExit(f"the {arm} run failed (exit codes {codes}); see {run_dir}")
     records = [json.loads(line) for line in (run_dir / "alice" / "metrics.jsonl").read_text().splitlines()]

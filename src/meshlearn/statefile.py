@@ -92,7 +92,9 @@ class _Encoder:
         if isinstance(value, np.ndarray):
             return {TAG: "ndarray", "v": self.tensor(torch.from_numpy(np.ascontiguousarray(value)))}
         if isinstance(value, bytes):  # a blob (the verifier's state in rank 0's shard): raw, not JSON
-            return {TAG: "bytes", "v": self.tensor(torch.frombuffer(bytearray(value), dtype=torch.uint8))}
+            raw = torch.frombuffer(bytearray(value), dtype=torch.uint8) if value else \
+                torch.empty(0, dtype=torch.uint8)  # frombuffer refuses an empty buffer
+            return {TAG: "bytes", "v": self.tensor(raw)}
         if isinstance(value, list):
             return [self.node(v, f"{where}[{i}]") for i, v in enumerate(value)]
         if isinstance(value, tuple):

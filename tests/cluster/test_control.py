@@ -109,6 +109,8 @@ def test_honest_operations_round_trip(control: Service) -> None:
     alice.set("verdict/3", b"\x00\xffbytes")
     assert bob.get("verdict/3") == b"\x00\xffbytes"
     assert alice.delete_key("verdict/3") and not alice.check(["verdict/3"])
+    bob.set("truth/3/r0s1", "[]")  # an attacker's ground truth, from its own host...
+    assert alice.delete_key("truth/3/r0s1")  # ...deleted by the coordinator's records writer once read
     assert bob.compare_set("drain", "", "f:7") == b"f:7"
     assert alice.compare_set("drain", "f:7", "s:9") == b"s:9"
     assert bob.compare_set("drain", "f:7", "x") == b"s:9"  # not expected: the current value
@@ -130,6 +132,8 @@ def test_a_host_may_write_only_its_own_records(control: Service) -> None:
                 (lambda: bob_raw.set("meshlearn-cluster/config", "{}")),
                 (lambda: bob_raw.set("meshlearn-cluster/done/alice", "1")),
                 (lambda: bob.set("hb/1", "99")),  # own key, but a heartbeat only counts up
+                (lambda: bob.set("truth/2/r0s0", "[]")),  # another host's worker's ground truth
+                (lambda: bob.delete_key("truth/2/r0s1")),  # only the coordinator deletes it
                 (lambda: bob_raw.set("abort", "x")),  # no such key of a run (outside its namespace)
                 (lambda: bob.get("anything/else"))]
     for refused in refusals:
@@ -157,6 +161,17 @@ def test_an_abort_that_speaks_for_another_hosts_process_is_refused(control: Serv
         bob.set("abort", forged)  # nor by a plain write (an abort is compare_set only)
     assert control.counters.by_sender() == {"bob": 2}
     assert _workers(control.store("alice")).compare_set("abort", "", "") == b""  # nothing was stored
+
+
+def test_the_coordinator_deletes_ground_truth_wherever_the_verifier_runs() -> None:
+    """The records writer (rank 0, on the coordinator) reads an attacker's ground truth and deletes
+    it; with the verifier on another host that deletion was refused and the run stopped."""
+    authority = Authority(HOSTS_OF | {"verifier": "bob"}, RANKS, "alice")
+    key = "meshlearn/0//truth/3/r0s1"
+    assert authority.refusal("bob", "set", key) is None
+    assert authority.refusal("alice", "delete_key", key) is None
+    assert authority.refusal("bob", "delete_key", key) == f"host bob may not delete_key {key!r}"
+    assert authority.refusal("alice", "set", key) == f"host alice may not set {key!r}"
 
 
 def test_an_abort_is_stored_as_its_writers_report(control: Service) -> None:
@@ -272,3 +287,27 @@ def test_a_host_holds_at_most_max_per_host_connections(keys) -> None:
         bobs[0].line._link().close()
         assert wait_until(lambda: control.service.admitted == 3 and control.service.held("bob") == 1)
         assert bobs[2].add("meshlearn/0//hb/1", 1) == 1
+
+
+@pytest.mark.parametrize(("header", "why"), [
+    ('{"op": "get", "keys": ["meshlearn/0//done/9"], "timeout_s": NaN, "lengths": []}', "holding NaN"),
+    ('{"op": "add", "keys": ["meshlearn/0//hb/1"], "amount": Infinity, "lengths": []}', "holding Infinity"),
+    ('{"op": "add", "keys": ["meshlearn/0//hb/1"], "amount": 1e300, "lengths": []}', "'amount' must be"),
+    ('{"op": "add", "keys": ["meshlearn/0//hb/1"], "amount": 99999999999999999999, "lengths": []}',
+     "'amount' must be"),
+    ('{"op": "get", "keys": ["meshlearn/0//done/9"], "timeout_s": "forever", "lengths": []}',
+     "'timeout_s' must be"),
+    ("[" * 30_000 + "]" * 30_000, "nested too deep"),
+])
+def test_numbers_that_would_spin_or_crash_the_service_are_refused(control: Service, header: str,
+                                                                   why: str) -> None:
+    """A NaN wait never ends (it spun a core per request); an infinite amount, a nesting deep
+    enough to exhaust the stack: each killed the connection's thread with a traceback."""
+    store = control.store("bob")
+    store.add("meshlearn/0//hb/1", 0)
+    link = store.line._link()
+    raw = header.encode()
+    link.sock.sendall(PREFIX.pack(len(raw), 0) + raw)
+    answer, _ = receive(link)
+    assert answer["error"] == "malformed_request" and why in answer["why"], answer
+    assert store.add("meshlearn/0//hb/1", 1) == 1  # the same connection, still served

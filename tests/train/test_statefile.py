@@ -73,6 +73,7 @@ def every_kind() -> dict:
         "python_rng": rng.getstate(),  # (3, a tuple of 625 ints, None): setstate needs the tuple
         "array": np.arange(6, dtype=np.float32).reshape(2, 3), "scalar": np.float64(0.5),
         "count": np.int64(7), "keys": {(0, 1): "a", 3: [1, 2]}, "set": {4, 5}, "blob": b"\x00\xff",
+        "no_bytes": b"",
         "row": param.data[1], "whole": param.data, "empty": torch.empty(0, 5), "nan": float("nan"),
         "column_major": torch.linalg.qr(torch.randn(5, 3, generator=torch.Generator().manual_seed(2)))[0],
         "gaps": torch.arange(10.0)[::2],

@@ -12,8 +12,9 @@ launchers' ``meshlearn-cluster/``):
 
 - a process's own records — heartbeat ``hb/<rank>`` (another host may only create it, adding 0),
   ``done/``, ``joined/``, ``links/``, ``collectives/``, ``anchor/<rank>``, an attacker's
-  ``truth/<step>/<worker>``, checkpoint shard entries and resume lists ``cluster/checkpoint/...
-  /<worker>``: the host that runs that rank or worker;
+  ``truth/<step>/<worker>`` (the coordinator's records writer deletes it once read),
+  checkpoint shard entries and resume lists ``cluster/checkpoint/.../<worker>``: the host that
+  runs that rank or worker;
 - a host's own records — its checkpoint manifest ``.../host/<host>``, the launcher's
   ``done/<host>`` and ``security/<host>``: that host;
 - the run's decisions — the config and tokenizer, the tokenizer's ``ready``, the checkpoint
@@ -92,7 +93,8 @@ def _anyone_compare_set(a, who, op, m, n) -> bool:
 
 
 def _truth(a, who, op, m, n) -> bool:
-    return _owner_of_worker(a, who, op, m, n) or (op == "delete_key" and who == a.verifier_host)
+    """The attacker's host posts; the coordinator, whose records writer reads it, deletes it."""
+    return _owner_of_worker(a, who, op, m, n) or (op == "delete_key" and who == a.coordinator)
 
 
 def _rank0(a, who, op, m, n) -> bool:

@@ -49,6 +49,7 @@ from meshlearn.net.tls import Acceptor, Refused, RunTls
 
 DESTINATION = "control"
 MAX_WAIT_S = 3600.0  # the longest wait one request may ask for
+MAX_AMOUNT = 1 << 62  # an add's amount: a heartbeat counts steps, far below; a bigger one overflows
 RATE_PER_S = 1000.0  # requests per second one connection may make, sustained
 RATE_BURST = 1000  # requests one connection may make at once
 MAX_PER_HOST = 256  # connections one host may hold open (one per thread of each of its processes)
@@ -225,7 +226,11 @@ class ControlService:
         op, keys = header["op"], header.get("keys", [])
         if not isinstance(op, str) or not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
             raise ValueError("a request needs an 'op' string and a 'keys' list of strings")
-        amount = int(header.get("amount", 0))
+        amount, timeout_s = header.get("amount", 0), header.get("timeout_s", 0.0)
+        if type(amount) is not int or not -MAX_AMOUNT <= amount <= MAX_AMOUNT:
+            raise ValueError(f"'amount' must be an integer of at most {MAX_AMOUNT} in size")
+        if type(timeout_s) not in (int, float):
+            raise ValueError("'timeout_s' must be a number")
         for key in keys:
             why = self.authority.refusal(who, op, key, amount)
             if why is not None:
@@ -236,7 +241,7 @@ class ControlService:
             return {"value": self.state.count()}, []
         if not keys:
             raise ValueError(f"{op!r} needs keys")
-        return self._apply(who, op, keys, values, amount, float(header.get("timeout_s", 0.0)))
+        return self._apply(who, op, keys, values, amount, float(timeout_s))
 
     def _apply(self, who: str, op: str, keys: list[str], values: list[bytes], amount: int,
                timeout_s: float) -> tuple[dict, list[bytes]]:

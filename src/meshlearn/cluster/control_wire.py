@@ -49,9 +49,11 @@ def receive(link: FramedStream) -> tuple[dict, list[bytes]]:
     raw = buffer[PREFIX_BYTES:PREFIX_BYTES + header_len].tobytes()
     body = buffer[PREFIX_BYTES + header_len:].tobytes()
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"a header that is not JSON ({err})") from None
+    except RecursionError:  # nesting deep enough to exhaust the stack fits in HEADER_ROOM
+        raise ValueError("a header nested too deep") from None
     lengths = header.get("lengths") if isinstance(header, dict) else None
     if (not isinstance(lengths, list) or not all(isinstance(n, int) and n >= 0 for n in lengths)
             or sum(lengths) != len(body)):
@@ -61,6 +63,11 @@ def receive(link: FramedStream) -> tuple[dict, list[bytes]]:
         values.append(body[at:at + n])
         at += n
     return header, values
+
+
+def _no_constant(name: str) -> None:
+    """JSON's NaN and ±Infinity are no numbers a request may carry (a NaN wait never ends)."""
+    raise ValueError(f"a header holding {name}")
 
 
 def raise_for(header: dict) -> None:

@@ -79,9 +79,14 @@ def coordinate_median(parts: torch.Tensor) -> torch.Tensor:
 
 
 def centered_clip(parts: torch.Tensor) -> torch.Tensor:
-    """Centered clipping from the coordinate median with τ = the median distance to it."""
+    """Centered clipping from the coordinate median with τ = the median distance to it.
+
+    A contribution with a non-finite value has no distance to clip by (∞·0 and NaN would spread
+    to every replica's aggregate): it moves nothing and counts as the farthest for τ."""
     v = coordinate_median(parts)
-    tau = (parts - v).norm(dim=1).median()
+    finite = parts.isfinite().all(dim=1, keepdim=True)
+    parts = torch.where(finite, parts, v)
+    tau = torch.where(finite.squeeze(1), (parts - v).norm(dim=1), torch.inf).median()
     if tau == 0:
         return v  # a majority agrees exactly with the start: it is the aggregate
     for _ in range(CLIP_ITERS):

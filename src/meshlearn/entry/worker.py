@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from meshlearn.cluster.control_store import control_connector
 from meshlearn.cluster.links import cluster_connector
-from meshlearn.cluster.role import HOST_ENV
 from meshlearn.config import RunConfig, load_config
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.groups import anchors, build_groups, verifier_rank
@@ -94,10 +93,11 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool) -> int:
         from meshlearn.elastic.evictions import refuse_banned_start
 
         refuse_banned_start(cfg)  # SENTINEL banned this identity: it never comes back
-    if cfg.cluster.enabled and os.environ.get(HOST_ENV):
-        # a cluster host's launcher started us: the rendezvous is the coordinator's control service
-        use_store(control_connector(cfg.cluster.coordinator))
     connector = cluster_connector(cfg)  # a cluster run's authenticated streams (None: plain ones)
+    if connector is not None:
+        # a cluster host's launcher started us with its port and key: the rendezvous is the
+        # coordinator's control service (checked first: a half-given credential is one line)
+        use_store(control_connector(cfg.cluster.coordinator))
     try:
         # elastic: gloo's sockets on elastic.host's interface (asked once the rank checks out)
         interface = (lambda: interface_of(cfg.elastic.host)) if cfg.elastic.enabled else None
