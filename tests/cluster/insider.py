@@ -13,6 +13,8 @@ worker with bob's real key, plus what a malicious host can add to its own code:
   key the owner also issued it, knocking at the control service.
 
 What each attempt got is appended to ``INSIDER_REPORT`` (JSON lines: ``attack``, ``outcome``).
+The patches act only in the process whose ``RANK`` is r1s0's, so a host's launcher can load them
+in every process it starts (``insider_site/sitecustomize.py``) and only r1s0 misbehaves.
 
     INSIDER_REPORT=report.jsonl INSIDER_JOINER=keys/joe.key python insider.py --config … --out …
 """
@@ -40,9 +42,14 @@ from meshlearn.net.keys import Credentials
 from meshlearn.net.links import dial_link
 from meshlearn.net.tls import Refused, RunTls
 
+INSIDER = 2  # r1s0's rank, on bob
 VICTIM = 0  # r0s0's rank: r1s0's stage partner, on alice
 IMPERSONATED = 3  # r1s1's rank: alice's other worker
 MESH = MeshShape(2, 2)
+
+
+def _insider() -> bool:
+    return os.environ.get("RANK") == str(INSIDER)
 
 
 def report(attack: str, outcome: str) -> None:
@@ -64,7 +71,7 @@ honest_dial = links.ClusterConnector._dial
 
 
 def _dial(self, hop, channel, owners, deadline):
-    if channel != "collectives" or hop[2] != VICTIM:
+    if not _insider() or channel != "collectives" or hop[2] != VICTIM:
         return honest_dial(self, hop, channel, owners, deadline)
     foreign = next(h for h in collective_hops(MESH) if h[1] == IMPERSONATED and h[2] == VICTIM)
     claim = self._link(foreign)
@@ -95,7 +102,7 @@ sums: list[tuple[bytes, torch.Tensor]] = []  # its honest sum frames to r0s0, as
 
 
 def _send(self, peer, frame, release, op):
-    if op != "sum" or peer != VICTIM or len(sums) >= 3:
+    if not _insider() or op != "sum" or peer != VICTIM or len(sums) >= 3:
         return honest_send(self, peer, frame, release, op)
     head, body = frame
     sequence = self.sent[peer]
@@ -137,6 +144,7 @@ def _control_plane() -> None:
 links.ClusterConnector._dial = _dial
 collectives.FramedCollectives._send = _send
 assert str(MESH.worker(VICTIM)) == "r0s0" and MESH.worker(IMPERSONATED) == WorkerId(1, 1)
+assert MESH.worker(INSIDER) == WorkerId(1, 0)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -14,10 +14,15 @@ Nothing is refused from or blamed on an honest participant, no abort is written,
 finishes with the simulator's losses: a refused frame never takes the place of the honest
 contribution behind it. (The fast representatives of each refusal are in test_control.py,
 test_cluster_links.py and distributed/test_dist_collectives.py.)
+
+The same insider under meshlearn's own launchers, on two machines (network namespaces; root
+only): bob's launcher loads the patches in every process it starts (``insider_site``), and the
+run's summary.json says what was refused, by reason and by sender: bob and joe, nobody else.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -26,16 +31,21 @@ from pathlib import Path
 
 import loopback
 import pytest
-from loopback import HOSTS
+from cluster_run import finish, issue_keys, logs, start
+from loopback import HOSTS, PLACED
+from netns import missing, wan_link
 
+import meshlearn
 from meshlearn.cluster.refusals import merged, process_records
 from meshlearn.cluster.security import refused_block
+from meshlearn.cluster.settings import ClusterConfig, HostConfig
 from meshlearn.config import save_config
 from meshlearn.net.counters import Counters
 from meshlearn.net.keys import add_joiner, create_run
 from meshlearn.net.port import PortAgent
 
 INSIDER = Path(__file__).parent / "insider.py"
+SITE = Path(__file__).parent / "insider_site"  # loads insider.py's patches into every process of a host
 STEPS = 4
 CONTROL_WRITES = ("another worker's heartbeat", "another worker's done mark", "another worker's link address",
                   "another worker's checkpoint entry", "the coordinator's resume state",
@@ -117,3 +127,43 @@ def test_a_participant_with_valid_credentials_is_refused_attributed_and_the_run_
     expected, got = loopback.simulator_losses(cfg, tmp_path / "sim"), loopback.losses(run_dirs["alice"])
     assert len(got) == STEPS and max(abs(a - b) for a, b in zip(expected, got, strict=True)) <= 1e-5, \
         (expected, got)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(missing() is not None, reason=str(missing()))
+def test_under_the_launchers_summary_json_names_the_insider_and_nobody_else(tiny_corpus, tmp_path):
+    keys = issue_keys(tmp_path, HOSTS)
+    add_joiner(tmp_path / "owner-keys", "joe")
+    for name in ("joe.key", "joe.crt"):
+        shutil.copy(tmp_path / "owner-keys" / name, tmp_path / "bob" / "keys" / name)
+    with wan_link(2, "100mbit", subnet="10.231.13") as wan:
+        hosts = {h: HostConfig(a, 29561, PLACED[h]) for h, a in zip(HOSTS, wan.addresses, strict=True)}
+        cfg = dataclasses.replace(
+            loopback.cluster_config(tiny_corpus, {h: 0 for h in HOSTS}, f"train.steps={STEPS}"),
+            cluster=ClusterConfig("alice", hosts))
+        for host in HOSTS:
+            shutil.copy(tiny_corpus, tmp_path / host / "corpus.txt")
+            save_config(cfg, tmp_path / host / "run.toml")
+        args = {h: ["--backend", "dist", "--config", "run.toml", "--out", "runs/x", "--set",
+                    "data.corpus=corpus.txt", "--key", str(keys[h])] for h in HOSTS}
+        report = tmp_path / "insider.jsonl"
+        bob = {"PYTHONPATH": f"{SITE}:{Path(meshlearn.__file__).parents[1]}", "INSIDER_REPORT": str(report),
+               "INSIDER_JOINER": str(tmp_path / "bob" / "keys" / "joe.key")}
+        codes = finish(start(wan, tmp_path, HOSTS, args, "insider", env_of={"bob": bob}), limit_s=150)
+    said = report.read_text() if report.is_file() else "(no report)"
+    assert codes == {"alice": 0, "bob": 0}, logs(tmp_path) + said
+    assert said.count('"refused: ') == len(CONTROL_WRITES) + 3 and "accepted" not in said, said
+
+    alice = tmp_path / "alice" / "runs" / "x"
+    refused = json.loads((alice / "summary.json").read_text())["refused"]
+    assert set(refused["by_sender"]) == {"bob", "joe"}, refused
+    assert refused["by_reason"]["contribution_refused"] == 3, refused
+    assert refused["by_reason"]["authority"] == len(CONTROL_WRITES), refused
+    assert refused["by_reason"]["hello_refused"] >= 1, refused
+    assert refused["by_reason"]["identity_refused"] >= 1, refused
+    record = json.loads((alice / "security.json").read_text())
+    assert record["processes"]["r0s0"]["contribution_refused"] == 3, record
+    assert "contribution_refused" not in refused["by_host"]["bob"], refused  # alice sent bob no lie
+    expected = loopback.simulator_losses(cfg, tmp_path / "sim")
+    got = loopback.losses(alice)
+    assert len(got) == STEPS and max(abs(a - b) for a, b in zip(expected, got, strict=True)) <= 1e-5
