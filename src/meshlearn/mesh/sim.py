@@ -12,6 +12,7 @@ next one's microbatches are already in flight, and only a drain point empties it
 from __future__ import annotations
 
 import copy
+import functools
 import heapq
 import itertools
 import time
@@ -32,15 +33,22 @@ from meshlearn.mesh.network import (
 )
 from meshlearn.mesh.report import StepReport
 from meshlearn.mesh.schedule import Action, AsyncPlan, feed_lookahead
-from meshlearn.mesh.sync import (
-    average_gradients,
-    clip_coefficient,
-    stage_clip_norm,
-    stage_rule,
-    step_grad_norm,
-)
+from meshlearn.mesh.sync import average_gradients, step_grad_norm
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.mesh.update import (
+    ClipAndStep,
+    GatherNorms,
+    ReduceGradients,
+    StrategyPhase,
+    UpdateAction,
+    UpdateSpec,
+    find,
+    round_give_up_at,
+    round_late,
+    update_actions,
+    waits_for,
+)
 from meshlearn.mesh.worker import StepStats, Worker
 from meshlearn.models.llama import Decoder
 
@@ -319,11 +327,11 @@ class SimDriver:
         action = worker.next_action()
         if action is None:
             return
-        if action.kind == "U" and worker.dp is not None and not worker.dp.collective:
-            self._dp_begin(wid, action, max(now, self.clock.now[wid]))
-            return
         if action.kind == "U":
-            self._arrive_at_update(wid, action)
+            if isinstance(self._actions(worker)[0], StrategyPhase):  # its "pre" phase first
+                self._dp_begin(wid, action, max(now, self.clock.now[wid]))
+            else:
+                self._arrive_at_update(wid, action)
             return
         batch = worker.microbatch_size(action.microbatch)
         started = time.perf_counter()
@@ -338,50 +346,47 @@ class SimDriver:
             self.timeline.compute(str(wid), action.kind, step, action.microbatch, start, start + duration)
         self._push(start + duration, "done", (wid, outgoing))
 
-    # --- updates: the collectives they need --------------------------------------------------
+    # --- updates: the update protocol's actions (mesh/update.py), executed in simulated time ---
+
+    def _actions(self, worker: Worker) -> list[UpdateAction]:
+        """The actions of ``worker``'s coming update."""
+        return update_actions(UpdateSpec(worker.version, self.flushes, self.mesh.stages, self.grad_clip,
+                                         worker.dp))
 
     def _arrive_at_update(self, wid: WorkerId, action: Action) -> None:
-        """A flushing schedule's update waits for the whole mesh (all-reduce, global clip); an async
-        update waits only for its stage's replicas (the all-reduce), or for nobody when D = 1."""
+        """An update waits for whom its actions need (``waits_for``): the whole mesh when norms are
+        gathered (a flushing schedule), the stage's replicas for their reduce, else nobody."""
         self.waiting[wid] = action
-        if self.flushes:
-            group = self.everyone
-        elif _collective(self.workers[wid]):
-            group = self.mesh.stage_replicas(wid.stage)
-        else:
-            group = [wid]  # its strategy exchanged messages already: nobody to wait for
+        who = waits_for(self._actions(self.workers[wid]))
+        group = (self.everyone if who == "mesh" else
+                 self.mesh.stage_replicas(wid.stage) if who == "stage" else [wid])
         if all(self.waiting.get(w) == action for w in group):
             self._update(group)
 
     def _update(self, group: list[WorkerId]) -> None:
+        """Execute the group's actions up to the optimizer step: each stage's reduce (values in
+        process, time on its ring), the norms' exchange (one latency, when the clip waits on it),
+        the clip and the step; a strategy's "post" phase follows when the step's compute ends."""
+        actions = self._actions(self.workers[group[0]])
+        reduce = find(actions, ReduceGradients)
         ready = {w: self.clock.now[w] for w in group}
         arrived = dict(ready)
-        for stage in sorted({w.stage for w in group} if _collective(self.workers[group[0]]) else ()):
+        for stage in sorted({w.stage for w in group} if reduce is not None else ()):
             replicas = self.mesh.stage_replicas(stage)
             nbytes = self.collectives.average_gradients([self.workers[w] for w in replicas])
-            ready |= self._allreduce(replicas, ready, nbytes)
-        if self.flushes:
-            # Global-norm clipping needs every stage's norm: a scalar exchange, modeled as one latency.
-            if _drifts(self.workers[group[0]]):  # replicas differ: each clips by its own norm
-                sq = {r: sum(self.workers[WorkerId(r, s)].grad_sq_norm() for s in range(self.mesh.stages))
-                      for r in range(self.mesh.replicas)}
-                norms = {w: (sq[w.replica], clip_coefficient(sq[w.replica], self.grad_clip)) for w in group}
-            else:
-                sq_norm = sum(self.workers[WorkerId(0, s)].grad_sq_norm() for s in range(self.mesh.stages))
-                norms = {w: (sq_norm, clip_coefficient(sq_norm, self.grad_clip)) for w in group}
-            if self.grad_clip > 0:
-                barrier = max(ready.values()) + self.network.default.latency_s
-                ready = {w: barrier for w in group}
-        else:
-            limit = stage_clip_norm(self.grad_clip, self.mesh.stages)
-            norms = {}
-            for w in group:
-                sq = self.workers[w].grad_sq_norm()
-                norms[w] = (sq, clip_coefficient(sq, limit))
+            ready |= self._allreduce(replicas, ready, nbytes, reduce)
+        gather = find(actions, GatherNorms)
+        if gather is not None and gather.latency:
+            barrier = max(ready.values()) + self.network.default.latency_s
+            ready = {w: barrier for w in group}
+        policy = find(actions, ClipAndStep).policy
+        sq_of = functools.cache(lambda w: self.workers[w].grad_sq_norm())  # once each, whoever asks
+        posts = find(actions, StrategyPhase) is not None
         for wid in group:
             worker, action = self.workers[wid], self.waiting.pop(wid)
+            sq_norm = policy.sq_norm(wid, sq_of)
             started = time.perf_counter()
-            worker.apply_update(action, norms[wid][1], norms[wid][0])
+            worker.apply_update(action, policy.coefficient(sq_norm), sq_norm)
             seconds = self.compute.update_s(worker.n_params, time.perf_counter() - started)
             self.clock.busy_s[wid] += seconds
             self.busy.add(wid)
@@ -389,11 +394,11 @@ class SimDriver:
             if self.timeline is not None and self.timeline.wants(step):
                 self.timeline.compute(str(wid), "U", step, action.microbatch, ready[wid],
                                       ready[wid] + seconds)
-            if _collective(worker):
+            if posts:
+                self._push(ready[wid] + seconds, "posted", (wid, action))
+            else:
                 self.dp_wait_s += ready[wid] - arrived[wid] if worker.mesh.replicas > 1 else 0.0
                 self._push(ready[wid] + seconds, "done", (wid, []))
-            else:
-                self._push(ready[wid] + seconds, "posted", (wid, action))
 
     # --- a message-based DP strategy's phases (meshlearn.dp.base) ------------------------------
 
@@ -425,8 +430,7 @@ class SimDriver:
     def _dp_deliver(self, message: Message, now: float) -> None:
         wid, key = message.dst, (message.step, message.microbatch)
         strategy = self.workers[wid].dp
-        started, limit = self.dp_started[wid].get(key), strategy.deadline_s(key)
-        if started is not None and limit is not None and now > started + limit:
+        if round_late(self.dp_started[wid].get(key), strategy.deadline_s(key), now):
             strategy.expire(key)  # late: the round is dropped, whenever the receiver looks
         else:
             self._dp_send(wid, strategy.receive(message), now)
@@ -447,10 +451,9 @@ class SimDriver:
             return
         u = worker.version - 1
         while (key := strategy.post_wait(u)) is not None:
-            limit = strategy.deadline_s(key)
-            if limit is None:
+            deadline = round_give_up_at(self.dp_started[wid].get(key), strategy.deadline_s(key))
+            if deadline is None:
                 return  # waited for: the next arrival checks again
-            deadline = self.dp_started[wid][key] + limit
             if now < deadline:
                 if (wid, key) not in self._dp_alarms:
                     self._dp_alarms.add((wid, key))
@@ -468,17 +471,17 @@ class SimDriver:
         self._try_start(wid, now)
 
     def _allreduce(self, replicas: list[WorkerId], ready: dict[WorkerId, float],
-                   nbytes: int) -> dict[WorkerId, float]:
+                   nbytes: int, reduce: ReduceGradients) -> dict[WorkerId, float]:
         """One stage's ring all-reduce of ``nbytes`` (over ``collectives.stage_ring``: members not
         simulated are ready when the simulated ``replicas`` are): it starts once every replica is
         ready, is charged to the ring's links, and returns when each replica has the average
-        (nothing for a ring of one). A robust rule (``dp.robust``) runs an all-gather instead."""
+        (nothing for a ring of one). A robust rule (``reduce.rule``) runs an all-gather instead."""
         ring = self.collectives.stage_ring(replicas)
         if len(ring) == 1:
             return {}
         start = max(ready[w] for w in replicas)
         step = self.waiting[replicas[0]].microbatch // self.workers[replicas[0]].microbatches
-        if stage_rule(self.workers[replicas[0]]).gathers:
+        if reduce.gathers:
             done = self._allgather(ring, start, nbytes, step)
             return {w: done[w] for w in replicas}
         if self.network.access == UPLINK:  # the ring's sends queue behind what each uplink holds
