@@ -1,8 +1,10 @@
 """The update protocol (mesh/update.py) without any runtime: the clip policy, the action list of
-each schedule and DP strategy, the deadlines attached to collective requests, the robust reduce.
+each schedule and DP strategy, the deadlines attached to collective requests, the robust reduce,
+the elastic vote's place, and the phase walk with its rounds' deadlines.
 
 The DP phase walk is executed here by a minimal in-test executor (messages delivered at once, no
-clock): each registered strategy's actions must walk to the end, every round completing."""
+clock): each registered strategy's actions must walk to the end, every round completing; a toy
+strategy (average every other update) shows a round waited for until its deadline, then dropped."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from meshlearn.dp.base import DPStrategy
 from meshlearn.dp.registry import BUILDERS, build_strategy
 from meshlearn.dp.robust import Robust
 from meshlearn.dp.settings import DPConfig
@@ -24,12 +27,16 @@ from meshlearn.mesh.update import (
     Commit,
     GatherNorms,
     MergeRounds,
+    PhaseWalk,
     ReduceGradients,
+    RoundStarts,
     StrategyPhase,
     UpdateSpec,
+    Wait,
     clip_coefficient,
     clip_policy,
     find,
+    receive_round,
     round_give_up_at,
     round_late,
     update_actions,
@@ -221,3 +228,82 @@ def test_elastic_votes_before_the_step_unless_the_strategys_rounds_follow_it():
         assert commit_after_post == (u in syncs), (u, order)
         assert find(update_actions(UpdateSpec(u, True, P, 1.0, group[0], **elastic)), GatherNorms) is None
     assert Commit() == Commit()
+
+
+# --- the phase walk and the rounds' deadlines ---------------------------------------------------
+
+class EveryOther(DPStrategy):
+    """A toy strategy: after every even update, average the replicas' weights, waited for until
+    the round's deadline (then the update goes on without it)."""
+
+    name = "every_other"
+
+    def __init__(self, me: WorkerId, replicas: int, weights: torch.Tensor, deadline_s: float | None):
+        super().__init__(me, replicas)
+        self.weights, self.limit, self.mean = weights, deadline_s, None
+
+    def post_step(self, u: int) -> list:
+        return self.share((u, 0), self.weights, u) if u % 2 == 0 else []
+
+    def on_complete(self, key) -> list:
+        self.mean = self.exchange.mean(key)
+        return []
+
+    def post_wait(self, u: int):
+        key = (u, 0)
+        return key if u % 2 == 0 and self.mean is None and key not in self.exchange.dropped else None
+
+    def deadline_s(self, key) -> float | None:
+        return self.limit
+
+    def apply(self, u: int) -> None:
+        if self.mean is not None:
+            self.weights.copy_(self.mean)
+            self.mean = None
+
+
+def pair(deadline_s: float | None) -> list[EveryOther]:
+    return [EveryOther(WorkerId(r, 0), 2, torch.full((3,), float(r)), deadline_s) for r in range(2)]
+
+
+def test_a_post_phase_waits_for_its_round_until_the_deadline_then_drops_it():
+    a, b = pair(deadline_s=2.0)
+    starts = RoundStarts()
+    walk = PhaseWalk(a, StrategyPhase("post", 0), starts)
+    sent = walk.messages()
+    starts.mark(sent, 10.0)
+    assert walk.poll(11.0) == Wait(12.0, 0)  # the peer's part is missing: wait until the deadline
+    assert walk.poll(12.5) is None and a.dropped == 1  # past it: dropped, the update goes on
+    late = b.post_step(0)[0]
+    assert receive_round(a, starts, late, arrived=12.6) == [] and a.mean is None
+
+
+def test_a_round_that_completes_in_time_is_merged():
+    a, b = pair(deadline_s=2.0)
+    starts = RoundStarts()
+    walk = PhaseWalk(a, StrategyPhase("post", 0), starts)
+    starts.mark(walk.messages(), 10.0)
+    receive_round(a, starts, b.post_step(0)[0], arrived=11.5)
+    assert walk.poll(11.5) is None and a.dropped == 0
+    a.apply(0)
+    assert torch.equal(a.weights, torch.full((3,), 0.5))
+    assert PhaseWalk(a, StrategyPhase("post", 1), starts).messages() == []  # odd updates: no round
+
+
+def test_a_round_without_deadline_is_waited_for_and_a_pre_phase_until_ready():
+    a, _ = pair(deadline_s=None)
+    starts = RoundStarts()
+    walk = PhaseWalk(a, StrategyPhase("post", 0), starts)
+    starts.mark(walk.messages(), 10.0)
+    assert walk.poll(1e9) == Wait(None, 0) and a.dropped == 0
+    assert PhaseWalk(a, StrategyPhase("pre", 0), starts).poll(0.0) is None
+
+
+def test_round_starts_keep_the_first_send_and_forget_settled_rounds():
+    a, _ = pair(deadline_s=1.0)
+    starts = RoundStarts()
+    starts.mark(a.post_step(0), 5.0)
+    starts.mark(a.post_step(0), 7.0)  # a later part of the same round: its start stays
+    assert starts.give_up_at(a, (0, 0)) == 6.0
+    starts.forget_before(1)
+    assert starts.give_up_at(a, (0, 0)) is None

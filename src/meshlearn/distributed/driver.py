@@ -45,12 +45,13 @@ from meshlearn.mesh.update import (
     ClipAndStep,
     GatherNorms,
     MergeRounds,
+    PhaseWalk,
     ReduceGradients,
+    RoundStarts,
     StrategyPhase,
     UpdateAction,
     UpdateSpec,
-    round_give_up_at,
-    round_late,
+    receive_round,
     update_actions,
 )
 from meshlearn.mesh.wall_clock import WallClock
@@ -93,7 +94,7 @@ class DistDriver(PipelineEvaluation):
         self.dp = worker.dp if worker.dp is not None and not worker.dp.collective else None
         self.dp_peers = ([WorkerId(r, self.me.stage) for r in range(replicas) if r != self.me.replica]
                          if self.dp is not None else [])
-        self.dp_started: dict[tuple[int, int], float] = {}  # round key → monotonic start
+        self.dp_started = RoundStarts()  # on the monotonic clock
         self.dp_wait_s = 0.0  # seconds this worker's updates waited on the DP axis
         self.dp_capacity = PREFIX_BYTES + HEADER_ROOM + 4 * worker.n_params  # larger: oversize path
         pacers = {peer: Pacer(self.network.link(self.me, peer), self.epoch, self.shaped)
@@ -410,36 +411,27 @@ class DistDriver(PipelineEvaluation):
         """A message-based strategy's phase (meshlearn.dp.base), the simulator's in real time:
         "pre" posts the update's receives, sends and waits until the strategy is ready; "post"
         sends, then waits for each round it names, each wait bounded by that round's deadline."""
-        strategy, u = self.dp, phase.u
+        walk = PhaseWalk(self.dp, phase, self.dp_started)
         if phase.phase == "pre":
             for peer in self.dp_peers:
-                self.transport.expect(peer, strategy.expects(u), self.dp_capacity)
-            started = time.monotonic()
-            self._dp_send(strategy.pre_step(u))
-            while not strategy.pre_ready(u):
-                self._dp_wait(f"the DP round of update {u + 1}", None)
-        else:
-            self._dp_send(strategy.post_step(u))
+                self.transport.expect(peer, self.dp.expects(phase.u), self.dp_capacity)
+        started = time.monotonic()
+        self._dp_send(walk.messages())
+        if phase.phase == "post":
             started = time.monotonic()
             self._dp_poll()
-            while (key := strategy.post_wait(u)) is not None:
-                if not self._dp_wait(f"the DP round of update {key[0] + 1}",
-                                     round_give_up_at(self.dp_started.get(key), strategy.deadline_s(key))):
-                    strategy.expire(key)
+        while (wait := walk.poll(time.monotonic())) is not None:
+            self._dp_wait(f"the DP round of update {wait.u + 1}", wait.until)
         self.dp_wait_s += time.monotonic() - started
 
     def _dp_send(self, messages: list[Message]) -> None:
+        self.dp_started.mark(messages, time.monotonic())
         for message in messages:
-            self.dp_started.setdefault((message.step, message.microbatch), time.monotonic())
             self._send(message, self.dp_capacity)
 
     def _dp_deliver(self, message: Message) -> None:
-        key = (message.step, message.microbatch)
         arrived = getattr(message, "received_at", time.monotonic())
-        if round_late(self.dp_started.get(key), self.dp.deadline_s(key), arrived):
-            self.dp.expire(key)  # late: the round is dropped, as the simulator drops it
-        else:
-            self._dp_send(self.dp.receive(message))
+        self._dp_send(receive_round(self.dp, self.dp_started, message, arrived))
 
     def _dp_wait(self, what: str, give_up_at: float | None) -> bool:
         """Take one arrival (any kind); False if ``give_up_at`` passed first."""
@@ -458,7 +450,7 @@ class DistDriver(PipelineEvaluation):
     def _dp_settle(self) -> None:
         """At a drain point: rounds still open land or miss their deadline (then dropped)."""
         for key in self.dp.exchange.open_keys():
-            give_up_at = round_give_up_at(self.dp_started.get(key), self.dp.deadline_s(key))
+            give_up_at = self.dp_started.give_up_at(self.dp, key)
             while key in self.dp.exchange.open_keys():
                 if not self._dp_wait(f"the DP round of update {key[0] + 1}", give_up_at):
                     self.dp.expire(key)

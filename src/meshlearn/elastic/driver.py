@@ -69,7 +69,9 @@ from meshlearn.mesh.update import (
     ClipAndStep,
     Commit,
     MergeRounds,
+    PhaseWalk,
     ReduceGradients,
+    RoundStarts,
     StrategyPhase,
     UpdateAction,
     UpdateSpec,
@@ -390,11 +392,11 @@ class ElasticDriver(Evictions, DistDriver):
                 sq_norm = worker.grad_sq_norm()  # after the reduce or the pre rounds, before a vote
             if isinstance(act, ReduceGradients):
                 counts = self._reduce_gradients(counts)
-            elif isinstance(act, StrategyPhase):
-                phase = strategy.pre_step if act.phase == "pre" else strategy.post_step
-                self._no_messages(phase(act.u), act.u)
-                if act.phase == "pre" and not strategy.pre_ready(act.u):
-                    raise RuntimeError(f"worker {self.me}: update {act.u + 1}'s DP rounds are not complete")
+            elif isinstance(act, StrategyPhase):  # its rounds are quorum sums: done once sent
+                walk = PhaseWalk(strategy, act, RoundStarts())
+                self._no_messages(walk.messages(), act.u)
+                if walk.poll(time.monotonic()) is not None:
+                    raise RuntimeError(f"worker {self.me}: a DP round of update {act.u + 1} is still open")
             elif isinstance(act, Commit):
                 current.committed = self._decide(action.microbatch // self.cfg.mesh.microbatches)
                 if not current.committed:
@@ -405,8 +407,6 @@ class ElasticDriver(Evictions, DistDriver):
                 self.busy_s += time.perf_counter() - began
                 stepped = True
             elif isinstance(act, MergeRounds):
-                if strategy.post_wait(act.u) is not None:
-                    raise RuntimeError(f"worker {self.me}: a DP round of update {act.u + 1} is still open")
                 strategy.apply(act.u)
                 if not trains:
                     strategy.reset_local()

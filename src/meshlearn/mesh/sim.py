@@ -39,13 +39,14 @@ from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.update import (
     ClipAndStep,
     GatherNorms,
+    PhaseWalk,
     ReduceGradients,
+    RoundStarts,
     StrategyPhase,
     UpdateAction,
     UpdateSpec,
     find,
-    round_give_up_at,
-    round_late,
+    receive_round,
     update_actions,
     waits_for,
 )
@@ -142,13 +143,10 @@ class SimDriver:
         self.events: list[tuple[float, int, str, object]] = []
         self.busy: set[WorkerId] = set()
         self.waiting: dict[WorkerId, Action] = {}  # workers at an update whose collective is not complete
-        # Workers inside a message-based DP strategy's phase (meshlearn.dp.base): (phase, U, since).
-        self.dp_wait: dict[WorkerId, tuple[str, Action, float]] = {}
-        # Round starts, per worker (one dict each), and their keys in a heap: forgetting old rounds
-        # pops only those (a scan of every key at every update was a hot spot of long runs).
-        self.dp_started: dict[WorkerId, dict[tuple[int, int], float]] = {w: {} for w in workers}
-        self._dp_started_keys: dict[WorkerId, list[tuple[int, int]]] = {w: [] for w in workers}
-        self._dp_alarms: set[tuple[WorkerId, tuple[int, int]]] = set()
+        # Workers inside a message-based DP strategy's phase (meshlearn.dp.base): (walk, U, since).
+        self.dp_wait: dict[WorkerId, tuple[PhaseWalk, Action, float]] = {}
+        self.dp_started = {w: RoundStarts() for w in workers}  # round starts, per worker
+        self._dp_alarms: set[tuple[WorkerId, float]] = set()  # deadline events queued (worker, time)
         self.dp_wait_s = 0.0
         self.fed = -1  # the last step whose work the workers have
         # Steps whose every update has finished on the virtual clock, per worker (a worker applies an
@@ -260,7 +258,7 @@ class SimDriver:
         elif kind == "posted":
             self._dp_posted(*payload, now)
         elif kind == "dp_deadline":
-            wid, key = payload
+            wid, _ = payload
             self._dp_alarms.discard(payload)
             if wid in self.dp_wait:
                 self._dp_check(wid, now)
@@ -328,8 +326,9 @@ class SimDriver:
         if action is None:
             return
         if action.kind == "U":
-            if isinstance(self._actions(worker)[0], StrategyPhase):  # its "pre" phase first
-                self._dp_begin(wid, action, max(now, self.clock.now[wid]))
+            first = self._actions(worker)[0]
+            if isinstance(first, StrategyPhase):  # its "pre" phase first
+                self._dp_enter(wid, first, action, max(now, self.clock.now[wid]))
             else:
                 self._arrive_at_update(wid, action)
             return
@@ -381,7 +380,7 @@ class SimDriver:
             ready = {w: barrier for w in group}
         policy = find(actions, ClipAndStep).policy
         sq_of = functools.cache(lambda w: self.workers[w].grad_sq_norm())  # once each, whoever asks
-        posts = find(actions, StrategyPhase) is not None
+        post = next((a for a in actions if isinstance(a, StrategyPhase) and a.phase == "post"), None)
         for wid in group:
             worker, action = self.workers[wid], self.waiting.pop(wid)
             sq_norm = policy.sq_norm(wid, sq_of)
@@ -394,79 +393,58 @@ class SimDriver:
             if self.timeline is not None and self.timeline.wants(step):
                 self.timeline.compute(str(wid), "U", step, action.microbatch, ready[wid],
                                       ready[wid] + seconds)
-            if posts:
-                self._push(ready[wid] + seconds, "posted", (wid, action))
+            if post is not None:
+                self._push(ready[wid] + seconds, "posted", (wid, action, post))
             else:
                 self.dp_wait_s += ready[wid] - arrived[wid] if worker.mesh.replicas > 1 else 0.0
                 self._push(ready[wid] + seconds, "done", (wid, []))
 
     # --- a message-based DP strategy's phases (meshlearn.dp.base) ------------------------------
 
-    def _dp_begin(self, wid: WorkerId, action: Action, now: float) -> None:
-        worker = self.workers[wid]
-        self._dp_send(wid, worker.dp.pre_step(worker.version), now)
-        self.dp_wait[wid] = ("pre", action, now)
+    def _dp_enter(self, wid: WorkerId, phase: StrategyPhase, action: Action, now: float) -> None:
+        """Start ``phase`` of the strategy of ``wid``'s update ``action``: send its messages, then
+        wait (bounded by each round's deadline) until it is done."""
+        walk = PhaseWalk(self.workers[wid].dp, phase, self.dp_started[wid])
+        self._dp_send(wid, walk.messages(), now)
+        self.dp_wait[wid] = (walk, action, now)
         self._dp_check(wid, now)
 
-    def _dp_posted(self, wid: WorkerId, action: Action, now: float) -> None:
-        """The optimizer step's compute ended: start the strategy's rounds, then wait for what
-        this update must apply (bounded by each round's deadline)."""
+    def _dp_posted(self, wid: WorkerId, action: Action, phase: StrategyPhase, now: float) -> None:
+        """The optimizer step's compute ended: the "post" phase."""
         self.clock.now[wid] = now
         self.busy.discard(wid)
-        worker = self.workers[wid]
-        self._dp_send(wid, worker.dp.post_step(worker.version - 1), now)
-        self.dp_wait[wid] = ("post", action, now)
-        self._dp_check(wid, now)
+        self._dp_enter(wid, phase, action, now)
 
     def _dp_send(self, wid: WorkerId, messages: list[Message], now: float) -> None:
-        started = self.dp_started[wid]
+        self.dp_started[wid].mark(messages, now)
         for message in messages:
-            key = (message.step, message.microbatch)
-            if key not in started:
-                started[key] = now
-                heapq.heappush(self._dp_started_keys[wid], key)
             self._push(self._transmit(wid, message, now), "arrive", self.collectives.arriving(message))
 
     def _dp_deliver(self, message: Message, now: float) -> None:
-        wid, key = message.dst, (message.step, message.microbatch)
-        strategy = self.workers[wid].dp
-        if round_late(self.dp_started[wid].get(key), strategy.deadline_s(key), now):
-            strategy.expire(key)  # late: the round is dropped, whenever the receiver looks
-        else:
-            self._dp_send(wid, strategy.receive(message), now)
+        wid = message.dst
+        self._dp_send(wid, receive_round(self.workers[wid].dp, self.dp_started[wid], message, now), now)
         if wid in self.dp_wait:
             self._dp_check(wid, now)
 
     def _dp_check(self, wid: WorkerId, now: float) -> None:
-        phase, action, since = self.dp_wait[wid]
-        worker = self.workers[wid]
-        strategy = worker.dp
-        if phase == "pre":
-            if not strategy.pre_ready(worker.version):
-                return
-            del self.dp_wait[wid]
-            self.dp_wait_s += now - since
-            self.clock.now[wid] = max(self.clock.now[wid], now)
-            self._arrive_at_update(wid, action)
+        """Poll the phase ``wid`` waits in; a deadline it waits for becomes an event. A "pre" phase
+        done goes on to the update; a "post" phase done merges its rounds (``MergeRounds``)."""
+        walk, action, since = self.dp_wait[wid]
+        wait = walk.poll(now)
+        if wait is not None:
+            if wait.until is not None and (wid, wait.until) not in self._dp_alarms:
+                self._dp_alarms.add((wid, wait.until))
+                self._push(wait.until, "dp_deadline", (wid, wait.until))
             return
-        u = worker.version - 1
-        while (key := strategy.post_wait(u)) is not None:
-            deadline = round_give_up_at(self.dp_started[wid].get(key), strategy.deadline_s(key))
-            if deadline is None:
-                return  # waited for: the next arrival checks again
-            if now < deadline:
-                if (wid, key) not in self._dp_alarms:
-                    self._dp_alarms.add((wid, key))
-                    self._push(deadline, "dp_deadline", (wid, key))
-                return
-            strategy.expire(key)
         del self.dp_wait[wid]
         self.dp_wait_s += now - since
-        strategy.apply(u)
-        started, keys = self.dp_started[wid], self._dp_started_keys[wid]
-        while keys and keys[0][0] < u - 64:
-            started.pop(heapq.heappop(keys), None)
         self.clock.now[wid] = max(self.clock.now[wid], now)
+        if walk.phase.phase == "pre":
+            self._arrive_at_update(wid, action)
+            return
+        u = walk.phase.u
+        walk.strategy.apply(u)
+        self.dp_started[wid].forget_before(u - 64)
         self._set_done(wid)
         self._try_start(wid, now)
 

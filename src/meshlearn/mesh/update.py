@@ -26,17 +26,23 @@ The actions of one update, in order (each present only where the config asks for
     Commit                            elastic, where the strategy's rounds follow the optimizer
                                       step (``post_rounds``): the vote comes after them
     MergeRounds(u)                    the strategy's apply(u): what is due at u is merged
+
+A ``StrategyPhase`` is walked by ``PhaseWalk`` (its messages, then ``poll`` until done, rounds past
+their deadline expired there), with the rounds' starts in ``RoundStarts`` and every ``dp`` arrival
+through ``receive_round``: the runtimes only send, wait and deliver.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from meshlearn.dp.base import DPStrategy
+from meshlearn.dp.base import DPStrategy, Key
 from meshlearn.dp.robust import Robust
+from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import WorkerId
 
 
@@ -215,3 +221,75 @@ def round_late(started: float | None, limit_s: float | None, arrived: float) -> 
     """Whether a round's message that arrived at ``arrived`` missed the round's deadline."""
     give_up = round_give_up_at(started, limit_s)
     return give_up is not None and arrived > give_up
+
+
+# --- a strategy's phase, walked (the StrategyPhase's executor, sans-IO) ----------------------------
+
+class RoundStarts:
+    """When this worker started each DP round, on its runtime's clock: the origin of the round's
+    deadline. A round starts when the worker first sends a part of it."""
+
+    def __init__(self):
+        self.at: dict[Key, float] = {}
+        self._keys: list[Key] = []  # a heap: forgetting old rounds pops only those
+
+    def mark(self, messages: list[Message], now: float) -> None:
+        for message in messages:
+            key = (message.step, message.microbatch)
+            if key not in self.at:
+                self.at[key] = now
+                heapq.heappush(self._keys, key)
+
+    def give_up_at(self, strategy: DPStrategy, key: Key) -> float | None:
+        return round_give_up_at(self.at.get(key), strategy.deadline_s(key))
+
+    def forget_before(self, u: int) -> None:
+        """Drop the starts of rounds begun by updates before ``u`` (long settled)."""
+        while self._keys and self._keys[0][0] < u:
+            self.at.pop(heapq.heappop(self._keys), None)
+
+
+def receive_round(strategy: DPStrategy, starts: RoundStarts, message: Message,
+                  arrived: float) -> list[Message]:
+    """A ``dp`` message arrived at ``arrived``: past its round's deadline the round is dropped,
+    whenever the receiver looks; else the strategy takes it. Returns what to send in answer."""
+    key = (message.step, message.microbatch)
+    if round_late(starts.at.get(key), strategy.deadline_s(key), arrived):
+        strategy.expire(key)
+        return []
+    return strategy.receive(message)
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A phase is not done: deliver arrivals until ``until`` (None: until the next one); ``u``: the
+    update whose round it waits for."""
+
+    until: float | None
+    u: int
+
+
+@dataclass(frozen=True)
+class PhaseWalk:
+    """A ``StrategyPhase`` on one worker: ``messages()`` once (the runtime sends them and marks
+    their rounds' starts), then ``poll(now)`` after every arrival or deadline until it returns None.
+    A round whose deadline has passed is expired here, so a runtime only waits and delivers."""
+
+    strategy: DPStrategy
+    phase: StrategyPhase
+    starts: RoundStarts
+
+    def messages(self) -> list[Message]:
+        u = self.phase.u
+        return self.strategy.pre_step(u) if self.phase.phase == "pre" else self.strategy.post_step(u)
+
+    def poll(self, now: float) -> Wait | None:
+        strategy, u = self.strategy, self.phase.u
+        if self.phase.phase == "pre":
+            return None if strategy.pre_ready(u) else Wait(None, u)
+        while (key := strategy.post_wait(u)) is not None:
+            until = self.starts.give_up_at(strategy, key)
+            if until is None or now < until:
+                return Wait(until, key[0])
+            strategy.expire(key)
+        return None
