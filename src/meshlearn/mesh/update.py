@@ -16,8 +16,8 @@ The actions of one update, in order (each present only where the config asks for
                                       its replicas' gradients (a mean, or a robust rule's reduce)
     StrategyPhase("pre", u)           a message-based strategy: pre_step's messages, then wait
                                       until pre_ready(u)
-    GatherNorms(deadline, latency)    a flushing schedule: every stage's squared norm, for the
-                                      one global clip
+    GatherNorms(deadline, latency)    a flushing schedule where a collective spans the mesh (not
+                                      elastic): every stage's squared norm, for the global clip
     Commit                            elastic, before the optimizer step: the stage's and the
                                       mesh's vote (a step that does not commit applies nothing)
     ClipAndStep(policy)               the clip coefficient from ``policy``, the optimizer step
