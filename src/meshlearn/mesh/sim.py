@@ -364,8 +364,9 @@ class SimDriver:
 
     def _update(self, group: list[WorkerId]) -> None:
         """Execute the group's actions up to the optimizer step: each stage's reduce (values in
-        process, time on its ring), the norms' exchange (one latency, when the clip waits on it),
-        the clip and the step; a strategy's "post" phase follows when the step's compute ends."""
+        process, time on its ring), the norms' exchange (the slowest pair's latency, when the clip
+        waits on it), the clip and the step; a strategy's "post" phase follows when the step's
+        compute ends."""
         actions = self._actions(self.workers[group[0]])
         reduce = find(actions, ReduceGradients)
         ready = {w: self.clock.now[w] for w in group}
@@ -376,7 +377,7 @@ class SimDriver:
             ready |= self._allreduce(replicas, ready, nbytes, reduce)
         gather = find(actions, GatherNorms)
         if gather is not None and gather.latency:
-            barrier = max(ready.values()) + self.network.default.latency_s
+            barrier = max(ready.values()) + self.network.exchange_latency_s(group)
             ready = {w: barrier for w in group}
         policy = find(actions, ClipAndStep).policy
         sq_of = functools.cache(lambda w: self.workers[w].grad_sq_norm())  # once each, whoever asks
