@@ -81,8 +81,8 @@ class Arm:
 
 
 def slow_overrides(placement: dict[str, tuple[str, ...]], pair: tuple[int, int], one_way_ms: float) -> str:
-    """``links.overrides`` giving every worker link between the slow pair's machines its delay
-    (entries for two workers that share no link match none in the simulator)."""
+    """``links.overrides`` giving every pair of workers across the slow pair's machines its delay
+    (a pair that shares no pipeline or DP link still carries the global clip's norms)."""
     a, b = (placement[HOSTS[i]] for i in pair)
     ends = [(x, y) for x in a for y in b] + [(y, x) for x in a for y in b]
     return "; ".join(f"{src}->{dst}: latency_ms={one_way_ms:g}" for src, dst in ends)
@@ -91,9 +91,9 @@ def slow_overrides(placement: dict[str, tuple[str, ...]], pair: tuple[int, int],
 def link_settings(arm: Arm) -> list[str]:
     """The links the simulator models for ``arm``: loopback on one machine (unlimited, no delay);
     across machines the tbf rate, and the slow pair's delay. Of two machines every link is on the
-    slow pair: its delay is the default, which the simulator also charges the global clip's
-    exchange (``mesh/sim.py`` uses the default latency there, not the overrides); of three, the
-    default is no delay and the slow pair's links get theirs by ``links.overrides``."""
+    slow pair: its delay is the default; of three, the default is no delay and the slow pair's
+    links get theirs by ``links.overrides`` (the simulator charges the global clip's exchange of
+    norms the slowest pair's latency, ``Network.exchange_latency_s``)."""
     if arm.count == 1:
         return ["link.bandwidth_mbit=inf", "link.latency_ms=0"]
     if arm.count == 2:

@@ -79,7 +79,7 @@ def backward(worker, u: int) -> None:
 
 
 def update(worker, u: int, trains: bool = True) -> None:
-    """One elastic update as ``ElasticDriver._dp_update`` runs it (all stages committing)."""
+    """One elastic update as ``ElasticDriver.update`` executes its actions (all stages committing)."""
     if trains:
         backward(worker, u)
     else:

@@ -34,6 +34,26 @@ def test_slow_dp_links_slow_the_allreduce_on_the_virtual_clock(tiny_corpus, tmp_
     assert times[1] > 2 * times[0]
 
 
+def test_the_global_clips_norm_exchange_waits_for_the_slowest_pair(tiny_corpus, tmp_path):
+    """r0s0 and r1s1 share no pipeline or DP link: only the global clip's exchange of norms crosses
+    between them, and its step waits for that pair's latency (the simulator charged the default
+    link's, 0 ms here, while a real run's gather crosses the slow pair: bench/cluster.py)."""
+    slow = "links.overrides=r0s0->r1s1: latency_ms=80; r1s1->r0s0: latency_ms=80"
+    times = {}
+    for clip in (0, 1):
+        for links in ("", slow):
+            cfg = tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=2", "mesh.schedule=1f1b",
+                              "link.latency_ms=0", "train.steps=3", f"train.grad_clip={clip}",
+                              *([links] if links else []))
+            times[clip, bool(links)] = Trainer(cfg, tmp_path / f"{clip}{bool(links)}",
+                                               progress=False).train()["sim_time_s"]
+    assert times[0, True] == times[0, False]  # no clip: nothing waits on the exchange
+    assert times[1, True] - times[1, False] == pytest.approx(3 * 0.080, rel=1e-6)  # 80 ms a step
+    net = build_run_network(tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=2", slow))
+    assert net.exchange_latency_s([WorkerId(0, 0), WorkerId(0, 1)]) == pytest.approx(0.010)  # the pp link
+    assert not net.links  # the question creates no link
+
+
 @pytest.mark.parametrize(("text", "fragment"), [("r0s0->r9x: latency_ms=1", "r9x"),
                                                 ("r0s0->*: speed=3", "speed"), ("r0s0 latency", "form")])
 def test_bad_overrides_name_the_key(tiny_corpus, text, fragment):

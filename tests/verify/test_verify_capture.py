@@ -4,6 +4,9 @@ quarantining the honest one. Synthetic streams of stage-1 activations, determini
 
 from __future__ import annotations
 
+import itertools
+
+import pytest
 import torch
 from test_verify_failsafe import SHAPE, Stream, message, sentinel
 
@@ -15,10 +18,11 @@ START, RAMP, BIAS = 30, 100, 3.0  # the attacker's bias grows from step START ov
 BURST = (100, 108)  # steps in which the honest sender's activations are 3× larger (flagged, rightly)
 
 
-def drift_run(attack, steps: int = 150, **overrides) -> dict:
+def drift_run(attack, steps: int = 150, count_from: int = BURST[1], **overrides) -> dict:
     """Both senders draw from one pattern plus a per-step shift common to both (the honest drift
-    that keeps the fences wide, as training does); ``attack(step, x)`` corrupts r1s1. Counts the
-    quarantined and the passed-on flags of each sender after the burst."""
+    that keeps the fences wide, as training does); ``attack(step, x)`` corrupts r1s1 (called once
+    per microbatch, in order). Counts the quarantined and the passed-on flags of each sender from
+    step ``count_from`` (after the burst)."""
     s = sentinel(MESH, pair_metrics="", **overrides)
     streams = [Stream(0), Stream(0)]
     streams[1].gen = torch.Generator().manual_seed(1)
@@ -35,12 +39,12 @@ def drift_run(attack, steps: int = 150, **overrides) -> dict:
                 if src == ATTACKER:
                     x = attack(step, x)
                 delivered = s.inspect(message(MESH, "act", step, mb, src, x))
-                if step >= BURST[1]:
+                if step >= count_from:
                     who = "honest" if src == HONEST else "attacker"
                     counts[f"{who}_quarantined"] += delivered.skip
                     counts["messages"] += src == HONEST
         outcome = s.end_step(step)
-        counts["passed"] += sum(d.delivered for d in outcome.decisions if step >= BURST[1])
+        counts["passed"] += sum(d.delivered for d in outcome.decisions if step >= count_from)
         alerts += outcome.alerts
     counts["alerts"] = sorted({(str(a.worker), a.cause) for a in alerts})
     return counts
@@ -76,3 +80,26 @@ def test_a_split_the_verifier_can_decide_keeps_quarantining_the_attacker():
     assert counts["passed"] == 0, counts
     assert counts["attacker_quarantined"] >= 0.95 * counts["messages"], counts
     assert counts["honest_quarantined"] <= 8, counts
+
+
+@pytest.mark.xfail(strict=True, reason="open (docs/sentinel.md, issue 31): an undecided split's "
+                   "passing never expires; expiring it after verify.rewarm_steps cost the drift ramp "
+                   "+0.034 (3.306 vs 3.272), after that many flagged steps +0.019")
+def test_passing_ends_when_no_undecided_split_renews_it():
+    """The drift's undecided splits turn passing on; the attacker then holds still and from step
+    140 corrupts one microbatch in four (×−1: flagged, but never a majority, so never a split).
+    Those flags should be quarantined again once no undecided split renews the passing; today all
+    30 are delivered: one undecided split switches a boundary's quarantine off for good."""
+    calls = itertools.count()
+
+    def attack(step: int, x: torch.Tensor) -> torch.Tensor:
+        microbatch = next(calls) % 4
+        if step < 125:
+            return ramp(step, x)
+        if step < 140:
+            return ramp(124, x)
+        return -x if microbatch == 0 else x
+
+    counts = drift_run(attack, steps=170, count_from=140)
+    assert counts["passed"] == 0, counts
+    assert counts["attacker_quarantined"] == 30, counts  # each flagged microbatch of steps 140–169

@@ -39,9 +39,21 @@ from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.network import build_network, ring_allreduce_bytes_per_member
 from meshlearn.mesh.report import ProcessRow, StepReport
 from meshlearn.mesh.schedule import AsyncPlan, feed_lookahead, pipeline_in_flight
-from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm, stage_rule
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.mesh.update import (
+    ClipAndStep,
+    GatherNorms,
+    MergeRounds,
+    PhaseWalk,
+    ReduceGradients,
+    RoundStarts,
+    StrategyPhase,
+    UpdateAction,
+    UpdateSpec,
+    receive_round,
+    update_actions,
+)
 from meshlearn.mesh.wall_clock import WallClock
 from meshlearn.mesh.worker import StepStats, Worker
 from meshlearn.verify.verdicts import RemoteSentinel
@@ -82,7 +94,7 @@ class DistDriver(PipelineEvaluation):
         self.dp = worker.dp if worker.dp is not None and not worker.dp.collective else None
         self.dp_peers = ([WorkerId(r, self.me.stage) for r in range(replicas) if r != self.me.replica]
                          if self.dp is not None else [])
-        self.dp_started: dict[tuple[int, int], float] = {}  # round key → monotonic start
+        self.dp_started = RoundStarts()  # on the monotonic clock
         self.dp_wait_s = 0.0  # seconds this worker's updates waited on the DP axis
         self.dp_capacity = PREFIX_BYTES + HEADER_ROOM + 4 * worker.n_params  # larger: oversize path
         pacers = {peer: Pacer(self.network.link(self.me, peer), self.epoch, self.shaped)
@@ -238,14 +250,8 @@ class DistDriver(PipelineEvaluation):
         (under ``async`` the reports come from the drain point's gather: None). ``pp_before`` and
         ``dp_before``: the link counters at the step's start, for its bytes. Here: the mesh's
         collectives (the stage's all-reduce, or a DP strategy's rounds, and the gather)."""
-        if self.dp is not None:
-            rows = self._dp_update(action, pp_before, dp_before)
-        elif self.worker.plan.flushes:
-            rows = self._flush_update(action, pp_before, dp_before)
-        else:
-            self._async_update(action)
-            return None
-        if rows is None:  # a DP strategy's update under async
+        rows = self._execute(action, self._actions(), pp_before, dp_before)
+        if rows is None:  # async: the reports come from the drain point's gather
             return None
         return self._report(action.microbatch // self.cfg.mesh.microbatches, rows)
 
@@ -311,22 +317,6 @@ class DistDriver(PipelineEvaluation):
                   file=sys.stderr, flush=True)
         self.worker.receive(message)
 
-    def _flush_update(self, action, pp_before: int, dp_before: int) -> torch.Tensor:
-        """The synchronous step's end, as the simulator's: all-reduce, gather, global clip, update."""
-        self._allreduce_gradients(action.microbatch // self.cfg.mesh.microbatches)
-        step = action.microbatch // self.cfg.mesh.microbatches
-        stats = self.worker.stats.get(step, StepStats())
-        row = self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before,
-                        sq_norm=self.worker.grad_sq_norm())
-        [rows] = self._gather_rows([row])
-        # Summed in stage order from 0, exactly as the simulator sums the stages' squared norms.
-        sq_norm = sum(rows[self.mesh.rank(WorkerId(0, s))].sq_norm for s in range(self.mesh.stages))
-        grad_clip = self.cfg.train.grad_clip
-        if grad_clip > 0 and self.shaped:
-            time.sleep(self.network.default.latency_s)  # the scalar exchange, as the simulator models it
-        self._apply(action, clip_coefficient(sq_norm, grad_clip), sq_norm)
-        return rows
-
     def _apply(self, action, coef: float, sq_norm: float) -> None:
         """The optimizer step itself (busy time, and the timeline's U when recording)."""
         started, begun = time.perf_counter(), time.monotonic()
@@ -364,76 +354,84 @@ class DistDriver(PipelineEvaluation):
                            self.epoch + start, self.epoch + link.free_at,
                            self.epoch + link.last_arrival if self.shaped else None)
 
-    def _async_update(self, action) -> None:
-        """An async update: the stage's all-reduce (a barrier of this stage's replicas only, D > 1),
-        then this stage's own clip (mesh/sync.stage_clip_norm) and step."""
-        self._allreduce_gradients(action.microbatch // self.cfg.mesh.microbatches)
-        sq_norm = self.worker.grad_sq_norm()
-        coef = clip_coefficient(sq_norm, stage_clip_norm(self.cfg.train.grad_clip, self.mesh.stages))
-        self._apply(action, coef, sq_norm)
+    # --- the update protocol's actions (mesh/update.py), executed with this runtime's collectives --
 
-    # --- a message-based DP strategy (meshlearn.dp.base): the simulator's phases, in real time ---
+    def _actions(self) -> list[UpdateAction]:
+        """The actions of this worker's coming update."""
+        worker = self.worker
+        return update_actions(UpdateSpec(worker.version, worker.plan.flushes, self.mesh.stages,
+                                         self.cfg.train.grad_clip, worker.dp,
+                                         collective_deadline_s=self.deadlines.collective_s))
 
-    def _dp_update(self, action, pp_before: int, dp_before: int) -> torch.Tensor | None:
-        """pre_step → (its rounds) → clip and step → post_step → wait for what the update applies,
-        each wait bounded by its round's deadline → apply."""
-        worker, strategy = self.worker, self.dp
-        u = worker.version
-        for peer in self.dp_peers:
-            self.transport.expect(peer, strategy.expects(u), self.dp_capacity)
-        started = time.monotonic()
-        self._dp_send(strategy.pre_step(u))
-        while not strategy.pre_ready(u):
-            self._dp_wait(f"the DP round of update {u + 1}", None)
-        self.dp_wait_s += time.monotonic() - started
+    def _execute(self, action, actions: list[UpdateAction], pp_before: int,
+                 dp_before: int) -> list[ProcessRow] | None:
+        """Run update ``action``'s ``actions`` in order; under a flushing schedule return every
+        process's row of the step. Without a strategy the norms ride on the step's rows (one
+        gather); with one, the rows are gathered after its rounds have left, so that their DP
+        bytes are the step's, and the norms are a scalar gather of their own."""
+        worker, step = self.worker, action.microbatch // self.cfg.mesh.microbatches
         rows = None
-        if worker.plan.flushes:
-            # The global clip needs every stage's norm: a scalar gather; the step's report row is
-            # gathered after this update's rounds have left, so its DP bytes are the step's.
-            sq_rows = self._gather(torch.tensor([[worker.grad_sq_norm()]], dtype=torch.float64))[:, 0, 0]
-            stage_sq = sq_rows[self.mesh.rank(self.me)].item()  # the report row's: _report sums stages
-            replica = self.me.replica if strategy.drifts else 0
-            sq_norm = sum(sq_rows[self.mesh.rank(WorkerId(replica, s))].item()
-                          for s in range(self.mesh.stages))
-            grad_clip = self.cfg.train.grad_clip
-            if grad_clip > 0 and self.shaped:
-                time.sleep(self.network.default.latency_s)
-            self._apply(action, clip_coefficient(sq_norm, grad_clip), sq_norm)
-        else:
-            sq_norm = worker.grad_sq_norm()
-            coef = clip_coefficient(sq_norm, stage_clip_norm(self.cfg.train.grad_clip, self.mesh.stages))
-            self._apply(action, coef, sq_norm)
-        self._dp_send(strategy.post_step(u))
-        started = time.monotonic()
-        self._dp_poll()
-        while (key := strategy.post_wait(u)) is not None:
-            limit = strategy.deadline_s(key)
-            if not self._dp_wait(f"the DP round of update {key[0] + 1}",
-                                 None if limit is None else self.dp_started[key] + limit):
-                strategy.expire(key)
-        strategy.apply(u)
-        self.dp_wait_s += time.monotonic() - started
-        if worker.plan.flushes:
-            step = action.microbatch // self.cfg.mesh.microbatches
-            stats = worker.stats.get(step, StepStats())
-            row = self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before,
-                            sq_norm=stage_sq)
-            [rows] = self._gather_rows([row])
+        stage_sq = None  # this worker's norm as its row reports it (a flushing schedule's, before the clip)
+        norms: dict[WorkerId, float] | None = None  # every worker's squared norm, once gathered
+        for act in actions:
+            if isinstance(act, ReduceGradients):
+                self._allreduce_gradients(step, act)
+            elif isinstance(act, StrategyPhase):
+                self._strategy_phase(act)
+            elif isinstance(act, GatherNorms):
+                stage_sq = worker.grad_sq_norm()
+                if self.dp is None:
+                    rows = self._step_rows(step, pp_before, dp_before, stage_sq)
+                    values = [row.sq_norm for row in rows]
+                else:
+                    values = self._gather(torch.tensor([[stage_sq]], dtype=torch.float64))[:, 0, 0].tolist()
+                norms = {self.mesh.worker(rank): value for rank, value in enumerate(values)}
+                if act.latency and self.shaped:
+                    time.sleep(self.network.default.latency_s)  # the scalar exchange, as the simulator's
+            elif isinstance(act, ClipAndStep):
+                sq_norm = act.policy.sq_norm(self.me, norms.__getitem__ if norms is not None
+                                             else lambda w: worker.grad_sq_norm())
+                self._apply(action, act.policy.coefficient(sq_norm), sq_norm)
+            elif isinstance(act, MergeRounds):
+                self.dp.apply(act.u)
+            else:
+                raise RuntimeError(f"worker {self.me}: no {act!r} in the dist runtime (votes are elastic's)")
+        if rows is None and stage_sq is not None:
+            rows = self._step_rows(step, pp_before, dp_before, stage_sq)
         return rows
 
+    def _step_rows(self, step: int, pp_before: int, dp_before: int, sq_norm: float) -> list[ProcessRow]:
+        """Every process's row of ``step``, this one's with ``sq_norm`` (a gather)."""
+        stats = self.worker.stats.get(step, StepStats())
+        row = self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before, sq_norm=sq_norm)
+        [rows] = self._gather_rows([row])
+        return rows
+
+    def _strategy_phase(self, phase: StrategyPhase) -> None:
+        """A message-based strategy's phase (meshlearn.dp.base), the simulator's in real time:
+        "pre" posts the update's receives, sends and waits until the strategy is ready; "post"
+        sends, then waits for each round it names, each wait bounded by that round's deadline."""
+        walk = PhaseWalk(self.dp, phase, self.dp_started)
+        if phase.phase == "pre":
+            for peer in self.dp_peers:
+                self.transport.expect(peer, self.dp.expects(phase.u), self.dp_capacity)
+        started = time.monotonic()
+        self._dp_send(walk.messages())
+        if phase.phase == "post":
+            started = time.monotonic()
+            self._dp_poll()
+        while (wait := walk.poll(time.monotonic())) is not None:
+            self._dp_wait(f"the DP round of update {wait.u + 1}", wait.until)
+        self.dp_wait_s += time.monotonic() - started
+
     def _dp_send(self, messages: list[Message]) -> None:
+        self.dp_started.mark(messages, time.monotonic())
         for message in messages:
-            self.dp_started.setdefault((message.step, message.microbatch), time.monotonic())
             self._send(message, self.dp_capacity)
 
     def _dp_deliver(self, message: Message) -> None:
-        key = (message.step, message.microbatch)
-        started, limit = self.dp_started.get(key), self.dp.deadline_s(key)
         arrived = getattr(message, "received_at", time.monotonic())
-        if started is not None and limit is not None and arrived > started + limit:
-            self.dp.expire(key)  # late: the round is dropped, as the simulator drops it
-        else:
-            self._dp_send(self.dp.receive(message))
+        self._dp_send(receive_round(self.dp, self.dp_started, message, arrived))
 
     def _dp_wait(self, what: str, give_up_at: float | None) -> bool:
         """Take one arrival (any kind); False if ``give_up_at`` passed first."""
@@ -452,21 +450,22 @@ class DistDriver(PipelineEvaluation):
     def _dp_settle(self) -> None:
         """At a drain point: rounds still open land or miss their deadline (then dropped)."""
         for key in self.dp.exchange.open_keys():
-            limit = self.dp.deadline_s(key)
+            give_up_at = self.dp_started.give_up_at(self.dp, key)
             while key in self.dp.exchange.open_keys():
-                if not self._dp_wait(f"the DP round of update {key[0] + 1}",
-                                     None if limit is None else self.dp_started[key] + limit):
+                if not self._dp_wait(f"the DP round of update {key[0] + 1}", give_up_at):
                     self.dp.expire(key)
 
-    def _allreduce_gradients(self, step: int) -> None:
+    def _allreduce_gradients(self, step: int, reduce: ReduceGradients) -> None:
         """The stage's aggregate of its replicas' gradients, as the simulator: the mean, (Σ over
-        replicas) / D, or with a robust rule (``dp.robust``) its reduce of every contribution."""
+        replicas) / D, or with a robust rule (``reduce.rule``) its reduce of every contribution;
+        each wait bounded by ``dist.collective_deadline_s`` (``reduce.deadline_s``, the bound the
+        collectives were built with)."""
         replicas = self.mesh.replicas
         if replicas == 1:
             return
         started = time.monotonic()
         flat = self.worker.flat_gradients()
-        rule = stage_rule(self.worker)
+        rule = reduce.rule
         what = f"the data-parallel {'all-gather' if rule.gathers else 'all-reduce'} of stage {self.me.stage}"
         if self.collectives.framed:  # each frame held to its own link's model, counted as sent
             release = self._dp_frames_release(flat, step)

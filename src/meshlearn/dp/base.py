@@ -1,6 +1,7 @@
 """The data-parallel seam: a strategy that keeps one stage's replicas together, written sans-IO.
 
-Each worker owns one ``DPStrategy``. At every update U the driver walks it through fixed phases;
+Each worker owns one ``DPStrategy``. At every update U the driver walks it through fixed phases
+(the order is ``mesh/update.py``'s update protocol, the walk its ``PhaseWalk``);
 the strategy returns the ``Message``s (kind ``dp``) to send to the other replicas of its stage and
 says what it still waits for; the driver carries the messages on the DP links (the simulator
 charges them to the links and the virtual clock; the DistDriver sends them point to point in the

@@ -64,8 +64,19 @@ from meshlearn.elastic.rounds import QuorumExchange
 from meshlearn.elastic.rows import Held, Row, RowAgreement, row_label, slot_row, whole_batch
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.report import StepReport
-from meshlearn.mesh.sync import clip_coefficient, stage_clip_norm
 from meshlearn.mesh.topology import WorkerId
+from meshlearn.mesh.update import (
+    ClipAndStep,
+    Commit,
+    MergeRounds,
+    PhaseWalk,
+    ReduceGradients,
+    RoundStarts,
+    StrategyPhase,
+    UpdateAction,
+    UpdateSpec,
+    update_actions,
+)
 from meshlearn.mesh.worker import StepStats
 from meshlearn.models.llama import Decoder
 
@@ -329,125 +340,115 @@ class ElasticDriver(Evictions, DistDriver):
         return report
 
     def update(self, action, pp_before: int, dp_before: int) -> StepReport:
-        """The step's update over the stage's quorum, and the step's report from this worker's own
+        """The step's update over the stage's quorum, the update protocol's actions executed with
+        the quorum's collectives (``_execute``), and the step's report from this worker's own
         numbers (no collective spans the mesh)."""
-        if self.dp is not None:
-            return self._quorum_rounds_update(action, pp_before, dp_before)
-        return self._quorum_update(action, pp_before, dp_before)
-
-    def _quorum_update(self, action, pp_before: int, dp_before: int) -> StepReport:
-        """Sum over the quorum of the gradients, the loss sum and count, the number of contributing
-        replicas and of sequences trained; the mean divides by the contributing replicas. The
-        stage says yes only if every agreed row's replica contributed and the whole global batch
-        was trained (so no sequence of a committed step is missing or counted twice). Then the
-        stage clip, the vote, the update (or its discard, everywhere)."""
-        worker, current = self.worker, self.current
+        worker = self.worker
         step = action.microbatch // self.cfg.mesh.microbatches
-        stats = worker.stats.get(step, StepStats())
-        grads = worker.grads()
-        losses = list(stats.losses.values())
-        flat = torch.cat([g.reshape(-1) for g in grads] +
-                         [torch.tensor([sum(losses), len(losses), float(self.sequences > 0), self.sequences],
-                                       dtype=grads[0].dtype)])
-        started = time.monotonic()
-        summed = self.quorum.sum(flat)
-        nbytes = flat.numel() * flat.element_size()
-        if self.ring_next is not None:  # the ring model's time, as the fixed driver holds it
-            hold_until(allreduce_release_at(self.network.link(self.me, self.ring_next), self.epoch,
-                                            time.monotonic(), nbytes, current.participants, self.shaped))
-        loss_sum, loss_count, contributors, sequences = flat[-4:].tolist()
-        batch = self.cfg.train.batch_size
-        current.mean_ok = summed and whole_batch(contributors, sequences, self.rows, batch)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            g.div_(max(contributors, 1.0))
-            offset += g.numel()
-        self.dp_wait_s += time.monotonic() - started
-        sq_norm = worker.grad_sq_norm()
-        current.stage_commit = self.quorum.should_commit() and current.mean_ok
-        current.committed = self.vote.decide(step, self.me, current.participants, current.stage_commit)
-        began = time.perf_counter()
-        self.trained_batch = self.batch_index
-        if current.committed:
-            coef = clip_coefficient(sq_norm, stage_clip_norm(self.cfg.train.grad_clip, self.mesh.stages))
-            worker.apply_update(action, coef, sq_norm)
-            self.batch_index += 1
-        else:
-            self.uncommitted += 1
-            worker.discard_update(action)
-        self.busy_s += time.perf_counter() - began
-        mean_loss = loss_sum / loss_count if current.mean_ok and loss_count > 0 else None
-        return StepReport(step=step, losses=[mean_loss] if mean_loss is not None else [],
-                          sim_s=None, bytes_pp=self._bytes("pp") - pp_before,
-                          bytes_dp=self._bytes("dp") - dp_before + nbytes,
-                          grad_norm=sq_norm**0.5, staleness=[])
-
-    def _quorum_rounds_update(self, action, pp_before: int, dp_before: int) -> StepReport:
-        """A message-based strategy's update u (committed updates so far, so a step that does not
-        commit is retried as the same update): the step's counts summed over the quorum, then the
-        strategy's phases with their rounds over the quorum (``QuorumExchange``), the stage clip
-        and the optimizer step, and the vote. For an update whose rounds follow the optimizer
-        step (``post_rounds``) the optimizer steps before the vote; whatever does not commit is
-        rolled back (``Rollback``). A spectator adds zeros to every round, applies what its
-        peers apply, and then forgets what would be its own (``reset_local``)."""
-        worker, current, strategy = self.worker, self.current, self.dp
-        step = action.microbatch // self.cfg.mesh.microbatches
-        u = self.batch_index
-        trains = self.sequences > 0
-        rollback = Rollback(worker, weights=strategy.post_rounds(u))
-        strategy.exchange.contributes = trains
+        u = self.batch_index  # committed updates so far: one that does not commit is retried as u
+        actions = update_actions(UpdateSpec(u, worker.plan.flushes, self.mesh.stages,
+                                            self.cfg.train.grad_clip, worker.dp, mesh_wide=False,
+                                            votes=True, collective_deadline_s=self.deadlines.collective_s))
+        losses = list(worker.stats.get(step, StepStats()).losses.values())
         self.round_bytes = 0
         started = time.monotonic()
-        losses = list(worker.stats.get(step, StepStats()).losses.values())
-        counts = torch.tensor([sum(losses), len(losses), float(trains), self.sequences], dtype=torch.float64)
-        self._reduce_round(counts)
-        loss_sum, loss_count, contributors, sequences = counts.tolist()
-        current.mean_ok = whole_batch(contributors, sequences, self.rows, self.cfg.train.batch_size)
-        self._no_messages(strategy.pre_step(u), u)
-        if not strategy.pre_ready(u):
-            raise RuntimeError(f"worker {self.me}: update {u + 1}'s DP rounds are not complete")
-        sq_norm = worker.grad_sq_norm()
-        coef = clip_coefficient(sq_norm, stage_clip_norm(self.cfg.train.grad_clip, self.mesh.stages))
-        early = rollback.weights is None  # nothing follows the optimizer step: decide first
-        if early:
-            current.committed = self._decide(step)
-        if current.committed or not early:
-            began = time.perf_counter()
-            worker.apply_update(action, coef, sq_norm)
-            self.busy_s += time.perf_counter() - began
-            self._no_messages(strategy.post_step(u), u)
-        if not early:
-            current.committed = self._decide(step)
-        self.trained_batch = self.batch_index
-        if current.committed:
-            if strategy.post_wait(u) is not None:
-                raise RuntimeError(f"worker {self.me}: a DP round of update {u + 1} is still open")
-            strategy.apply(u)
-            if not trains:
-                strategy.reset_local()
-            self.batch_index += 1
-        else:
-            self.uncommitted += 1
-            if early:
-                worker.discard_update(action)
-            rollback.restore(worker)
+        counts = [sum(losses), len(losses), float(self.sequences > 0), self.sequences]
+        sq_norm, counts = self._execute(action, u, actions, counts)
         self.dp_wait_s += time.monotonic() - started
-        mean_loss = loss_sum / loss_count if current.mean_ok and loss_count > 0 else None
+        loss_sum, loss_count = counts[:2]
+        mean_loss = loss_sum / loss_count if self.current.mean_ok and loss_count > 0 else None
         return StepReport(step=step, losses=[mean_loss] if mean_loss is not None else [],
                           sim_s=None, bytes_pp=self._bytes("pp") - pp_before,
                           bytes_dp=self._bytes("dp") - dp_before + self.round_bytes,
                           grad_norm=sq_norm**0.5, staleness=[])
 
-    def _reduce_round(self, flat: torch.Tensor) -> None:
+    def _execute(self, action, u: int, actions: list[UpdateAction],
+                 counts: list[float]) -> tuple[float, list[float]]:
+        """Run update ``u``'s actions over the quorum; returns (the clip's squared norm, the step's
+        counts summed over the quorum: loss sum, loss count, contributing replicas, sequences).
+
+        The counts ride with the gradients' sum (``ReduceGradients``: the mean divides by the
+        contributing replicas) or, for a strategy, are a sum of their own before its phases, whose
+        rounds are sums over the quorum too (``QuorumExchange``). The stage says yes only if the
+        whole global batch was trained by the agreed rows (no sequence of a committed step missing
+        or counted twice). A step that does not commit applies nothing after its ``Commit``;
+        what came before is undone: the gradients dropped (``discard_update``) and, for a strategy,
+        its state and any optimizer step its rounds followed (``Rollback``). A spectator adds
+        zeros to every sum, applies what its peers apply, and forgets what would be its own
+        (``reset_local``)."""
+        worker, current, strategy = self.worker, self.current, self.dp
+        trains = self.sequences > 0
+        rollback = None
+        if strategy is not None:
+            rollback = Rollback(worker, weights=strategy.post_rounds(u))
+            strategy.exchange.contributes = trains
+            summed = torch.tensor(counts, dtype=torch.float64)
+            self._reduce_round(summed)
+            counts = summed.tolist()
+            current.mean_ok = whole_batch(counts[2], counts[3], self.rows, self.cfg.train.batch_size)
+        sq_norm, stepped = None, False
+        for act in actions:
+            if isinstance(act, (Commit, ClipAndStep)) and sq_norm is None:
+                sq_norm = worker.grad_sq_norm()  # after the reduce or the pre rounds, before a vote
+            if isinstance(act, ReduceGradients):
+                counts = self._reduce_gradients(counts)
+            elif isinstance(act, StrategyPhase):  # its rounds are quorum sums: done once sent
+                walk = PhaseWalk(strategy, act, RoundStarts())
+                self._no_messages(walk.messages(), act.u)
+                if walk.poll(time.monotonic()) is not None:
+                    raise RuntimeError(f"worker {self.me}: a DP round of update {act.u + 1} is still open")
+            elif isinstance(act, Commit):
+                current.committed = self._decide(action.microbatch // self.cfg.mesh.microbatches)
+                if not current.committed:
+                    break
+            elif isinstance(act, ClipAndStep):
+                began = time.perf_counter()
+                worker.apply_update(action, act.policy.coefficient(sq_norm), sq_norm)  # the stage's own
+                self.busy_s += time.perf_counter() - began
+                stepped = True
+            elif isinstance(act, MergeRounds):
+                strategy.apply(act.u)
+                if not trains:
+                    strategy.reset_local()
+            else:
+                raise RuntimeError(f"worker {self.me}: no {act!r} under elastic (no mesh-wide norms)")
+        self.trained_batch = self.batch_index
+        if current.committed:
+            self.batch_index += 1
+        else:
+            self.uncommitted += 1
+            if not stepped:
+                worker.discard_update(action)
+            if rollback is not None:
+                rollback.restore(worker)
+        return sq_norm, counts
+
+    def _reduce_gradients(self, counts: list[float]) -> list[float]:
+        """The gradients' sum over the quorum with the step's counts beside them; the mean divides
+        by the contributing replicas. Returns the summed counts."""
+        grads = self.worker.grads()
+        flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor(counts, dtype=grads[0].dtype)])
+        summed = self._reduce_round(flat)
+        counts = flat[-4:].tolist()
+        batch = self.cfg.train.batch_size
+        self.current.mean_ok = summed and whole_batch(counts[2], counts[3], self.rows, batch)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.div_(max(counts[2], 1.0))
+            offset += g.numel()
+        return counts
+
+    def _reduce_round(self, flat: torch.Tensor) -> bool:
         """``flat`` ← its sum over the quorum (garbage if a participant failed: the step then
-        commits nowhere), held for the ring model's time as the gradients' all-reduce is."""
-        self.quorum.sum(flat)
+        commits nowhere; False then), held for the ring model's time as the fixed driver holds it."""
+        summed = self.quorum.sum(flat)
         nbytes = flat.numel() * flat.element_size()
         if self.ring_next is not None:
             hold_until(allreduce_release_at(self.network.link(self.me, self.ring_next), self.epoch,
                                             time.monotonic(), nbytes, self.current.participants, self.shaped))
         self.round_bytes += nbytes
+        return summed
 
     def _decide(self, step: int) -> bool:
         """This stage's verdict (torchft's, and the whole batch from the agreed rows), then the

@@ -144,11 +144,19 @@ class Network:
         key = (src, dst)
         link = self.links.get(key)
         if link is None:
-            axis = "dp" if src.stage == dst.stage else "pp"  # (pp across replicas: a re-paired row)
-            profile = self.overrides.get(key, self.axes.get(axis, self.default))
             rng = random.Random(f"{self.seed}:{src}->{dst}")
-            link = self.links[key] = Link(src, dst, axis, profile, rng, uplink=self.uplink(src))
+            link = self.links[key] = Link(src, dst, _axis(src, dst), self.profile(src, dst), rng,
+                                          uplink=self.uplink(src))
         return link
+
+    def profile(self, src: WorkerId, dst: WorkerId) -> LinkProfile:
+        """The profile of the link ``src`` → ``dst``: its override, else its axis's, else the default."""
+        return self.overrides.get((src, dst), self.axes.get(_axis(src, dst), self.default))
+
+    def exchange_latency_s(self, members: list[WorkerId]) -> float:
+        """One scalar exchange among ``members``, each sending to every other: the slowest pair's
+        latency (the global clip's norms)."""
+        return max((self.profile(a, b).latency_s for a in members for b in members if a != b), default=0.0)
 
     def uplink(self, src: WorkerId) -> Uplink | None:
         """``src``'s access link (None: each of its links has a queue of its own)."""
@@ -218,6 +226,10 @@ class LinksConfig:
     entries win; an override starts from the link's axis profile."""
 
 
+def _axis(src: WorkerId, dst: WorkerId) -> str:
+    return "dp" if src.stage == dst.stage else "pp"  # (pp across replicas: a re-paired row)
+
+
 def parse_overrides(text: str) -> list[tuple[str, str, dict[str, float]]]:
     """``links.overrides`` → [(src, dst, {field: value})]; raises ValueError naming the entry."""
     out = []
@@ -257,9 +269,11 @@ def build_network(link: LinkProfile, links: LinksConfig, mesh, seed: int) -> Net
     if rules:
         for a in mesh.workers():
             for b in mesh.workers():
-                if a == b or (a.replica != b.replica and a.stage != b.stage):
+                if a == b:
                     continue
-                profile = axes["pp" if a.replica == b.replica else "dp"]
+                # every pair, not only the mesh's links: a re-paired elastic row and the global
+                # clip's norms (every process to every other) cross the others too
+                profile = axes[_axis(a, b)]
                 hit = False
                 for src, dst, values in rules:
                     if src in ("*", str(a)) and dst in ("*", str(b)):

@@ -12,6 +12,7 @@ next one's microbatches are already in flight, and only a drain point empties it
 from __future__ import annotations
 
 import copy
+import functools
 import heapq
 import itertools
 import time
@@ -32,15 +33,23 @@ from meshlearn.mesh.network import (
 )
 from meshlearn.mesh.report import StepReport
 from meshlearn.mesh.schedule import Action, AsyncPlan, feed_lookahead
-from meshlearn.mesh.sync import (
-    average_gradients,
-    clip_coefficient,
-    stage_clip_norm,
-    stage_rule,
-    step_grad_norm,
-)
+from meshlearn.mesh.sync import average_gradients, step_grad_norm
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.mesh.update import (
+    ClipAndStep,
+    GatherNorms,
+    PhaseWalk,
+    ReduceGradients,
+    RoundStarts,
+    StrategyPhase,
+    UpdateAction,
+    UpdateSpec,
+    find,
+    receive_round,
+    update_actions,
+    waits_for,
+)
 from meshlearn.mesh.worker import StepStats, Worker
 from meshlearn.models.llama import Decoder
 
@@ -134,13 +143,10 @@ class SimDriver:
         self.events: list[tuple[float, int, str, object]] = []
         self.busy: set[WorkerId] = set()
         self.waiting: dict[WorkerId, Action] = {}  # workers at an update whose collective is not complete
-        # Workers inside a message-based DP strategy's phase (meshlearn.dp.base): (phase, U, since).
-        self.dp_wait: dict[WorkerId, tuple[str, Action, float]] = {}
-        # Round starts, per worker (one dict each), and their keys in a heap: forgetting old rounds
-        # pops only those (a scan of every key at every update was a hot spot of long runs).
-        self.dp_started: dict[WorkerId, dict[tuple[int, int], float]] = {w: {} for w in workers}
-        self._dp_started_keys: dict[WorkerId, list[tuple[int, int]]] = {w: [] for w in workers}
-        self._dp_alarms: set[tuple[WorkerId, tuple[int, int]]] = set()
+        # Workers inside a message-based DP strategy's phase (meshlearn.dp.base): (walk, U, since).
+        self.dp_wait: dict[WorkerId, tuple[PhaseWalk, Action, float]] = {}
+        self.dp_started = {w: RoundStarts() for w in workers}  # round starts, per worker
+        self._dp_alarms: set[tuple[WorkerId, float]] = set()  # deadline events queued (worker, time)
         self.dp_wait_s = 0.0
         self.fed = -1  # the last step whose work the workers have
         # Steps whose every update has finished on the virtual clock, per worker (a worker applies an
@@ -252,7 +258,7 @@ class SimDriver:
         elif kind == "posted":
             self._dp_posted(*payload, now)
         elif kind == "dp_deadline":
-            wid, key = payload
+            wid, _ = payload
             self._dp_alarms.discard(payload)
             if wid in self.dp_wait:
                 self._dp_check(wid, now)
@@ -319,11 +325,12 @@ class SimDriver:
         action = worker.next_action()
         if action is None:
             return
-        if action.kind == "U" and worker.dp is not None and not worker.dp.collective:
-            self._dp_begin(wid, action, max(now, self.clock.now[wid]))
-            return
         if action.kind == "U":
-            self._arrive_at_update(wid, action)
+            first = self._actions(worker)[0]
+            if isinstance(first, StrategyPhase):  # its "pre" phase first
+                self._dp_enter(wid, first, action, max(now, self.clock.now[wid]))
+            else:
+                self._arrive_at_update(wid, action)
             return
         batch = worker.microbatch_size(action.microbatch)
         started = time.perf_counter()
@@ -338,50 +345,48 @@ class SimDriver:
             self.timeline.compute(str(wid), action.kind, step, action.microbatch, start, start + duration)
         self._push(start + duration, "done", (wid, outgoing))
 
-    # --- updates: the collectives they need --------------------------------------------------
+    # --- updates: the update protocol's actions (mesh/update.py), executed in simulated time ---
+
+    def _actions(self, worker: Worker) -> list[UpdateAction]:
+        """The actions of ``worker``'s coming update."""
+        return update_actions(UpdateSpec(worker.version, self.flushes, self.mesh.stages, self.grad_clip,
+                                         worker.dp))
 
     def _arrive_at_update(self, wid: WorkerId, action: Action) -> None:
-        """A flushing schedule's update waits for the whole mesh (all-reduce, global clip); an async
-        update waits only for its stage's replicas (the all-reduce), or for nobody when D = 1."""
+        """An update waits for whom its actions need (``waits_for``): the whole mesh when norms are
+        gathered (a flushing schedule), the stage's replicas for their reduce, else nobody."""
         self.waiting[wid] = action
-        if self.flushes:
-            group = self.everyone
-        elif _collective(self.workers[wid]):
-            group = self.mesh.stage_replicas(wid.stage)
-        else:
-            group = [wid]  # its strategy exchanged messages already: nobody to wait for
+        who = waits_for(self._actions(self.workers[wid]))
+        group = (self.everyone if who == "mesh" else
+                 self.mesh.stage_replicas(wid.stage) if who == "stage" else [wid])
         if all(self.waiting.get(w) == action for w in group):
             self._update(group)
 
     def _update(self, group: list[WorkerId]) -> None:
+        """Execute the group's actions up to the optimizer step: each stage's reduce (values in
+        process, time on its ring), the norms' exchange (the slowest pair's latency, when the clip
+        waits on it), the clip and the step; a strategy's "post" phase follows when the step's
+        compute ends."""
+        actions = self._actions(self.workers[group[0]])
+        reduce = find(actions, ReduceGradients)
         ready = {w: self.clock.now[w] for w in group}
         arrived = dict(ready)
-        for stage in sorted({w.stage for w in group} if _collective(self.workers[group[0]]) else ()):
+        for stage in sorted({w.stage for w in group} if reduce is not None else ()):
             replicas = self.mesh.stage_replicas(stage)
             nbytes = self.collectives.average_gradients([self.workers[w] for w in replicas])
-            ready |= self._allreduce(replicas, ready, nbytes)
-        if self.flushes:
-            # Global-norm clipping needs every stage's norm: a scalar exchange, modeled as one latency.
-            if _drifts(self.workers[group[0]]):  # replicas differ: each clips by its own norm
-                sq = {r: sum(self.workers[WorkerId(r, s)].grad_sq_norm() for s in range(self.mesh.stages))
-                      for r in range(self.mesh.replicas)}
-                norms = {w: (sq[w.replica], clip_coefficient(sq[w.replica], self.grad_clip)) for w in group}
-            else:
-                sq_norm = sum(self.workers[WorkerId(0, s)].grad_sq_norm() for s in range(self.mesh.stages))
-                norms = {w: (sq_norm, clip_coefficient(sq_norm, self.grad_clip)) for w in group}
-            if self.grad_clip > 0:
-                barrier = max(ready.values()) + self.network.default.latency_s
-                ready = {w: barrier for w in group}
-        else:
-            limit = stage_clip_norm(self.grad_clip, self.mesh.stages)
-            norms = {}
-            for w in group:
-                sq = self.workers[w].grad_sq_norm()
-                norms[w] = (sq, clip_coefficient(sq, limit))
+            ready |= self._allreduce(replicas, ready, nbytes, reduce)
+        gather = find(actions, GatherNorms)
+        if gather is not None and gather.latency:
+            barrier = max(ready.values()) + self.network.exchange_latency_s(group)
+            ready = {w: barrier for w in group}
+        policy = find(actions, ClipAndStep).policy
+        sq_of = functools.cache(lambda w: self.workers[w].grad_sq_norm())  # once each, whoever asks
+        post = next((a for a in actions if isinstance(a, StrategyPhase) and a.phase == "post"), None)
         for wid in group:
             worker, action = self.workers[wid], self.waiting.pop(wid)
+            sq_norm = policy.sq_norm(wid, sq_of)
             started = time.perf_counter()
-            worker.apply_update(action, norms[wid][1], norms[wid][0])
+            worker.apply_update(action, policy.coefficient(sq_norm), sq_norm)
             seconds = self.compute.update_s(worker.n_params, time.perf_counter() - started)
             self.clock.busy_s[wid] += seconds
             self.busy.add(wid)
@@ -389,96 +394,73 @@ class SimDriver:
             if self.timeline is not None and self.timeline.wants(step):
                 self.timeline.compute(str(wid), "U", step, action.microbatch, ready[wid],
                                       ready[wid] + seconds)
-            if _collective(worker):
+            if post is not None:
+                self._push(ready[wid] + seconds, "posted", (wid, action, post))
+            else:
                 self.dp_wait_s += ready[wid] - arrived[wid] if worker.mesh.replicas > 1 else 0.0
                 self._push(ready[wid] + seconds, "done", (wid, []))
-            else:
-                self._push(ready[wid] + seconds, "posted", (wid, action))
 
     # --- a message-based DP strategy's phases (meshlearn.dp.base) ------------------------------
 
-    def _dp_begin(self, wid: WorkerId, action: Action, now: float) -> None:
-        worker = self.workers[wid]
-        self._dp_send(wid, worker.dp.pre_step(worker.version), now)
-        self.dp_wait[wid] = ("pre", action, now)
+    def _dp_enter(self, wid: WorkerId, phase: StrategyPhase, action: Action, now: float) -> None:
+        """Start ``phase`` of the strategy of ``wid``'s update ``action``: send its messages, then
+        wait (bounded by each round's deadline) until it is done."""
+        walk = PhaseWalk(self.workers[wid].dp, phase, self.dp_started[wid])
+        self._dp_send(wid, walk.messages(), now)
+        self.dp_wait[wid] = (walk, action, now)
         self._dp_check(wid, now)
 
-    def _dp_posted(self, wid: WorkerId, action: Action, now: float) -> None:
-        """The optimizer step's compute ended: start the strategy's rounds, then wait for what
-        this update must apply (bounded by each round's deadline)."""
+    def _dp_posted(self, wid: WorkerId, action: Action, phase: StrategyPhase, now: float) -> None:
+        """The optimizer step's compute ended: the "post" phase."""
         self.clock.now[wid] = now
         self.busy.discard(wid)
-        worker = self.workers[wid]
-        self._dp_send(wid, worker.dp.post_step(worker.version - 1), now)
-        self.dp_wait[wid] = ("post", action, now)
-        self._dp_check(wid, now)
+        self._dp_enter(wid, phase, action, now)
 
     def _dp_send(self, wid: WorkerId, messages: list[Message], now: float) -> None:
-        started = self.dp_started[wid]
+        self.dp_started[wid].mark(messages, now)
         for message in messages:
-            key = (message.step, message.microbatch)
-            if key not in started:
-                started[key] = now
-                heapq.heappush(self._dp_started_keys[wid], key)
             self._push(self._transmit(wid, message, now), "arrive", self.collectives.arriving(message))
 
     def _dp_deliver(self, message: Message, now: float) -> None:
-        wid, key = message.dst, (message.step, message.microbatch)
-        strategy = self.workers[wid].dp
-        started, limit = self.dp_started[wid].get(key), strategy.deadline_s(key)
-        if started is not None and limit is not None and now > started + limit:
-            strategy.expire(key)  # late: the round is dropped, whenever the receiver looks
-        else:
-            self._dp_send(wid, strategy.receive(message), now)
+        wid = message.dst
+        self._dp_send(wid, receive_round(self.workers[wid].dp, self.dp_started[wid], message, now), now)
         if wid in self.dp_wait:
             self._dp_check(wid, now)
 
     def _dp_check(self, wid: WorkerId, now: float) -> None:
-        phase, action, since = self.dp_wait[wid]
-        worker = self.workers[wid]
-        strategy = worker.dp
-        if phase == "pre":
-            if not strategy.pre_ready(worker.version):
-                return
-            del self.dp_wait[wid]
-            self.dp_wait_s += now - since
-            self.clock.now[wid] = max(self.clock.now[wid], now)
-            self._arrive_at_update(wid, action)
+        """Poll the phase ``wid`` waits in; a deadline it waits for becomes an event. A "pre" phase
+        done goes on to the update; a "post" phase done merges its rounds (``MergeRounds``)."""
+        walk, action, since = self.dp_wait[wid]
+        wait = walk.poll(now)
+        if wait is not None:
+            if wait.until is not None and (wid, wait.until) not in self._dp_alarms:
+                self._dp_alarms.add((wid, wait.until))
+                self._push(wait.until, "dp_deadline", (wid, wait.until))
             return
-        u = worker.version - 1
-        while (key := strategy.post_wait(u)) is not None:
-            limit = strategy.deadline_s(key)
-            if limit is None:
-                return  # waited for: the next arrival checks again
-            deadline = self.dp_started[wid][key] + limit
-            if now < deadline:
-                if (wid, key) not in self._dp_alarms:
-                    self._dp_alarms.add((wid, key))
-                    self._push(deadline, "dp_deadline", (wid, key))
-                return
-            strategy.expire(key)
         del self.dp_wait[wid]
         self.dp_wait_s += now - since
-        strategy.apply(u)
-        started, keys = self.dp_started[wid], self._dp_started_keys[wid]
-        while keys and keys[0][0] < u - 64:
-            started.pop(heapq.heappop(keys), None)
         self.clock.now[wid] = max(self.clock.now[wid], now)
+        if walk.phase.phase == "pre":
+            self._arrive_at_update(wid, action)
+            return
+        u = walk.phase.u
+        walk.strategy.apply(u)
+        self.dp_started[wid].forget_before(u - 64)
         self._set_done(wid)
         self._try_start(wid, now)
 
     def _allreduce(self, replicas: list[WorkerId], ready: dict[WorkerId, float],
-                   nbytes: int) -> dict[WorkerId, float]:
+                   nbytes: int, reduce: ReduceGradients) -> dict[WorkerId, float]:
         """One stage's ring all-reduce of ``nbytes`` (over ``collectives.stage_ring``: members not
         simulated are ready when the simulated ``replicas`` are): it starts once every replica is
         ready, is charged to the ring's links, and returns when each replica has the average
-        (nothing for a ring of one). A robust rule (``dp.robust``) runs an all-gather instead."""
+        (nothing for a ring of one). A robust rule (``reduce.rule``) runs an all-gather instead."""
         ring = self.collectives.stage_ring(replicas)
         if len(ring) == 1:
             return {}
         start = max(ready[w] for w in replicas)
         step = self.waiting[replicas[0]].microbatch // self.workers[replicas[0]].microbatches
-        if stage_rule(self.workers[replicas[0]]).gathers:
+        if reduce.gathers:
             done = self._allgather(ring, start, nbytes, step)
             return {w: done[w] for w in replicas}
         if self.network.access == UPLINK:  # the ring's sends queue behind what each uplink holds

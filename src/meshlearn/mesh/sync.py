@@ -1,4 +1,5 @@
-"""The data-parallel axis and the end of a synchronous step, shared by both drivers."""
+"""The data-parallel axis's arithmetic shared by the drivers: the stage's reduce of gradients and the
+step's reported norm (the update's decisions, the clip among them, are ``mesh/update.py``'s)."""
 
 from __future__ import annotations
 
@@ -29,23 +30,6 @@ def average_gradients(group: list[Worker]) -> int:
 def stage_rule(worker: Worker) -> Robust:
     """The aggregation rule of the built-in all-reduce of ``worker``'s stage."""
     return worker.dp.robust if worker.dp is not None else Robust()
-
-
-def clip_coefficient(sq_norm: float, max_norm: float) -> float:
-    """torch.nn.utils.clip_grad_norm_'s coefficient; 1.0 when clipping is off (max_norm ≤ 0)."""
-    if max_norm <= 0:
-        return 1.0
-    return min(1.0, max_norm / (math.sqrt(sq_norm) + 1e-6))
-
-
-def stage_clip_norm(grad_clip: float, stages: int) -> float:
-    """The async schedule's per-stage clip threshold: ``grad_clip / √P``.
-
-    Without a flush there is no moment at which every stage's gradient is known, so each stage clips
-    its own update. With this threshold the norm of all P stages' updates together stays within
-    ``grad_clip`` (Σ_s (c/√P)² = c²), the global clip's guarantee, without a barrier.
-    """
-    return grad_clip / math.sqrt(stages) if grad_clip > 0 else 0.0
 
 
 def step_grad_norm(flushes: bool, mesh, stats: dict) -> float:
