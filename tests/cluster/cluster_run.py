@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from netns import Wan
@@ -33,14 +34,16 @@ def issue_keys(tmp_path: Path, hosts: tuple[str, ...]) -> dict[str, Path]:
 
 
 def start(wan: Wan, tmp_path: Path, hosts: tuple[str, ...], args: dict[str, list[str]],
-          tag: str) -> dict[str, subprocess.Popen]:
-    """Each host's launcher in its namespace (``hosts[i]`` in namespace i), run in ``tmp_path/<host>``."""
+          tag: str, env_of: Mapping[str, Mapping[str, str]] = {}) -> dict[str, subprocess.Popen]:
+    """Each host's launcher in its namespace (``hosts[i]`` in namespace i), run in ``tmp_path/<host>``;
+    ``env_of``: a host's own additions to the environment."""
     env = os.environ | {"PYTHONPATH": str(Path(meshlearn.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
     procs = {}
     for side, host in enumerate(hosts):
         log = (tmp_path / f"{host}-{tag}.log").open("w")
         procs[host] = wan.run(side, [sys.executable, "-m", "meshlearn", "train", *args[host], "--host", host],
-                              env=env, cwd=tmp_path / host, stdout=log, stderr=subprocess.STDOUT)
+                              env=env | dict(env_of.get(host, {})), cwd=tmp_path / host, stdout=log,
+                              stderr=subprocess.STDOUT)
     return procs
 
 

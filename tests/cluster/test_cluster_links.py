@@ -9,11 +9,8 @@ whose every stream is authenticated through the two ports gives the simulator's 
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import ssl
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -23,14 +20,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny import tiny_config
+from loopback import (
+    HOSTS,
+    HOSTS_OF,
+    MESH,
+    NAMES,
+    cluster_config,
+    control_service,
+    logs_of,
+    losses,
+    simulator_losses,
+    start_workers,
+    wait_all,
+)
 
-import meshlearn
-from meshlearn.cluster.authority import Authority
-from meshlearn.cluster.control import ControlService
 from meshlearn.cluster.links import KEY_ENV, PORT_SOCKET_ENV, ClusterConnector, cluster_connector
 from meshlearn.cluster.role import HOST_ENV
-from meshlearn.cluster.settings import ClusterConfig, HostConfig
 from meshlearn.config import save_config
 from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.collectives import FramedCollectives
@@ -39,7 +44,6 @@ from meshlearn.distributed.health import Health, store_client
 from meshlearn.distributed.transport import Forged, Transport
 from meshlearn.distributed.wire import pack
 from meshlearn.errors import ConfigError
-from meshlearn.jsonl import read_records
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.net.counters import Counters
@@ -48,13 +52,7 @@ from meshlearn.net.keys import Credentials, create_run
 from meshlearn.net.links import AuthStream, dial_link
 from meshlearn.net.port import PortAgent, dial
 from meshlearn.net.tls import Refused, RunTls
-from meshlearn.train import Trainer
 
-HOSTS = ("alice", "bob")
-PLACED = {"alice": ("r0s0", "r1s1"), "bob": ("r0s1", "r1s0")}  # every pipeline and DP link crosses
-MESH = MeshShape(2, 2)
-NAMES = {MESH.rank(w): str(w) for w in MESH.workers()}
-HOSTS_OF = {w: host for host, workers in PLACED.items() for w in workers}
 R00, R01 = WorkerId(0, 0), WorkerId(0, 1)
 PIPELINE = [((a, b), MESH.rank(a), MESH.rank(b)) for r in range(2)
             for a, b in ((WorkerId(r, 0), WorkerId(r, 1)), (WorkerId(r, 1), WorkerId(r, 0)))]
@@ -255,7 +253,7 @@ def test_an_oversized_frame_is_refused_unread_and_the_link_stays_in_step(machine
 
 
 def test_the_connector_needs_both_the_port_and_the_key(keys: Path, tiny_corpus: Path) -> None:
-    cfg = _cluster_config(tiny_corpus, {"alice": 29601, "bob": 29602})
+    cfg = cluster_config(tiny_corpus, {"alice": 29601, "bob": 29602})
     assert cluster_connector(cfg, {}) is None  # no launcher's port: the plain streams, as before
     with pytest.raises(ConfigError, match=f"^{KEY_ENV} = None: must be set"):
         cluster_connector(cfg, {PORT_SOCKET_ENV: "/x/agent.sock", HOST_ENV: "alice"})
@@ -269,55 +267,23 @@ def test_the_connector_needs_both_the_port_and_the_key(keys: Path, tiny_corpus: 
     assert made.hosts_of == HOSTS_OF and made.names == NAMES
 
 
-def _cluster_config(corpus: Path, ports: dict[str, int], *overrides: str):
-    cfg = tiny_config(corpus, "mesh.stages=2", "mesh.replicas=2", "dist.threads=1", "dist.shaping=none",
-                      "dist.init_timeout_s=60", "dist.timeout_s=30", *overrides)
-    hosts = {h: HostConfig("127.0.0.1", ports[h], PLACED[h]) for h in HOSTS}
-    return dataclasses.replace(cfg, backend="dist", cluster=ClusterConfig("alice", hosts))
-
-
 def test_a_two_host_run_through_the_ports_gives_the_simulators_losses(machines: Machines, tiny_corpus: Path,
                                                                       tmp_path: Path) -> None:
     """Four worker processes, as each host's launcher would start them (the control service behind
     alice's port), every stream dialed through its receiver's port and authenticated."""
-    ports = {h: a.port for h, a in machines.agents.items()}
-    cfg = _cluster_config(tiny_corpus, ports, "train.steps=3")
+    cfg = cluster_config(tiny_corpus, {h: a.port for h, a in machines.agents.items()}, "train.steps=3")
     save_config(cfg, tmp_path / "run.toml")
-    control = ControlService(RunTls(Credentials.in_folder(machines.keys, "alice")),
-                             Authority(HOSTS_OF, {name: rank for rank, name in NAMES.items()}, "alice"),
-                             Counters())
-    control.serve(machines.agents["alice"].socket_path)
-    env = os.environ | {"PYTHONPATH": str(Path(meshlearn.__file__).parents[1]), "OMP_NUM_THREADS": "1",
-                        "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(ports["alice"]), "TORCHELASTIC_USE_AGENT_STORE": "True",
-                        "MESHLEARN_BIND_ADDRESS": "127.0.0.1"}
-    procs = []
-    for host in HOSTS:
-        for local, worker in enumerate(PLACED[host]):
-            rank = MESH.rank(WorkerId(int(worker[1]), int(worker[3])))
-            log = (tmp_path / f"{worker}.log").open("w")
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "meshlearn.entry.worker", "--config", str(tmp_path / "run.toml"),
-                 "--out", str(tmp_path / host / "x")],
-                env=env | {"RANK": str(rank), "LOCAL_RANK": str(local), HOST_ENV: host,
-                           PORT_SOCKET_ENV: str(machines.agents[host].socket_path),
-                           KEY_ENV: str(machines.keys / f"{host}.key")},
-                stdout=log, stderr=subprocess.STDOUT))
+    control = control_service(machines.agents, machines.keys, Counters())
+    run_dirs = {host: tmp_path / host / "x" for host in HOSTS}
     try:
-        codes = [p.wait(timeout=120) for p in procs]
+        procs = start_workers(tmp_path / "run.toml", run_dirs, machines.agents, machines.keys, tmp_path)
+        codes = wait_all(procs)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
         control.close()
-    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))
+    logs = logs_of(tmp_path)
     assert codes == [0, 0, 0, 0], logs
     links = 4 + 4 * 3  # the pipeline's (2 rows × 2 directions) and the collectives' (ordered pairs)
     routed = sum(a.routed for a in machines.agents.values())
     assert routed - control.admitted == links and control.admitted >= 4, logs  # the rest: control
-    sim = tmp_path / "sim"
-    Trainer(dataclasses.replace(cfg, backend="sim", cluster=ClusterConfig()), sim, progress=False).train()
-    expected = [r["train_loss"] for r in read_records(sim / "metrics.jsonl") if r["kind"] == "train"]
-    got = [r["train_loss"] for r in read_records(tmp_path / "alice" / "x" / "metrics.jsonl")
-           if r["kind"] == "train"]
+    expected, got = simulator_losses(cfg, tmp_path / "sim"), losses(run_dirs["alice"])
     assert len(got) == 3 and max(abs(a - b) for a, b in zip(expected, got, strict=True)) <= 1e-5

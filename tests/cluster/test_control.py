@@ -1,13 +1,15 @@
 """The control service of a cluster run, behind a real port agent on 127.0.0.1: honest store
 operations round-trip (through torch's PrefixStore, as the runtime uses them); a stranger, another
 run's host, a joiner and a revoked host never get past the handshake; a host writing another's
-records is refused, counted, and keeps its connection; an oversized frame is refused whole."""
+records is refused, counted, and keeps its connection; an oversized frame is refused whole; a
+host flooding requests on one connection is throttled and counted, and nobody else is."""
 
 from __future__ import annotations
 
 import contextlib
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from net.net_helpers import wait_until
 
 from meshlearn.cluster.authority import Authority
-from meshlearn.cluster.control import ControlService
+from meshlearn.cluster.control import MAX_PER_HOST, RATE_BURST, RATE_PER_S, ControlService
 from meshlearn.cluster.control_store import ControlLine, ControlStore
 from meshlearn.cluster.control_wire import MAX_FRAME, ControlRefused, receive
 from meshlearn.net.counters import Counters
@@ -42,21 +44,23 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 class Service:
-    def __init__(self, keys: dict[str, Path], folder: Path):
+    def __init__(self, keys: dict[str, Path], folder: Path,
+                 rate: tuple[float, float] = (RATE_PER_S, RATE_BURST), max_per_host: int = MAX_PER_HOST):
         self.keys = keys
         self.counters = Counters()
         self.made: list[ControlStore] = []
         self.agent = PortAgent("127.0.0.1", 0, folder / "agent.sock", self.counters)
         self.agent.start()
         self.service = ControlService(self.tls("alice"), Authority(HOSTS_OF, RANKS, "alice"), self.counters,
-                                      handshake_timeout_s=3.0)
+                                      handshake_timeout_s=3.0, rate=rate, max_per_host=max_per_host)
         self.service.serve(self.agent.socket_path)
 
     def tls(self, name: str, run: str = "run") -> RunTls:
         return RunTls(Credentials.in_folder(self.keys[run], name))
 
-    def store(self, name: str, run: str = "run", timeout_s: float = 5.0) -> ControlStore:
-        line = ControlLine(self.tls(name, run), "127.0.0.1", self.agent.port, "alice")
+    def store(self, name: str, run: str = "run", timeout_s: float = 5.0,
+              connect_timeout_s: float = 10.0) -> ControlStore:
+        line = ControlLine(self.tls(name, run), "127.0.0.1", self.agent.port, "alice", connect_timeout_s)
         made = ControlStore(line, timeout_s)
         self.made.append(made)  # a Python Store must outlive the PrefixStore over it
         return made
@@ -65,14 +69,22 @@ class Service:
         return self.counters.as_dict().get(reason, 0)
 
 
+@contextlib.contextmanager
+def _serving(keys: dict[str, Path], **options) -> Iterator[Service]:
+    folder = Path(tempfile.mkdtemp(prefix="ml-ctl-"))
+    service = Service(keys, folder, **options)
+    try:
+        yield service
+    finally:
+        service.service.close()
+        service.agent.close()
+        shutil.rmtree(folder)
+
+
 @pytest.fixture
 def control(keys) -> Iterator[Service]:
-    folder = Path(tempfile.mkdtemp(prefix="ml-ctl-"))
-    service = Service(keys, folder)
-    yield service
-    service.service.close()
-    service.agent.close()
-    shutil.rmtree(folder)
+    with _serving(keys) as service:
+        yield service
 
 
 def _workers(store: dist.Store) -> dist.Store:
@@ -136,6 +148,22 @@ def test_a_host_may_write_only_its_own_records(control: Service) -> None:
     assert not alice.check(["done/0"]) and alice.get("hb/0") == b"0"
 
 
+@pytest.mark.parametrize("forged", [
+    "worker r0s0 failed: RuntimeError: the insider says so",  # r0s0's own failure, in bob's mouth
+    "worker r0s1 stopped answering (rank 1; noticed by r0s0)",  # what alice's r0s0 observed
+    "the verifier failed: ValueError: bad state",  # alice runs the verifier
+    "lost the connection to worker r0s1 (reset; noticed by the verifier)",
+])
+def test_an_abort_that_speaks_for_another_hosts_process_is_refused(control: Service, forged: str) -> None:
+    bob = _workers(control.store("bob"))
+    with pytest.raises(Exception, match="authority.*host bob may not report for"):  # noqa: PT011
+        bob.compare_set("abort", "", forged)
+    with pytest.raises(Exception, match="authority: host bob may not set"):  # noqa: PT011
+        bob.set("abort", forged)  # nor by a plain write (an abort is compare_set only)
+    assert control.counters.by_sender() == {"bob": 2}
+    assert _workers(control.store("alice")).compare_set("abort", "", "") == b""  # nothing was stored
+
+
 def test_the_coordinator_deletes_ground_truth_wherever_the_verifier_runs() -> None:
     """The records writer (rank 0, on the coordinator) reads an attacker's ground truth and deletes
     it; with the verifier on another host that deletion was refused and the run stopped."""
@@ -149,9 +177,10 @@ def test_the_coordinator_deletes_ground_truth_wherever_the_verifier_runs() -> No
 
 def test_an_abort_is_stored_as_its_writers_report(control: Service) -> None:
     bob = _workers(control.store("bob"))
-    won = bob.compare_set("abort", "", "worker r0s0 stopped answering")
-    assert won == b"reported by host bob: worker r0s0 stopped answering"
+    won = bob.compare_set("abort", "", "worker r0s0 stopped answering (rank 0; noticed by r0s1)")
+    assert won == b"reported by host bob: worker r0s0 stopped answering (rank 0; noticed by r0s1)"
     assert _workers(control.store("alice")).get("abort") == won
+    assert control.counters.total() == 0
 
 
 def _handshake(control: Service, tls: RunTls) -> None:
@@ -192,6 +221,76 @@ def test_an_oversized_frame_is_refused_and_the_link_stays_in_step(control: Servi
         store.line.call({"op": 7, "keys": "x"}, [], 1.0)
 
 
+
+FLOOD, PER_S, BURST = 20, 50.0, 5
+
+
+def test_a_host_flooding_the_service_is_throttled_counted_and_nobody_else_is(keys) -> None:
+    """bob's connection asks FLOOD times in a row: the first BURST pass at once, the rest wait their
+    turn at PER_S (counted under bob's name, each still answered); alice, asking on her own
+    connection meanwhile, is never held, and neither is a second connection of bob's own."""
+    with _serving(keys, rate=(PER_S, BURST)) as control:
+        bob = _workers(control.store("bob"))
+        bob.add("hb/1", 0)
+        flood = threading.Thread(target=lambda: [bob.add("hb/1", 1) for _ in range(FLOOD)])
+        flood.start()
+        alice = _workers(control.store("alice"))
+        for _ in range(BURST - 1):
+            alice.add("hb/0", 1)
+        flood.join(30)
+        assert not flood.is_alive() and alice.get("hb/1") == str(FLOOD).encode()  # every request served
+        throttled = control.count("rate_limited")
+        assert 1 <= throttled <= FLOOD + 1 - BURST, throttled
+        assert control.counters.by_sender() == {"bob": throttled}  # alice was never held
+        assert "more than 50 requests/s on one connection" in control.counters.recent()[-1]
+
+
+def test_a_host_revoked_while_connected_is_cut_off_without_a_restart(tmp_path) -> None:
+    """The owner revokes bob and the coordinator's ca.crl is replaced while bob is connected: the
+    running service applies the list (no restart), closes bob's connection and refuses his next
+    handshake; alice goes on. A list the CA did not sign is refused and changes nothing."""
+    create_run(tmp_path / "run", ["alice", "bob"], "revoke-test")
+    create_run(tmp_path / "other", ["alice"], "another-run")
+    with _serving({"run": tmp_path / "run"}) as control:
+        lines = []
+        watch = control.service.watch_revocations(every_s=3600.0)  # looked at by hand below
+        watch.log = lines.append
+        bob = _workers(control.store("bob", connect_timeout_s=1.0))
+        alice = _workers(control.store("alice"))
+        bob.add("hb/1", 0)
+        alice.add("hb/0", 0)
+        shutil.copy(tmp_path / "other" / "ca.crl", tmp_path / "run" / "ca.crl")  # another CA's list
+        assert not watch.check() and "not signed by the run's CA" in lines[-1]
+        assert bob.add("hb/1", 1) == 1  # nothing changed
+        revoke(tmp_path / "run", "bob")  # rewrites the run's ca.crl, beside the coordinator's key
+        assert watch.check() and "1 serial(s) revoked" in lines[-1]
+        assert control.count("revoked") == 1 and control.counters.by_sender() == {"bob": 1}
+        with pytest.raises(Exception, match="the peer closed the link control->alice"):  # noqa: PT011
+            bob.add("hb/1", 1)  # its connection is gone (torch wraps the error)...
+        with pytest.raises(Exception, match="refused_by_peer: alice refused us: .*certificate revoked"):  # noqa: PT011
+            bob.add("hb/1", 1)  # ...and every new one is refused in the handshake
+        assert wait_until(lambda: control.count("certificate_refused") >= 1)
+        assert alice.add("hb/0", 1) == 1 and alice.get("hb/1") == b"1"
+
+
+def test_a_host_holds_at_most_max_per_host_connections(keys) -> None:
+    """The rate is per connection, so connections are capped per host: bob's third is refused in
+    the handshake (counted under bob, its one line the refusal's), alice still connects, and bob
+    may connect again once one of his has closed."""
+    with _serving(keys, max_per_host=2) as control:
+        bobs = [control.store("bob", connect_timeout_s=1.0) for _ in range(3)]
+        for store in bobs[:2]:
+            store.add("meshlearn/0//hb/1", 0)
+        with pytest.raises(Refused, match="refused_by_peer"):
+            bobs[2].add("meshlearn/0//hb/1", 0)
+        assert control.count("too_many_connections") >= 1  # each of its tries (a refusal is tried again)
+        assert control.counters.by_sender() == {"bob": control.count("too_many_connections")}
+        assert _workers(control.store("alice")).add("hb/0", 1) == 1
+        bobs[0].line._link().close()
+        assert wait_until(lambda: control.service.admitted == 3 and control.service.held("bob") == 1)
+        assert bobs[2].add("meshlearn/0//hb/1", 1) == 1
+
+
 @pytest.mark.parametrize(("header", "why"), [
     ('{"op": "get", "keys": ["meshlearn/0//done/9"], "timeout_s": NaN, "lengths": []}', "holding NaN"),
     ('{"op": "add", "keys": ["meshlearn/0//hb/1"], "amount": Infinity, "lengths": []}', "holding Infinity"),
@@ -214,4 +313,3 @@ def test_numbers_that_would_spin_or_crash_the_service_are_refused(control: Servi
     answer, _ = receive(link)
     assert answer["error"] == "malformed_request" and why in answer["why"], answer
     assert store.add("meshlearn/0//hb/1", 1) == 1  # the same connection, still served
-

@@ -1,7 +1,9 @@
 """Framed collectives (``distributed/collectives.py``): sums in replica order, the same bits on every
 member and as the simulator's ``average_gradients``; a peer's frame of another size or that does not
-decode is refused before allocation, attributed to it and counted; the receiving process ends with
-one line naming the sender, where gloo's all-reduce aborts it (SIGABRT) on the same lie."""
+decode is refused before allocation, attributed to it and counted, and passed over: the sender's
+honest frame after it still makes the sum. A sender that only lies is named once it has spent
+``MAX_REFUSED`` frames on one contribution: the receiving process ends with one line naming it,
+where gloo's all-reduce aborts it (SIGABRT) on a single lie."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from meshlearn.distributed.collectives import (
     FRAME_OVERHEAD,
     HEADER,
     MAGIC,
+    MAX_REFUSED,
     OPS,
     FramedCollectives,
     Refused,
@@ -38,6 +41,7 @@ from meshlearn.mesh.network import LinkProfile
 from meshlearn.mesh.sync import average_gradients
 from meshlearn.mesh.topology import MeshShape
 from meshlearn.mesh.worker import Worker
+from meshlearn.net.counters import Counters
 from meshlearn.net.frames import PREFIX, FramedStream
 
 SHAPES = [(7, 5), (5,), (3, 4, 2)]  # a stage's parameters
@@ -155,20 +159,60 @@ def _lies() -> list[tuple[list[bytes], str]]:
 
 
 @pytest.mark.parametrize(("frames", "said"), _lies())
-def test_a_contribution_that_lies_is_refused_unread_named_and_counted(frames, said):
+def test_a_contribution_that_lies_is_refused_unread_counted_and_passed_over(frames, said):
     tx, rx = socket.socketpair()
     back_tx, back_rx = socket.socketpair()  # the receiver's own frames to the liar (never read)
+    counters = Counters()
+    receiver = FramedCollectives(0, {1: FramedStream(back_tx, "0->1", HEADER_ROOM)},
+                                 {1: FramedStream(rx, "1->0", HEADER_ROOM)}, counters)
+    receiver.set_timeout(10.0)
+    honest = _honest(2 * TENSOR, "sum", 1)  # what the liar owes after its lie
+    liar = threading.Thread(target=tx.sendall, args=(b"".join([*frames, honest]),))
+    liar.start()
+    assert torch.equal(receiver.sum(TENSOR, [0, 1]), 2 * TENSOR)  # the honest first round
+    assert torch.equal(receiver.sum(TENSOR, [0, 1]), 3 * TENSOR)  # the lie changed nothing
+    liar.join(10)
+    assert receiver.refused == {1: 1} and counters.as_dict() == {"contribution_refused": 1}
+    assert said in counters.recent()[0], counters.recent()
+    receiver.close()
+    for sock in (tx, back_rx):
+        sock.close()
+
+
+@pytest.mark.parametrize(("frames", "said"), _lies())
+def test_a_sender_that_only_lies_is_named_after_max_refused_frames(frames, said):
+    tx, rx = socket.socketpair()
+    back_tx, back_rx = socket.socketpair()
     receiver = FramedCollectives(0, {1: FramedStream(back_tx, "0->1", HEADER_ROOM)},
                                  {1: FramedStream(rx, "1->0", HEADER_ROOM)})
     receiver.set_timeout(10.0)
-    liar = threading.Thread(target=tx.sendall, args=(b"".join(frames),))
+    liar = threading.Thread(target=tx.sendall, args=(b"".join([frames[0], *[frames[1]] * MAX_REFUSED]),))
     liar.start()
-    assert torch.equal(receiver.sum(TENSOR, [0, 1]), 2 * TENSOR)  # the honest first round
+    receiver.sum(TENSOR, [0, 1])
     with pytest.raises(Refused) as err:
         receiver.sum(TENSOR, [0, 1])
     liar.join(10)
     assert err.value.sender == 1 and said in err.value.reason, err.value.reason
-    assert receiver.refused == {1: 1}
+    assert f"{MAX_REFUSED} frames in a row refused" in err.value.reason
+    assert receiver.refused == {1: MAX_REFUSED}
+    receiver.close()
+    for sock in (tx, back_rx):
+        sock.close()
+
+
+def test_a_lie_in_place_of_a_contribution_names_its_sender_at_the_deadline():
+    """One refused frame and then silence: at the deadline the sender is named for its lie (the
+    refused frame), not merely as silent."""
+    tx, rx = socket.socketpair()
+    back_tx, back_rx = socket.socketpair()
+    receiver = FramedCollectives(0, {1: FramedStream(back_tx, "0->1", HEADER_ROOM)},
+                                 {1: FramedStream(rx, "1->0", HEADER_ROOM)})
+    receiver.set_timeout(0.5)
+    tx.sendall(_honest(TENSOR[:100], "sum", 0))  # a short frame, and nothing after it
+    with pytest.raises(Refused) as err:
+        receiver.sum(TENSOR, [0, 1])
+    said = "nothing valid for its sum by the deadline after 1 refused frame(s) (the last: a frame of"
+    assert err.value.sender == 1 and err.value.reason.startswith(said), err.value.reason
     receiver.close()
     for sock in (tx, back_rx):
         sock.close()
@@ -218,13 +262,14 @@ def test_a_lying_dp_contribution_ends_the_run_in_one_line_and_the_receiver_does_
         receiver.start()
         server.settimeout(30)
         liar, _ = server.accept()
-        liar.sendall(lie)
+        liar.sendall(lie * MAX_REFUSED)  # one lie would be passed over: only lies name the sender
         message = said_q.get(timeout=30)
         receiver.join(30)
         liar.close()
     assert receiver.exitcode == 0, receiver.exitcode
     assert message.startswith("worker r1s0 sent a contribution to the data-parallel all-reduce of stage 0 "
-                              f"that was refused unread: {said}"), message
+                              f"that was refused unread: {MAX_REFUSED} frames in a row"), message
+    assert said in message
     assert "\n" not in message and message.endswith("(noticed by r0s0)")
     assert store_client("127.0.0.1", store.port, 10).get("abort").decode() == message  # the run's one line
 

@@ -23,7 +23,10 @@ launchers' ``meshlearn-cluster/``):
 - the verifier's verdicts and states: the verifier's host (the coordinator and the verifier's
   host may delete what they have read);
 - ``abort`` and the graceful-stop ``drain``: any host, by compare-and-set; an abort is stored
-  as the writer's report (``attributed``), so it can never read as another participant's words;
+  as the writer's report (``attributed``), so it can never read as another participant's words,
+  and an abort that speaks for a process of another host is refused (``speaker_refusal``): the
+  runtime's aborts name their speaker — ``worker r0s1 failed: …`` (its own failure), ``… (noticed
+  by r0s1)`` (what it observed) — and a host may speak only for the processes it runs;
 - a process group's own rendezvous (``pg/``): any host, only when the run declares its links
   trusted (``dist.trusted_links``), the one case where hosts trust each other's bytes anyway.
 """
@@ -38,6 +41,10 @@ WORKERS = re.compile(r"meshlearn/\d+//(?P<rest>.+)\Z")  # what health.store_clie
 LAUNCHERS = "meshlearn-cluster/"  # cluster/shared.py's KEYS
 ABORT = "abort"
 WRITES = ("set", "add", "compare_set", "delete_key")
+# who an abort says is speaking: "worker r0s1 failed: …", "the verifier failed: …", "anchor a0s1
+# failed: …" (a process's own failure) and "noticed by r0s1" (what it observed), as the runtime writes them
+SPEAKERS = re.compile(r"\A(?:worker |anchor |the )?(?P<name>[A-Za-z0-9_-]+) failed:"
+                      r"|noticed by (?:the )?(?P<by>[A-Za-z0-9_-]+)")
 READS = ("get", "check", "wait", "multi_get", "num_keys")
 
 
@@ -147,6 +154,21 @@ class Authority:
             return None
         if op not in WRITES or not family.may(self, who, op, match, amount):
             return f"host {who} may not {op} {key!r}"
+        return None
+
+    def speaker_refusal(self, who: str, key: str, value: bytes) -> str | None:
+        """Why host ``who`` may not store ``value`` as the run's abort: it speaks for a process of
+        another host (None: it may, or ``key`` is no abort)."""
+        match = WORKERS.match(key)
+        if not value or not match or match["rest"] != ABORT:
+            return None
+        text = value.decode(errors="replace")
+        for speaker in SPEAKERS.finditer(text):
+            name = speaker["name"] or speaker["by"]
+            owner = self.hosts_of.get(name)
+            if owner is not None and owner != who:
+                return (f"host {who} may not report for {name}, which {owner} runs: an abort speaks only "
+                        "for its writer's own processes")
         return None
 
     def attributed(self, who: str, key: str, value: bytes) -> bytes:

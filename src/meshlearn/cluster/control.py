@@ -12,6 +12,19 @@ empty, ``add`` counts from 0). A refused request is answered with the reason, co
 run's ``Counters`` and logged with the sender's identity; the connection stays up for the
 sender's honest requests. One thread per authenticated connection: a waiting ``get`` blocks only
 its own connection.
+
+Each connection may make ``rate[0]`` requests a second after a burst of ``rate[1]``
+(``net/rate.TokenBucket``): a request beyond that is counted (``rate_limited``, under the
+sender's identity), and the connection's next request is read only once the rate allows it, so a
+participant flooding the service slows itself down and nobody else (its flood waits in its own
+connection's thread and buffers). A host may hold ``max_per_host`` connections at once (a further
+handshake is refused, ``too_many_connections``), so it cannot multiply its rate by connecting
+again. The defaults are far above what an honest process asks: a heartbeat round every
+``dist.heartbeat_s`` per process, a few requests per step, a connection per thread.
+
+Revocation needs no restart: ``watch_revocations`` applies a new ``ca.crl`` beside the
+coordinator's key (``net/revocations.py``), so the revoked host's next handshake is refused and
+the connections it holds are closed at once (counted as ``revoked``, under its name).
 """
 
 from __future__ import annotations
@@ -22,17 +35,24 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from cryptography import x509
+
 from meshlearn.cluster.authority import Authority
 from meshlearn.cluster.control_wire import receive, send, stream
 from meshlearn.net.counters import Counters
 from meshlearn.net.frames import FramedStream, FrameRefused
 from meshlearn.net.keys import Identity
 from meshlearn.net.port import Inbox
-from meshlearn.net.tls import Acceptor, RunTls
+from meshlearn.net.rate import TokenBucket
+from meshlearn.net.revocations import RevocationWatch
+from meshlearn.net.tls import Acceptor, Refused, RunTls
 
 DESTINATION = "control"
 MAX_WAIT_S = 3600.0  # the longest wait one request may ask for
 MAX_AMOUNT = 1 << 62  # an add's amount: a heartbeat counts steps, far below; a bigger one overflows
+RATE_PER_S = 1000.0  # requests per second one connection may make, sustained
+RATE_BURST = 1000  # requests one connection may make at once
+MAX_PER_HOST = 256  # connections one host may hold open (one per thread of each of its processes)
 
 
 class ControlState:
@@ -92,17 +112,21 @@ class ControlState:
 
 class ControlService:
     """Serves ``state`` to the run's hosts as ``authority`` allows. ``log`` receives one line per
-    refusal (the launcher's log); ``counters`` the counts (the run's security record)."""
+    refusal (the launcher's log); ``counters`` the counts (the run's security record);
+    ``rate``: requests per second and burst per connection."""
 
     def __init__(self, tls: RunTls, authority: Authority, counters: Counters,
-                 log: Callable[[str], None] = lambda line: None, handshake_timeout_s: float | None = None):
+                 log: Callable[[str], None] = lambda line: None, handshake_timeout_s: float | None = None,
+                 rate: tuple[float, float] = (RATE_PER_S, RATE_BURST), max_per_host: int = MAX_PER_HOST):
         self.tls, self.authority, self.counters, self.log = tls, authority, counters, log
+        self.rate, self.max_per_host = rate, max_per_host
         self.state = ControlState()
         timing = {} if handshake_timeout_s is None else {"timeout_s": handshake_timeout_s}
         self.acceptor = Acceptor(self._authenticate, counters, on_ready=self._start, **timing)
         self._inbox: Inbox | None = None
+        self._watch: RevocationWatch | None = None
         self.admitted = 0  # authenticated connections served
-        self._links: set[FramedStream] = set()
+        self._links: dict[FramedStream, tuple[Identity, int]] = {}  # each with its peer's certificate serial
         self._lock = threading.Lock()
 
     def serve(self, port_socket: Path) -> None:
@@ -110,32 +134,62 @@ class ControlService:
         self._inbox = Inbox(port_socket, DESTINATION)
         self._inbox.serve_into(self.acceptor.submit)
 
+    def watch_revocations(self, every_s: float | None = None) -> RevocationWatch:
+        """Apply a new revocation list beside this service's key while it serves (no restart)."""
+        timing = {} if every_s is None else {"every_s": every_s}
+        self._watch = RevocationWatch(self.tls, self.cut_off, self.log, **timing)
+        self._watch.start()
+        return self._watch
+
+    def cut_off(self, serials: set[int]) -> None:
+        """Close every connection whose certificate's serial is in ``serials`` (just revoked)."""
+        with self._lock:
+            revoked = [(link, peer) for link, (peer, serial) in self._links.items() if serial in serials]
+        for link, peer in revoked:
+            self.counters.add("revoked", f"{peer}: its certificate was revoked while connected",
+                              sender=peer.name)
+            self.log(f"meshlearn control: closed a connection of {peer}: its certificate was revoked")
+            link.close()
+
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
         if self._inbox is not None:
             self._inbox.close()
         with self._lock:
-            links, self._links = list(self._links), set()
+            links, self._links = list(self._links), {}
         for link in links:
             link.close()
 
-    def _authenticate(self, sock: socket.socket, deadline: float) -> tuple[FramedStream, Identity]:
+    def _authenticate(self, sock: socket.socket, deadline: float) -> tuple[FramedStream, Identity, int]:
         tls_sock, peer = self.tls.accept(sock, deadline, admit=self._admit)
-        return stream(tls_sock, f"control<-{peer.name}"), peer
+        serial = x509.load_der_x509_certificate(tls_sock.getpeercert(binary_form=True)).serial_number
+        return stream(tls_sock, f"control<-{peer.name}"), peer, serial
+
+    def held(self, host: str) -> int:
+        """The connections ``host`` holds open now."""
+        with self._lock:
+            return sum(1 for peer, _ in self._links.values() if peer.name == host)
 
     def _admit(self, peer: Identity) -> str | None:
         if peer.role != "host" or peer.name not in self.authority.hosts:
             return f"{peer} is not a host of this run's placement"
+        held = self.held(peer.name)
+        if held >= self.max_per_host:  # the rate is per connection: the cap bounds the host's
+            raise Refused("too_many_connections", f"{peer} holds {held} connections already (at most "
+                                                  f"{self.max_per_host})", peer.name)
         return None
 
     def _start(self, ready: object) -> None:
-        link, peer = ready
+        link, peer, serial = ready
         with self._lock:
-            self._links.add(link)
+            self._links[link] = peer, serial
             self.admitted += 1
         threading.Thread(target=self._serve, args=(link, peer), name=f"control-{peer.name}",
                          daemon=True).start()
 
     def _serve(self, link: FramedStream, peer: Identity) -> None:
+        bucket = TokenBucket(*self.rate)
         try:
             while True:
                 try:
@@ -146,15 +200,25 @@ class ControlService:
                 except (ValueError, TypeError, KeyError, IndexError) as err:  # the frame was whole: in step
                     answer = self._refuse(peer.name, "malformed_request", str(err))
                 send(link, *answer)
+                self._throttle(bucket, peer.name)  # every request counts, refused ones too
         except (ConnectionError, OSError):
             pass  # the host closed its connection (or its machine went away)
         finally:
             with self._lock:
-                self._links.discard(link)
+                self._links.pop(link, None)
             link.close()
 
+    def _throttle(self, bucket: TokenBucket, who: str) -> None:
+        """Charge the request just answered; wait as long as the connection's rate requires before
+        its next one is read."""
+        wait = bucket.delay()
+        if wait > 0:
+            self.counters.add("rate_limited", f"host {who}: more than {self.rate[0]:g} requests/s on one "
+                                              f"connection (served {wait * 1000:.0f} ms later)", sender=who)
+            time.sleep(wait)
+
     def _refuse(self, who: str, reason: str, why: str) -> tuple[dict, list[bytes]]:
-        self.counters.add(reason, f"host {who}: {why}")
+        self.counters.add(reason, f"host {who}: {why}", sender=who)
         self.log(f"meshlearn control: refused {reason} from host {who}: {why}")
         return {"error": reason, "why": why}, []
 
@@ -183,6 +247,8 @@ class ControlService:
                timeout_s: float) -> tuple[dict, list[bytes]]:
         key, state = keys[0], self.state
         timeout_s = min(max(timeout_s, 0.0), MAX_WAIT_S)
+        if op in ("set", "compare_set") and (why := self.authority.speaker_refusal(who, key, values[-1])):
+            return self._refuse(who, "authority", why)
         if op == "set":
             state.set(key, self.authority.attributed(who, key, values[0]))
             return {}, []

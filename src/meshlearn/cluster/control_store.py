@@ -75,17 +75,23 @@ class ControlLine:
 
     def _link(self) -> FramedStream:
         """This thread's connection; a new one is tried again until ``connect_timeout_s`` passes
-        (a stranger's flood may evict a half-open connection of ours; nothing was sent yet)."""
+        (a stranger's flood may evict a half-open connection of ours; nothing was sent yet). Even
+        a refusal is tried again (an eviction after our side of the handshake reads as one), and
+        if none succeeds the last refusal is what is raised: a revoked host learns why, not that
+        its last try ran out of time."""
         link = getattr(self._local, "link", None)
         if link is None:
             deadline = time.monotonic() + self.connect_timeout_s
+            refused: Refused | None = None
             while True:
                 try:
                     link = self._connect(deadline)
                     break
-                except OSError:
+                except OSError as err:
+                    if isinstance(err, Refused) and err.reason in FINAL:
+                        refused = err
                     if time.monotonic() > deadline:
-                        raise
+                        raise (refused or err) from None
                     time.sleep(0.1)
             self._local.link = link
         return link

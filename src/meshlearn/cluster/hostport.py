@@ -6,7 +6,9 @@ folder (mode 0700; a short path under the system's temporary folder, because a r
 can outgrow AF_UNIX's 107 bytes). Every local process that receives connections (the coordinator's
 control service, the workers' links) registers a destination there; the workers learn where from
 their environment (``worker_env``). What the agent refuses is counted in the host's ``Counters``,
-which also collect the control service's refusals, and written to the host's ``security.json``.
+which also collect the control service's refusals; what the host's workers refuse (their links'
+hellos, their DP contributions) each worker keeps in its own record (``refusals.py``). The host's
+``security.json`` adds them all up, by reason and by the participant each refusal is attributed to.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import tempfile
 from pathlib import Path
 
 from meshlearn.atomic import atomic_write_json
-from meshlearn.cluster.links import KEY_ENV, PORT_SOCKET_ENV
+from meshlearn.cluster.links import KEY_ENV, PORT_SOCKET_ENV, REFUSALS_ENV
 from meshlearn.cluster.placement import Placement
+from meshlearn.cluster.refusals import REFUSALS_DIR, merged, process_records
 from meshlearn.errors import ConfigError
-from meshlearn.net.counters import Counters
+from meshlearn.net.counters import RECENT, Counters
 from meshlearn.net.keys import Credentials
 from meshlearn.net.port import PortAgent
 
@@ -47,18 +50,25 @@ class HostPort:
     def socket_path(self) -> Path:
         return self.agent.socket_path
 
-    def worker_env(self) -> dict[str, str]:
-        """What a worker of this host needs to receive connections and to authenticate."""
-        return {PORT_SOCKET_ENV: str(self.socket_path), KEY_ENV: str(self.credentials.key)}
+    def worker_env(self, run_dir: Path) -> dict[str, str]:
+        """What a worker of this host needs to receive connections, to authenticate, and to record
+        what it refuses (in ``run_dir``)."""
+        return {PORT_SOCKET_ENV: str(self.socket_path), KEY_ENV: str(self.credentials.key),
+                REFUSALS_ENV: str(Path(run_dir) / REFUSALS_DIR)}
 
-    def record(self) -> dict:
-        """This host's refusals, for its security.json and the coordinator's summary."""
+    def record(self, run_dir: Path | None = None) -> dict:
+        """This host's refusals (its port's, its control service's, and its processes' records in
+        ``run_dir``), for its security.json and the coordinator's summary."""
+        processes = process_records(run_dir)
+        refused, by_sender = merged(self.counters, processes)
+        recent = self.counters.recent() + [line for r in processes.values() for line in r.get("recent", [])]
         return {"host": self.placement.host, "port": f"{self.placement.address}:{self.placement.port}",
-                "refused": self.counters.as_dict(), "refused_total": self.counters.total(),
-                "routed": self.agent.routed, "recent": self.counters.recent()}
+                "refused": refused, "refused_total": sum(refused.values()), "by_sender": by_sender,
+                "processes": {name: r["refused"] for name, r in processes.items()},
+                "routed": self.agent.routed, "recent": [str(line) for line in recent][-RECENT:]}
 
     def write_record(self, run_dir: Path) -> dict:
-        record = self.record()
+        record = self.record(run_dir)
         atomic_write_json(Path(run_dir) / SECURITY_FILE, record)
         return record
 

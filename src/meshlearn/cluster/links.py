@@ -23,7 +23,9 @@ host's agent (``unknown_destination``). Refused connections are counted here (``
 
 The entry point builds the connector (``cluster_connector``) when the launcher gave the process
 its host's port (``PORT_SOCKET_ENV``) and key (``KEY_ENV``); without them a cluster run keeps the
-plain connector.
+plain connector. What the process refuses — here, and in the framed collectives over its streams
+(``build_groups`` hands them ``counters``) — is kept in its record (``REFUSALS_ENV``, ``refusals.py``)
+for the host's security.json.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from meshlearn.cluster.placement import hosts_of, ranks, resolve_address
+from meshlearn.cluster.refusals import ProcessRecord
 from meshlearn.cluster.role import HOST_ENV
 from meshlearn.config import RunConfig
 from meshlearn.distributed.streams import Hop, link_name
@@ -48,6 +51,7 @@ from meshlearn.net.tls import Acceptor, Refused, RunTls
 
 PORT_SOCKET_ENV = "MESHLEARN_PORT_SOCKET"  # this host's PortAgent Unix socket (set by the launcher)
 KEY_ENV = "MESHLEARN_KEY"  # this host's private key, NAME.key; NAME.crt, ca.crt, ca.crl beside it
+REFUSALS_ENV = "MESHLEARN_REFUSALS"  # where this process keeps its record of what it refused (refusals.py)
 RETRY_FIRST_S, RETRY_MAX_S = 0.02, 0.5  # a dial that found no destination yet is tried again, backing off
 
 
@@ -157,5 +161,7 @@ def cluster_connector(cfg: RunConfig, environ: Mapping[str, str] = os.environ) -
     names = {rank: process for process, rank in ranks(cfg).items()}
     ports = {name: (resolve_address(f"cluster.hosts.{name}.address", h.address), h.port)
              for name, h in cfg.cluster.hosts.items()}
-    return ClusterConnector(tls, Path(socket_path), names, hosts_of(cfg), ports)
+    record, rank = environ.get(REFUSALS_ENV), environ.get("RANK", "")
+    counters = Counters(ProcessRecord(Path(record), names[int(rank)])) if record and rank.isdigit() else None
+    return ClusterConnector(tls, Path(socket_path), names, hosts_of(cfg), ports, counters)
 

@@ -16,30 +16,38 @@ from meshlearn.atomic import atomic_write_json
 
 SUMMARY = "summary.json"
 MAX_REASONS = 64  # far more kinds of refusal than the counters have (docs/security.md, "Counters")
+MAX_SENDERS = 4096  # far more participants than a run admits
 
 
 def refused_block(records: dict[str, object]) -> dict:
-    """The counts by reason over every host, each host's, and their total. Another host's record
-    is its word, and may be anything: one that is not counts by reason is left out, and named
-    under ``unreadable``."""
-    counts = {host: _counts(record) for host, record in sorted(records.items())}
+    """The counts by reason over every host, each host's, their total, and the refusals
+    attributed to each authenticated participant (``by_sender``: who misbehaved; a stranger's
+    connections are attributed to nobody). Another host's record is its word, and may be
+    anything: one whose counts are not counts (by reason, by sender) is left out, and named under
+    ``unreadable``."""
+    counts = {host: (_counts(record, "refused", MAX_REASONS), _counts(record, "by_sender", MAX_SENDERS))
+              for host, record in sorted(records.items())}
+    readable = {host: pair for host, pair in counts.items() if None not in pair}
     by_reason: Counter[str] = Counter()
-    for refused in counts.values():
-        by_reason.update(refused or {})
+    by_sender: Counter[str] = Counter()
+    for refused, senders in readable.values():
+        by_reason.update(refused)
+        by_sender.update(senders)
     block = {"total": sum(by_reason.values()), "by_reason": dict(sorted(by_reason.items())),
-             "by_host": {host: refused for host, refused in counts.items() if refused is not None}}
-    unreadable = [host for host, refused in counts.items() if refused is None]
+             "by_sender": dict(sorted(by_sender.items())),
+             "by_host": {host: refused for host, (refused, _) in readable.items()}}
+    unreadable = [host for host in counts if host not in readable]
     return block | ({"unreadable": unreadable} if unreadable else {})
 
 
-def _counts(record: object) -> dict[str, int] | None:
-    """A host record's ``refused`` counts, or None when they are not counts by reason."""
-    refused = record.get("refused", {}) if isinstance(record, dict) else None
-    if not isinstance(refused, dict) or len(refused) > MAX_REASONS:
+def _counts(record: object, field: str, most: int) -> dict[str, int] | None:
+    """A host record's counts under ``field`` (none: empty), or None when they are not counts."""
+    counted = record.get(field, {}) if isinstance(record, dict) else None
+    if not isinstance(counted, dict) or len(counted) > most:
         return None
-    if not all(isinstance(k, str) and len(k) <= 64 and type(v) is int and v >= 0 for k, v in refused.items()):
+    if not all(isinstance(k, str) and len(k) <= 64 and type(v) is int and v >= 0 for k, v in counted.items()):
         return None
-    return refused
+    return counted
 
 
 def record_refusals(run_dir: Path, records: dict[str, dict]) -> None:

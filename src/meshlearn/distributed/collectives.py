@@ -8,12 +8,19 @@ stream (``streams.connect_streams`` on the ``collectives`` channel, or any other
 contribution is one frame whose size the receiver knows exactly before it reads it.
 
 A frame: the 16-byte prefix of ``net/frames.py`` (header length, body length), a 16-byte header
-(``MAGIC``, the operation's code, the pair's sequence number: how many frames this sender sent
-this receiver before), then the body, the tensor's raw bytes. A receiver asks ``read_frame`` for
-at most the exact size it expects, so a larger frame is never allocated (it is read away); then
-it refuses a frame of any other size, and a header that is not the one it expects (another
-operation, an old or future frame, bytes that are no header). A refused contribution raises
-``Refused`` naming its sender, and is counted (``FramedCollectives.refused``).
+(``MAGIC``, the operation's code, the pair's sequence number: how many contributions this sender
+gave this receiver before), then the body, the tensor's raw bytes. A receiver asks ``read_frame``
+for at most the exact size it expects, so a larger frame is never allocated (it is read away);
+then it refuses a frame of any other size, and a header that is not the one it expects (another
+operation, an old frame replayed or a future one, bytes that are no header).
+
+A refused frame does not take the contribution's place: it is counted (``FramedCollectives.refused``,
+and the run's ``Counters`` under the sender's authenticated identity when the stream has one,
+``net/links.AuthStream.peer``), and the receiver reads the sender's next frame for the same
+contribution. So a participant that adds garbage, an oversized frame or a replay to its honest
+contributions changes nothing (the step is the simulator's), and one that sends only what is
+refused is named as the liar it is once it has spent ``MAX_REFUSED`` refusals on one
+contribution, or sent nothing valid after a refused frame by the collective's deadline.
 
 What the run does then (``RunCollectives``): the step cannot be computed without that
 contribution (every replica must apply the same mean), so the run stops, with one line naming the
@@ -40,19 +47,21 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
 
 from meshlearn.distributed.health import Health, WorkerFailure, gist
 from meshlearn.dp.robust import Robust
+from meshlearn.net.counters import Counters
 from meshlearn.net.frames import PREFIX, PREFIX_BYTES, FrameRefused
 
 MAGIC = b"MLC1"
 HEADER = struct.Struct("=4sIq")  # magic, operation, sequence number
 FRAME_OVERHEAD = PREFIX_BYTES + HEADER.size  # bytes a frame adds to its tensor
 OPS = {"sum": 1, "gather": 2, "broadcast": 3, "barrier": 4, "blob": 5}
+MAX_REFUSED = 8  # frames refused in a row before one contribution: then its sender is named
 
 
 class PeerStream(Protocol):
@@ -97,11 +106,14 @@ class FramedCollectives:
     ``peer``, ``incoming[peer]`` the peer's to it. Every member of a collective calls it with the
     same ``ranks`` and tensors of the same shape and dtype, in the same order as every other
     collective they share (a pair's frames are numbered). Sends leave from a thread per peer, so a
-    large tensor never waits for the receiver's reads of another."""
+    large tensor never waits for the receiver's reads of another. ``counters``: where refused
+    frames are counted for the run's record (``log``: one line each)."""
 
-    def __init__(self, rank: int, outgoing: Mapping[int, PeerStream], incoming: Mapping[int, PeerStream]):
+    def __init__(self, rank: int, outgoing: Mapping[int, PeerStream], incoming: Mapping[int, PeerStream],
+                 counters: Counters | None = None, log: Callable[[str], None] = lambda line: None):
         self.rank = rank
         self.outgoing, self.incoming = dict(outgoing), dict(incoming)
+        self.counters, self.log = counters if counters is not None else Counters(), log
         self.sent: Counter[int] = Counter()
         self.received: Counter[int] = Counter()
         self.refused: Counter[int] = Counter()  # contributions refused, by sender
@@ -204,35 +216,58 @@ class FramedCollectives:
                 return
 
     def _read(self, src: int, like: torch.Tensor, op: str, bound: int | None = None) -> torch.Tensor:
-        """``src``'s next frame as a tensor like ``like``, or Refused. ``bound`` (blobs only): the
+        """``src``'s next contribution as a tensor like ``like``: refused frames are counted and
+        passed over, up to ``MAX_REFUSED`` in a row (then Refused). ``bound`` (blobs only): the
         frame may be any size up to it; otherwise exactly ``like``'s."""
+        refused = []
+        while len(refused) < MAX_REFUSED:
+            try:
+                return self._read_frame(src, like, op, bound)
+            except Refused as err:
+                self._count(src, op, err.reason)
+                refused.append(err.reason)
+            except Lost as err:
+                if not (err.timed_out and refused):
+                    raise
+                raise Refused(src, f"nothing valid for its {op} by the deadline after {len(refused)} refused "
+                                   f"frame(s) (the last: {refused[-1]})") from None
+        raise Refused(src, f"{MAX_REFUSED} frames in a row refused in place of its {op} "
+                           f"(the last: {refused[-1]})")
+
+    def _read_frame(self, src: int, like: torch.Tensor, op: str, bound: int | None) -> torch.Tensor:
+        """The next frame from ``src`` as its contribution, or Refused (the stream is past it)."""
         exact = frame_bytes(like) if bound is None else None
         try:
             buffer = self.incoming[src].read_frame(exact if exact is not None else FRAME_OVERHEAD + bound)
         except FrameRefused as err:
-            raise self._refuse(src, f"{err} (expected {self._expected(like, op, exact, bound)})") from None
+            raise Refused(src, f"{err} (expected {self._expected(like, op, exact, bound)})") from None
         except TimeoutError:
             raise Lost(src, f"while waiting for its {op}", timed_out=True) from None
         except OSError as err:  # ConnectionError included: the peer closed its end
             raise Lost(src, f"while receiving ({gist(err)})") from None
         expected = self.received[src]
-        self.received[src] += 1
         header_len = PREFIX.unpack(bytes(buffer[:PREFIX_BYTES].numpy()))[0]
         if header_len != HEADER.size or (exact is not None and buffer.numel() != exact):
-            raise self._refuse(src, f"a frame of {buffer.numel()} bytes with a {header_len}-byte header "
-                                    f"(expected {self._expected(like, op, exact, bound)})")
+            raise Refused(src, f"a frame of {buffer.numel()} bytes with a {header_len}-byte header "
+                               f"(expected {self._expected(like, op, exact, bound)})")
         magic, code, sequence = HEADER.unpack(bytes(buffer[PREFIX_BYTES:FRAME_OVERHEAD].numpy()))
         if magic != MAGIC or code != OPS[op] or sequence != expected:
-            raise self._refuse(src, f"a frame that does not decode as its {op} #{expected} (magic {magic!r}, "
-                                    f"operation {code}, number {sequence})")
+            raise Refused(src, f"a frame that does not decode as its {op} #{expected} (magic {magic!r}, "
+                               f"operation {code}, number {sequence})")
+        self.received[src] += 1
         body = buffer[FRAME_OVERHEAD:]
         if bound is not None:
             return body
         return body.view(like.dtype).reshape(like.shape).to(like.device)
 
-    def _refuse(self, src: int, reason: str) -> Refused:
+    def _count(self, src: int, op: str, reason: str) -> None:
+        """A refused frame in the run's record, attributed to the identity that sent it."""
         self.refused[src] += 1
-        return Refused(src, reason)
+        peer = getattr(self.incoming[src], "peer", None)
+        sender = getattr(peer, "name", None)
+        detail = f"rank {src}{f' (host {sender})' if sender else ''}, {op}: {reason}"
+        self.counters.add("contribution_refused", detail, sender=sender)
+        self.log(f"meshlearn: refused a frame from {detail}")
 
     @staticmethod
     def _expected(like: torch.Tensor, op: str, exact: int | None, bound: int | None) -> str:

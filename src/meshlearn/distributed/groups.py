@@ -13,6 +13,7 @@ stream per ordered pair of workers (``collective_hops``, ``collectives.py``).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -87,6 +88,10 @@ class Groups:
     framed: FramedCollectives | None = None  # untrusted links: the workers' collectives, no group
 
 
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def build_groups(cfg, mesh: MeshShape, rank: int, dp_groups: bool = True,
                  connector: StreamConnector | None = None) -> Groups:
     """The run's groups, in the same order everywhere; ``rank``'s are returned. ``dp_groups``: one
@@ -120,7 +125,8 @@ def build_groups(cfg, mesh: MeshShape, rank: int, dp_groups: bool = True,
             mine = connected["collectives"]
             groups.framed = FramedCollectives(
                 rank, {b: mine[i] for i, (_, a, b) in enumerate(pairs) if a == rank},
-                {a: mine[i] for i, (_, a, b) in enumerate(pairs) if b == rank}) if me is not None else None
+                {a: mine[i] for i, (_, a, b) in enumerate(pairs) if b == rank},
+                connector.counters, log=_stderr) if me is not None else None
     else:  # one group per hop, created by every rank
         ends = {i: dist.new_group([a, b]) for i, (_, a, b) in enumerate(hops)}
     groups.links = ends_of(links, ends, rank)

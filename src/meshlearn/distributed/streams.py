@@ -40,6 +40,7 @@ from typing import Protocol
 
 from meshlearn.distributed.wire import HEADER_ROOM
 from meshlearn.mesh.topology import WorkerId
+from meshlearn.net.counters import Counters
 from meshlearn.net.frames import FramedStream, recv_exact
 from meshlearn.net.frames import FrameRefused as FrameRefused  # the transport's name for it
 
@@ -198,7 +199,10 @@ def connect_streams(store, rank: int, address: str, hops: list[Hop], timeout_s: 
 
 class StreamConnector(Protocol):
     """Makes a process's streams, per channel: by each hop's index, this process's end of each hop
-    it is on. Every process of the run calls it once, with the same channels and hops."""
+    it is on. Every process of the run calls it once, with the same channels and hops.
+    ``counters``: where this process counts what it refuses on those streams (the run's record)."""
+
+    counters: Counters
 
     def connect(self, rank: int, channels: Mapping[str, list[Hop]],
                 timeout_s: float) -> dict[str, dict[int, FramedStream]]: ...
@@ -210,6 +214,7 @@ class PlainConnector:
 
     def __init__(self, store, address: str):
         self.store, self.address = store, address
+        self.counters = Counters()  # no record outside a cluster run: its log lines say it all
 
     def connect(self, rank: int, channels: Mapping[str, list[Hop]],
                 timeout_s: float) -> dict[str, dict[int, FramedStream]]:

@@ -81,6 +81,7 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
             service = ControlService(tls, authority, port.counters,
                                      log=lambda line: print(line, file=sys.stderr, flush=True))
             service.serve(port.socket_path)
+            service.watch_revocations()  # the owner revokes by replacing ca.crl here: no restart
         line = ControlLine(tls, placement.store_address, placement.store_port, placement.coordinator)
         store = _join_coordinator(cfg, run_dir, placement, line, resume)
         return _run_workers(worker_argv, cfg, run_dir, placement, port, store, out)
@@ -105,7 +106,7 @@ def _run_workers(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placemen
                "MESHLEARN_STORE_OWNER": f"the coordinator {placement.coordinator}'s control service at "
                                         f"{placement.store_address}:{placement.store_port}",
                "GLOO_SOCKET_IFNAME": placement.interface, BIND_ADDRESS_ENV: placement.address,
-               HOST_ENV: placement.host, **port.worker_env()}
+               HOST_ENV: placement.host, **port.worker_env(run_dir)}
         log = logs / f"{name}.log"
         with log.open("a") as f:
             f.write(f"--- meshlearn worker {name} (rank {rank}) on host {placement.host} "

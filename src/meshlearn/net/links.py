@@ -104,7 +104,7 @@ class LinkGate:
                    else f"a second hello for {name!r}" if link in self._claimed
                    else None)
             if why is not None:
-                raise Refused("hello_refused", why)
+                raise Refused("hello_refused", why, peer.name)
             self._claimed.add(link)
             return link
 
@@ -147,8 +147,8 @@ def _refusal(err: BaseException, peer: Identity) -> BaseException:
     if isinstance(err, Refused) or not isinstance(err, OSError):
         return err
     if isinstance(err, TimeoutError):
-        return Refused("handshake_timeout", f"{peer}: no hello within the deadline")
-    return Refused("hello_refused", f"{peer}: no hello ({refusal_of(err)})")
+        return Refused("handshake_timeout", f"{peer}: no hello within the deadline", peer.name)
+    return Refused("hello_refused", f"{peer}: no hello ({refusal_of(err)})", peer.name)
 
 
 def _read_hello(sock: ssl.SSLSocket, deadline: float) -> str | None:

@@ -52,11 +52,12 @@ class Refused(ConnectionError):
     """A connection closed before it was trusted. ``reason`` names the counter it adds to:
     ``handshake_failed`` (not TLS 1.3, no certificate, garbage), ``certificate_refused`` (another
     CA, revoked, expired), ``handshake_timeout``, ``identity_refused`` (a valid certificate of
-    someone not wanted here), ``hello_refused`` (a link hello the peer may not say)."""
+    someone not wanted here), ``hello_refused`` (a link hello the peer may not say). ``sender``:
+    the participant the refusal is attributed to, once its certificate was checked (None before)."""
 
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str, sender: str | None = None):
         super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
+        self.reason, self.detail, self.sender = reason, detail, sender
 
 
 class RunTls:
@@ -102,10 +103,10 @@ class RunTls:
             _handshake_by(tls, deadline)
             peer = identity_of(x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)))
             if expect is not None and peer.name != expect:
-                raise Refused("identity_refused", f"the peer is {peer}, not {expect}")
+                raise Refused("identity_refused", f"the peer is {peer}, not {expect}", peer.name)
             unwanted = admit(peer) if admit is not None else None
             if unwanted is not None:
-                raise Refused("identity_refused", unwanted)
+                raise Refused("identity_refused", unwanted, peer.name)
             tls.settimeout(max(deadline - time.monotonic(), 1e-3))
             if tls.server_side:
                 tls.sendall(ADMITTED)
@@ -224,7 +225,7 @@ class Acceptor:
         if ready is None or evicted:
             reason = "half_open_evicted" if evicted else getattr(failure, "reason", "handshake_failed")
             detail = getattr(failure, "detail", str(failure or "evicted when admitted"))
-            self.counters.add(reason, detail=detail)
+            self.counters.add(reason, detail=detail, sender=getattr(failure, "sender", None))
             sock.close()
             if ready is not None and hasattr(ready, "close"):
                 ready.close()
