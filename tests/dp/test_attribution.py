@@ -111,3 +111,19 @@ def test_a_bad_outlier_score_is_one_line_naming_the_key(tiny_corpus, value):
     with pytest.raises(ConfigError) as err:
         tiny_config(tiny_corpus, *MESH, f"dp.outlier_score={value}")
     assert "dp.outlier_score" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_resumed_run_reports_as_an_uninterrupted_one(tiny_corpus, tmp_path):
+    """The marks of the window travel in the checkpoint: a resume between the attacker's marks
+    (steps 2 and 3 marked before the stop, 4 after) still reports it at step 4, once."""
+    whole, whole_summary = train(tiny_corpus, tmp_path, "whole", *ATTACK, "train.checkpoint_every=3")
+    cfg = tiny_config(tiny_corpus, *MESH, *ATTACK, "train.checkpoint_every=3")
+    Trainer(tiny_config(tiny_corpus, *MESH, *ATTACK, "train.checkpoint_every=3", "train.stop_at_step=3"),
+            tmp_path / "split", progress=False).train()
+    split_summary = Trainer(cfg, tmp_path / "split", progress=False, resume=True).train()
+    split = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    keep = ("kind", "step", "worker", "stage", "score", "count")
+    reports = [[{k: r[k] for k in keep} for r in run if r["kind"] == "dp_outlier"] for run in (whole, split)]
+    assert reports[0] == reports[1] and [r["step"] for r in reports[0]] == [4]
+    for key in ("dp_outliers", "dp_outlier_reports", "dp_scored"):
+        assert whole_summary[key] == split_summary[key], key
