@@ -127,3 +127,10 @@ def test_a_resumed_run_reports_as_an_uninterrupted_one(tiny_corpus, tmp_path):
     assert reports[0] == reports[1] and [r["step"] for r in reports[0]] == [4]
     for key in ("dp_outliers", "dp_outlier_reports", "dp_scored"):
         assert whole_summary[key] == split_summary[key], key
+
+
+def test_attribution_is_off_under_the_async_schedule(tiny_corpus, tmp_path):
+    """Not calibrated there (``attribution_plugin``): no field, no record, no summary key."""
+    records, summary = train(tiny_corpus, tmp_path, "async", "mesh.schedule=async", *ATTACK)
+    assert "dp_outliers" not in summary and not any(r["kind"] == "dp_outlier" for r in records)
+    assert not any("dp_score_max" in r for r in records)
