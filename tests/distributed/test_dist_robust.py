@@ -38,3 +38,22 @@ def test_dist_robust_rule_equals_sim(tiny_corpus, tmp_path, case):
     assert [r["step"] for r in b] == [1, 2, 3]
     assert max(abs(x["train_loss"] - y["train_loss"]) for x, y in zip(a, b, strict=True)) <= 1e-5
     assert [r["grad_norm"] for r in b] == pytest.approx([r["grad_norm"] for r in a], rel=1e-5)
+
+
+def test_dist_reports_the_dp_outlier_the_simulator_reports(tiny_corpus, tmp_path):
+    """Attribution (``dp/attribution.py``): every replica scores the same stacked contributions,
+    and dist's rows carry each worker's score to the writer, so its records are the simulator's."""
+    cfg = tiny_config(tiny_corpus, *ATTACKED, "train.steps=4", "dp.robust=median", "dist.trusted_links=false")
+    Trainer(cfg, tmp_path / "sim", progress=False).train()
+    try:
+        with deadline(90, "the attributed dist run"):
+            assert launch(cfg, tmp_path / "dist") == 0, list((tmp_path / "dist" / "logs").iterdir())
+    finally:
+        kill_leftovers(tmp_path / "dist")
+    timing = ("tokens", "sim_time_s", "wall_time_s", "bytes_pp", "bytes_dp")
+    a, b = ([{k: v for k, v in r.items() if k not in timing} for r in records(run, "dp_outlier")]
+            for run in (tmp_path / "sim", tmp_path / "dist"))
+    assert [(r["worker"], r["step"]) for r in a] == [("r1s1", 4)]
+    assert b == a  # the score too, bit for bit
+    assert ([r["dp_score_max"] for r in records(tmp_path / "dist")]
+            == [r["dp_score_max"] for r in records(tmp_path / "sim")])

@@ -8,7 +8,8 @@ from meshlearn.mesh.report import ProcessRow
 
 def test_a_row_comes_back_from_its_vector_field_by_field():
     row = ProcessRow(losses={0: 2.5, 2: 1.25}, sq_norm=0.75, busy_s=3.5, bytes_pp=123_456_789,
-                     bytes_dp=42, staleness=1.5, dp_wait_s=0.25, links=[(10.0, 0.5), (0.0, 0.0), (7.0, 1.0)])
+                     bytes_dp=42, staleness=1.5, dp_wait_s=0.25, dp_score=4.5,
+                     links=[(10.0, 0.5), (0.0, 0.0), (7.0, 1.0)])
     vector = row.pack(microbatches=4, slots=3)
     assert vector.shape == (2 * 4 + len(ProcessRow.SCALARS) + 2 * 3,)
     assert ProcessRow.unpack(vector, microbatches=4, slots=3) == row

@@ -303,12 +303,13 @@ class RunCollectives:
             return self.peers.sum(flat, self.stage_ranks, release)
 
     def stage_reduce(self, flat: torch.Tensor, rule: Robust, what: str,
-                     release: Mapping[int, float] | None = None) -> torch.Tensor:
+                     release: Mapping[int, float] | None = None) -> tuple[torch.Tensor, list[float] | None]:
         """``rule``'s aggregate (``dp.robust``) of this stage's replicas' ``flat``, stacked in
-        replica order: the same frames as ``stage_sum``, reduced as the simulator reduces."""
+        replica order, and each replica's outlier score: the same frames as ``stage_sum``,
+        reduced as the simulator reduces (``Robust.reduce_scored``)."""
         with self._failing(what):
             parts = self.peers.all_gather(flat, self.stage_ranks, "gather", release)
-        return rule.reduce(torch.stack([p.to(flat.device) for p in parts]))
+        return rule.reduce_scored(torch.stack([p.to(flat.device) for p in parts]))
 
     def gather(self, rows: torch.Tensor, what: str) -> torch.Tensor:
         """Every worker's ``rows`` (same shape everywhere), stacked in rank order."""

@@ -37,7 +37,7 @@ from meshlearn.distributed.verdict_board import VerdictBoard, blob_state, state_
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, buffer_capacities, message_bound
 from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.network import build_network, ring_allreduce_bytes_per_member
-from meshlearn.mesh.report import ProcessRow, StepReport
+from meshlearn.mesh.report import NO_SCORE, ProcessRow, StepReport, step_dp_score
 from meshlearn.mesh.schedule import AsyncPlan, feed_lookahead, pipeline_in_flight
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
@@ -467,18 +467,23 @@ class DistDriver(PipelineEvaluation):
         flat = self.worker.flat_gradients()
         rule = reduce.rule
         what = f"the data-parallel {'all-gather' if rule.gathers else 'all-reduce'} of stage {self.me.stage}"
+        scores = None  # a robust rule's outlier scores, in replica order (attribution)
         if self.collectives.framed:  # each frame held to its own link's model, counted as sent
             release = self._dp_frames_release(flat, step)
-            flat = (self.collectives.stage_reduce(flat, rule, what, release) if rule.gathers
-                    else self.collectives.stage_sum(flat, what, release).div_(replicas))
+            if rule.gathers:
+                flat, scores = self.collectives.stage_reduce(flat, rule, what, release)
+            else:
+                flat = self.collectives.stage_sum(flat, what, release).div_(replicas)
         elif rule.gathers:
-            flat = self.collectives.stage_reduce(flat, rule, what)
+            flat, scores = self.collectives.stage_reduce(flat, rule, what)
             self._hold_gather(flat, step)
         else:
             flat = self.collectives.stage_sum(flat, what)
             self._hold_ring(flat, step)
             flat.div_(replicas)
         self.worker.set_flat_gradients(flat)
+        if scores is not None:
+            self.worker.note_dp_score(step, scores[self.me.replica])
         self.dp_wait_s += time.monotonic() - started
 
     def _hold_gather(self, flat: torch.Tensor, step: int) -> None:
@@ -544,7 +549,7 @@ class DistDriver(PipelineEvaluation):
             sq_norm=sq_norm if sq_norm is not None else (sum(norms) / len(norms) if norms else 0.0),
             busy_s=self.busy_s, bytes_pp=bytes_pp, bytes_dp=bytes_dp,
             staleness=sum(stats.staleness) / len(stats.staleness) if stats.staleness else 0.0,
-            dp_wait_s=self.dp_wait_s, links=links)
+            dp_wait_s=self.dp_wait_s, dp_score=step_dp_score(stats.dp_scores), links=links)
 
     def _gather(self, values: torch.Tensor) -> torch.Tensor:
         """Every process's ``values`` (steps × n) → every process: (world, steps, n)."""
@@ -576,6 +581,8 @@ class DistDriver(PipelineEvaluation):
             bytes_dp=sum(row.bytes_dp for row in rows),
             grad_norm=sq**0.5,
             staleness=staleness,
+            dp_scores={str(self.mesh.worker(rank)): row.dp_score for rank, row in enumerate(rows)
+                       if row.dp_score != NO_SCORE},
         )
 
     def _bytes(self, axis: str) -> int:

@@ -159,13 +159,15 @@ class GroupCollectives:
         self.health.wait_work(work, what, self.deadline_s)
         return flat
 
-    def stage_reduce(self, flat: torch.Tensor, rule: Robust, what: str) -> torch.Tensor:
-        """``rule``'s aggregate (``dp.robust``) of the stage's replicas' ``flat``: an all-gather
-        over the stage's group, then the simulator's reduce of the stacked contributions."""
+    def stage_reduce(self, flat: torch.Tensor, rule: Robust,
+                     what: str) -> tuple[torch.Tensor, list[float] | None]:
+        """``rule``'s aggregate (``dp.robust``) of the stage's replicas' ``flat`` and each one's
+        outlier score: an all-gather over the stage's group, then the simulator's reduce of the
+        stacked contributions."""
         parts = [torch.zeros_like(flat) for _ in range(dist.get_world_size(self.dp_group))]
         work = dist.all_gather(parts, flat, group=self.dp_group, async_op=True)
         self.health.wait_work(work, what, self.deadline_s)
-        return rule.reduce(torch.stack(parts))
+        return rule.reduce_scored(torch.stack(parts))
 
     def gather(self, rows: torch.Tensor, what: str) -> torch.Tensor:
         rows = rows.to(self.device)

@@ -52,6 +52,12 @@ class Robust:
         """The aggregate of ``parts`` (D × N, rows in replica order)."""
         return aggregate(parts, self.rule, self.trim)
 
+    def reduce_scored(self, parts: torch.Tensor) -> tuple[torch.Tensor, list[float] | None]:
+        """The aggregate of ``parts`` and, under a robust rule, each row's ``outlier_scores``
+        (None under the mean: nothing is attributed without a majority rule)."""
+        out = self.reduce(parts)
+        return out, outlier_scores(parts, out).tolist() if self.gathers else None
+
 
 def aggregate(parts: torch.Tensor, rule: str, trim: int = 1) -> torch.Tensor:
     """The rule's aggregate of ``parts`` (D × N, rows in replica order) as an N-vector; ``trim``:
@@ -97,3 +103,23 @@ def centered_clip(parts: torch.Tensor) -> torch.Tensor:
         v = v + (diff * scale).sum(0) / parts.shape[0]
     return v
 
+
+
+def outlier_scores(parts: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
+    """Each row's distance to ``center`` (the stage's aggregate) divided by the median of the D
+    distances (even D: the mean of the two middle ones), as float64.
+
+    Why this score: it is scale-free. A stage's gradient norm changes by orders of magnitude
+    between stages, over warm-up and as the loss falls, so no absolute distance can be one
+    threshold for a whole run; honest replicas draw from the same distribution, so each is about
+    as far from the aggregate as the median replica (score ≈ 1), while a minority's contribution
+    (×−4, a bias) lies several times farther. The median, not the mean, of the distances is the
+    unit so that the outlier cannot inflate it (a strict minority never reaches the middle).
+    A row with a non-finite value scores ∞; rows with distance 0 score 0 (also when the median
+    distance is 0: a majority agrees exactly, and any other row is then ∞ away)."""
+    finite = parts.isfinite().all(dim=1)
+    center = center.to(torch.float64)
+    dist = torch.where(finite, (parts.to(torch.float64) - center).norm(dim=1), torch.inf)
+    unit = coordinate_median(dist.unsqueeze(1)).squeeze(0)
+    score = torch.where(dist == 0, 0.0, dist / unit)
+    return torch.where(score.isnan(), torch.inf, score)  # ∞/∞: a majority non-finite

@@ -103,6 +103,10 @@ class DPConfig:
     trim: int = 1
     """trimmed_mean: values dropped at each end per coordinate (the outliers tolerated); 2·trim <
     mesh.replicas."""
+    outlier_score: float = 3.0
+    """With a robust rule: a replica whose contribution to a stage's reduce lies more than this
+    many times the median replica's distance from the aggregate is marked an outlier of that update;
+    one marked in 3 of its last 8 updates is reported (docs/dp_robust.md, Attribution). > 1."""
 
 
 def validate_dp(cfg, require) -> None:
@@ -144,6 +148,9 @@ def validate_robust(cfg, require) -> None:
     dp, replicas = cfg.dp, cfg.mesh.replicas
     require(dp.robust in ROBUST_RULES, "dp.robust", dp.robust, f"allowed: {list(ROBUST_RULES)}")
     require(dp.trim >= 1, "dp.trim", dp.trim, "must be >= 1")
+    score = dp.outlier_score
+    require(math.isfinite(score) and score > 1, "dp.outlier_score", score,
+            "a finite number > 1 (a multiple of the median replica's distance; at 1 half are outliers)")
     if dp.robust == "none":
         return
     require(replicas >= 3, "dp.robust", dp.robust,

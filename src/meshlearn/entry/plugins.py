@@ -7,6 +7,7 @@ Trainer; a script or test that builds one itself calls ``register_builtin_plugin
 
 from meshlearn.anchor.plugin import anchor_plugin as sim_anchor_plugin
 from meshlearn.curvature.plugin import curvature_plugin
+from meshlearn.dp.attribution import attribution_plugin
 from meshlearn.hooks import Callback, PluginContext, PluginFactory, register_plugin
 from meshlearn.mesh.basis_updates import basis_update_plugin
 from meshlearn.protocol.plugin import protocol_plugin
@@ -30,6 +31,7 @@ BUILTIN_PLUGINS: dict[str, PluginFactory] = {
     "subspace_update": basis_update_plugin,
     "trust": trust_plugin,
     "wire": wire_rejects_plugin,
+    "dp_outliers": attribution_plugin,  # reads each step's DP outlier scores (dp.robust)
     "curvature": curvature_plugin,  # after warm-up's unlocks at the same drain point
     "protocol": protocol_plugin,  # at a drain point, morphs just before evaluation
     "anchor": anchor_plugin,  # at step ends: reads the clocks, feeds the correction

@@ -19,6 +19,18 @@ class StepReport:
     grad_norm: float
     staleness: list[float] = field(default_factory=list)  # per stage: mean versions behind
     dp_wait_s: float = 0.0  # seconds workers' updates waited on the DP axis (summed over workers)
+    dp_scores: dict[str, float] = field(default_factory=dict)
+    """Per worker with a robust reduce in the step (``dp.robust``): its outlier score, the largest
+    of the step's updates (one under a flushing schedule); read by ``dp/attribution.py``."""
+
+
+NO_SCORE = -1.0
+"""A ``ProcessRow``'s ``dp_score`` when its worker had no robust reduce in the step (scores are ≥ 0)."""
+
+
+def step_dp_score(scores: list[float]) -> float:
+    """A worker's outlier score of one step: the largest of its updates' (``NO_SCORE``: none)."""
+    return max(scores, default=NO_SCORE)
 
 
 @dataclass
@@ -36,9 +48,10 @@ class ProcessRow:
     bytes_dp: int = 0
     staleness: float = 0.0  # mean versions behind of the gradients it applied in the step
     dp_wait_s: float = 0.0  # time its updates waited on the DP axis so far
+    dp_score: float = NO_SCORE  # its outlier score in the step (``step_dp_score``)
     links: list[tuple[float, float]] = field(default_factory=list)  # per link slot: bytes sent, busy s
 
-    SCALARS = ("sq_norm", "busy_s", "bytes_pp", "bytes_dp", "staleness", "dp_wait_s")
+    SCALARS = ("sq_norm", "busy_s", "bytes_pp", "bytes_dp", "staleness", "dp_wait_s", "dp_score")
 
     def pack(self, microbatches: int, slots: int) -> torch.Tensor:
         """M losses, M flags (1: the loss is there; a microbatch a verifier quarantined has none),

@@ -31,7 +31,7 @@ from meshlearn.mesh.network import (
     ring_allreduce_bytes_per_member,
     ring_allreduce_s,
 )
-from meshlearn.mesh.report import StepReport
+from meshlearn.mesh.report import StepReport, step_dp_score
 from meshlearn.mesh.schedule import Action, AsyncPlan, feed_lookahead
 from meshlearn.mesh.sync import average_gradients, step_grad_norm
 from meshlearn.mesh.timeline import TimelineRecorder
@@ -228,6 +228,8 @@ class SimDriver:
             grad_norm=step_grad_norm(self.flushes, self.mesh, stats),
             staleness=stage_staleness(self.mesh, stats),
             dp_wait_s=self.dp_wait_s - wait_before,
+            dp_scores={str(w): step_dp_score(stats[w].dp_scores) for w in self.mesh.workers()
+                       if w in stats and stats[w].dp_scores},
         )
         self.clock.step_end = self.now
         self._bytes_mark = (self.network.bytes_on_axis("pp"), self.network.bytes_on_axis("dp"))

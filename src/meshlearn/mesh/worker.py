@@ -76,6 +76,7 @@ class StepStats:
     losses: dict[int, float] = field(default_factory=dict)  # global microbatch id → loss
     update_sq_norms: list[float] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)  # versions behind, per applied gradient
+    dp_scores: list[float] = field(default_factory=list)  # outlier score per robust reduce (dp.robust)
 
 
 class Worker:
@@ -413,6 +414,11 @@ class Worker:
         for g in self.grads():
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+
+    def note_dp_score(self, step: int, score: float) -> None:
+        """This worker's outlier score (``dp/robust.outlier_scores``) in the robust reduce of its
+        update of ``step``: reported with the step, for attribution (``dp/attribution.py``)."""
+        self._stats(step).dp_scores.append(score)
 
     def grad_sq_norm(self) -> float:
         if self.cost_only is not None:

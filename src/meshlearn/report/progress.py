@@ -47,7 +47,7 @@ def format_progress(
     return " | ".join(parts)
 
 
-EVENT_KINDS = frozenset({"ban", "alert", "wire_reject", "event"})
+EVENT_KINDS = frozenset({"ban", "alert", "wire_reject", "dp_outlier", "event"})
 """Records shown on the console as lines of their own (``event`` ones when they name their event)."""
 
 
@@ -61,6 +61,10 @@ def format_event(record: dict[str, Any]) -> str:
                    else f"replaced from {record.get('replaced_from')}"))
     elif kind == "alert":
         what = f"SENTINEL alert: {record.get('worker')}: {record.get('detail')}"
+    elif kind == "dp_outlier":
+        what = (f"DP outlier: {record.get('worker')} (stage {record.get('stage')}: {record.get('count')} "
+                f"of its last updates far from the aggregate, score {record.get('score'):.3g}); "
+                "reported, not evicted")
     elif kind == "wire_reject":
         what = (f"rejected a {record.get('message')} from {record.get('src')} to {record.get('dst')}: "
                 f"{record.get('reason')}")

@@ -1,0 +1,110 @@
+"""Attribution on the data-parallel axis (issue 32): name the replica that is repeatedly the outlier.
+
+A robust rule (``dp.robust``) bounds what a minority of contributions can do to a stage's
+aggregate; it does not say who sent them. Every robust reduce also scores each replica's row
+(``dp/robust.outlier_scores``: its distance to the aggregate over the median replica's), from the
+same stacked tensor on every replica, so every replica, and the simulator and the dist driver,
+hold the same scores bit for bit. The drivers report them per step (``StepReport.dp_scores``);
+this callback marks a score above ``dp.outlier_score`` an outlier and reports a replica marked in
+``COUNT`` of its last ``WINDOW`` scored steps: one ``dp_outlier`` record in metrics.jsonl (a
+console line of its own) and its marks in summary.json's ``dp_outliers``.
+
+One honest mark is noise (a replica with an unusual microbatch: on the demo the honest marks came
+in a burst during warm-up, docs/dp_robust.md); a ×−4 attacker was marked at 29 of its 30 attacked
+steps there. Requiring 3 marks of the last 8 (constants: the threshold is the one knob,
+``dp.outlier_score``) lets an isolated honest mark, or two, pass unreported, and still names an
+attacker that is on (and marked) in only 3 of every 8 steps (``attack.period``/``duty``).
+
+Reported only, never evicted (eviction under SENTINEL's ban budget is a later slice). At D = 2
+there is no majority and nothing is scored (config refuses a robust rule there). Flushing
+schedules only (see ``attribution_plugin``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from meshlearn.hooks import Callback, PluginContext, StepOutput
+from meshlearn.mesh.topology import WorkerId
+
+WINDOW = 8
+"""The scored steps (updates under a flushing schedule) over which a replica's marks are counted."""
+COUNT = 3
+"""Marks within ``WINDOW`` that report a replica."""
+
+
+class OutlierLedger:
+    """Per worker: its marks in the last ``WINDOW`` scored steps, its marks in all, and whether it
+    was reported (once per run: the record names it; later marks only count)."""
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+        self.recent: dict[str, deque[bool]] = {}
+        self.marks: dict[str, int] = {}
+        self.scored = 0  # (worker, step) scores seen: the denominator of a false-positive rate
+        self.reported: dict[str, int] = {}  # worker → the 1-based step it was reported at
+
+    def observe(self, step: int, scores: dict[str, float]) -> list[dict]:
+        """Take step ``step``'s (0-based) scores; return the ``dp_outlier`` records it causes."""
+        records = []
+        for worker in sorted(scores, key=WorkerId.parse):
+            score = scores[worker]
+            self.scored += 1
+            marked = score > self.threshold
+            window = self.recent.setdefault(worker, deque(maxlen=WINDOW))
+            window.append(marked)
+            if not marked:
+                continue
+            self.marks[worker] = self.marks.get(worker, 0) + 1
+            count = sum(window)
+            if count >= COUNT and worker not in self.reported:
+                self.reported[worker] = step + 1
+                records.append({"kind": "dp_outlier", "step": step + 1, "worker": worker,
+                                "stage": WorkerId.parse(worker).stage, "score": score, "count": count})
+        return records
+
+    def state_dict(self) -> dict:
+        return {"recent": {w: list(d) for w, d in self.recent.items()}, "marks": dict(self.marks),
+                "scored": self.scored, "reported": dict(self.reported)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.recent = {w: deque(d, maxlen=WINDOW) for w, d in state["recent"].items()}
+        self.marks, self.scored = dict(state["marks"]), state["scored"]
+        self.reported = dict(state["reported"])
+
+
+class AttributionCallback(Callback):
+    """The trainer's side: feeds each step's scores to the ledger; every process runs it on the
+    same report, the writer logs its records."""
+
+    def __init__(self, threshold: float):
+        self.ledger = OutlierLedger(threshold)
+
+    def on_step_end(self, step: int, report: Any) -> StepOutput:
+        scores = report.dp_scores
+        if not scores:
+            return StepOutput()
+        return StepOutput(fields={"dp_score_max": max(scores.values())},
+                          records=self.ledger.observe(step, scores))
+
+    def state_dict(self) -> dict:
+        return self.ledger.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ledger.load_state_dict(state)
+
+    def summary(self) -> dict:
+        ledger = self.ledger
+        return {"dp_outliers": dict(sorted(ledger.marks.items())), "dp_outlier_reports": ledger.reported,
+                "dp_scored": ledger.scored}
+
+
+def attribution_plugin(ctx: PluginContext) -> Callback | None:
+    """On with a robust rule (``dp.robust``), which is what scores the contributions, under a
+    flushing schedule. Off under ``async``: an update there reduces ``update_every`` microbatches,
+    not a step's, and a step's score is the largest of its updates', so honest scores run higher;
+    uncalibrated, it reported an honest replica in a clean 8-step run of the tests' tiny model."""
+    cfg = ctx.cfg
+    on = cfg.dp.robust != "none" and cfg.mesh.schedule != "async"
+    return AttributionCallback(cfg.dp.outlier_score) if on else None
