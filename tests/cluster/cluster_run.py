@@ -3,6 +3,7 @@ launcher started in its namespace, and their logs for a failure's message."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -40,24 +41,27 @@ def start(wan: Wan, tmp_path: Path, hosts: tuple[str, ...], args: dict[str, list
     env = os.environ | {"PYTHONPATH": str(Path(meshlearn.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
     procs = {}
     for side, host in enumerate(hosts):
-        log = (tmp_path / f"{host}-{tag}.log").open("w")
-        procs[host] = wan.run(side, [sys.executable, "-m", "meshlearn", "train", *args[host], "--host", host],
-                              env=env | dict(env_of.get(host, {})), cwd=tmp_path / host, stdout=log,
-                              stderr=subprocess.STDOUT)
+        with (tmp_path / f"{host}-{tag}.log").open("w") as log:  # the child keeps its own copy
+            # a session of its own: ``finish`` can then kill the launcher's workers with it
+            procs[host] = wan.run(side, [sys.executable, "-m", "meshlearn", "train", *args[host], "--host",
+                                         host], env=env | dict(env_of.get(host, {})), cwd=tmp_path / host,
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return procs
 
 
 def finish(procs: dict[str, subprocess.Popen], limit_s: float = 180) -> dict[str, int]:
-    """The launchers' exit codes, each killed if it has not ended within ``limit_s`` of now."""
+    """The launchers' exit codes, each killed with every process it started (its session) if it has
+    not ended within ``limit_s`` of now; a worker a launcher left behind is killed too."""
     try:
         end = time.monotonic() + limit_s
         for p in procs.values():
-            p.wait(timeout=max(1.0, end - time.monotonic()))
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(1.0, end - time.monotonic()))
     finally:
         for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait(timeout=10)
+            with contextlib.suppress(ProcessLookupError):  # nothing of that session is left
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
     return {host: p.returncode for host, p in procs.items()}
 
 
