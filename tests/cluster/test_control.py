@@ -133,6 +133,7 @@ def test_a_host_may_write_only_its_own_records(control: Service) -> None:
                 (lambda: bob_raw.set("meshlearn-cluster/config", "{}")),
                 (lambda: bob_raw.set("meshlearn-cluster/done/alice", "1")),
                 (lambda: bob.set("hb/1", "99")),  # own key, but a heartbeat only counts up
+                (lambda: bob.add("hb/99", 0)),  # a heartbeat of a rank the run does not have
                 (lambda: bob.set("truth/2/r0s0", "[]")),  # another host's worker's ground truth
                 (lambda: bob.delete_key("truth/2/r0s1")),  # only the coordinator deletes it
                 (lambda: bob_raw.set("abort", "x")),  # no such key of a run (outside its namespace)

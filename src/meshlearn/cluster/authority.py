@@ -84,8 +84,10 @@ def _coordinator_posts(a, who, op, m, n) -> bool:
 
 
 def _heartbeat(a, who, op, m, n) -> bool:
-    # every process creates every counter (``Health.start`` adds 0); only the owner moves its own
-    return op == "add" and (n == 0 or a.rank_host.get(int(m["rank"])) == who)
+    # every process creates every counter of the run's ranks (``Health.start`` adds 0); only the
+    # owner moves its own; a rank the run does not have is a key to fill the service with
+    owner = a.rank_host.get(int(m["rank"]))
+    return op == "add" and owner is not None and (n == 0 or owner == who)
 
 
 def _anyone_compare_set(a, who, op, m, n) -> bool:
