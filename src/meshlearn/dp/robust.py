@@ -88,7 +88,8 @@ def centered_clip(parts: torch.Tensor) -> torch.Tensor:
     """Centered clipping from the coordinate median with τ = the median distance to it.
 
     A contribution with a non-finite value has no distance to clip by (∞·0 and NaN would spread
-    to every replica's aggregate): it moves nothing and counts as the farthest for τ."""
+    to every replica's aggregate): its row is replaced by the median, so it pulls the aggregate
+    nowhere, and it counts as the farthest for τ."""
     v = coordinate_median(parts)
     finite = parts.isfinite().all(dim=1, keepdim=True)
     parts = torch.where(finite, parts, v)
