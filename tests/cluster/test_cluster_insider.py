@@ -119,7 +119,7 @@ def test_a_participant_with_valid_credentials_is_refused_attributed_and_the_run_
     # what summary.json's block says: counted by reason and attributed to bob and joe only
     alice_reasons, alice_senders = merged(coordinator, alice)
     block = refused_block({"alice": {"refused": alice_reasons, "by_sender": alice_senders},
-                           "bob": {"refused": {}, "by_sender": {}}})
+                           "bob": {"refused": {}, "by_sender": {}}}, "alice", HOSTS)
     assert set(block["by_sender"]) == {"bob", "joe"}, block
     assert block["by_reason"]["contribution_refused"] == 3, block
     assert "refused a frame from rank 2 (host bob), sum" in logs
@@ -156,7 +156,7 @@ def test_under_the_launchers_summary_json_names_the_insider_and_nobody_else(tiny
 
     alice = tmp_path / "alice" / "runs" / "x"
     refused = json.loads((alice / "summary.json").read_text())["refused"]
-    assert set(refused["by_sender"]) == {"bob", "joe"}, refused
+    assert set(refused["by_sender"]) == {"bob", "joe"} and refused["claims"] == {}, refused
     assert refused["by_reason"]["contribution_refused"] == 3, refused
     assert refused["by_reason"]["authority"] == len(CONTROL_WRITES), refused
     assert refused["by_reason"]["hello_refused"] >= 1, refused

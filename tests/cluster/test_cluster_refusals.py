@@ -34,7 +34,8 @@ def test_a_process_record_is_current_after_each_refusal_and_adds_up_with_its_hos
                          "preamble_malformed": 1}
     assert by_sender == {"bob": 3}
     block = refused_block({"alice": {"refused": by_reason, "by_sender": by_sender},
-                           "bob": {"refused": {"preamble_malformed": 2}}})  # a record without senders
+                           "bob": {"refused": {"preamble_malformed": 2}}},  # a record without senders
+                          "alice", ["alice", "bob"])
     assert block["total"] == 6 and block["by_sender"] == {"bob": 3}
     assert block["by_host"]["bob"] == {"preamble_malformed": 2}
     assert process_records(None) == {} and process_records(tmp_path / "nowhere") == {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 from meshlearn.atomic import atomic_write_json
@@ -19,22 +20,28 @@ MAX_REASONS = 64  # far more kinds of refusal than the counters have (docs/secur
 MAX_SENDERS = 4096  # far more participants than a run admits
 
 
-def refused_block(records: dict[str, object]) -> dict:
-    """The counts by reason over every host, each host's, their total, and the refusals
-    attributed to each authenticated participant (``by_sender``: who misbehaved; a stranger's
-    connections are attributed to nobody). Another host's record is its word, and may be
-    anything: one whose counts are not counts (by reason, by sender) is left out, and named under
-    ``unreadable``."""
+def refused_block(records: dict[str, object], coordinator: str, hosts: Iterable[str]) -> dict:
+    """The counts by reason over every host, each host's, their total, and who misbehaved.
+
+    ``by_sender`` is what the ``coordinator``'s own processes observed: its port, its control
+    service and its workers, each refusal attributed to the identity a certificate proved. Another
+    host's attributions are only its word: a lying host could write that honest hosts misbehaved.
+    They are kept apart, under ``claims`` (``{reporter: {sender: n}}``), and only for senders a
+    reporter could have met: the placement's other ``hosts`` (a name it made up, or itself, is
+    dropped). Another host's record may be anything: one whose counts are not counts (by reason,
+    by sender) is left out, and named under ``unreadable``."""
+    hosts = set(hosts)
     counts = {host: (_counts(record, "refused", MAX_REASONS), _counts(record, "by_sender", MAX_SENDERS))
               for host, record in sorted(records.items())}
     readable = {host: pair for host, pair in counts.items() if None not in pair}
     by_reason: Counter[str] = Counter()
-    by_sender: Counter[str] = Counter()
-    for refused, senders in readable.values():
+    for refused, _ in readable.values():
         by_reason.update(refused)
-        by_sender.update(senders)
+    own = readable.get(coordinator, ({}, {}))[1]
+    claims = {reporter: peers for reporter, (_, senders) in readable.items() if reporter != coordinator
+              if (peers := {s: n for s, n in sorted(senders.items()) if s in hosts and s != reporter and n})}
     block = {"total": sum(by_reason.values()), "by_reason": dict(sorted(by_reason.items())),
-             "by_sender": dict(sorted(by_sender.items())),
+             "by_sender": dict(sorted(own.items())), "claims": claims,
              "by_host": {host: refused for host, (refused, _) in readable.items()}}
     unreadable = [host for host in counts if host not in readable]
     return block | ({"unreadable": unreadable} if unreadable else {})
@@ -50,12 +57,13 @@ def _counts(record: object, field: str, most: int) -> dict[str, int] | None:
     return counted
 
 
-def record_refusals(run_dir: Path, records: dict[str, dict]) -> None:
+def record_refusals(run_dir: Path, records: dict[str, object], coordinator: str,
+                    hosts: Iterable[str]) -> None:
     """Add the ``refused`` block to ``run_dir``'s summary.json (nothing when the run wrote none:
     it failed before its end)."""
     path = Path(run_dir) / SUMMARY
     if not path.is_file():
         return
     summary = json.loads(path.read_text())
-    summary["refused"] = refused_block(records)
+    summary["refused"] = refused_block(records, coordinator, hosts)
     atomic_write_json(path, summary)

@@ -188,4 +188,4 @@ def _finish(store: dist.Store, cfg: RunConfig, placement: Placement, port: HostP
         with contextlib.suppress(Exception):
             if host != placement.host and store.check([key]):
                 records[host] = json.loads(store.get(key))
-    record_refusals(run_dir, records)
+    record_refusals(run_dir, records, placement.host, hosts)
