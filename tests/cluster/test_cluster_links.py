@@ -285,5 +285,7 @@ def test_a_two_host_run_through_the_ports_gives_the_simulators_losses(machines: 
     links = 4 + 4 * 3  # the pipeline's (2 rows × 2 directions) and the collectives' (ordered pairs)
     routed = sum(a.routed for a in machines.agents.values())
     assert routed - control.admitted == links and control.admitted >= 4, logs  # the rest: control
+    # what an honest host holds at the control service (a thread per process talks to it: 2 each)
+    assert all(0 < control.peak[h] <= control.caps[h] for h in HOSTS), (control.peak, control.caps)
     expected, got = simulator_losses(cfg, tmp_path / "sim"), losses(run_dirs["alice"])
     assert len(got) == 3 and max(abs(a - b) for a, b in zip(expected, got, strict=True)) <= 1e-5

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from net.net_helpers import wait_until
 
 from meshlearn.cluster.authority import Authority
-from meshlearn.cluster.control import MAX_PER_HOST, RATE_BURST, RATE_PER_S, ControlService
+from meshlearn.cluster.control import CONNECTIONS_PER_PROCESS, RATE_BURST, RATE_PER_S, ControlService
 from meshlearn.cluster.control_store import ControlLine, ControlStore
 from meshlearn.cluster.control_wire import MAX_FRAME, ControlRefused, receive
 from meshlearn.net.counters import Counters
@@ -45,14 +45,16 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 class Service:
     def __init__(self, keys: dict[str, Path], folder: Path,
-                 rate: tuple[float, float] = (RATE_PER_S, RATE_BURST), max_per_host: int = MAX_PER_HOST):
+                 rate: tuple[float, float] = (RATE_PER_S, RATE_BURST),
+                 per_process: int = CONNECTIONS_PER_PROCESS, clock: Callable[[], float] = time.monotonic):
         self.keys = keys
         self.counters = Counters()
         self.made: list[ControlStore] = []
         self.agent = PortAgent("127.0.0.1", 0, folder / "agent.sock", self.counters)
         self.agent.start()
         self.service = ControlService(self.tls("alice"), Authority(HOSTS_OF, RANKS, "alice"), self.counters,
-                                      handshake_timeout_s=3.0, rate=rate, max_per_host=max_per_host)
+                                      handshake_timeout_s=3.0, rate=rate, per_process=per_process,
+                                      clock=clock)
         self.service.serve(self.agent.socket_path)
 
     def tls(self, name: str, run: str = "run") -> RunTls:
@@ -229,7 +231,7 @@ FLOOD, PER_S, BURST = 20, 50.0, 5
 def test_a_host_flooding_the_service_is_throttled_counted_and_nobody_else_is(keys) -> None:
     """bob's connection asks FLOOD times in a row: the first BURST pass at once, the rest wait their
     turn at PER_S (counted under bob's name, each still answered); alice, asking on her own
-    connection meanwhile, is never held, and neither is a second connection of bob's own."""
+    connection meanwhile, is never held."""
     with _serving(keys, rate=(PER_S, BURST)) as control:
         bob = _workers(control.store("bob"))
         bob.add("hb/1", 0)
@@ -243,7 +245,30 @@ def test_a_host_flooding_the_service_is_throttled_counted_and_nobody_else_is(key
         throttled = control.count("rate_limited")
         assert 1 <= throttled <= FLOOD + 1 - BURST, throttled
         assert control.counters.by_sender() == {"bob": throttled}  # alice was never held
-        assert "more than 50 requests/s on one connection" in control.counters.recent()[-1]
+        assert "more than 50 requests/s over its connections" in control.counters.recent()[-1]
+
+
+CONNECTIONS, EACH = 4, 5
+
+
+def test_a_hosts_connections_share_one_rate(keys) -> None:
+    """bob asks EACH requests on each of CONNECTIONS connections, the clock frozen (no refill):
+    together they get one burst of BURST, and every request beyond it is throttled, whichever
+    connection asks it; a rate per connection gave each its own burst, CONNECTIONS times the rate.
+    alice's bucket is her own."""
+    with _serving(keys, rate=(1000.0, BURST), clock=lambda: 0.0) as control:
+        bobs = [_workers(control.store("bob")) for _ in range(CONNECTIONS)]
+        threads = [threading.Thread(target=lambda s=s: [s.add("hb/1", 1) for _ in range(EACH)]) for s in bobs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert _workers(control.store("bob")).get("hb/1") == str(CONNECTIONS * EACH).encode()
+        assert control.service.admitted == CONNECTIONS + 1  # a connection each, and the get's
+        assert control.count("rate_limited") == CONNECTIONS * EACH - BURST + 1  # and the get above
+        for _ in range(BURST):
+            _workers(control.store("alice")).add("hb/0", 1)
+        assert control.counters.by_sender() == {"bob": control.count("rate_limited")}
 
 
 def test_a_host_revoked_while_connected_is_cut_off_without_a_restart(tmp_path) -> None:
@@ -274,11 +299,13 @@ def test_a_host_revoked_while_connected_is_cut_off_without_a_restart(tmp_path) -
         assert alice.add("hb/0", 1) == 1 and alice.get("hb/1") == b"1"
 
 
-def test_a_host_holds_at_most_max_per_host_connections(keys) -> None:
-    """The rate is per connection, so connections are capped per host: bob's third is refused in
+def test_a_host_holds_at_most_its_share_of_connections(keys) -> None:
+    """Each connection is a thread of the service, so connections are capped per host, by the
+    processes it runs: bob runs one (and a launcher), one connection each, so his third is refused in
     the handshake (counted under bob, its one line the refusal's), alice still connects, and bob
     may connect again once one of his has closed."""
-    with _serving(keys, max_per_host=2) as control:
+    with _serving(keys, per_process=1) as control:
+        assert control.service.caps == {"alice": 3, "bob": 2}
         bobs = [control.store("bob", connect_timeout_s=1.0) for _ in range(3)]
         for store in bobs[:2]:
             store.add("meshlearn/0//hb/1", 0)

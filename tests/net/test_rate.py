@@ -1,4 +1,4 @@
-"""The control service's per-connection rate (``net/rate.py``): a burst passes at once, then each
+"""The control service's per-host rate (``net/rate.py``): a burst passes at once, then each
 request waits its turn at the rate; idle time refills the bucket up to the burst, never beyond."""
 
 from __future__ import annotations

@@ -13,14 +13,17 @@ run's ``Counters`` and logged with the sender's identity; the connection stays u
 sender's honest requests. One thread per authenticated connection: a waiting ``get`` blocks only
 its own connection.
 
-Each connection may make ``rate[0]`` requests a second after a burst of ``rate[1]``
-(``net/rate.TokenBucket``): a request beyond that is counted (``rate_limited``, under the
-sender's identity), and the connection's next request is read only once the rate allows it, so a
-participant flooding the service slows itself down and nobody else (its flood waits in its own
-connection's thread and buffers). A host may hold ``max_per_host`` connections at once (a further
-handshake is refused, ``too_many_connections``), so it cannot multiply its rate by connecting
-again. The defaults are far above what an honest process asks: a heartbeat round every
-``dist.heartbeat_s`` per process, a few requests per step, a connection per thread.
+Each host may make ``rate[0]`` requests a second after a burst of ``rate[1]``, all its
+connections together (``net/rate.TokenBucket``, one per host, shared by its connections' threads):
+a request beyond that is counted (``rate_limited``, under the sender's identity), and the
+connection's next request is read only once the host's rate allows it, so a participant flooding
+the service slows itself down and nobody else (its flood waits in its own connections' threads and
+buffers), however many connections it opens. A host may hold ``per_process`` connections for each
+process it runs, and its launcher, at once (a further handshake is refused, ``too_many_connections``):
+each connection costs the service a thread, so this bounds what a host can make it hold. The
+defaults are far above what an honest process asks: a heartbeat round every ``dist.heartbeat_s``
+per process, a few requests per step, a connection per thread that talks to the service (``peak``
+records the most each host held; ``CONNECTIONS_PER_PROCESS`` says what a run measured).
 
 Revocation needs no restart: ``watch_revocations`` applies a new ``ca.crl`` beside the
 coordinator's key (``net/revocations.py``), so the revoked host's next handshake is refused and
@@ -32,6 +35,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,9 +54,15 @@ from meshlearn.net.tls import Acceptor, Refused, RunTls
 DESTINATION = "control"
 MAX_WAIT_S = 3600.0  # the longest wait one request may ask for
 MAX_AMOUNT = 1 << 62  # an add's amount: a heartbeat counts steps, far below; a bigger one overflows
-RATE_PER_S = 1000.0  # requests per second one connection may make, sustained
-RATE_BURST = 1000  # requests one connection may make at once
-MAX_PER_HOST = 256  # connections one host may hold open (one per thread of each of its processes)
+RATE_PER_S = 1000.0  # requests per second one host may make (all its connections), sustained
+RATE_BURST = 1000  # requests one host may make at once
+CONNECTIONS_PER_PROCESS = 8
+"""Connections a host may hold per process it runs (its launcher counts as one). An honest process
+holds one per thread that talks to the service: in a P = 2 × D = 2 run of real processes
+(tests/cluster/test_cluster_links.py) each host held at most 4 with its 2 worker processes (the
+main thread's and the health monitor's), and a launcher holds one (its main thread's). 8 per
+process (24 for such a host, against 256 before) leaves room for a process that uses more threads
+and for a reconnect racing the old connection's close."""
 
 
 class ControlState:
@@ -113,13 +123,19 @@ class ControlState:
 class ControlService:
     """Serves ``state`` to the run's hosts as ``authority`` allows. ``log`` receives one line per
     refusal (the launcher's log); ``counters`` the counts (the run's security record);
-    ``rate``: requests per second and burst per connection."""
+    ``rate``: requests per second and burst per host; ``per_process``: connections a host may
+    hold per process it runs (and one for its launcher); ``clock``: the buckets' (tests freeze it)."""
 
     def __init__(self, tls: RunTls, authority: Authority, counters: Counters,
                  log: Callable[[str], None] = lambda line: None, handshake_timeout_s: float | None = None,
-                 rate: tuple[float, float] = (RATE_PER_S, RATE_BURST), max_per_host: int = MAX_PER_HOST):
+                 rate: tuple[float, float] = (RATE_PER_S, RATE_BURST),
+                 per_process: int = CONNECTIONS_PER_PROCESS, clock: Callable[[], float] = time.monotonic):
         self.tls, self.authority, self.counters, self.log = tls, authority, counters, log
-        self.rate, self.max_per_host = rate, max_per_host
+        self.rate = rate
+        processes = Counter(authority.hosts_of.values())
+        self.caps = {host: per_process * (processes[host] + 1) for host in authority.hosts}
+        self._buckets = {host: TokenBucket(*rate, clock=clock) for host in authority.hosts}
+        self.peak: Counter[str] = Counter()  # the most connections each host held at once
         self.state = ControlState()
         timing = {} if handshake_timeout_s is None else {"timeout_s": handshake_timeout_s}
         self.acceptor = Acceptor(self._authenticate, counters, on_ready=self._start, **timing)
@@ -174,10 +190,10 @@ class ControlService:
     def _admit(self, peer: Identity) -> str | None:
         if peer.role != "host" or peer.name not in self.authority.hosts:
             return f"{peer} is not a host of this run's placement"
-        held = self.held(peer.name)
-        if held >= self.max_per_host:  # the rate is per connection: the cap bounds the host's
+        held, cap = self.held(peer.name), self.caps[peer.name]
+        if held >= cap:  # each connection is a thread of ours
             raise Refused("too_many_connections", f"{peer} holds {held} connections already (at most "
-                                                  f"{self.max_per_host})", peer.name)
+                                                  f"{cap})", peer.name)
         return None
 
     def _start(self, ready: object) -> None:
@@ -185,11 +201,13 @@ class ControlService:
         with self._lock:
             self._links[link] = peer, serial
             self.admitted += 1
+            held = sum(1 for other, _ in self._links.values() if other.name == peer.name)
+            self.peak[peer.name] = max(self.peak[peer.name], held)
         threading.Thread(target=self._serve, args=(link, peer), name=f"control-{peer.name}",
                          daemon=True).start()
 
     def _serve(self, link: FramedStream, peer: Identity) -> None:
-        bucket = TokenBucket(*self.rate)
+        bucket = self._buckets[peer.name]  # the host's, whichever of its connections asks
         try:
             while True:
                 try:
@@ -209,12 +227,12 @@ class ControlService:
             link.close()
 
     def _throttle(self, bucket: TokenBucket, who: str) -> None:
-        """Charge the request just answered; wait as long as the connection's rate requires before
-        its next one is read."""
+        """Charge the request just answered to its host; wait as long as the host's rate requires
+        before this connection's next one is read."""
         wait = bucket.delay()
         if wait > 0:
-            self.counters.add("rate_limited", f"host {who}: more than {self.rate[0]:g} requests/s on one "
-                                              f"connection (served {wait * 1000:.0f} ms later)", sender=who)
+            self.counters.add("rate_limited", f"host {who}: more than {self.rate[0]:g} requests/s over its "
+                                              f"connections (served {wait * 1000:.0f} ms later)", sender=who)
             time.sleep(wait)
 
     def _refuse(self, who: str, reason: str, why: str) -> tuple[dict, list[bytes]]:
