@@ -38,6 +38,7 @@ def _train(tmp_path, corpus, *key: str) -> list[str]:
     ("loose", "a private key must be readable by its owner only (mode 0o644)"),
     ("no-crt", "alice.crt is missing"),
     ("other-ca", "alice.crt was not issued by"),
+    ("other-crl", "the revocation list beside it cannot be used ("),
 ])
 def test_a_cluster_run_without_its_hosts_valid_key_stops_in_one_line(keys, tmp_path, tiny_corpus, capsys,
                                                                      case, expected):
@@ -52,6 +53,8 @@ def test_a_cluster_run_without_its_hosts_valid_key_stops_in_one_line(keys, tmp_p
         (folder / "alice.crt").unlink()
     elif case == "other-ca":
         shutil.copy(other / "ca.crt", folder / "ca.crt")
+    elif case == "other-crl":  # a list the run's CA did not sign
+        shutil.copy(other / "ca.crl", folder / "ca.crl")
     assert main(_train(tmp_path, tiny_corpus, *key)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("meshlearn: error: --key") and expected in err[0], err

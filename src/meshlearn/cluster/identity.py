@@ -5,7 +5,8 @@ The key is the one ``meshlearn keys --config run.toml --out DIR`` wrote for this
 ``ca.crl``), which is how ``keys`` lays a folder out and what the owner copies to each machine.
 Every check runs before the run folder is touched, each failure one line naming ``--key``: a
 cluster run without a key, a key file others can read, a certificate that names another host or a
-joiner, one the run's CA did not sign, or one the revocation list names. Why here and not at the
+joiner, one the run's CA did not sign, one the revocation list names, a list the CA did not sign
+(``net/crl.py``, as every listener reads it). Why here and not at the
 first handshake: a machine started with the wrong file would otherwise wait out
 ``dist.init_timeout_s`` and end with a handshake error on another machine's screen.
 """
@@ -19,7 +20,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
 from meshlearn.errors import ConfigError
-from meshlearn.net.keys import Credentials, KeysError, check_private, identity_of, revoked_serials
+from meshlearn.net.crl import ListRefused, read_list
+from meshlearn.net.keys import Credentials, KeysError, check_private, identity_of
 
 
 def host_credentials(host: str, key: str | None) -> Credentials:
@@ -50,7 +52,12 @@ def host_credentials(host: str, key: str | None) -> Credentials:
     except (InvalidSignature, ValueError, TypeError) as err:
         raise ConfigError("--key", key, f"{creds.cert.name} was not issued by {creds.ca} "
                                         f"({type(err).__name__}): credentials of another run") from None
-    if cert.serial_number in revoked_serials(creds.crl):
+    try:
+        revoked = read_list(creds.crl, creds.ca).serials
+    except (ListRefused, OSError) as err:
+        raise ConfigError("--key", key, f"the revocation list beside it cannot be used ({err}): copy the "
+                                        "run owner's current ca.crl") from None
+    if cert.serial_number in revoked:
         raise ConfigError("--key", key, f"host {host}'s certificate is revoked in {creds.crl}: ask the run's "
                                         "owner for a new one")
     if _public(cert) != _public_of_key(creds.key, key):

@@ -52,6 +52,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from meshlearn.atomic import atomic_path
+from meshlearn.net.crl import ListRefused, read_list
 
 ROLES = ("host", "joiner")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -236,18 +237,28 @@ def _usage(ca: bool) -> x509.KeyUsage:
 
 def _write_crl(folder: Path, ca_key, ca_cert: x509.Certificate, ledger: dict) -> None:
     """The signed list of every serial of every revoked name; valid as long as the CA (OpenSSL
-    refuses a handshake against an expired list)."""
+    refuses a handshake against an expired list). Numbered one above the list it replaces, so a
+    listener can refuse an older one (``crl.py``: its signature alone does not say it is the latest)."""
     now = datetime.now(UTC)
     builder = (x509.CertificateRevocationListBuilder().issuer_name(ca_cert.subject)
                .last_update(now - CLOCK_SKEW).next_update(ca_cert.not_valid_after_utc)
                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-                              critical=False))
+                              critical=False)
+               .add_extension(x509.CRLNumber(_previous_number(folder) + 1), critical=False))
     for entry in ledger.values():
         if entry["revoked"]:
             for serial in entry["serials"]:
                 revoked = x509.RevokedCertificateBuilder().serial_number(int(serial, 16)).revocation_date(now)
                 builder = builder.add_revoked_certificate(revoked.build())
     _write_public(folder / "ca.crl", builder.sign(ca_key, None).public_bytes(serialization.Encoding.PEM))
+
+
+def _previous_number(folder: Path) -> int:
+    """The number of the list in ``folder`` (0: none, or one written before lists were numbered)."""
+    try:
+        return read_list(folder / "ca.crl", folder / "ca.crt").number or 0
+    except (OSError, ListRefused):
+        return 0
 
 
 def _require_ca(folder: Path) -> None:

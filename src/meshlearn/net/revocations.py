@@ -1,14 +1,15 @@
 """Revocation while a run goes on: a listener notices that its revocation list changed, checks it,
 and applies it without a restart.
 
-Why: a listener reads ``ca.crl`` when it builds its TLS contexts (``RunTls.reload``), so before
-this the owner had to restart the coordinator to shut a revoked participant out, and a revoked
+Why: a listener reads ``ca.crl`` when it builds its TLS contexts (``RunTls``), so before this the
+owner had to restart the coordinator to shut a revoked participant out, and a revoked
 participant's open connections stayed up. ``RevocationWatch`` polls the list beside the
-listener's key; when its bytes change it loads it and checks its signature under the run's CA
-(a list the CA did not sign is refused in one line, and the old one stays in force: whoever can
-write the file must not be able to revoke everyone, or no one), rebuilds the contexts (new
-handshakes check the new list), and hands the revoked serial numbers to ``on_revoked``, which
-closes the connections they hold (``cluster/control.py``).
+listener's key; when its bytes change it checks those bytes (``crl.py``: bounded, signed by the
+run's CA, not older than the list in force) and builds the contexts from them
+(``RunTls.reload``), so new handshakes check the new list, and hands the revoked serial numbers to
+``on_revoked``, which closes the connections they hold (``cluster/control.py``). A list it refuses
+is refused in one line and the one in force stays: whoever can write the file must not be able to
+revoke everyone, or no one, nor bring back an old list that predates a revocation.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from cryptography import x509
-
+from meshlearn.net.crl import ListRefused, checked, read_bounded
 from meshlearn.net.tls import RunTls
 
 CHECK_EVERY_S = 2.0  # how often a running listener looks at its list
@@ -32,7 +32,7 @@ class RevocationWatch:
                  log: Callable[[str], None] = lambda line: None, every_s: float = CHECK_EVERY_S):
         self.tls, self.on_revoked, self.log, self.every_s = tls, on_revoked, log, every_s
         self.path = Path(tls.credentials.crl)
-        self._seen = self._read()
+        self._seen = tls.revocations.data
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -45,34 +45,25 @@ class RevocationWatch:
 
     def check(self) -> bool:
         """Look once: apply the list if it changed and is valid; whether it was applied."""
-        data = self._read()
-        if data is None or data == self._seen:
-            return False
-        self._seen = data
         try:
-            crl = x509.load_pem_x509_crl(data)
-            ca = x509.load_pem_x509_certificate(Path(self.tls.credentials.ca).read_bytes())
-            valid = crl.is_signature_valid(ca.public_key()) and crl.issuer == ca.subject
-        except ValueError as err:
-            valid, why = False, f"not a revocation list ({err})"
-        else:
-            why = "not signed by the run's CA"
-        if not valid:
-            self.log(f"meshlearn: refused the new revocation list {self.path}: {why}; the previous one "
+            data = read_bounded(self.path)
+        except OSError:
+            return False  # being replaced: the next look sees it
+        if data == self._seen:
+            return False
+        try:
+            revocations = self.tls.reload(checked(data, self.tls.credentials.ca, self.path))
+        except ListRefused as err:
+            self._seen = data  # refused for what it is: said once, not at every look
+            self.log(f"meshlearn: refused the new revocation list {self.path}: {err.why}; the previous one "
                      "stays in force")
             return False
-        self.tls.reload()
-        serials = {entry.serial_number for entry in crl}
+        serials = set(revocations.serials)
         self.log(f"meshlearn: applied the new revocation list {self.path} ({len(serials)} serial(s) revoked)")
+        self._seen = data
         self.on_revoked(serials)
         return True
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             self.check()
-
-    def _read(self) -> bytes | None:
-        try:
-            return self.path.read_bytes()
-        except OSError:
-            return None  # being replaced: the next look sees it

@@ -24,9 +24,11 @@ run can report how many connections it turned away and why.
 from __future__ import annotations
 
 import contextlib
+import os
 import selectors
 import socket
 import ssl
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -35,6 +37,7 @@ from collections.abc import Callable
 from cryptography import x509
 
 from meshlearn.net.counters import Counters
+from meshlearn.net.crl import ListRefused, RevocationList, read_list
 from meshlearn.net.keys import Credentials, Identity, check_private, identity_of
 
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -72,13 +75,33 @@ class RunTls:
         check_private(credentials.key)  # a key others can read is refused before it is used
         self.credentials = credentials
         self.identity = identity_of(x509.load_pem_x509_certificate(credentials.cert.read_bytes()))
-        self.reload()
+        self.revocations = read_list(credentials.crl, credentials.ca)  # ListRefused: not the run's
+        self._build(self.revocations)
 
-    def reload(self) -> None:
-        """Read the credentials and the revocation list again (after the owner revoked someone):
-        handshakes from now on use the new list."""
-        self._server = self._context(ssl.PROTOCOL_TLS_SERVER)
-        self._client = self._context(ssl.PROTOCOL_TLS_CLIENT)
+    def reload(self, revocations: RevocationList | None = None) -> RevocationList:
+        """Use a new revocation list (after the owner revoked someone): handshakes from now on check
+        it. ``revocations``: a list already checked (``crl.checked``); None: read and check the file
+        again. A list older than the one in force is refused (ListRefused), and the old one stays."""
+        new = revocations if revocations is not None else read_list(self.credentials.crl, self.credentials.ca)
+        why = new.older_than(self.revocations)
+        if why is not None:
+            raise ListRefused(self.credentials.crl, why)
+        self._build(new)
+        self.revocations = new
+        return new
+
+    def _build(self, revocations: RevocationList) -> None:
+        """The contexts, from the checked list's own bytes: OpenSSL reads a list only from a file,
+        so they go to a private temporary one (the watched file may have changed since it was read)."""
+        fd, name = tempfile.mkstemp(prefix="meshlearn-crl-", suffix=".pem")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(revocations.data)
+            server = self._context(ssl.PROTOCOL_TLS_SERVER, name)
+            client = self._context(ssl.PROTOCOL_TLS_CLIENT, name)
+        finally:
+            os.unlink(name)
+        self._server, self._client = server, client
 
     def accept(self, sock: socket.socket, deadline: float,
                admit: Callable[[Identity], str | None] | None = None) -> tuple[ssl.SSLSocket, Identity]:
@@ -130,13 +153,13 @@ class RunTls:
             raise
         return tls, peer
 
-    def _context(self, protocol: int) -> ssl.SSLContext:
+    def _context(self, protocol: int, crl_file: str) -> ssl.SSLContext:
         ctx = ssl.SSLContext(protocol)
         ctx.minimum_version = ctx.maximum_version = ssl.TLSVersion.TLSv1_3
         ctx.check_hostname = False  # identities are run names, checked by name after the handshake
         ctx.verify_mode = ssl.CERT_REQUIRED
         ctx.load_verify_locations(cafile=str(self.credentials.ca))  # the only trust root
-        ctx.load_verify_locations(cafile=str(self.credentials.crl))
+        ctx.load_verify_locations(cafile=crl_file)
         ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF | ssl.VERIFY_X509_STRICT
         ctx.load_cert_chain(str(self.credentials.cert), str(self.credentials.key))
         if protocol == ssl.PROTOCOL_TLS_SERVER:
