@@ -1,6 +1,7 @@
 """A listener's revocation list (``net/crl.py``, ``RunTls.reload``, ``net/revocations.py``): an older
 list, validly signed in its day, never replaces a newer one (it would un-revoke whoever was revoked
-since); every reload checks the bytes it loads (signature, size)."""
+since); every reload checks the bytes it loads (signature, size); and the watch thread survives a
+look that fails, keeping the last good list and trying again."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import contextlib
 import queue
 import shutil
 import socket
+import ssl
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from net_helpers import wait_until
 
 from meshlearn.net.crl import MAX_LIST_BYTES, ListRefused, read_list
 from meshlearn.net.keys import Credentials, add_joiner, create_run, revoke
@@ -92,3 +95,36 @@ def test_a_reload_checks_the_bytes_it_loads(run: Path, tmp_path: Path) -> None:
     (run / "ca.crl").write_bytes(b"-----BEGIN X509 CRL-----\n" + b"A" * (4 * MAX_LIST_BYTES))
     assert not watch.check() and f"larger than {MAX_LIST_BYTES} bytes" in lines[-1], lines
     assert _admitted(bob, carol)
+
+
+def test_the_watch_survives_a_failed_look_and_applies_the_list_next_time(run: Path, monkeypatch) -> None:
+    """The first look after carol's revocation fails twice: OpenSSL refuses the contexts, then
+    closing carol's connections fails. Each is counted and logged, the last good list stays in
+    force until the list applies, and the thread goes on to apply it."""
+    bob = _tls(run, "bob")
+    build, faults = bob._build, [ssl.SSLError("simulated"), OSError("simulated")]
+
+    def flaky_build(revocations) -> None:
+        if len(faults) == 2:
+            raise faults.pop(0)
+        build(revocations)
+
+    cut: list[set[int]] = []
+
+    def flaky_cut_off(serials: set[int]) -> None:
+        if faults:
+            raise faults.pop(0)
+        cut.append(serials)
+
+    monkeypatch.setattr(bob, "_build", flaky_build)
+    lines: list[str] = []
+    watch = RevocationWatch(bob, flaky_cut_off, lines.append, every_s=0.01)
+    revoke(run, "carol")
+    watch.start()
+    try:
+        assert wait_until(lambda: bool(cut)), lines
+    finally:
+        watch.close()
+    assert watch.failures == 2 and "SSLError" in lines[0] and "OSError" in "\n".join(lines), lines
+    assert cut == [set(read_list(run / "ca.crl", run / "ca.crt").serials)]
+    assert not _admitted(bob, _tls(run, "carol"))
