@@ -300,6 +300,30 @@ def test_a_host_revoked_while_connected_is_cut_off_without_a_restart(tmp_path) -
         assert alice.add("hb/0", 1) == 1 and alice.get("hb/1") == b"1"
 
 
+def test_a_handshake_that_ends_after_its_revocation_is_refused(tmp_path) -> None:
+    """bob's handshake completes under the old list; before its connection is registered the owner
+    revokes bob and the watch applies the list (a hook between the two, not timing). The cut-off
+    found no connection of bob's to close; the connection must still not be served."""
+    create_run(tmp_path / "run", ["alice", "bob"], "revoke-race")
+    with _serving({"run": tmp_path / "run"}) as control:
+        watch = control.service.watch_revocations(every_s=3600.0)  # applied by the hook below
+        handshake = control.service.acceptor.authenticate
+
+        def revoked_meanwhile(sock, deadline):
+            ready = handshake(sock, deadline)
+            if ready[1].name == "bob":
+                revoke(tmp_path / "run", "bob")
+                assert watch.check() and control.count("revoked") == 0  # nothing of bob's to close yet
+            return ready
+
+        control.service.acceptor.authenticate = revoked_meanwhile
+        with pytest.raises(Exception, match="revoked|closed"):  # noqa: PT011 — torch wraps it
+            _workers(control.store("bob", connect_timeout_s=1.0)).add("hb/1", 0)
+        assert control.count("revoked") == 1 and control.service.held("bob") == 0
+        assert "revoked during its handshake" in "\n".join(control.counters.recent())
+        assert _workers(control.store("alice")).add("hb/0", 1) == 1
+
+
 def test_a_host_holds_at_most_its_share_of_connections(keys) -> None:
     """Each connection is a thread of the service, so connections are capped per host, by the
     processes it runs: bob runs one (and a launcher), one connection each, so his third is refused in

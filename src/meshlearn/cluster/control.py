@@ -143,6 +143,7 @@ class ControlService:
         self._watch: RevocationWatch | None = None
         self.admitted = 0  # authenticated connections served
         self._links: dict[FramedStream, tuple[Identity, int]] = {}  # each with its peer's certificate serial
+        self._revoked: set[int] = set()  # serials cut off while the service ran
         self._lock = threading.Lock()
 
     def serve(self, port_socket: Path) -> None:
@@ -158,8 +159,10 @@ class ControlService:
         return self._watch
 
     def cut_off(self, serials: set[int]) -> None:
-        """Close every connection whose certificate's serial is in ``serials`` (just revoked)."""
+        """Close every connection whose certificate's serial is in ``serials`` (just revoked), and
+        refuse any whose handshake, begun under the old list, ends after this (``_start``)."""
         with self._lock:
+            self._revoked |= serials
             revoked = [(link, peer) for link, (peer, serial) in self._links.items() if serial in serials]
         for link, peer in revoked:
             self.counters.add("revoked", f"{peer}: its certificate was revoked while connected",
@@ -197,12 +200,22 @@ class ControlService:
         return None
 
     def _start(self, ready: object) -> None:
+        """Register and serve an authenticated connection, unless its certificate was revoked while
+        its handshake ran (checked under the lock ``cut_off`` takes: the connection is either
+        registered before its cut-off, and closed by it, or refused here)."""
         link, peer, serial = ready
         with self._lock:
-            self._links[link] = peer, serial
-            self.admitted += 1
-            held = sum(1 for other, _ in self._links.values() if other.name == peer.name)
-            self.peak[peer.name] = max(self.peak[peer.name], held)
+            revoked = serial in self._revoked
+            if not revoked:
+                self._links[link] = peer, serial
+                self.admitted += 1
+                held = sum(1 for other, _ in self._links.values() if other.name == peer.name)
+                self.peak[peer.name] = max(self.peak[peer.name], held)
+        if revoked:
+            self.counters.add("revoked", f"{peer}: its certificate was revoked during its handshake",
+                              sender=peer.name)
+            link.close()
+            return
         threading.Thread(target=self._serve, args=(link, peer), name=f"control-{peer.name}",
                          daemon=True).start()
 
