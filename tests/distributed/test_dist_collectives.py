@@ -218,6 +218,46 @@ def test_a_lie_in_place_of_a_contribution_names_its_sender_at_the_deadline():
         sock.close()
 
 
+class _SlowLiar:
+    """A peer's incoming stream, on a clock of the test's: each frame arrives ``every_s`` after the
+    read began (just inside the reader's timeout) and is refused (a short frame). Records the
+    timeouts the reader gave each read."""
+
+    def __init__(self, now: list[float], every_s: float):
+        self.now, self.every_s, self.timeouts = now, every_s, []
+
+    def set_timeout(self, seconds: float | None) -> None:
+        self.timeouts.append(seconds)
+
+    def read_frame(self, bound: int) -> torch.Tensor:
+        if self.every_s >= self.timeouts[-1]:
+            raise TimeoutError("timed out")  # what the socket does when nothing came in time
+        self.now[0] += self.every_s
+        return torch.frombuffer(bytearray(_honest(TENSOR[:100], "sum", 0)), dtype=torch.uint8)
+
+    def close(self) -> None:
+        pass
+
+
+def test_refused_frames_do_not_extend_a_contributions_deadline():
+    """A liar sends a refused frame every 4 s against a 10 s deadline: each would arrive in time
+    for a read with a fresh deadline (so MAX_REFUSED of them held the reader 32 s, 3.2 deadlines).
+    Each read gets only what is left of the one deadline: after the second frame (8 s) there are
+    2 s left, the third does not come in them, and the sender is named at 10 s."""
+    now = [0.0]
+    liar = _SlowLiar(now, every_s=4.0)
+    back_tx, back_rx = socket.socketpair()
+    receiver = FramedCollectives(0, {1: FramedStream(back_tx, "0->1", HEADER_ROOM)}, {1: liar},
+                                 clock=lambda: now[0])
+    receiver.set_timeout(10.0)
+    with pytest.raises(Refused, match=r"nothing valid for its sum by the deadline after 2 refused"):
+        receiver.sum(TENSOR, [0, 1])
+    assert receiver.refused == {1: 2} and now[0] == 8.0
+    assert liar.timeouts == [10.0, 10.0, 6.0, 2.0, 10.0]  # set, each read's share, then restored
+    receiver.close()
+    back_rx.close()
+
+
 @pytest.fixture
 def store() -> BoundStore:
     return BoundStore("127.0.0.1", 10)

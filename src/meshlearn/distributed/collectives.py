@@ -20,7 +20,9 @@ and the run's ``Counters`` under the sender's authenticated identity when the st
 contribution. So a participant that adds garbage, an oversized frame or a replay to its honest
 contributions changes nothing (the step is the simulator's), and one that sends only what is
 refused is named as the liar it is once it has spent ``MAX_REFUSED`` refusals on one
-contribution, or sent nothing valid after a refused frame by the collective's deadline.
+contribution, or sent nothing valid after a refused frame by the collective's deadline. The
+deadline is the contribution's, not each frame's: refused frames do not renew it, so a liar that
+sends one just before each deadline holds the reader no longer than a silent peer would.
 
 What the run does then (``RunCollectives``): the step cannot be computed without that
 contribution (every replica must apply the same mean), so the run stops, with one line naming the
@@ -107,11 +109,14 @@ class FramedCollectives:
     same ``ranks`` and tensors of the same shape and dtype, in the same order as every other
     collective they share (a pair's frames are numbered). Sends leave from a thread per peer, so a
     large tensor never waits for the receiver's reads of another. ``counters``: where refused
-    frames are counted for the run's record (``log``: one line each)."""
+    frames are counted for the run's record (``log``: one line each); ``clock``: the monotonic
+    clock the deadline of each contribution is kept by (tests give their own)."""
 
     def __init__(self, rank: int, outgoing: Mapping[int, PeerStream], incoming: Mapping[int, PeerStream],
-                 counters: Counters | None = None, log: Callable[[str], None] = lambda line: None):
-        self.rank = rank
+                 counters: Counters | None = None, log: Callable[[str], None] = lambda line: None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.rank, self.clock = rank, clock
+        self.timeout_s: float | None = None  # the collective's deadline (None: none)
         self.outgoing, self.incoming = dict(outgoing), dict(incoming)
         self.counters, self.log = counters if counters is not None else Counters(), log
         self.sent: Counter[int] = Counter()
@@ -128,7 +133,9 @@ class FramedCollectives:
             self._threads.append(thread)
 
     def set_timeout(self, seconds: float) -> None:
-        """The longest one read or write may block (the collective's deadline)."""
+        """The longest one read or write may block, and one contribution may take to arrive
+        however many refused frames come first (the collective's deadline)."""
+        self.timeout_s = seconds
         for stream in (*self.outgoing.values(), *self.incoming.values()):
             stream.set_timeout(seconds)
 
@@ -218,10 +225,25 @@ class FramedCollectives:
     def _read(self, src: int, like: torch.Tensor, op: str, bound: int | None = None) -> torch.Tensor:
         """``src``'s next contribution as a tensor like ``like``: refused frames are counted and
         passed over, up to ``MAX_REFUSED`` in a row (then Refused). ``bound`` (blobs only): the
-        frame may be any size up to it; otherwise exactly ``like``'s."""
-        refused = []
+        frame may be any size up to it; otherwise exactly ``like``'s. The whole wait is bounded by
+        one deadline: each read gets only what is left of it."""
+        if self.timeout_s is None:
+            return self._read_refusing(src, like, op, bound, None)
+        try:
+            return self._read_refusing(src, like, op, bound, self.clock() + self.timeout_s)
+        finally:
+            self.incoming[src].set_timeout(self.timeout_s)  # the whole deadline again for what follows
+
+    def _read_refusing(self, src: int, like: torch.Tensor, op: str, bound: int | None,
+                       end: float | None) -> torch.Tensor:
+        refused: list[str] = []
         while len(refused) < MAX_REFUSED:
             try:
+                if end is not None:
+                    left = end - self.clock()
+                    if left <= 0:
+                        raise Lost(src, f"while waiting for its {op}", timed_out=True)
+                    self.incoming[src].set_timeout(left)
                 return self._read_frame(src, like, op, bound)
             except Refused as err:
                 self._count(src, op, err.reason)
