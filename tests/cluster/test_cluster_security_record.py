@@ -6,7 +6,9 @@ is what the coordinator's own processes observed; another host's attributions ar
 
 from __future__ import annotations
 
-from meshlearn.cluster.security import refused_block
+import json
+
+from meshlearn.cluster.security import MAX_RECORD_BYTES, collect_records, refused_block
 
 HOSTS = ("alice", "bob", "carol", "mallory")
 
@@ -44,3 +46,34 @@ def test_only_the_coordinators_own_observations_are_the_runs_finding():
     assert block["by_sender"] == {"joe": 1, "mallory": 2}
     assert block["claims"] == {"bob": {"mallory": 1}, "mallory": {"bob": 30, "carol": 9}}
     assert block["total"] == 44 and block["by_host"]["mallory"] == {"hello_refused": 40}
+
+
+class _Store:
+    """The control service as the coordinator's launcher reads it: records by key; ``broken``:
+    keys whose fetch fails (the service closing)."""
+
+    def __init__(self, values: dict[str, bytes], broken: frozenset[str] = frozenset()):
+        self.values, self.broken = values, broken
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values or k in self.broken for k in keys)
+
+    def get(self, key: str) -> bytes:
+        if key in self.broken:
+            raise ConnectionError("the service is closing")
+        return self.values[key]
+
+
+def test_a_record_that_is_not_json_is_named_unreadable_not_dropped():
+    """bob's record is not JSON, carol's is not UTF-8, dave's is beyond any record: each is named
+    under ``unreadable`` (they were dropped without a word); erin left none and frank's could not be
+    fetched: absent, as a host that sent nothing."""
+    honest = {"refused": {"preamble_malformed": 1}, "by_sender": {}}
+    store = _Store({"sec/alice": json.dumps(honest).encode(), "sec/bob": b'{"refused": {',
+                    "sec/carol": b"\xff\xfe", "sec/dave": b" " * (MAX_RECORD_BYTES + 1)},
+                   broken=frozenset({"sec/frank"}))
+    hosts = ("alice", "bob", "carol", "dave", "erin", "frank")
+    records = collect_records(store, "sec", hosts)
+    assert records == {"alice": honest, "bob": None, "carol": None, "dave": None}
+    block = refused_block(records, "alice", hosts)
+    assert block["unreadable"] == ["bob", "carol", "dave"] and block["total"] == 1, block

@@ -13,11 +13,14 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch.distributed as dist
+
 from meshlearn.atomic import atomic_write_json
 
 SUMMARY = "summary.json"
 MAX_REASONS = 64  # far more kinds of refusal than the counters have (docs/security.md, "Counters")
 MAX_SENDERS = 4096  # far more participants than a run admits
+MAX_RECORD_BYTES = 4 << 20  # a host's record: counts, and its 64 newest details (each < a 64 KiB header)
 
 
 def refused_block(records: dict[str, object], coordinator: str, hosts: Iterable[str]) -> dict:
@@ -45,6 +48,27 @@ def refused_block(records: dict[str, object], coordinator: str, hosts: Iterable[
              "by_host": {host: refused for host, (refused, _) in readable.items()}}
     unreadable = [host for host in counts if host not in readable]
     return block | ({"unreadable": unreadable} if unreadable else {})
+
+
+def collect_records(store: dist.Store, prefix: str, hosts: Iterable[str]) -> dict[str, object]:
+    """The security record each of ``hosts`` left at ``prefix/<host>`` on the control service
+    (a host that left none, or whose record cannot be fetched, is absent). A record beyond
+    ``MAX_RECORD_BYTES`` or that is not JSON is kept as None, so ``refused_block`` names the host
+    under ``unreadable`` rather than dropping it without a word."""
+    records: dict[str, object] = {}
+    for host in hosts:
+        key = f"{prefix}/{host}"
+        try:
+            if not store.check([key]):
+                continue
+            raw = store.get(key)
+        except Exception:  # noqa: BLE001 — the coordinator's own service may be closing: no record
+            continue
+        try:
+            records[host] = json.loads(raw) if len(raw) <= MAX_RECORD_BYTES else None
+        except ValueError:  # UnicodeDecodeError and JSONDecodeError included
+            records[host] = None
+    return records
 
 
 def _counts(record: object, field: str, most: int) -> dict[str, int] | None:

@@ -41,7 +41,7 @@ from meshlearn.cluster.control_wire import ControlRefused
 from meshlearn.cluster.hostport import HostPort
 from meshlearn.cluster.placement import Placement
 from meshlearn.cluster.role import HOST_ENV
-from meshlearn.cluster.security import record_refusals
+from meshlearn.cluster.security import collect_records, record_refusals
 from meshlearn.cluster.shared import KEYS, share_run
 from meshlearn.config import RunConfig
 from meshlearn.distributed.procs import forward_signals, stop_at_once
@@ -183,9 +183,5 @@ def _finish(store: dist.Store, cfg: RunConfig, placement: Placement, port: HostP
     while time.monotonic() < end and not store.check([f"{KEYS}/done/{h}" for h in hosts]):
         time.sleep(0.1)
     records = {placement.host: port.write_record(run_dir)}  # again: the others' last words were refusable
-    for host in hosts:
-        key = f"{KEYS}/security/{host}"
-        with contextlib.suppress(Exception):
-            if host != placement.host and store.check([key]):
-                records[host] = json.loads(store.get(key))
+    records |= collect_records(store, f"{KEYS}/security", [h for h in hosts if h != placement.host])
     record_refusals(run_dir, records, placement.host, hosts)
