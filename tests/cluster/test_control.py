@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import ssl
 import tempfile
 import threading
 import time
@@ -186,9 +187,9 @@ def test_an_abort_is_stored_as_its_writers_report(control: Service) -> None:
     assert control.counters.total() == 0
 
 
-def _handshake(control: Service, tls: RunTls) -> None:
+def _handshake(control: Service, tls: RunTls) -> ssl.SSLSocket:
     sock = dial("127.0.0.1", control.agent.port, "control", 5.0)
-    tls.connect(sock, expect="alice", deadline=time.monotonic() + 5.0)
+    return tls.connect(sock, expect="alice", deadline=time.monotonic() + 5.0)[0]
 
 
 def test_strangers_never_get_past_the_handshake(control: Service) -> None:
@@ -311,7 +312,7 @@ def test_a_handshake_that_ends_after_its_revocation_is_refused(tmp_path) -> None
 
         def revoked_meanwhile(sock, deadline):
             ready = handshake(sock, deadline)
-            if ready[1].name == "bob":
+            if ready.peer.name == "bob":
                 revoke(tmp_path / "run", "bob")
                 assert watch.check() and control.count("revoked") == 0  # nothing of bob's to close yet
             return ready
@@ -342,6 +343,30 @@ def test_a_host_holds_at_most_its_share_of_connections(keys) -> None:
         bobs[0].line._link().close()
         assert wait_until(lambda: control.service.admitted == 3 and control.service.held("bob") == 1)
         assert bobs[2].add("meshlearn/0//hb/1", 1) == 1
+
+
+def test_handshakes_in_flight_count_against_a_hosts_share(keys) -> None:
+    """bob's connections are admitted but not yet registered (the service holds them back: a hook,
+    not timing), as when many of his handshakes end at once: they hold his slots already, so his
+    third handshake is refused (before, held connections alone were counted: up to the acceptor's
+    32 half-open ones more got in). One closed before it was served (evicted, say) frees its slot."""
+    with _serving(keys, per_process=1) as control:
+        service, held_back = control.service, []
+        service.acceptor.on_ready = held_back.append
+        clients = [_handshake(control, control.tls("bob")) for _ in range(2)]
+        assert wait_until(lambda: len(held_back) == 2) and service.held("bob") == 0
+        with pytest.raises(Refused, match="refused_by_peer"):
+            _handshake(control, control.tls("bob"))
+        assert wait_until(lambda: control.count("too_many_connections") == 1)
+        assert "0 connections already and 2 on their way (at most 2)" in control.counters.recent()[-1]
+        held_back.pop().close()  # evicted before it was served
+        clients.append(_handshake(control, control.tls("bob")))
+        assert wait_until(lambda: len(held_back) == 2)
+        for admitted in held_back:
+            service._start(admitted)
+        assert service.held("bob") == 2 and control.count("too_many_connections") == 1
+        for client in clients:
+            client.close()
 
 
 @pytest.mark.parametrize(("header", "why"), [

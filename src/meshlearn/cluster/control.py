@@ -144,6 +144,7 @@ class ControlService:
         self.admitted = 0  # authenticated connections served
         self._links: dict[FramedStream, tuple[Identity, int]] = {}  # each with its peer's certificate serial
         self._revoked: set[int] = set()  # serials cut off while the service ran
+        self._pending: Counter[str] = Counter()  # admitted connections not yet registered, by host
         self._lock = threading.Lock()
 
     def serve(self, port_socket: Path) -> None:
@@ -180,37 +181,54 @@ class ControlService:
         for link in links:
             link.close()
 
-    def _authenticate(self, sock: socket.socket, deadline: float) -> tuple[FramedStream, Identity, int]:
-        tls_sock, peer = self.tls.accept(sock, deadline, admit=self._admit)
-        serial = x509.load_der_x509_certificate(tls_sock.getpeercert(binary_form=True)).serial_number
-        return stream(tls_sock, f"control<-{peer.name}"), peer, serial
+    def _authenticate(self, sock: socket.socket, deadline: float) -> Admitted:
+        admitted = Admitted(self)
+        try:
+            tls_sock, peer = self.tls.accept(sock, deadline, admit=admitted.reserve)
+            serial = x509.load_der_x509_certificate(tls_sock.getpeercert(binary_form=True)).serial_number
+        except BaseException:
+            admitted.close()  # its slot, if it had one, is free again
+            raise
+        admitted.link, admitted.peer = stream(tls_sock, f"control<-{peer.name}"), peer
+        admitted.serial = serial
+        return admitted
 
     def held(self, host: str) -> int:
         """The connections ``host`` holds open now."""
         with self._lock:
-            return sum(1 for peer, _ in self._links.values() if peer.name == host)
+            return self._held(host)
 
-    def _admit(self, peer: Identity) -> str | None:
+    def _held(self, host: str) -> int:
+        return sum(1 for peer, _ in self._links.values() if peer.name == host)
+
+    def _reserve(self, peer: Identity) -> str | None:
+        """Admit ``peer`` and take one of its host's slots (None), or say why not. The slot counts
+        from now, before the connection is registered: handshakes in flight (up to the acceptor's
+        half-open cap of them) cannot carry a host past its cap."""
         if peer.role != "host" or peer.name not in self.authority.hosts:
             return f"{peer} is not a host of this run's placement"
-        held, cap = self.held(peer.name), self.caps[peer.name]
-        if held >= cap:  # each connection is a thread of ours
-            raise Refused("too_many_connections", f"{peer} holds {held} connections already (at most "
-                                                  f"{cap})", peer.name)
+        with self._lock:
+            held, pending, cap = self._held(peer.name), self._pending[peer.name], self.caps[peer.name]
+            if held + pending >= cap:  # each connection is a thread of ours
+                raise Refused("too_many_connections", f"{peer} holds {held} connections already and "
+                                                      f"{pending} on their way (at most {cap})", peer.name)
+            self._pending[peer.name] += 1
         return None
 
-    def _start(self, ready: object) -> None:
+    def _start(self, admitted: Admitted) -> None:
         """Register and serve an authenticated connection, unless its certificate was revoked while
         its handshake ran (checked under the lock ``cut_off`` takes: the connection is either
         registered before its cut-off, and closed by it, or refused here)."""
-        link, peer, serial = ready
+        link, peer, serial = admitted.link, admitted.peer, admitted.serial
+        assert link is not None, "the acceptor hands over only authenticated connections"
         with self._lock:
+            self._pending[peer.name] -= 1  # its slot becomes the connection (or is freed)
+            admitted.reserved = None
             revoked = serial in self._revoked
             if not revoked:
                 self._links[link] = peer, serial
                 self.admitted += 1
-                held = sum(1 for other, _ in self._links.values() if other.name == peer.name)
-                self.peak[peer.name] = max(self.peak[peer.name], held)
+                self.peak[peer.name] = max(self.peak[peer.name], self._held(peer.name))
         if revoked:
             self.counters.add("revoked", f"{peer}: its certificate was revoked during its handshake",
                               sender=peer.name)
@@ -299,3 +317,30 @@ class ControlService:
             return {}, ([] if op == "wait" else got)
         raise ValueError(f"{op!r} is not an operation of the control service")
 
+
+class Admitted:
+    """A connection between its host's admission and its registration (``ControlService._start``):
+    it holds one of the host's slots all that time. Closed instead (its handshake failed after
+    admission, or the acceptor evicted it), it frees the slot."""
+
+    def __init__(self, service: ControlService):
+        self.service = service
+        self.reserved: str | None = None  # the host whose slot it holds
+        self.link: FramedStream | None = None  # once authenticated: the connection, its peer, its serial
+        self.peer = Identity("", "")
+        self.serial = 0
+
+    def reserve(self, peer: Identity) -> str | None:
+        """The acceptor's ``admit``: ``ControlService._reserve``, remembering the slot taken."""
+        why = self.service._reserve(peer)
+        if why is None:
+            self.reserved = peer.name
+        return why
+
+    def close(self) -> None:
+        with self.service._lock:
+            host, self.reserved = self.reserved, None
+            if host is not None:
+                self.service._pending[host] -= 1
+        if self.link is not None:
+            self.link.close()
