@@ -22,7 +22,7 @@ from meshlearn.cluster.links import KEY_ENV, PORT_SOCKET_ENV, REFUSALS_ENV
 from meshlearn.cluster.placement import Placement
 from meshlearn.cluster.refusals import REFUSALS_DIR, merged, process_records
 from meshlearn.errors import ConfigError
-from meshlearn.net.counters import RECENT, Counters
+from meshlearn.net.counters import Counters, newest_per_reason
 from meshlearn.net.keys import Credentials
 from meshlearn.net.port import PortAgent
 
@@ -65,7 +65,7 @@ class HostPort:
         return {"host": self.placement.host, "port": f"{self.placement.address}:{self.placement.port}",
                 "refused": refused, "refused_total": sum(refused.values()), "by_sender": by_sender,
                 "processes": {name: r["refused"] for name, r in processes.items()},
-                "routed": self.agent.routed, "recent": [str(line) for line in recent][-RECENT:]}
+                "routed": self.agent.routed, "recent": newest_per_reason(str(line) for line in recent)}
 
     def write_record(self, run_dir: Path) -> dict:
         record = self.record(run_dir)

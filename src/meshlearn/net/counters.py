@@ -5,7 +5,9 @@ did not trust (a malformed or slow routing preamble, an unknown destination, a f
 handshake, a certificate of someone not wanted, a hello the peer may not say), and every
 receiver adds what an authenticated participant sent that it refused (a control request beyond
 the sender's authority, a contribution that does not decode). The counts are what a run reports;
-the last few details are kept for its log. A refusal of something an authenticated participant
+the newest few details of each reason are kept for its log: per reason, so that one participant
+flooding one kind of refusal (thousands of ``rate_limited`` lines) cannot push out the record of
+another's lies. A refusal of something an authenticated participant
 did is also counted under its ``sender`` (the identity its certificate names): a run's record
 says who misbehaved, and that no honest participant did.
 """
@@ -14,20 +16,22 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-RECENT = 64  # details kept (the newest), so a flood cannot grow the record without bound
+RECENT = 16  # details kept per reason (the newest), so a flood cannot grow the record without bound
+MAX_REASONS = 64  # reasons with details kept: far more than the listeners have (docs/security.md)
 
 
 class Counters:
-    """Thread-safe counts by reason, and the newest ``RECENT`` details. ``on_add``: called after
-    each refusal (outside the lock), e.g. to keep a process's record on disk up to date."""
+    """Thread-safe counts by reason, and the newest ``RECENT`` details of each reason. ``on_add``:
+    called after each refusal (outside the lock), e.g. to keep a process's record on disk up to date."""
 
     def __init__(self, on_add: Callable[[Counters], None] | None = None) -> None:
         self._on_add = on_add
         self._counts: Counter[str] = Counter()
         self._senders: Counter[str] = Counter()
-        self._recent: deque[str] = deque(maxlen=RECENT)
+        self._recent: dict[str, deque[tuple[int, str]]] = {}  # by reason: (arrival, line)
+        self._arrivals = 0
         self._lock = threading.Lock()
 
     def add(self, reason: str, detail: str = "", sender: str | None = None) -> None:
@@ -37,7 +41,12 @@ class Counters:
             self._counts[reason] += 1
             if sender is not None:
                 self._senders[sender] += 1
-            self._recent.append(f"{reason}: {detail}" if detail else reason)
+            kept = self._recent.get(reason)
+            if kept is None and len(self._recent) < MAX_REASONS:
+                kept = self._recent[reason] = deque(maxlen=RECENT)
+            if kept is not None:
+                kept.append((self._arrivals, f"{reason}: {detail}" if detail else reason))
+                self._arrivals += 1
         if self._on_add is not None:
             self._on_add(self)
 
@@ -56,5 +65,20 @@ class Counters:
             return sum(self._counts.values())
 
     def recent(self) -> list[str]:
+        """The newest details of each reason, oldest first."""
         with self._lock:
-            return list(self._recent)
+            return [line for _, line in sorted(item for kept in self._recent.values() for item in kept)]
+
+
+def newest_per_reason(lines: Iterable[str], per_reason: int = RECENT) -> list[str]:
+    """The last ``per_reason`` of ``lines`` of each reason (a line's text before its first ": "),
+    in their order, at most ``MAX_REASONS`` reasons: what a record keeps of several ``recent()``."""
+    lines = list(lines)
+    seen: Counter[str] = Counter()
+    kept = []
+    for line in reversed(lines):
+        reason = line.split(": ", 1)[0]
+        if seen[reason] < per_reason and (reason in seen or len(seen) < MAX_REASONS):
+            seen[reason] += 1
+            kept.append(line)
+    return kept[::-1]
