@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import gloo_receiver_exit_code
+from net.net_helpers import trickle
 
 from meshlearn.config import ConfigError, load_config
 from meshlearn.distributed.bound_store import BoundStore
@@ -30,6 +31,7 @@ from meshlearn.distributed.collectives import (
     MAX_REFUSED,
     OPS,
     FramedCollectives,
+    Lost,
     Refused,
     RunCollectives,
     frame_bytes,
@@ -220,18 +222,19 @@ def test_a_lie_in_place_of_a_contribution_names_its_sender_at_the_deadline():
 
 class _SlowLiar:
     """A peer's incoming stream, on a clock of the test's: each frame arrives ``every_s`` after the
-    read began (just inside the reader's timeout) and is refused (a short frame). Records the
-    timeouts the reader gave each read."""
+    read began and is refused (a short frame). Records the time each read was given for its frame
+    (``within``) and the timeouts set on the stream."""
 
     def __init__(self, now: list[float], every_s: float):
-        self.now, self.every_s, self.timeouts = now, every_s, []
+        self.now, self.every_s, self.within, self.timeouts = now, every_s, [], []
 
     def set_timeout(self, seconds: float | None) -> None:
         self.timeouts.append(seconds)
 
-    def read_frame(self, bound: int) -> torch.Tensor:
-        if self.every_s >= self.timeouts[-1]:
-            raise TimeoutError("timed out")  # what the socket does when nothing came in time
+    def read_frame(self, bound: int, within_s: float | None = None) -> torch.Tensor:
+        self.within.append(within_s)
+        if within_s is not None and self.every_s >= within_s:
+            raise TimeoutError("timed out")  # what the stream does when the frame is not in by then
         self.now[0] += self.every_s
         return torch.frombuffer(bytearray(_honest(TENSOR[:100], "sum", 0)), dtype=torch.uint8)
 
@@ -242,8 +245,8 @@ class _SlowLiar:
 def test_refused_frames_do_not_extend_a_contributions_deadline():
     """A liar sends a refused frame every 4 s against a 10 s deadline: each would arrive in time
     for a read with a fresh deadline (so MAX_REFUSED of them held the reader 32 s, 3.2 deadlines).
-    Each read gets only what is left of the one deadline: after the second frame (8 s) there are
-    2 s left, the third does not come in them, and the sender is named at 10 s."""
+    Each frame gets only what is left of the one deadline: after the second (8 s) there are 2 s
+    left, the third does not come in them, and the sender is named at 10 s."""
     now = [0.0]
     liar = _SlowLiar(now, every_s=4.0)
     back_tx, back_rx = socket.socketpair()
@@ -253,9 +256,30 @@ def test_refused_frames_do_not_extend_a_contributions_deadline():
     with pytest.raises(Refused, match=r"nothing valid for its sum by the deadline after 2 refused"):
         receiver.sum(TENSOR, [0, 1])
     assert receiver.refused == {1: 2} and now[0] == 8.0
-    assert liar.timeouts == [10.0, 10.0, 6.0, 2.0, 10.0]  # set, each read's share, then restored
+    assert liar.within == [10.0, 6.0, 2.0] and liar.timeouts == [10.0, 10.0]  # set, then set again
     receiver.close()
     back_rx.close()
+
+
+def test_a_frame_trickled_a_byte_at_a_time_meets_the_contributions_deadline():
+    """A liar trickles its contribution a byte every 0.1 s: each read comes in time for a socket
+    timeout of 0.5 s, the frame (over a kilobyte) would take minutes. It is cut off at the deadline
+    (the liar stops after 3 s and closes: before, the reader was still waiting then, and saw a
+    closed stream instead)."""
+    tx, rx = socket.socketpair()
+    back_tx, back_rx = socket.socketpair()
+    receiver = FramedCollectives(0, {1: FramedStream(back_tx, "0->1", HEADER_ROOM)},
+                                 {1: FramedStream(rx, "1->0", HEADER_ROOM)})
+    receiver.set_timeout(0.5)
+    liar = threading.Thread(target=lambda: (trickle(tx, _honest(TENSOR, "sum", 0)[:30]), tx.close()))
+    liar.start()
+    with pytest.raises(Lost) as err:
+        receiver.sum(TENSOR, [0, 1])
+    assert err.value.timed_out and err.value.peer == 1, err.value.how
+    liar.join(10)
+    receiver.close()
+    for sock in (tx, back_rx):
+        sock.close()
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ contribution. So a participant that adds garbage, an oversized frame or a replay
 contributions changes nothing (the step is the simulator's), and one that sends only what is
 refused is named as the liar it is once it has spent ``MAX_REFUSED`` refusals on one
 contribution, or sent nothing valid after a refused frame by the collective's deadline. The
-deadline is the contribution's, not each frame's: refused frames do not renew it, so a liar that
-sends one just before each deadline holds the reader no longer than a silent peer would.
+deadline is the contribution's, not each frame's or each read's: refused frames do not renew it,
+nor do bytes trickled into one frame, so a liar holds the reader no longer than a silent peer would.
 
 What the run does then (``RunCollectives``): the step cannot be computed without that
 contribution (every replica must apply the same mean), so the run stops, with one line naming the
@@ -71,7 +71,7 @@ class PeerStream(Protocol):
 
     def send(self, buffer: torch.Tensor) -> None: ...
 
-    def read_frame(self, bound: int) -> torch.Tensor: ...
+    def read_frame(self, bound: int, within_s: float | None = None) -> torch.Tensor: ...
 
     def set_timeout(self, seconds: float | None) -> None: ...
 
@@ -226,7 +226,7 @@ class FramedCollectives:
         """``src``'s next contribution as a tensor like ``like``: refused frames are counted and
         passed over, up to ``MAX_REFUSED`` in a row (then Refused). ``bound`` (blobs only): the
         frame may be any size up to it; otherwise exactly ``like``'s. The whole wait is bounded by
-        one deadline: each read gets only what is left of it."""
+        one deadline: each frame must arrive whole in what is left of it."""
         if self.timeout_s is None:
             return self._read_refusing(src, like, op, bound, None)
         try:
@@ -239,12 +239,10 @@ class FramedCollectives:
         refused: list[str] = []
         while len(refused) < MAX_REFUSED:
             try:
-                if end is not None:
-                    left = end - self.clock()
-                    if left <= 0:
-                        raise Lost(src, f"while waiting for its {op}", timed_out=True)
-                    self.incoming[src].set_timeout(left)
-                return self._read_frame(src, like, op, bound)
+                left = None if end is None else end - self.clock()
+                if left is not None and left <= 0:
+                    raise Lost(src, f"while waiting for its {op}", timed_out=True)
+                return self._read_frame(src, like, op, bound, left)
             except Refused as err:
                 self._count(src, op, err.reason)
                 refused.append(err.reason)
@@ -256,11 +254,14 @@ class FramedCollectives:
         raise Refused(src, f"{MAX_REFUSED} frames in a row refused in place of its {op} "
                            f"(the last: {refused[-1]})")
 
-    def _read_frame(self, src: int, like: torch.Tensor, op: str, bound: int | None) -> torch.Tensor:
-        """The next frame from ``src`` as its contribution, or Refused (the stream is past it)."""
+    def _read_frame(self, src: int, like: torch.Tensor, op: str, bound: int | None,
+                    within_s: float | None) -> torch.Tensor:
+        """The next frame from ``src`` as its contribution, or Refused (the stream is past it); the
+        whole frame within ``within_s`` (None: each read within the stream's timeout)."""
         exact = frame_bytes(like) if bound is None else None
         try:
-            buffer = self.incoming[src].read_frame(exact if exact is not None else FRAME_OVERHEAD + bound)
+            buffer = self.incoming[src].read_frame(exact if exact is not None else FRAME_OVERHEAD + bound,
+                                                   within_s)
         except FrameRefused as err:
             raise Refused(src, f"{err} (expected {self._expected(like, op, exact, bound)})") from None
         except TimeoutError:
