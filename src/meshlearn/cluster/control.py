@@ -222,8 +222,9 @@ class ControlService:
         link, peer, serial = admitted.link, admitted.peer, admitted.serial
         assert link is not None, "the acceptor hands over only authenticated connections"
         with self._lock:
-            self._pending[peer.name] -= 1  # its slot becomes the connection (or is freed)
-            admitted.reserved = None
+            if admitted.reserved is not None:  # its slot becomes the connection (or is freed)
+                self._pending[admitted.reserved] -= 1
+                admitted.reserved = None
             revoked = serial in self._revoked
             if not revoked:
                 self._links[link] = peer, serial
