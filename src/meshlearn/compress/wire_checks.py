@@ -232,9 +232,17 @@ class WireGuard:
         if reason is None:
             return message
         src = message.src if sender is None else sender
-        self.rejections.append(Rejection(step, kind, message.microbatch, src, message.dst, reason))
-        return dataclasses.replace(message, kind=kind, step=step, src=src,
-                                   payload=self.neutral(kind, self.shape(microbatch_size), ctx), skip=True)
+        payload = self.refuse(kind, step, message.microbatch, src, message.dst, self.shape(microbatch_size),
+                              ctx, reason)
+        return dataclasses.replace(message, kind=kind, step=step, src=src, payload=payload, skip=True)
+
+    def refuse(self, kind: Kind, step: int, microbatch: int, src: WorkerId, dst: WorkerId,
+               shape: tuple[int, ...], ctx: MessageContext | None, reason: str) -> Encoded:
+        """Record the refusal of ``src``'s ``kind`` message for (``step``, ``microbatch``) and
+        return the stand-in's payload (``neutral``). The one place a refusal is recorded: ``admit``
+        and ``mesh.standin.stand_in`` (a message refused before it had a header) both come here."""
+        self.rejections.append(Rejection(step, kind, microbatch, src, dst, reason))
+        return self.neutral(kind, shape, ctx)
 
     def neutral(self, kind: Kind, shape: tuple[int, ...], ctx: MessageContext | None = None) -> Encoded:
         """Zeros in the receiver's own wire format (token id 0 where the codec sends ids) for the
