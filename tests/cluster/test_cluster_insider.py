@@ -34,17 +34,23 @@ import pytest
 from cluster_run import finish, issue_keys, logs, start
 from loopback import HOSTS, PLACED
 from netns import missing, wan_link
+from pipeline_insider import LIES, PADDING_ENV, simulated_lies
 
 import meshlearn
 from meshlearn.cluster.refusals import merged, process_records
 from meshlearn.cluster.security import refused_block
 from meshlearn.cluster.settings import ClusterConfig, HostConfig
 from meshlearn.config import save_config
+from meshlearn.distributed.wire import message_bound
+from meshlearn.jsonl import read_records
+from meshlearn.mesh.topology import WorkerId
 from meshlearn.net.counters import Counters
 from meshlearn.net.keys import add_joiner, create_run
 from meshlearn.net.port import PortAgent
+from meshlearn.train import Trainer
 
 INSIDER = Path(__file__).parent / "insider.py"
+PIPELINE_INSIDER = Path(__file__).parent / "pipeline_insider.py"
 SITE = Path(__file__).parent / "insider_site"  # loads insider.py's patches into every process of a host
 STEPS = 4
 CONTROL_WRITES = ("another worker's heartbeat", "another worker's done mark", "another worker's link address",
@@ -167,3 +173,49 @@ def test_under_the_launchers_summary_json_names_the_insider_and_nobody_else(tiny
     expected = loopback.simulator_losses(cfg, tmp_path / "sim")
     got = loopback.losses(alice)
     assert len(got) == STEPS and max(abs(a - b) for a, b in zip(expected, got, strict=True)) <= 1e-5
+
+
+@pytest.mark.slow
+def test_pipeline_lies_of_a_participant_take_their_slots_as_stand_ins_attributed_to_it(agents, tiny_corpus,
+                                                                                       tmp_path):
+    """bob's r1s0 (``pipeline_insider.py``) puts a frame that does not decode, one beyond the run's
+    bound (``wire.message_bound``) and a replay of an earlier activation in place of three of its
+    activations to alice's r1s1. Each takes its slot as the stand-in the simulator's guard puts there
+    (the same records), is counted under bob in r1s1's record, and the run ends with the losses of
+    the simulator's run of the same lies (≤ 1e-5). Before, r1s1 ended the run at the first one."""
+    keys = tmp_path / "keys"
+    create_run(keys, list(HOSTS), "pipeline-insider-test")
+    cfg = loopback.cluster_config(tiny_corpus, {h: a.port for h, a in agents.items()}, f"train.steps={STEPS}")
+    save_config(cfg, tmp_path / "run.toml")
+    sim = tmp_path / "sim"  # the reference: the simulator's r1s0 tells the same lies
+    trainer = Trainer(dataclasses.replace(cfg, backend="sim", cluster=ClusterConfig()), sim, progress=False)
+    trainer.workers[WorkerId(1, 0)].forge = simulated_lies
+    trainer.train()
+    largest = max(w.n_params for w in trainer.workers.values())
+    beyond = {PADDING_ENV: str(message_bound(trainer.cfg, largest))}  # past every receiver's bound
+    control = loopback.control_service(agents, keys, Counters())
+    run_dirs = {host: tmp_path / host / "x" for host in HOSTS}
+    try:
+        procs = loopback.start_workers(tmp_path / "run.toml", run_dirs, agents, keys, tmp_path,
+                                       programs={"r1s0": [str(PIPELINE_INSIDER)]}, extra_env=beyond)
+        codes = loopback.wait_all(procs)
+    finally:
+        control.close()
+    logs = loopback.logs_of(tmp_path)
+    assert codes == [0, 0, 0, 0], logs
+
+    receiver = process_records(run_dirs["alice"])["r1s1"]
+    assert receiver["refused"] == {"message_refused": 3} and receiver["by_sender"] == {"bob": 3}, receiver
+    recent = "\n".join(receiver["recent"])
+    for lie in ("malformed message from r1s0", "a frame of", "stale step"):  # undecodable, too big, replayed
+        assert lie in recent, recent
+    assert set(process_records(run_dirs["alice"])) == {"r1s1"} and not process_records(run_dirs["bob"])
+
+    fields = ("step", "microbatch", "message", "src", "dst")
+    logged = [json.loads(line.split(": rejected ", 1)[1]) for line in (tmp_path / "r1s1.log").read_text()
+              .splitlines() if ": rejected {" in line]
+    expected = [r for r in read_records(sim / "metrics.jsonl") if r["kind"] == "wire_reject"]
+    assert [tuple(r[f] for f in fields) for r in logged] == [tuple(r[f] for f in fields) for r in expected]
+    assert [(r["step"], r["microbatch"]) for r in logged] == [(t + 1, m) for t, m in sorted(LIES)]
+    got, want = loopback.losses(run_dirs["alice"]), loopback.losses(sim)
+    assert len(got) == STEPS and max(abs(a - b) for a, b in zip(want, got, strict=True)) <= 1e-5, (want, got)
