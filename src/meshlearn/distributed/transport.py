@@ -13,7 +13,10 @@ as the step starts.
 A sender holds each message until its pacer's delivery time (in-process shaping, the same for both
 kinds of connection), then sends it as one buffer. Every receiver has a bound, ``max_message_bytes``
 (the largest message an honest peer of the run sends, ``wire.message_bound``), and a message that
-does not decode is refused too; a refused message arrives as ``Forged`` and the link stays up.
+does not decode is refused too; a refused message arrives as ``Forged``, naming its slot (the
+training step its receive was posted for, and its place there), and the link stays up. A
+worker's main thread gets the stand-in its driver builds for that slot (``stand_in``,
+``mesh/standin.py``); the relay builds its own from its arrival count (``verifier.py``).
 
 - TCP: a stream of frames. The receiver reads a frame's prefix and refuses, before allocating, a
   header beyond ``HEADER_ROOM`` or a frame beyond the bound, reading its bytes away in bounded
