@@ -6,21 +6,26 @@ participant's lies on its pipeline link in a cluster run, ``cluster/test_cluster
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 from types import SimpleNamespace
 
 import pytest
+import torch
 from test_dist_streams import LINK, SRC, _dial_raw, _frame, _packed, _receiver, _values
 from test_dist_streams import store as store  # the fixture
 
-from meshlearn.compress.wire_checks import Rejection
+from meshlearn.compress.codecs import IdentityCodec
+from meshlearn.compress.wire_checks import Rejection, WireGuard
 from meshlearn.distributed.collectives import MAX_REFUSED
+from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import WorkerFailure
 from meshlearn.distributed.refusals import PipelineRefusals
 from meshlearn.distributed.transport import Forged
 from meshlearn.mesh.messages import Message
-from meshlearn.mesh.topology import WorkerId
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.mesh.worker import Worker
 from meshlearn.net.counters import Counters
 
 
@@ -90,3 +95,37 @@ def test_a_link_whose_messages_are_all_refused_ends_the_run_naming_its_sender_af
                                             r"were refused \(the last: oversized: 9 bytes\)"):
         refuse(up, 1)
     assert "r0s0->r0s1 (host bob), act 0 of step 1: oversized: 9 bytes" in counters.recent()[-1]
+
+
+def test_a_message_in_another_s_slot_is_refused_and_its_stand_in_fills_the_slot_where_it_arrived():
+    """Where a message arrived (the n-th of the receive posted for its step) says which microbatch
+    it must be. A replay of the step before, a header naming the other microbatch, and a pipeline
+    message labelled "dp" are each refused by the receiver's guard, and the stand-in takes the
+    slot's (step, microbatch), whatever the header said: the receiver never waits for a slot the
+    lie took. An honest message is accepted as it is."""
+    me, up = WorkerId(0, 1), WorkerId(0, 0)
+    shape = (1, 2, 3)
+    guard = WireGuard(IdentityCodec(), seq_len=shape[1], d_model=shape[2], vocab_size=8)
+    worker = SimpleNamespace(id=me, guard=guard, work={3: SimpleNamespace(microbatch_size=1)},
+                             microbatches=2, context=lambda kind, j, arriving: None)
+    received: list[Message] = []
+    worker.admit = functools.partial(Worker.admit, worker)
+    worker.receive = received.append
+    driver = DistDriver.__new__(DistDriver)
+    driver.me, driver.worker, driver.mesh = me, worker, MeshShape(1, 3)
+    driver.cfg = SimpleNamespace(mesh=SimpleNamespace(schedule="gpipe", microbatches=2))
+    driver.health = SimpleNamespace(abort=lambda message: message)
+    driver.refusals = PipelineRefusals(str(me), driver.health, Counters(), {})
+
+    def arrival(kind: str, step: int, microbatch: int, n: int) -> Message:
+        message = Message(kind, step, microbatch, up, me, IdentityCodec().encode(torch.ones(shape), "act"))
+        message.link, message.arrival = (up, me), (3, n)  # as the transport marks it
+        return message
+
+    for kind, step, microbatch, n in (("act", 2, 0, 0), ("act", 3, 0, 1), ("dp", 3, 0, 0), ("act", 3, 1, 1)):
+        driver._deliver(arrival(kind, step, microbatch, n))
+    assert [(m.kind, m.step, m.microbatch, m.skip) for m in received] == [
+        ("act", 3, 0, True), ("act", 3, 1, True), ("act", 3, 0, True), ("act", 3, 1, False)]
+    assert all(not m.payload.tensors["values"].any() for m in received[:3])  # the stand-ins' zeros
+    reasons = [line.split(": ", 1)[1] for line in driver.refusals.counters.recent()]
+    assert [r.split(": ")[1] for r in reasons] == ["stale step", "microbatch", "kind"], reasons

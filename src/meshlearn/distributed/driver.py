@@ -306,18 +306,22 @@ class DistDriver(PipelineEvaluation):
             self.lost_partner(err)
 
     def _deliver(self, message: Message) -> None:
-        """Hand an arrival to its consumer: a dp message to the strategy, the rest to the worker."""
-        if message.kind == "dp":
-            self._dp_deliver(message)
-            return
+        """Hand an arrival to its consumer by the link it came on: a DP link's to the strategy, a
+        pipeline link's to the worker."""
         # A pipeline kind on a DP link has no stand-in (nobody waits for it there); a kind lie on a
-        # pipeline link is the guard's: ``Worker.admit`` takes sender and kind from the link.
+        # pipeline link, "dp" included, is the guard's: ``Worker.admit`` takes the kind from the link.
         src = message.link[0]
         if carried_kind(src, self.me) == "dp":
+            if message.kind == "dp":
+                self._dp_deliver(message)
+                return
             raise WorkerFailure(self.health.abort(
                 f"worker {src} sent a {message.kind!r} message on its link to {self.me}, which carries "
                 f"'dp' messages (noticed by {self.me})"))
-        message = self.worker.admit(message)  # a forged message is quarantined, never decoded
+        # Where it arrived says which (step, microbatch) it must be: a replayed or misnumbered one
+        # is refused, and its stand-in fills the slot it took.
+        slot = None if message.arrival is None else self._slot(src, *message.arrival)
+        message = self.worker.admit(message, slot)  # a forged message is quarantined, never decoded
         rejections = self.worker.guard.pop_rejections() if self.worker.guard else []
         for rejection in rejections:
             self.refusals.refused((src, self.me), rejection)
@@ -330,12 +334,16 @@ class DistDriver(PipelineEvaluation):
         arrival count, ``forged.index`` of its step) gets the quarantined stand-in the guard would
         have put there, and its record waits in the guard for ``_deliver``."""
         src, dst = link = forged.link
-        M = self.cfg.mesh.microbatches
-        microbatch = slot_microbatch(self.cfg.mesh.schedule, link, self.mesh.stages, M, forged.index)
-        j = forged.step * M + microbatch
-        kind = carried_kind(src, dst)
-        return stand_in(self.worker.guard, link, forged.step, microbatch, self.worker.microbatch_size(j),
-                        self.worker.context(kind, j, True), forged.reason)
+        step, microbatch = self._slot(src, forged.step, forged.index)
+        j = step * self.cfg.mesh.microbatches + microbatch
+        return stand_in(self.worker.guard, link, step, microbatch, self.worker.microbatch_size(j),
+                        self.worker.context(carried_kind(src, dst), j, True), forged.reason)
+
+    def _slot(self, src: WorkerId, step: int, n: int) -> tuple[int, int]:
+        """The (step, microbatch) of the ``n``-th message from ``src`` in the receive posted for
+        ``step``: every schedule sends a link's messages in its plan's order (``send_order``)."""
+        return step, slot_microbatch(self.cfg.mesh.schedule, (src, self.me), self.mesh.stages,
+                                     self.cfg.mesh.microbatches, n)
 
     def _apply(self, action, coef: float, sq_norm: float) -> None:
         """The optimizer step itself (busy time, and the timeline's U when recording)."""

@@ -372,4 +372,5 @@ class Transport:
             return
         message.received_at = time.monotonic()  # a DP round's deadline is judged by it
         message.link = link  # the relay routes by the link, never by the header's dst
+        message.arrival = None if step is None else (step, index)  # its slot, as a Forged's
         self.inbox.put(message)
