@@ -12,6 +12,8 @@ Each lie takes the honest message's place on the wire, so its receiver must fill
 (oversized, oversized, stale step): what the dist run's losses are compared with.
 
     INSIDER_PADDING=BYTES python pipeline_insider.py --config … --out …
+
+or ``install()`` in a process that runs meshlearn's worker otherwise (``insider_site``).
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ def simulated_lies(message: Message) -> Message:
     return padded(message, message.payload.wire_bytes) if lie is not None else message
 
 
-if __name__ == "__main__":  # imported (by the test, for ``simulated_lies``), it patches nothing
+def install() -> None:
+    """Make this process's pipeline senders lie (only where RANK is r1s0's)."""
     transport.pack = _pack
+
+
+if __name__ == "__main__":  # imported (by the test, for ``simulated_lies``), it patches nothing
+    install()
     sys.exit(main(sys.argv[1:]))

@@ -16,8 +16,13 @@ contribution behind it. (The fast representatives of each refusal are in test_co
 test_cluster_links.py and distributed/test_dist_collectives.py.)
 
 The same insider under meshlearn's own launchers, on two machines (network namespaces; root
-only): bob's launcher loads the patches in every process it starts (``insider_site``), and the
-run's summary.json says what was refused, by reason and by sender: bob and joe, nobody else.
+only): bob's launcher loads the patches in every process it starts (``insider_site``), its
+pipeline lies too (``pipeline_insider.py``), and the run's summary.json says what was refused, by
+reason and by sender: bob and joe, nobody else.
+
+On the pipeline link (``pipeline_insider.py``): bob's r1s0 puts a frame that does not decode, one
+beyond the run's bound and a replay in place of three of its activations; each takes its slot as
+the simulator's stand-in, and the run ends with the simulator's losses for the same lies.
 """
 
 from __future__ import annotations
@@ -153,8 +158,9 @@ def test_under_the_launchers_summary_json_names_the_insider_and_nobody_else(tiny
         args = {h: ["--backend", "dist", "--config", "run.toml", "--out", "runs/x", "--set",
                     "data.corpus=corpus.txt", "--key", str(keys[h])] for h in HOSTS}
         report = tmp_path / "insider.jsonl"
+        sim, padding = simulated(cfg, tmp_path / "sim")
         bob = {"PYTHONPATH": f"{SITE}:{Path(meshlearn.__file__).parents[1]}", "INSIDER_REPORT": str(report),
-               "INSIDER_JOINER": str(tmp_path / "bob" / "keys" / "joe.key")}
+               "INSIDER_JOINER": str(tmp_path / "bob" / "keys" / "joe.key"), PADDING_ENV: padding}
         codes = finish(start(wan, tmp_path, HOSTS, args, "insider", env_of={"bob": bob}), limit_s=150)
     said = report.read_text() if report.is_file() else "(no report)"
     assert codes == {"alice": 0, "bob": 0}, logs(tmp_path) + said
@@ -164,15 +170,28 @@ def test_under_the_launchers_summary_json_names_the_insider_and_nobody_else(tiny
     refused = json.loads((alice / "summary.json").read_text())["refused"]
     assert set(refused["by_sender"]) == {"bob", "joe"}, refused
     assert refused["by_reason"]["contribution_refused"] == 3, refused
+    assert refused["by_reason"]["message_refused"] == len(LIES), refused  # its pipeline lies
     assert refused["by_reason"]["authority"] == len(CONTROL_WRITES), refused
     assert refused["by_reason"]["hello_refused"] >= 1, refused
     assert refused["by_reason"]["identity_refused"] >= 1, refused
     record = json.loads((alice / "security.json").read_text())
     assert record["processes"]["r0s0"]["contribution_refused"] == 3, record
+    assert record["processes"]["r1s1"] == {"message_refused": len(LIES)}, record
     assert "contribution_refused" not in refused["by_host"]["bob"], refused  # alice sent bob no lie
-    expected = loopback.simulator_losses(cfg, tmp_path / "sim")
+    expected = loopback.losses(sim)
     got = loopback.losses(alice)
     assert len(got) == STEPS and max(abs(a - b) for a, b in zip(expected, got, strict=True)) <= 1e-5
+
+
+def simulated(cfg, folder: Path) -> tuple[Path, str]:
+    """The simulator's run of ``cfg`` where r1s0 tells ``pipeline_insider``'s lies (its folder),
+    and a padding beyond every receiver's bound (``wire.message_bound``) for the dist run's."""
+    trainer = Trainer(dataclasses.replace(cfg, backend="sim", cluster=ClusterConfig()), folder,
+                      progress=False)
+    trainer.workers[WorkerId(1, 0)].forge = simulated_lies
+    trainer.train()
+    largest = max(w.n_params for w in trainer.workers.values())
+    return folder, str(message_bound(trainer.cfg, largest))
 
 
 @pytest.mark.slow
@@ -187,12 +206,8 @@ def test_pipeline_lies_of_a_participant_take_their_slots_as_stand_ins_attributed
     create_run(keys, list(HOSTS), "pipeline-insider-test")
     cfg = loopback.cluster_config(tiny_corpus, {h: a.port for h, a in agents.items()}, f"train.steps={STEPS}")
     save_config(cfg, tmp_path / "run.toml")
-    sim = tmp_path / "sim"  # the reference: the simulator's r1s0 tells the same lies
-    trainer = Trainer(dataclasses.replace(cfg, backend="sim", cluster=ClusterConfig()), sim, progress=False)
-    trainer.workers[WorkerId(1, 0)].forge = simulated_lies
-    trainer.train()
-    largest = max(w.n_params for w in trainer.workers.values())
-    beyond = {PADDING_ENV: str(message_bound(trainer.cfg, largest))}  # past every receiver's bound
+    sim, padding = simulated(cfg, tmp_path / "sim")  # the reference: its r1s0 tells the same lies
+    beyond = {PADDING_ENV: padding}
     control = loopback.control_service(agents, keys, Counters())
     run_dirs = {host: tmp_path / host / "x" for host in HOSTS}
     try:
