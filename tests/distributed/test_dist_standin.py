@@ -21,7 +21,7 @@ from meshlearn.compress.wire_checks import Rejection, WireGuard
 from meshlearn.distributed.collectives import MAX_REFUSED
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import WorkerFailure
-from meshlearn.distributed.refusals import PipelineRefusals
+from meshlearn.distributed.pipeline_refusals import PipelineRefusals
 from meshlearn.distributed.transport import Forged
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId

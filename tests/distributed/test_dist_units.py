@@ -15,7 +15,7 @@ from meshlearn.compress.wire_checks import WireGuard
 from meshlearn.config import load_config
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import WorkerFailure
-from meshlearn.distributed.refusals import PipelineRefusals
+from meshlearn.distributed.pipeline_refusals import PipelineRefusals
 from meshlearn.distributed.settings import DistConfig, derive_deadlines, links_of
 from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.wire import WireError, pack, prefix, unpack

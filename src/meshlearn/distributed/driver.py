@@ -28,7 +28,7 @@ from meshlearn.distributed.collectives import FramedCollectives, RunCollectives,
 from meshlearn.distributed.evaluation import PipelineEvaluation
 from meshlearn.distributed.groups import GroupCollectives
 from meshlearn.distributed.health import Health, RowBroken, WorkerFailure, store_client
-from meshlearn.distributed.refusals import PipelineRefusals, sender_of
+from meshlearn.distributed.pipeline_refusals import PipelineRefusals, sender_of
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
 from meshlearn.distributed.transport import Forged, Transport
@@ -129,7 +129,7 @@ class DistDriver(PipelineEvaluation):
         if worker.guard is not None:  # a refused training message takes its slot as a stand-in
             self.transport.stand_in = self._stand_in
         # Refused pipeline messages: logged, counted under their sender (``counters``: this
-        # process's record, ``groups.Groups.counters``), and bounded (distributed/refusals.py).
+        # process's record, ``groups.Groups.counters``), and bounded (distributed/pipeline_refusals.py).
         self.refusals = PipelineRefusals(str(self.me), health, Counters() if counters is None else counters,
                                          {link: sender_of(end) for link, end in link_groups.items()})
         self.capacity, self.eval_capacity = buffer_capacities(cfg)
