@@ -16,8 +16,13 @@ contribution behind it. (The fast representatives of each refusal are in test_co
 test_cluster_links.py and distributed/test_dist_collectives.py.)
 
 The same insider under meshlearn's own launchers, on two machines (network namespaces; root
-only): bob's launcher loads the patches in every process it starts (``insider_site``), and the
-run's summary.json says what was refused, by reason and by sender: bob and joe, nobody else.
+only): bob's launcher loads the patches in every process it starts (``insider_site``), its
+pipeline lies too (``pipeline_insider.py``), and the run's summary.json says what was refused, by
+reason and by sender: bob and joe, nobody else.
+
+On the pipeline link (``pipeline_insider.py``): bob's r1s0 puts a frame that does not decode, one
+beyond the run's bound and a replay in place of three of its activations; each takes its slot as
+the simulator's stand-in, and the run ends with the simulator's losses for the same lies.
 """
 
 from __future__ import annotations
@@ -34,17 +39,23 @@ import pytest
 from cluster_run import finish, issue_keys, logs, start
 from loopback import HOSTS, PLACED
 from netns import missing, wan_link
+from pipeline_insider import LIES, PADDING_ENV, simulated_lies
 
 import meshlearn
 from meshlearn.cluster.refusals import merged, process_records
 from meshlearn.cluster.security import refused_block
 from meshlearn.cluster.settings import ClusterConfig, HostConfig
 from meshlearn.config import save_config
+from meshlearn.distributed.wire import message_bound
+from meshlearn.jsonl import read_records
+from meshlearn.mesh.topology import WorkerId
 from meshlearn.net.counters import Counters
 from meshlearn.net.keys import add_joiner, create_run
 from meshlearn.net.port import PortAgent
+from meshlearn.train import Trainer
 
 INSIDER = Path(__file__).parent / "insider.py"
+PIPELINE_INSIDER = Path(__file__).parent / "pipeline_insider.py"
 SITE = Path(__file__).parent / "insider_site"  # loads insider.py's patches into every process of a host
 STEPS = 4
 CONTROL_WRITES = ("another worker's heartbeat", "another worker's done mark", "another worker's link address",
@@ -147,8 +158,9 @@ def test_under_the_launchers_summary_json_names_the_insider_and_nobody_else(tiny
         args = {h: ["--backend", "dist", "--config", "run.toml", "--out", "runs/x", "--set",
                     "data.corpus=corpus.txt", "--key", str(keys[h])] for h in HOSTS}
         report = tmp_path / "insider.jsonl"
+        sim, padding = simulated(cfg, tmp_path / "sim")
         bob = {"PYTHONPATH": f"{SITE}:{Path(meshlearn.__file__).parents[1]}", "INSIDER_REPORT": str(report),
-               "INSIDER_JOINER": str(tmp_path / "bob" / "keys" / "joe.key")}
+               "INSIDER_JOINER": str(tmp_path / "bob" / "keys" / "joe.key"), PADDING_ENV: padding}
         codes = finish(start(wan, tmp_path, HOSTS, args, "insider", env_of={"bob": bob}), limit_s=150)
     said = report.read_text() if report.is_file() else "(no report)"
     assert codes == {"alice": 0, "bob": 0}, logs(tmp_path) + said
@@ -158,12 +170,67 @@ def test_under_the_launchers_summary_json_names_the_insider_and_nobody_else(tiny
     refused = json.loads((alice / "summary.json").read_text())["refused"]
     assert set(refused["by_sender"]) == {"bob", "joe"} and refused["claims"] == {}, refused
     assert refused["by_reason"]["contribution_refused"] == 3, refused
+    assert refused["by_reason"]["message_refused"] == len(LIES), refused  # its pipeline lies
     assert refused["by_reason"]["authority"] == len(CONTROL_WRITES), refused
     assert refused["by_reason"]["hello_refused"] >= 1, refused
     assert refused["by_reason"]["identity_refused"] >= 1, refused
     record = json.loads((alice / "security.json").read_text())
     assert record["processes"]["r0s0"]["contribution_refused"] == 3, record
+    assert record["processes"]["r1s1"] == {"message_refused": len(LIES)}, record
     assert "contribution_refused" not in refused["by_host"]["bob"], refused  # alice sent bob no lie
-    expected = loopback.simulator_losses(cfg, tmp_path / "sim")
+    expected = loopback.losses(sim)
     got = loopback.losses(alice)
     assert len(got) == STEPS and max(abs(a - b) for a, b in zip(expected, got, strict=True)) <= 1e-5
+
+
+def simulated(cfg, folder: Path) -> tuple[Path, str]:
+    """The simulator's run of ``cfg`` where r1s0 tells ``pipeline_insider``'s lies (its folder),
+    and a padding beyond every receiver's bound (``wire.message_bound``) for the dist run's."""
+    trainer = Trainer(dataclasses.replace(cfg, backend="sim", cluster=ClusterConfig()), folder,
+                      progress=False)
+    trainer.workers[WorkerId(1, 0)].forge = simulated_lies
+    trainer.train()
+    largest = max(w.n_params for w in trainer.workers.values())
+    return folder, str(message_bound(trainer.cfg, largest))
+
+
+@pytest.mark.slow
+def test_pipeline_lies_of_a_participant_take_their_slots_as_stand_ins_attributed_to_it(agents, tiny_corpus,
+                                                                                       tmp_path):
+    """bob's r1s0 (``pipeline_insider.py``) puts a frame that does not decode, one beyond the run's
+    bound (``wire.message_bound``) and a replay of an earlier activation in place of three of its
+    activations to alice's r1s1. Each takes its slot as the stand-in the simulator's guard puts there
+    (the same records), is counted under bob in r1s1's record, and the run ends with the losses of
+    the simulator's run of the same lies (≤ 1e-5). Before, r1s1 ended the run at the first one."""
+    keys = tmp_path / "keys"
+    create_run(keys, list(HOSTS), "pipeline-insider-test")
+    cfg = loopback.cluster_config(tiny_corpus, {h: a.port for h, a in agents.items()}, f"train.steps={STEPS}")
+    save_config(cfg, tmp_path / "run.toml")
+    sim, padding = simulated(cfg, tmp_path / "sim")  # the reference: its r1s0 tells the same lies
+    beyond = {PADDING_ENV: padding}
+    control = loopback.control_service(agents, keys, Counters())
+    run_dirs = {host: tmp_path / host / "x" for host in HOSTS}
+    try:
+        procs = loopback.start_workers(tmp_path / "run.toml", run_dirs, agents, keys, tmp_path,
+                                       programs={"r1s0": [str(PIPELINE_INSIDER)]}, extra_env=beyond)
+        codes = loopback.wait_all(procs)
+    finally:
+        control.close()
+    logs = loopback.logs_of(tmp_path)
+    assert codes == [0, 0, 0, 0], logs
+
+    receiver = process_records(run_dirs["alice"])["r1s1"]
+    assert receiver["refused"] == {"message_refused": 3} and receiver["by_sender"] == {"bob": 3}, receiver
+    recent = "\n".join(receiver["recent"])
+    for lie in ("malformed message from r1s0", "a frame of", "stale step"):  # undecodable, too big, replayed
+        assert lie in recent, recent
+    assert set(process_records(run_dirs["alice"])) == {"r1s1"} and not process_records(run_dirs["bob"])
+
+    fields = ("step", "microbatch", "message", "src", "dst")
+    logged = [json.loads(line.split(": rejected ", 1)[1]) for line in (tmp_path / "r1s1.log").read_text()
+              .splitlines() if ": rejected {" in line]
+    expected = [r for r in read_records(sim / "metrics.jsonl") if r["kind"] == "wire_reject"]
+    assert [tuple(r[f] for f in fields) for r in logged] == [tuple(r[f] for f in fields) for r in expected]
+    assert [(r["step"], r["microbatch"]) for r in logged] == [(t + 1, m) for t, m in sorted(LIES)]
+    got, want = loopback.losses(run_dirs["alice"]), loopback.losses(sim)
+    assert len(got) == STEPS and max(abs(a - b) for a, b in zip(want, got, strict=True)) <= 1e-5, (want, got)

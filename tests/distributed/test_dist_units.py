@@ -15,6 +15,7 @@ from meshlearn.compress.wire_checks import WireGuard
 from meshlearn.config import load_config
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import WorkerFailure
+from meshlearn.distributed.pipeline_refusals import PipelineRefusals
 from meshlearn.distributed.settings import DistConfig, derive_deadlines, links_of
 from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.wire import WireError, pack, prefix, unpack
@@ -23,6 +24,7 @@ from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import Link, LinkProfile, build_network
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
+from meshlearn.net.counters import Counters
 from meshlearn.train.checkpoint import ShardedCheckpoint, latest_complete, load_run_state
 
 CPU = torch.device("cpu")
@@ -115,8 +117,9 @@ def test_a_worker_takes_a_message_s_kind_and_sender_from_its_link_never_from_its
     worker.admit = functools.partial(Worker.admit, worker)
     worker.receive = received.append
     driver = DistDriver.__new__(DistDriver)
-    driver.me, driver.prev, driver.next, driver.worker, driver.rejections = me, up, down, worker, 0
+    driver.me, driver.prev, driver.next, driver.worker = me, up, down, worker
     driver.health = SimpleNamespace(abort=lambda message: message)
+    driver.refusals = PipelineRefusals(str(me), driver.health, Counters(), {})
 
     def arrival(kind: str, src: WorkerId) -> Message:
         message = Message(kind, 0, 0, src, me, IdentityCodec().encode(torch.ones(shape), kind))
@@ -130,7 +133,7 @@ def test_a_worker_takes_a_message_s_kind_and_sender_from_its_link_never_from_its
         driver._deliver(arrival(kind, src))
     assert [(m.kind, m.src, m.skip) for m in received] == [
         ("act", up, False), ("grad", down, False), ("grad", down, True), ("act", up, True)]
-    assert driver.rejections == 2
+    assert driver.refusals.total == 2 and driver.refusals.counters.as_dict() == {"message_refused": 2}
     assert not received[2].payload.tensors["values"].any()  # the stand-in's zeros
 
 

@@ -210,7 +210,8 @@ class WireGuard:
     def admit(self, message: Message, step: int, microbatch_size: int,
               microbatches: Collection[int],
               context: Callable[[Kind, int, int], MessageContext] | None = None,
-              sender: WorkerId | None = None, carries: Kind | None = None) -> Message:
+              sender: WorkerId | None = None, carries: Kind | None = None,
+              microbatch: int | None = None) -> Message:
         """The message itself if it passes; else a quarantined stand-in for its (kind, microbatch).
 
         ``context(kind, step, microbatch)`` is the receiver's own context of such a message (its
@@ -219,7 +220,9 @@ class WireGuard:
         ``sender`` and ``carries``: the link the message came on (the worker it comes from, the
         kind it carries); a header naming another sender or kind is refused (receivers route by the
         link, never by the header), the record names the sender and the stand-in is of the link's
-        kind (the one its receiver waits for).
+        kind (the one its receiver waits for). ``microbatch``: the one the receiver knows the message
+        is for (where it arrived; pass ``microbatches = (microbatch,)`` too), which its stand-in
+        takes whatever the header says (None: the header's).
 
         The stand-in carries the receiver's step and honest zeros: a zero activation whose
         microbatch the last stage then weighs 0 (``skip``), or a zero gradient — what an honest
@@ -227,14 +230,23 @@ class WireGuard:
         for the slot forever.
         """
         kind: Kind = carries or (message.kind if message.kind in KINDS else "act")
-        ctx = context(kind, step, message.microbatch) if context is not None else None
+        m = message.microbatch if microbatch is None else microbatch
+        ctx = context(kind, step, m) if context is not None else None
         reason = self.check(message, step, microbatch_size, microbatches, ctx, sender, carries)
         if reason is None:
             return message
         src = message.src if sender is None else sender
-        self.rejections.append(Rejection(step, kind, message.microbatch, src, message.dst, reason))
-        return dataclasses.replace(message, kind=kind, step=step, src=src,
-                                   payload=self.neutral(kind, self.shape(microbatch_size), ctx), skip=True)
+        payload = self.refuse(kind, step, m, src, message.dst, self.shape(microbatch_size), ctx, reason)
+        return dataclasses.replace(message, kind=kind, step=step, microbatch=m, src=src, payload=payload,
+                                   skip=True)
+
+    def refuse(self, kind: Kind, step: int, microbatch: int, src: WorkerId, dst: WorkerId,
+               shape: tuple[int, ...], ctx: MessageContext | None, reason: str) -> Encoded:
+        """Record the refusal of ``src``'s ``kind`` message for (``step``, ``microbatch``) and
+        return the stand-in's payload (``neutral``). The one place a refusal is recorded: ``admit``
+        and ``mesh.standin.stand_in`` (a message refused before it had a header) both come here."""
+        self.rejections.append(Rejection(step, kind, microbatch, src, dst, reason))
+        return self.neutral(kind, shape, ctx)
 
     def neutral(self, kind: Kind, shape: tuple[int, ...], ctx: MessageContext | None = None) -> Encoded:
         """Zeros in the receiver's own wire format (token id 0 where the codec sends ids) for the

@@ -17,10 +17,8 @@ the attackers' ground truth through ``exchange_truth`` and a ban's donor through
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import sys
 import time
 
 import torch
@@ -30,15 +28,17 @@ from meshlearn.distributed.collectives import FramedCollectives, RunCollectives,
 from meshlearn.distributed.evaluation import PipelineEvaluation
 from meshlearn.distributed.groups import GroupCollectives
 from meshlearn.distributed.health import Health, RowBroken, WorkerFailure, store_client
+from meshlearn.distributed.pipeline_refusals import PipelineRefusals, sender_of
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
-from meshlearn.distributed.transport import Transport
+from meshlearn.distributed.transport import Forged, Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, blob_state, state_blob
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, buffer_capacities, message_bound
 from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.network import build_network, ring_allreduce_bytes_per_member
 from meshlearn.mesh.report import NO_SCORE, ProcessRow, StepReport, step_dp_score
 from meshlearn.mesh.schedule import AsyncPlan, feed_lookahead, pipeline_in_flight
+from meshlearn.mesh.standin import slot_microbatch, stand_in
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.update import (
@@ -56,6 +56,7 @@ from meshlearn.mesh.update import (
 )
 from meshlearn.mesh.wall_clock import WallClock
 from meshlearn.mesh.worker import StepStats, Worker
+from meshlearn.net.counters import Counters
 from meshlearn.verify.verdicts import RemoteSentinel
 
 
@@ -66,7 +67,8 @@ class DistDriver(PipelineEvaluation):
 
     def __init__(self, cfg, worker: Worker, health: Health, device: torch.device, comm: str,
                  dp_group, link_groups: dict[tuple[WorkerId, WorkerId], object], workers_group=None,
-                 relay: int | None = None, framed: FramedCollectives | None = None):
+                 relay: int | None = None, framed: FramedCollectives | None = None,
+                 counters: Counters | None = None):
         self.cfg = cfg
         self.mesh: MeshShape = worker.mesh
         self.me = worker.id
@@ -124,6 +126,12 @@ class DistDriver(PipelineEvaluation):
         self.max_message_bytes = message_bound(cfg, worker.n_params)  # its stage's peers: the same size
         self.transport = Transport(self.me, self.mesh, link_groups, pacers, device, health,
                                    self.deadlines.message_s, self.max_message_bytes, relay=relay)
+        if worker.guard is not None:  # a refused training message takes its slot as a stand-in
+            self.transport.stand_in = self._stand_in
+        # Refused pipeline messages: logged, counted under their sender (``counters``: this
+        # process's record, ``groups.Groups.counters``), and bounded (distributed/pipeline_refusals.py).
+        self.refusals = PipelineRefusals(str(self.me), health, Counters() if counters is None else counters,
+                                         {link: sender_of(end) for link, end in link_groups.items()})
         self.capacity, self.eval_capacity = buffer_capacities(cfg)
         # A control message at a drain point (a protocol model's boundary transform: d×d fp64).
         self.control_capacity = PREFIX_BYTES + HEADER_ROOM + 8 * cfg.model.d_model ** 2
@@ -136,7 +144,6 @@ class DistDriver(PipelineEvaluation):
                          if relay is not None else None)
         self.busy_s = 0.0
         self.last_rows: list[ProcessRow] | None = None  # the last step's, every process's, for the summary
-        self.rejections = 0  # messages this worker's guard refused (each also logged to stderr)
         self.pending: list[ProcessRow] = []  # async: this worker's rows of steps not yet gathered
         self.fed = -1  # the last step whose work this worker has
         # The simulator's rule, from the deepest stage of the mesh (not this worker's own depth), so
@@ -282,9 +289,9 @@ class DistDriver(PipelineEvaluation):
             self.fed += 1
             self.worker.feed(source.work(self.fed)[self.me])
             if self.prev:  # post every receive of the step now: they complete in the background
-                self.transport.expect(self.prev, M, self.capacity)
+                self.transport.expect(self.prev, M, self.capacity, self.fed)
             if self.next:
-                self.transport.expect(self.next, M, self.capacity)
+                self.transport.expect(self.next, M, self.capacity, self.fed)
         self.worker.horizon = (last + 1) * M
 
     # --- the pipeline ------------------------------------------------------------------------
@@ -299,23 +306,44 @@ class DistDriver(PipelineEvaluation):
             self.lost_partner(err)
 
     def _deliver(self, message: Message) -> None:
-        """Hand an arrival to its consumer: a dp message to the strategy, the rest to the worker."""
-        if message.kind == "dp":
-            self._dp_deliver(message)
-            return
+        """Hand an arrival to its consumer by the link it came on: a DP link's to the strategy, a
+        pipeline link's to the worker."""
         # A pipeline kind on a DP link has no stand-in (nobody waits for it there); a kind lie on a
-        # pipeline link is the guard's: ``Worker.admit`` takes sender and kind from the link.
+        # pipeline link, "dp" included, is the guard's: ``Worker.admit`` takes the kind from the link.
         src = message.link[0]
         if carried_kind(src, self.me) == "dp":
+            if message.kind == "dp":
+                self._dp_deliver(message)
+                return
             raise WorkerFailure(self.health.abort(
                 f"worker {src} sent a {message.kind!r} message on its link to {self.me}, which carries "
                 f"'dp' messages (noticed by {self.me})"))
-        message = self.worker.admit(message)  # a forged message is quarantined, never decoded
-        for rejection in self.worker.guard.pop_rejections() if self.worker.guard else ():
-            self.rejections += 1
-            print(f"meshlearn worker {self.me}: rejected {json.dumps(rejection.record())}",
-                  file=sys.stderr, flush=True)
+        # Where it arrived says which (step, microbatch) it must be: a replayed or misnumbered one
+        # is refused, and its stand-in fills the slot it took.
+        slot = None if message.arrival is None else self._slot(src, *message.arrival)
+        message = self.worker.admit(message, slot)  # a forged message is quarantined, never decoded
+        rejections = self.worker.guard.pop_rejections() if self.worker.guard else []
+        for rejection in rejections:
+            self.refusals.refused((src, self.me), rejection)
+        if not rejections:
+            self.refusals.accepted((src, self.me))
         self.worker.receive(message)
+
+    def _stand_in(self, forged: Forged) -> Message:
+        """The transport refused a training message unread (``forged``): its slot (the link's
+        arrival count, ``forged.index`` of its step) gets the quarantined stand-in the guard would
+        have put there, and its record waits in the guard for ``_deliver``."""
+        src, dst = link = forged.link
+        step, microbatch = self._slot(src, forged.step, forged.index)
+        j = step * self.cfg.mesh.microbatches + microbatch
+        return stand_in(self.worker.guard, link, step, microbatch, self.worker.microbatch_size(j),
+                        self.worker.context(carried_kind(src, dst), j, True), forged.reason)
+
+    def _slot(self, src: WorkerId, step: int, n: int) -> tuple[int, int]:
+        """The (step, microbatch) of the ``n``-th message from ``src`` in the receive posted for
+        ``step``: every schedule sends a link's messages in its plan's order (``send_order``)."""
+        return step, slot_microbatch(self.cfg.mesh.schedule, (src, self.me), self.mesh.stages,
+                                     self.cfg.mesh.microbatches, n)
 
     def _apply(self, action, coef: float, sq_norm: float) -> None:
         """The optimizer step itself (busy time, and the timeline's U when recording)."""

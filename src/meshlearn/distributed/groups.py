@@ -27,6 +27,7 @@ from meshlearn.distributed.settings import links_of, links_trusted
 from meshlearn.distributed.streams import Hop, Link, PlainConnector, StreamConnector, listen_address
 from meshlearn.dp.robust import Robust
 from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.net.counters import Counters
 
 
 def verifier_rank(cfg, mesh: MeshShape) -> int | None:
@@ -86,6 +87,7 @@ class Groups:
     links: dict[Link, object] = field(default_factory=dict)
     anchor_links: dict[Link, object] = field(default_factory=dict)  # the anchor circuit's own
     framed: FramedCollectives | None = None  # untrusted links: the workers' collectives, no group
+    counters: Counters | None = None  # where this process counts what it refused (its streams' connector's)
 
 
 def _stderr(line: str) -> None:
@@ -120,6 +122,7 @@ def build_groups(cfg, mesh: MeshShape, rank: int, dp_groups: bool = True,
         pairs = collective_hops(mesh)
         channels = {"links": hops} | ({"collectives": pairs} if not trusted else {})
         connected = connector.connect(rank, channels, cfg.dist.init_timeout_s)
+        groups.counters = connector.counters
         ends = connected["links"]
         if not trusted:
             mine = connected["collectives"]

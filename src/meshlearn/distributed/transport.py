@@ -13,7 +13,10 @@ as the step starts.
 A sender holds each message until its pacer's delivery time (in-process shaping, the same for both
 kinds of connection), then sends it as one buffer. Every receiver has a bound, ``max_message_bytes``
 (the largest message an honest peer of the run sends, ``wire.message_bound``), and a message that
-does not decode is refused too; a refused message arrives as ``Forged`` and the link stays up.
+does not decode is refused too; a refused message arrives as ``Forged``, naming its slot (the
+training step its receive was posted for, and its place there), and the link stays up. A
+worker's main thread gets the stand-in its driver builds for that slot (``stand_in``,
+``mesh/standin.py``); the relay builds its own from its arrival count (``verifier.py``).
 
 - TCP: a stream of frames. The receiver reads a frame's prefix and refuses, before allocating, a
   header beyond ``HEADER_ROOM`` or a frame beyond the bound, reading its bytes away in bounded
@@ -51,6 +54,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -83,11 +87,16 @@ class Broken:
 @dataclass
 class Forged:
     """A message a receiver refused without decoding it: an oversize notice or a frame beyond the
-    bound, or bytes that are no valid message. The relay quarantines it in its link's slot (``verifier.py``);
-    a worker, which has no stand-in for a message it cannot read, ends the run naming the sender."""
+    bound, or bytes that are no valid message. Its slot is where it arrived: the ``index``-th
+    message of the receive posted for ``step`` (``expect``; None: a receive posted for no training
+    step, such as a validation batch's or a control message's). The relay quarantines it in its
+    link's slot (``verifier.py``); a worker's driver does the same through ``Transport.stand_in``
+    for a training step's message, and ends the run naming the sender for any other."""
 
     reason: str  # what was wrong with it
     link: Link
+    step: int | None = None
+    index: int = 0
 
     @property
     def message(self) -> str:
@@ -138,6 +147,9 @@ class Transport:
         self.max_message_bytes = max_message_bytes
         self.inbox: queue.Queue = queue.Queue()
         self.pacers = pacers
+        # What a worker's main thread gets in place of a refused training message (its driver's
+        # quarantined stand-in, ``mesh.standin``); None: every refused message ends the run.
+        self.stand_in: Callable[[Forged], Message] | None = None
         self._errors: list[str] = []
         self._pending = 0
         self._idle = threading.Condition()
@@ -183,16 +195,17 @@ class Transport:
         link = (message.src if self.me is None else self.me, message.dst)  # a worker sends as itself
         self._send_q[link].put((message, release, capacity))
 
-    def expect(self, src: WorkerId, count: int, capacity: int) -> None:
+    def expect(self, src: WorkerId, count: int, capacity: int, step: int | None = None) -> None:
         """Receive ``count`` messages, in order, on the link from ``src``, into buffers of
         ``capacity`` bytes (larger messages arrive by the oversize path; a TCP link reads each
-        frame at its own size, up to ``max_message_bytes``, and ignores ``capacity``)."""
-        self.expect_link((src, self.me), count, capacity)
+        frame at its own size, up to ``max_message_bytes``, and ignores ``capacity``). ``step``:
+        the training step they are of, which a refused one's slot names (``Forged``)."""
+        self.expect_link((src, self.me), count, capacity, step)
 
-    def expect_link(self, link: Link, count: int, capacity: int) -> None:
+    def expect_link(self, link: Link, count: int, capacity: int, step: int | None = None) -> None:
         """``expect`` for any link this process receives on (the relay's are not its own)."""
         if count:
-            self._recv_q[link].put((count, capacity))
+            self._recv_q[link].put((count, capacity, step))
 
     def next_arrival(self, timeout_s: float) -> Message | Broken | Forged | None:
         """The relay's wait: the next message, a refused one, a receiver's failure, or None after
@@ -231,6 +244,8 @@ class Transport:
             if isinstance(item, Broken):
                 raise self.health.link_failure(item.message)
             if isinstance(item, Forged):  # a lying peer: never a mere broken row
+                if item.step is not None and self.stand_in is not None:
+                    return self.stand_in(item)  # a training slot: quarantined, and the run goes on
                 raise WorkerFailure(self.health.abort(item.message))
             return item
 
@@ -301,21 +316,21 @@ class Transport:
         if isinstance(group, FramedStream):
             group.set_timeout(timeout.total_seconds())
         while (job := q.get()) is not None:
-            count, capacity = job
+            count, capacity, step = job
             try:
                 if isinstance(group, FramedStream):
-                    self._read_frames(link, group, count)
+                    self._read_frames(link, group, count, step)
                 else:
-                    self._receive_posted(link, src, group, count, max(capacity, PREFIX_BYTES), timeout)
+                    self._receive_posted(link, src, group, count, max(capacity, PREFIX_BYTES), timeout, step)
             except Exception as err:  # noqa: BLE001 — delivered to the main thread as an error
                 self.inbox.put(Broken(f"lost the connection to worker {peer} while receiving "
                                       f"from it ({gist(err)}; noticed by {self.me or 'the verifier'})", link))
                 return
 
     def _receive_posted(self, link: Link, src: int, group, count: int, capacity: int,
-                        timeout: timedelta) -> None:
+                        timeout: timedelta, step: int | None) -> None:
         """gloo/NCCL: ``count`` messages into receives posted ``WINDOW`` ahead, larger ones by the
-        oversize path."""
+        oversize path (``step``: theirs, for a refused one's slot)."""
         posted: deque = deque()
         for received in range(count):
             while len(posted) < WINDOW and received + len(posted) < count:
@@ -328,31 +343,34 @@ class Transport:
                 if not PREFIX_BYTES <= size <= self.max_message_bytes:  # before allocating
                     self.inbox.put(Forged(f"an oversize notice of {size} bytes (a message of "
                                           f"this run takes {PREFIX_BYTES} to "
-                                          f"{self.max_message_bytes})", link))
+                                          f"{self.max_message_bytes})", link, step, received))
                     continue
                 buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
                 _irecv(buffer, src, group, OVERSIZE_TAG).wait(timeout)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-            self._deliver(buffer, link)
+            self._deliver(buffer, link, step, received)
 
-    def _read_frames(self, link: Link, stream: FramedStream, count: int) -> None:
-        """TCP: ``count`` frames off the stream, each refused before allocation if beyond the bound."""
-        for _ in range(count):
+    def _read_frames(self, link: Link, stream: FramedStream, count: int, step: int | None) -> None:
+        """TCP: ``count`` frames off the stream, each refused before allocation if beyond the bound
+        (``step``: theirs, for a refused one's slot)."""
+        for index in range(count):
             try:
                 buffer = stream.read_frame(self.max_message_bytes)
             except FrameRefused as err:
-                self.inbox.put(Forged(str(err), link))
+                self.inbox.put(Forged(str(err), link, step, index))
                 continue
-            self._deliver(buffer.to(self.device), link)
+            self._deliver(buffer.to(self.device), link, step, index)
 
-    def _deliver(self, buffer: torch.Tensor, link: Link) -> None:
-        """Decode a received buffer into the inbox: the message, or Forged for bytes that lie."""
+    def _deliver(self, buffer: torch.Tensor, link: Link, step: int | None, index: int) -> None:
+        """Decode a received buffer into the inbox: the message, or Forged for bytes that lie (the
+        ``index``-th of the receive posted for ``step``)."""
         try:
             message = unpack(buffer, link[0])
         except WireError as err:
-            self.inbox.put(Forged(str(err), link))
+            self.inbox.put(Forged(str(err), link, step, index))
             return
         message.received_at = time.monotonic()  # a DP round's deadline is judged by it
         message.link = link  # the relay routes by the link, never by the header's dst
+        message.arrival = None if step is None else (step, index)  # its slot, as a Forged's
         self.inbox.put(message)

@@ -57,7 +57,7 @@ import torch
 
 from meshlearn.compress.codecs import MessageContext
 from meshlearn.compress.registry import build_codec
-from meshlearn.compress.wire_checks import Rejection, WireGuard
+from meshlearn.compress.wire_checks import WireGuard
 from meshlearn.config import RunConfig
 from meshlearn.data import validation_batches
 from meshlearn.data.corpus import load_corpus
@@ -70,7 +70,8 @@ from meshlearn.distributed.transport import Broken, Forged, Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, blob_state, state_blob
 from meshlearn.distributed.wire import buffer_capacities, message_bound
 from meshlearn.mesh.messages import Message, carried_kind
-from meshlearn.mesh.schedule import feed_lookahead, pipeline_in_flight, send_order
+from meshlearn.mesh.schedule import feed_lookahead, pipeline_in_flight
+from meshlearn.mesh.standin import slot_microbatch, stand_in
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.train.assemble import resolve
 from meshlearn.verify.ledger import Ban
@@ -167,9 +168,6 @@ class Relay:
                                      self.mesh.replicas)
         self.transport = Transport(None, self.mesh, links, {}, torch.device("cpu"), self.health,
                                    deadlines.message_s, message_bound(cfg, 0))  # acts and grads only
-        # The per-step microbatch of each arrival on a link, for a message whose header is unreadable.
-        self.order = {(s, kind): send_order(cfg.mesh.schedule, s, self.mesh.stages, kind, self.microbatches)
-                      for s in range(self.mesh.stages) for kind in ("F", "B")}
         for link in links:  # receives stay posted for the whole run, WINDOW ahead per link
             self.transport.expect_link(link, sys.maxsize, self.capacity)
         # Elastic runs: the rows agreed per step, and the rows evicted (elastic/evictions.py).
@@ -257,20 +255,17 @@ class Relay:
         beyond the run's bound) takes its slot as a quarantined stand-in, like one the guard refuses:
         the receiver gets zeros marked skip, SENTINEL scores the sender on them, and the run goes on.
         Its microbatch is the slot's (``send_order``): the header that would name it is unreadable."""
-        src, dst = link = forged.link
-        action = "F" if carried_kind(src, dst) == "act" else "B"  # the action that sent it
-        microbatch = self.order[(src.stage, action)][(self.slots.trained[link] - 1) % self.microbatches]
+        link = forged.link
+        microbatch = slot_microbatch(self.cfg.mesh.schedule, link, self.mesh.stages, self.microbatches,
+                                     self.slots.trained[link] - 1)
         return self.quarantine(link, step, microbatch, forged.reason)
 
     def quarantine(self, link: Link, step: int, microbatch: int, reason: str) -> Message:
-        """The stand-in for a refused message of ``link`` (zeros in the receiver's own wire format,
-        marked skip) and its rejection record."""
+        """The stand-in for a refused message of ``link`` (``mesh.standin``, as a worker's driver
+        builds it), with the receiver's own context (the mask codec needs it)."""
         src, dst = link
-        kind = carried_kind(src, dst)
-        self.guard.rejections.append(Rejection(step, kind, microbatch, src, dst, reason))
         ctx = MessageContext(step, microbatch, min(src.stage, dst.stage), src.replica)
-        return Message(kind, step, microbatch, src, dst, skip=True,
-                       payload=self.guard.neutral(kind, self.guard.shape(self.micro_of(step)), ctx))
+        return stand_in(self.guard, link, step, microbatch, self.micro_of(step), ctx, reason)
 
     def close(self, step: int) -> None:
         """``Sentinel.end_step`` and the verdict. Flushing schedules drain after every step: each

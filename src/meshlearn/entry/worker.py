@@ -75,7 +75,8 @@ def build_driver(cfg: RunConfig, session: Session) -> DistDriver:
 
         return build_elastic_driver(cfg, session, worker)
     driver = DistDriver(cfg, worker, session.health, session.device, session.comm, groups.dp, groups.links,
-                        workers_group=groups.workers, relay=verifier_rank(cfg, mesh), framed=groups.framed)
+                        workers_group=groups.workers, relay=verifier_rank(cfg, mesh), framed=groups.framed,
+                        counters=groups.counters)
     if anchors(cfg):
         from meshlearn.distributed.anchor import AnchorClient
 

@@ -36,6 +36,10 @@ class Message:
     link: tuple[WorkerId, WorkerId] | None = None
     """The (sender, receiver) link it crossed, set by the driver that carried it — never read off
     the header, which the sender controls; None until it is sent. Not on the wire."""
+    arrival: tuple[int, int] | None = None
+    """(step, n): where it arrived, set by the dist transport — the n-th message of the receive
+    posted for training step ``step``, which says which microbatch it must be (``mesh/standin.py:
+    slot_microbatch``). None: any other receive, or no transport. Not on the wire."""
 
     @property
     def wire_bytes(self) -> int:

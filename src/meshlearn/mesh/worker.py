@@ -181,22 +181,29 @@ class Worker:
             return Action("B", j, self.in_flight[j].version)
         return Action("U", j, self.version + 1)
 
-    def admit(self, message: Message) -> Message:
+    def admit(self, message: Message, slot: tuple[int, int] | None = None) -> Message:
         """What a peer sent, checked against what this worker expects (shape, dtype, bytes, ids,
         finiteness, an open step): the message itself, or a quarantined stand-in with a record in
-        ``guard.rejections``. Drivers call it on arrival, before any verifier decodes it."""
-        if self.guard is None or not self.work or message.kind == "dp":
-            return message  # dp messages: the strategy's exchange checks them (meshlearn.dp.base)
-        # The message's own step if this worker has work for it, else its oldest open step (under
-        # a flushing schedule: the one step in progress), so a stale or future step is refused.
-        step = message.step if message.step in self.work else min(self.work)
+        ``guard.rejections``. Drivers call it on arrival, before any verifier decodes it.
+        ``slot``: the (step, microbatch) the message must be, where the driver knows it from where
+        it arrived (a dist worker's); a header naming another is refused and the stand-in fills
+        the slot."""
+        if self.guard is None or not self.work or carried_kind(message.link[0], self.id) == "dp":
+            return message  # a DP link's messages: the strategy's exchange checks them (meshlearn.dp.base)
+        if slot is not None and slot[0] in self.work:
+            step, microbatches, microbatch = slot[0], (slot[1],), slot[1]
+        else:
+            # The message's own step if this worker has work for it, else its oldest open step
+            # (under a flushing schedule: the one step in progress), so a stale or future step is refused.
+            step = message.step if message.step in self.work else min(self.work)
+            microbatches, microbatch = range(self.microbatches), None
         # The link it came on says who sent it and what it carries (an activation from the stage
         # before, a gradient from the one after); the header's src and kind are the sender's claims.
         sender = message.link[0]
         carries = carried_kind(sender, self.id)
-        return self.guard.admit(message, step, self.work[step].microbatch_size, range(self.microbatches),
+        return self.guard.admit(message, step, self.work[step].microbatch_size, microbatches,
                                 lambda kind, t, m: self.context(kind, t * self.microbatches + m, True),
-                                sender, carries)
+                                sender, carries, microbatch)
 
     def receive(self, message: Message) -> None:
         j = message.step * self.microbatches + message.microbatch
