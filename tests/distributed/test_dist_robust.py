@@ -40,10 +40,12 @@ def test_dist_robust_rule_equals_sim(tiny_corpus, tmp_path, case):
     assert [r["grad_norm"] for r in b] == pytest.approx([r["grad_norm"] for r in a], rel=1e-5)
 
 
-def test_dist_reports_the_dp_outlier_the_simulator_reports(tiny_corpus, tmp_path):
+def test_dist_reports_and_evicts_the_dp_outlier_the_simulator_does(tiny_corpus, tmp_path):
     """Attribution (``dp/attribution.py``): every replica scores the same stacked contributions,
-    and dist's rows carry each worker's score to the writer, so its records are the simulator's."""
-    cfg = tiny_config(tiny_corpus, *ATTACKED, "train.steps=4", "dp.robust=median", "dist.trusted_links=false")
+    and dist's rows carry each worker's score to every process, so its records are the simulator's;
+    the eviction (a ban within the budget: 1 of 3 replicas) comes at the same step, from the same
+    donor, and the steps after it train the same."""
+    cfg = tiny_config(tiny_corpus, *ATTACKED, "train.steps=6", "dp.robust=median", "dist.trusted_links=false")
     Trainer(cfg, tmp_path / "sim", progress=False).train()
     try:
         with deadline(90, "the attributed dist run"):
@@ -53,7 +55,12 @@ def test_dist_reports_the_dp_outlier_the_simulator_reports(tiny_corpus, tmp_path
     timing = ("tokens", "sim_time_s", "wall_time_s", "bytes_pp", "bytes_dp")
     a, b = ([{k: v for k, v in r.items() if k not in timing} for r in records(run, "dp_outlier")]
             for run in (tmp_path / "sim", tmp_path / "dist"))
-    assert [(r["worker"], r["step"]) for r in a] == [("r1s1", 4)]
+    assert [(r["worker"], r["step"], r["evicted"]) for r in a] == [("r1s1", 4, True)]
     assert b == a  # the score too, bit for bit
-    assert ([r["dp_score_max"] for r in records(tmp_path / "dist")]
-            == [r["dp_score_max"] for r in records(tmp_path / "sim")])
+    bans = [[{k: v for k, v in r.items() if k not in timing} for r in records(run, "ban")]
+            for run in (tmp_path / "sim", tmp_path / "dist")]
+    assert [(r["worker"], r["step"], r["message"]) for r in bans[0]] == [("r1s1", 4, "dp")]
+    assert bans[1] == bans[0]
+    sim, dist = records(tmp_path / "sim"), records(tmp_path / "dist")
+    assert [r["dp_score_max"] for r in dist] == [r["dp_score_max"] for r in sim]
+    assert max(abs(x["train_loss"] - y["train_loss"]) for x, y in zip(sim, dist, strict=True)) <= 1e-5
