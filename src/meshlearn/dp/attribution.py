@@ -112,8 +112,6 @@ class AttributionCallback(Callback):
 
     def on_step_end(self, step: int, report: Any) -> StepOutput:
         scores = report.dp_scores
-        if not scores:
-            return StepOutput()
         records = []
         for record in self.ledger.observe(step, scores):
             records.append(record)
@@ -127,6 +125,10 @@ class AttributionCallback(Callback):
             records += events
             if record["evicted"]:
                 self.ledger.readmit(record["worker"])
+        if self.trust is not None:
+            self.trust.announce(step, [r for r in records if r["kind"] == "ban"])
+        if not scores:
+            return StepOutput()
         return StepOutput(fields={"dp_score_max": json_score(max(scores.values()))}, records=records)
 
     def state_dict(self) -> dict:

@@ -118,6 +118,11 @@ def scores_dp_outliers(cfg) -> bool:
     return cfg.dp.robust != "none" and cfg.mesh.schedule != "async"
 
 
+def evicts_dp_outliers(cfg) -> bool:
+    """Whether a reported DP outlier is evicted (``TrustLayer.evict``): scored, and bans are on."""
+    return scores_dp_outliers(cfg) and cfg.verify.ban
+
+
 def validate_dp(cfg, require) -> None:
     """The checks of ``dp.*`` (``require(ok, key, value, allowed)`` raises the ConfigError)."""
     dp = cfg.dp

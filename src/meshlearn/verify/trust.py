@@ -51,12 +51,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshlearn.compress.registry import build_codec
-from meshlearn.dp.settings import scores_dp_outliers
+from meshlearn.dp.settings import evicts_dp_outliers
 from meshlearn.mesh.driver import Driver, MessageMonitors
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
 from meshlearn.verify.attacks import Attack, build_attacks
-from meshlearn.verify.capabilities import Evictor, RemoteVerdicts
+from meshlearn.verify.capabilities import BanNotices, Evictor, RemoteVerdicts
 from meshlearn.verify.ledger import Ledger
 from meshlearn.verify.sentinel import Alert, Ban, Decision, Sentinel
 from meshlearn.verify.verdicts import RemoteSentinel, ban_from_record
@@ -125,8 +125,7 @@ class TrustLayer:
         # The ban budget's ledger: SENTINEL's own when it runs here, else this layer's (see above).
         self.own_ledger = not isinstance(self.sentinel, Sentinel)
         self.ledger = Ledger(cfg.verify, self.mesh) if self.own_ledger else self.sentinel.ledger
-        # DP outlier reports may evict (dp/attribution.py); verify.ban = false keeps them reports
-        self.dp_evictions = scores_dp_outliers(cfg) and cfg.verify.ban
+        self.dp_evictions = evicts_dp_outliers(cfg)  # DP outlier reports may evict (dp/attribution.py)
         self.attacks: dict[WorkerId, Attack] = {}
         for wid, attack in build_attacks(cfg.attack, cfg.verify, self.mesh, cfg.seed).items():
             self.add_attack(wid, attack)
@@ -280,6 +279,12 @@ class TrustLayer:
         if ban is None:
             return False, [] if alert is None else [self._raise(alert)]
         return True, [self._carry_out(ban, donor)]
+
+    def announce(self, step: int, bans: list[dict]) -> None:
+        """The DP evictions (``ban`` records) of ``step``, to a verifier that runs elsewhere (dist),
+        whose ledger must count them too; every step, so it can wait for them."""
+        if isinstance(self.driver, BanNotices):
+            self.driver.post_bans(step, bans)
 
     def _carry_out(self, ban: Ban, donor: WorkerId | None = None) -> dict:
         """A fresh honest peer takes the banned slot, with an honest replica's weights and optimizer
