@@ -12,6 +12,7 @@ from tiny import tiny_config
 from meshlearn.dp.attribution import OutlierLedger
 from meshlearn.entry.plugins import register_builtin_plugins
 from meshlearn.mesh.topology import WorkerId
+from meshlearn.report.plugins import scalars
 from meshlearn.report.progress import ProgressLine
 from meshlearn.train import Trainer
 
@@ -137,6 +138,9 @@ def test_a_non_finite_score_is_written_as_null_and_shown():
     out = io.StringIO()
     ProgressLine(10, stream=out).update(records[0] | {"evicted": True})
     assert out.getvalue().endswith("score non-finite); evicted\n")
+    # the train record's dp_score_max is null then: the report's scalars leave it out
+    assert scalars({"kind": "train", "step": 3, "train_loss": 2.5, "dp_score_max": None}) == [
+        ("train/train_loss", 2.5)]
 
 
 def test_the_donor_is_the_replica_least_marked():
