@@ -16,10 +16,11 @@ way, at the same step in every process (they all see the same report): a fresh p
 slot with the state of the stage's replica least marked in its window, and its window restarts.
 
 One honest mark is noise (a replica with an unusual microbatch: on the demo the honest marks came
-in a burst during warm-up, docs/dp_robust.md); a ×−4 attacker was marked at 29 of its 30 attacked
-steps there. Requiring 3 marks of the last 8 (constants: the threshold is the one knob,
-``dp.outlier_score``) lets an isolated honest mark, or two, pass unreported, and still names an
-attacker that is on (and marked) in only 3 of every 8 steps (``attack.period``/``duty``).
+in a burst during warm-up, docs/dp_robust.md); a ×−4 attacker, left in place (``verify.ban =
+false``), was marked at all 100 of its attacked steps there. Requiring 3 marks of the last 8
+(constants: the threshold is the one knob, ``dp.outlier_score``) lets an isolated honest mark, or
+two, pass unreported, and still names an attacker that is on (and marked) in only 3 of every 8
+steps (``attack.period``/``duty``).
 
 At D = 2 there is no majority: nothing is scored (config refuses a robust rule there) and the
 budget is 0 bans, so nothing is evicted. Flushing schedules only (``scores_dp_outliers``).
