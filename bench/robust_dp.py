@@ -4,9 +4,11 @@ none, each robust rule}. One attacker, r1s1 (a middle stage; 25% of its stage's 
 its DP contribution only (``attack.target = dp``) from ``--attack-start``.
 
 Per row: final validation loss, virtual tokens/s (the simulator's device model, links at the demo's
-200 Mbit/s), DP bytes per token. Goals checked per row: under attack, within 0.05 of the clean loss
-of the same strategy with dp.robust = none; clean cost of each rule ≤ 2% in loss and ≤ 20% in
-virtual tokens/s against none. Runs are independent processes (``--jobs``), one torch thread each.
+200 Mbit/s), DP bytes per token, and who was evicted as a DP outlier at which step (the built-in
+all-reduce's robust rows are scored, docs/dp_robust.md). Goals checked per row: under attack,
+within 0.05 of the clean loss of the same strategy with dp.robust = none; clean cost of each rule
+≤ 2% in loss and ≤ 20% in virtual tokens/s against none. Runs are independent processes
+(``--jobs``), one torch thread each.
 
     OMP_NUM_THREADS=1 python bench/robust_dp.py [--steps 40] [--jobs 1]
     python bench/robust_dp.py --strategies allreduce --rules none,median  # a slice
@@ -64,6 +66,8 @@ def run_one(job: tuple[str, str, str, int, int]) -> dict:
         summary = Trainer(cfg, run_dir, progress=False).train()
     return {"strategy": strategy, "attack": attack, "robust": rule, "val_loss": summary["final_val_loss"],
             "tokens_per_s": summary["sim_tokens_per_s"], "dp_bytes_per_token": summary["bytes_per_token_dp"],
+            "evicted": ", ".join(f"{b['worker']}@{b['step']}" for b in summary.get("banned_workers", []))
+            or "-",
             "wall_s": time.perf_counter() - started}
 
 
@@ -115,7 +119,7 @@ def main() -> None:
     columns = [("strategy", "strategy", ""), ("attack", "attack", ""), ("robust", "dp.robust", ""),
                ("val_loss", "val loss", ".4f"), ("d_loss", "Δ vs clean/none", "+.4f"),
                ("tokens_per_s", "virtual tok/s", ".0f"), ("dp_bytes_per_token", "DP B/token", ".1f"),
-               ("goal", "goal", ""), ("met", "met", "")]
+               ("evicted", "evicted (worker@step)", ""), ("goal", "goal", ""), ("met", "met", "")]
     for row in rows:
         row.setdefault("d_loss", 0.0)
     markdown = (f"# Robust DP aggregation (issue 32)\n\n`{payload['command']}`: demo config, 4 replicas, "

@@ -4,6 +4,8 @@ over a gloo all-gather (trusted); and the DP attack (``attack.target = dp``) lan
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from dist_helpers import deadline, kill_leftovers, launch, records
 from tiny import tiny_config
@@ -40,10 +42,12 @@ def test_dist_robust_rule_equals_sim(tiny_corpus, tmp_path, case):
     assert [r["grad_norm"] for r in b] == pytest.approx([r["grad_norm"] for r in a], rel=1e-5)
 
 
-def test_dist_reports_the_dp_outlier_the_simulator_reports(tiny_corpus, tmp_path):
+def test_dist_reports_and_evicts_the_dp_outlier_the_simulator_does(tiny_corpus, tmp_path):
     """Attribution (``dp/attribution.py``): every replica scores the same stacked contributions,
-    and dist's rows carry each worker's score to the writer, so its records are the simulator's."""
-    cfg = tiny_config(tiny_corpus, *ATTACKED, "train.steps=4", "dp.robust=median", "dist.trusted_links=false")
+    and dist's rows carry each worker's score to every process, so its records are the simulator's;
+    the eviction (a ban within the budget: 1 of 3 replicas) comes at the same step, from the same
+    donor, and the steps after it train the same."""
+    cfg = tiny_config(tiny_corpus, *ATTACKED, "train.steps=6", "dp.robust=median", "dist.trusted_links=false")
     Trainer(cfg, tmp_path / "sim", progress=False).train()
     try:
         with deadline(90, "the attributed dist run"):
@@ -53,7 +57,40 @@ def test_dist_reports_the_dp_outlier_the_simulator_reports(tiny_corpus, tmp_path
     timing = ("tokens", "sim_time_s", "wall_time_s", "bytes_pp", "bytes_dp")
     a, b = ([{k: v for k, v in r.items() if k not in timing} for r in records(run, "dp_outlier")]
             for run in (tmp_path / "sim", tmp_path / "dist"))
-    assert [(r["worker"], r["step"]) for r in a] == [("r1s1", 4)]
+    assert [(r["worker"], r["step"], r["evicted"]) for r in a] == [("r1s1", 4, True)]
     assert b == a  # the score too, bit for bit
-    assert ([r["dp_score_max"] for r in records(tmp_path / "dist")]
-            == [r["dp_score_max"] for r in records(tmp_path / "sim")])
+    bans = [[{k: v for k, v in r.items() if k not in timing} for r in records(run, "ban")]
+            for run in (tmp_path / "sim", tmp_path / "dist")]
+    assert [(r["worker"], r["step"], r["message"]) for r in bans[0]] == [("r1s1", 4, "dp")]
+    assert bans[1] == bans[0]
+    # The verifier's ledger counts it against stage 1's budget, as the simulator's shared one does.
+    verifier_log = (tmp_path / "dist" / "logs" / "verifier.log").read_text()
+    assert "step 4: r1s1 was evicted as a DP outlier; it counts against stage 1's ban budget" in verifier_log
+    sim, dist = records(tmp_path / "sim"), records(tmp_path / "dist")
+    assert [r["dp_score_max"] for r in dist] == [r["dp_score_max"] for r in sim]
+    assert max(abs(x["train_loss"] - y["train_loss"]) for x, y in zip(sim, dist, strict=True)) <= 1e-5
+
+
+@pytest.mark.slow  # two dist launches: about 25 s on a quiet machine (48 s at load 10)
+def test_a_dist_run_resumed_after_an_eviction_is_the_simulators_uninterrupted_run(tiny_corpus, tmp_path):
+    """Evicted at step 4, checkpoint at step 6, stopped there and resumed to 8: the replaced worker,
+    the stopped attack and the spent budget come back (the verifier's state is taken after it
+    counted the eviction: ``Relay.answer_state_request``)."""
+    sets = [*ATTACKED, "train.steps=8", "dp.robust=median", "dist.trusted_links=false",
+            "train.checkpoint_every=3"]
+    Trainer(tiny_config(tiny_corpus, *sets), tmp_path / "sim", progress=False).train()
+    run = tmp_path / "dist"
+    try:
+        with deadline(120, "the dist run stopped after its eviction and its resume"):
+            assert launch(tiny_config(tiny_corpus, *sets, "train.stop_at_step=6"), run) == 0
+            assert launch(tiny_config(tiny_corpus, *sets), run, resume=True) == 0
+    finally:
+        kill_leftovers(run)
+    sim, dist = records(tmp_path / "sim"), records(run)
+    assert [r["step"] for r in dist] == list(range(1, 9))
+    assert max(abs(x["train_loss"] - y["train_loss"]) for x, y in zip(sim, dist, strict=True)) <= 1e-5
+    keep = ("worker", "step", "message", "replaced_from", "strikes")
+    assert ([{k: r[k] for k in keep} for r in records(run, "ban")]
+            == [{k: r[k] for k in keep} for r in records(tmp_path / "sim", "ban")] != [])
+    summary = json.loads((run / "summary.json").read_text())
+    assert [b["worker"] for b in summary["banned_workers"]] == ["r1s1"]

@@ -686,6 +686,12 @@ class DistDriver(PipelineEvaluation):
             return local
         return local | {wid: self.verdicts.truth(step, wid) for wid in attackers if wid not in local}
 
+    def post_bans(self, step: int, bans: list[dict]) -> None:
+        """DP evictions of ``step`` (every process decided them alike): the writer tells the
+        verifier, whose ledger counts them against the stage's budget (verify/capabilities.py)."""
+        if self.writes_records and self.remote_sentinel is not None:
+            self.verdicts.post_bans(step, bans)
+
     def copy_worker_state(self, donor: WorkerId, target: WorkerId) -> None:
         """A banned worker's replacement loads ``donor``'s state (weights, optimizer, plan): a
         broadcast over the stage's DP group, the same bytes a new peer would download. Every

@@ -92,6 +92,18 @@ class VerdictBoard:
         """The verifier on resume: waits for rank 0 to load its shard."""
         return self._get("resume_state", "the verifier's state from rank 0's checkpoint", deadline_s)
 
+    def post_bans(self, step: int, records: list[dict]) -> None:
+        """Rank 0, at ``step``'s end: the bans decided outside the verifier (DP evictions; posted
+        every step, often none), so the verifier's ledger counts them against the same budget."""
+        self.store.set(f"bans/{step}", json.dumps(records))
+
+    def bans(self, step: int) -> list[dict]:
+        """The verifier: the records ``post_bans`` posted for ``step`` (waits for them; read once)."""
+        key = f"bans/{step}"
+        records = json.loads(self._get(key, f"the DP evictions of step {step + 1}"))
+        self.store.delete_key(key)
+        return records
+
     def publish_truth(self, step: int, wid: WorkerId, keys: set) -> None:
         self.store.set(f"truth/{step}/{wid}", json.dumps(sorted(keys)))
 

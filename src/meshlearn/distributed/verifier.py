@@ -69,6 +69,7 @@ from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.transport import Broken, Forged, Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, blob_state, state_blob
 from meshlearn.distributed.wire import buffer_capacities, message_bound
+from meshlearn.dp.settings import evicts_dp_outliers
 from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.schedule import feed_lookahead, pipeline_in_flight
 from meshlearn.mesh.standin import slot_microbatch, stand_in
@@ -77,7 +78,7 @@ from meshlearn.train.assemble import resolve
 from meshlearn.verify.ledger import Ban
 from meshlearn.verify.sentinel import Sentinel
 from meshlearn.verify.trust import choose_donor
-from meshlearn.verify.verdicts import verdict_record
+from meshlearn.verify.verdicts import ban_from_record, verdict_record
 
 POLL_S = 0.2  # how often an idle verifier looks at liveness and at whether the workers are done
 MAX_STATE_BYTES = 1 << 30  # the verifier's state handed back on resume (its ledger and counters)
@@ -186,6 +187,10 @@ class Relay:
         self.forgotten = -1  # ... and up to this one already were
         self.drained_at = 0  # async: the steps done at the last drain point carried out here
         self.closed = 0  # steps closed
+        # DP evictions are decided by the workers (dp/attribution.py), posted by rank 0 at each
+        # step's end; counted here through this step, before the next step's bans are decided.
+        self.outside_bans = evicts_dp_outliers(cfg)
+        self.counted_through = -1
         self.cpu_started = time.process_time()  # the relay's own CPU (every thread) from here on
 
     def run(self) -> None:
@@ -272,6 +277,7 @@ class Relay:
         ban's donor and readmission at once (``TrustLayer``'s order in the simulator, where bans
         are carried out between steps). Async: the donors the next drain would choose now."""
         del self.seen[step]
+        self.count_outside_bans(step - 1)
         outcome = self.sentinel.end_step(step)
         if self.membership is not None:  # elastic: a ban is an eviction, the slot stays banned
             replacements = {}
@@ -301,6 +307,22 @@ class Relay:
             rows = (0,) if self.membership is None else [r for r in self.membership.rows(step)
                                                          if r not in self.membership.evicted]
             self.slots.expect_evaluation(self.eval_batches, rows)
+
+    def count_outside_bans(self, through: int) -> None:
+        """The DP evictions of the steps up to ``through``: each spends its stage's budget in this
+        ledger, as in the simulator's shared one, and its slot's record restarts (a fresh peer,
+        ``Sentinel.readmit``). Rank 0 posted them at those steps' ends, before sending anything
+        of a later step, so they are there by the time a later step closes (or a checkpoint)."""
+        if not self.outside_bans:
+            return
+        for step in range(self.counted_through + 1, through + 1):
+            for record in self.board.bans(step):
+                ban = ban_from_record(record)
+                self.sentinel.ledger.count(ban)
+                self.sentinel.readmit(ban.worker)
+                print(f"verifier: step {step + 1}: {ban.worker} was evicted as a DP outlier; it "
+                      f"counts against stage {ban.worker.stage}'s ban budget", flush=True)
+        self.counted_through = max(self.counted_through, through)
 
     def cost(self) -> dict:
         """The inspections' CPU time (``VerifierClock``), and the whole process's since the relay
@@ -347,6 +369,7 @@ class Relay:
             return
         if self.deferred and self.drained_at != done:
             self.drain(done)
+        self.count_outside_bans(done - 1)
         state = {"sentinel": self.sentinel.state_dict(), "done": done}
         self.board.post_state(done, state_blob(state).numpy().tobytes())
 
@@ -357,6 +380,7 @@ class Relay:
         done = state["done"]
         self.slots.restart(done)
         self.opened = self.drained_at = done
+        self.counted_through = done - 1  # counted in the checkpoint's state
         self.forgotten = self.forgettable = done - 1  # a fresh store: nothing to delete before
 
     def _drain_donors(self) -> dict[WorkerId, WorkerId]:

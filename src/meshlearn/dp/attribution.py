@@ -9,24 +9,34 @@ this callback marks a score above ``dp.outlier_score`` an outlier and reports a 
 ``COUNT`` of its last ``WINDOW`` scored steps: one ``dp_outlier`` record in metrics.jsonl (a
 console line of its own) and its marks in summary.json's ``dp_outliers``.
 
-One honest mark is noise (a replica with an unusual microbatch: on the demo the honest marks came
-in a burst during warm-up, docs/dp_robust.md); a ×−4 attacker was marked at 29 of its 30 attacked
-steps there. Requiring 3 marks of the last 8 (constants: the threshold is the one knob,
-``dp.outlier_score``) lets an isolated honest mark, or two, pass unreported, and still names an
-attacker that is on (and marked) in only 3 of every 8 steps (``attack.period``/``duty``).
+A report is then a ban request to the trust layer (``TrustLayer.evict``): SENTINEL's ledger rules
+decide it (never a first or last stage, at most a strict minority of a stage's replicas banned over
+the run, SENTINEL's bans and DP evictions counted together), and the ban is carried out the same
+way, at the same step in every process (they all see the same report): a fresh peer takes the
+slot with the state of the stage's replica least marked in its window, and its window restarts.
 
-Reported only, never evicted (eviction under SENTINEL's ban budget is a later slice). At D = 2
-there is no majority and nothing is scored (config refuses a robust rule there). Flushing
-schedules only (see ``attribution_plugin``).
+One honest mark is noise (a replica with an unusual microbatch: on the demo the honest marks came
+in a burst during warm-up, docs/dp_robust.md); a ×−4 attacker, left in place (``verify.ban =
+false``), was marked at all 100 of its attacked steps there. Requiring 3 marks of the last 8
+(constants: the threshold is the one knob, ``dp.outlier_score``) lets an isolated honest mark, or
+two, pass unreported, and still names an attacker that is on (and marked) in only 3 of every 8
+steps (``attack.period``/``duty``).
+
+At D = 2 there is no majority: nothing is scored (config refuses a robust rule there) and the
+budget is 0 bans, so nothing is evicted. Flushing schedules only (``scores_dp_outliers``).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any
 
+from meshlearn.dp.settings import scores_dp_outliers
 from meshlearn.hooks import Callback, PluginContext, StepOutput
 from meshlearn.mesh.topology import WorkerId
+from meshlearn.verify.plugin import TrustCallback
+from meshlearn.verify.trust import TrustLayer
 
 WINDOW = 8
 """The scored steps (updates under a flushing schedule) over which a replica's marks are counted."""
@@ -61,8 +71,20 @@ class OutlierLedger:
             if count >= COUNT and worker not in self.reported:
                 self.reported[worker] = step + 1
                 records.append({"kind": "dp_outlier", "step": step + 1, "worker": worker,
-                                "stage": WorkerId.parse(worker).stage, "score": score, "count": count})
+                                "stage": WorkerId.parse(worker).stage, "score": json_score(score),
+                                "count": count})
         return records
+
+    def donor(self, worker: str, replicas: list[str]) -> str:
+        """The replica among ``replicas`` (``worker``'s stage) that was marked least in its window,
+        the lowest replica on a tie: whose state replaces an evicted ``worker``. Every process
+        holds the same windows, so every one (and the simulator) picks the same."""
+        peers = [w for w in replicas if w != worker]
+        return min(peers, key=lambda w: (sum(self.recent.get(w, ())), WorkerId.parse(w).replica))
+
+    def readmit(self, worker: str) -> None:
+        """A fresh peer took the evicted slot: its window restarts (a slot is reported once)."""
+        self.recent.pop(worker, None)
 
     def state_dict(self) -> dict:
         return {"recent": {w: list(d) for w, d in self.recent.items()}, "marks": dict(self.marks),
@@ -74,19 +96,41 @@ class OutlierLedger:
         self.reported = dict(state["reported"])
 
 
-class AttributionCallback(Callback):
-    """The trainer's side: feeds each step's scores to the ledger; every process runs it on the
-    same report, the writer logs its records."""
+def json_score(score: float) -> float | None:
+    """A score as metrics.jsonl holds it: a non-finite contribution scores ∞, which JSON cannot
+    hold (Python would write ``Infinity``), so it is written as null."""
+    return score if math.isfinite(score) else None
 
-    def __init__(self, threshold: float):
+
+class AttributionCallback(Callback):
+    """The trainer's side: feeds each step's scores to the ledger and each report to the trust
+    layer (``trust``; None: nothing evicts, e.g. ``verify.ban = false``); every process runs it on
+    the same report, the writer logs its records."""
+
+    def __init__(self, threshold: float, trust: TrustLayer | None):
         self.ledger = OutlierLedger(threshold)
+        self.trust = trust
 
     def on_step_end(self, step: int, report: Any) -> StepOutput:
         scores = report.dp_scores
+        records = []
+        for record in self.ledger.observe(step, scores):
+            records.append(record)
+            record["evicted"] = False
+            if self.trust is None:
+                continue
+            wid = WorkerId.parse(record["worker"])
+            replicas = [str(w) for w in self.trust.mesh.stage_replicas(wid.stage)]
+            donor = WorkerId.parse(self.ledger.donor(record["worker"], replicas))
+            record["evicted"], events = self.trust.evict(wid, step, record["count"], donor)
+            records += events
+            if record["evicted"]:
+                self.ledger.readmit(record["worker"])
+        if self.trust is not None:
+            self.trust.announce(step, [r for r in records if r["kind"] == "ban"])
         if not scores:
             return StepOutput()
-        return StepOutput(fields={"dp_score_max": max(scores.values())},
-                          records=self.ledger.observe(step, scores))
+        return StepOutput(fields={"dp_score_max": json_score(max(scores.values()))}, records=records)
 
     def state_dict(self) -> dict:
         return self.ledger.state_dict()
@@ -104,7 +148,10 @@ def attribution_plugin(ctx: PluginContext) -> Callback | None:
     """On with a robust rule (``dp.robust``), which is what scores the contributions, under a
     flushing schedule. Off under ``async``: an update there reduces ``update_every`` microbatches,
     not a step's, and a step's score is the largest of its updates', so honest scores run higher;
-    uncalibrated, it reported an honest replica in a clean 8-step run of the tests' tiny model."""
-    cfg = ctx.cfg
-    on = cfg.dp.robust != "none" and cfg.mesh.schedule != "async"
-    return AttributionCallback(cfg.dp.outlier_score) if on else None
+    uncalibrated, it reported an honest replica in a clean 8-step run of the tests' tiny model.
+    Evicts through the trust plugin, registered before it (absent: reports only)."""
+    if not scores_dp_outliers(ctx.cfg):
+        return None
+    trust = ctx.callbacks.get("trust")
+    evicts = isinstance(trust, TrustCallback) and trust.trust.dp_evictions
+    return AttributionCallback(ctx.cfg.dp.outlier_score, trust.trust if evicts else None)

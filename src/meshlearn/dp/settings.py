@@ -106,7 +106,21 @@ class DPConfig:
     outlier_score: float = 3.0
     """With a robust rule: a replica whose contribution to a stage's reduce lies more than this
     many times the median replica's distance from the aggregate is marked an outlier of that update;
-    one marked in 3 of its last 8 updates is reported (docs/dp_robust.md, Attribution). > 1."""
+    one marked in 3 of its last 8 updates is reported and evicted like a SENTINEL ban, within the
+    same budget (verify.ban_budget: a strict minority of each stage, never a first or last stage;
+    verify.ban = false reports only). docs/dp_robust.md, Attribution. > 1."""
+
+
+def scores_dp_outliers(cfg) -> bool:
+    """Whether the run scores each replica's DP contribution (``dp/attribution.py``): with a robust
+    rule, which is what scores them, under a flushing schedule (under ``async`` an update reduces
+    ``update_every`` microbatches and honest scores run higher; not calibrated there)."""
+    return cfg.dp.robust != "none" and cfg.mesh.schedule != "async"
+
+
+def evicts_dp_outliers(cfg) -> bool:
+    """Whether a reported DP outlier is evicted (``TrustLayer.evict``): scored, and bans are on."""
+    return scores_dp_outliers(cfg) and cfg.verify.ban
 
 
 def validate_dp(cfg, require) -> None:

@@ -62,9 +62,11 @@ def format_event(record: dict[str, Any]) -> str:
     elif kind == "alert":
         what = f"SENTINEL alert: {record.get('worker')}: {record.get('detail')}"
     elif kind == "dp_outlier":
+        score = record.get("score")  # null: a non-finite contribution (dp/attribution.py)
         what = (f"DP outlier: {record.get('worker')} (stage {record.get('stage')}: {record.get('count')} "
-                f"of its last updates far from the aggregate, score {record.get('score'):.3g}); "
-                "reported, not evicted")
+                f"of its last updates far from the aggregate, score "
+                f"{'non-finite' if score is None else format(score, '.3g')}); "
+                + ("evicted" if record.get("evicted") else "reported, not evicted"))
     elif kind == "wire_reject":
         what = (f"rejected a {record.get('message')} from {record.get('src')} to {record.get('dst')}: "
                 f"{record.get('reason')}")

@@ -6,6 +6,8 @@ driver contract.
 - ``RemoteVerdicts``: SENTINEL runs in a verifier process of its own (the distributed runtime);
   the workers read its verdicts, exchange the attackers' ground truth and copy a ban's donor.
 - ``Evictor``: a ban is an eviction (the elastic runtime): the banned worker's row leaves.
+- ``BanNotices``: the verifier process learns of bans decided outside it (DP evictions), so one
+  budget holds there too (the distributed runtime).
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ class RemoteVerdicts(Protocol):
 
     def copy_worker_state(self, donor: WorkerId, target: WorkerId) -> None:
         """A banned worker's replacement loads ``donor``'s state (a collective of the stage)."""
+        ...
+
+
+@runtime_checkable
+class BanNotices(Protocol):
+    def post_bans(self, step: int, bans: list[dict]) -> None:
+        """Tell the verifier process (if any) of the bans carried out at ``step``'s end that it did
+        not decide (``ban`` records); called every step by every process, posted by one."""
         ...
 
 

@@ -40,6 +40,9 @@ from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.verify.settings import VerifyConfig
 
 Action = Literal["accept", "warmup", "flag", "banned", "skip"]
+BanKind = Literal["act", "grad", "dp"]
+"""What a ban's evidence was on: a pipeline message's kind, or ``dp`` (a DP outlier report,
+``dp/attribution.py``, decided under the same budget)."""
 UNEXPLAINABLE = ("coh", "shape", "nonfinite", "norm")
 """Reasons that concern the sender alone (its output against its own input, or a sanity failure)."""
 
@@ -92,9 +95,9 @@ class Ban:
     worker: WorkerId
     step: int
     metric: str  # the metric that fired on the deciding strike (largest distance / fence)
-    boundary: str  # e.g. "s1|s2"
-    kind: Kind
-    strikes: int
+    boundary: str  # e.g. "s1|s2"; a DP eviction: "s1 dp"
+    kind: BanKind
+    strikes: int  # a DP eviction: its marks in the attribution window
 
     def record(self) -> dict:
         """The ``banned_workers`` entry of summary.json; ``step`` is 1-based as in metrics.jsonl."""
@@ -266,9 +269,11 @@ class Ledger:
         return result
 
     def decide(self, wid: WorkerId, step: int, strikes: int, metric: str, boundary: str,
-               kind: Kind) -> tuple[Ban | None, Alert | None]:
+               kind: BanKind, kept: str = "its flagged messages are still quarantined"
+               ) -> tuple[Ban | None, Alert | None]:
         """Ban ``wid`` on ``strikes`` pieces of evidence, unless the threat model forbids it (a
-        stage assumed honest, or the stage's ban budget spent): then alert, once per cause."""
+        stage assumed honest, or the stage's ban budget spent): then alert, once per cause, saying
+        what still holds the worker back (``kept``)."""
         stage = wid.stage
         if self.honest_stage(stage):
             return None, self._alert(wid, step, "honest_stage", strikes,
@@ -280,12 +285,17 @@ class Ledger:
             return None, self._alert(wid, step, "budget", strikes,
                                      f"stage {stage} has {self.mesh.replicas} replicas and "
                                      f"{self.stage_bans(stage)} ban(s) already; the ban budget is "
-                                     f"{self.budget} (a strict minority): not banned, its flagged "
-                                     "messages are still quarantined" + minority)
+                                     f"{self.budget} (a strict minority): not banned, {kept}"
+                                     + minority)
         ban = Ban(wid, step, metric, boundary, kind, strikes)
         self.banned[wid] = ban
         self.bans.append(ban)
         return ban, None
+
+    def count(self, ban: Ban) -> None:
+        """A ban decided by another ledger (the dist verifier's, carried out here): it spends this
+        stage's budget here too, so one budget holds for SENTINEL's bans and DP evictions."""
+        self.bans.append(ban)
 
     def undecided(self, wid: WorkerId, step: int, detail: str) -> Alert | None:
         """An undecided split (``capture.py``): flagged, but nothing says it is the one that lies."""

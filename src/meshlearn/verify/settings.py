@@ -94,7 +94,8 @@ class VerifyConfig:
     """Steps of the per-worker history the strikes are counted in."""
     ban: bool = True
     """False keeps flagging and quarantining messages but never bans: the attacker keeps sending, so
-    the detector is measured per message over a whole attack (the bench's message-level numbers)."""
+    the detector is measured per message over a whole attack (the bench's message-level numbers).
+    It also keeps a DP outlier (dp.outlier_score) reported but never evicted."""
     swd_directions: int = 64
     """Random unit directions L of the sliced Wasserstein distance."""
     swd_quantiles: int = 64

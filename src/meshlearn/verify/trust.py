@@ -29,6 +29,13 @@ run and nobody takes the slot (``elastic/evictions.py``). An async dist run repo
 at drain points, so there the drain a ban needs comes from verdicts the driver read ahead
 (``RemoteSentinel.ban_drain_due``).
 
+A DP outlier report (``dp/attribution.py``, issue 32) is the other source of bans: ``evict``
+decides it with the same ledger rules (``Ledger.decide``: never a first or last stage, at most
+``verify.budget(D)`` bans per stage, SENTINEL's and DP's together) and carries it out here, the
+same way. Every process decides it from the same step report, so sim and dist agree on it; the
+budget's ledger is SENTINEL's own in the simulator and, where the verifier runs elsewhere (dist) or
+nothing verifies, one of this layer's, which counts every ban carried out.
+
 Per-worker attacks from Python::
 
     register_builtin_plugins()  # meshlearn.entry.plugins
@@ -44,14 +51,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshlearn.compress.registry import build_codec
+from meshlearn.dp.settings import evicts_dp_outliers
 from meshlearn.mesh.driver import Driver, MessageMonitors
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
 from meshlearn.verify.attacks import Attack, build_attacks
-from meshlearn.verify.capabilities import Evictor, RemoteVerdicts
+from meshlearn.verify.capabilities import BanNotices, Evictor, RemoteVerdicts
 from meshlearn.verify.ledger import Ledger
 from meshlearn.verify.sentinel import Alert, Ban, Decision, Sentinel
-from meshlearn.verify.verdicts import RemoteSentinel
+from meshlearn.verify.verdicts import RemoteSentinel, ban_from_record
 
 
 @dataclass
@@ -114,6 +122,10 @@ class TrustLayer:
         self.sentinel: Sentinel | RemoteSentinel | None = None
         if cfg.verify.name == "sentinel":
             self.sentinel = remote or Sentinel(cfg.verify, self.mesh, build_codec(cfg.codec, cfg.model))
+        # The ban budget's ledger: SENTINEL's own when it runs here, else this layer's (see above).
+        self.own_ledger = not isinstance(self.sentinel, Sentinel)
+        self.ledger = Ledger(cfg.verify, self.mesh) if self.own_ledger else self.sentinel.ledger
+        self.dp_evictions = evicts_dp_outliers(cfg)  # DP outlier reports may evict (dp/attribution.py)
         self.attacks: dict[WorkerId, Attack] = {}
         for wid, attack in build_attacks(cfg.attack, cfg.verify, self.mesh, cfg.seed).items():
             self.add_attack(wid, attack)
@@ -139,8 +151,9 @@ class TrustLayer:
 
     @property
     def active(self) -> bool:
-        """Whether this run verifies or attacks anything (else it leaves no trace in the outputs)."""
-        return self.sentinel is not None or bool(self.attacks)
+        """Whether this run verifies, attacks or may evict anything (else it leaves no trace in the
+        outputs)."""
+        return self.sentinel is not None or bool(self.attacks) or self.dp_evictions
 
     def attach(self, driver: Driver) -> None:
         """Install SENTINEL as the driver's monitor (a runtime where every message passes this
@@ -184,6 +197,10 @@ class TrustLayer:
         if self.sentinel is None:
             return out
         outcome = self.sentinel.end_step(step)
+        if self.own_ledger:  # the verifier's bans and alerts spend this ledger's budget too
+            for ban in outcome.bans:
+                self.ledger.count(ban)
+            self.ledger.alerted |= {(a.worker, a.cause) for a in outcome.alerts}
         decisions = outcome.decisions
         for d in decisions:
             self._score(d, (d.kind, d.step, d.microbatch) in changed.get(d.src, ()))
@@ -252,20 +269,37 @@ class TrustLayer:
             tally.scored += 1
             tally.flags += d.flagged
 
-    def _carry_out(self, ban: Ban) -> dict:
-        """A fresh honest peer takes the banned slot, with an honest replica's weights and optimizer;
-        under elastic membership (a driver with ``evict``) the banned worker's row leaves instead."""
+    def evict(self, wid: WorkerId, step: int, marks: int, donor: WorkerId) -> tuple[bool, list[dict]]:
+        """A DP outlier report of ``wid`` at step ``step`` (0-based; ``marks`` in its window) as a
+        ban: decided by the ledger's rules and budget, carried out like SENTINEL's (``donor``: the
+        replica whose state the replacement loads, chosen by the caller from what every process
+        knows). Whether it was evicted, and the records (the ban, or the alert that refused it)."""
+        ban, alert = self.ledger.decide(wid, step, marks, "dp_score", f"s{wid.stage} dp", "dp",
+                                        kept="its DP contributions are still reduced robustly")
+        if ban is None:
+            return False, [] if alert is None else [self._raise(alert)]
+        return True, [self._carry_out(ban, donor)]
+
+    def announce(self, step: int, bans: list[dict]) -> None:
+        """The DP evictions (``ban`` records) of ``step``, to a verifier that runs elsewhere (dist),
+        whose ledger must count them too; every step, so it can wait for them."""
+        if isinstance(self.driver, BanNotices):
+            self.driver.post_bans(step, bans)
+
+    def _carry_out(self, ban: Ban, donor: WorkerId | None = None) -> dict:
+        """A fresh honest peer takes the banned slot, with an honest replica's weights and optimizer
+        (``donor``; for SENTINEL's bans, the verifier's choice); under elastic membership (a driver
+        with ``evict``) the banned worker's row leaves instead."""
         wid = ban.worker
         evicts = isinstance(self.driver, Evictor)
-        donor = None
         if evicts:  # elastic/evictions.py: no replacement, the slot stays closed
+            donor = None
             self.driver.evict(ban)
-        elif isinstance(self.sentinel, RemoteSentinel):
-            donor = self.sentinel.donor(wid)
-            assert isinstance(self.driver, RemoteVerdicts)  # the verifier's verdicts came through it
+        elif isinstance(self.driver, RemoteVerdicts):  # dist: the state crosses processes
+            donor = donor or self.sentinel.donor(wid)  # the verifier's verdicts came through the driver
             self.driver.copy_worker_state(donor, wid)  # a collective of the stage's replicas
         else:
-            donor = choose_donor(self.sentinel, self.mesh, wid)
+            donor = donor or choose_donor(self.sentinel, self.mesh, wid)
             state = copy.deepcopy(self.workers[donor].state_dict())  # no tensor may be shared between peers
             self.workers[wid].load_state_dict(state)
         if wid in self.workers:
@@ -277,7 +311,10 @@ class TrustLayer:
             self.caught.add(wid)
         if attack is not None and attack.stopped_at is None:
             attack.stop(ban.step)
-        self.sentinel.readmit(wid)
+        if self.sentinel is not None:
+            self.sentinel.readmit(wid)
+        if self.own_ledger:
+            self.ledger.readmit(wid)
         entry = ban.record() | {"replaced_from": None if donor is None else str(donor), "honest": not running}
         if evicts:
             entry["evicted"] = True
@@ -332,8 +369,9 @@ class TrustLayer:
                                  for w, t in self.tallies.items() if t.scored or w in self.attacks},
         }
         summary = {"trust": trust}
-        if self.sentinel is not None:
+        if self.sentinel is not None or self.dp_evictions:
             summary["banned_workers"] = list(self.banned)
+        if self.sentinel is not None:
             trust["verifier_cost"] = self.sentinel.clock.summary()
         return summary
 
@@ -374,6 +412,9 @@ class TrustLayer:
         self.explained = dict(state.get("explained", self.explained))
         self.boundaries = {k: Confusion(**c) for k, c in state.get("boundaries", {}).items()}
         self.stages = {k: Confusion(**c) for k, c in state.get("stages", {}).items()}
+        if self.own_ledger:  # its budget, from the bans carried out (all of them, at a checkpoint)
+            self.ledger.bans = [ban_from_record(b) for b in self.banned]
+            self.ledger.alerted = {(WorkerId.parse(a["worker"]), a["cause"]) for a in self.alerts}
 
 
 def choose_donor(sentinel: Sentinel | Ledger, mesh: MeshShape, wid: WorkerId) -> WorkerId:
