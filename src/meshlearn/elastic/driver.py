@@ -77,7 +77,7 @@ from meshlearn.mesh.update import (
     UpdateSpec,
     update_actions,
 )
-from meshlearn.mesh.worker import StepStats
+from meshlearn.mesh.worker import StepStats, StepWork
 from meshlearn.models.llama import Decoder
 
 
@@ -310,23 +310,17 @@ class ElasticDriver(Evictions, DistDriver):
         self.events += 1
         self.progress.add(f"{base}/count", 1)
 
-    def feed(self, step: int, source) -> None:
-        """Only the coming step (its split follows the rows agreed for it); receives for it posted.
-        ``next_drain`` is asked as the fixed driver asks it: it claims the step for a stop request
-        (train/signals.py) and learns of one."""
-        source.next_drain(step)
-        work = source.work(step)[self.me]
-        self.worker.feed(work)
-        self.fed = step
-        M = self.cfg.mesh.microbatches
-        # an agreed row's member that could not link (a partner found dead) trains nothing of its share
-        self.sequences = work.microbatch_size * M if self.linked_at is not None else 0
+    def take(self, work: StepWork) -> None:
+        """The coming step's work (the feeding policy feeds nothing ahead under the flushing
+        schedules elastic runs: its split follows the rows agreed for it); its receives are posted
+        only if this worker trains it: an agreed row's member that could not link (a partner
+        found dead) trains nothing of its share."""
+        trains = self.linked_at is not None
+        self.sequences = work.microbatch_size * self.cfg.mesh.microbatches if trains else 0
         if self.sequences:
-            if self.prev:
-                self.transport.expect(self.prev, M, self.capacity)
-            if self.next:
-                self.transport.expect(self.next, M, self.capacity)
-        self.worker.horizon = (step + 1) * M
+            super().take(work)
+        else:
+            self.worker.feed(work)
 
     def _spectate(self, step: int, source) -> StepReport:
         """A step this worker's row does not train: zero gradients into the stage's sum, then the

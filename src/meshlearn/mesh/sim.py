@@ -23,6 +23,7 @@ import torch
 
 from meshlearn.compress.codecs import Codec, MessageContext
 from meshlearn.mesh.compute import ComputeModel
+from meshlearn.mesh.feeding import Feed, Feeding, Horizon, Settle, feed_policy
 from meshlearn.mesh.messages import Message, MessageMonitor
 from meshlearn.mesh.network import (
     UPLINK,
@@ -32,7 +33,7 @@ from meshlearn.mesh.network import (
     ring_allreduce_s,
 )
 from meshlearn.mesh.report import StepReport, step_dp_score
-from meshlearn.mesh.schedule import Action, AsyncPlan, feed_lookahead
+from meshlearn.mesh.schedule import Action, AsyncPlan
 from meshlearn.mesh.sync import average_gradients, step_grad_norm
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
@@ -148,7 +149,6 @@ class SimDriver:
         self.dp_started = {w: RoundStarts() for w in workers}  # round starts, per worker
         self._dp_alarms: set[tuple[WorkerId, float]] = set()  # deadline events queued (worker, time)
         self.dp_wait_s = 0.0
-        self.fed = -1  # the last step whose work the workers have
         # Steps whose every update has finished on the virtual clock, per worker (a worker applies an
         # update when its collective completes, but the update's compute ends later).
         self.steps_done = {w: worker.steps_done for w, worker in workers.items()}
@@ -157,7 +157,9 @@ class SimDriver:
         self.flushes = next(iter(workers.values())).plan.flushes
         in_flight = max((w.plan.in_flight for w in workers.values() if isinstance(w.plan, AsyncPlan)),
                         default=1)
-        self.lookahead = feed_lookahead(in_flight, next(iter(workers.values())).microbatches, self.flushes)
+        microbatches = next(iter(workers.values())).microbatches
+        self.feeding = Feeding(feed_policy(microbatches, self.flushes, in_flight))
+        self.lookahead = self.feeding.policy.lookahead
         self._bytes_mark: tuple[int, int] | None = None  # link bytes at the last step's end
         self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
         self.control_mail: list[Message] = []  # control messages sent, not yet received
@@ -213,10 +215,10 @@ class SimDriver:
                 raise RuntimeError(f"pipeline deadlock: workers {stuck} wait for messages that never come")
             self._process(*heapq.heappop(self.events))
         end = self.now
-        while self.events and source.next_drain(step) == step:
-            # A drain point: rounds a DP strategy runs in the background still land (or miss
-            # their deadline) before weights count as settled; they cost the step no time.
-            self._process(*heapq.heappop(self.events))
+        drain = source.next_drain(step) if self.feeding.asks_at_end(background=bool(self.events)) else None
+        if Settle() in self.feeding.step_end(step, drain):
+            while self.events:  # the DP rounds run in the background land, in no step's time
+                self._process(*heapq.heappop(self.events))
         self.now = end
         stats = {w: worker.pop_stats(step) for w, worker in self.workers.items()}
         report = StepReport(
@@ -235,15 +237,19 @@ class SimDriver:
         self._bytes_mark = (self.network.bytes_on_axis("pp"), self.network.bytes_on_axis("dp"))
         return [report]
 
+    @property
+    def fed(self) -> int:
+        return self.feeding.fed
+
     def _feed(self, step: int, source) -> None:
-        last = min(source.next_drain(step), step + self.lookahead)
-        while self.fed < last:
-            self.fed += 1
-            for wid, work in source.work(self.fed).items():
-                self.workers[wid].feed(work)
-        horizon = (last + 1) * next(iter(self.workers.values())).microbatches
-        for worker in self.workers.values():
-            worker.horizon = horizon
+        """The feeding policy's actions (mesh/feeding.py): every worker gets its work at once."""
+        for action in self.feeding.feed(step, source.next_drain(step)):
+            if isinstance(action, Feed):
+                for wid, work in source.work(action.step).items():
+                    self.workers[wid].feed(work)
+            elif isinstance(action, Horizon):
+                for worker in self.workers.values():
+                    worker.horizon = action.microbatch
 
     # --- the event loop ----------------------------------------------------------------------
 
@@ -569,7 +575,7 @@ class SimDriver:
     def load_state(self, state: dict) -> None:
         self.clock.load_state(state["clock"])
         self.network.load_state(state["network"])
-        self.fed = state["fed"]
+        self.feeding.resume(state["fed"])
         self._bytes_mark = None
         self.steps_done = {w: worker.steps_done for w, worker in self.workers.items()}
 
