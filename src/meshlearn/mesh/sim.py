@@ -11,7 +11,6 @@ next one's microbatches are already in flight, and only a drain point empties it
 
 from __future__ import annotations
 
-import copy
 import functools
 import heapq
 import itertools
@@ -21,8 +20,8 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from meshlearn.compress.codecs import Codec, MessageContext
 from meshlearn.mesh.compute import ComputeModel
+from meshlearn.mesh.evaluation import average_modules, evaluation_plan, mean_loss, run_plan
 from meshlearn.mesh.feeding import Feed, Feeding, Horizon, Settle, feed_policy
 from meshlearn.mesh.messages import Message, MessageMonitor
 from meshlearn.mesh.network import (
@@ -52,7 +51,6 @@ from meshlearn.mesh.update import (
     waits_for,
 )
 from meshlearn.mesh.worker import StepStats, Worker
-from meshlearn.models.llama import Decoder
 
 
 @dataclass
@@ -513,23 +511,20 @@ class SimDriver:
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Validation loss through replica 0's stages; no virtual time is charged for it. When the
-        DP strategy lets replicas drift, the loss of the fully averaged model (the method note's
-        step 4), with replica 0's own beside it in ``eval_fields``. Under a codec that masks only
-        in training (``codec.name = mask``) ``eval_fields`` also has ``val_loss_masked``: the same
-        model's loss with each boundary coded as in training (the method note's open detail 7)."""
+        """The evaluation plan (mesh/evaluation.py) through replica 0's stages, or the replicas'
+        mean where they drift; no virtual time is charged for it."""
         assert self.drained, "evaluation runs at a drain point"
         stages = [self.workers[WorkerId(0, s)] for s in range(self.mesh.stages)]
         codec = stages[0].codec
-        modules = [w.module for w in stages]
-        self._eval_fields = {}
-        if _drifts(stages[0]) and self.mesh.replicas > 1:
-            self._eval_fields["val_loss_replica0"] = _mean_loss(modules, codec, batches)
-            modules = [average_replicas([self.workers[w].module for w in self.mesh.stage_replicas(s)])
-                       for s in range(self.mesh.stages)]
-        if getattr(codec, "name", "") == "mask":
-            self._eval_fields["val_loss_masked"] = _mean_loss(modules, codec, batches, masked=True)
-        return _mean_loss(modules, codec, batches)
+        own = [w.module for w in stages]
+        averaged = functools.cache(lambda: [average_modules([self.workers[w].module for w in
+                                                             self.mesh.stage_replicas(s)])
+                                            for s in range(self.mesh.stages)])
+        masks = getattr(codec, "name", "") == "mask"
+        plan = evaluation_plan(_drifts(stages[0]) and self.mesh.replicas > 1, masks)
+        loss, self._eval_fields = run_plan(plan, lambda p: mean_loss(averaged() if p.averaged else own, codec,
+                                                                      batches, p.masked))
+        return loss
 
     def eval_fields(self) -> dict:
         """Fields of the last evaluation's record beyond val_loss (replica 0's loss when drifting)."""
@@ -604,40 +599,6 @@ def stage_staleness(mesh: MeshShape, stats: dict[WorkerId, StepStats]) -> list[f
         values = [v for w in mesh.stage_replicas(s) for v in stats[w].staleness]
         out.append(sum(values) / len(values) if values else 0.0)
     return out
-
-
-def average_replicas(modules: list[Decoder]) -> Decoder:
-    """A copy of the first module holding the mean of the replicas' weights (summed in replica
-    order, then divided, as the all-reduce does)."""
-    out = copy.deepcopy(modules[0])
-    named = [dict(m.named_parameters()) for m in modules]
-    for name, param in out.named_parameters():
-        param.data.copy_(torch.stack([n[name].detach() for n in named]).sum(0) / len(modules))
-    return out
-
-
-def pipeline_loss(stages: list[Decoder], codec: Codec, x: torch.Tensor, y: torch.Tensor,
-                  masked_as: int | None = None) -> float:
-    """Forward through the stages in order, each boundary crossing the codec as an evaluation
-    message (codecs that drop information for training, such as the mask codec, send it all).
-    ``masked_as``: as a training message instead, microbatch 0 of step ``masked_as`` on replica 0
-    (so a mask codec masks it with that message's mask)."""
-    h = x
-    for i, stage in enumerate(stages):
-        if i > 0:
-            ctx = (MessageContext.evaluation(boundary=i - 1) if masked_as is None
-                   else MessageContext(masked_as, 0, i - 1, 0))
-            h = codec.decode(codec.encode(h, "act", x, ctx), "act", ctx)
-        h = stage(h)
-    return Decoder.loss(h, y).item()
-
-
-def _mean_loss(stages: list[Decoder], codec: Codec, batches: list[tuple[torch.Tensor, torch.Tensor]],
-               masked: bool = False) -> float:
-    """Mean ``pipeline_loss`` over the batches; ``masked``: batch i coded as step i's training
-    message (the same masks at every evaluation, so masked losses compare across steps)."""
-    losses = [pipeline_loss(stages, codec, x, y, i if masked else None) for i, (x, y) in enumerate(batches)]
-    return sum(losses) / len(losses)
 
 
 def build_sim_driver(cfg, workers: dict[WorkerId, Worker]) -> SimDriver:
