@@ -22,6 +22,7 @@ import torch
 
 from meshlearn.mesh.compute import ComputeModel
 from meshlearn.mesh.evaluation import average_modules, evaluation_plan, mean_loss, run_plan
+from meshlearn.mesh.events import Arrival, ComputeDone, Delivery, RoundDeadline, SimEvent, UpdateComputed
 from meshlearn.mesh.feeding import Feed, Feeding, Horizon, Settle, feed_policy
 from meshlearn.mesh.messages import Message, MessageMonitor
 from meshlearn.mesh.network import (
@@ -139,13 +140,13 @@ class SimDriver:
         self.clock = SimClock({w: 0.0 for w in workers}, {w: 0.0 for w in workers})
         self._seq = itertools.count()
         self.monitors: list[tuple[MessageMonitor, bool]] = []
-        self.events: list[tuple[float, int, str, object]] = []
+        self.events: list[tuple[float, int, SimEvent]] = []
         self.busy: set[WorkerId] = set()
         self.waiting: dict[WorkerId, Action] = {}  # workers at an update whose collective is not complete
         # Workers inside a message-based DP strategy's phase (meshlearn.dp.base): (walk, U, since).
         self.dp_wait: dict[WorkerId, tuple[PhaseWalk, Action, float]] = {}
         self.dp_started = {w: RoundStarts() for w in workers}  # round starts, per worker
-        self._dp_alarms: set[tuple[WorkerId, float]] = set()  # deadline events queued (worker, time)
+        self._dp_alarms: set[RoundDeadline] = set()  # deadline events queued
         self.dp_wait_s = 0.0
         # Steps whose every update has finished on the virtual clock, per worker (a worker applies an
         # update when its collective completes, but the update's compute ends later).
@@ -251,26 +252,24 @@ class SimDriver:
 
     # --- the event loop ----------------------------------------------------------------------
 
-    def _process(self, now: float, _seq: int, kind: str, payload: object) -> None:
+    def _process(self, now: float, _seq: int, event: SimEvent) -> None:
         self.now = now
-        if kind == "done":
-            wid, outgoing = payload
+        if isinstance(event, ComputeDone):
+            wid = event.worker
             self.clock.now[wid] = now
             self.busy.discard(wid)
             self._set_done(wid)
-            for message in outgoing:
-                self._push(self._transmit(wid, message, now), "arrive", message)
+            for message in event.outgoing:
+                self._push(self._transmit(wid, message, now), Arrival(message))
             self._try_start(wid, now)
-        elif kind == "posted":
-            self._dp_posted(*payload, now)
-        elif kind == "dp_deadline":
-            wid, _ = payload
-            self._dp_alarms.discard(payload)
-            if wid in self.dp_wait:
-                self._dp_check(wid, now)
-        elif kind == "arrive":
-            message: Message = payload
-            at = now
+        elif isinstance(event, UpdateComputed):
+            self._dp_posted(event.worker, event.action, event.phase, now)
+        elif isinstance(event, RoundDeadline):
+            self._dp_alarms.discard(event)
+            if event.worker in self.dp_wait:
+                self._dp_check(event.worker, now)
+        elif isinstance(event, Arrival):
+            message, at = event.message, now
             if message.kind != "dp":  # a dp message is checked by the strategy's exchange, no verifier
                 message = self.workers[message.dst].admit(message)
                 for monitor, charge_time in self.monitors:
@@ -286,9 +285,9 @@ class SimDriver:
                 # event already queued, and none is due by ``now``): run it without the queue.
                 self._deliver(message, now)
             else:
-                self._push(at, "deliver", message)
+                self._push(at, Delivery(message))
         else:
-            self._deliver(payload, now)
+            self._deliver(event.message, now)
 
     def _deliver(self, message: Message, now: float) -> None:
         """A message leaves the network (and any verifier) for its receiver."""
@@ -321,8 +320,8 @@ class SimDriver:
                            message.wire_bytes, start, link.free_at, arrival)
         return arrival
 
-    def _push(self, at: float, kind: str, payload: object) -> None:
-        heapq.heappush(self.events, (at, next(self._seq), kind, payload))
+    def _push(self, at: float, event: SimEvent) -> None:
+        heapq.heappush(self.events, (at, next(self._seq), event))
 
     def _try_start(self, wid: WorkerId, now: float) -> None:
         if wid in self.busy or wid in self.waiting or wid in self.dp_wait:
@@ -349,7 +348,7 @@ class SimDriver:
         step = action.microbatch // worker.microbatches
         if self.timeline is not None and self.timeline.wants(step):
             self.timeline.compute(str(wid), action.kind, step, action.microbatch, start, start + duration)
-        self._push(start + duration, "done", (wid, outgoing))
+        self._push(start + duration, ComputeDone(wid, tuple(outgoing)))
 
     # --- updates: the update protocol's actions (mesh/update.py), executed in simulated time ---
 
@@ -401,10 +400,10 @@ class SimDriver:
                 self.timeline.compute(str(wid), "U", step, action.microbatch, ready[wid],
                                       ready[wid] + seconds)
             if post is not None:
-                self._push(ready[wid] + seconds, "posted", (wid, action, post))
+                self._push(ready[wid] + seconds, UpdateComputed(wid, action, post))
             else:
                 self.dp_wait_s += ready[wid] - arrived[wid] if worker.mesh.replicas > 1 else 0.0
-                self._push(ready[wid] + seconds, "done", (wid, []))
+                self._push(ready[wid] + seconds, ComputeDone(wid))
 
     # --- a message-based DP strategy's phases (meshlearn.dp.base) ------------------------------
 
@@ -425,7 +424,7 @@ class SimDriver:
     def _dp_send(self, wid: WorkerId, messages: list[Message], now: float) -> None:
         self.dp_started[wid].mark(messages, now)
         for message in messages:
-            self._push(self._transmit(wid, message, now), "arrive", self.collectives.arriving(message))
+            self._push(self._transmit(wid, message, now), Arrival(self.collectives.arriving(message)))
 
     def _dp_deliver(self, message: Message, now: float) -> None:
         wid = message.dst
@@ -439,9 +438,9 @@ class SimDriver:
         walk, action, since = self.dp_wait[wid]
         wait = walk.poll(now)
         if wait is not None:
-            if wait.until is not None and (wid, wait.until) not in self._dp_alarms:
-                self._dp_alarms.add((wid, wait.until))
-                self._push(wait.until, "dp_deadline", (wid, wait.until))
+            if wait.until is not None and (alarm := RoundDeadline(wid, wait.until)) not in self._dp_alarms:
+                self._dp_alarms.add(alarm)
+                self._push(wait.until, alarm)
             return
         del self.dp_wait[wid]
         self.dp_wait_s += now - since
