@@ -37,7 +37,7 @@ from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, buffer_capacit
 from meshlearn.mesh.feeding import Feed, Feeding, LearnVerdicts, Report, Settle, feed_policy
 from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.network import build_network, ring_allreduce_bytes_per_member
-from meshlearn.mesh.report import NO_SCORE, ProcessRow, StepReport, step_dp_score
+from meshlearn.mesh.report import ProcessRow, StepReport, mesh_report, stats_row
 from meshlearn.mesh.schedule import AsyncPlan, pipeline_in_flight
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
@@ -545,17 +545,12 @@ class DistDriver(PipelineEvaluation):
     def _row(self, stats: StepStats, bytes_pp: int, bytes_dp: int,
              sq_norm: float | None = None) -> ProcessRow:
         """This process's numbers for one step: losses, squared norm, busy time, bytes, staleness, links."""
-        M, norms = self.cfg.mesh.microbatches, stats.update_sq_norms
         links = []
         for src, dst in self.slots:
             link = self.network.link(src, dst) if dst is not None else None
             links.append((link.bytes_sent, link.busy_s) if link is not None else (0.0, 0.0))
-        return ProcessRow(
-            losses={j % M: loss for j, loss in stats.losses.items()},
-            sq_norm=sq_norm if sq_norm is not None else (sum(norms) / len(norms) if norms else 0.0),
-            busy_s=self.busy_s, bytes_pp=bytes_pp, bytes_dp=bytes_dp,
-            staleness=sum(stats.staleness) / len(stats.staleness) if stats.staleness else 0.0,
-            dp_wait_s=self.dp_wait_s, dp_score=step_dp_score(stats.dp_scores), links=links)
+        return stats_row(stats, self.cfg.mesh.microbatches, sq_norm, busy_s=self.busy_s, bytes_pp=bytes_pp,
+                         bytes_dp=bytes_dp, dp_wait_s=self.dp_wait_s, links=links)
 
     def _gather(self, values: torch.Tensor) -> torch.Tensor:
         """Every process's ``values`` (steps × n) → every process: (world, steps, n)."""
@@ -573,23 +568,8 @@ class DistDriver(PipelineEvaluation):
 
     def _report(self, step: int, rows: list[ProcessRow]) -> StepReport:
         """One step's report from every process's row (by rank), the simulator's arithmetic."""
-        P, replicas = self.mesh.stages, self.mesh.replicas
-        # Flushing: each stage's norm before the global clip; async: its mean over the step's updates.
-        sq = sum(rows[self.mesh.rank(WorkerId(0, s))].sq_norm for s in range(P))
-        staleness = [sum(rows[self.mesh.rank(w)].staleness for w in self.mesh.stage_replicas(s)) / replicas
-                     for s in range(P)]
-        last = [rows[self.mesh.rank(WorkerId(r, P - 1))] for r in range(replicas)]
-        return StepReport(
-            step=step,
-            losses=[loss for row in last for _, loss in sorted(row.losses.items())],
-            sim_s=None,
-            bytes_pp=sum(row.bytes_pp for row in rows),
-            bytes_dp=sum(row.bytes_dp for row in rows),
-            grad_norm=sq**0.5,
-            staleness=staleness,
-            dp_scores={str(self.mesh.worker(rank)): row.dp_score for rank, row in enumerate(rows)
-                       if row.dp_score != NO_SCORE},
-        )
+        return mesh_report(step, self.mesh, {self.mesh.worker(rank): row for rank, row in enumerate(rows)},
+                           None, sum(row.bytes_pp for row in rows), sum(row.bytes_dp for row in rows))
 
     def _bytes(self, axis: str) -> int:
         return self.network.bytes_on_axis(axis)

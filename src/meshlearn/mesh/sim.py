@@ -32,9 +32,9 @@ from meshlearn.mesh.network import (
     ring_allreduce_bytes_per_member,
     ring_allreduce_s,
 )
-from meshlearn.mesh.report import StepReport, step_dp_score
+from meshlearn.mesh.report import StepReport, mesh_report, stats_row
 from meshlearn.mesh.schedule import Action, AsyncPlan
-from meshlearn.mesh.sync import average_gradients, step_grad_norm
+from meshlearn.mesh.sync import average_gradients
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.update import (
@@ -51,7 +51,7 @@ from meshlearn.mesh.update import (
     update_actions,
     waits_for,
 )
-from meshlearn.mesh.worker import StepStats, Worker
+from meshlearn.mesh.worker import Worker
 
 
 @dataclass
@@ -162,6 +162,7 @@ class SimDriver:
         self._bytes_mark: tuple[int, int] | None = None  # link bytes at the last step's end
         self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
         self.control_mail: list[Message] = []  # control messages sent, not yet received
+        self._stage_sq: dict[WorkerId, float] = {}  # a flushing step's stage norms before the clip
 
     def attach_monitor(self, monitor: MessageMonitor, charge_time: bool = True) -> None:
         """Add a subscriber that inspects every message on arrival, in the order attached. With
@@ -219,19 +220,11 @@ class SimDriver:
             while self.events:  # the DP rounds run in the background land, in no step's time
                 self._process(*heapq.heappop(self.events))
         self.now = end
-        stats = {w: worker.pop_stats(step) for w, worker in self.workers.items()}
-        report = StepReport(
-            step=step,
-            losses=[loss for w in self.mesh.workers() for _, loss in sorted(stats[w].losses.items())],
-            sim_s=self.now - self.clock.step_end,
-            bytes_pp=self.network.bytes_on_axis("pp") - pp_before,
-            bytes_dp=self.network.bytes_on_axis("dp") - dp_before,
-            grad_norm=step_grad_norm(self.flushes, self.mesh, stats),
-            staleness=stage_staleness(self.mesh, stats),
-            dp_wait_s=self.dp_wait_s - wait_before,
-            dp_scores={str(w): step_dp_score(stats[w].dp_scores) for w in self.mesh.workers()
-                       if w in stats and stats[w].dp_scores},
-        )
+        rows = {w: stats_row(worker.pop_stats(step), worker.microbatches, self._stage_sq.get(w))
+                for w, worker in self.workers.items()}
+        report = mesh_report(step, self.mesh, rows, self.now - self.clock.step_end,
+                             self.network.bytes_on_axis("pp") - pp_before,
+                             self.network.bytes_on_axis("dp") - dp_before, self.dp_wait_s - wait_before)
         self.clock.step_end = self.now
         self._bytes_mark = (self.network.bytes_on_axis("pp"), self.network.bytes_on_axis("dp"))
         return [report]
@@ -385,7 +378,14 @@ class SimDriver:
             barrier = max(ready.values()) + self.network.exchange_latency_s(group)
             ready = {w: barrier for w in group}
         policy = find(actions, ClipAndStep).policy
-        sq_of = functools.cache(lambda w: self.workers[w].grad_sq_norm())  # once each, whoever asks
+        sq: dict[WorkerId, float] = {}  # each worker's norm once, whoever asks
+
+        def sq_of(w: WorkerId) -> float:
+            if w not in sq:
+                sq[w] = self.workers[w].grad_sq_norm()
+            return sq[w]
+
+        self._stage_sq = sq if gather is not None else {}  # a flushing step's rows report them
         post = next((a for a in actions if isinstance(a, StrategyPhase) and a.phase == "post"), None)
         for wid in group:
             worker, action = self.workers[wid], self.waiting.pop(wid)
@@ -589,15 +589,6 @@ def _collective(worker: Worker) -> bool:
 
 def _drifts(worker: Worker) -> bool:
     return worker.dp is not None and worker.dp.drifts
-
-
-def stage_staleness(mesh: MeshShape, stats: dict[WorkerId, StepStats]) -> list[float]:
-    """Per stage, the mean versions behind of the gradients its replicas applied in the step."""
-    out = []
-    for s in range(mesh.stages):
-        values = [v for w in mesh.stage_replicas(s) for v in stats[w].staleness]
-        out.append(sum(values) / len(values) if values else 0.0)
-    return out
 
 
 def build_sim_driver(cfg, workers: dict[WorkerId, Worker]) -> SimDriver:
