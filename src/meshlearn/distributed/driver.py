@@ -144,7 +144,7 @@ class DistDriver(PipelineEvaluation):
         # what this stage's plan can reach before the running step ends.
         verified = relay is not None and cfg.verify.name == "sentinel"
         own = worker.plan.in_flight if isinstance(worker.plan, AsyncPlan) else None
-        deepest = pipeline_in_flight(cfg)[0] if own else 1
+        deepest = pipeline_in_flight(cfg)[0] if own is not None else 1
         self.feeding = Feeding(feed_policy(cfg.mesh.microbatches, flushes, deepest, own, verdicts=verified,
                                            gathers_per_step=False))
         self.lookahead = self.feeding.policy.lookahead
