@@ -17,7 +17,6 @@ the attackers' ground truth through ``exchange_truth`` and a ban's donor through
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -34,10 +33,11 @@ from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_unti
 from meshlearn.distributed.transport import Forged, Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, blob_state, state_blob
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, buffer_capacities, message_bound
+from meshlearn.mesh.feeding import Feed, Feeding, LearnVerdicts, Report, Settle, feed_policy
 from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.network import build_network, ring_allreduce_bytes_per_member
-from meshlearn.mesh.report import NO_SCORE, ProcessRow, StepReport, step_dp_score
-from meshlearn.mesh.schedule import AsyncPlan, feed_lookahead, pipeline_in_flight
+from meshlearn.mesh.report import ProcessRow, StepReport, mesh_report, stats_row
+from meshlearn.mesh.schedule import AsyncPlan, pipeline_in_flight
 from meshlearn.mesh.standin import slot_microbatch, stand_in
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
@@ -51,11 +51,12 @@ from meshlearn.mesh.update import (
     StrategyPhase,
     UpdateAction,
     UpdateSpec,
+    find,
     receive_round,
     update_actions,
 )
 from meshlearn.mesh.wall_clock import WallClock
-from meshlearn.mesh.worker import StepStats, Worker
+from meshlearn.mesh.worker import StepStats, StepWork, Worker
 from meshlearn.net.counters import Counters
 from meshlearn.verify.verdicts import RemoteSentinel
 
@@ -145,24 +146,22 @@ class DistDriver(PipelineEvaluation):
         self.busy_s = 0.0
         self.last_rows: list[ProcessRow] | None = None  # the last step's, every process's, for the summary
         self.pending: list[ProcessRow] = []  # async: this worker's rows of steps not yet gathered
-        self.fed = -1  # the last step whose work this worker has
-        # The simulator's rule, from the deepest stage of the mesh (not this worker's own depth), so
-        # every process feeds equally far ahead.
-        deepest = pipeline_in_flight(cfg)[0] if isinstance(worker.plan, AsyncPlan) else 1
-        self.lookahead = feed_lookahead(deepest, cfg.mesh.microbatches, flushes)
+        # The simulator's feeding rule (mesh/feeding.py), from the deepest stage of the mesh (not
+        # this worker's own depth), so every process feeds equally far ahead; verified async: only
+        # what this stage's plan can reach before the running step ends.
+        verified = relay is not None and cfg.verify.name == "sentinel"
+        own = worker.plan.in_flight if isinstance(worker.plan, AsyncPlan) else None
+        deepest = pipeline_in_flight(cfg)[0] if own is not None else 1
+        self.feeding = Feeding(feed_policy(cfg.mesh.microbatches, flushes, deepest, own, verdicts=verified,
+                                           gathers_per_step=False))
+        self.lookahead = self.feeding.policy.lookahead
         self.remote_sentinel = None
-        if relay is not None and cfg.verify.name == "sentinel":
+        if verified:
             board = self.verdicts
             self.remote_sentinel = RemoteSentinel(
                 board.verdict, 0 if flushes else self.lookahead,
                 snapshot=board.verifier_state if self.writes_records else None,
                 restore=board.post_resume_state if self.writes_records else None)
-        # Steps fed ahead of the one running. Verified async: only what this stage's plan can
-        # reach before the running step ends (its own depth), so that a drain point a ban asks for
-        # is known from verdicts the verifier has already posted (see feed).
-        self.feed_ahead = self.lookahead
-        if self.remote_sentinel is not None and isinstance(worker.plan, AsyncPlan):
-            self.feed_ahead = math.ceil(worker.plan.in_flight / cfg.mesh.microbatches)
         self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
         self.anchor = None  # an AnchorClient (distributed/anchor.py) with anchor.z > 0
 
@@ -203,7 +202,10 @@ class DistDriver(PipelineEvaluation):
                 self._record(action, begun)
                 for message in outgoing:
                     self._send(message, self.capacity)
-        if self.dp is not None and source.next_drain(step) == step:
+        self._learn(self.feeding.before_end(step))  # a ban at step − L asks for a drain after this one
+        asks = self.feeding.asks_at_end(background=self.dp is not None)
+        end = self.feeding.step_end(step, source.next_drain(step) if asks else None)
+        if self.dp is not None and Settle() in end:
             self._dp_settle()
         if self.anchor is not None:  # what has arrived is used from the next update on; no wait
             self.anchor.step_end(step)
@@ -212,16 +214,14 @@ class DistDriver(PipelineEvaluation):
         if worker.plan.flushes:
             return [report]
         self.pending.append(self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before))
-        if self.remote_sentinel is not None:  # a ban at step − L asks for a drain after this one
-            self.remote_sentinel.learn_through(step - self.lookahead)
-        if source.next_drain(step) != step:
+        complete = find(end, Report)
+        if complete is None:
             return []
         if self.remote_sentinel is not None and self.writes_records:
             self.verdicts.post_drained(step)  # before the gather: ahead of any next-step message
         gathered = self._gather_rows(self.pending)  # per step: every process's row
-        first = step - len(self.pending) + 1
         self.pending = []
-        return [self._report(first + i, rows) for i, rows in enumerate(gathered)]
+        return [self._report(complete.first + i, rows) for i, rows in enumerate(gathered)]
 
     @property
     def drained(self) -> bool:
@@ -248,9 +248,28 @@ class DistDriver(PipelineEvaluation):
                                    f"got a {message.kind!r} message from {message.src}")
             return message
 
+    @property
+    def fed(self) -> int:
+        return self.feeding.fed
+
+    def feed(self, step: int, source) -> None:
+        """The feeding policy's actions (mesh/feeding.py), for this worker: the verdicts a drain
+        depends on, then data up to the next drain point (or the lookahead), each step's work
+        handed over by ``take``; no forward past the horizon."""
+        self._learn(self.feeding.before_feed(step))
+        for action in self.feeding.feed(step, source.next_drain(step)):
+            if isinstance(action, Feed):
+                self.take(source.work(action.step)[self.me])
+            else:
+                self.worker.horizon = action.microbatch
+
+    def _learn(self, actions: list[LearnVerdicts]) -> None:
+        for action in actions:
+            self.remote_sentinel.learn_through(action.through)
+
     # --- the extension points of a runtime built on this pipeline (elastic/driver.py) ----------
-    # It overrides these four, nothing else of the step: what it feeds, how an update reduces and
-    # what the step reports, where a message goes, and what a partner's loss means.
+    # It overrides these four, nothing else of the step: what a step's work posts, how an update
+    # reduces and what the step reports, where a message goes, and what a partner's loss means.
 
     def update(self, action, pp_before: int, dp_before: int) -> StepReport | None:
         """Apply update ``action`` (a U) and, under a flushing schedule, return the step's report
@@ -271,28 +290,15 @@ class DistDriver(PipelineEvaluation):
         """A receive or send found a pipeline partner gone. Here no partner may go: the run ends."""
         raise err
 
-    def feed(self, step: int, source) -> None:
-        """The simulator's feeding rule, for this worker: data up to the next drain point (or a
-        lookahead that covers the first stage's in-flight depth); receives posted for all of it.
-
-        With a verifier under async a ban at step b drains the pipeline after step b + L (L =
-        ``lookahead``, the simulator's rule), so feeding up to step f needs the verdicts through
-        f − 1 − L. This stage feeds only ``feed_ahead`` steps ahead — its plan forwards at most
-        ``in_flight`` microbatches past the running step, so its order is the simulator's — and
-        the verdicts it needs are then already posted, or nearly: stage 0 forwards step u only
-        after it finished step u − L, and every later stage only after stage 0 did."""
-        if self.remote_sentinel is not None and not self.worker.plan.flushes:
-            self.remote_sentinel.learn_through(step + self.feed_ahead - 1 - self.lookahead)
-        last = min(source.next_drain(step), step + self.feed_ahead)
+    def take(self, work: StepWork) -> None:
+        """Hand one step's work to the worker and post every receive of the step now (they
+        complete in the background)."""
+        self.worker.feed(work)
         M = self.cfg.mesh.microbatches
-        while self.fed < last:
-            self.fed += 1
-            self.worker.feed(source.work(self.fed)[self.me])
-            if self.prev:  # post every receive of the step now: they complete in the background
-                self.transport.expect(self.prev, M, self.capacity, self.fed)
-            if self.next:
-                self.transport.expect(self.next, M, self.capacity, self.fed)
-        self.worker.horizon = (last + 1) * M
+        if self.prev:  # the step names a refused message's slot (``Forged``)
+            self.transport.expect(self.prev, M, self.capacity, work.step)
+        if self.next:
+            self.transport.expect(self.next, M, self.capacity, work.step)
 
     # --- the pipeline ------------------------------------------------------------------------
 
@@ -567,17 +573,12 @@ class DistDriver(PipelineEvaluation):
     def _row(self, stats: StepStats, bytes_pp: int, bytes_dp: int,
              sq_norm: float | None = None) -> ProcessRow:
         """This process's numbers for one step: losses, squared norm, busy time, bytes, staleness, links."""
-        M, norms = self.cfg.mesh.microbatches, stats.update_sq_norms
         links = []
         for src, dst in self.slots:
             link = self.network.link(src, dst) if dst is not None else None
             links.append((link.bytes_sent, link.busy_s) if link is not None else (0.0, 0.0))
-        return ProcessRow(
-            losses={j % M: loss for j, loss in stats.losses.items()},
-            sq_norm=sq_norm if sq_norm is not None else (sum(norms) / len(norms) if norms else 0.0),
-            busy_s=self.busy_s, bytes_pp=bytes_pp, bytes_dp=bytes_dp,
-            staleness=sum(stats.staleness) / len(stats.staleness) if stats.staleness else 0.0,
-            dp_wait_s=self.dp_wait_s, dp_score=step_dp_score(stats.dp_scores), links=links)
+        return stats_row(stats, self.cfg.mesh.microbatches, sq_norm, busy_s=self.busy_s, bytes_pp=bytes_pp,
+                         bytes_dp=bytes_dp, dp_wait_s=self.dp_wait_s, links=links)
 
     def _gather(self, values: torch.Tensor) -> torch.Tensor:
         """Every process's ``values`` (steps × n) → every process: (world, steps, n)."""
@@ -595,23 +596,8 @@ class DistDriver(PipelineEvaluation):
 
     def _report(self, step: int, rows: list[ProcessRow]) -> StepReport:
         """One step's report from every process's row (by rank), the simulator's arithmetic."""
-        P, replicas = self.mesh.stages, self.mesh.replicas
-        # Flushing: each stage's norm before the global clip; async: its mean over the step's updates.
-        sq = sum(rows[self.mesh.rank(WorkerId(0, s))].sq_norm for s in range(P))
-        staleness = [sum(rows[self.mesh.rank(w)].staleness for w in self.mesh.stage_replicas(s)) / replicas
-                     for s in range(P)]
-        last = [rows[self.mesh.rank(WorkerId(r, P - 1))] for r in range(replicas)]
-        return StepReport(
-            step=step,
-            losses=[loss for row in last for _, loss in sorted(row.losses.items())],
-            sim_s=None,
-            bytes_pp=sum(row.bytes_pp for row in rows),
-            bytes_dp=sum(row.bytes_dp for row in rows),
-            grad_norm=sq**0.5,
-            staleness=staleness,
-            dp_scores={str(self.mesh.worker(rank)): row.dp_score for rank, row in enumerate(rows)
-                       if row.dp_score != NO_SCORE},
-        )
+        return mesh_report(step, self.mesh, {self.mesh.worker(rank): row for rank, row in enumerate(rows)},
+                           None, sum(row.bytes_pp for row in rows), sum(row.bytes_dp for row in rows))
 
     def _bytes(self, axis: str) -> int:
         return self.network.bytes_on_axis(axis)
@@ -672,7 +658,7 @@ class DistDriver(PipelineEvaluation):
         # A checkpoint is a drain point: the worker (loaded first) was fed exactly the steps it has
         # applied. Without this the first feed would feed, and post the receives of, every step
         # from 0 again: receives sized for training that the first evaluation's batches then meet.
-        self.fed = self.worker.steps_done - 1
+        self.feeding.resume(self.worker.steps_done - 1)
 
     # --- with a verifier: what crosses processes for the trust layer (verify/trust.py) ----------
 

@@ -47,7 +47,6 @@ import time
 
 import torch
 
-from meshlearn.compress.codecs import MessageContext
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import RowBroken, WorkerFailure
 from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
@@ -77,8 +76,7 @@ from meshlearn.mesh.update import (
     UpdateSpec,
     update_actions,
 )
-from meshlearn.mesh.worker import StepStats
-from meshlearn.models.llama import Decoder
+from meshlearn.mesh.worker import StepStats, StepWork
 
 
 class ElasticDriver(Evictions, DistDriver):
@@ -310,23 +308,17 @@ class ElasticDriver(Evictions, DistDriver):
         self.events += 1
         self.progress.add(f"{base}/count", 1)
 
-    def feed(self, step: int, source) -> None:
-        """Only the coming step (its split follows the rows agreed for it); receives for it posted.
-        ``next_drain`` is asked as the fixed driver asks it: it claims the step for a stop request
-        (train/signals.py) and learns of one."""
-        source.next_drain(step)
-        work = source.work(step)[self.me]
-        self.worker.feed(work)
-        self.fed = step
-        M = self.cfg.mesh.microbatches
-        # an agreed row's member that could not link (a partner found dead) trains nothing of its share
-        self.sequences = work.microbatch_size * M if self.linked_at is not None else 0
+    def take(self, work: StepWork) -> None:
+        """The coming step's work (the feeding policy feeds nothing ahead under the flushing
+        schedules elastic runs: its split follows the rows agreed for it); its receives are posted
+        only if this worker trains it: an agreed row's member that could not link (a partner
+        found dead) trains nothing of its share."""
+        trains = self.linked_at is not None
+        self.sequences = work.microbatch_size * self.cfg.mesh.microbatches if trains else 0
         if self.sequences:
-            if self.prev:
-                self.transport.expect(self.prev, M, self.capacity)
-            if self.next:
-                self.transport.expect(self.next, M, self.capacity)
-        self.worker.horizon = (step + 1) * M
+            super().take(work)
+        else:
+            self.worker.feed(work)
 
     def _spectate(self, step: int, source) -> StepReport:
         """A step this worker's row does not train: zero gradients into the stage's sum, then the
@@ -472,43 +464,18 @@ class ElasticDriver(Evictions, DistDriver):
 
     @torch.no_grad()
     def evaluate(self, batches) -> float | None:
-        """Through this worker's own pipeline row (the rows are identical replicas at a committed
-        step); the last stage has the loss, the others return None. A row that has not trained
-        yet has no links: it skips evaluation (the step's records' claimant logs its own value)."""
+        """The evaluation plan's one pass (no averaging: the rows are identical replicas at a
+        committed step; no masked pass) through this worker's own pipeline row; the last stage has
+        the loss, the others return None. A row that has not trained yet has no links, and an
+        evicted one sends nothing: it skips evaluation (the step's records' claimant logs its own
+        value)."""
+        if self.linked_at is None or self.leaving is not None:
+            return None
         try:
-            return self._evaluate_row(batches)
+            return self.evaluation_pass(batches, self.worker.module)
         except RowBroken as err:  # a partner died after the step: no value from this row
             self._row_broke(self.next_step + 1, err)
             return None
-
-    def _evaluate_row(self, batches) -> float | None:
-        worker = self.worker
-        if self.linked_at is None or self.leaving is not None:  # (evicted: its row leaves, sends nothing)
-            return None
-        if self.prev:
-            self.transport.expect(self.prev, len(batches), self.eval_capacity)
-        losses = []
-        for i, (x, y) in enumerate(batches):
-            if worker.is_first:
-                h = ids = x.to(self.device)
-            else:
-                message = self.transport.next_message(f"validation activation {i}", self.prev)
-                ids = message.payload.tensors.get("ids")
-                # The evaluation context, as in distributed/evaluation.py: codecs that code per
-                # message (the mask codec) are off at evaluation, and values land on this device.
-                h = worker.codec.decode(message.payload, "act",
-                                        MessageContext.evaluation(self.me.stage - 1, self.device))
-            out = worker.module(h)
-            if worker.is_last:
-                losses.append(Decoder.loss(out, y.to(self.device)).item())
-            else:
-                ctx = MessageContext.evaluation(self.me.stage, self.device)
-                # The verifier posts training-sized buffers: a batch goes by the oversize path.
-                capacity = self.capacity if self.verdicts is not None else self.eval_capacity
-                self.transport.send(Message("act", -1, i, self.me, self.next,
-                                            worker.codec.encode(out, "act", ids, ctx)),
-                                    capacity, shaped=False)
-        return sum(losses) / len(losses) if worker.is_last else None
 
     def eval_fields(self) -> dict:
         return {}

@@ -1,10 +1,20 @@
-"""What one step did, as every driver reports it to the trainer (the simulator, dist, elastic)."""
+"""What one step did, as every driver reports it to the trainer (the simulator, dist, elastic).
+
+The report of a whole mesh is computed once (``mesh_report``) from one ``ProcessRow`` per worker:
+the simulator builds them from its workers' stats in process, dist gathers them from every process
+(at each step's end, or at a drain point under ``async``). Elastic reports from its own worker's
+numbers (no collective spans its mesh).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.mesh.worker import StepStats
 
 
 @dataclass
@@ -77,3 +87,32 @@ class ProcessRow:
         return cls(losses={m: values[m] for m in range(M) if values[M + m] > 0},
                    **scalars | {"bytes_pp": int(scalars["bytes_pp"]), "bytes_dp": int(scalars["bytes_dp"])},
                    links=[(values[at + 2 * i], values[at + 2 * i + 1]) for i in range(slots)])
+
+
+def stats_row(stats: StepStats, microbatches: int, sq_norm: float | None = None, **process) -> ProcessRow:
+    """A worker's row of one step from its ``stats``: losses by microbatch in the step, its squared
+    norm (``sq_norm``: a flushing schedule's stage norm before the global clip; else the mean over
+    the step's updates), its mean staleness and its outlier score; ``process``: the process's own
+    counters (busy time, bytes, links), where a runtime has them."""
+    norms = stats.update_sq_norms
+    return ProcessRow(losses={j % microbatches: loss for j, loss in stats.losses.items()},
+                      sq_norm=sq_norm if sq_norm is not None else (sum(norms) / len(norms) if norms else 0.0),
+                      staleness=sum(stats.staleness) / len(stats.staleness) if stats.staleness else 0.0,
+                      dp_score=step_dp_score(stats.dp_scores), **process)
+
+
+def mesh_report(step: int, mesh: MeshShape, rows: dict[WorkerId, ProcessRow], sim_s: float | None,
+                bytes_pp: int, bytes_dp: int, dp_wait_s: float = 0.0) -> StepReport:
+    """Step ``step``'s report from every worker's row: the last stages' losses in replica order;
+    the norm of replica 0's stages together (each one's norm before the global clip under a
+    flushing schedule, its mean over the step's updates under ``async``), summed in stage order
+    as the clip sums them; per stage the mean staleness over its replicas; every outlier score."""
+    P, replicas = mesh.stages, mesh.replicas
+    sq = sum(rows[WorkerId(0, s)].sq_norm for s in range(P))
+    staleness = [sum(rows[w].staleness for w in mesh.stage_replicas(s)) / replicas for s in range(P)]
+    last = [rows[WorkerId(r, P - 1)] for r in range(replicas)]
+    return StepReport(step=step, losses=[loss for row in last for _, loss in sorted(row.losses.items())],
+                      sim_s=sim_s, bytes_pp=bytes_pp, bytes_dp=bytes_dp, grad_norm=math.sqrt(sq),
+                      staleness=staleness, dp_wait_s=dp_wait_s,
+                      dp_scores={str(w): row.dp_score for w in mesh.workers()
+                                 if (row := rows[w]).dp_score != NO_SCORE})

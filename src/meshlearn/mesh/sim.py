@@ -11,7 +11,6 @@ next one's microbatches are already in flight, and only a drain point empties it
 
 from __future__ import annotations
 
-import copy
 import functools
 import heapq
 import itertools
@@ -21,8 +20,10 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from meshlearn.compress.codecs import Codec, MessageContext
 from meshlearn.mesh.compute import ComputeModel
+from meshlearn.mesh.evaluation import average_modules, evaluation_plan, mean_loss, run_plan
+from meshlearn.mesh.events import Arrival, ComputeDone, Delivery, RoundDeadline, SimEvent, UpdateComputed
+from meshlearn.mesh.feeding import Feed, Feeding, Horizon, Settle, feed_policy
 from meshlearn.mesh.messages import Message, MessageMonitor
 from meshlearn.mesh.network import (
     UPLINK,
@@ -31,9 +32,9 @@ from meshlearn.mesh.network import (
     ring_allreduce_bytes_per_member,
     ring_allreduce_s,
 )
-from meshlearn.mesh.report import StepReport, step_dp_score
-from meshlearn.mesh.schedule import Action, AsyncPlan, feed_lookahead
-from meshlearn.mesh.sync import average_gradients, step_grad_norm
+from meshlearn.mesh.report import StepReport, mesh_report, stats_row
+from meshlearn.mesh.schedule import Action, AsyncPlan
+from meshlearn.mesh.sync import average_gradients
 from meshlearn.mesh.timeline import TimelineRecorder
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.update import (
@@ -50,8 +51,7 @@ from meshlearn.mesh.update import (
     update_actions,
     waits_for,
 )
-from meshlearn.mesh.worker import StepStats, Worker
-from meshlearn.models.llama import Decoder
+from meshlearn.mesh.worker import Worker
 
 
 @dataclass
@@ -140,15 +140,14 @@ class SimDriver:
         self.clock = SimClock({w: 0.0 for w in workers}, {w: 0.0 for w in workers})
         self._seq = itertools.count()
         self.monitors: list[tuple[MessageMonitor, bool]] = []
-        self.events: list[tuple[float, int, str, object]] = []
+        self.events: list[tuple[float, int, SimEvent]] = []
         self.busy: set[WorkerId] = set()
         self.waiting: dict[WorkerId, Action] = {}  # workers at an update whose collective is not complete
         # Workers inside a message-based DP strategy's phase (meshlearn.dp.base): (walk, U, since).
         self.dp_wait: dict[WorkerId, tuple[PhaseWalk, Action, float]] = {}
         self.dp_started = {w: RoundStarts() for w in workers}  # round starts, per worker
-        self._dp_alarms: set[tuple[WorkerId, float]] = set()  # deadline events queued (worker, time)
+        self._dp_alarms: set[RoundDeadline] = set()  # deadline events queued
         self.dp_wait_s = 0.0
-        self.fed = -1  # the last step whose work the workers have
         # Steps whose every update has finished on the virtual clock, per worker (a worker applies an
         # update when its collective completes, but the update's compute ends later).
         self.steps_done = {w: worker.steps_done for w, worker in workers.items()}
@@ -157,10 +156,13 @@ class SimDriver:
         self.flushes = next(iter(workers.values())).plan.flushes
         in_flight = max((w.plan.in_flight for w in workers.values() if isinstance(w.plan, AsyncPlan)),
                         default=1)
-        self.lookahead = feed_lookahead(in_flight, next(iter(workers.values())).microbatches, self.flushes)
+        microbatches = next(iter(workers.values())).microbatches
+        self.feeding = Feeding(feed_policy(microbatches, self.flushes, in_flight))
+        self.lookahead = self.feeding.policy.lookahead
         self._bytes_mark: tuple[int, int] | None = None  # link bytes at the last step's end
         self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
         self.control_mail: list[Message] = []  # control messages sent, not yet received
+        self._stage_sq: dict[WorkerId, float] = {}  # a flushing step's stage norms before the clip
 
     def attach_monitor(self, monitor: MessageMonitor, charge_time: bool = True) -> None:
         """Add a subscriber that inspects every message on arrival, in the order attached. With
@@ -213,60 +215,54 @@ class SimDriver:
                 raise RuntimeError(f"pipeline deadlock: workers {stuck} wait for messages that never come")
             self._process(*heapq.heappop(self.events))
         end = self.now
-        while self.events and source.next_drain(step) == step:
-            # A drain point: rounds a DP strategy runs in the background still land (or miss
-            # their deadline) before weights count as settled; they cost the step no time.
-            self._process(*heapq.heappop(self.events))
+        drain = source.next_drain(step) if self.feeding.asks_at_end(background=bool(self.events)) else None
+        if Settle() in self.feeding.step_end(step, drain):
+            while self.events:  # the DP rounds run in the background land, in no step's time
+                self._process(*heapq.heappop(self.events))
         self.now = end
-        stats = {w: worker.pop_stats(step) for w, worker in self.workers.items()}
-        report = StepReport(
-            step=step,
-            losses=[loss for w in self.mesh.workers() for _, loss in sorted(stats[w].losses.items())],
-            sim_s=self.now - self.clock.step_end,
-            bytes_pp=self.network.bytes_on_axis("pp") - pp_before,
-            bytes_dp=self.network.bytes_on_axis("dp") - dp_before,
-            grad_norm=step_grad_norm(self.flushes, self.mesh, stats),
-            staleness=stage_staleness(self.mesh, stats),
-            dp_wait_s=self.dp_wait_s - wait_before,
-            dp_scores={str(w): step_dp_score(stats[w].dp_scores) for w in self.mesh.workers()
-                       if w in stats and stats[w].dp_scores},
-        )
+        rows = {w: stats_row(worker.pop_stats(step), worker.microbatches, self._stage_sq.get(w))
+                for w, worker in self.workers.items()}
+        report = mesh_report(step, self.mesh, rows, self.now - self.clock.step_end,
+                             self.network.bytes_on_axis("pp") - pp_before,
+                             self.network.bytes_on_axis("dp") - dp_before, self.dp_wait_s - wait_before)
         self.clock.step_end = self.now
         self._bytes_mark = (self.network.bytes_on_axis("pp"), self.network.bytes_on_axis("dp"))
         return [report]
 
+    @property
+    def fed(self) -> int:
+        return self.feeding.fed
+
     def _feed(self, step: int, source) -> None:
-        last = min(source.next_drain(step), step + self.lookahead)
-        while self.fed < last:
-            self.fed += 1
-            for wid, work in source.work(self.fed).items():
-                self.workers[wid].feed(work)
-        horizon = (last + 1) * next(iter(self.workers.values())).microbatches
-        for worker in self.workers.values():
-            worker.horizon = horizon
+        """The feeding policy's actions (mesh/feeding.py): every worker gets its work at once."""
+        for action in self.feeding.feed(step, source.next_drain(step)):
+            if isinstance(action, Feed):
+                for wid, work in source.work(action.step).items():
+                    self.workers[wid].feed(work)
+            elif isinstance(action, Horizon):
+                for worker in self.workers.values():
+                    worker.horizon = action.microbatch
 
     # --- the event loop ----------------------------------------------------------------------
 
-    def _process(self, now: float, _seq: int, kind: str, payload: object) -> None:
+    def _process(self, now: float, _seq: int, event: SimEvent) -> None:
         self.now = now
-        if kind == "done":
-            wid, outgoing = payload
+        if isinstance(event, ComputeDone):
+            wid = event.worker
             self.clock.now[wid] = now
             self.busy.discard(wid)
             self._set_done(wid)
-            for message in outgoing:
-                self._push(self._transmit(wid, message, now), "arrive", message)
+            for message in event.outgoing:
+                self._push(self._transmit(wid, message, now), Arrival(message))
             self._try_start(wid, now)
-        elif kind == "posted":
-            self._dp_posted(*payload, now)
-        elif kind == "dp_deadline":
-            wid, _ = payload
-            self._dp_alarms.discard(payload)
-            if wid in self.dp_wait:
-                self._dp_check(wid, now)
-        elif kind == "arrive":
-            message: Message = payload
-            at = now
+        elif isinstance(event, UpdateComputed):
+            self._dp_posted(event.worker, event.action, event.phase, now)
+        elif isinstance(event, RoundDeadline):
+            self._dp_alarms.discard(event)
+            if event.worker in self.dp_wait:
+                self._dp_check(event.worker, now)
+        elif isinstance(event, Arrival):
+            message, at = event.message, now
             if message.kind != "dp":  # a dp message is checked by the strategy's exchange, no verifier
                 message = self.workers[message.dst].admit(message)
                 for monitor, charge_time in self.monitors:
@@ -282,9 +278,9 @@ class SimDriver:
                 # event already queued, and none is due by ``now``): run it without the queue.
                 self._deliver(message, now)
             else:
-                self._push(at, "deliver", message)
+                self._push(at, Delivery(message))
         else:
-            self._deliver(payload, now)
+            self._deliver(event.message, now)
 
     def _deliver(self, message: Message, now: float) -> None:
         """A message leaves the network (and any verifier) for its receiver."""
@@ -317,8 +313,8 @@ class SimDriver:
                            message.wire_bytes, start, link.free_at, arrival)
         return arrival
 
-    def _push(self, at: float, kind: str, payload: object) -> None:
-        heapq.heappush(self.events, (at, next(self._seq), kind, payload))
+    def _push(self, at: float, event: SimEvent) -> None:
+        heapq.heappush(self.events, (at, next(self._seq), event))
 
     def _try_start(self, wid: WorkerId, now: float) -> None:
         if wid in self.busy or wid in self.waiting or wid in self.dp_wait:
@@ -345,7 +341,7 @@ class SimDriver:
         step = action.microbatch // worker.microbatches
         if self.timeline is not None and self.timeline.wants(step):
             self.timeline.compute(str(wid), action.kind, step, action.microbatch, start, start + duration)
-        self._push(start + duration, "done", (wid, outgoing))
+        self._push(start + duration, ComputeDone(wid, tuple(outgoing)))
 
     # --- updates: the update protocol's actions (mesh/update.py), executed in simulated time ---
 
@@ -382,7 +378,14 @@ class SimDriver:
             barrier = max(ready.values()) + self.network.exchange_latency_s(group)
             ready = {w: barrier for w in group}
         policy = find(actions, ClipAndStep).policy
-        sq_of = functools.cache(lambda w: self.workers[w].grad_sq_norm())  # once each, whoever asks
+        sq: dict[WorkerId, float] = {}  # each worker's norm once, whoever asks
+
+        def sq_of(w: WorkerId) -> float:
+            if w not in sq:
+                sq[w] = self.workers[w].grad_sq_norm()
+            return sq[w]
+
+        self._stage_sq = sq if gather is not None else {}  # a flushing step's rows report them
         post = next((a for a in actions if isinstance(a, StrategyPhase) and a.phase == "post"), None)
         for wid in group:
             worker, action = self.workers[wid], self.waiting.pop(wid)
@@ -397,10 +400,10 @@ class SimDriver:
                 self.timeline.compute(str(wid), "U", step, action.microbatch, ready[wid],
                                       ready[wid] + seconds)
             if post is not None:
-                self._push(ready[wid] + seconds, "posted", (wid, action, post))
+                self._push(ready[wid] + seconds, UpdateComputed(wid, action, post))
             else:
                 self.dp_wait_s += ready[wid] - arrived[wid] if worker.mesh.replicas > 1 else 0.0
-                self._push(ready[wid] + seconds, "done", (wid, []))
+                self._push(ready[wid] + seconds, ComputeDone(wid))
 
     # --- a message-based DP strategy's phases (meshlearn.dp.base) ------------------------------
 
@@ -421,7 +424,7 @@ class SimDriver:
     def _dp_send(self, wid: WorkerId, messages: list[Message], now: float) -> None:
         self.dp_started[wid].mark(messages, now)
         for message in messages:
-            self._push(self._transmit(wid, message, now), "arrive", self.collectives.arriving(message))
+            self._push(self._transmit(wid, message, now), Arrival(self.collectives.arriving(message)))
 
     def _dp_deliver(self, message: Message, now: float) -> None:
         wid = message.dst
@@ -435,9 +438,9 @@ class SimDriver:
         walk, action, since = self.dp_wait[wid]
         wait = walk.poll(now)
         if wait is not None:
-            if wait.until is not None and (wid, wait.until) not in self._dp_alarms:
-                self._dp_alarms.add((wid, wait.until))
-                self._push(wait.until, "dp_deadline", (wid, wait.until))
+            if wait.until is not None and (alarm := RoundDeadline(wid, wait.until)) not in self._dp_alarms:
+                self._dp_alarms.add(alarm)
+                self._push(wait.until, alarm)
             return
         del self.dp_wait[wid]
         self.dp_wait_s += now - since
@@ -507,23 +510,20 @@ class SimDriver:
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Validation loss through replica 0's stages; no virtual time is charged for it. When the
-        DP strategy lets replicas drift, the loss of the fully averaged model (the method note's
-        step 4), with replica 0's own beside it in ``eval_fields``. Under a codec that masks only
-        in training (``codec.name = mask``) ``eval_fields`` also has ``val_loss_masked``: the same
-        model's loss with each boundary coded as in training (the method note's open detail 7)."""
+        """The evaluation plan (mesh/evaluation.py) through replica 0's stages, or the replicas'
+        mean where they drift; no virtual time is charged for it."""
         assert self.drained, "evaluation runs at a drain point"
         stages = [self.workers[WorkerId(0, s)] for s in range(self.mesh.stages)]
         codec = stages[0].codec
-        modules = [w.module for w in stages]
-        self._eval_fields = {}
-        if _drifts(stages[0]) and self.mesh.replicas > 1:
-            self._eval_fields["val_loss_replica0"] = _mean_loss(modules, codec, batches)
-            modules = [average_replicas([self.workers[w].module for w in self.mesh.stage_replicas(s)])
-                       for s in range(self.mesh.stages)]
-        if getattr(codec, "name", "") == "mask":
-            self._eval_fields["val_loss_masked"] = _mean_loss(modules, codec, batches, masked=True)
-        return _mean_loss(modules, codec, batches)
+        own = [w.module for w in stages]
+        averaged = functools.cache(lambda: [average_modules([self.workers[w].module for w in
+                                                             self.mesh.stage_replicas(s)])
+                                            for s in range(self.mesh.stages)])
+        masks = getattr(codec, "name", "") == "mask"
+        plan = evaluation_plan(_drifts(stages[0]) and self.mesh.replicas > 1, masks)
+        loss, self._eval_fields = run_plan(plan, lambda p: mean_loss(averaged() if p.averaged else own, codec,
+                                                                      batches, p.masked))
+        return loss
 
     def eval_fields(self) -> dict:
         """Fields of the last evaluation's record beyond val_loss (replica 0's loss when drifting)."""
@@ -569,7 +569,7 @@ class SimDriver:
     def load_state(self, state: dict) -> None:
         self.clock.load_state(state["clock"])
         self.network.load_state(state["network"])
-        self.fed = state["fed"]
+        self.feeding.resume(state["fed"])
         self._bytes_mark = None
         self.steps_done = {w: worker.steps_done for w, worker in self.workers.items()}
 
@@ -589,49 +589,6 @@ def _collective(worker: Worker) -> bool:
 
 def _drifts(worker: Worker) -> bool:
     return worker.dp is not None and worker.dp.drifts
-
-
-def stage_staleness(mesh: MeshShape, stats: dict[WorkerId, StepStats]) -> list[float]:
-    """Per stage, the mean versions behind of the gradients its replicas applied in the step."""
-    out = []
-    for s in range(mesh.stages):
-        values = [v for w in mesh.stage_replicas(s) for v in stats[w].staleness]
-        out.append(sum(values) / len(values) if values else 0.0)
-    return out
-
-
-def average_replicas(modules: list[Decoder]) -> Decoder:
-    """A copy of the first module holding the mean of the replicas' weights (summed in replica
-    order, then divided, as the all-reduce does)."""
-    out = copy.deepcopy(modules[0])
-    named = [dict(m.named_parameters()) for m in modules]
-    for name, param in out.named_parameters():
-        param.data.copy_(torch.stack([n[name].detach() for n in named]).sum(0) / len(modules))
-    return out
-
-
-def pipeline_loss(stages: list[Decoder], codec: Codec, x: torch.Tensor, y: torch.Tensor,
-                  masked_as: int | None = None) -> float:
-    """Forward through the stages in order, each boundary crossing the codec as an evaluation
-    message (codecs that drop information for training, such as the mask codec, send it all).
-    ``masked_as``: as a training message instead, microbatch 0 of step ``masked_as`` on replica 0
-    (so a mask codec masks it with that message's mask)."""
-    h = x
-    for i, stage in enumerate(stages):
-        if i > 0:
-            ctx = (MessageContext.evaluation(boundary=i - 1) if masked_as is None
-                   else MessageContext(masked_as, 0, i - 1, 0))
-            h = codec.decode(codec.encode(h, "act", x, ctx), "act", ctx)
-        h = stage(h)
-    return Decoder.loss(h, y).item()
-
-
-def _mean_loss(stages: list[Decoder], codec: Codec, batches: list[tuple[torch.Tensor, torch.Tensor]],
-               masked: bool = False) -> float:
-    """Mean ``pipeline_loss`` over the batches; ``masked``: batch i coded as step i's training
-    message (the same masks at every evaluation, so masked losses compare across steps)."""
-    losses = [pipeline_loss(stages, codec, x, y, i if masked else None) for i, (x, y) in enumerate(batches)]
-    return sum(losses) / len(losses)
 
 
 def build_sim_driver(cfg, workers: dict[WorkerId, Worker]) -> SimDriver:

@@ -1,9 +1,8 @@
-"""The data-parallel axis's arithmetic shared by the drivers: the stage's reduce of gradients and the
-step's reported norm (the update's decisions, the clip among them, are ``mesh/update.py``'s)."""
+"""The data-parallel axis's arithmetic shared by the drivers: the stage's reduce of gradients (the
+update's decisions, the clip among them, are ``mesh/update.py``'s; the step's reported norm is
+``mesh/report.py``'s)."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -33,19 +32,3 @@ def average_gradients(group: list[Worker]) -> int:
 def stage_rule(worker: Worker) -> Robust:
     """The aggregation rule of the built-in all-reduce of ``worker``'s stage."""
     return worker.dp.robust if worker.dp is not None else Robust()
-
-
-def step_grad_norm(flushes: bool, mesh, stats: dict) -> float:
-    """The step's gradient norm for metrics (before clipping).
-
-    Flushing schedules: the one global norm of the step (every worker recorded it). Async: the norm
-    of replica 0's stages taken together, each stage's squared norm averaged over its updates.
-    """
-    if flushes:
-        norms = stats[mesh.worker(0)].update_sq_norms
-        return math.sqrt(norms[0]) if norms else 0.0
-    total = 0.0
-    for s in range(mesh.stages):
-        norms = stats[mesh.stage_replicas(s)[0]].update_sq_norms
-        total += sum(norms) / len(norms) if norms else 0.0
-    return math.sqrt(total)

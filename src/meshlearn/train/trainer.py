@@ -23,8 +23,9 @@ from meshlearn.data.run_data import RunData
 from meshlearn.hooks import PluginContext, build_callbacks
 from meshlearn.jsonl import MetricsLog, read_records
 from meshlearn.mesh.driver import ControlChannel, DataPlan, Driver, Membership, TimeModels
+from meshlearn.mesh.evaluation import pipeline_loss
 from meshlearn.mesh.report import StepReport
-from meshlearn.mesh.sim import build_sim_driver, pipeline_loss
+from meshlearn.mesh.sim import build_sim_driver
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepWork
 from meshlearn.optim.schedule_lr import lr_factor
