@@ -195,14 +195,16 @@ def test_a_replacement_row_joins_heals_spectates_and_trains(tiny_corpus, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_a_broken_rows_partner_stays_and_one_joiner_completes_the_row(tiny_corpus, tmp_path, strategy):
+@pytest.mark.parametrize(("strategy", "membership"), [(name, "torchft") for name in STRATEGIES]
+                         + [("allreduce", "control")])
+def test_a_broken_rows_partner_stays_and_one_joiner_completes_the_row(tiny_corpus, tmp_path, strategy,
+                                                                      membership):
     """r1s1 SIGKILLed: r1s0 stays in stage 0's quorum, drops its links and spectates while row 0
     trains alone; a single ``--join`` takes r1s1's slot (generation 1), heals from r0s1 and row 1
     trains again from one step, agreed, on new links. At the graceful stop both of row 1's
     workers equal their stage's live replica bit for bit (what of it the strategy shares): r1s0
     spectated (applied row 0's updates), the joiner was healed, and both trained since."""
-    cfg = tiny_config(tiny_corpus, *ELASTIC, *STRATEGIES[strategy])
+    cfg = tiny_config(tiny_corpus, *ELASTIC, *STRATEGIES[strategy], f"elastic.membership={membership}")
     run = tmp_path / "run"
     with _live_run(cfg, run, "the elastic run whose row one joiner completes") as (result, joiners):
         os.kill(_members(run)["r1s1"]["pid"], signal.SIGKILL)

@@ -195,7 +195,8 @@ def test_frozen_stage_replica_is_dropped_by_timeout_and_the_others_finish(tiny_c
 
 
 @pytest.mark.slow
-def test_a_replacement_joins_heals_from_a_live_peer_and_contributes(tiny_corpus, tmp_path):
+@pytest.mark.parametrize("membership", ["torchft", "control"])
+def test_a_replacement_joins_heals_from_a_live_peer_and_contributes(tiny_corpus, tmp_path, membership):
     """One stage, two replicas: r1s0 is SIGKILLed; ``meshlearn worker --join`` takes its slot, heals
     from r0s0 at the next step and trains on; at the end both replicas' weights and optimizer
     state are equal bit for bit (a replica whose optimizer state had not been healed would drift)."""
@@ -208,7 +209,7 @@ def test_a_replacement_joins_heals_from_a_live_peer_and_contributes(tiny_corpus,
     # waits for it, up to quorum_timeout_s), so the test does not race the end of the run.
     cfg = tiny_config(tiny_corpus, "backend=dist", "mesh.replicas=2", f"train.steps={steps}",
                       "elastic.enabled=true", "elastic.min_replicas=2", "elastic.quorum_timeout_s=90",
-                      "dist.timeout_s=5", "dist.dead_after_s=2")
+                      "dist.timeout_s=5", "dist.dead_after_s=2", f"elastic.membership={membership}")
     run = tmp_path / "run"
     result = {}
     joiner = None

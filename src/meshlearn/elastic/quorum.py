@@ -35,6 +35,7 @@ class QuorumStep:
     mean_ok: bool = False
     stage_commit: bool = False
     committed: bool = False
+    requests: int | None = None  # requests to the run's store in ``begin`` (None: torchft's, not counted)
 
 
 class StageQuorum:

@@ -24,7 +24,9 @@ import torch.distributed as dist
 
 from meshlearn.config import RunConfig, load_config
 from meshlearn.distributed.health import store_client
+from meshlearn.distributed.streams import PlainConnector, listen_address
 from meshlearn.elastic.binding import interface_of
+from meshlearn.elastic.control_quorum import ControlQuorum, CountingStore, SettlingVote
 from meshlearn.elastic.driver import ElasticDriver
 from meshlearn.elastic.evictions import refuse_join_when_verified
 from meshlearn.elastic.links import RowLinks, generation_key
@@ -65,10 +67,13 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
     timeouts = derive_timeouts(cfg.elastic, cfg.dist, cfg.link, 4 * worker.n_params, mesh.replicas)
     generation = int(os.environ.get(GENERATION_ENV, "0"))
     driver: list[ElasticDriver] = []  # the quorum's state functions call the driver built below
-    quorum = StageQuorum(me, f"{me}.{generation}", cfg.elastic.host, lighthouse_of(me.stage, mesh.stages),
-                         timeouts, cfg.elastic.min_replicas, lambda: driver[0].heal_state(),
-                         lambda state: driver[0].load_heal_state(state))
+    state, load = lambda: driver[0].heal_state(), lambda state: driver[0].load_heal_state(state)
     store = store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeouts.quorum_s)
+    if cfg.elastic.membership == "control":
+        quorum = control_quorum(cfg, session, timeouts, f"{me}.{generation}", state, load)
+    else:
+        quorum = StageQuorum(me, f"{me}.{generation}", cfg.elastic.host, lighthouse_of(me.stage, mesh.stages),
+                             timeouts, cfg.elastic.min_replicas, state, load)
     links = RowLinks(store, mesh, me, generation, interface_of(cfg.elastic.host), timeouts.quorum_s,
                      relayed=cfg.verify.name == "sentinel")
     links.announce()
@@ -86,6 +91,8 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
             time.sleep(0.01)
     shared = dist.PrefixStore("elastic/", store)
     vote = CommitVote(shared, mesh.stages, timeouts.collective_s)
+    if isinstance(quorum, ControlQuorum):  # its fast path needs each step's outcome
+        vote = SettlingVote(vote, quorum)
     rows = RowAgreement(shared, mesh.stages, mesh.replicas, timeouts.quorum_s,  # a quorum may wait
                         repair=cfg.verify.name != "sentinel")  # the relay's hops are the slot rows
     driver.append(ElasticDriver(cfg, worker, session.health, session.device, session.comm, quorum, vote,
@@ -93,6 +100,20 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
     if joining():
         driver[0].join()
     return driver[0]
+
+
+def control_quorum(cfg, session, timeouts, member: str, state, load) -> ControlQuorum:
+    """The stage's membership on the run's store (``elastic/control_quorum.py``): its records and
+    heartbeats under ``elastic/q/s<stage>/``, its sums over streams from the session's connector
+    (a cluster run's authenticated one; else plain streams rendezvoused on the store)."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+    def stage_store():
+        return dist.PrefixStore(f"elastic/q/s{session.me.stage}", store_client(host, port, timeouts.quorum_s))
+    store = CountingStore(stage_store())  # the quorum's requests, counted (``QuorumStep.requests``)
+    connector = session.connector or PlainConnector(store, listen_address(host, port))
+    return ControlQuorum(session.mesh, session.me, member, store, stage_store(), connector, timeouts,
+                         cfg.elastic.min_replicas, state, load, joining=joining())
 
 
 def prepare_join(address: str, run_dir: Path) -> RunConfig:
