@@ -7,6 +7,7 @@ for bit, and each step's requests to the store are counted."""
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 
 import pytest
 import torch
@@ -40,14 +41,15 @@ class Vote:
 class Member:
     """One stage replica: its weights ``w`` move by the stage's sum of its contributions."""
 
-    def __init__(self, store: dist.Store, replica: int, vote: Vote, joining: bool = False):
+    def __init__(self, store: dist.Store, replica: int, vote: Vote, joining: bool = False,
+                 timeouts: ElasticTimeouts = TIMEOUTS):
         self.me = WorkerId(replica, 0)
         self.w = torch.full((3,), 0.25, dtype=torch.float32)
         self.vote = vote
         self.steps: list[tuple[int, int, int | None, bool]] = []  # (q, participants, requests, committed)
         counting = CountingStore(dist.PrefixStore("s0", store))
         self.quorum = ControlQuorum(MESH, self.me, f"{self.me}.0", counting, dist.PrefixStore("s0", store),
-                                    PlainConnector(counting, "127.0.0.1"), TIMEOUTS, 1,
+                                    PlainConnector(counting, "127.0.0.1"), timeouts, 1,
                                     lambda: {"w": self.w.clone()}, self._load, joining)
         self.healed_from: torch.Tensor | None = None
         self.stop = threading.Event()
@@ -167,4 +169,28 @@ def test_a_member_that_dies_fails_one_step_and_is_dropped_once_its_heartbeat_lap
         assert torch.equal(a.w, b.w)
     finally:
         for m in members:
+            m.quorum.shutdown()
+
+
+def test_a_joiner_that_dies_before_it_connects_fails_one_step_and_is_left_out_of_the_next(store):
+    """Admitted (its heartbeat had not lapsed yet) but gone: the members' streams never connect,
+    that step commits nowhere, no member fails, and the next record is the two of them again."""
+    quick = ElasticTimeouts(heartbeat_s=0.5, join_s=0.5, quorum_s=2.0, collective_s=10.0)
+    store.set_timeout(timedelta(seconds=quick.quorum_s))  # as the run's client: quorum_s (worker.py)
+    vote = Vote()
+    a, b = (Member(store, r, vote, timeouts=quick) for r in range(2))
+    try:
+        _join([m.run(lambda m: len(m.steps) == 2) for m in (a, b)], [a, b])
+        gone = Member(store, 2, vote, joining=True, timeouts=quick)
+        gone.quorum.shutdown()  # asked to join, then died: it never reads the record that admits it
+        def two_steady(m: Member) -> bool:
+            return len(m.steps) >= 3 and m.steps[-3][3] is False and m.steps[-1][3]
+        _join([m.run(two_steady) for m in (a, b)], [a, b])
+        for m in (a, b):
+            failed = [s for s in m.steps if not s[3]]
+            assert [s[1] for s in failed] == [3]  # the one step whose record named the dead joiner
+            assert m.steps[-1][1] == 2 and m.steps[-2][1] == 2
+        assert torch.equal(a.w, b.w)
+    finally:
+        for m in (a, b):
             m.quorum.shutdown()

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from meshlearn.distributed.collectives import FramedCollectives, Lost, Refused
 from meshlearn.distributed.health import WorkerFailure
@@ -189,15 +190,16 @@ class ControlQuorum:
         started, before = time.monotonic(), self.store.requests
         fast = (self.members and self.committed is True and not self.flagged and not self.broken
                 and self.sums > 0)
+        intact = self.framed is not None and not self.broken
+        self.broken, self.flagged, self.sums, self.committed = False, False, 0, None
         if not fast:
             if self.joining:
                 self._join()
                 self.joining = False
             else:
-                self._form()
+                self._form(intact)
             self.formed += 1
         self.q += 1
-        self.broken, self.flagged, self.sums, self.committed = False, False, 0, None
         return QuorumStep(len(self.members), time.monotonic() - started,
                           requests=self.store.requests - before)
 
@@ -234,11 +236,12 @@ class ControlQuorum:
     def _ranks(self) -> list[int]:
         return [self.mesh.rank(member_worker(m)) for m in self.members]
 
-    def _form(self) -> None:
-        """Arrive at record ``q``; fix it when complete (or adopt another member's); then streams
-        and healing as it says."""
+    def _form(self, intact: bool) -> None:
+        """Arrive at record ``q`` (saying whether this member's streams are ``intact``: all its
+        sums went through); fix it when complete (or adopt another member's); then streams and
+        healing as it says."""
         base, store = f"at/{self.q}", self.store
-        store.set(f"{base}/in/{self.member}", "1" if self.framed is not None and not self.broken else "0")
+        store.set(f"{base}/in/{self.member}", "1" if intact else "0")
         now = time.monotonic()
         join_end, end = now + self.timeouts.join_s, now + self.timeouts.quorum_s
         while not store.check([base]):
@@ -312,7 +315,16 @@ class ControlQuorum:
         if not record["keep"]:
             if self.framed is not None:
                 self.framed.close(wait_s=0.5)
-            self.framed = self._connect(record["q"]) if len(self.members) > 1 else None
+            self.framed = None
+            try:
+                self.framed = self._connect(record["q"]) if len(self.members) > 1 else None
+            except (TimeoutError, dist.DistStoreError) as err:  # (a peer's address never posted)
+                if self.member in record["healed"]:
+                    raise WorkerFailure(f"worker {self.me} could not join: {err}") from None
+                # A member never connected (a joiner that died after it asked): this step fails
+                # everywhere, and the next record leaves it out once its heartbeat lapses.
+                self.broken = True
+                return
         if record["healed"] and (self.member == record["donor"] or self.member in record["healed"]):
             self._heal(record)
 
@@ -338,8 +350,8 @@ class ControlQuorum:
             if self.member == record["donor"]:
                 state = encode_state({"q": record["q"], "state": self.state_dict()})
                 blob = torch.frombuffer(bytearray(state), dtype=torch.uint8)
-                self.framed.broadcast_bytes(blob, donor, ranks, blob.numel())
-                return
+                self.framed.broadcast_bytes(blob, donor, ranks, blob.numel())  # a joiner gone by
+                return  # now fails the step's sums, not the donor
             bound = own_bound(self.state_dict)()
             blob = self.framed.broadcast_bytes(None, donor, ranks, bound)
         except (Lost, Refused) as err:
