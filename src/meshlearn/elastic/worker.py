@@ -70,6 +70,7 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
     state, load = lambda: driver[0].heal_state(), lambda state: driver[0].load_heal_state(state)
     store = store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeouts.quorum_s)
     if cfg.elastic.membership == "control":
+        store = CountingStore(store)  # what a step asks of the run's store, in its record
         quorum = control_quorum(cfg, session, timeouts, f"{me}.{generation}", state, load)
     else:
         quorum = StageQuorum(me, f"{me}.{generation}", cfg.elastic.host, lighthouse_of(me.stage, mesh.stages),
