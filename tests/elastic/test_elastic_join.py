@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 from dist_helpers import deadline, kill_leftovers, launch, records, wait_until  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
+from meshlearn.elastic.listeners import listening  # noqa: E402
 from meshlearn.entry.launch import WORKERS_FILE  # noqa: E402
 from meshlearn.jsonl import read_records  # noqa: E402
 from meshlearn.statefile import load_state
@@ -215,6 +216,9 @@ def test_a_broken_rows_partner_stays_and_one_joiner_completes_the_row(tiny_corpu
         address = json.loads((run / "elastic.json").read_text())["store"]
         joiners.append(_join(address, run, tmp_path / "join.log"))  # the only free slot: r1s1
         trains = _row_1_trains(run)
+        if membership == "control":  # no worker listens: each stream was dialed to a listener
+            pids = {name: m["pid"] for name, m in _members(run).items()}  # closed once it came
+            assert {name: listening(pid) for name, pid in pids.items()} == {name: [] for name in pids}
     output = (tmp_path / "join.log").read_text()
     assert joiners[0].returncode == 128 + signal.SIGTERM, output
     assert result["code"] == 0

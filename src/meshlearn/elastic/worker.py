@@ -68,19 +68,23 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
     generation = int(os.environ.get(GENERATION_ENV, "0"))
     driver: list[ElasticDriver] = []  # the quorum's state functions call the driver built below
     state, load = lambda: driver[0].heal_state(), lambda state: driver[0].load_heal_state(state)
-    store = store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeouts.quorum_s)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = store_client(host, port, timeouts.quorum_s)
+    streams = None  # the rows' links: pair groups (torchft), or streams from this connector
     if cfg.elastic.membership == "control":
         store = CountingStore(store)  # what a step asks of the run's store, in its record
+        streams = session.connector or PlainConnector(store, listen_address(host, port))
         quorum = control_quorum(cfg, session, timeouts, f"{me}.{generation}", state, load)
     else:
         quorum = StageQuorum(me, f"{me}.{generation}", cfg.elastic.host, lighthouse_of(me.stage, mesh.stages),
                              timeouts, cfg.elastic.min_replicas, state, load)
     links = RowLinks(store, mesh, me, generation, interface_of(cfg.elastic.host), timeouts.quorum_s,
-                     relayed=cfg.verify.name == "sentinel")
+                     relayed=cfg.verify.name == "sentinel", connector=streams)
     links.announce()
     if not joining():
-        # Every initial replica heartbeats to its lighthouse before anyone asks for a quorum, so the
-        # first quorum of each stage holds them all (else the first to ask would form one alone).
+        # Every initial replica heartbeats to its lighthouse (or asked to join its stage's record)
+        # before anyone asks for a quorum, so the first quorum of each stage holds them all (else
+        # the first to ask would form one alone).
         started = int(os.environ.get(STARTED_ENV, str(mesh.world_size)))
         store.add("elastic/started", 1)
         end = time.monotonic() + cfg.dist.init_timeout_s
