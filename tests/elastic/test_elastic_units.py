@@ -48,6 +48,12 @@ def test_bad_elastic_config_names_the_field(tiny_corpus, override, field):
     assert str(err.value).startswith(f"{field} = ")
 
 
+def test_sentinel_under_elastic_takes_torchft_membership_only(tiny_corpus):
+    with pytest.raises(ConfigError) as err:
+        tiny_config(tiny_corpus, *ELASTIC, "verify.name=sentinel", "elastic.membership=control")
+    assert str(err.value).startswith("elastic.membership = 'control'")
+
+
 def test_sentinel_under_elastic_takes_all_reduce_only(tiny_corpus):
     with pytest.raises(ConfigError) as err:
         tiny_config(tiny_corpus, *ELASTIC, "verify.name=sentinel", "dp.name=diloco")

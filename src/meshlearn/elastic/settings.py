@@ -108,6 +108,9 @@ def validate_elastic(cfg, require) -> None:
             f"with elastic.enabled: must be divisible by k × mesh.microbatches for every number of "
             f"rows k = 1..mesh.replicas (the rows that train a step split its batch; "
             f"not for k = {counts[0] if counts else 0})")
+    require(cfg.verify.name == "none" or el.membership == "torchft", "elastic.membership", el.membership,
+            f"with verify.name = {cfg.verify.name!r}: must be 'torchft' (the verifier's relayed links "
+            "under the control service's membership are not built)")
     require(cfg.verify.name == "none" or cfg.dp.name == "allreduce", "dp.name", cfg.dp.name,
             f"with elastic.enabled and verify.name = {cfg.verify.name!r}: must be 'allreduce' (an "
             "eviction under a message-based strategy's rolled-back rounds is not built or tested)")

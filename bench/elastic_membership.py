@@ -1,0 +1,59 @@
+"""The two memberships of an elastic run beside the fixed-membership driver, nobody failing.
+
+The demo model on P=2 stages × D=2 replicas, every link 100 Mbit/s with 20 ms one-way latency,
+sender-paced (``bench/elastic.py``'s setting), four processes on this machine, one run each, one
+after the other: the fixed-membership DistDriver; elastic with ``elastic.membership = "torchft"``
+(a lighthouse per stage, a quorum asked for at every step); elastic with ``"control"`` (a record
+on the run's store, reused until a change is signalled; docs/elastic.md, "Membership on the
+control service").
+
+Reported per run: the median wall time per step (steps after the first), the quorum's own median
+time per step (``quorum_s``), and under ``"control"`` the median store requests per step, the
+quorum's (``quorum_requests``) and the rest of the step's (``store_requests``: the commit vote,
+the row agreement, the records' claim) — on one machine the store is on loopback, so these
+counts, not the times, say what a step would pay over a WAN (one round trip each).
+
+    python bench/elastic_membership.py [--steps 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+from common import markdown_table, write_results
+from elastic import run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=16)
+    args = parser.parse_args()
+    runs = {"fixed membership (DistDriver)": run(args.steps, False, None, 0)}
+    for membership in ("torchft", "control"):
+        runs[f"elastic, membership {membership}"] = run(args.steps, True, None, 0,
+                                                       extra=(f"elastic.membership={membership}",))
+
+    def median(rows: list[dict], key: str):
+        values = [r[key] for r in rows[1:] if r.get(key) is not None]
+        return statistics.median(values) if values else "—"
+    table = [{"run": name, "step_s": median(rows, "step_wall_s"), "quorum_s": median(rows, "quorum_s"),
+              "quorum_requests": median(rows, "quorum_requests"),
+              "store_requests": median(rows, "store_requests")} for name, rows in runs.items()]
+    markdown = markdown_table(table, [("run", "run", ""), ("step_s", "median s/step", ".3f"),
+                                      ("quorum_s", "median quorum s/step", ".4f"),
+                                      ("quorum_requests", "median quorum requests/step", ""),
+                                      ("store_requests", "median other store requests/step", "")])
+    fixed = table[0]["step_s"]
+    for row in table[1:]:
+        markdown += (f"\n\n{row['run']}: {row['step_s'] - fixed:+.3f} s/step against the fixed driver "
+                     f"({(row['step_s'] - fixed) / fixed * 100:+.1f}%).")
+    markdown += (f"\n\nDemo model, P=2 × D=2, 100 Mbit/s, 20 ms, {args.steps} steps, one run each, "
+                 f"load average {os.getloadavg()[0]:.1f} at the end.")
+    write_results("elastic_membership", {"args": vars(args), "table": table,
+                                         "records": {name: rows for name, rows in runs.items()}}, markdown)
+
+
+if __name__ == "__main__":
+    main()
