@@ -8,10 +8,9 @@ on the run's store, reused until a change is signalled; docs/elastic.md, "Member
 control service").
 
 Reported per run: the median wall time per step (steps after the first), the quorum's own median
-time per step (``quorum_s``), and under ``"control"`` the median store requests per step, the
-quorum's (``quorum_requests``) and the rest of the step's (``store_requests``: the commit vote,
-the row agreement, the records' claim) — on one machine the store is on loopback, so these
-counts, not the times, say what a step would pay over a WAN (one round trip each).
+time per step (``quorum_s``), and under ``"control"`` the median of the quorum's requests to the
+store per step (``quorum_requests``) — on one machine the store is on loopback, so that count,
+not the time, says what the quorum would cost a step over a WAN (one round trip each).
 
     python bench/elastic_membership.py [--steps 16]
 """
@@ -39,12 +38,10 @@ def main() -> None:
         values = [r[key] for r in rows[1:] if r.get(key) is not None]
         return statistics.median(values) if values else "—"
     table = [{"run": name, "step_s": median(rows, "step_wall_s"), "quorum_s": median(rows, "quorum_s"),
-              "quorum_requests": median(rows, "quorum_requests"),
-              "store_requests": median(rows, "store_requests")} for name, rows in runs.items()]
+              "quorum_requests": median(rows, "quorum_requests")} for name, rows in runs.items()]
     markdown = markdown_table(table, [("run", "run", ""), ("step_s", "median s/step", ".3f"),
                                       ("quorum_s", "median quorum s/step", ".4f"),
-                                      ("quorum_requests", "median quorum requests/step", ""),
-                                      ("store_requests", "median other store requests/step", "")])
+                                      ("quorum_requests", "median quorum requests/step", "")])
     fixed = table[0]["step_s"]
     for row in table[1:]:
         markdown += (f"\n\n{row['run']}: {row['step_s'] - fixed:+.3f} s/step against the fixed driver "

@@ -54,7 +54,6 @@ from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_unti
 from meshlearn.distributed.transport import Transport
 from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.checkpoints import ElasticCheckpoints
-from meshlearn.elastic.control_quorum import CountingStore
 from meshlearn.elastic.evictions import Evictions
 from meshlearn.elastic.links import RowLinks, neighbours, row_peer
 from meshlearn.elastic.membership import WRITER_ENV
@@ -95,7 +94,6 @@ class ElasticDriver(Evictions, DistDriver):
         self.links = links
         self.generation = links.generation
         self.progress = progress  # the run store: this worker's last step, for workers.json
-        self.store_requests: int | None = None  # the last step's requests through ``progress`` (counted)
         # writes config.toml, run.json and starts metrics.jsonl: the launcher names it (a resume
         # may not start r0s{P-1}; a joiner never is); the records of each step are written by the
         # process that claims them (``records``), the summary by the last one's
@@ -165,13 +163,6 @@ class ElasticDriver(Evictions, DistDriver):
     # --- one step: the quorum, the rows that train it, then train or spectate ------------------
 
     def run_step(self, step: int, source) -> list[StepReport]:
-        counted = self.progress.requests if isinstance(self.progress, CountingStore) else None
-        reports = self._run_step(step, source)
-        if counted is not None:  # the step's round trips to the run's store (the quorum's apart)
-            self.store_requests = self.progress.requests - counted
-        return reports
-
-    def _run_step(self, step: int, source) -> list[StepReport]:
         self.check_eviction()  # banned at the end of the last step: its row leaves before this one
         self.next_step = step
         self._check_row(step)  # a partner's death noticed since the last step: drop the row's links
@@ -478,8 +469,7 @@ class ElasticDriver(Evictions, DistDriver):
         return {"participants": current.participants, "rows": [row_label(r) for r in self.rows],
                 "batch": self.trained_batch,
                 "committed": current.committed, "quorum_s": current.quorum_s} | (
-                    {} if current.requests is None else {"quorum_requests": current.requests}) | (
-                    {} if self.store_requests is None else {"store_requests": self.store_requests})
+                    {} if current.requests is None else {"quorum_requests": current.requests})
 
     @torch.no_grad()
     def evaluate(self, batches) -> float | None:

@@ -72,7 +72,6 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
     store = store_client(host, port, timeouts.quorum_s)
     streams = None  # the rows' links: pair groups (torchft), or streams from this connector
     if cfg.elastic.membership == "control":
-        store = CountingStore(store)  # what a step asks of the run's store, in its record
         streams = session.connector or PlainConnector(store, listen_address(host, port))
         quorum = control_quorum(cfg, session, timeouts, f"{me}.{generation}", state, load)
     else:
