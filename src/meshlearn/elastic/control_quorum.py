@@ -145,7 +145,8 @@ class Watch:
         return last is not None and time.monotonic() - last[1] > self.heartbeat_s
 
     def pending(self) -> dict[int, str]:
-        """Join requests the current record has not consumed (call with or without the lock)."""
+        """Join requests the current record has not consumed, as the watch has read them (call
+        with ``lock`` held)."""
         return {k: m for k, m in self.seen.joiners.items() if k > self.admitted}
 
     def changed(self) -> bool:
