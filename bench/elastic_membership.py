@@ -2,10 +2,12 @@
 
 The demo model on P=2 stages × D=2 replicas, every link 100 Mbit/s with 20 ms one-way latency,
 sender-paced (``bench/elastic.py``'s setting), four processes on this machine, one run each, one
-after the other: the fixed-membership DistDriver; elastic with ``elastic.membership = "torchft"``
-(a lighthouse per stage, a quorum asked for at every step); elastic with ``"control"`` (a record
-on the run's store, reused until a change is signalled; docs/elastic.md, "Membership on the
-control service").
+after the other: the fixed-membership DistDriver on gloo, and on framed streams (pipeline links
+and DP sums: what ``"control"`` runs on, and a cluster run's default); elastic with
+``elastic.membership = "torchft"`` (a lighthouse per stage, a quorum asked for at every step;
+gloo), compared with the first; elastic with ``"control"`` (a record on the run's store, reused
+until a change is signalled, on framed streams; docs/elastic.md, "Membership on the control
+service"), compared with the second.
 
 Reported per run: the median wall time per step (steps after the first), the quorum's own median
 time per step (``quorum_s``), and under ``"control"`` the median of the quorum's requests to the
@@ -24,12 +26,17 @@ import statistics
 from common import markdown_table, write_results
 from elastic import run
 
+# The fixed driver on the streams "control" uses: framed pipeline links and framed DP sums (a
+# cluster run's default, on its authenticated streams) — the like-for-like baseline.
+FRAMED = ("dist.links=tcp", "dist.trusted_links=false")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=16)
     args = parser.parse_args()
-    runs = {"fixed membership (DistDriver)": run(args.steps, False, None, 0)}
+    runs = {"fixed membership (DistDriver), gloo": run(args.steps, False, None, 0),
+            "fixed membership, framed links and sums": run(args.steps, False, None, 0, extra=FRAMED)}
     for membership in ("torchft", "control"):
         runs[f"elastic, membership {membership}"] = run(args.steps, True, None, 0,
                                                        extra=(f"elastic.membership={membership}",))
@@ -42,10 +49,10 @@ def main() -> None:
     markdown = markdown_table(table, [("run", "run", ""), ("step_s", "median s/step", ".3f"),
                                       ("quorum_s", "median quorum s/step", ".4f"),
                                       ("quorum_requests", "median quorum requests/step", "")])
-    fixed = table[0]["step_s"]
-    for row in table[1:]:
-        markdown += (f"\n\n{row['run']}: {row['step_s'] - fixed:+.3f} s/step against the fixed driver "
-                     f"({(row['step_s'] - fixed) / fixed * 100:+.1f}%).")
+    for row, baseline in ((table[2], table[0]), (table[3], table[1])):
+        extra = row["step_s"] - baseline["step_s"]
+        markdown += (f"\n\n{row['run']}: {extra:+.3f} s/step against {baseline['run']} "
+                     f"({extra / baseline['step_s'] * 100:+.1f}%).")
     markdown += (f"\n\nDemo model, P=2 × D=2, 100 Mbit/s, 20 ms, {args.steps} steps, one run each, "
                  f"load average {os.getloadavg()[0]:.1f} at the end.")
     write_results("elastic_membership", {"args": vars(args), "table": table,
