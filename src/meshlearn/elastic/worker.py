@@ -73,7 +73,7 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
     streams = None  # the rows' links: pair groups (torchft), or streams from this connector
     if cfg.elastic.membership == "control":
         streams = session.connector or PlainConnector(store, listen_address(host, port))
-        quorum = control_quorum(cfg, session, timeouts, f"{me}.{generation}", state, load)
+        quorum = control_quorum(cfg, session, timeouts, (host, port), f"{me}.{generation}", state, load)
     else:
         quorum = StageQuorum(me, f"{me}.{generation}", cfg.elastic.host, lighthouse_of(me.stage, mesh.stages),
                              timeouts, cfg.elastic.min_replicas, state, load)
@@ -106,11 +106,13 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
     return driver[0]
 
 
-def control_quorum(cfg, session, timeouts, member: str, state, load) -> ControlQuorum:
-    """The stage's membership on the run's store (``elastic/control_quorum.py``): its records and
-    heartbeats under ``elastic/q/s<stage>/``, its sums over streams from the session's connector
-    (a cluster run's authenticated one; else plain streams rendezvoused on the store)."""
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+def control_quorum(cfg, session, timeouts, address: tuple[str, int], member: str, state,
+                   load) -> ControlQuorum:
+    """The stage's membership on the run's store at ``address`` (``elastic/control_quorum.py``):
+    its records and heartbeats under ``elastic/q/s<stage>/``, its sums over streams from the
+    session's connector (a cluster run's authenticated one; else plain streams rendezvoused on
+    the store)."""
+    host, port = address
 
     def stage_store():
         return dist.PrefixStore(f"elastic/q/s{session.me.stage}", store_client(host, port, timeouts.quorum_s))
