@@ -97,8 +97,9 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
     vote = CommitVote(shared, mesh.stages, timeouts.collective_s)
     if isinstance(quorum, ControlQuorum):  # its fast path needs each step's outcome
         vote = SettlingVote(vote, quorum)
+    sentinel = cfg.verify.name == "sentinel"  # the relay's hops are the slot rows; its bans evict
     rows = RowAgreement(shared, mesh.stages, mesh.replicas, timeouts.quorum_s,  # a quorum may wait
-                        repair=cfg.verify.name != "sentinel")  # the relay's hops are the slot rows
+                        repair=not sentinel, evictions=sentinel)
     driver.append(ElasticDriver(cfg, worker, session.health, session.device, session.comm, quorum, vote,
                                 rows, links, store))
     if joining():
