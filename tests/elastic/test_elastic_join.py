@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 from dist_helpers import deadline, kill_leftovers, launch, records, wait_until  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
+from meshlearn.elastic.listeners import listening  # noqa: E402
 from meshlearn.entry.launch import WORKERS_FILE  # noqa: E402
 from meshlearn.jsonl import read_records  # noqa: E402
 from meshlearn.statefile import load_state
@@ -195,14 +196,16 @@ def test_a_replacement_row_joins_heals_spectates_and_trains(tiny_corpus, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_a_broken_rows_partner_stays_and_one_joiner_completes_the_row(tiny_corpus, tmp_path, strategy):
+@pytest.mark.parametrize(("strategy", "membership"), [(name, "torchft") for name in STRATEGIES]
+                         + [("allreduce", "control")])
+def test_a_broken_rows_partner_stays_and_one_joiner_completes_the_row(tiny_corpus, tmp_path, strategy,
+                                                                      membership):
     """r1s1 SIGKILLed: r1s0 stays in stage 0's quorum, drops its links and spectates while row 0
     trains alone; a single ``--join`` takes r1s1's slot (generation 1), heals from r0s1 and row 1
     trains again from one step, agreed, on new links. At the graceful stop both of row 1's
     workers equal their stage's live replica bit for bit (what of it the strategy shares): r1s0
     spectated (applied row 0's updates), the joiner was healed, and both trained since."""
-    cfg = tiny_config(tiny_corpus, *ELASTIC, *STRATEGIES[strategy])
+    cfg = tiny_config(tiny_corpus, *ELASTIC, *STRATEGIES[strategy], f"elastic.membership={membership}")
     run = tmp_path / "run"
     with _live_run(cfg, run, "the elastic run whose row one joiner completes") as (result, joiners):
         os.kill(_members(run)["r1s1"]["pid"], signal.SIGKILL)
@@ -213,6 +216,9 @@ def test_a_broken_rows_partner_stays_and_one_joiner_completes_the_row(tiny_corpu
         address = json.loads((run / "elastic.json").read_text())["store"]
         joiners.append(_join(address, run, tmp_path / "join.log"))  # the only free slot: r1s1
         trains = _row_1_trains(run)
+        if membership == "control":  # no worker listens: each stream was dialed to a listener
+            pids = {name: m["pid"] for name, m in _members(run).items()}  # closed once it came
+            assert {name: listening(pid) for name, pid in pids.items()} == {name: [] for name in pids}
     output = (tmp_path / "join.log").read_text()
     assert joiners[0].returncode == 128 + signal.SIGTERM, output
     assert result["code"] == 0

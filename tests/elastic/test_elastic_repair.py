@@ -62,8 +62,9 @@ def test_a_row_whose_members_hold_different_links_links_anew(held):
     assert _rows(6, [{0}, {1}], held) == {(0, 1): 6}
 
 
-def _agree_all(store, held: dict[WorkerId, tuple | None], participants: list[int], repair: bool = True):
-    return in_threads(lambda wid: RowAgreement(store, 2, 2, 5.0, repair=repair).agree(
+def _agree_all(store, held: dict[WorkerId, tuple | None], participants: list[int], repair: bool = True,
+               evictions: bool = False):
+    return in_threads(lambda wid: RowAgreement(store, 2, 2, 5.0, repair=repair, evictions=evictions).agree(
         3, wid, participants[wid.stage], held[wid]), held)
 
 
@@ -80,7 +81,7 @@ def test_an_evicted_replica_is_never_re_paired():
     store = BoundStore("127.0.0.1", 10).store
     store.set(evicted_key(1), "r1s1")
     results = _agree_all(store, {WorkerId(0, 0): None, WorkerId(1, 0): None, WorkerId(1, 1): None},
-                         [2, 1])
+                         [2, 1], evictions=True)
     assert {a.rows for a in results.values()} == {()}
 
 

@@ -34,11 +34,26 @@ ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "train.steps=8", 
            "dist.timeout_s=5", "dist.dead_after_s=2"]
 
 
-@pytest.mark.parametrize("killed", ["r1s1", "r0s1"])
-def test_killed_stage_replica_leaves_and_the_others_finish(tiny_corpus, tmp_path, killed):
+def assert_no_quorum_requests_unless_changed(rows: list[dict]) -> None:
+    """Under ``elastic.membership = "control"`` a step asks the store nothing for its quorum
+    unless the step before did not commit or its membership changed (one stage: the records'
+    participants); the first step forms the first quorum."""
+    assert rows[0]["quorum_requests"] > 0
+    steady = [r for prev, r in zip(rows, rows[1:], strict=False)
+              if prev["committed"] and prev["participants"] == r["participants"]]
+    assert len(steady) >= len(rows) // 2 and all(r["quorum_requests"] == 0 for r in steady), rows
+    changed = [r for prev, r in zip(rows, rows[1:], strict=False) if not prev["committed"]
+               or prev["participants"] != r["participants"]]
+    assert changed and all(r["quorum_requests"] > 0 for r in changed), rows
+
+
+@pytest.mark.parametrize(("killed", "membership"), [
+    ("r1s1", "torchft"), ("r0s1", "torchft"),
+    pytest.param("r1s1", "control", marks=pytest.mark.slow)])
+def test_killed_stage_replica_leaves_and_the_others_finish(tiny_corpus, tmp_path, killed, membership):
     """r0s1 is the last stage of row 0, the first step's records' writer: after row 0 leaves, row
     1's last stage writes them (each step's records exactly once, evaluation included)."""
-    cfg = tiny_config(tiny_corpus, *ELASTIC, "train.eval_every=3")
+    cfg = tiny_config(tiny_corpus, *ELASTIC, "train.eval_every=3", f"elastic.membership={membership}")
     run = tmp_path / "run"
     gone, kept = (1, 0) if killed == "r1s1" else (0, 1)
     assert launch_and_signal(cfg, run, killed, signal.SIGKILL, 120) == 0
@@ -195,7 +210,8 @@ def test_frozen_stage_replica_is_dropped_by_timeout_and_the_others_finish(tiny_c
 
 
 @pytest.mark.slow
-def test_a_replacement_joins_heals_from_a_live_peer_and_contributes(tiny_corpus, tmp_path):
+@pytest.mark.parametrize("membership", ["torchft", "control"])
+def test_a_replacement_joins_heals_from_a_live_peer_and_contributes(tiny_corpus, tmp_path, membership):
     """One stage, two replicas: r1s0 is SIGKILLed; ``meshlearn worker --join`` takes its slot, heals
     from r0s0 at the next step and trains on; at the end both replicas' weights and optimizer
     state are equal bit for bit (a replica whose optimizer state had not been healed would drift)."""
@@ -208,7 +224,7 @@ def test_a_replacement_joins_heals_from_a_live_peer_and_contributes(tiny_corpus,
     # waits for it, up to quorum_timeout_s), so the test does not race the end of the run.
     cfg = tiny_config(tiny_corpus, "backend=dist", "mesh.replicas=2", f"train.steps={steps}",
                       "elastic.enabled=true", "elastic.min_replicas=2", "elastic.quorum_timeout_s=90",
-                      "dist.timeout_s=5", "dist.dead_after_s=2")
+                      "dist.timeout_s=5", "dist.dead_after_s=2", f"elastic.membership={membership}")
     run = tmp_path / "run"
     result = {}
     joiner = None
@@ -244,6 +260,8 @@ def test_a_replacement_joins_heals_from_a_live_peer_and_contributes(tiny_corpus,
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert joined_at >= 3 and all(r["participants"] == 2 for r in rows[joined_at:])  # it contributes
     assert all(r["committed"] for r in rows[joined_at:])
+    if membership == "control":
+        assert_no_quorum_requests_unless_changed(rows)
     final = run / "checkpoints" / f"step-{steps:06d}"
     a, b = (load_state(final / f"{w}.pt")["workers"][w] for w in ("r0s0", "r1s0"))
     for key, tensor in a["module"].items():

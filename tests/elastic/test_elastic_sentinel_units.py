@@ -68,7 +68,7 @@ def test_an_evicted_row_is_never_agreed_again_whatever_its_processes_do():
     store = BoundStore("127.0.0.1", 10).store
     store.set(evicted_key(1), "r1s1")  # the verifier, before the verdict
     results = in_threads(  # every replica of both stages asks, the evicted row's too
-        lambda wid: RowAgreement(store, 2, 3, 5.0, repair=False).agree(6, wid, 3, None).rows,
+        lambda wid: RowAgreement(store, 2, 3, 5.0, repair=False, evictions=True).agree(6, wid, 3, None).rows,
         [WorkerId(r, s) for r in range(3) for s in range(2)])
     assert set(results.values()) == {((0, 0), (2, 2))}
 

@@ -40,11 +40,18 @@ ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "elastic.enabled=
     ("elastic.host=0.0.0.0", "elastic.host"), ("elastic.host=localhost", "elastic.host"),
     ("elastic.min_replicas=3", "elastic.min_replicas"), ("mesh.schedule=async", "mesh.schedule"),
     ("backend=sim", "elastic.enabled"),
-    ("elastic.heartbeat_timeout_s=-1", "elastic.heartbeat_timeout_s")])
+    ("elastic.heartbeat_timeout_s=-1", "elastic.heartbeat_timeout_s"),
+    ("elastic.membership=lighthouse", "elastic.membership")])
 def test_bad_elastic_config_names_the_field(tiny_corpus, override, field):
     with pytest.raises(ConfigError) as err:
         tiny_config(tiny_corpus, *ELASTIC, override)
     assert str(err.value).startswith(f"{field} = ")
+
+
+def test_sentinel_under_elastic_takes_torchft_membership_only(tiny_corpus):
+    with pytest.raises(ConfigError) as err:
+        tiny_config(tiny_corpus, *ELASTIC, "verify.name=sentinel", "elastic.membership=control")
+    assert str(err.value).startswith("elastic.membership = 'control'")
 
 
 def test_sentinel_under_elastic_takes_all_reduce_only(tiny_corpus):

@@ -460,7 +460,8 @@ class ElasticDriver(Evictions, DistDriver):
             return {}
         return {"participants": current.participants, "rows": [row_label(r) for r in self.rows],
                 "batch": self.trained_batch,
-                "committed": current.committed, "quorum_s": current.quorum_s}
+                "committed": current.committed, "quorum_s": current.quorum_s} | (
+                    {} if current.requests is None else {"quorum_requests": current.requests})
 
     @torch.no_grad()
     def evaluate(self, batches) -> float | None:

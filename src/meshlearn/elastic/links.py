@@ -1,4 +1,6 @@
-"""An elastic row's pipeline links: two-rank gloo groups of their own, over the run's store.
+"""An elastic row's pipeline links: two-rank gloo groups of their own, over the run's store (or,
+under ``elastic.membership = "control"``, two framed streams per hop from the run's connector: no
+gloo, and in a cluster run the hosts' one port).
 
 A row is an assignment stage → replica (``rows.Row``): a worker's neighbours are the row's workers
 of the stages before and after its own, of the same replica in a slot row, of others in a
@@ -34,6 +36,7 @@ import torch.distributed as dist
 
 from meshlearn.distributed.groups import PairGroup, pair_group
 from meshlearn.distributed.health import WorkerFailure
+from meshlearn.distributed.streams import StreamConnector
 from meshlearn.elastic.rows import Row
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
@@ -47,8 +50,10 @@ class RowLinks:
     """This worker's links to the neighbouring stages of its row."""
 
     def __init__(self, store: dist.Store, mesh: MeshShape, me: WorkerId, generation: int,
-                 interface: str, timeout_s: float, relayed: bool = False):
+                 interface: str, timeout_s: float, relayed: bool = False,
+                 connector: StreamConnector | None = None):
         self.relayed = relayed
+        self.connector = connector  # framed streams instead of pair groups (membership "control")
         self.store = store
         self.mesh = mesh
         self.me = me
@@ -88,11 +93,22 @@ class RowLinks:
             ga, gb = (int(self.store.get(generation_key(w)).decode()) for w in (a, b))
             base = f"elastic/links/{a}.{ga}-{b}.{gb}/{step}"
             self._meet(base, peer, step, check)
+            if self.connector is not None:
+                groups |= self._streams(f"row-{a}.{ga}-{b}.{gb}-{step}", a, b)
+                continue
             for src, dst in ((a, b), (b, a)):
                 prefixed = dist.PrefixStore(f"{base}/{src}>{dst}/", self.store)
                 groups[(src, dst)] = pair_group(prefixed, 0 if self.me == a else 1, self.interface,
                                                 self.timeout_s)
         return groups
+
+    def _streams(self, channel: str, a: WorkerId, b: WorkerId) -> dict[tuple[WorkerId, WorkerId], object]:
+        """The link a → b and its way back as two framed streams from the connector, on a channel
+        of this pair's own (its ends' generations and the step in its name, as the groups' prefix)."""
+        ra, rb = self.mesh.rank(a), self.mesh.rank(b)
+        hops = [((a, b), ra, rb), ((b, a), rb, ra)]
+        ends = self.connector.connect(self.mesh.rank(self.me), {channel: hops}, self.timeout_s)[channel]
+        return {link: ends[i] for i, (link, _, _) in enumerate(hops)}
 
     def _meet(self, base: str, peer: WorkerId, step: int, check: Callable[[], None]) -> None:
         """Wait for ``peer`` at the link's prefix, calling ``check`` between looks."""

@@ -35,6 +35,7 @@ class QuorumStep:
     mean_ok: bool = False
     stage_commit: bool = False
     committed: bool = False
+    requests: int | None = None  # requests to the run's store in ``begin`` (None: torchft's, not counted)
 
 
 class StageQuorum:
@@ -89,12 +90,14 @@ class CommitVote:
 
     def decide(self, step: int, me: WorkerId, participants: int, ok: bool) -> bool:
         key = f"commit/{step}"
-        for s in range(self.stages):  # every tally exists before this stage's size says so, so a
-            for what in ("done", "yes"):  # reader's multi_get never blocks on one (it would hold
-                self.store.add(f"{key}/s{s}/{what}", 0)  # the store client: others could not add)
-        self.store.set(f"{key}/s{me.stage}/n", str(participants))
+        # The tallies before the size: a stage's size exists only once its tallies do, so a reader
+        # (which asks for them once every size exists) never blocks on one — it would hold the
+        # store client, and others could not add — and nobody creates the other stages' tallies
+        # (a round trip each, on every step's path). "yes" before "done": a reader never counts a
+        # vote as done and not yet yes.
         self.store.add(f"{key}/s{me.stage}/yes", int(ok))
         self.store.add(f"{key}/s{me.stage}/done", 1)
+        self.store.set(f"{key}/s{me.stage}/n", str(participants))
         end = time.monotonic() + self.deadline_s
         pause = 1e-4
         while True:

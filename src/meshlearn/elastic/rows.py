@@ -161,11 +161,13 @@ def decode_rows(raw: bytes | str) -> tuple[int, ...]:
 class RowAgreement:
     """``agree(step, me, participants, held)`` → the rows that train ``step`` and their links, the
     same in every process (``held``: the row and step of this worker's links, None: none).
-    ``repair``: whether survivors of rows broken at different stages are paired (``form_rows``)."""
+    ``repair``: whether survivors of rows broken at different stages are paired (``form_rows``);
+    ``evictions``: whether replicas may be evicted (SENTINEL's verifier), so the fixer reads them."""
 
     def __init__(self, store: dist.Store, stages: int, replicas: int, deadline_s: float,
-                 repair: bool = True):
+                 repair: bool = True, evictions: bool = False):
         self.store = store
+        self.evictions = evictions
         self.stages = stages
         self.replicas = replicas
         self.deadline_s = deadline_s
@@ -174,10 +176,11 @@ class RowAgreement:
     def agree(self, step: int, me: WorkerId, participants: int, held: Held | None) -> Agreed:
         key = f"rows/{step}"
         self.store.set(f"{key}/links/{me}", encode_held(held))  # before the stage's count: a fixer reads it
-        for s in range(self.stages):  # every counter exists before this stage's size says so, so a
-            self.store.add(f"{key}/s{s}/count", 0)  # reader's multi_get never blocks on one
-        self.store.set(f"{key}/s{me.stage}/n", str(participants))
+        # The count before the size: a stage's size exists only once its counter does, so a reader
+        # (which asks for the counters once every size exists) never blocks on one, and nobody
+        # creates the other stages' counters (a round trip each, on every step's path).
         self.store.add(f"{key}/s{me.stage}/count", 1)
+        self.store.set(f"{key}/s{me.stage}/n", str(participants))
         end = time.monotonic() + self.deadline_s
         pause = 1e-4
         while True:
@@ -207,10 +210,11 @@ class RowAgreement:
     def _fix(self, key: str, step: int) -> Agreed:
         """``form_rows`` over the members that reported, less the replicas SENTINEL evicted
         (``evictions.evicted_key``, set by the verifier before the verdict every worker reads
-        first): whatever a banned process still does. The reports are read in one round trip
-        (``multi_get`` waits on a missing key: only those that exist are asked for)."""
+        first): whatever a banned process still does (asked only with ``evictions``: a round trip
+        per replica, on every step's path). The reports are read in one round trip (``multi_get``
+        waits on a missing key: only those that exist are asked for)."""
         names = {WorkerId(r, s): f"{key}/links/{WorkerId(r, s)}" for r in range(self.replicas)
-                 if not self.store.check([f"evicted/r{r}"]) for s in range(self.stages)}
+                 if not (self.evictions and self.store.check([f"evicted/r{r}"])) for s in range(self.stages)}
         reported = [w for w, name in names.items() if self.store.check([name])]
         values = self.store.multi_get([names[w] for w in reported]) if reported else []
         held = {w: decode_held(raw) for w, raw in zip(reported, values, strict=True)}

@@ -13,6 +13,7 @@ from meshlearn.distributed.settings import DistConfig, derive_deadlines
 from meshlearn.mesh.network import LinkProfile
 
 ELASTIC_SCHEDULES = ("gpipe", "1f1b")
+MEMBERSHIPS = ("torchft", "control")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,11 @@ class ElasticConfig:
     """Run the stages' data-parallel axis on torchft quorums instead of a fixed process group: a
     dead stage replica's row partners spectate until a joiner completes the row, the other rows go on.
     Off: the fixed-membership driver."""
+    membership: str = "torchft"
+    """Who keeps each stage's quorum: ``torchft`` (a lighthouse per stage, a quorum asked for at
+    every step, its own ports) or ``control`` (a record on the run's store, formed anew only when
+    a member's heartbeat lapses, a joiner asks or a step fails; DP sums over framed streams from
+    the run's connector; docs/elastic.md, "Membership on the control service")."""
     min_replicas: int = 1
     """A step commits only if every stage has at least this many live replicas in its quorum."""
     host: str = "127.0.0.1"
@@ -84,6 +90,8 @@ def validate_elastic(cfg, require) -> None:
     require(address is not None and address.version == 4 and not address.is_unspecified,
             "elastic.host", el.host, "must be one IPv4 address of this machine, e.g. 127.0.0.1 "
                                      "(never 0.0.0.0: nothing may listen on every interface)")
+    require(el.membership in MEMBERSHIPS, "elastic.membership", el.membership,
+            f"allowed: {list(MEMBERSHIPS)}")
     require(1 <= el.min_replicas <= cfg.mesh.replicas, "elastic.min_replicas", el.min_replicas,
             f"must be between 1 and mesh.replicas = {cfg.mesh.replicas}")
     if not el.enabled:
@@ -100,6 +108,9 @@ def validate_elastic(cfg, require) -> None:
             f"with elastic.enabled: must be divisible by k × mesh.microbatches for every number of "
             f"rows k = 1..mesh.replicas (the rows that train a step split its batch; "
             f"not for k = {counts[0] if counts else 0})")
+    require(cfg.verify.name == "none" or el.membership == "torchft", "elastic.membership", el.membership,
+            f"with verify.name = {cfg.verify.name!r}: must be 'torchft' (the verifier's relayed links "
+            "under the control service's membership are not built)")
     require(cfg.verify.name == "none" or cfg.dp.name == "allreduce", "dp.name", cfg.dp.name,
             f"with elastic.enabled and verify.name = {cfg.verify.name!r}: must be 'allreduce' (an "
             "eviction under a message-based strategy's rolled-back rounds is not built or tested)")

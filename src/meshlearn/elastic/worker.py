@@ -24,7 +24,9 @@ import torch.distributed as dist
 
 from meshlearn.config import RunConfig, load_config
 from meshlearn.distributed.health import store_client
+from meshlearn.distributed.streams import PlainConnector, listen_address
 from meshlearn.elastic.binding import interface_of
+from meshlearn.elastic.control_quorum import ControlQuorum, CountingStore, SettlingVote
 from meshlearn.elastic.driver import ElasticDriver
 from meshlearn.elastic.evictions import refuse_join_when_verified
 from meshlearn.elastic.links import RowLinks, generation_key
@@ -65,16 +67,23 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
     timeouts = derive_timeouts(cfg.elastic, cfg.dist, cfg.link, 4 * worker.n_params, mesh.replicas)
     generation = int(os.environ.get(GENERATION_ENV, "0"))
     driver: list[ElasticDriver] = []  # the quorum's state functions call the driver built below
-    quorum = StageQuorum(me, f"{me}.{generation}", cfg.elastic.host, lighthouse_of(me.stage, mesh.stages),
-                         timeouts, cfg.elastic.min_replicas, lambda: driver[0].heal_state(),
-                         lambda state: driver[0].load_heal_state(state))
-    store = store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeouts.quorum_s)
+    state, load = lambda: driver[0].heal_state(), lambda state: driver[0].load_heal_state(state)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = store_client(host, port, timeouts.quorum_s)
+    streams = None  # the rows' links: pair groups (torchft), or streams from this connector
+    if cfg.elastic.membership == "control":
+        streams = session.connector or PlainConnector(store, listen_address(host, port))
+        quorum = control_quorum(cfg, session, timeouts, (host, port), f"{me}.{generation}", state, load)
+    else:
+        quorum = StageQuorum(me, f"{me}.{generation}", cfg.elastic.host, lighthouse_of(me.stage, mesh.stages),
+                             timeouts, cfg.elastic.min_replicas, state, load)
     links = RowLinks(store, mesh, me, generation, interface_of(cfg.elastic.host), timeouts.quorum_s,
-                     relayed=cfg.verify.name == "sentinel")
+                     relayed=cfg.verify.name == "sentinel", connector=streams)
     links.announce()
     if not joining():
-        # Every initial replica heartbeats to its lighthouse before anyone asks for a quorum, so the
-        # first quorum of each stage holds them all (else the first to ask would form one alone).
+        # Every initial replica heartbeats to its lighthouse (or asked to join its stage's record)
+        # before anyone asks for a quorum, so the first quorum of each stage holds them all (else
+        # the first to ask would form one alone).
         started = int(os.environ.get(STARTED_ENV, str(mesh.world_size)))
         store.add("elastic/started", 1)
         end = time.monotonic() + cfg.dist.init_timeout_s
@@ -86,13 +95,32 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
             time.sleep(0.01)
     shared = dist.PrefixStore("elastic/", store)
     vote = CommitVote(shared, mesh.stages, timeouts.collective_s)
+    if isinstance(quorum, ControlQuorum):  # its fast path needs each step's outcome
+        vote = SettlingVote(vote, quorum)
+    sentinel = cfg.verify.name == "sentinel"  # the relay's hops are the slot rows; its bans evict
     rows = RowAgreement(shared, mesh.stages, mesh.replicas, timeouts.quorum_s,  # a quorum may wait
-                        repair=cfg.verify.name != "sentinel")  # the relay's hops are the slot rows
+                        repair=not sentinel, evictions=sentinel)
     driver.append(ElasticDriver(cfg, worker, session.health, session.device, session.comm, quorum, vote,
                                 rows, links, store))
     if joining():
         driver[0].join()
     return driver[0]
+
+
+def control_quorum(cfg, session, timeouts, address: tuple[str, int], member: str, state,
+                   load) -> ControlQuorum:
+    """The stage's membership on the run's store at ``address`` (``elastic/control_quorum.py``):
+    its records and heartbeats under ``elastic/q/s<stage>/``, its sums over streams from the
+    session's connector (a cluster run's authenticated one; else plain streams rendezvoused on
+    the store)."""
+    host, port = address
+
+    def stage_store():
+        return dist.PrefixStore(f"elastic/q/s{session.me.stage}", store_client(host, port, timeouts.quorum_s))
+    store = CountingStore(stage_store())  # the quorum's requests, counted (``QuorumStep.requests``)
+    connector = session.connector or PlainConnector(store, listen_address(host, port))
+    return ControlQuorum(session.mesh, session.me, member, store, stage_store(), connector, timeouts,
+                         cfg.elastic.min_replicas, state, load, joining=joining())
 
 
 def prepare_join(address: str, run_dir: Path) -> RunConfig:

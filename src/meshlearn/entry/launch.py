@@ -88,7 +88,8 @@ def launch_local(worker_argv: list[str], cfg: RunConfig, run_dir: Path, out: Tex
     # TCPStore's own server would listen on every interface: give it a socket on ``host``.
     bound = BoundStore(host, cfg.dist.init_timeout_s, world_size=world)
     store = bound.store
-    lighthouses = start_lighthouses(cfg, host) if cfg.elastic.enabled else []
+    torchft = cfg.elastic.enabled and cfg.elastic.membership == "torchft"
+    lighthouses = start_lighthouses(cfg, host) if torchft else []  # "control": the store holds it all
     ctx = mp.get_context("forkserver")
     # torch._dynamo is what building an optimizer imports lazily: ~1.5 s of CPU once, not per worker.
     ctx.set_forkserver_preload(["meshlearn.entry.worker", "torch._dynamo"])
