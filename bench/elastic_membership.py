@@ -35,6 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=16)
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     runs = {"fixed membership (DistDriver), gloo": run(args.steps, False, None, 0),
             "fixed membership, framed links and sums": run(args.steps, False, None, 0, extra=FRAMED)}
     for membership in ("torchft", "control"):
@@ -54,7 +55,8 @@ def main() -> None:
         markdown += (f"\n\n{row['run']}: {extra:+.3f} s/step against {baseline['run']} "
                      f"({extra / baseline['step_s'] * 100:+.1f}%).")
     markdown += (f"\n\nDemo model, P=2 × D=2, 100 Mbit/s, 20 ms, {args.steps} steps, one run each, "
-                 f"load average {os.getloadavg()[0]:.1f} at the end.")
+                 f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} at the end. "
+                 f"`OMP_NUM_THREADS=1 python bench/elastic_membership.py --steps {args.steps}`.")
     write_results("elastic_membership", {"args": vars(args), "table": table,
                                          "records": {name: rows for name, rows in runs.items()}}, markdown)
 
