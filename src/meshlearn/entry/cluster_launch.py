@@ -14,7 +14,10 @@ host's address and credentials:
   link listeners to the address itself (``streams.BIND_ADDRESS_ENV``): nothing is guessed from
   the hostname or the route.
 
-Before any worker starts, the coordinator's decisions reach every host (``cluster/shared.py``).
+Before any worker starts, the coordinator's decisions reach every host (``cluster/shared.py``), and
+so does the revocation list in force: a host that is not the coordinator follows the one the
+coordinator publishes for the whole run (``control_store.follow_revocations``), keeping it beside
+its key, where its workers and a resume read it.
 The coordinator's launcher keeps the service up until every host's workers are done, then adds
 every host's refusals to the run's summary.json (each host also keeps its own security.json).
 """
