@@ -11,6 +11,7 @@ watches are driven by hand (``look``/``check``), never by their timers."""
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -134,15 +135,18 @@ def test_only_the_coordinator_publishes_the_list(tmp_path: Path) -> None:
         assert line.read() == published[0]
 
 
-@pytest.mark.parametrize(("forged", "why"), [
-    ("older", "its number 1 is below the list in force's (2)"),
-    ("another CA's", "not signed by the run's CA"),
-    ("oversized", f"larger than {MAX_LIST_BYTES} bytes"),
+@pytest.mark.parametrize(("forged", "why", "blamed"), [
+    # a coordinator may lag behind; made in an earlier second, the older list is refused for its date
+    ("older", r"(its number 1 is below the list in force's \(2\)|it was made at .+, before the list in "
+              r"force \(.+\))", {}),
+    ("another CA's", "not signed by the run's CA", {"alice": 1}),
+    ("oversized", f"larger than {MAX_LIST_BYTES} bytes", {"alice": 1}),
 ])
-def test_a_published_list_that_fails_the_checks_is_refused(tmp_path: Path, forged: str, why: str) -> None:
+def test_a_published_list_that_fails_the_checks_is_refused(tmp_path: Path, forged: str, why: str,
+                                                           blamed: dict) -> None:
     """The coordinator's service publishes a list bob's checks refuse (a coordinator that lies, or
-    one fed a bad list): refused in one line, counted under the coordinator, carol stays revoked
-    on bob's machine and bob's ca.crl keeps the good list."""
+    one behind bob's own list): refused in one line and counted (under the coordinator when the CA
+    did not sign it), carol stays revoked on bob's machine and bob's ca.crl keeps the good list."""
     create_run(tmp_path / "other", ["alice"], "another-run")
     with _cluster(tmp_path) as cluster:
         bad = {"older": (cluster.run / "ca.crl").read_bytes(),
@@ -153,9 +157,9 @@ def test_a_published_list_that_fails_the_checks_is_refused(tmp_path: Path, forge
         good = (cluster.bob_folder / "ca.crl").read_bytes()
         cluster.service.state.set(REVOCATIONS, bad)  # what the service now answers
         assert not cluster.watch.look()
-        assert cluster.lines[-1] == ("meshlearn: refused the new revocation list published by the "
-                                     f"coordinator alice: {why}; the previous one stays in force")
-        assert cluster.watch.refused == 1 and cluster.counters.by_sender() == {"alice": 1}
+        said = "meshlearn: refused the new revocation list published by the coordinator alice: "
+        assert re.fullmatch(f"{said}{why}; the previous one stays in force", cluster.lines[-1]), cluster.lines
+        assert cluster.watch.refused == 1 and cluster.counters.by_sender() == blamed
         assert cluster.counters.as_dict() == {"list_refused": 1}
         assert not cluster.watch.look() and cluster.watch.refused == 1  # said once, not at every look
         assert handshake_refusal(cluster.bob, cluster.tls("carol")) is not None

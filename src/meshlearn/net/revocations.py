@@ -40,7 +40,8 @@ CHECK_EVERY_S = 2.0  # how often a running listener looks at its list
 @dataclass(frozen=True)
 class ListSource:
     """Where a list comes from: ``where`` names it in the log, ``read`` gives its bytes now (None:
-    no list there yet), ``sender``: the participant a refused list is attributed to (None: the file)."""
+    no list there yet), ``sender``: the participant a list the CA did not sign is attributed to
+    (None: the file; an older list is nobody's fault, an honest sender may not have the newer yet)."""
 
     where: str
     read: Callable[[], bytes | None]
@@ -100,15 +101,13 @@ class RevocationWatch:
         if data is None or data == self._seen[source.where]:
             return False
         try:
-            revocations = self.tls.reload(checked(data, self.tls.credentials.ca, source.where))
-        except ListRefused as err:
-            self._seen[source.where] = data  # refused for what it is: said once, not at every look
-            self.refused += 1
-            if self.counters is not None:
-                self.counters.add("list_refused", f"{source.where}: {err.why}", sender=source.sender)
-            self.log(f"meshlearn: refused the new revocation list {source.where}: {err.why}; the previous "
-                     "one stays in force")
-            return False
+            new = checked(data, self.tls.credentials.ca, source.where)
+        except ListRefused as err:  # not the CA's list: whoever sent it is to blame
+            return self._refuse(source, data, err.why, source.sender)
+        try:
+            revocations = self.tls.reload(new)
+        except ListRefused as err:  # older than the list in force: an honest source may lag behind
+            return self._refuse(source, data, err.why, None)
         serials = set(revocations.serials)
         self.log(f"meshlearn: applied the new revocation list {source.where} ({len(serials)} serial(s) "
                  "revoked)")
@@ -118,6 +117,16 @@ class RevocationWatch:
             self._seen[self._file.where] = revocations.data
         self._seen[source.where] = data  # only now: a failure before is tried again at the next look
         return True
+
+    def _refuse(self, source: ListSource, data: bytes, why: str, sender: str | None) -> bool:
+        """Refuse ``data`` from ``source`` in one line, counted (under ``sender``, if anyone)."""
+        self._seen[source.where] = data  # refused for what it is: said once, not at every look
+        self.refused += 1
+        if self.counters is not None:
+            self.counters.add("list_refused", f"{source.where}: {why}", sender=sender)
+        self.log(f"meshlearn: refused the new revocation list {source.where}: {why}; the previous one "
+                 "stays in force")
+        return False
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
