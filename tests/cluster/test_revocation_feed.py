@@ -71,8 +71,8 @@ def _cluster(tmp_path: Path) -> Iterator[Cluster]:
     service.serve(agent.socket_path)
     bob = RunTls(Credentials.in_folder(bob_folder, "bob"))
     counters, lines = Counters(), []
-    watch = follow_revocations(ControlLine(bob, "127.0.0.1", agent.port, "alice"), counters, lines.append,
-                               every_s=FAR)
+    line = ControlLine(bob, "127.0.0.1", agent.port, "alice", connect_timeout_s=1.0)  # a lost one: 1 s
+    watch = follow_revocations(line, counters, lines.append, every_s=FAR)
     cluster = Cluster(run, bob_folder, agent.port, service, service.watch_revocations(every_s=FAR), bob,
                       watch, counters, lines)
     try:
@@ -165,3 +165,17 @@ def test_a_published_list_that_fails_the_checks_is_refused(tmp_path: Path, forge
         assert handshake_refusal(cluster.bob, cluster.tls("carol")) is not None
         assert (cluster.bob_folder / "ca.crl").read_bytes() == good
 
+
+
+def test_a_coordinator_out_of_reach_does_not_keep_the_file_from_being_looked_at(tmp_path: Path) -> None:
+    """The coordinator's service goes away: each look counts the failure and says so, and a list
+    the owner copies to bob's machine directly still applies."""
+    with _cluster(tmp_path) as cluster:
+        assert not cluster.watch.look()
+        cluster.service.close()
+        revoke(cluster.run, "carol")
+        shutil.copy(cluster.run / "ca.crl", cluster.bob_folder / "ca.crl")
+        assert cluster.watch.look() and cluster.watch.failures == 1, cluster.lines
+        assert f"applied the new revocation list {cluster.bob_folder / 'ca.crl'}" in cluster.lines[0]
+        assert "could not look at the revocation list published by the coordinator alice" in cluster.lines[1]
+        assert handshake_refusal(cluster.bob, cluster.tls("carol")) is not None
