@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import select
 import socket
 import ssl
@@ -20,7 +21,7 @@ from meshlearn.net.counters import Counters
 from meshlearn.net.frames import frame
 from meshlearn.net.keys import Credentials, add_joiner, create_run, revoke
 from meshlearn.net.links import Link, LinkGate
-from meshlearn.net.tls import Acceptor, RunTls
+from meshlearn.net.tls import Acceptor, Refused, RunTls
 
 OWNERS = {"r0s0": "alice", "r0s1": "bob", "r1s0": "carol", "r1s1": "dave"}  # dave: revoked joiner
 LINK: Link = ("r0s0", "r0s1")  # alice -> bob
@@ -58,6 +59,29 @@ class LinkServer:
         self.gate = LinkGate(keys.tls("bob"), {LINK, ("r1s0", "r0s1")}, OWNERS, HEADER_ROOM)
         self.acceptor = Acceptor(self.gate.authenticate, self.counters, timeout_s=timeout_s,
                                  max_half_open=max_half_open)
+
+
+def handshake_refusal(server: RunTls, client: RunTls) -> Refused | None:
+    """Why ``server`` refuses ``client`` in a handshake (None: it admits it), as the server says."""
+    a, b = socket.socketpair()
+    outcome: queue.Queue = queue.Queue()
+
+    def accept() -> None:
+        try:
+            outcome.put(server.accept(b, time.monotonic() + 10)[0])
+        except Refused as err:
+            outcome.put(err)
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    with contextlib.suppress(Refused):
+        client.connect(a, server.identity.name, time.monotonic() + 10)[0].close()
+    thread.join()
+    got = outcome.get()
+    if isinstance(got, Refused):
+        return got
+    got.close()
+    return None
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:

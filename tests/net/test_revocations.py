@@ -5,22 +5,17 @@ look that fails, keeping the last good list and trying again."""
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import shutil
-import socket
 import ssl
-import threading
-import time
 from pathlib import Path
 
 import pytest
-from net_helpers import wait_until
+from net_helpers import handshake_refusal, wait_until
 
 from meshlearn.net.crl import MAX_LIST_BYTES, ListRefused, read_list
 from meshlearn.net.keys import Credentials, add_joiner, create_run, revoke
 from meshlearn.net.revocations import RevocationWatch
-from meshlearn.net.tls import Refused, RunTls
+from meshlearn.net.tls import RunTls
 
 
 @pytest.fixture
@@ -39,26 +34,7 @@ def _tls(folder: Path, name: str) -> RunTls:
 
 
 def _admitted(server: RunTls, client: RunTls) -> bool:
-    """Whether ``server`` admits ``client`` in a handshake."""
-    a, b = socket.socketpair()
-    outcome: queue.Queue = queue.Queue()
-
-    def accept() -> None:
-        try:
-            outcome.put(server.accept(b, time.monotonic() + 10)[0])
-        except Refused as err:
-            outcome.put(err)
-
-    thread = threading.Thread(target=accept)
-    thread.start()
-    with contextlib.suppress(Refused):
-        client.connect(a, server.identity.name, time.monotonic() + 10)[0].close()
-    thread.join()
-    got = outcome.get()
-    if isinstance(got, Refused):
-        return False
-    got.close()
-    return True
+    return handshake_refusal(server, client) is None
 
 
 def test_lists_are_numbered_and_an_older_one_is_refused(run: Path, tmp_path: Path) -> None:

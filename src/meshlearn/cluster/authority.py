@@ -17,9 +17,11 @@ launchers' ``meshlearn-cluster/``):
   runs that rank or worker;
 - a host's own records — its checkpoint manifest ``.../host/<host>``, the launcher's
   ``done/<host>`` and ``security/<host>``: that host;
-- the run's decisions — the config and tokenizer, the tokenizer's ``ready``, the checkpoint
-  agreement and resume step, the records writer's drain marks, state requests and resume state:
-  the coordinator (which runs the records writer); rank 0's tokenizer mark: rank 0's host;
+- the run's decisions — the config and tokenizer, the revocation list in force (``REVOCATIONS``:
+  every other host applies it, so no host but the coordinator's may say what it is), the
+  tokenizer's ``ready``, the checkpoint agreement and resume step, the records writer's drain
+  marks, state requests and resume state: the coordinator (which runs the records writer);
+  rank 0's tokenizer mark: rank 0's host;
 - the verifier's verdicts and states: the verifier's host (the coordinator and the verifier's
   host may delete what they have read);
 - ``abort`` and the graceful-stop ``drain``: any host, by compare-and-set; an abort is stored
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 
 WORKERS = re.compile(r"meshlearn/\d+//(?P<rest>.+)\Z")  # what health.store_client's PrefixStore makes
 LAUNCHERS = "meshlearn-cluster/"  # cluster/shared.py's KEYS
+REVOCATIONS = LAUNCHERS + "revocations"  # the list in force, as the coordinator publishes it
 ABORT = "abort"
 WRITES = ("set", "add", "compare_set", "delete_key")
 # who an abort says is speaking: "worker r0s1 failed: …", "the verifier failed: …", "anchor a0s1
@@ -126,7 +129,7 @@ WORKER_FAMILIES = (
     Family(re.compile(r"pg/.+\Z", re.DOTALL), _trusted),
 )
 LAUNCHER_FAMILIES = (
-    Family(re.compile(r"(config|tokenizer|tokenizer_sha256)\Z"), _coordinator),
+    Family(re.compile(r"(config|tokenizer|tokenizer_sha256|revocations)\Z"), _coordinator),
     Family(re.compile(rf"(done|security)/(?P<host>{NAME})\Z"), _that_host),
 )
 

@@ -27,7 +27,10 @@ records the most each host held; ``CONNECTIONS_PER_PROCESS`` says what a run mea
 
 Revocation needs no restart: ``watch_revocations`` applies a new ``ca.crl`` beside the
 coordinator's key (``net/revocations.py``), so the revoked host's next handshake is refused and
-the connections it holds are closed at once (counted as ``revoked``, under its name).
+the connections it holds are closed at once (counted as ``revoked``, under its name). The list in
+force is published under ``authority.REVOCATIONS`` (its exact signed bytes, which only the
+coordinator may write), from the start and after each list applied, so every other host can apply
+it too (``control_store.follow_revocations``): revoked at the coordinator, revoked on every machine.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from pathlib import Path
 
 from cryptography import x509
 
-from meshlearn.cluster.authority import Authority
+from meshlearn.cluster.authority import REVOCATIONS, Authority
 from meshlearn.cluster.control_wire import receive, send, stream
 from meshlearn.net.counters import Counters
 from meshlearn.net.frames import FramedStream, FrameRefused
@@ -137,6 +140,7 @@ class ControlService:
         self._buckets = {host: TokenBucket(*rate, clock=clock) for host in authority.hosts}
         self.peak: Counter[str] = Counter()  # the most connections each host held at once
         self.state = ControlState()
+        self.state.set(REVOCATIONS, tls.revocations.data)  # what every other host applies
         timing = {} if handshake_timeout_s is None else {"timeout_s": handshake_timeout_s}
         self.acceptor = Acceptor(self._authenticate, counters, on_ready=self._start, **timing)
         self._inbox: Inbox | None = None
@@ -155,9 +159,14 @@ class ControlService:
     def watch_revocations(self, every_s: float | None = None) -> RevocationWatch:
         """Apply a new revocation list beside this service's key while it serves (no restart)."""
         timing = {} if every_s is None else {"every_s": every_s}
-        self._watch = RevocationWatch(self.tls, self.cut_off, self.log, **timing)
+        self._watch = RevocationWatch(self.tls, self._revoked_now, self.log, counters=self.counters, **timing)
         self._watch.start()
         return self._watch
+
+    def _revoked_now(self, serials: set[int]) -> None:
+        """A new list was applied: publish it to the other hosts, and cut off whom it revokes."""
+        self.state.set(REVOCATIONS, self.tls.revocations.data)
+        self.cut_off(serials)
 
     def cut_off(self, serials: set[int]) -> None:
         """Close every connection whose certificate's serial is in ``serials`` (just revoked), and

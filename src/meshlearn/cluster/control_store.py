@@ -8,6 +8,10 @@ is refused before any request leaves. Connections are per thread (``ControlLine`
 monitor's heartbeat never queues behind the main thread's waiting ``get``, and no frame of two
 threads interleaves. Every process shares one ``ControlLine``; ``ControlStore`` objects over it
 differ only in their timeout (each caller of ``store_client`` asks its own).
+
+A host that is not the coordinator also follows the revocation list the coordinator publishes
+(``follow_revocations``): whoever the owner revoked at the coordinator is refused on this machine
+too, and the list is kept beside this host's key for every process it starts later and for a resume.
 """
 
 from __future__ import annotations
@@ -15,17 +19,21 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
+from meshlearn.cluster.authority import REVOCATIONS
 from meshlearn.cluster.control import DESTINATION
 from meshlearn.cluster.control_wire import raise_for, receive, send, stream
 from meshlearn.cluster.identity import credentials_beside
 from meshlearn.cluster.links import KEY_ENV
+from meshlearn.net.counters import Counters
 from meshlearn.net.frames import FramedStream
 from meshlearn.net.port import dial
+from meshlearn.net.revocations import CHECK_EVERY_S, ListSource, RevocationWatch
 from meshlearn.net.tls import HANDSHAKE_TIMEOUT_S, Refused, RunTls
 
 FINAL = ("certificate_refused", "identity_refused", "refused_by_peer")  # refusals a retry will not change
@@ -148,6 +156,22 @@ class ControlStore(dist.Store):
 def _bytes(value) -> bytes:
     """A value as torch's stores take it: bytes, a list of byte values, or text."""
     return bytes(value) if isinstance(value, bytes | bytearray | list) else str(value).encode()
+
+
+def follow_revocations(line: ControlLine, counters: Counters, log: Callable[[str], None],
+                       every_s: float = CHECK_EVERY_S) -> RevocationWatch:
+    """A watch (not started) of this host's list beside its key and of the list the coordinator
+    publishes (``authority.REVOCATIONS``), applied to ``line``'s contexts and kept in the file. The
+    coordinator is authenticated by ``line`` and its answer bounded by the control frame; its list
+    is checked like the file's (size, signature under the run's CA, not older than the one in
+    force), and a refused one is counted in ``counters`` under the coordinator's name. Nothing to
+    close when a list applies: the launcher holds no connection a peer opened (the connections into
+    this machine are its workers', whose contexts read the file when they start)."""
+    store = ControlStore(line, ANSWER_MARGIN_S)  # the key is checked first: ``get`` never waits
+    published = ListSource(f"published by the coordinator {line.coordinator}",
+                           lambda: store.get(REVOCATIONS) if store.check([REVOCATIONS]) else None,
+                           sender=line.coordinator)
+    return RevocationWatch(line.tls, lambda serials: None, log, every_s, (published,), counters)
 
 
 def control_connector(coordinator: str):

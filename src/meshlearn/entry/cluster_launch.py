@@ -14,7 +14,10 @@ host's address and credentials:
   link listeners to the address itself (``streams.BIND_ADDRESS_ENV``): nothing is guessed from
   the hostname or the route.
 
-Before any worker starts, the coordinator's decisions reach every host (``cluster/shared.py``).
+Before any worker starts, the coordinator's decisions reach every host (``cluster/shared.py``), and
+so does the revocation list in force: a host that is not the coordinator follows the one the
+coordinator publishes for the whole run (``control_store.follow_revocations``), keeping it beside
+its key, where its workers and a resume read it.
 The coordinator's launcher keeps the service up until every host's workers are done, then adds
 every host's refusals to the run's summary.json (each host also keeps its own security.json).
 """
@@ -36,7 +39,7 @@ from meshlearn.atomic import atomic_write_json
 from meshlearn.cluster.authority import Authority
 from meshlearn.cluster.checkpoints import agreed_steps
 from meshlearn.cluster.control import ControlService
-from meshlearn.cluster.control_store import ControlLine, ControlStore
+from meshlearn.cluster.control_store import ControlLine, ControlStore, follow_revocations
 from meshlearn.cluster.control_wire import ControlRefused
 from meshlearn.cluster.hostport import HostPort
 from meshlearn.cluster.placement import Placement
@@ -72,23 +75,33 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     port = HostPort(placement, credentials)
-    service = None
+    service = watch = None
     try:
         tls = RunTls(credentials)
         if placement.is_coordinator:  # the run's control state, behind this host's port
             authority = Authority(placement.hosts_of, placement.ranks, placement.coordinator,
                                   trusted_groups=links_trusted(cfg))
-            service = ControlService(tls, authority, port.counters,
-                                     log=lambda line: print(line, file=sys.stderr, flush=True))
+            service = ControlService(tls, authority, port.counters, log=_log)
             service.serve(port.socket_path)
             service.watch_revocations()  # the owner revokes by replacing ca.crl here: no restart
         line = ControlLine(tls, placement.store_address, placement.store_port, placement.coordinator)
         store = _join_coordinator(cfg, run_dir, placement, line, resume)
+        if not placement.is_coordinator:  # the coordinator's list, here too
+            watch = follow_revocations(line, port.counters, _log)
+            watch.look()  # before any worker starts: its links listen under the coordinator's list
+            watch.start()
         return _run_workers(worker_argv, cfg, run_dir, placement, port, store, out)
     finally:
+        if watch is not None:
+            watch.close()
         if service is not None:
             service.close()
         port.close()
+
+
+def _log(line: str) -> None:
+    """The launcher's log: its standard error."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _run_workers(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement: Placement, port: HostPort,

@@ -149,7 +149,7 @@ def create_run(folder: Path, hosts: list[str], run_name: str) -> list[str]:
                                   critical=False)
                    .sign(ca_key, None))
         _write_key(folder / "ca.key", ca_key)
-        _write_public(folder / "ca.crt", ca_cert.public_bytes(serialization.Encoding.PEM))
+        write_public(folder / "ca.crt", ca_cert.public_bytes(serialization.Encoding.PEM))
         ledger: dict[str, dict] = {}
         _write_crl(folder, ca_key, ca_cert, ledger)
         for host in hosts:
@@ -217,7 +217,7 @@ def _issue(folder: Path, ca_key, ca_cert: x509.Certificate, ledger: dict, name: 
                            critical=False)
             .sign(ca_key, None))
     _write_key(folder / f"{name}.key", key)
-    _write_public(folder / f"{name}.crt", cert.public_bytes(serialization.Encoding.PEM))
+    write_public(folder / f"{name}.crt", cert.public_bytes(serialization.Encoding.PEM))
     ledger[name] = {"role": role, "serials": [*ledger.get(name, {}).get("serials", []),
                                               format(cert.serial_number, "x")], "revoked": False}
 
@@ -250,7 +250,7 @@ def _write_crl(folder: Path, ca_key, ca_cert: x509.Certificate, ledger: dict) ->
             for serial in entry["serials"]:
                 revoked = x509.RevokedCertificateBuilder().serial_number(int(serial, 16)).revocation_date(now)
                 builder = builder.add_revoked_certificate(revoked.build())
-    _write_public(folder / "ca.crl", builder.sign(ca_key, None).public_bytes(serialization.Encoding.PEM))
+    write_public(folder / "ca.crl", builder.sign(ca_key, None).public_bytes(serialization.Encoding.PEM))
 
 
 def _previous_number(folder: Path) -> int:
@@ -279,7 +279,7 @@ def _read_ledger(folder: Path) -> dict[str, dict]:
 
 
 def _write_ledger(folder: Path, ledger: dict) -> None:
-    _write_public(folder / "issued.json", (json.dumps({"names": ledger}, indent=2, sort_keys=True)
+    write_public(folder / "issued.json", (json.dumps({"names": ledger}, indent=2, sort_keys=True)
                                            + "\n").encode())
 
 
@@ -289,7 +289,8 @@ def _write_key(path: Path, key: ed25519.Ed25519PrivateKey) -> None:
     _write(path, pem, 0o600)
 
 
-def _write_public(path: Path, data: bytes) -> None:
+def write_public(path: Path, data: bytes) -> None:
+    """``data`` into ``path`` atomically, readable by all (a certificate, a list, the ledger)."""
     _write(path, data, 0o644)
 
 
