@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--rules", default=",".join(RULES))
+    parser.add_argument("--tag", default="", help="results as robust_dp_TAG (a slice beside the full table)")
     args = parser.parse_args()
     jobs = [(s, a, r, args.steps, args.attack_start) for s in args.strategies.split(",")
             for a in args.attacks.split(",") for r in args.rules.split(",")]
@@ -127,7 +128,7 @@ def main() -> None:
                 f"{ATTACKER} on its DP contribution from step {args.attack_start}. Load average before "
                 f"{load_before}, after {payload['load_average_after']}; {payload['wall_s']:.0f} s wall.\n\n"
                 + markdown_table(rows, columns) + f"\n\nMisses: {len(misses)} of {len(rows)} rows.\n")
-    write_results("robust_dp", payload, markdown)
+    write_results(f"robust_dp_{args.tag}" if args.tag else "robust_dp", payload, markdown)
     Path(OUT).mkdir(parents=True, exist_ok=True)
     (OUT / "last.json").write_text(json.dumps(payload, indent=2))
 
