@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 import torch
 from test_verify_failsafe import SHAPE, Stream, message, sentinel
 
@@ -16,6 +15,7 @@ MESH = MeshShape(replicas=2, stages=3)
 HONEST, ATTACKER = WorkerId(0, 1), WorkerId(1, 1)
 START, RAMP, BIAS = 30, 100, 3.0  # the attacker's bias grows from step START over RAMP steps
 BURST = (100, 108)  # steps in which the honest sender's activations are 3× larger (flagged, rightly)
+SPLIT = 109  # the drift run's undecided split (the honest sender, flagged from step 100 to here)
 
 
 def drift_run(attack, steps: int = 150, count_from: int = BURST[1], **overrides) -> dict:
@@ -82,14 +82,12 @@ def test_a_split_the_verifier_can_decide_keeps_quarantining_the_attacker():
     assert counts["honest_quarantined"] <= 8, counts
 
 
-@pytest.mark.xfail(strict=True, reason="open (docs/sentinel.md, issue 31): an undecided split's "
-                   "passing never expires; expiring it after verify.rewarm_steps cost the drift ramp "
-                   "+0.034 (3.306 vs 3.272), after that many flagged steps +0.019")
 def test_passing_ends_when_no_undecided_split_renews_it():
-    """The drift's undecided splits turn passing on; the attacker then holds still and from step
+    """The drift's undecided split turns passing on; the attacker then holds still and from step
     140 corrupts one microbatch in four (×−1: flagged, but never a majority, so never a split).
-    Those flags should be quarantined again once no undecided split renews the passing; today all
-    30 are delivered: one undecided split switches a boundary's quarantine off for good."""
+    Before the passing could end (review finding 14) all 30 were delivered: one undecided split
+    switched a boundary's quarantine off for good. Now it ends at the first step in which the
+    sender it passed for is mostly accepted again, and each corrupted microbatch is quarantined."""
     calls = itertools.count()
 
     def attack(step: int, x: torch.Tensor) -> torch.Tensor:
@@ -103,3 +101,22 @@ def test_passing_ends_when_no_undecided_split_renews_it():
     counts = drift_run(attack, steps=170, count_from=140)
     assert counts["passed"] == 0, counts
     assert counts["attacker_quarantined"] == 30, counts  # each flagged microbatch of steps 140–169
+
+
+def test_passing_ends_even_when_flags_never_stop():
+    """The same corruption from the first step after the undecided split: the boundary never
+    again sees a step without a flag, so a rule that waited for a clean step (every sender scored,
+    none flagged) passes all of them (measured: 59 of 59; so does the rule before the fix). The
+    honest sender is mostly accepted again from step 110, which ends the passing there: only that
+    step's corrupted microbatch is delivered (not counted here)."""
+    calls = itertools.count()
+
+    def attack(step: int, x: torch.Tensor) -> torch.Tensor:
+        microbatch = next(calls) % 4
+        if step <= SPLIT:
+            return ramp(step, x)
+        return -x if microbatch == 0 else ramp(SPLIT, x)
+
+    counts = drift_run(attack, steps=170, count_from=SPLIT + 2)
+    assert counts["passed"] == 0, counts
+    assert counts["attacker_quarantined"] == 170 - SPLIT - 2, counts  # one microbatch per step

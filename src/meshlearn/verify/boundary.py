@@ -59,7 +59,7 @@ class View:
     medians: dict[str, float]
     median_norm: float | None
     rewarming: frozenset[str]
-    passing: bool = False  # fence flags delivered, not quarantined (``capture.py``)
+    passing: int | None = None  # the replica whose split passes fence flags on (``capture.py``)
 
 
 @dataclass
@@ -100,10 +100,11 @@ class BoundaryVerifier:
         self.locked = 0  # consecutive steps with a strict majority of senders flagged
         self.reacted_at = -1  # the last step whose end rebased or re-warmed this boundary
         # The reference as it stood after the last step in which no sender was flagged here (the
-        # last consensus), and whether flags are passed on rather than quarantined: the fallback
-        # when a split between two senders cannot be decided (``capture.py``).
+        # last consensus), and the replica whose fence flags are passed on rather than quarantined
+        # (None: nobody's): the fallback when a split between two senders cannot be decided
+        # (``capture.py``).
         self.anchor: Summary | None = None
-        self.passing = False
+        self.passing: int | None = None
         self.norms: deque[float] = deque(maxlen=cfg.window)
         self.median_norm: float | None = None
         self.shape: tuple[int, ...] | None = None
@@ -353,7 +354,8 @@ class BoundaryVerifier:
         self.locked = state.get("locked", 0)
         self.reacted_at = state.get("reacted_at", -1)
         self.anchor = None if state.get("anchor") is None else Summary(**state["anchor"])
-        self.passing = state.get("passing", False)
+        passing = state.get("passing")  # older states: a bool, for no sender in particular
+        self.passing = passing if isinstance(passing, int) and not isinstance(passing, bool) else None
         self.norms.clear()
         self.norms.extend(state["norms"])
         self.shape = None if state["shape"] is None else tuple(state["shape"])

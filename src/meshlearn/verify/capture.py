@@ -19,9 +19,22 @@ corruption, quarantined as before. Otherwise it is **undecided**: the reference 
 the accepted sender alone, and with two senders nothing says which of them lies. Then the
 reference restarts from both senders' messages of the step, the flagged sender's strikes there
 are void, an alert says so, and the boundary *passes* fence flags on (still scored and counted,
-delivered unchanged) until a split is decided again. Passing traffic is what no verification
-does, so an undecided boundary costs at most that. Sanity failures (shape, non-finite, norm)
-concern one sender and are never passed.
+delivered unchanged). Passing traffic is what no verification does, so an undecided boundary
+costs at most that. Sanity failures (shape, non-finite, norm) concern one sender and are never
+passed.
+
+**How long it passes.** As long as the disagreement lasts (``still_split``): the passing ends at
+the end of a step in which the sender the undecided split flagged sent messages there and a strict
+majority of them was accepted (the two agree again), or when a split is decided. A step in which
+that sender sent nothing there (its microbatches dropped upstream) says nothing and changes
+nothing. Before, only a decided split ended it: once on, an attacker could corrupt one microbatch
+in four (flagged, never a majority, so never a split) and have every one delivered. Renewing the
+passing only by another undecided split (any step with every sender scored and none ends it)
+was measured too and rejected: the drift's capture also shows as flags a split does not count
+(``gain``, a pair distance measured against the boundary's captured gain reference; both senders
+flagged), so the honest sender was quarantined in those steps; and delivering only the passed-for
+sender's flags (quarantining the other's) was measured worse than no verification on the ramp
+(numbers in docs/sentinel.md, "Two replicas, slow drift, non-identical data").
 """
 
 from __future__ import annotations
@@ -87,3 +100,12 @@ def undecided(verifier: BoundaryVerifier, step: int, flagged: WorkerId, accepted
     far = statistics.median(verifier.anchor_score(s) for s in bad)
     near = statistics.median(verifier.anchor_score(s) for s in good)
     return far <= near or near > 1
+
+
+def still_split(scored: list[Scored], key: Key, replica: int) -> bool:
+    """Whether the passing of boundary ``key`` for ``replica`` (the sender its undecided split
+    flagged) goes on after this step: that sender's messages there were mostly flagged again (the
+    disagreement lasts, whatever flagged them), or it sent none there (no evidence either way).
+    False ends the passing: a strict majority of its messages was accepted."""
+    own = [e for e in scored if e.verifier == key and e.src.replica == replica]
+    return not own or 2 * sum(e.flagged for e in own) > len(own)

@@ -42,7 +42,7 @@ Quarantine (method note, "Algorithm"):
   on but not scored, since they derive from the replacement.
 
 At a ban budget of 0 (2 replicas) a split between the two senders of a boundary that the verifier
-cannot decide passes traffic on instead (``capture.py``).
+cannot decide passes traffic on instead, for as long as the split lasts (``capture.py``).
 
 Usage::
 
@@ -63,7 +63,7 @@ from meshlearn.compress.codecs import Codec
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.verify.boundary import ROBUST_GROUP, SANITY, BoundaryVerifier, Verdict, View, combine
-from meshlearn.verify.capture import splits, undecided
+from meshlearn.verify.capture import splits, still_split, undecided
 from meshlearn.verify.cost import VerifierClock
 from meshlearn.verify.ledger import (
     Action,
@@ -268,9 +268,12 @@ class Sentinel:
                 verifier.rewarm(list(verifier.fences), step + 1 + self.cfg.rewarm_steps)
                 verifier.locked = 0
                 rewarmed.append(f"s{key[0]}|s{key[0] + 1} {key[1]}: all (blind)")
+            if (key not in captured and verifier.passing is not None
+                    and not still_split(scored, key, verifier.passing)):
+                verifier.passing = None  # nothing renewed it: flags are quarantined again (capture.py)
             if key in captured:  # undecided split (capture.py): restart from both, pass flags on
                 verifier.rebase(step)
-                verifier.passing = True
+                verifier.passing = captured[key].replica
             elif key not in stale:
                 verifier.locked = 0
                 verifier.commit(step)
@@ -375,7 +378,7 @@ class Sentinel:
         if flagged:
             verifier.reject(order, summary, verdict.gain, step=message.step,
                             off_norm=verdict.norm if verdict.sanity == "norm" else None)
-            if view.passing and not verdict.sanity and reason != "suspended":
+            if view.passing is not None and not verdict.sanity and reason != "suspended":
                 decision.delivered = True  # an undecided boundary passes fence flags on (capture.py)
                 return message, values
             return self._quarantine(message, view, values, key)
@@ -424,7 +427,7 @@ class Sentinel:
         for key, (bad, good) in sorted(splits(scored).items()):
             verifier = self.verifiers[key]
             if not undecided(verifier, step, bad, good):
-                verifier.passing = False
+                verifier.passing = None
                 continue
             captured[key] = bad
             alert = self.ledger.undecided(bad, step, (
