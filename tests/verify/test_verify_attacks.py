@@ -180,3 +180,12 @@ def test_forge_stale_sends_an_earlier_message_with_its_old_step():
     b.load_state_dict(a.state_dict())
     probe = message(step=6, microbatch=1)
     assert a.forge(probe).step == b.forge(probe).step == 4
+
+
+def test_the_adaptive_attacker_passes_its_dp_contribution_through():
+    """A worker hands its DP contribution to its attack too (``Worker.dp_contribution``, kind
+    ``dp``); the adaptive attacker shadows pipeline verifiers only and raised KeyError 'dp' there,
+    which crashed every adaptive run (found by bench/sentinel.py at 2 replicas)."""
+    a = attack("adaptive", start_step=0)
+    flat = torch.randn(50)
+    assert a(kind="dp", step=5, microbatch=0, x=flat) is flat
