@@ -4,14 +4,18 @@ none, each robust rule}. One attacker, r1s1 (a middle stage; 25% of its stage's 
 its DP contribution only (``attack.target = dp``) from ``--attack-start``.
 
 Per row: final validation loss, virtual tokens/s (the simulator's device model, links at the demo's
-200 Mbit/s), DP bytes per token, and who was evicted as a DP outlier at which step (the built-in
-all-reduce's robust rows are scored, docs/dp_robust.md). Goals checked per row: under attack,
+200 Mbit/s), DP bytes per token, the DP outlier scores seen (0: the run scored none), the marks of
+the attacker and of honest replicas (a score above ``dp.outlier_score``), and who was evicted as a
+DP outlier at which step (docs/dp_robust.md, Attribution). ``--report-only`` sets
+``verify.ban = false``: attribution reports but never evicts, so a robust row is the rule alone.
+Goals checked per row: under attack,
 within 0.05 of the clean loss of the same strategy with dp.robust = none; clean cost of each rule
 ≤ 2% in loss and ≤ 20% in virtual tokens/s against none. Runs are independent processes
 (``--jobs``), one torch thread each.
 
     OMP_NUM_THREADS=1 python bench/robust_dp.py [--steps 40] [--jobs 1]
     python bench/robust_dp.py --strategies allreduce --rules none,median  # a slice
+    python bench/robust_dp.py --steps 100 --attack-start 50 --tag long  # the issue's red-team length
 """
 
 from __future__ import annotations
@@ -45,27 +49,31 @@ ATTACKER = "r1s1"
 LOSS_GOAL, CLEAN_LOSS_COST, CLEAN_SPEED_COST = 0.05, 0.02, 0.20
 
 
-def overrides(strategy: str, attack: str, rule: str, steps: int, start: int) -> list[str]:
+def overrides(strategy: str, attack: str, rule: str, steps: int, start: int, report_only: bool) -> list[str]:
     base = ["mesh.replicas=4", f"train.steps={steps}", f"train.eval_every={steps}",
             "train.checkpoint_every=0", f"train.warmup_steps={max(1, steps // 10)}",
-            f"dp.robust={rule}", *STRATEGIES[strategy]]
+            f"dp.robust={rule}", *STRATEGIES[strategy], *(["verify.ban=false"] if report_only else [])]
     if attack != "clean":
         base += [*ATTACKS[attack], f"attack.workers={ATTACKER}", "attack.target=dp",
                  f"attack.start_step={start}"]
     return base
 
 
-def run_one(job: tuple[str, str, str, int, int]) -> dict:
-    strategy, attack, rule, steps, start = job
+def run_one(job: tuple[str, str, str, int, int, bool]) -> dict:
+    strategy, attack, rule, steps, start, report_only = job
     torch.set_num_threads(1)
-    cfg = demo_config(*overrides(strategy, attack, rule, steps, start))
-    run_dir = OUT / f"{strategy}-{attack}-{rule}-{steps}"
+    cfg = demo_config(*overrides(strategy, attack, rule, steps, start, report_only))
+    run_dir = OUT / f"{strategy}-{attack}-{rule}-{steps}{'-report' if report_only else ''}"
     summary = finished_run(run_dir, cfg)
     started = time.perf_counter()
     if summary is None:
         summary = Trainer(cfg, run_dir, progress=False).train()
+    marks = summary.get("dp_outliers", {})
     return {"strategy": strategy, "attack": attack, "robust": rule, "val_loss": summary["final_val_loss"],
             "tokens_per_s": summary["sim_tokens_per_s"], "dp_bytes_per_token": summary["bytes_per_token_dp"],
+            "scored": summary.get("dp_scored", 0),
+            "attacker_marks": marks.get(ATTACKER, 0) if attack != "clean" else "-",
+            "honest_marks": sum(n for w, n in marks.items() if attack == "clean" or w != ATTACKER),
             "evicted": ", ".join(f"{b['worker']}@{b['step']}" for b in summary.get("banned_workers", []))
             or "-",
             "wall_s": time.perf_counter() - started}
@@ -93,6 +101,13 @@ def check_goals(rows: list[dict]) -> None:
             row["goal"], row["met"] = "reference", "-"
 
 
+def command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this table (a flag only when it is set)."""
+    words = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {v}"
+             for k, v in vars(args).items() if v is not False]
+    return "OMP_NUM_THREADS=1 python bench/robust_dp.py " + " ".join(words)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -102,8 +117,10 @@ def main() -> None:
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--rules", default=",".join(RULES))
     parser.add_argument("--tag", default="", help="results as robust_dp_TAG (a slice beside the full table)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="verify.ban = false: DP outliers are reported, never evicted (the rule alone)")
     args = parser.parse_args()
-    jobs = [(s, a, r, args.steps, args.attack_start) for s in args.strategies.split(",")
+    jobs = [(s, a, r, args.steps, args.attack_start, args.report_only) for s in args.strategies.split(",")
             for a in args.attacks.split(",") for r in args.rules.split(",")]
     load_before = load_average()
     started = time.perf_counter()
@@ -114,19 +131,22 @@ def main() -> None:
     payload = {"steps": args.steps, "attack_start": args.attack_start, "attacker": ATTACKER,
                "replicas": 4, "link": "200 Mbit/s, 50 ms (demo)", "load_average_before": load_before,
                "load_average_after": load_average(), "wall_s": time.perf_counter() - started,
-               "command": "OMP_NUM_THREADS=1 python bench/robust_dp.py " + " ".join(
-                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+               "report_only": args.report_only, "command": command(args),
                "rows": rows, "misses": len(misses)}
     columns = [("strategy", "strategy", ""), ("attack", "attack", ""), ("robust", "dp.robust", ""),
                ("val_loss", "val loss", ".4f"), ("d_loss", "Δ vs clean/none", "+.4f"),
                ("tokens_per_s", "virtual tok/s", ".0f"), ("dp_bytes_per_token", "DP B/token", ".1f"),
-               ("evicted", "evicted (worker@step)", ""), ("goal", "goal", ""), ("met", "met", "")]
+               ("scored", "scores", ""), ("attacker_marks", "attacker marks", ""),
+               ("honest_marks", "honest marks", ""), ("evicted", "evicted (worker@step)", ""),
+               ("goal", "goal", ""), ("met", "met", "")]
     for row in rows:
         row.setdefault("d_loss", 0.0)
     markdown = (f"# Robust DP aggregation (issue 32)\n\n`{payload['command']}`: demo config, 4 replicas, "
                 f"{args.steps} steps (shortened from the demo's 300 to fit the CPU budget), attacker "
-                f"{ATTACKER} on its DP contribution from step {args.attack_start}. Load average before "
-                f"{load_before}, after {payload['load_average_after']}; {payload['wall_s']:.0f} s wall.\n\n"
+                f"{ATTACKER} on its DP contribution from step {args.attack_start}"
+                f"{' (verify.ban = false: reported, never evicted)' if args.report_only else ''}. "
+                f"Load average before {load_before}, after {payload['load_average_after']}; "
+                f"{payload['wall_s']:.0f} s wall.\n\n"
                 + markdown_table(rows, columns) + f"\n\nMisses: {len(misses)} of {len(rows)} rows.\n")
     write_results(f"robust_dp_{args.tag}" if args.tag else "robust_dp", payload, markdown)
     Path(OUT).mkdir(parents=True, exist_ok=True)

@@ -159,6 +159,9 @@ class StreamingDiLoCo(DPStrategy):
             sync = self.pending.pop(key)
             if sync.merged is None:
                 continue
+            self.note_score(u, key)
+            if self.compressors is not None:  # the Q round of the same sync
+                self.note_score(u, (key[0], len(self.fragments) + sync.fragment))
             for i in self.fragments[sync.fragment]:
                 p = self.params[i]
                 p.data.copy_(self.alpha * self.outer[i] + (1.0 - self.alpha) * p.data

@@ -88,6 +88,7 @@ class PowerSGD(DPStrategy):
             raise RuntimeError(f"worker {self.me}: a peer's PowerSGD factors for update {key[0]} "
                                "are misshapen; a blocking strategy cannot drop a round")
         u, phase = key
+        self.note_score(u, key)  # both rounds are merged at u, into Ĝ
         return self._phase1(u, mean) if phase == 0 else self._phase2(u, mean)
 
     def _phase1(self, u: int, mean_p: torch.Tensor) -> list[Message]:

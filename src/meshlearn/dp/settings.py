@@ -108,7 +108,10 @@ class DPConfig:
     many times the median replica's distance from the aggregate is marked an outlier of that update;
     one marked in 3 of its last 8 updates is reported and evicted like a SENTINEL ban, within the
     same budget (verify.ban_budget: a strict minority of each stage, never a first or last stage;
-    verify.ban = false reports only). docs/dp_robust.md, Attribution. > 1."""
+    verify.ban = false reports only; so do sparse with dp.delay > 0 and diloco with dp.overlap > 0,
+    never at a drain point at a step's end). Every strategy's rounds are scored (the all-reduce's
+    gradients, sparse slices, PowerSGD factors, DiLoCo pseudo-gradients). docs/dp_robust.md,
+    Attribution. > 1."""
 
 
 def scores_dp_outliers(cfg) -> bool:
@@ -118,9 +121,19 @@ def scores_dp_outliers(cfg) -> bool:
     return cfg.dp.robust != "none" and cfg.mesh.schedule != "async"
 
 
+def merges_within_update(dp: DPConfig) -> bool:
+    """Whether every DP round is merged by the update that starts it, so every worker is at a
+    drain point at each step's end: not sparse with ``delay`` > 0 nor diloco with ``overlap`` > 0,
+    whose rounds run behind the updates (one is always open)."""
+    return not ((dp.name == "sparse" and dp.delay > 0) or (dp.name == "diloco" and dp.overlap > 0))
+
+
 def evicts_dp_outliers(cfg) -> bool:
-    """Whether a reported DP outlier is evicted (``TrustLayer.evict``): scored, and bans are on."""
-    return scores_dp_outliers(cfg) and cfg.verify.ban
+    """Whether a reported DP outlier is evicted (``TrustLayer.evict``): scored, bans are on, and
+    the strategy's rounds are merged within their update. An eviction hands the slot a donor's
+    whole state at the step's end, which exists only at a drain point; with rounds running behind
+    the updates there is none, so a report there is a report only (docs/dp_robust.md)."""
+    return scores_dp_outliers(cfg) and cfg.verify.ban and merges_within_update(cfg.dp)
 
 
 def validate_dp(cfg, require) -> None:
