@@ -94,3 +94,27 @@ def test_a_dist_run_resumed_after_an_eviction_is_the_simulators_uninterrupted_ru
             == [{k: r[k] for k in keep} for r in records(tmp_path / "sim", "ban")] != [])
     summary = json.loads((run / "summary.json").read_text())
     assert [b["worker"] for b in summary["banned_workers"]] == ["r1s1"]
+
+
+
+@pytest.mark.parametrize("strategy", [["dp.name=powersgd", "dp.rank=2"],
+                                      ["dp.name=diloco", "dp.inner_steps=1", "dp.fragments=1"]],
+                         ids=["powersgd", "diloco"])
+def test_dist_scores_a_message_strategys_rounds_as_the_simulator_does(tiny_corpus, tmp_path, strategy):
+    """A message strategy's robust rounds (PowerSGD's P and Q, a DiLoCo pseudo-gradient) are scored
+    in each process from the same stacked parts and reported with the merging update's step
+    (``DPStrategy.note_score``), so dist's scores are the simulator's bit for bit. (A DP attack on a
+    message strategy cannot run under dist: an attack there needs SENTINEL, which needs the
+    all-reduce; the scores are what the same decisions are made from.)"""
+    cfg = tiny_config(tiny_corpus, *MESH, "mesh.stages=2", "model.n_layer=2", *strategy, "train.steps=4",
+                      "dp.robust=median", "dist.trusted_links=false")
+    Trainer(cfg, tmp_path / "sim", progress=False).train()
+    try:
+        with deadline(90, "the scored dist run"):
+            assert launch(cfg, tmp_path / "dist") == 0, list((tmp_path / "dist" / "logs").iterdir())
+    finally:
+        kill_leftovers(tmp_path / "dist")
+    sim, dist = records(tmp_path / "sim"), records(tmp_path / "dist")
+    assert all(isinstance(r.get("dp_score_max"), float) for r in sim) and len(sim) == 4
+    assert [r["dp_score_max"] for r in dist] == [r["dp_score_max"] for r in sim]
+    assert max(abs(x["train_loss"] - y["train_loss"]) for x, y in zip(sim, dist, strict=True)) <= 1e-5
