@@ -8,7 +8,9 @@ Per row: final validation loss, virtual tokens/s (the simulator's device model, 
 200 Mbit/s), DP bytes per token, the DP outlier scores seen (0: the run scored none), the marks of
 the attacker and of honest replicas (a score above ``dp.outlier_score``), and who was evicted as a
 DP outlier at which step (docs/dp_robust.md, Attribution). ``--report-only`` sets
-``verify.ban = false``: attribution reports but never evicts, so a robust row is the rule alone.
+``verify.ban = false`` on the robust rows: attribution reports but never evicts, so a robust row
+is the rule alone (rows under the mean score nothing and are shared with the evicting table). Each
+strategy's clean run under the mean, the reference of its rows' goals, is always in the table.
 Goals checked per row: under attack,
 within 0.05 of the clean loss of the same strategy with dp.robust = none; clean cost of each rule
 ≤ 2% in loss and ≤ 20% in virtual tokens/s against none. Runs are independent processes
@@ -62,12 +64,16 @@ class Job:
     start: int  # attack.start_step
     attacker: str
     warmup: int  # train.warmup_steps
-    report_only: bool  # verify.ban = false
+    report_only: bool  # verify.ban = false (a robust rule's rows only: under the mean nothing is scored)
+
+    @property
+    def reports_only(self) -> bool:
+        return self.report_only and self.rule != "none"
 
     def overrides(self) -> list[str]:
         base = ["mesh.replicas=4", f"train.steps={self.steps}", f"train.eval_every={self.steps}",
                 "train.checkpoint_every=0", f"train.warmup_steps={self.warmup}", f"dp.robust={self.rule}",
-                *STRATEGIES[self.strategy], *(["verify.ban=false"] if self.report_only else [])]
+                *STRATEGIES[self.strategy], *(["verify.ban=false"] if self.reports_only else [])]
         if self.attack != "clean":
             base += [*ATTACKS[self.attack], f"attack.workers={self.attacker}", "attack.target=dp",
                      f"attack.start_step={self.start}"]
@@ -79,7 +85,7 @@ class Job:
         name = f"{self.strategy}-{self.attack}-{self.rule}-{self.steps}"
         if (self.attacker, self.warmup) != ("r1s1", max(1, self.steps // 10)):
             name += f"-{self.attacker}-w{self.warmup}"
-        return OUT / (name + ("-report" if self.report_only else ""))
+        return OUT / (name + ("-report" if self.reports_only else ""))
 
 
 def run_one(job: Job) -> dict:
@@ -144,9 +150,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=0, help="train.warmup_steps (0: a tenth of --steps)")
     args = parser.parse_args()
     warmup = args.warmup or max(1, args.steps // 10)
-    jobs = [Job(s, a, r, args.steps, args.attack_start, args.attacker, warmup, args.report_only)
-            for s in args.strategies.split(",") for a in args.attacks.split(",")
+    grid = [(s, a, r) for s in args.strategies.split(",") for a in args.attacks.split(",")
             for r in args.rules.split(",")]
+    # every strategy's clean, non-robust run is the reference of its rows' goals: always in the table
+    grid = [(s, "clean", "none") for s in args.strategies.split(",")
+            if (s, "clean", "none") not in grid] + grid
+    jobs = [Job(s, a, r, args.steps, args.attack_start, args.attacker, warmup, args.report_only)
+            for s, a, r in grid]
     load_before = load_average()
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
