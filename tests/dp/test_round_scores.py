@@ -91,11 +91,15 @@ def train(tiny_corpus, tmp_path, name, *sets) -> tuple[list[dict], dict]:
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_the_strategys_dp_attacker_is_reported_and_evicted_and_nobody_else(tiny_corpus, tmp_path, strategy):
+def test_the_strategys_dp_attacker_is_reported_and_nobody_else(tiny_corpus, tmp_path, strategy):
+    """Evicted where the scores are calibrated; reported only where its rounds carry PowerSGD
+    factors with error feedback (``dp/settings.evicts_dp_outliers``)."""
+    evicts = strategy in ("sparse", "diloco")
     records, summary = train(tiny_corpus, tmp_path, "hit", *STRATEGIES[strategy], *ATTACK)
     reports = [r for r in records if r["kind"] == "dp_outlier"]
-    assert [(r["worker"], r["evicted"]) for r in reports] == [("r1s1", True)]
-    assert [(b["worker"], b["message"]) for b in summary["banned_workers"]] == [("r1s1", "dp")]
+    assert [(r["worker"], r["evicted"]) for r in reports] == [("r1s1", evicts)]
+    assert ([(b["worker"], b["message"]) for b in summary.get("banned_workers", [])]
+            == ([("r1s1", "dp")] if evicts else []))
     assert summary["dp_outliers"]["r1s1"] >= 3
 
 
@@ -104,7 +108,7 @@ def test_a_clean_run_of_the_strategy_scores_every_replica_and_reports_nobody(tin
     records, summary = train(tiny_corpus, tmp_path, "clean", *STRATEGIES[strategy])
     rounds_per_step = 0.5 if strategy.startswith("diloco") else 1  # diloco: a sync every 2 updates
     assert summary["dp_scored"] == 8 * rounds_per_step * 12  # 12 workers, one score per synced step
-    assert [r for r in records if r["kind"] == "dp_outlier"] == [] and summary["banned_workers"] == []
+    assert [r for r in records if r["kind"] == "dp_outlier"] == [] and summary.get("banned_workers", []) == []
 
 
 def test_rounds_behind_the_updates_report_but_never_evict(tiny_corpus, tmp_path):
