@@ -65,6 +65,7 @@ class Job:
     attacker: str
     warmup: int  # train.warmup_steps
     report_only: bool  # verify.ban = false (a robust rule's rows only: under the mean nothing is scored)
+    runs: Path  # the folder of the runs (reused when their config agrees)
 
     @property
     def reports_only(self) -> bool:
@@ -80,12 +81,12 @@ class Job:
         return base
 
     def run_dir(self) -> Path:
-        """Its folder under OUT: a setting other than the first table's (r1s1, a tenth of the steps
+        """Its folder under ``runs``: a setting other than the first table's (r1s1, a tenth of the steps
         for warm-up, evicting) is in the name, so each setting's finished runs are reused."""
         name = f"{self.strategy}-{self.attack}-{self.rule}-{self.steps}"
         if (self.attacker, self.warmup) != ("r1s1", max(1, self.steps // 10)):
             name += f"-{self.attacker}-w{self.warmup}"
-        return OUT / (name + ("-report" if self.reports_only else ""))
+        return self.runs / (name + ("-report" if self.reports_only else ""))
 
 
 def run_one(job: Job) -> dict:
@@ -148,6 +149,9 @@ def main() -> None:
                         help="verify.ban = false: DP outliers are reported, never evicted (the rule alone)")
     parser.add_argument("--attacker", default="r1s1", help="the attacking worker (a middle stage)")
     parser.add_argument("--warmup", type=int, default=0, help="train.warmup_steps (0: a tenth of --steps)")
+    parser.add_argument("--runs", default="robust_dp",
+                        help="folder under bench/out of the runs (another one: the same configs run anew, "
+                             "e.g. after a change of code)")
     args = parser.parse_args()
     warmup = args.warmup or max(1, args.steps // 10)
     grid = [(s, a, r) for s in args.strategies.split(",") for a in args.attacks.split(",")
@@ -155,7 +159,8 @@ def main() -> None:
     # every strategy's clean, non-robust run is the reference of its rows' goals: always in the table
     grid = [(s, "clean", "none") for s in args.strategies.split(",")
             if (s, "clean", "none") not in grid] + grid
-    jobs = [Job(s, a, r, args.steps, args.attack_start, args.attacker, warmup, args.report_only)
+    runs = OUT.parent / args.runs
+    jobs = [Job(s, a, r, args.steps, args.attack_start, args.attacker, warmup, args.report_only, runs)
             for s, a, r in grid]
     load_before = load_average()
     started = time.perf_counter()
@@ -187,8 +192,8 @@ def main() -> None:
                 f"the runs' own training wall time: {sum(r['wall_s'] for r in rows):.0f} s in all).\n\n"
                 + markdown_table(rows, columns) + f"\n\nMisses: {len(misses)} of {len(rows)} rows.\n")
     write_results(f"robust_dp_{args.tag}" if args.tag else "robust_dp", payload, markdown)
-    Path(OUT).mkdir(parents=True, exist_ok=True)
-    (OUT / "last.json").write_text(json.dumps(payload, indent=2))
+    runs.mkdir(parents=True, exist_ok=True)
+    (runs / "last.json").write_text(json.dumps(payload, indent=2))
 
 
 if __name__ == "__main__":

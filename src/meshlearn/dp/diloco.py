@@ -117,7 +117,7 @@ class StreamingDiLoCo(DPStrategy):
                 sync.factored = True
                 q = compressor.phase1(sync_key, mean)
                 return self.share((key[0], len(self.fragments) + sync.fragment), q, key[0] + 1)
-            deltas = compressor.finish(sync_key, mean)
+            deltas = compressor.finish(sync_key, mean, own=self.robust.gathers)
         else:
             deltas = list(self._split(sync.fragment, mean))
         for i, delta in zip(self.fragments[sync.fragment], deltas, strict=True):
