@@ -27,15 +27,20 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_dist_robust_rule_equals_sim(tiny_corpus, tmp_path, case):
-    cfg = tiny_config(tiny_corpus, *CASES[case])
+def sim_and_dist(cfg, tmp_path, what: str) -> None:
+    """``cfg`` trained by the simulator (tmp_path/sim) and by real processes (tmp_path/dist)."""
     Trainer(cfg, tmp_path / "sim", progress=False).train()
     try:
-        with deadline(90, f"the {case} dist run"):
+        with deadline(90, what):
             assert launch(cfg, tmp_path / "dist") == 0, list((tmp_path / "dist" / "logs").iterdir())
     finally:
         kill_leftovers(tmp_path / "dist")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dist_robust_rule_equals_sim(tiny_corpus, tmp_path, case):
+    cfg = tiny_config(tiny_corpus, *CASES[case])
+    sim_and_dist(cfg, tmp_path, f"the {case} dist run")
     a, b = records(tmp_path / "sim"), records(tmp_path / "dist")
     assert [r["step"] for r in b] == [1, 2, 3]
     assert max(abs(x["train_loss"] - y["train_loss"]) for x, y in zip(a, b, strict=True)) <= 1e-5
@@ -48,12 +53,7 @@ def test_dist_reports_and_evicts_the_dp_outlier_the_simulator_does(tiny_corpus, 
     the eviction (a ban within the budget: 1 of 3 replicas) comes at the same step, from the same
     donor, and the steps after it train the same."""
     cfg = tiny_config(tiny_corpus, *ATTACKED, "train.steps=6", "dp.robust=median", "dist.trusted_links=false")
-    Trainer(cfg, tmp_path / "sim", progress=False).train()
-    try:
-        with deadline(90, "the attributed dist run"):
-            assert launch(cfg, tmp_path / "dist") == 0, list((tmp_path / "dist" / "logs").iterdir())
-    finally:
-        kill_leftovers(tmp_path / "dist")
+    sim_and_dist(cfg, tmp_path, "the attributed dist run")
     timing = ("tokens", "sim_time_s", "wall_time_s", "bytes_pp", "bytes_dp")
     a, b = ([{k: v for k, v in r.items() if k not in timing} for r in records(run, "dp_outlier")]
             for run in (tmp_path / "sim", tmp_path / "dist"))
@@ -94,3 +94,22 @@ def test_a_dist_run_resumed_after_an_eviction_is_the_simulators_uninterrupted_ru
             == [{k: r[k] for k in keep} for r in records(tmp_path / "sim", "ban")] != [])
     summary = json.loads((run / "summary.json").read_text())
     assert [b["worker"] for b in summary["banned_workers"]] == ["r1s1"]
+
+
+
+@pytest.mark.parametrize("strategy", [["dp.name=powersgd", "dp.rank=2"],
+                                      ["dp.name=diloco", "dp.inner_steps=1", "dp.fragments=1"]],
+                         ids=["powersgd", "diloco"])
+def test_dist_scores_a_message_strategys_rounds_as_the_simulator_does(tiny_corpus, tmp_path, strategy):
+    """A message strategy's robust rounds (PowerSGD's P and Q, a DiLoCo pseudo-gradient) are scored
+    in each process from the same stacked parts and reported with the merging update's step
+    (``DPStrategy.note_score``), so dist's scores are the simulator's bit for bit. (A DP attack on a
+    message strategy cannot run under dist: an attack there needs SENTINEL, which needs the
+    all-reduce; the scores are what the same decisions are made from.)"""
+    cfg = tiny_config(tiny_corpus, *MESH, "mesh.stages=2", "model.n_layer=2", *strategy, "train.steps=4",
+                      "dp.robust=median", "dist.trusted_links=false")
+    sim_and_dist(cfg, tmp_path, "the scored dist run")
+    sim, dist = records(tmp_path / "sim"), records(tmp_path / "dist")
+    assert all(isinstance(r.get("dp_score_max"), float) for r in sim) and len(sim) == 4
+    assert [r["dp_score_max"] for r in dist] == [r["dp_score_max"] for r in sim]
+    assert max(abs(x["train_loss"] - y["train_loss"]) for x, y in zip(sim, dist, strict=True)) <= 1e-5

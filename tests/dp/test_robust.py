@@ -13,6 +13,8 @@ import torch
 from tiny import tiny_config
 
 from meshlearn.dp.base import Exchange
+from meshlearn.dp.lowrank import LowRankCompressor
+from meshlearn.dp.powersgd import PowerSGD
 from meshlearn.dp.robust import RULES, Robust
 from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import WorkerId
@@ -85,6 +87,57 @@ def test_exchange_gives_every_replica_the_same_bits(rule):
     results = [ex.mean((5, 0)) for ex in exchanges]
     assert all(torch.equal(results[0], r) for r in results[1:])
     assert torch.equal(results[0], Robust(rule).reduce(parts))
+
+
+# --- PowerSGD's error feedback under a robust rule ---------------------------------------------------
+
+def outlier_gradients(d: int = 4) -> list[torch.Tensor]:
+    """d replicas' (5 × 6) gradients, replica d − 1 far from the others. At rank 5 the
+    orthonormal P spans all of R⁵, so compression leaves nothing out of any replica's M."""
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(5, 6, generator=g)
+    grads = [base + 0.1 * torch.randn(5, 6, generator=g) for _ in range(d)]
+    grads[-1] = -4 * grads[-1]
+    return grads
+
+
+@pytest.mark.parametrize("rule", ["none", "median"])
+def test_at_full_rank_a_robust_powersgd_feeds_back_nothing_the_rule_left_out(rule):
+    """Full rank loses nothing to compression: under a robust rule every replica's error is 0, the
+    outlier's too (what the median left out of its factors is not fed back into its next round);
+    under the mean the errors keep the original M − P·Qᵀ, which sum to 0 over the replicas."""
+    grads = outlier_gradients()
+    strategies = []
+    for r, grad in enumerate(grads):
+        module = torch.nn.Linear(6, 5, bias=False)
+        module.weight.grad = grad.clone()
+        strategy = PowerSGD(WorkerId(r, 1), len(grads), module, rank=5, seed=0)
+        strategy.exchange.robust = Robust(rule)
+        strategies.append(strategy)
+    queue = [m for s in strategies for m in s.pre_step(0)]
+    while queue:
+        message = queue.pop(0)
+        queue += strategies[message.dst.replica].receive(message)
+    errors = torch.stack([s.error[0] for s in strategies])
+    if rule == "none":
+        assert errors.sum(0).abs().max() < 1e-4 and errors[-1].abs().max() > 1.0
+    else:
+        assert errors.abs().max() < 1e-4
+
+
+def test_the_compressor_feeds_back_only_its_own_compression_residual_under_a_robust_rule():
+    """``LowRankCompressor.finish(own=True)`` (DiLoCo's pseudo-gradients with dp.compress =
+    powersgd): at full rank the error is 0 whatever the aggregate; with the aggregate's Q it is not."""
+    grads = outlier_gradients()
+    compressors = [LowRankCompressor([torch.Size([5, 6])], rank=5, seed=0) for _ in grads]
+    ps = torch.stack([c.phase0((0, 0), [g]) for c, g in zip(compressors, grads, strict=True)])
+    qs = torch.stack([c.phase1((0, 0), Robust("median").reduce(ps)) for c in compressors])
+    q = Robust("median").reduce(qs)
+    compressors[0].finish((0, 0), q, own=True)
+    compressors[-1].finish((0, 0), q, own=True)
+    assert compressors[0].error[0].abs().max() < 1e-4 and compressors[-1].error[0].abs().max() < 1e-4
+    compressors[1].finish((0, 0), q)  # the aggregate's Q: what the median left out stays
+    assert compressors[1].error[0].abs().max() > 1e-3
 
 
 # --- whole runs ------------------------------------------------------------------------------------

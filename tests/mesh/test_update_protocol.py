@@ -64,7 +64,8 @@ def replicas_of(name: str, replicas: int = D, **dp) -> list[SimpleNamespace]:
         module = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
         worker = SimpleNamespace(id=WorkerId(r, 0), mesh=SimpleNamespace(replicas=replicas), module=module,
                                  optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
-                                 dp_contribution=lambda key, values: values)
+                                 dp_contribution=lambda key, values: values,
+                                 note_round_score=lambda u, score: None)
         worker.dp = build_strategy(cfg, worker, LinkProfile())
         out.append(worker)
     return out

@@ -4,7 +4,10 @@ A robust rule (``dp.robust``) bounds what a minority of contributions can do to 
 aggregate; it does not say who sent them. Every robust reduce also scores each replica's row
 (``dp/robust.outlier_scores``: its distance to the aggregate over the median replica's), from the
 same stacked tensor on every replica, so every replica, and the simulator and the dist driver,
-hold the same scores bit for bit. The drivers report them per step (``StepReport.dp_scores``);
+hold the same scores bit for bit: the built-in all-reduce's gradients, and every message
+strategy's round (a sparse slice, PowerSGD's P and Q factors, a DiLoCo pseudo-gradient or its
+factors), whose score is reported with the update that merges the round (``DPStrategy.note_score``;
+a step's score is the largest of its rounds'). The drivers report them per step (``StepReport.dp_scores``);
 this callback marks a score above ``dp.outlier_score`` an outlier and reports a replica marked in
 ``COUNT`` of its last ``WINDOW`` scored steps: one ``dp_outlier`` record in metrics.jsonl (a
 console line of its own) and its marks in summary.json's ``dp_outliers``.
@@ -14,6 +17,9 @@ decide it (never a first or last stage, at most a strict minority of a stage's r
 the run, SENTINEL's bans and DP evictions counted together), and the ban is carried out the same
 way, at the same step in every process (they all see the same report): a fresh peer takes the
 slot with the state of the stage's replica least marked in its window, and its window restarts.
+A strategy whose rounds run behind the updates (sparse ``delay`` > 0, DiLoCo ``overlap`` > 0) is
+never at a drain point at a step's end, where a donor's state is taken: there a report is a
+report only (``dp/settings.evicts_dp_outliers``).
 
 One honest mark is noise (a replica with an unusual microbatch: on the demo the honest marks came
 in a burst during warm-up, docs/dp_robust.md); a ×−4 attacker, left in place (``verify.ban =

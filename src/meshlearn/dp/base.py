@@ -42,6 +42,8 @@ from meshlearn.mesh.topology import WorkerId
 Key = tuple[int, int]  # (the update that started the round, phase or fragment)
 Outgoing = Callable[[Key, torch.Tensor], torch.Tensor]
 """(round key, this replica's flat part) → the part that leaves it (``Worker.dp_contribution``)."""
+Scored = Callable[[int, float], None]
+"""(update u, this replica's outlier score in a robust round merged at u) → attribution."""
 
 
 class DPStrategy:
@@ -62,6 +64,9 @@ class DPStrategy:
         # Where this replica's part of a round leaves it (the registry installs the worker's
         # ``dp_contribution``, the seam of ``attack.target = dp``); None: as computed.
         self.outgoing: Outgoing | None = None
+        # Where this replica's outlier score of a robust round goes, with the update that merges
+        # the round (the registry installs the worker's ``note_round_score``); None: nowhere.
+        self.scored: Scored | None = None
 
     @property
     def robust(self) -> Robust:
@@ -106,6 +111,19 @@ class DPStrategy:
     def on_complete(self, key: Key) -> list[Message]:
         """Every replica's part of round ``key`` is in (``exchange.mean`` gives the aggregate)."""
         return []
+
+    def note_score(self, u: int, key: Key) -> None:
+        """Round ``key``'s aggregate is merged at update ``u``: report this replica's outlier score
+        in it (kept by the exchange since the round was reduced; none under the mean) with ``u``.
+
+        Why at the merge and not when the round completes: a round that runs behind the updates
+        (sparse ``delay``, DiLoCo ``overlap``) completes whenever its last part arrives, which
+        differs between the simulator and real processes; the update that merges it does not
+        (it waits for the round or drops it), so every runtime reports the score with the same
+        step, and a checkpoint between completion and merge keeps it (``Exchange.scores``)."""
+        score = self.exchange.scores.pop(key, None)
+        if score is not None and self.scored is not None:
+            self.scored(u, score)
 
     def expire(self, key: Key) -> None:
         """Round ``key`` missed its deadline: drop it (late parts of it are ignored)."""
@@ -163,7 +181,10 @@ class Exchange:
     peer's part; once every replica's part is in, ``mean`` sums them in replica order and divides,
     so every replica computes the bitwise same average. Parts are checked before use: a part that
     is missing, not floating point, not finite or shaped unlike this replica's own drops the round.
-    ``robust`` (``dp.robust``) replaces the average by a robust aggregate of the same stacked parts.
+    ``robust`` (``dp.robust``) replaces the average by a robust aggregate of the same stacked parts
+    and scores each part (``dp/robust.outlier_scores``); this replica's score is kept in ``scores``
+    until its strategy merges the round (``DPStrategy.note_score``): attribution, as the built-in
+    all-reduce's robust reduce is scored.
     """
 
     def __init__(self, me: WorkerId, replicas: int, robust: Robust | None = None):
@@ -174,6 +195,7 @@ class Exchange:
         self.parts: dict[Key, dict[int, torch.Tensor]] = {}
         self.dropped: set[Key] = set()
         self.rejected = 0
+        self.scores: dict[Key, float] = {}  # this replica's outlier score per robust round, until merged
 
     def share(self, key: Key, values: torch.Tensor, version: int) -> list[Message]:
         values = values.detach().reshape(-1)
@@ -212,10 +234,15 @@ class Exchange:
             return None
         if self.replicas == 1:
             return own.clone()
-        return self.robust.reduce(torch.stack([parts[r].to(own.dtype) for r in range(self.replicas)]))
+        aggregate, scores = self.robust.reduce_scored(
+            torch.stack([parts[r].to(own.dtype) for r in range(self.replicas)]))
+        if scores is not None:
+            self.scores[key] = scores[self.me.replica]
+        return aggregate
 
     def expire(self, key: Key) -> None:
         self.parts.pop(key, None)
+        self.scores.pop(key, None)  # a dropped round merges nothing: nothing to attribute
         self.dropped.add(key)
 
     def open_keys(self) -> list[Key]:
@@ -225,7 +252,8 @@ class Exchange:
     def state_dict(self) -> dict:
         return {"parts": {f"{k[0]}:{k[1]}": {str(r): t.clone() for r, t in p.items()}
                           for k, p in self.parts.items()},
-                "dropped": sorted(self.dropped), "rejected": self.rejected}
+                "dropped": sorted(self.dropped), "rejected": self.rejected,
+                "scores": {f"{k[0]}:{k[1]}": score for k, score in self.scores.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.parts = {}
@@ -234,6 +262,10 @@ class Exchange:
             self.parts[(int(a), int(b))] = {int(r): t for r, t in parts.items()}
         self.dropped = {tuple(k) for k in state["dropped"]}
         self.rejected = state["rejected"]
+        self.scores = {}
+        for text, score in state.get("scores", {}).items():  # absent: a checkpoint from before scoring
+            a, b = text.split(":")
+            self.scores[(int(a), int(b))] = score
 
 
 def round_deadline_s(nbytes: int, profile) -> float:

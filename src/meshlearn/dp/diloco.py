@@ -117,7 +117,7 @@ class StreamingDiLoCo(DPStrategy):
                 sync.factored = True
                 q = compressor.phase1(sync_key, mean)
                 return self.share((key[0], len(self.fragments) + sync.fragment), q, key[0] + 1)
-            deltas = compressor.finish(sync_key, mean)
+            deltas = compressor.finish(sync_key, mean, own=self.robust.gathers)
         else:
             deltas = list(self._split(sync.fragment, mean))
         for i, delta in zip(self.fragments[sync.fragment], deltas, strict=True):
@@ -159,6 +159,9 @@ class StreamingDiLoCo(DPStrategy):
             sync = self.pending.pop(key)
             if sync.merged is None:
                 continue
+            self.note_score(u, key)
+            if self.compressors is not None:  # the Q round of the same sync
+                self.note_score(u, (key[0], len(self.fragments) + sync.fragment))
             for i in self.fragments[sync.fragment]:
                 p = self.params[i]
                 p.data.copy_(self.alpha * self.outer[i] + (1.0 - self.alpha) * p.data

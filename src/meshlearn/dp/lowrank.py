@@ -11,6 +11,8 @@ strategy can compress what it averages; streaming DiLoCo uses it on its pseudo-g
 
 Every replica starts from the same seeded Q, so the averaged factors are the same everywhere and
 T̂ is the replicas' common estimate of the mean. A round that is dropped leaves e and Q as they were.
+Under a robust rule the error is M − P·Q_iᵀ with this replica's own Q_i (``finish(own=True)``), as
+in ``dp.powersgd`` and for the same reason: what the rule left out must not be fed back.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from meshlearn.dp.base import Key
 class _Work:
     ms: dict[int, torch.Tensor]  # M = T + e per matrix
     ps: dict[int, torch.Tensor] = field(default_factory=dict)  # orthonormalized mean P
+    qs: dict[int, torch.Tensor] = field(default_factory=dict)  # this replica's own Q = Mᵀ·P
     vectors: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
@@ -73,7 +76,8 @@ class LowRankCompressor:
             n, r = self._nm(i)[0], self.q[i].shape[1]
             work.ps[i] = torch.linalg.qr(mean_p[offset:offset + n * r].reshape(n, r)).Q
             offset += n * r
-            parts.append((work.ms[i].T @ work.ps[i]).reshape(-1))
+            work.qs[i] = work.ms[i].T @ work.ps[i]
+            parts.append(work.qs[i].reshape(-1))
         for i in self.vectors:
             k = self.shapes[i].numel()
             work.vectors[i] = mean_p[offset:offset + k]
@@ -81,8 +85,9 @@ class LowRankCompressor:
         return torch.cat(parts) if parts else torch.zeros(0)
 
     @torch.no_grad()
-    def finish(self, key: Key, mean_q: torch.Tensor) -> list[torch.Tensor]:
-        """Round 1's average in: the estimate of the mean of every tensor (fp32, its shape)."""
+    def finish(self, key: Key, mean_q: torch.Tensor, own: bool = False) -> list[torch.Tensor]:
+        """Round 1's average in: the estimate of the mean of every tensor (fp32, its shape).
+        ``own``: the error against this replica's own Q (a robust rule; module docstring)."""
         work, offset = self._work.pop(key), 0
         out: list[torch.Tensor | None] = [None] * len(self.shapes)
         for i in self.matrices:
@@ -90,7 +95,7 @@ class LowRankCompressor:
             q = mean_q[offset:offset + m * r].reshape(m, r)
             offset += m * r
             approx = work.ps[i] @ q.T
-            self.error[i] = work.ms[i] - approx
+            self.error[i] = work.ms[i] - (work.ps[i] @ work.qs[i].T if own else approx)
             self.q[i] = q.clone()
             out[i] = approx.reshape(self.shapes[i])
         for i, v in work.vectors.items():

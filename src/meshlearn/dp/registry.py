@@ -73,10 +73,12 @@ def robust_of(cfg: DPConfig) -> Robust:
 def build_strategy(cfg: DPConfig, worker, profile) -> DPStrategy:
     """The strategy of ``worker`` (built after its module and optimizer); ``profile``: the
     LinkProfile of its DP links, from which default deadlines derive. Its parts leave through
-    the worker's ``dp_contribution`` (the seam of ``attack.target = dp``)."""
+    the worker's ``dp_contribution`` (the seam of ``attack.target = dp``); its outlier scores in
+    robust rounds go to the worker's ``note_round_score`` (attribution)."""
     if cfg.name not in BUILDERS:
         raise ValueError(f"dp.name = {cfg.name!r}: allowed: {sorted(BUILDERS)}")
     strategy = BUILDERS[cfg.name](cfg, worker, profile)
     strategy.exchange.robust = robust_of(cfg)
     strategy.outgoing = worker.dp_contribution
+    strategy.scored = worker.note_round_score
     return strategy

@@ -171,6 +171,7 @@ class SparseAveraging(DPStrategy):
         pending = self.pending.pop(u - self.delay, None)
         if pending is None or pending.dropped:
             return
+        self.note_score(u, (u - self.delay, 0))
         targets, indices = self.targets(), self.indices(pending.round_no)
         a = pending.average
         if self.rule == "avg":

@@ -427,6 +427,12 @@ class Worker:
         update of ``step``: reported with the step, for attribution (``dp/attribution.py``)."""
         self._stats(step).dp_scores.append(score)
 
+    def note_round_score(self, u: int, score: float) -> None:
+        """This worker's outlier score in a robust round of its DP strategy (a sparse slice,
+        PowerSGD factors, a DiLoCo pseudo-gradient) whose aggregate it merges at update ``u``:
+        reported with that update's step, as the built-in all-reduce's scores are."""
+        self.note_dp_score(u // self.plan.updates_per_step, score)
+
     def grad_sq_norm(self) -> float:
         if self.cost_only is not None:
             return 0.0  # no values: clipping never scales (it would not change any time or byte)
