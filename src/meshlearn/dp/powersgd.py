@@ -13,8 +13,8 @@ Vectors (norm gains) travel uncompressed in phase 0. Both phases are waited for 
 Under a robust rule (``dp.robust``) the error is what compression left out of this replica's own
 M, e ← M − P·Q_iᵀ with its own Q_i = Mᵀ·P, not M − P·Qᵀ with the robust aggregate Q: the latter
 also keeps what the rule left out of this replica's factors, which it sends again, larger, next
-update, so a replica the rule trims once stays an outlier and the stage's Ĝ drifts (measured on the
-demo: an honest replica marked at 81 of 100 steps, +0.20 validation loss, docs/dp_robust.md).
+update, so a replica the rule trims once stays an outlier and the stage's Ĝ drifts (measured in
+docs/dp_robust.md).
 Under the mean both errors sum to the same Σ M − D·P·Qᵀ over the replicas, and the mean factors
 depend on that sum only, so the mean keeps its original expression (bit for bit as before).
 Wire: phase 0 sends Σ n·r + Σ vector sizes fp32 values to each peer, phase 1 Σ m·r.

@@ -142,9 +142,8 @@ def evicts_dp_outliers(cfg) -> bool:
     An eviction hands the slot a donor's whole state at the step's end, which exists only at a
     drain point; with rounds running behind the updates there is none. With error feedback an honest
     replica's score is not calibrated: the part of its factors a robust rule leaves out stays in
-    its error and comes back larger, so it stays an outlier (measured on the demo: an honest replica
-    marked at 81 of 100 steps under the median, two honest replicas evicted under centered clipping,
-    docs/dp_robust.md). In both cases a report is a report only."""
+    its error and comes back larger, so it stays an outlier (honest replicas were evicted on the
+    demo: docs/dp_robust.md). In both cases a report is a report only."""
     return (scores_dp_outliers(cfg) and cfg.verify.ban and merges_within_update(cfg.dp)
             and not feeds_back_error(cfg.dp))
 

@@ -27,14 +27,10 @@ passed.
 the end of a step in which the sender the undecided split flagged sent messages there and a strict
 majority of them was accepted (the two agree again), or when a split is decided. A step in which
 that sender sent nothing there (its microbatches dropped upstream) says nothing and changes
-nothing. Before, only a decided split ended it: once on, an attacker could corrupt one microbatch
-in four (flagged, never a majority, so never a split) and have every one delivered. Renewing the
-passing only by another undecided split (any step with every sender scored and none ends it)
-was measured too and rejected: the drift's capture also shows as flags a split does not count
-(``gain``, a pair distance measured against the boundary's captured gain reference; both senders
-flagged), so the honest sender was quarantined in those steps; and delivering only the passed-for
-sender's flags (quarantining the other's) was measured worse than no verification on the ramp
-(numbers in docs/sentinel.md, "Two replicas, slow drift, non-identical data").
+nothing. Without an end, an attacker that caused one undecided split could then corrupt one
+microbatch in four (flagged, never a majority, so never a split) and have every one delivered.
+The rules tried instead and why they were rejected are in docs/sentinel.md ("Two replicas, slow
+drift, non-identical data").
 """
 
 from __future__ import annotations
