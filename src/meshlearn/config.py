@@ -21,6 +21,7 @@ import tomli_w
 
 from meshlearn.anchor.settings import AnchorConfig, validate_anchor
 from meshlearn.cluster.settings import ClusterConfig, validate_cluster
+from meshlearn.cluster.trusted_ends import validate_trusted_ends
 from meshlearn.compress.registry import CodecConfig, validate_codec
 from meshlearn.curvature.settings import CurvatureConfig, validate_curvature
 from meshlearn.data.replica_spec import replica_corpus_problem
@@ -435,3 +436,4 @@ def validate(cfg: RunConfig) -> None:
     validate_anchor(cfg, _require)
     validate_report(cfg, _require)
     validate_cluster(cfg, _require)
+    validate_trusted_ends(cfg, _require)

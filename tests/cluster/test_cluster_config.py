@@ -94,10 +94,11 @@ def test_the_coordinator_runs_a_worker_and_needs_hosts(tmp_path):
 
 def test_extras_may_be_placed_and_otherwise_run_on_the_coordinator(tmp_path):
     text = PLACEMENT.replace('["r0s1", "r1s0"]', '["r0s1", "r1s0", "verifier"]')
-    cfg = _load(tmp_path, text, "verify.name=sentinel", "backend=dist")
+    trusted = ("cluster.hosts.alice.trusted=true", "cluster.hosts.bob.trusted=true")
+    cfg = _load(tmp_path, text, "verify.name=sentinel", "backend=dist", *trusted)
     bob = place(cfg, "alice")  # alice is 127.0.0.1: this machine
     assert bob.hosts_of["verifier"] == "bob" and bob.world == 5
-    cfg = _load(tmp_path, PLACEMENT, "verify.name=sentinel", "backend=dist")
+    cfg = _load(tmp_path, PLACEMENT, "verify.name=sentinel", "backend=dist", *trusted)
     assert place(cfg, "alice").processes == {"r0s0": 0, "r1s1": 3, "verifier": 4}
 
 
@@ -156,3 +157,55 @@ def test_a_config_with_a_placement_hashes_and_its_hosts_still_count_for_equality
     assert hash(cfg) == hash(_load(tmp_path)) and cfg == _load(tmp_path)
     moved = _load(tmp_path, PLACEMENT.replace("127.0.0.2", "127.0.0.3"))
     assert moved != cfg
+
+
+THREE_STAGES = """
+[model]
+n_layer = 3
+
+[mesh]
+stages = 3
+replicas = 2
+
+[cluster]
+coordinator = "alice"
+[cluster.hosts.alice]
+address = "127.0.0.1"
+workers = ["r0s0", "r0s2", "r1s0", "r1s2"]
+[cluster.hosts.bob]
+address = "127.0.0.2"
+port = 29501
+workers = ["r0s1", "r1s1"]
+"""
+
+
+def test_a_verified_run_keeps_its_trusted_ends_on_trusted_hosts(tmp_path):
+    """Below 3 replicas SENTINEL assumes the first and last stages honest: a cluster run must put
+    them on hosts the owner marks trusted; the middle stage may run anywhere."""
+    verified = ("verify.name=sentinel", "backend=dist")
+    with pytest.raises(ConfigError, match=r"cluster.hosts.alice.trusted = False: alice runs r0s0, r0s2, "
+                                          r"r1s0, r1s2, of the first or last stage, which SENTINEL assumes "
+                                          r"honest at 2 replicas \(verify.trusted_ends = 'auto'\)"):
+        _load(tmp_path, THREE_STAGES, *verified)
+    cfg = _load(tmp_path, THREE_STAGES, *verified, "cluster.hosts.alice.trusted=true")
+    assert cfg.cluster.hosts["alice"].trusted and not cfg.cluster.hosts["bob"].trusted
+    with pytest.raises(ConfigError, match="cluster.hosts.bob.trusted = False: bob runs r1s2"):
+        _load(tmp_path, THREE_STAGES, *verified, "cluster.hosts.alice.trusted=true",
+              "cluster.hosts.alice.workers=r0s0,r0s2,r1s0", "cluster.hosts.bob.workers=r0s1,r1s1,r1s2")
+    with pytest.raises(ConfigError, match="verify.trusted_ends = 'always'"):
+        _load(tmp_path, THREE_STAGES, *verified, "mesh.replicas=3", "train.batch_size=24",
+              "verify.trusted_ends=always",
+              "cluster.hosts.alice.workers=r0s0,r0s2,r1s0,r1s2,r2s0,r2s2",
+              "cluster.hosts.bob.workers=r0s1,r1s1,r2s1")
+
+
+def test_ends_verified_like_any_stage_need_no_trusted_host(tmp_path):
+    """From 3 replicas (``auto``), or with ``never``, the ends are ordinary participants; without
+    SENTINEL nothing is assumed of any host."""
+    three = ("mesh.replicas=3", "train.batch_size=24",
+             "cluster.hosts.alice.workers=r0s0,r0s2,r1s0,r1s2,r2s0,r2s2",
+             "cluster.hosts.bob.workers=r0s1,r1s1,r2s1")
+    assert not _load(tmp_path, THREE_STAGES, "verify.name=sentinel", "backend=dist", *three
+                     ).cluster.hosts["alice"].trusted
+    _load(tmp_path, THREE_STAGES, "verify.name=sentinel", "backend=dist", "verify.trusted_ends=never")
+    _load(tmp_path, THREE_STAGES, "backend=dist")

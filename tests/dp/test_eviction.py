@@ -94,7 +94,7 @@ def test_two_replicas_never_evict_anybody(tiny_corpus, tmp_path):
 # --- the budget ----------------------------------------------------------------------------------
 
 def test_one_eviction_per_stage_of_four_replicas_then_an_alert(tiny_corpus, tmp_path):
-    trust = trust_layer(tiny_corpus, tmp_path, *MESH)
+    trust = trust_layer(tiny_corpus, tmp_path, *MESH, "verify.trusted_ends=always")
     evicted, [ban] = trust.evict(WorkerId(1, 1), 5, 3, WorkerId(0, 1))
     assert evicted and ban["kind"] == "ban" and ban["step"] == 6
     evicted, [alert] = trust.evict(WorkerId(2, 1), 6, 3, WorkerId(0, 1))
@@ -104,6 +104,13 @@ def test_one_eviction_per_stage_of_four_replicas_then_an_alert(tiny_corpus, tmp_
         evicted, [alert] = trust.evict(first_or_last, 6, 3, WorkerId(0, first_or_last.stage))
         assert not evicted and alert["cause"] == "honest_stage"
     assert len(trust.banned) == 1
+
+
+def test_first_and_last_stages_verified_from_three_replicas_are_evicted_like_any(tiny_corpus, tmp_path):
+    trust = trust_layer(tiny_corpus, tmp_path, *MESH)  # verify.trusted_ends = auto, 4 replicas
+    for end in (WorkerId(3, 0), WorkerId(3, 2)):
+        evicted, [ban] = trust.evict(end, 6, 3, WorkerId(0, end.stage))
+        assert evicted and ban["worker"] == str(end)
 
 
 @pytest.mark.parametrize(("replicas", "budget"), [(2, 0), (3, 1), (5, 2)])

@@ -83,8 +83,11 @@ def test_mixed_switches_among_its_attacks():
 
 @pytest.mark.parametrize("override,hint", [
     ("attack.kind=melt", "allowed: ['none', 'adaptive'"),
-    ("attack.workers=r0s0", "first and last stages are honest"),
+    ("attack.workers=r0s0", "first and last stages are honest in SENTINEL's threat model at 2 replicas"),
     ("attack.workers=r0s3", "first and last stages are honest"),
+    ("mesh.replicas=4 verify.trusted_ends=always attack.workers=r0s3",
+     "first and last stages are honest"),
+    ("verify.trusted_ends=sometimes", "'sometimes': allowed: ['auto', 'always', 'never']"),
     ("attack.workers=r5s1", "not in the mesh of 2 replicas × 4 stages"),
     ("attack.workers=stage2", "not of the form r<replica>s<stage>"),
     ("attack.target=weights", "allowed: ['activations', 'gradients', 'both', 'dp']"),
@@ -105,6 +108,12 @@ def test_bad_attack_and_verify_settings_fail_before_training(override, hint):
     with pytest.raises(ConfigError) as err:
         load_config(DEMO, ["attack.kind=zeros", "attack.workers=r1s1", *override.split()])
     assert hint in str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [("mesh.replicas=4",), ("verify.trusted_ends=never",)])
+def test_attackers_may_sit_on_ends_the_threat_model_verifies(overrides):
+    cfg = load_config(DEMO, ["attack.kind=zeros", "attack.workers=r0s0,r1s3", *overrides])
+    assert cfg.attack.workers == "r0s0,r1s3"
 
 
 def test_attack_workers_parse_from_the_command_line():

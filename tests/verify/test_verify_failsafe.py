@@ -203,10 +203,10 @@ def test_two_replicas_ban_nobody_and_alert():
     assert alert.worker == WorkerId(1, 1) and "no honest majority" in alert.detail
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_the_first_and_last_stages_are_never_banned(stage):
+def ends_run(stage: int, **overrides) -> Sentinel:
+    """Replica 1 of the first (activations) or last stage (gradients) of 4 sends zeros from step 22."""
     mesh = MeshShape(replicas=4, stages=3)
-    s = sentinel(mesh, pair_metrics="")
+    s = sentinel(mesh, pair_metrics="", **overrides)
     stream = Stream(0)
     kind = "act" if stage == 0 else "grad"
     for step in range(30):
@@ -214,9 +214,23 @@ def test_the_first_and_last_stages_are_never_banned(stage):
             for r in range(4):
                 x = torch.zeros(SHAPE) if step >= 22 and r == 1 else stream()
                 s.inspect(message(mesh, kind, step, mb, WorkerId(r, stage), x))
-        outcome = s.end_step(step)
-        assert outcome.bans == []
+        s.end_step(step)
+    return s
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_trusted_first_and_last_stages_are_never_banned(stage):
+    s = ends_run(stage, trusted_ends="always")
+    assert s.bans == []
     assert [a.cause for a in s.ledger.alerts] == ["honest_stage"]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_from_three_replicas_the_first_and_last_stages_are_banned_like_any(stage):
+    """``verify.trusted_ends = auto`` at 4 replicas: the ends are ordinary participants."""
+    s = ends_run(stage)
+    assert [b.worker for b in s.bans] == [WorkerId(1, stage)]
+    assert s.ledger.alerts == []
 
 
 # --- attribution -----------------------------------------------------------------------------
@@ -307,13 +321,15 @@ def test_warm_up_suspension_takes_senders_that_stand_out_on_every_message_and_no
     """The peer check behind ``verify.warmup_suspend``: every message of the sender on a boundary
     must stand out (an honest one does on a microbatch or two), a worker downstream of one that
     does is explained, at most a minority of a stage goes, never the stages assumed honest."""
-    s = sentinel(MeshShape(replicas=4, stages=4))
+    s = sentinel(MeshShape(replicas=4, stages=4), trusted_ends="always")
     attacker, downstream, noisy = WorkerId(1, 1), WorkerId(1, 2), WorkerId(2, 1)
     entries = [peer(attacker, "act", mb, 3.0) for mb in range(4)]
     entries += [peer(downstream, "act", mb, 2.5) for mb in range(4)]  # computed on the attacker's
     entries += [peer(noisy, "act", mb, 4.0 if mb < 2 else 0.1) for mb in range(4)]
     entries += [peer(WorkerId(r, 0), "act", mb, 5.0 if r == 3 else 0.0) for r in range(4) for mb in range(4)]
     assert set(s._peer_outliers(entries)) == {attacker}
+    # First stage verified like any (verify.trusted_ends = auto at 4 replicas): r3s0 goes too.
+    assert set(sentinel(MeshShape(replicas=4, stages=4))._peer_outliers(entries)) == {attacker, WorkerId(3, 0)}
     # Where every fence is closed the fences decide: the same messages suspend nobody.
     assert s._peer_outliers([dataclasses.replace(e, open_fences=False) for e in entries]) == {}
     two = [peer(WorkerId(r, 1), "act", mb, 2.0 + r) for r in (1, 2) for mb in range(4)]

@@ -97,7 +97,7 @@ def test_a_clean_run_bans_nobody(tiny_corpus, tmp_path):
 
 
 def test_python_api_sets_a_different_attack_per_worker(tiny_corpus, tmp_path):
-    cfg = tiny_config(tiny_corpus, *VERIFY, "train.steps=16")
+    cfg = tiny_config(tiny_corpus, *VERIFY, "train.steps=16", "verify.trusted_ends=always")
     trainer = Trainer(cfg, tmp_path, progress=False)
     trust = trainer.plugins["trust"].trust
     trust.add_attack(WorkerId(0, 1), build_attack("zeros", AttackConfig(start_step=START), seed=1))

@@ -40,6 +40,9 @@ class HostConfig:
     """The processes this machine runs: workers ``r{r}s{s}`` (each of the mesh on exactly one
     host), and optionally ``verifier`` (verify.name = sentinel) or anchor stages ``a{z}s{s}``
     (anchor.z > 0), which run on the coordinator when no host names them."""
+    trusted: bool = False
+    """The run owner vouches for this machine. Where SENTINEL's threat model assumes the first and last
+    stages honest (``verify.trusted_ends``), a verified run places their workers only on trusted hosts."""
 
 
 @dataclass(frozen=True)

@@ -396,9 +396,11 @@ def validate_attack(cfg: Any, require: Callable[[bool, str, Any, str], None]) ->
         wid = WorkerId.parse(text)
         require(wid.replica < mesh.replicas and wid.stage < mesh.stages, "attack.workers", a.workers,
                 f"{text} is not in the mesh of {mesh.replicas} replicas × {mesh.stages} stages")
-        require(0 < wid.stage < mesh.stages - 1, "attack.workers", a.workers,
-                f"{text}: the first and last stages are honest in SENTINEL's threat model; "
-                f"attackers may sit on {middle}")
+        require(0 < wid.stage < mesh.stages - 1 or not cfg.verify.ends_trusted(mesh.replicas),
+                "attack.workers", a.workers,
+                f"{text}: the first and last stages are honest in SENTINEL's threat model at "
+                f"{mesh.replicas} replicas (verify.trusted_ends = {cfg.verify.trusted_ends!r}: "
+                f"verified from 3 replicas with 'auto', always with 'never'); attackers may sit on {middle}")
 
 
 def _parse_error(text: str) -> str | None:

@@ -200,7 +200,8 @@ class Ledger:
         self.alerted: set[tuple[WorkerId, str]] = set()  # one alert per worker and cause
 
     def honest_stage(self, stage: int) -> bool:
-        return stage in (0, self.mesh.stages - 1)
+        """A stage the threat model assumes honest: never banned nor suspended (``verify.trusted_ends``)."""
+        return stage in (0, self.mesh.stages - 1) and self.cfg.ends_trusted(self.mesh.replicas)
 
     def stage_bans(self, stage: int) -> int:
         return sum(b.worker.stage == stage for b in self.bans)

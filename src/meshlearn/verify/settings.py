@@ -15,6 +15,9 @@ GRAD_ACTIONS = ("ema", "zero")
 REFERENCE_UPDATES = ("mean", "median")
 VIEWS = ("auto", "decoded")
 DECISION_LOGS = ("all", "flags", "none")
+TRUSTED_ENDS = ("auto", "always", "never")
+MIN_COMPARABLE = 3
+"""Replicas a stage needs before SENTINEL can compare them with an honest majority (and ban one)."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,13 @@ class VerifyConfig:
     """Decisions written to the run's ``verify.jsonl``: ``all``, ``flags`` (flags and bans) or ``none``."""
     seed: int = 0
     """Seed of the sliced-Wasserstein directions."""
+    trusted_ends: str = "auto"
+    """Whether the first and last stages are assumed honest: ``auto``, below 3 replicas (where no stage
+    can be banned, so assuming them honest is what keeps their evidence from being turned against
+    their neighbours) and verified like any stage from 3 (attackers allowed there, bans within the
+    same strict-minority budget); ``always`` (the paper's threat model) or ``never`` (attackers
+    allowed there at any replica count, e.g. to measure them at 2 replicas). A ``[cluster]`` run
+    whose ends are trusted places their workers only on hosts marked ``trusted`` (docs/cluster.md)."""
 
     def metric_names(self) -> list[str]:
         """The reference metrics, then the pair metrics: every metric with a fence."""
@@ -163,6 +173,10 @@ class VerifyConfig:
 
     def reference_metric_names(self) -> list[str]:
         return [m.strip() for m in self.metrics.split(",") if m.strip()]
+
+    def ends_trusted(self, replicas: int) -> bool:
+        """Whether the first and last stages are assumed honest in a mesh of ``replicas``."""
+        return self.trusted_ends == "always" or (self.trusted_ends == "auto" and replicas < MIN_COMPARABLE)
 
     def budget(self, replicas: int) -> int:
         """Bans allowed per stage over the run: a strict minority of its replicas, or fewer if set."""
@@ -211,6 +225,8 @@ def validate_verify(cfg, require) -> None:
             f"allowed: {list(REFERENCE_UPDATES)}")
     require(v.grad_action in GRAD_ACTIONS, "verify.grad_action", v.grad_action,
             f"allowed: {list(GRAD_ACTIONS)}")
+    require(v.trusted_ends in TRUSTED_ENDS, "verify.trusted_ends", v.trusted_ends,
+            f"allowed: {list(TRUSTED_ENDS)}")
     require(v.view in VIEWS, "verify.view", v.view, f"allowed: {list(VIEWS)}")
     require(v.decision_log in DECISION_LOGS, "verify.decision_log", v.decision_log,
             f"allowed: {list(DECISION_LOGS)}")

@@ -172,12 +172,15 @@ class TrustLayer:
                 self.sentinel.set_lag(driver.lookahead)
 
     def add_attack(self, wid: WorkerId, attack: Attack) -> None:
-        """Make worker ``wid`` adversarial; the threat model keeps the first and last stages honest."""
+        """Make worker ``wid`` adversarial; not in a stage the threat model keeps honest (the first and
+        last, while ``verify.trusted_ends`` says so for this replica count)."""
         if wid not in self.mesh.workers():
             raise ValueError(f"worker {wid} is not in the {self.mesh.replicas}×{self.mesh.stages} mesh")
-        if wid.stage in (0, self.mesh.stages - 1):
+        if (wid.stage in (0, self.mesh.stages - 1)
+                and self.cfg.verify.ends_trusted(self.mesh.replicas)):
             raise ValueError(f"worker {wid}: the first and last stages are honest in SENTINEL's threat "
-                             f"model; attack a stage in 1..{self.mesh.stages - 2}")
+                             f"model at {self.mesh.replicas} replicas; attack a stage in "
+                             f"1..{self.mesh.stages - 2}")
         self.attacks[wid] = attack
         if wid in self.workers:  # dist: installed in the attacker's own process, scored everywhere
             self.workers[wid].tamper = attack
