@@ -329,7 +329,8 @@ def test_warm_up_suspension_takes_senders_that_stand_out_on_every_message_and_no
     entries += [peer(WorkerId(r, 0), "act", mb, 5.0 if r == 3 else 0.0) for r in range(4) for mb in range(4)]
     assert set(s._peer_outliers(entries)) == {attacker}
     # First stage verified like any (verify.trusted_ends = auto at 4 replicas): r3s0 goes too.
-    assert set(sentinel(MeshShape(replicas=4, stages=4))._peer_outliers(entries)) == {attacker, WorkerId(3, 0)}
+    ordinary = sentinel(MeshShape(replicas=4, stages=4))
+    assert set(ordinary._peer_outliers(entries)) == {attacker, WorkerId(3, 0)}
     # Where every fence is closed the fences decide: the same messages suspend nobody.
     assert s._peer_outliers([dataclasses.replace(e, open_fences=False) for e in entries]) == {}
     two = [peer(WorkerId(r, 1), "act", mb, 2.0 + r) for r in (1, 2) for mb in range(4)]
