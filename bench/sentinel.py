@@ -1,7 +1,8 @@
 """SENTINEL against adversarial workers on the demo mesh, side by side with no verification and a clean run.
 
-Every attack sits on worker r1s2 (replica 1, stage 2: a middle stage, as the threat model keeps the
-first and last stages honest) and starts halfway through the run; with the demo's two replicas that is
+Every attack sits on worker r1s2 (replica 1, stage 2: a middle stage; ``--attacker`` moves it, to the
+first or last stage too where ``verify.trusted_ends`` verifies them: from 3 replicas by default) and
+starts halfway through the run; with the demo's two replicas that is
 50% of one stage's workers (``--replicas 4`` gives exactly 25%). For each attack the same run is
 trained three times: with SENTINEL, with SENTINEL that flags but never bans (``verify.ban=false``:
 the attacker keeps sending, so the detector is scored per message over a whole attack), and without
@@ -17,6 +18,7 @@ the same machine load; wall-clock and virtual-clock step times side by side.
     python bench/sentinel.py --harness extras             # variants and gradient-only attacks
     python bench/sentinel.py --harness main,grown --replicas 4 --attacker r1s1  # issue 17's harness
     python bench/sentinel.py --replicas 4 --only adaptive  # 25% malicious: inside the threat model
+    python bench/sentinel.py --replicas 4 --harness main,grown --attacker r1s0 --only zeros,permute
     python bench/sentinel.py --only scaling,zeros --tag subspace --set codec.name=subspace
         --set model.subspace_rank=8  # (one line) verify the compressed wire form
 """
@@ -296,7 +298,8 @@ def main() -> None:
                              f"forgeries {', '.join(FORGERIES)}; forge_ids needs --set codec.name=subspace "
                              "or topk and is skipped otherwise)")
     parser.add_argument("--attacker", default=str(ATTACKER),
-                        help="the attacking worker, rRsS (a middle stage: the first and last are honest)")
+                        help="the attacking worker, rRsS (the first and last stages only where "
+                             "verify.trusted_ends verifies them: from 3 replicas by default)")
     parser.add_argument("--observe", choices=("all", "none"), default="all",
                         help="also train each attack flag-only (verify.ban=false) to score the detector "
                              "per message; wire forgeries never need it (receivers reject them)")

@@ -68,6 +68,7 @@ class Decision:
     thresholds: dict[str, float] = field(default_factory=dict)
     explained_by: str = ""
     delivered: bool = False  # a flag passed on unchanged (an undecided boundary, ``capture.py``)
+    norm: float = 0.0  # the message's norm (the last stage's blame rule compares it with its peers')
 
     @property
     def scored(self) -> bool:
@@ -83,7 +84,7 @@ class Decision:
         return {"kind": "decision", "step": self.step + 1, "microbatch": self.microbatch,
                 "message": self.kind, "src": str(self.src), "dst": str(self.dst),
                 "action": self.action, "reason": self.reason, "explained_by": self.explained_by,
-                "delivered": self.delivered,
+                "delivered": self.delivered, "norm": self.norm,
                 "distances": self.distances,
                 "thresholds": {m: t if t != float("inf") else None for m, t in self.thresholds.items()}}
 
@@ -111,7 +112,7 @@ class Alert:
 
     worker: WorkerId
     step: int  # 0-based
-    cause: Literal["budget", "honest_stage", "undecided"]
+    cause: Literal["budget", "honest_stage", "undecided", "ends"]
     strikes: int
     detail: str
 
@@ -277,13 +278,13 @@ class Ledger:
         what still holds the worker back (``kept``)."""
         stage = wid.stage
         if self.honest_stage(stage):
-            return None, self._alert(wid, step, "honest_stage", strikes,
+            return None, self.alert(wid, step, "honest_stage", strikes,
                                      f"{strikes} strikes against a worker of stage {stage}, which the "
                                      "threat model assumes honest: not banned (false positives or an "
                                      "attack the statistics attribute wrongly)")
         if self.stage_bans(stage) >= self.budget:
             minority = " (no honest majority at 2 replicas)" if self.mesh.replicas <= 2 else ""
-            return None, self._alert(wid, step, "budget", strikes,
+            return None, self.alert(wid, step, "budget", strikes,
                                      f"stage {stage} has {self.mesh.replicas} replicas and "
                                      f"{self.stage_bans(stage)} ban(s) already; the ban budget is "
                                      f"{self.budget} (a strict minority): not banned, {kept}"
@@ -300,9 +301,10 @@ class Ledger:
 
     def undecided(self, wid: WorkerId, step: int, detail: str) -> Alert | None:
         """An undecided split (``capture.py``): flagged, but nothing says it is the one that lies."""
-        return self._alert(wid, step, "undecided", 0, detail)
+        return self.alert(wid, step, "undecided", 0, detail)
 
-    def _alert(self, wid: WorkerId, step: int, cause: str, strikes: int, detail: str) -> Alert | None:
+    def alert(self, wid: WorkerId, step: int, cause: str, strikes: int, detail: str) -> Alert | None:
+        """A new alert, or None when ``wid`` already has one for ``cause`` (one per worker and cause)."""
         if (wid, cause) in self.alerted:
             return None
         self.alerted.add((wid, cause))

@@ -65,6 +65,7 @@ from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.verify.boundary import ROBUST_GROUP, SANITY, BoundaryVerifier, Verdict, View, combine
 from meshlearn.verify.capture import splits, still_split, undecided
 from meshlearn.verify.cost import VerifierClock
+from meshlearn.verify.ends import EndsWatch, data_explained
 from meshlearn.verify.ledger import (
     Action,
     Alert,
@@ -112,6 +113,7 @@ class Sentinel:
         self.verifiers = {(b, kind): BoundaryVerifier(cfg, cfg.beta_act if kind == "act" else cfg.beta_grad)
                           for b in range(mesh.stages - 1) for kind in ("act", "grad")}
         self.ledger = Ledger(cfg, mesh)
+        self.ends = EndsWatch(self.ledger)
         self.clock = VerifierClock()
         # Everything per step is keyed by the message's step, so that end_step(t) closes step t's
         # messages only (under async, later steps' are already arriving).
@@ -184,7 +186,9 @@ class Sentinel:
             return self.suspended
         return self.suspensions[self.view_step(step)]
 
-    def _peer_outliers(self, scored: list[Scored]) -> dict[WorkerId, tuple[int, str]]:
+    def _peer_outliers(self, scored: list[Scored],
+                       larger: frozenset[WorkerId] | set[WorkerId] = frozenset()
+                       ) -> dict[WorkerId, tuple[int, str]]:
         """Senders all of whose messages on some boundary and direction with open fences (the warm-up,
         or a re-warm-up there) stood out from their peers' in this step: each one's excess
         (``peer_excess``) at least ``verify.ban_margin`` fence-widths, leaving out messages explained
@@ -193,7 +197,8 @@ class Sentinel:
         every distance still trends (the early steps, where a window's fence is far too wide to see an
         attack); "all" because an honest worker's excess is large on a microbatch or two at most
         (measured on the demo: attackers' smallest excess 2.2, honest ones' below 1). At most the
-        threat model's minority of a stage (the largest), never the stages assumed honest. Each with
+        threat model's minority of a stage (the largest), never the stages assumed honest nor a last
+        stage whose larger gradients its row's data explains (``larger``, ``ends.py``). Each with
         the boundary and direction where it stood out most."""
         margin = self.cfg.ban_margin
         explained = upstream_suspects(scored, self.mesh.stages, lambda p: p.excess >= margin)
@@ -205,7 +210,7 @@ class Sentinel:
         standing_out: dict[WorkerId, tuple[float, tuple[int, str]]] = {}
         for (src, verifier), values in sorted(excesses.items()):
             excess = min(values)
-            if (excess >= margin and not self.ledger.honest_stage(src.stage)
+            if (excess >= margin and not self.ledger.honest_stage(src.stage) and src not in larger
                     and excess > standing_out.get(src, (-1.0, verifier))[0]):
                 standing_out[src] = (excess, verifier)
         suspended: dict[WorkerId, tuple[int, str]] = {}
@@ -300,13 +305,17 @@ class Sentinel:
             for verifier in self.verifiers.values():
                 verifier.calibrate(self.cfg.fpr_target)
         attribute(scored, self.mesh.stages, self.cfg.explain_level)
+        larger: set[WorkerId] = set()
+        if not self.ledger.honest_stage(self.mesh.stages - 1):  # the last stage's blame rule (ends.py)
+            larger = data_explained(scored, self.mesh.stages, self.cfg.ends_norm_ratio)
+            alerts += self.ends.enter(step, scored, larger)
         peer_excess(scored)
         bans, strike_alerts = self.ledger.enter(step, scored, voided)
         alerts += strike_alerts
         # Only while fences are open somewhere (the warm-up, a re-warm-up): elsewhere the fences
         # decide and the peer check would be wasted work.
         warming = self.cfg.warmup_suspend and any(e.open_fences for e in scored)
-        outliers = self._peer_outliers(scored) if warming else {}
+        outliers = self._peer_outliers(scored, larger) if warming else {}
         self.suspended = frozenset(outliers)
         self.suspended_steps = {w: self.suspended_steps.get(w, 0) + 1 for w in outliers}
         for wid, (boundary, kind) in sorted(outliers.items()):
@@ -332,6 +341,7 @@ class Sentinel:
     def readmit(self, wid: WorkerId) -> None:
         """A replacement took over a banned slot: it starts with a clean record."""
         self.ledger.readmit(wid)
+        self.ends.readmit(wid)
         self.suspended = self.suspended - {wid}
         self.suspended_steps.pop(wid, None)
 
@@ -368,6 +378,7 @@ class Sentinel:
             flagged, reason = True, "suspended"
         action: Action = "flag" if flagged else ("warmup" if warm else "accept")
         decision = self._decide(message, action, reason, verdict.distances, view.thresholds)
+        decision.norm = verdict.norm
         order = (message.microbatch, message.src.replica)
         if action != "warmup" or self.cfg.warmup_suspend:  # warm-up messages: for the peer check
             suspicion = float("inf") if verdict.sanity else verifier.score(verdict.distances, view)
@@ -475,6 +486,7 @@ class Sentinel:
         """At a drain point (every step closed, no view kept): the live state is all there is."""
         return {"verifiers": {f"{b}:{k}": v.state_dict() for (b, k), v in self.verifiers.items()},
                 "ledger": self.ledger.state_dict(), "clock": self.clock.state_dict(),
+                "ends": self.ends.state_dict(),
                 "synced": self.synced, "closed": self.closed,
                 "suspended": sorted(str(w) for w in self.suspended),
                 "suspended_steps": {str(w): n for w, n in sorted(self.suspended_steps.items())}}
@@ -485,6 +497,7 @@ class Sentinel:
         self.ledger.load_state_dict(state.get("ledger", state))  # older checkpoints: flat
         if "clock" in state:
             self.clock.load_state_dict(state["clock"])
+        self.ends.load_state_dict(state.get("ends", {}))
         self.synced, self.closed = state.get("synced", 0), state.get("closed", -1)
         self.suspended = frozenset(WorkerId.parse(w) for w in state.get("suspended", []))
         self.suspended_steps = {WorkerId.parse(w): n for w, n in state.get("suspended_steps", {}).items()}

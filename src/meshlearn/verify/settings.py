@@ -148,6 +148,13 @@ class VerifyConfig:
     over samples). Zero by measurement (issue 31, docs/sentinel.md): on gradients ×−1 at r1s1 and
     r0s2, 2 replicas, 160 steps, val 2.090 with zero against 4.269 with ema (none: 5.126): a
     broadcast mean is a constant push on every sample, where zero only skips the microbatch."""
+    ends_norm_ratio: float = 1.2
+    """Where the last stage is verified (``trusted_ends``): a last-stage sender whose gradients in a
+    step are at least this many times larger (median norm) than its peers' has its flags there
+    explained by its row's data, not struck: a first stage that permutes its sequences leaves every
+    activation statistic unchanged and shows only as larger honest gradients at the last stage
+    (``verify/ends.py``). 1.2 sits between the ratios of honest senders and of a permuting first
+    stage's last stage as measured (docs/sentinel.md, "First and last stages among strangers")."""
     view: str = "auto"
     """What is verified: ``auto`` reads the coefficients a compressing codec puts on the wire
     (subspace, lowrank) and decodes the others; ``decoded`` always decodes with the trusted codec."""
@@ -225,6 +232,7 @@ def validate_verify(cfg, require) -> None:
             f"allowed: {list(REFERENCE_UPDATES)}")
     require(v.grad_action in GRAD_ACTIONS, "verify.grad_action", v.grad_action,
             f"allowed: {list(GRAD_ACTIONS)}")
+    require(v.ends_norm_ratio >= 1, "verify.ends_norm_ratio", v.ends_norm_ratio, "must be >= 1")
     require(v.trusted_ends in TRUSTED_ENDS, "verify.trusted_ends", v.trusted_ends,
             f"allowed: {list(TRUSTED_ENDS)}")
     require(v.view in VIEWS, "verify.view", v.view, f"allowed: {list(VIEWS)}")
