@@ -13,10 +13,11 @@ this callback marks a score above ``dp.outlier_score`` an outlier and reports a 
 console line of its own) and its marks in summary.json's ``dp_outliers``.
 
 A report is then a ban request to the trust layer (``TrustLayer.evict``): SENTINEL's ledger rules
-decide it (never a first or last stage, at most a strict minority of a stage's replicas banned over
-the run, SENTINEL's bans and DP evictions counted together), and the ban is carried out the same
-way, at the same step in every process (they all see the same report): a fresh peer takes the
-slot with the state of the stage's replica least marked in its window, and its window restarts.
+decide it (never a stage assumed honest, ``verify.trusted_ends``; at most a strict minority of a
+stage's replicas banned over the run, SENTINEL's bans and DP evictions counted together), and the
+ban is carried out the same way, at the same step in every process (they all see the same
+report): a fresh peer takes the slot with the state of the stage's replica least marked in its
+window, and its window restarts.
 A strategy whose rounds run behind the updates (sparse ``delay`` > 0, DiLoCo ``overlap`` > 0) is
 never at a drain point at a step's end, where a donor's state is taken: there a report is a
 report only (``dp/settings.evicts_dp_outliers``).

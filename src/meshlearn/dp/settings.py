@@ -107,7 +107,7 @@ class DPConfig:
     """With a robust rule: a replica whose contribution to a stage's reduce lies more than this
     many times the median replica's distance from the aggregate is marked an outlier of that update;
     one marked in 3 of its last 8 updates is reported and evicted like a SENTINEL ban, within the
-    same budget (verify.ban_budget: a strict minority of each stage, never a first or last stage;
+    same budget (verify.ban_budget: a strict minority of each stage, never an end assumed honest;
     verify.ban = false reports only; so do sparse with dp.delay > 0 and diloco with dp.overlap > 0,
     never at a drain point at a step's end, and PowerSGD factors, whose error feedback keeps an
     honest replica an outlier). Every strategy's rounds are scored (the all-reduce's

@@ -40,8 +40,8 @@ class AttackConfig:
     mixed, adaptive; or a wire forgery: forge_ids, forge_shape, forge_dtype, forge_nonfinite,
     forge_oversize, forge_stale (receivers reject those, see meshlearn.compress.wire_checks)."""
     workers: str = ""
-    """Comma-separated attacker ids such as ``r1s2`` (replica 1, stage 2). The threat model keeps the
-    first and last stages honest."""
+    """Comma-separated attacker ids such as ``r1s2`` (replica 1, stage 2). The first and last stages only
+    where ``verify.trusted_ends`` verifies them (from 3 replicas by default)."""
     start_step: int = 0
     """Steps completed before the attack starts (0 = from the first step; 150 = halfway through the
     demo). Before verify.warmup_steps it attacks the warm-up: the verifier may learn it as normal."""

@@ -11,9 +11,10 @@ downstream got honest workers banned by the hundred, first stage included):
   downstream: the gradients it back-propagated) and the message is quarantined without blame.
   Failures of the pair distance ``coh`` (a worker's output against its own input) and sanity
   failures are never explained away: they concern the sender alone.
-- **A ban budget from the threat model**: never the first or last stage (assumed honest), and per
-  stage at most ``VerifyConfig.budget(D)`` bans over the run (default ⌈D/2⌉ − 1, a strict minority:
-  0 at 2 replicas, 1 at 4). Evidence beyond that raises an ``Alert`` instead: the worker keeps its
+- **A ban budget from the threat model**: never the first or last stage where ``verify.trusted_ends``
+  assumes them honest, and per stage at most ``VerifyConfig.budget(D)`` bans over the run
+  (default ⌈D/2⌉ − 1, a strict minority: 0 at 2 replicas, 1 at 4). Evidence beyond that raises an
+  ``Alert`` instead: the worker keeps its
   slot and its flagged messages are still quarantined one by one.
 - **Outliers among peers.** A strike also needs the message to stand out from its peers: its
   suspicion at least ``verify.ban_margin`` fence-widths above the median suspicion of the other

@@ -40,8 +40,9 @@ class VerifyConfig:
     warmup_suspend: bool = True
     """While fences are open (the warm-up, and a boundary's re-warm-up), a sender whose messages on such a
     boundary all stand out from its peers' in the same step (excess ≥ ``ban_margin`` fence-widths; at most a
-    minority of a stage, never the first or last) is suspended: its messages of the next step are quarantined,
-    without strikes, and kept out of the windows, until a step in which it no longer stands out; suspended for
+    minority of a stage, never an end assumed honest) is suspended: its messages of the next step are
+    quarantined, without strikes, and kept out of the windows, until a step in which it no longer stands
+    out; suspended for
     ``strikes`` steps in a row, it is banned (within ``ban_budget``). The windows' own fences cannot do this:
     early distances trend so fast that a fence on them is far too wide. Without it, an attack begun inside the
     warm-up runs unchecked until the fences open, and its values in the windows lift the calibrated fence
@@ -123,7 +124,7 @@ class VerifyConfig:
     replicas, 1 at 3 or 4); a larger value is capped at that minority. Evidence beyond it stops
     banning and raises an alert (console, metrics.jsonl, summary.json); messages are still
     quarantined one by one. The first and last
-    stages are never banned (assumed honest)."""
+    stages are never banned while ``trusted_ends`` assumes them honest."""
     lock_steps: int = 2
     """A boundary whose senders are mostly flagged for this many consecutive steps re-warms (the
     reference is rebased at the first such step): the bound on how long it may drop (nearly) all

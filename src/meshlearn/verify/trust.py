@@ -30,7 +30,7 @@ at drain points, so there the drain a ban needs comes from verdicts the driver r
 (``RemoteSentinel.ban_drain_due``).
 
 A DP outlier report (``dp/attribution.py``, issue 32) is the other source of bans: ``evict``
-decides it with the same ledger rules (``Ledger.decide``: never a first or last stage, at most
+decides it with the same ledger rules (``Ledger.decide``: never a stage assumed honest, at most
 ``verify.budget(D)`` bans per stage, SENTINEL's and DP's together) and carries it out here, the
 same way. Every process decides it from the same step report, so sim and dist agree on it; the
 budget's ledger is SENTINEL's own in the simulator and, where the verifier runs elsewhere (dist) or
