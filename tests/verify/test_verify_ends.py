@@ -15,6 +15,7 @@ from meshlearn.verify.ends import EndsWatch, data_explained
 from meshlearn.verify.ledger import Decision, Ledger, Scored
 from meshlearn.verify.sentinel import Sentinel
 from meshlearn.verify.settings import VerifyConfig
+from meshlearn.verify.verdicts import decision_from_record
 
 START = 12
 # 4 stages × 4 replicas × 2 microbatches of 2 sequences (as tests/verify/test_verify_mesh.py).
@@ -125,3 +126,10 @@ def test_the_ends_alert_needs_repeated_steps_and_comes_once():
     again = EndsWatch(ledger)
     again.load_state_dict(state)
     assert again.history == watch.history
+
+
+def test_a_decision_s_norm_survives_its_record():
+    """The dist verifier's decisions reach the writer as records: the norm the rule compares too."""
+    decision = grad(1, 0, 1.3, flagged=True).decision
+    decision.distances, decision.thresholds = {"swd": 2.0}, {"swd": 1.0}
+    assert decision_from_record(decision.record()) == decision

@@ -33,7 +33,7 @@ def decision_from_record(record: dict) -> Decision:
                     WorkerId.parse(record["src"]), WorkerId.parse(record["dst"]), record["action"],
                     record["reason"], dict(record["distances"]),
                     {m: float("inf") if t is None else t for m, t in record["thresholds"].items()},
-                    record["explained_by"], record.get("delivered", False))
+                    record["explained_by"], record.get("delivered", False), record.get("norm", 0.0))
 
 
 def ban_from_record(record: dict) -> Ban:
