@@ -29,6 +29,11 @@ from meshlearn.mesh.topology import WorkerId
 from meshlearn.verify.ledger import Alert, Ledger, Scored
 
 
+def data_blame(wid: WorkerId) -> str:
+    """The ``explained_by`` of a last-stage flag that its row's data explains."""
+    return f"{WorkerId(wid.replica, 0)} data"
+
+
 def data_explained(scored: list[Scored], stages: int, ratio: float) -> set[WorkerId]:
     """Mark the flagged last-stage gradients of senders whose gradients this step are larger than
     their peers' (module docstring) as explained by their row's data; those senders."""
@@ -45,7 +50,7 @@ def data_explained(scored: list[Scored], stages: int, ratio: float) -> set[Worke
     for e in scored:
         if (e.src in larger and e.kind == "grad" and e.flagged and not e.own_fault
                 and not e.decision.explained_by):
-            e.decision.explained_by = f"{WorkerId(e.src.replica, 0)} data"
+            e.decision.explained_by = data_blame(e.src)
     return larger
 
 
@@ -60,7 +65,8 @@ class EndsWatch:
 
     def enter(self, step: int, scored: list[Scored], larger: set[WorkerId]) -> list[Alert]:
         cfg = self.ledger.cfg
-        flagged = {e.src for e in scored if e.src in larger and e.flagged and e.decision.explained_by}
+        flagged = {e.src for e in scored
+                   if e.src in larger and e.decision.explained_by == data_blame(e.src)}
         last = self.ledger.mesh.stages - 1
         senders = {e.src for e in scored if e.src.stage == last and e.kind == "grad"}
         alerts = []
