@@ -182,21 +182,12 @@ def validate_dp(cfg, require) -> None:
 
 
 def validate_robust(cfg, require) -> None:
-    """``dp.robust`` and ``dp.trim``: a robust rule needs a majority to outvote (D ≥ 3; at D = 2
-    every rule is the mean of the two and nothing can be attributed)."""
-    dp, replicas = cfg.dp, cfg.mesh.replicas
+    """``dp.robust``, ``dp.trim`` and ``dp.outlier_score`` on their own; what they need of the mesh
+    (a majority to outvote: D ≥ 3, at D = 2 every rule is the mean of the two and nothing can be
+    attributed) and of elastic membership are rows of ``meshlearn.compat``."""
+    dp = cfg.dp
     require(dp.robust in ROBUST_RULES, "dp.robust", dp.robust, f"allowed: {list(ROBUST_RULES)}")
     require(dp.trim >= 1, "dp.trim", dp.trim, "must be >= 1")
     score = dp.outlier_score
     require(math.isfinite(score) and score > 1, "dp.outlier_score", score,
             "a finite number > 1 (a multiple of the median replica's distance; at 1 half are outliers)")
-    if dp.robust == "none":
-        return
-    require(replicas >= 3, "dp.robust", dp.robust,
-            f"needs mesh.replicas >= 3 (mesh.replicas = {replicas}: with 2 there is no majority, "
-            "every rule is their mean); use dp.robust = none")
-    if dp.robust == "trimmed_mean":
-        require(2 * dp.trim < replicas, "dp.trim", dp.trim,
-                f"2·dp.trim < mesh.replicas = {replicas} (trimmed_mean keeps D − 2·trim values)")
-    require(not cfg.elastic.enabled, "dp.robust", dp.robust,
-            "none with elastic.enabled (quorum rounds sum their contributions; not implemented)")

@@ -321,8 +321,6 @@ ATTACKS: dict[str, Callable[[AttackConfig, int, VerifyConfig], Attack]] = {
 }
 MIXABLE = sorted(set(ATTACKS) - {"mixed", "adaptive", *FORGERIES})
 """What ``mixed`` may switch among: the tensor attacks (it applies its parts' ``corrupt``)."""
-INDEX_CODECS = ("subspace", "topk")
-"""Codecs whose payloads carry index fields (token ids, positions) for ``forge_ids`` to forge."""
 
 
 def build_attack(kind: str, cfg: AttackConfig, seed: int, verify: VerifyConfig | None = None) -> Attack:
@@ -360,8 +358,6 @@ def validate_attack(cfg: Any, require: Callable[[bool, str, Any, str], None]) ->
         require(a.kind not in ("adaptive", *FORGERIES), "attack.kind", a.kind,
                 "a tensor attack other than adaptive with attack.target = dp (DP parts are not "
                 "pipeline messages, which forgeries rewrite and SENTINEL's shadow verifier scores)")
-        require(mesh.replicas >= 2, "attack.target", a.target,
-                f"needs mesh.replicas >= 2 for a DP contribution (mesh.replicas = {mesh.replicas})")
     require(a.start_step >= 0, "attack.start_step", a.start_step, "must be >= 0")
     require(a.period >= 0, "attack.period", a.period, "must be >= 0 (0 = always on)")
     if a.period:
@@ -379,10 +375,6 @@ def validate_attack(cfg: Any, require: Callable[[bool, str, Any, str], None]) ->
     kinds = [k.strip() for k in a.mixed_kinds.split(",") if k.strip()]
     require(bool(kinds) and set(kinds) <= set(MIXABLE), "attack.mixed_kinds", a.mixed_kinds,
             f"comma-separated, from {MIXABLE}")
-    if a.kind == "forge_ids":
-        require(cfg.codec.name in INDEX_CODECS, "attack.kind", a.kind,
-                f"forges index fields, which only codec.name in {list(INDEX_CODECS)} sends "
-                f"(codec.name = {cfg.codec.name!r})")
     if a.kind == "none":
         return
     ids = [w.strip() for w in a.workers.split(",") if w.strip()]
