@@ -20,6 +20,7 @@ from typing import Any
 
 from meshlearn.anchor.settings import anchor_targets
 from meshlearn.errors import ConfigError
+from meshlearn.mesh.topology import WorkerId
 
 # DP strategies whose replicas agree on some weights the anchor can follow by listening: the
 # per-update averages keep replicas identical, streaming DiLoCo's outer weights are common.
@@ -111,6 +112,7 @@ WARMUP = equals("warmup.enabled", True)
 TIED = equals("model.tie_embeddings", True)
 DENSE = equals("model.subspace_rank", 0)
 BASIS_UPDATES = differs("subspace_update.every", 0)
+ATTACKING = differs("attack.kind", "none")
 ON_ELASTIC = ("elastic.enabled=true", "backend=dist")
 ON_DIST_SENTINEL = ("backend=dist", "verify.name=sentinel")
 ON_ANCHOR = ("anchor.z=1", "optim.spectral.enabled=true")
@@ -126,6 +128,27 @@ def _elastic_batch_misfits(cfg: Any) -> list[int]:
     """Row counts k = 1..mesh.replicas whose share of the batch is not whole microbatches."""
     return [k for k in range(1, cfg.mesh.replicas + 1)
             if cfg.train.batch_size % (k * cfg.mesh.microbatches)]
+
+
+def _attackers(cfg: Any) -> list[tuple[str, WorkerId]]:
+    """attack.workers as written and parsed (the attack's own checks parsed them already)."""
+    ids = [w.strip() for w in cfg.attack.workers.split(",") if w.strip()]
+    return [(text, WorkerId.parse(text)) for text in ids]
+
+
+def _outside_mesh(cfg: Any) -> list[str]:
+    return [text for text, w in _attackers(cfg)
+            if not (w.replica < cfg.mesh.replicas and w.stage < cfg.mesh.stages)]
+
+
+def _on_an_end_stage(cfg: Any) -> list[str]:
+    return [text for text, w in _attackers(cfg) if w.stage < cfg.mesh.stages and w.replica < cfg.mesh.replicas
+            and not 0 < w.stage < cfg.mesh.stages - 1]
+
+
+def _attackable(cfg: Any) -> str:
+    return (f"stages 1..{cfg.mesh.stages - 2}" if cfg.mesh.stages > 2
+            else "none: the mesh needs at least 3 stages to have an attackable one")
 
 
 def _warmup_locks_none(cfg: Any) -> bool:
@@ -209,7 +232,7 @@ TABLE: tuple[Refusal, ...] = (
             "subspace_update.every = 0 or verify.name = none",
             ("verify.name=sentinel", "model.subspace_rank=8", "subspace_update.every=10")),
     # --- attacks (were in verify/attacks.py) ---
-    Refusal((equals("attack.target", "dp"), differs("attack.kind", "none"), below("mesh.replicas", 2)),
+    Refusal((equals("attack.target", "dp"), ATTACKING, below("mesh.replicas", 2)),
             "attack.target",
             lambda c: f"needs mesh.replicas >= 2 for a DP contribution (mesh.replicas = {c.mesh.replicas})",
             ("attack.target=dp", "attack.kind=sign_flip", "attack.workers=r0s1", "mesh.replicas=1")),
@@ -217,11 +240,21 @@ TABLE: tuple[Refusal, ...] = (
             lambda c: f"forges index fields, which only codec.name in {list(INDEX_CODECS)} sends "
             f"(codec.name = {c.codec.name!r})",
             ("attack.kind=forge_ids", "attack.workers=r0s1")),
+    Refusal((ATTACKING, test("an attack.workers entry outside the mesh", lambda c: bool(_outside_mesh(c)))),
+            "attack.workers",
+            lambda c: f"{_outside_mesh(c)[0]} is not in the mesh of {c.mesh.replicas} replicas × "
+            f"{c.mesh.stages} stages",
+            ("attack.kind=sign_flip", "attack.workers=r2s1")),
+    Refusal((ATTACKING, test("an attack.workers entry on the first or last stage",
+                             lambda c: bool(_on_an_end_stage(c)))), "attack.workers",
+            lambda c: f"{_on_an_end_stage(c)[0]}: the first and last stages are honest in SENTINEL's threat "
+            f"model; attackers may sit on {_attackable(c)}",
+            ("attack.kind=sign_flip", "attack.workers=r0s3")),
     # --- the distributed runtime (was distributed/settings.py) ---
     Refusal((DIST, BASIS_UPDATES), "subspace_update.every",
             lambda c: "must be 0 with backend = 'dist' (only the simulator runs it so far)",
             ("backend=dist", "model.subspace_rank=8", "subspace_update.every=10")),
-    Refusal((DIST, differs("attack.kind", "none"), differs("verify.name", "sentinel")), "attack.kind",
+    Refusal((DIST, ATTACKING, differs("verify.name", "sentinel")), "attack.kind",
             lambda c: "needs verify.name = 'sentinel' with backend = 'dist' (unverified attacks run in the "
             "simulator only)",
             ("backend=dist", "attack.kind=sign_flip", "attack.workers=r0s1", "mesh.stages=4")),
