@@ -21,7 +21,7 @@ from meshlearn.train import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 
-from dist_helpers import deadline, kill_leftovers, launch, records  # noqa: E402
+from dist_helpers import deadline, kill_leftovers, launch, launch_fixed_and_elastic, records  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PLUGIN = ["dp.name=every_other"]
@@ -102,14 +102,7 @@ def test_the_plugin_under_elastic_equals_the_fixed_dist_driver(tiny_corpus, tmp_
     """Fixed membership; one stage (the elastic driver clips per stage, the fixed one per row)."""
     cfg = tiny_config(tiny_corpus, "backend=dist", "mesh.replicas=2", "train.steps=6", "dist.timeout_s=5",
                       "dist.dead_after_s=2", *PLUGIN)
-    runs = {"fixed": tmp_path / "fixed", "elastic": tmp_path / "elastic"}
-    try:
-        with deadline(120, "the every_other runs"):
-            assert launch(cfg, runs["fixed"]) == 0
-            assert launch(cfg, runs["elastic"], "elastic.enabled=true") == 0
-    finally:
-        for run in runs.values():
-            kill_leftovers(run)
+    runs = launch_fixed_and_elastic(cfg, tmp_path, 120, "the every_other runs")
     a, b = records(runs["fixed"]), records(runs["elastic"])
     assert [r["step"] for r in b] == list(range(1, 7)) and all(r["committed"] for r in b)
     assert max(abs(x["train_loss"] - y["train_loss"]) for x, y in zip(a, b, strict=True)) <= 1e-5
