@@ -15,6 +15,7 @@ import torch
 from tiny import tiny_config
 
 from meshlearn.dp import strategies
+from meshlearn.dp.registry import BUILDERS, builder_of
 from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.train import Trainer
@@ -60,6 +61,13 @@ def test_a_plugin_that_does_not_load_is_named_in_one_line(tiny_corpus, installed
     with pytest.raises(ConfigError) as err:
         tiny_config(tiny_corpus, *PLUGIN)
     assert "no_such_module_here:build does not load: ModuleNotFoundError" in str(err.value)
+
+
+def test_a_plugin_cannot_take_a_built_in_name(installed):
+    (installed / "every_other_dp-0.1.dist-info" / "entry_points.txt").write_text(
+        f"[{strategies.GROUP}]\nevery_other = every_other_dp:build\nsparse = every_other_dp:build\n")
+    assert strategies.names() == (*strategies.BUILT_IN, "every_other")
+    assert builder_of("sparse") is BUILDERS["sparse"] and builder_of("every_other").__name__ == "build"
 
 
 def test_the_plugin_under_sim_equals_its_oracle_and_averages_every_other_step(tiny_corpus, tmp_path,
