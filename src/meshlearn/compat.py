@@ -74,7 +74,7 @@ def below(key: str, bound: float) -> Condition:
     return Condition(f"{key} < {_show(bound)}", lambda cfg: setting(cfg, key) < bound)
 
 
-def test(text: str, holds: Callable[[Any], bool]) -> Condition:
+def relation(text: str, holds: Callable[[Any], bool]) -> Condition:
     """Any other condition (a relation between keys), as ``text`` says."""
     return Condition(text, holds)
 
@@ -162,9 +162,14 @@ def _late_window(cfg: Any) -> int:
     return cfg.anchor.delay + cfg.anchor.max_late
 
 
+def _drops_late_arrivals(cfg: Any) -> bool:
+    """The correction would drop what arrives late but not every arrival (that is the next row)."""
+    return cfg.anchor.delay <= cfg.optim.spectral.max_staleness < _late_window(cfg)
+
+
 TABLE: tuple[Refusal, ...] = (
     # --- the model (was models/settings.py) ---
-    Refusal((TIED, test("mesh.stages > 1", lambda c: c.mesh.stages > 1)), "model.tie_embeddings",
+    Refusal((TIED, relation("mesh.stages > 1", lambda c: c.mesh.stages > 1)), "model.tie_embeddings",
             lambda c: f"the embedding (stage 0) and the head (stage {c.mesh.stages - 1}) cannot share one "
             f"weight across mesh.stages = {c.mesh.stages}; set model.tie_embeddings = false (the last stage "
             "gets its own copy of the embedding, trained separately) or mesh.stages = 1",
@@ -240,13 +245,14 @@ TABLE: tuple[Refusal, ...] = (
             lambda c: f"forges index fields, which only codec.name in {list(INDEX_CODECS)} sends "
             f"(codec.name = {c.codec.name!r})",
             ("attack.kind=forge_ids", "attack.workers=r0s1")),
-    Refusal((ATTACKING, test("an attack.workers entry outside the mesh", lambda c: bool(_outside_mesh(c)))),
+    Refusal((ATTACKING, relation("an attack.workers entry outside the mesh",
+                                 lambda c: bool(_outside_mesh(c)))),
             "attack.workers",
             lambda c: f"{_outside_mesh(c)[0]} is not in the mesh of {c.mesh.replicas} replicas × "
             f"{c.mesh.stages} stages",
             ("attack.kind=sign_flip", "attack.workers=r2s1")),
-    Refusal((ATTACKING, test("an attack.workers entry on the first or last stage",
-                             lambda c: bool(_on_an_end_stage(c)))), "attack.workers",
+    Refusal((ATTACKING, relation("an attack.workers entry on the first or last stage",
+                                 lambda c: bool(_on_an_end_stage(c)))), "attack.workers",
             lambda c: f"{_on_an_end_stage(c)[0]}: the first and last stages are honest in SENTINEL's threat "
             f"model; attackers may sit on {_attackable(c)}",
             ("attack.kind=sign_flip", "attack.workers=r0s3")),
@@ -274,8 +280,9 @@ TABLE: tuple[Refusal, ...] = (
             "DP axis)",
             (*ON_ELASTIC, "dist.trusted_links=false")),
     # --- elastic membership (was elastic/settings.py) ---
-    Refusal((test("elastic.min_replicas ∉ [1, mesh.replicas]",
-                  lambda c: not 1 <= c.elastic.min_replicas <= c.mesh.replicas),), "elastic.min_replicas",
+    Refusal((relation("elastic.min_replicas ∉ [1, mesh.replicas]",
+                      lambda c: not 1 <= c.elastic.min_replicas <= c.mesh.replicas),),
+            "elastic.min_replicas",
             lambda c: f"must be between 1 and mesh.replicas = {c.mesh.replicas}",
             ("elastic.min_replicas=3",)),
     Refusal((ELASTIC, SIM), "elastic.enabled",
@@ -287,8 +294,8 @@ TABLE: tuple[Refusal, ...] = (
     Refusal((ELASTIC, below("mesh.replicas", 2)), "mesh.replicas",
             lambda c: "with elastic.enabled: must be >= 2 (a stage of one replica cannot lose it and go on)",
             (*ON_ELASTIC, "mesh.replicas=1")),
-    Refusal((ELASTIC, test("train.batch_size % (k × mesh.microbatches) ≠ 0 for a k ≤ mesh.replicas",
-                           lambda c: bool(_elastic_batch_misfits(c)))), "train.batch_size",
+    Refusal((ELASTIC, relation("train.batch_size % (k × mesh.microbatches) ≠ 0 for a k ≤ mesh.replicas",
+                               lambda c: bool(_elastic_batch_misfits(c)))), "train.batch_size",
             lambda c: "with elastic.enabled: must be divisible by k × mesh.microbatches for every number of "
             "rows k = 1..mesh.replicas (the rows that train a step split its batch; "
             f"not for k = {_elastic_batch_misfits(c)[0]})",
@@ -303,14 +310,14 @@ TABLE: tuple[Refusal, ...] = (
             "majority, every rule is their mean); use dp.robust = none",
             ("dp.robust=median", "mesh.replicas=2")),
     Refusal((equals("dp.robust", "trimmed_mean"),
-             test("2·dp.trim ≥ mesh.replicas", lambda c: 2 * c.dp.trim >= c.mesh.replicas)), "dp.trim",
+             relation("2·dp.trim ≥ mesh.replicas", lambda c: 2 * c.dp.trim >= c.mesh.replicas)), "dp.trim",
             lambda c: f"2·dp.trim < mesh.replicas = {c.mesh.replicas} (trimmed_mean keeps D − 2·trim values)",
             ("dp.robust=trimmed_mean", "mesh.replicas=4", "dp.trim=2")),
     Refusal((ROBUST, ELASTIC), "dp.robust",
             lambda c: "none with elastic.enabled (quorum rounds sum their contributions; not implemented)",
             (*ON_ELASTIC, "mesh.replicas=3", "train.batch_size=48", "dp.robust=median")),
     # --- architecture warm-up (was warmup/settings.py) ---
-    Refusal((WARMUP, test("no block locked per stage", _warmup_locks_none)), "warmup.locked_fraction",
+    Refusal((WARMUP, relation("no block locked per stage", _warmup_locks_none)), "warmup.locked_fraction",
             lambda c: f"locks no block of {c.model.n_layer // c.mesh.stages} per stage; raise it or use "
             "fewer stages",
             ("warmup.enabled=true", "mesh.stages=4", "warmup.locked_fraction=0.1")),
@@ -327,7 +334,8 @@ TABLE: tuple[Refusal, ...] = (
             "Hessian-vector products across processes are not implemented",
             ("curvature.every=10", "backend=dist")),
     # --- the anchor circuit (was anchor/settings.py) ---
-    Refusal((test("anchor.targets ⊄ optim.spectral.targets", lambda c: bool(_unknown_anchor_targets(c))),),
+    Refusal((relation("anchor.targets ⊄ optim.spectral.targets",
+                      lambda c: bool(_unknown_anchor_targets(c))),),
             "anchor.targets",
             lambda c: f"names from optim.spectral.targets = {c.optim.spectral.targets!r} (the correction "
             f"receives only those); not there: {_unknown_anchor_targets(c)}",
@@ -347,15 +355,16 @@ TABLE: tuple[Refusal, ...] = (
             lambda c: f"with protocol.morph = {c.protocol.morph!r} a morph between hand-off and arrival "
             "would put the anchor's gradients in another basis than the weights'; use protocol.morph = off",
             (*ON_ANCHOR, *ON_MORPH)),
-    Refusal((ANCHORED, test("anchor.delay ≤ optim.spectral.max_staleness < anchor.delay + anchor.max_late",
-                            lambda c: c.anchor.delay <= c.optim.spectral.max_staleness < _late_window(c))),
+    Refusal((ANCHORED, relation("anchor.delay ≤ optim.spectral.max_staleness < anchor.delay + "
+                                "anchor.max_late",
+                                _drops_late_arrivals)),
             "anchor.max_late",
             lambda c: f"anchor.delay + anchor.max_late = {_late_window(c)} exceeds optim.spectral."
             f"max_staleness = {c.optim.spectral.max_staleness}, which would drop what the anchor delivers "
             f"late; at most {c.optim.spectral.max_staleness - c.anchor.delay}",
             (*ON_ANCHOR, "anchor.delay=20", "anchor.max_late=10", "optim.spectral.max_staleness=25")),
-    Refusal((ANCHORED, test("optim.spectral.max_staleness < anchor.delay",
-                            lambda c: c.optim.spectral.max_staleness < c.anchor.delay)),
+    Refusal((ANCHORED, relation("optim.spectral.max_staleness < anchor.delay",
+                                lambda c: c.optim.spectral.max_staleness < c.anchor.delay)),
             "anchor.max_late",
             lambda c: f"anchor.delay = {c.anchor.delay} exceeds optim.spectral.max_staleness = "
             f"{c.optim.spectral.max_staleness}, which would drop every arrival",
