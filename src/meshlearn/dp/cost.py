@@ -28,7 +28,7 @@ from meshlearn.dp.base import DPStrategy, Exchange, Key
 from meshlearn.dp.diloco import StreamingDiLoCo, Sync
 from meshlearn.dp.lowrank import LowRankCompressor
 from meshlearn.dp.powersgd import PowerSGD
-from meshlearn.dp.registry import BUILDERS, _deadline, robust_of
+from meshlearn.dp.registry import _deadline, builder_of, robust_of
 from meshlearn.dp.sparse import Round, SparseAveraging
 from meshlearn.mesh.messages import Message
 
@@ -166,7 +166,7 @@ def build_cost_strategy(cfg, worker, profile) -> DPStrategy:
     elif cfg.name == "powersgd":  # the registry's rule, without drawing a random Q on meta
         strategy = CostPowerSGD(worker.id, worker.mesh.replicas, worker.module, rank=cfg.rank, seed=cfg.seed)
     else:
-        strategy = BUILDERS[cfg.name](cfg, worker, profile)
+        strategy = builder_of(cfg.name)(cfg, worker, profile)
         cost_class = {"diloco": CostDiLoCo}.get(cfg.name)
         if cost_class is not None:
             strategy.__class__ = cost_class  # built by the registry's own rule, then made cost-only

@@ -147,6 +147,11 @@ def _config(args: argparse.Namespace) -> int:
     from meshlearn.config import load_config, to_dict
     from meshlearn.train.config_help import format_keys
 
+    if args.compat:
+        from meshlearn.train.compat_help import format_compat
+
+        print(format_compat())
+        return 0
     if args.resolved is not None or args.set:
         cfg = load_config(args.resolved or None, args.set)
         text = tomli_w.dumps(to_dict(cfg))
@@ -455,9 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export)
 
     config = sub.add_parser("config", help="every config key with its type, default and description; "
-                                           "or a resolved config (--resolved FILE, --set)")
+                                           "a resolved config (--resolved FILE, --set); or the refused "
+                                           "combinations (--compat)")
     config.add_argument("section", nargs="?", help="one section (e.g. mesh) or key (e.g. train.lr)")
     config.add_argument("--full", action="store_true", help="whole descriptions, not first sentences")
+    config.add_argument("--compat", action="store_true",
+                        help="every refused combination of settings, with the error it gets")
     config.add_argument("--resolved", metavar="FILE", nargs="?", const="",
                         help="print FILE (or the defaults) with every --set applied, as TOML")
     config.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
