@@ -8,6 +8,7 @@ listed. Every check runs before any work starts.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -268,7 +269,13 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
                 data = tomllib.load(f)
             except tomllib.TOMLDecodeError as err:
                 raise ConfigError("--config", str(path), f"not valid TOML: {err}") from None
-    data = apply_overrides(data, list(overrides))
+    return config_from_tree(data, overrides)
+
+
+def config_from_tree(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
+    """A config tree (a TOML file's, or ``to_dict``'s as a cluster run's coordinator sends it) →
+    overrides → dataclasses → validation. Raises ConfigError on bad input."""
+    data = apply_overrides(copy.deepcopy(data), list(overrides))
     cfg = resolve_init(_build(RunConfig, data), data)
     validate(cfg)
     return cfg

@@ -150,6 +150,15 @@ def _quorum_heartbeat(a, who, op, m, n) -> bool:
     return a.slots.holds(who, m["worker"], int(m["gen"])) or (n == 0 and a.slots.holds_stage(who, stage))
 
 
+def _counter(owner):
+    """A counter its owner moves and anyone reads by adding 0 (a launcher following a slot's events)."""
+    return lambda a, who, op, m, n: (op == "add" and n == 0) or owner(a, who, op, m, n)
+
+
+def _nobody(a, who, op, m, n) -> bool:
+    return False
+
+
 def _free(a, who, op, m, n) -> bool:
     return op == "set" and a.slots is not None and a.slots.may_free(who, m["worker"], int(m["gen"]))
 
@@ -171,7 +180,9 @@ SET, ADD, CAS = ("set",), ("add",), ("compare_set",)
 ELASTIC_FAMILIES = (  # elastic/… (``elastic/worker.py``, ``driver.py``, ``rows.py``, ``quorum.py``, …)
     Family(re.compile(rf"progress/{SLOT}\Z"), _slot_holder(SET)),
     Family(re.compile(rf"elastic/(joined|finished|ended)/{SLOT}/{GEN}\Z"), _slot_holder(SET)),
-    Family(re.compile(rf"elastic/events/{SLOT}/{GEN}/(\d+|count)\Z"), _slot_holder(SET + ADD)),
+    Family(re.compile(rf"elastic/events/{SLOT}/{GEN}/\d+\Z"), _slot_holder(SET)),
+    Family(re.compile(rf"elastic/events/{SLOT}/{GEN}/count\Z"), _counter(_slot_holder(ADD))),
+    Family(re.compile(rf"elastic/banned/{SLOT}/{GEN}\Z"), _nobody),  # SENTINEL's: not in a cluster run
     Family(re.compile(rf"elastic/(gen|checkpoint/\d+)/{SLOT}\Z"), _slot_holder(SET)),
     Family(re.compile(rf"elastic/free/{SLOT}/{GEN}\Z"), _free),
     Family(re.compile(rf"elastic/taken/{SLOT}/{GEN}\Z"), _claim),
@@ -185,7 +196,7 @@ ELASTIC_FAMILIES = (  # elastic/… (``elastic/worker.py``, ``driver.py``, ``row
            _stage_holder(SET + ADD + CAS)),
     Family(re.compile(rf"elastic/links/[0-9a-z.-]+/\d+/here/{SLOT}\Z"), _slot_holder(SET)),
     Family(re.compile(r"elastic/links/[0-9.]+/\d+/dropped\Z"), _any_holder(SET + CAS)),
-    Family(re.compile(r"elastic/holder/r\d+s\d+\Z"), lambda a, who, op, m, n: False),
+    Family(re.compile(r"elastic/holder/r\d+s\d+\Z"), _nobody),  # the service publishes it
     Family(re.compile(r"records/\d+\Z"), _last_stage_holder),
 )
 WORKER_FAMILIES = (
