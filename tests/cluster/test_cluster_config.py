@@ -94,7 +94,8 @@ def test_elastic_in_a_cluster_needs_control_membership_and_a_coordinator_last_st
     with pytest.raises(ConfigError, match="elastic.membership = 'torchft': with a .cluster. placement: must "
                                           "be 'control' .torchft's lighthouse"):
         _load(tmp_path, PLACEMENT, "elastic.enabled=true", "backend=dist")
-    cfg = _load(tmp_path, PLACEMENT, "elastic.enabled=true", "elastic.membership=control", "backend=dist")
+    cfg = _load(tmp_path, PLACEMENT, "elastic.enabled=true", "elastic.membership=control", "backend=dist",
+                "dist.links=tcp", "dist.trusted_links=false")  # no process group under control membership
     assert cfg.elastic.enabled and cfg.cluster.enabled
     first_stages = PLACEMENT.replace('["r0s0", "r1s1"]', '["r0s0", "r1s0"]').replace('["r0s1", "r1s0"]',
                                                                                      '["r0s1", "r1s1"]')

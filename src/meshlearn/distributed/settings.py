@@ -145,15 +145,18 @@ def validate_dist(cfg, require) -> None:
                     "must be 'gloo' or 'auto' with verify.name = 'sentinel' (the verifier relays over gloo)")
     require(dist.comm in COMMS, "dist.comm", dist.comm, f"allowed: {list(COMMS)}")
     require(dist.links in LINKS, "dist.links", dist.links, f"allowed: {list(LINKS)}")
-    require(dist.links != "tcp" or not cfg.elastic.enabled, "dist.links", dist.links,
-            "must be 'auto' or 'collective' with elastic.enabled (rows link over gloo pair groups)")
+    torchft = cfg.elastic.enabled and cfg.elastic.membership == "torchft"  # control: streams only
+    require(dist.links != "tcp" or not torchft, "dist.links", dist.links,
+            "must be 'auto' or 'collective' with elastic.enabled and elastic.membership = 'torchft' "
+            "(rows link over gloo pair groups)")
     require(dist.trusted_links in TRUSTED_LINKS, "dist.trusted_links", dist.trusted_links,
             f"allowed: {list(TRUSTED_LINKS)} (a string)")
     untrusted = dist.trusted_links == "false"
     require(not untrusted or dist.links != "collective", "dist.links", dist.links,
             "must be 'auto' or 'tcp' with dist.trusted_links = 'false' (collective links are process groups)")
-    require(not untrusted or not cfg.elastic.enabled, "dist.trusted_links", dist.trusted_links,
-            "must be 'auto' or 'true' with elastic.enabled (torchft's process groups carry its DP axis)")
+    require(not untrusted or not torchft, "dist.trusted_links", dist.trusted_links,
+            "must be 'auto' or 'true' with elastic.enabled and elastic.membership = 'torchft' (torchft's "
+            "process groups carry its DP axis)")
     require(dist.shaping in SHAPINGS, "dist.shaping", dist.shaping, f"allowed: {list(SHAPINGS)}")
     for key, value in [("dist.timeout_s", dist.timeout_s), ("dist.heartbeat_s", dist.heartbeat_s),
                        ("dist.dead_after_s", dist.dead_after_s),
