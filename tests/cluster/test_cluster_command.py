@@ -79,3 +79,20 @@ def test_a_coordinator_whose_port_is_taken_stops_in_one_line(tmp_path, capsys, t
                      str(tmp_path / "run"), "--set", f"data.corpus={tiny_corpus}", "--key",
                      str(tmp_path / "keys" / "alice.key")]) == 2
     assert f"cluster.hosts.alice.port = {port}: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--host", "alice", "--out", "x"], "--coordinator = None: required with --join: meshlearn train --join"),
+    (["--host", "alice", "--out", "x", "--coordinator", "nonsense"],
+     "--coordinator = 'nonsense': must be ADDR:PORT, the coordinator's address and its one port"),
+    (["--host", "alice", "--out", "x", "--coordinator", "10.0.0.1:29500", "--config", "run.toml"],
+     "--config = 'run.toml': not with --join: a joiner takes the run's config from its coordinator"),
+    (["--host", "alice", "--out", "x", "--coordinator", "10.0.0.1:29500"],
+     "--key = None: a [cluster] run needs this host's private key"),
+])
+def test_a_join_is_refused_in_one_line_before_it_reaches_anyone(tmp_path, capsys, args, said):
+    assert main(["train", "--join", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert said in err and "\n" not in err, err
+    assert main(["train", "--coordinator", "10.0.0.1:29500", "--out", str(tmp_path / "y")]) == 2
+    assert "--coordinator = '10.0.0.1:29500': only with --join" in capsys.readouterr().err

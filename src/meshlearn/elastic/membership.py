@@ -29,6 +29,7 @@ from typing import TextIO
 import torch.distributed as dist
 
 from meshlearn.atomic import atomic_write_json
+from meshlearn.cluster.slots import parse_claim
 from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, EXIT_PEER_FAILURE
 from meshlearn.distributed.procs import echo, stop
 from meshlearn.elastic.binding import start_lighthouse
@@ -320,8 +321,8 @@ def claimant(value: str, cluster: ClusterWatch | None) -> tuple[str | None, int 
     pid only its own host can watch (None elsewhere)."""
     if cluster is None:
         return None, int(value)
-    host, _, pid = value.rpartition(":")
-    return host, int(pid) if host == cluster.host else None
+    host, pid = parse_claim(value)
+    return host, pid if host == cluster.host else None
 
 
 def _failure_report(codes: dict[str, int], killed: set[str], run_dir: Path) -> str:

@@ -131,8 +131,8 @@ def prepare_cluster_join(host: str, key: str | None, coordinator: str | None, ru
                          overrides: list[str]) -> RunConfig:
     """Find the run behind ``coordinator``, take a free slot in ``host``'s name, and set this
     process's environment as a host launcher sets it for its workers; returns the run's config."""
-    credentials = host_credentials(host, key)
     address, port = parse_coordinator(coordinator)
+    credentials = host_credentials(host, key)
     tls = RunTls(credentials)
     try:
         name = coordinator_name(tls, address, port)
