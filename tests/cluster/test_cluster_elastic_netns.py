@@ -16,6 +16,7 @@ of several minutes' worth of processes on a 2-core machine.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -248,3 +249,34 @@ def test_a_failed_join_frees_its_slot_and_a_second_joiner_heals(cluster):
     codes = cluster.stop()
     assert "took slot r1s0 (generation 2)" in cluster.output("second")
     _check_the_end(cluster, codes, second, "second")
+
+
+def test_a_lost_machine_s_slots_are_freed_by_the_coordinator_and_taken_by_a_joiner(cluster):
+    """bob is lost whole (its launcher and workers SIGKILLed: nobody tells anyone): the coordinator
+    sees r0s1's and r1s0's heartbeats stand still and frees both slots; alice's r0s0 and r1s1,
+    the survivors of rows broken at different stages, are re-paired and train on; a joiner on
+    alice takes r0s1 (the first free slot in row order) and heals from r1s1."""
+    cluster.wait(lambda: cluster.last_step() >= 2, 240, "two steps")
+    bob = cluster.procs["bob"]
+    pids = [cluster.pid("bob", name) for name in PLACED["bob"]]
+    os.killpg(bob.pid, signal.SIGKILL)  # the launcher's session: its forkserver and workers
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    bob.wait(timeout=10)
+    cluster.procs = {"alice": cluster.procs["alice"]}  # bob's end is no failure of the run
+    cluster.wait(lambda: cluster.event("r0s1", "left") and cluster.event("r1s0", "left"), 120,
+                 "the coordinator freeing bob's slots")
+    for name in PLACED["bob"]:
+        assert "its machine stopped answering" in cluster.event(name, "left")["why"], cluster.members()[name]
+    lost = cluster.last_step()
+    cluster.wait(lambda: cluster.last_step() >= lost + 3, 120, "steps after bob was lost")
+    assert cluster.steps()[-1]["rows"] == [[0, 1]] and cluster.steps()[-1]["committed"]  # re-paired
+    joiner = cluster.join("lost")
+    cluster.wait(lambda: cluster.event("r0s1", "joined", 1), 150, "the joiner healed into r0s1")
+    assert cluster.members()["r0s1"]["host"] == "alice"
+    codes = cluster.stop()
+    assert codes == {"alice": 0}, logs(cluster.tmp_path)
+    assert joiner.returncode == 128 + signal.SIGTERM, cluster.output("lost")
+    output = cluster.output("lost")
+    assert "took slot r0s1 (generation 1)" in output and "healed from a live replica of stage 1" in output

@@ -29,11 +29,11 @@ from typing import TextIO
 import torch.distributed as dist
 
 from meshlearn.atomic import atomic_write_json
-from meshlearn.cluster.slots import parse_claim
 from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, EXIT_PEER_FAILURE
 from meshlearn.distributed.procs import echo, stop
 from meshlearn.elastic.binding import start_lighthouse
 from meshlearn.elastic.links import generation_key
+from meshlearn.elastic.remote import ClusterWatch, Lapses, claimant
 from meshlearn.elastic.settings import derive_timeouts
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
@@ -122,6 +122,16 @@ def _last_step(store: dist.Store, name: str) -> int:
         return -1
 
 
+def _tell(store: dist.Store, key: str, value: str) -> None:
+    """Say a slot's end in the store. Refused when the slot has moved on (the coordinator freed it,
+    its machine having been silent, and a joiner took it): what it says is no longer this host's
+    to say, and the watch goes on."""
+    try:
+        store.set(key, value)
+    except Exception as err:  # noqa: BLE001 — a refusal (authority) or a lost coordinator
+        print(f"meshlearn: could not record {key} ({type(err).__name__}: {err})", file=sys.stderr)
+
+
 def _error_line(log: Path) -> str | None:
     try:
         lines = log.read_text(errors="replace").splitlines()
@@ -182,6 +192,8 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
     slots = {p.name: Slot(p.name, proc=p) for p in procs}
     for name in cluster.remote if cluster else ():
         slots[name] = Slot(name, remote=True)
+    lapses = (Lapses(prefixed, cluster.ranks, cluster.dead_after_s)
+              if cluster is not None and cluster.coordinator and cluster.dead_after_s > 0 else None)
     for name in absent:
         slots[name] = Slot(name, code=EXIT_LEFT)
         prefixed.set(generation_key(WorkerId.parse(name)), "0")
@@ -192,7 +204,7 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
 
     def record(name: str, event: dict) -> None:
         membership[name]["events"].append(event)
-        if cluster is None or cluster.writes_membership:
+        if cluster is None or cluster.coordinator:
             atomic_write_json(run_dir / WORKERS_FILE, membership)
 
     def note_ban(slot: Slot) -> None:
@@ -221,17 +233,18 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
                           f"({event['why']}); it stays in its stage's quorum\n")
             slot.events = i + 1
 
-    def ended(slot: Slot, code: int, why: str) -> None:
+    def ended(slot: Slot, code: int, why: str, free: bool = False) -> None:
+        """``free``: the coordinator frees a slot held elsewhere (its machine is lost)."""
         note_ban(slot)  # before its exit, if it left before this loop saw the ban
         follow_events(slot)  # what it reported before its end comes before the end
         code = 0 if stopped_by_signal(code) else code  # it ran to the run's (agreed) last step
         slot.code = code
         step = _last_step(prefixed, slot.name)
         if cluster is not None and not slot.remote:  # the other hosts learn of it here
-            prefixed.set(ended_key(WorkerId.parse(slot.name), slot.generation),
-                         json.dumps({"code": code, "why": why}))
-        if code != 0 and slot.banned_at is None and not slot.remote:  # free before workers.json says it left
-            prefixed.set(free_key(WorkerId.parse(slot.name), slot.generation), str(step))
+            _tell(prefixed, ended_key(WorkerId.parse(slot.name), slot.generation),
+                  json.dumps({"code": code, "why": why}))
+        if code != 0 and slot.banned_at is None and (free or not slot.remote):  # free before workers.json
+            _tell(prefixed, free_key(WorkerId.parse(slot.name), slot.generation), str(step))  # says it left
         record(slot.name, {"event": "finished" if code == 0 else "left", "step": step, "why": why})
         if code != 0:
             out.write(f"meshlearn: worker {slot.name} left after step {step} ({why}); the others go on\n")
@@ -262,6 +275,9 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
             if slot.code is None and slot.remote and prefixed.check([ended_key(wid, g)]):
                 end = json.loads(prefixed.get(ended_key(wid, g)).decode())
                 ended(slot, end["code"], end["why"])
+            if slot.code is None and slot.remote and lapses and (silent := lapses.lapsed(slot.name, g)):
+                ended(slot, 1, f"its machine stopped answering: no heartbeat for {silent:.1f} s; the "
+                               "coordinator freed its slot", free=True)
             if slot.code is None:
                 note_ban(slot)
             if (slot.code is None and slot.banned_at is not None and slot.proc is not None
@@ -304,25 +320,6 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
         return 0
     print(_failure_report(codes, killed, run_dir), file=sys.stderr)
     return 1
-
-
-@dataclass(frozen=True)
-class ClusterWatch:
-    """A cluster host's part in ``watch_elastic``: its name, the slots the placement gives other
-    hosts, and whether it keeps workers.json (the coordinator)."""
-
-    host: str
-    remote: tuple[str, ...]
-    writes_membership: bool
-
-
-def claimant(value: str, cluster: ClusterWatch | None) -> tuple[str | None, int | None]:
-    """(host, pid) of a slot's claim: a pid on one machine, ``HOST:PID`` in a cluster run, whose
-    pid only its own host can watch (None elsewhere)."""
-    if cluster is None:
-        return None, int(value)
-    host, pid = parse_claim(value)
-    return host, pid if host == cluster.host else None
 
 
 def _failure_report(codes: dict[str, int], killed: set[str], run_dir: Path) -> str:

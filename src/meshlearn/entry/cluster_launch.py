@@ -54,9 +54,9 @@ from meshlearn.elastic.membership import (
     STARTED_ENV,
     WORKERS_FILE,
     WRITER_ENV,
-    ClusterWatch,
     watch_elastic,
 )
+from meshlearn.elastic.remote import ClusterWatch
 from meshlearn.elastic.settings import derive_timeouts
 from meshlearn.entry.launch import (  # one machine's launcher: the same children and watch
     abort_message,
@@ -158,9 +158,10 @@ def _run_workers(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placemen
         if cfg.elastic.enabled:
             timeouts = derive_timeouts(cfg.elastic, cfg.dist, cfg.link)
             remote = tuple(name for name in placement.ranks if name not in placement.processes)
+            watch = ClusterWatch(placement.host, remote, placement.is_coordinator, placement.ranks,
+                                 dead_after_s=2 * timeouts.heartbeat_s + 5.0)  # a lost machine's slots
             code = watch_elastic(procs, store, membership, run_dir, echo_log, out,
-                                 grace_s=timeouts.quorum_s + timeouts.heartbeat_s + 10.0,
-                                 cluster=ClusterWatch(placement.host, remote, placement.is_coordinator))
+                                 grace_s=timeouts.quorum_s + timeouts.heartbeat_s + 10.0, cluster=watch)
             _finish(store, cfg, placement, port, run_dir)
             return code
         codes = watch_children(procs, cfg, echo_log, out)
