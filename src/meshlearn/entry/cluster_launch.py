@@ -149,9 +149,8 @@ def _run_workers(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placemen
                   for name, rank in placement.ranks.items()}
     if placement.is_coordinator:
         atomic_write_json(run_dir / WORKERS_FILE, membership)
-    echo = placement.writer if placement.is_coordinator else next(iter(placement.processes), None)
-    if cfg.elastic.enabled:
-        echo = elastic_writer(cfg) if placement.is_coordinator else echo
+    writer = elastic_writer(cfg) if cfg.elastic.enabled else placement.writer
+    echo = writer if placement.is_coordinator else next(iter(placement.processes), None)
     echo_log = logs / f"{echo}.log"  # a host with no worker of its own echoes nothing
     stopping = forward_signals(procs, STOPPING)
     try:
