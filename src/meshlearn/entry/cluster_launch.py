@@ -20,6 +20,13 @@ coordinator publishes for the whole run (``control_store.follow_revocations``), 
 its key, where its workers and a resume read it.
 The coordinator's launcher keeps the service up until every host's workers are done, then adds
 every host's refusals to the run's summary.json (each host also keeps its own security.json).
+
+An elastic run (``elastic.membership = "control"``): each launcher watches its own workers and the
+joiners that claimed a slot from this machine, and follows the slots held elsewhere
+(``elastic/membership.watch_elastic`` with ``elastic/remote.ClusterWatch``); the coordinator's
+control service keeps which host holds each slot (``cluster/slots.py``), and its launcher frees a
+lost machine's slots; ``RUN/port.json`` tells a joiner on this machine where its port agent is
+(``entry/cluster_join.py``).
 """
 
 from __future__ import annotations
