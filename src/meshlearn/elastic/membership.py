@@ -13,6 +13,10 @@ holder also reports when its row breaks (``spectates``), trains again (``contrib
 joiner's first step trained too) and links anew while it still held links (``relinks``: the row
 agreement found its members holding different ones); the launcher copies all of it to
 ``workers.json``.
+
+In a cluster run every host's launcher runs this watch for the processes on its machine, says
+each end in the store (``ended_key``) and follows the others' from there (``elastic/remote.py``);
+a claim there names its host (``cluster/slots.py``), whose launcher watches the joiner's pid.
 """
 
 from __future__ import annotations
