@@ -101,6 +101,7 @@ class Refusal:
 SIM, DIST = equals("backend", "sim"), equals("backend", "dist")
 NOT_SIM = differs("backend", "sim")
 ELASTIC = equals("elastic.enabled", True)
+TORCHFT = equals("elastic.membership", "torchft")  # "control" uses no process group
 VERIFYING = differs("verify.name", "none")
 SENTINEL = equals("verify.name", "sentinel")
 MORPHED = differs("protocol.morph", "off")
@@ -272,12 +273,13 @@ TABLE: tuple[Refusal, ...] = (
             lambda c: "must be 'gloo' or 'auto' with verify.name = 'sentinel' (the verifier relays over "
             "gloo)",
             (*ON_DIST_SENTINEL, "dist.comm=nccl")),
-    Refusal((equals("dist.links", "tcp"), ELASTIC), "dist.links",
-            lambda c: "must be 'auto' or 'collective' with elastic.enabled (rows link over gloo pair groups)",
+    Refusal((equals("dist.links", "tcp"), ELASTIC, TORCHFT), "dist.links",
+            lambda c: "must be 'auto' or 'collective' with elastic.enabled and elastic.membership = "
+            "'torchft' (rows link over gloo pair groups)",
             (*ON_ELASTIC, "dist.links=tcp")),
-    Refusal((equals("dist.trusted_links", "false"), ELASTIC), "dist.trusted_links",
-            lambda c: "must be 'auto' or 'true' with elastic.enabled (torchft's process groups carry its "
-            "DP axis)",
+    Refusal((equals("dist.trusted_links", "false"), ELASTIC, TORCHFT), "dist.trusted_links",
+            lambda c: "must be 'auto' or 'true' with elastic.enabled and elastic.membership = 'torchft' "
+            "(torchft's process groups carry its DP axis)",
             (*ON_ELASTIC, "dist.trusted_links=false")),
     # --- elastic membership (was elastic/settings.py) ---
     Refusal((relation("elastic.min_replicas ∉ [1, mesh.replicas]",

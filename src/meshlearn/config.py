@@ -8,6 +8,7 @@ listed. Every check runs before any work starts.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -277,6 +278,18 @@ def read_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
                 data = tomllib.load(f)
             except tomllib.TOMLDecodeError as err:
                 raise ConfigError("--config", str(path), f"not valid TOML: {err}") from None
+    return _from_tree(data, overrides)
+
+
+def config_from_tree(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
+    """A config tree (``to_dict``'s, as a cluster run's coordinator sends it) → overrides →
+    dataclasses → validation. Raises ConfigError on bad input."""
+    cfg = _from_tree(copy.deepcopy(data), overrides)
+    validate(cfg)
+    return cfg
+
+
+def _from_tree(data: dict[str, Any], overrides: list[str]) -> RunConfig:
     data = apply_overrides(data, list(overrides))
     return resolve_init(_build(RunConfig, data), data)
 

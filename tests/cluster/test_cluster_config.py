@@ -88,8 +88,21 @@ def test_the_coordinator_runs_a_worker_and_needs_hosts(tmp_path):
                                                                             everything_on_bob))
     with pytest.raises(ConfigError, match="cluster.coordinator = 'alice': needs hosts"):
         load_config(None, ["cluster.coordinator=alice"])
-    with pytest.raises(ConfigError, match="elastic.enabled = True: not yet with a"):
+
+
+def test_elastic_in_a_cluster_needs_control_membership_and_a_coordinator_last_stage(tmp_path):
+    with pytest.raises(ConfigError, match="elastic.membership = 'torchft': with a .cluster. placement: must "
+                                          "be 'control' .torchft's lighthouse"):
         _load(tmp_path, PLACEMENT, "elastic.enabled=true", "backend=dist")
+    cfg = _load(tmp_path, PLACEMENT, "elastic.enabled=true", "elastic.membership=control", "backend=dist",
+                "dist.links=tcp", "dist.trusted_links=false")  # no process group under control membership
+    assert cfg.elastic.enabled and cfg.cluster.enabled
+    first_stages = PLACEMENT.replace('["r0s0", "r1s1"]', '["r0s0", "r1s0"]').replace('["r0s1", "r1s0"]',
+                                                                                     '["r0s1", "r1s1"]')
+    with pytest.raises(ConfigError, match="cluster.hosts.alice.workers = .*the coordinator must run a "
+                                          "last-stage worker .r0s1, r1s1.: that worker starts the run's"):
+        _load(tmp_path, first_stages, "elastic.enabled=true", "elastic.membership=control", "backend=dist")
+    _load(tmp_path, first_stages, "backend=dist")  # a fixed run may
 
 
 def test_extras_may_be_placed_and_otherwise_run_on_the_coordinator(tmp_path):

@@ -47,6 +47,7 @@ import time
 
 import torch
 
+from meshlearn.cluster.placement import elastic_writer
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import RowBroken, WorkerFailure
 from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
@@ -97,7 +98,11 @@ class ElasticDriver(Evictions, DistDriver):
         # process that claims them (``records``), the summary by the last one's
         writer = os.environ.get(WRITER_ENV, str(WorkerId(0, self.mesh.stages - 1)))
         self.writes_records = writer == str(self.me)
-        self.records = ElasticRecords(progress, self.mesh, self.me, lambda: self.rows)
+        # a cluster run's records go to the coordinator's folder while its last stage is in the run;
+        # its checkpoints are the rows' shards on the hosts that hold them, no agreement of hosts
+        self.records = ElasticRecords(progress, self.mesh, self.me, lambda: self.rows,
+                                      WorkerId.parse(elastic_writer(cfg)) if self.cluster else None)
+        self.checkpoint_store = None
         self.current: QuorumStep | None = None
         self.uncommitted = 0  # steps this worker trained whose update was dropped everywhere
         self.spectated = 0  # steps this worker applied without training (its row incomplete)
