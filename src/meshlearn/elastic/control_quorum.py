@@ -230,6 +230,11 @@ class ControlQuorum:
     def settled(self, committed: bool) -> None:
         self.committed = committed
 
+    def unchanged(self) -> bool:
+        """Whether the next step may keep this record, as far as this member knows after its sums:
+        none failed and none flagged a change (the peer vote's ``steady``)."""
+        return not self.flagged and not self.broken and self.sums > 0
+
     def shutdown(self) -> None:
         self.watch.stop()
         if self.framed is not None:
@@ -378,4 +383,7 @@ class SettlingVote:
         committed = self.vote.decide(step, me, participants, ok)
         self.quorum.settled(committed)
         return committed
+
+    def close(self) -> None:
+        self.vote.close()
 
