@@ -154,7 +154,8 @@ def main() -> None:
               f"--delay-ms {args.delay_ms:g}"
     table = markdown_table(rows, [("arm", "vote and rows", ""), ("rtt_ms", "RTT, ms (measured)", ".1f"),
                                   ("vote_rows_s", "median vote + rows s/step", ".3f"),
-                                  ("vote_rows_requests", "median store requests/step (the most of a member)", ".0f"),
+                                  ("vote_rows_requests", "median store requests/step (most of a member)",
+                                   ".0f"),
                                   ("first_vote_rows_s", "first step's vote + rows s", ".3f"),
                                   ("step_s", "median step s (quorum, sum, vote, rows)", ".3f"),
                                   ("committed", "steps committed", "d"),
