@@ -374,7 +374,7 @@ class ControlQuorum:
 
 class SettlingVote:
     """The commit vote, telling the quorum its outcome (every process adopts the same one: the
-    fast path's condition). Otherwise ``CommitVote`` as it is."""
+    fast path's condition). Otherwise the vote it wraps as it is (``PeerVote``)."""
 
     def __init__(self, vote, quorum: ControlQuorum):
         self.vote, self.quorum = vote, quorum

@@ -14,7 +14,9 @@ are the same code):
   their loss sum and count beside the gradients, so every last stage holds the mean train loss
   over the contributing ones, and one of them, agreed per step, writes the step's records
   (``ElasticRecords``);
-- a step commits in every stage or in none (``CommitVote``); a step that does not commit leaves
+- a step commits in every stage or in none (``CommitVote`` on the store; under
+  ``elastic.membership = "control"`` ``PeerVote`` over the members' streams, and the rows agreed
+  at one step reused until a change: ``peer_vote.py``); a step that does not commit leaves
   every worker's weights and optimizer state as they were (``Worker.discard_update``), and its
   global batch is trained again by the next step (``batch_index`` counts committed steps);
 - pipeline links are pair groups of the row's own (``RowLinks``), built at the first step the row
