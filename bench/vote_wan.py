@@ -70,8 +70,9 @@ def member(args) -> None:
     vote = CommitVote(shared, mesh.stages, timeouts.collective_s)
     rows = RowAgreement(shared, mesh.stages, mesh.replicas, timeouts.quorum_s)
     if args.arm == "peers":
-        peers = PeerVote(shared, PlainConnector(shared, args.address), mesh, me, vote, timeouts.collective_s,
-                         timeouts.quorum_s, steady=quorum.unchanged)
+        connecting = PlainConnector(client("elastic/"), args.address)  # a thread's: its own client
+        peers = PeerVote(shared, connecting, mesh, me, vote, timeouts.collective_s, timeouts.quorum_s,
+                         steady=quorum.unchanged)
         vote, rows = peers, ReusedRows(rows, peers)
     vote = SettlingVote(vote, quorum)
     shared.add("started", 1)  # every member asked to join before anyone forms the first record

@@ -5,6 +5,7 @@ step's requests to the store are counted: a steady step makes none."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 
@@ -21,6 +22,7 @@ from meshlearn.mesh.topology import MeshShape, WorkerId
 
 MESH = MeshShape(replicas=2, stages=2)
 MEMBERS = list(MESH.workers())
+MEMBERS_BY_STAGE = sorted(MEMBERS, key=lambda w: (w.stage, w.replica))  # an agreement's ``present``
 
 
 class Member:
@@ -30,8 +32,9 @@ class Member:
         self.me = me
         self.store = CountingStore(dist.PrefixStore("elastic/", store))
         self.steady = True
+        # connect_s beyond the threads' join: a vote that waited for it would fail the test
         self.vote = PeerVote(self.store, PlainConnector(self.store, "127.0.0.1"), MESH, me,
-                             CommitVote(self.store, MESH.stages, 5.0), collective_s=5.0, connect_s=10.0,
+                             CommitVote(self.store, MESH.stages, 5.0), collective_s=5.0, connect_s=120.0,
                              steady=lambda: self.steady)
         self.rows = ReusedRows(RowAgreement(self.store, MESH.stages, MESH.replicas, 10.0), self.vote)
         self.held = None
@@ -127,7 +130,7 @@ def test_a_member_that_loses_round_two_adopts_what_the_others_adopted_without_th
     next step finds its streams closed: it commits nowhere, and the one after agrees on the store."""
     steps(members, 0, 1)
     late = members[-1]
-    framed = late.vote.framed
+    framed = late.vote.connecting.framed
     real, calls = framed.all_gather, []
 
     def second_round_lost(*args, **kwargs):
@@ -143,3 +146,36 @@ def test_a_member_that_loses_round_two_adopts_what_the_others_adopted_without_th
         assert [e["reused"] for e in m.log] == [False, True, True, False]
     assert [m.vote.settled_by_store for m in members] == [1, 1, 1, 2]
     assert late.store.get("pvote/1/decision") == b"11"
+
+
+def test_a_member_that_dies_before_its_streams_connect_fails_the_step_without_holding_the_others(members):
+    """r1s1 reports to a new agreement (so it is in the vote's group) and dies before it connects:
+    the others' agreement returns while their streams still connect (in a run the step's pipeline
+    goes on meanwhile, instead of waiting for a partner held there past its deadline); once its
+    address turns out dead, the step commits nowhere, through the store, long before the connect
+    deadline (120 s; the threads are joined within 60)."""
+    def body(m: Member) -> None:
+        m.steady = False  # the next step agrees on the store
+        m.step(0, True)
+    run_all(members, body)
+    dead, live = members[-1], members[:-1]
+    agreed = {}
+
+    def agree(m: Member) -> None:
+        if m is dead:
+            m.rows.agreement.agree(1, m.me, MESH.replicas, m.held)  # reports, never connects
+        else:
+            agreed[m.me] = m.rows.agree(1, m.me, MESH.replicas, m.held)
+    run_all(members, agree)
+    assert all(agreed[m.me].present == tuple(MEMBERS_BY_STAGE) and agreed[m.me].complete for m in live)
+    assert all(not m.vote.connecting.wait(0) for m in live)  # still waiting for r1s1's address
+    with socket.socket() as closed:  # a port nothing listens on once closed
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    dead.store.set(f"pvote-1/{MESH.rank(dead.me)}", f"127.0.0.1:{port}")
+    outcomes = {}
+    run_all(live, lambda m: outcomes.setdefault(m.me, (m.vote.decide(1, m.me, MESH.replicas, True),
+                                                       m.vote.reuse)))
+    assert set(outcomes.values()) == {(False, False)}
+    assert all(m.vote.settled_by_store == 1 for m in live)
+    assert live[0].store.get("pvote/1/decision") == b"00"

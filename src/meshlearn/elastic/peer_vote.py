@@ -8,7 +8,9 @@ cluster run the store is the coordinator's, over a WAN link (docs/elastic.md, "M
 **The vote** (``PeerVote``). Its group is every member of every stage, as the last agreement made
 on the store names them (``Agreed.present``, complete: every stage's quorum reported in full), so
 the same set in every process; each step whose rows were agreed on the store connects streams
-between every pair of it (the run's connector, channel ``pvote-<step>``). Two rounds, each an
+between every pair of it (the run's connector, channel ``pvote-<step>``, in a thread of its own:
+no member waits for the others' connections before its pipeline, where a member dead since it
+reported would hold it past the pipeline's deadline; the vote waits for them). Two rounds, each an
 all-to-all of a few bytes over those streams (``FramedCollectives.all_gather``):
 
 1. each member sends its *verdict*: its stage's commit bit (``ok``) and whether it is steady
@@ -19,7 +21,9 @@ all-to-all of a few bytes over those streams (``FramedCollectives.all_gather``):
 A member that receives every outcome adopts it without the store. A stream that fails, or stays
 silent past the deadline, sends the member to the store (the *fallback*): it closes its streams,
 proposes the outcome if it completed round 1 (else "no commit"), with compare-and-set on
-``pvote/<step>/decision``, and adopts the value stored (the first proposal).
+``pvote/<step>/decision``, and adopts the value stored (the first proposal). A member whose
+streams have not all connected by the vote waits for them, reading that key meanwhile: another's
+fallback settles the step for it too (it sent no verdict, so nobody adopted one without the store).
 
 **Why every process adopts one outcome** (so a step commits in every stage or in none). Adopting
 without the store needs every member's outcome, and a member sends one only after it completed
@@ -46,6 +50,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -70,28 +76,66 @@ def decode_outcome(raw: bytes | str) -> Outcome:
     return text[:1] == "1", text[1:2] == "1"
 
 
+class Connecting:
+    """The vote's streams of one step, connected in a thread; ``framed`` once they all are, ``error``
+    if they did not. A member that stops waiting (``abandon``) leaves them to be closed when they
+    come."""
+
+    def __init__(self, connect: Callable[[], FramedCollectives]):
+        self.framed: FramedCollectives | None = None
+        self.error: str | None = None
+        self.lock = threading.Lock()
+        self.abandoned = False
+        self.thread = threading.Thread(target=self._run, args=(connect,), name="pvote-connect", daemon=True)
+        self.thread.start()
+
+    def _run(self, connect: Callable[[], FramedCollectives]) -> None:
+        try:
+            framed = connect()
+        except (TimeoutError, OSError, dist.DistStoreError) as err:  # a member gone since it reported
+            self.error = str(err)
+            return
+        with self.lock:
+            self.framed = framed
+            if self.abandoned:
+                framed.close(wait_s=0)
+
+    def wait(self, seconds: float) -> bool:
+        """Whether the connecting is over (connected or failed) within ``seconds``."""
+        self.thread.join(seconds)
+        return not self.thread.is_alive()
+
+    def abandon(self) -> None:
+        with self.lock:
+            self.abandoned = True
+            if self.framed is not None:
+                self.framed.close(wait_s=0.5)
+
+
 class PeerVote:
     """``CommitVote``'s interface (``decide``), over the group's streams; ``regroup`` at each step
     whose rows were agreed on the store; ``reuse``: whether the next step reuses them.
-    ``store``: the run's store under ``elastic/`` (the fallback's keys, the streams' rendezvous);
-    ``fallback``: the store's vote, for a step whose agreement was not complete (fixed at its
-    deadline: some member may vote without being in the group); ``steady``: this member's
-    second bit (the driver's ``steady``); deadlines: ``collective_s`` for a round, ``connect_s``
-    for connecting the streams."""
+    ``store``: the run's store under ``elastic/`` (the fallback's keys); ``connector``: makes the
+    streams, in their own thread (so with a store client of its own); ``fallback``: the store's
+    vote, for a step whose agreement was not complete (fixed at its deadline: some member may vote
+    without being in the group); ``steady``: this member's second bit (the driver's ``steady``);
+    deadlines: ``collective_s`` for a round, ``connect_s`` for connecting the streams."""
 
     def __init__(self, store, connector: StreamConnector, mesh: MeshShape, me: WorkerId,
                  fallback: CommitVote, collective_s: float, connect_s: float, steady: Callable[[], bool]):
         self.store, self.connector, self.mesh, self.me = store, connector, mesh, me
         self.fallback, self.collective_s, self.connect_s = fallback, collective_s, connect_s
         self.steady = steady
-        self.framed: FramedCollectives | None = None
+        self.connecting: Connecting | None = None
+        self.connect_until = 0.0  # the monotonic time the group's streams must have connected by
         self.group: list[int] = []  # the group's ranks, in rank order
         self.mode = "store"  # "peers", "alone" (the group is this member), "store", "broken"
         self.reuse = False
         self.settled_by_store = 0  # steps this member adopted from the store (fallbacks and "store")
 
     def regroup(self, step: int, agreed: Agreed) -> None:
-        """Step ``step``'s rows were agreed on the store: the group is its members, on new streams."""
+        """Step ``step``'s rows were agreed on the store: the group is its members, on new streams
+        (connecting while the step runs)."""
         self.close()
         self.reuse = False
         if not agreed.complete or self.me not in agreed.present:
@@ -101,13 +145,8 @@ class PeerVote:
         if len(self.group) == 1:
             self.mode = "alone"
             return
-        try:
-            self.framed = self._connect(step, agreed.present)
-        except (TimeoutError, OSError, dist.DistStoreError) as err:  # a member gone since it reported
-            print(f"meshlearn worker {self.me}: the vote's streams of step {step + 1} did not connect "
-                  f"({err}); it votes through the store", file=sys.stderr, flush=True)
-            self.mode = "broken"
-            return
+        self.connecting = Connecting(lambda: self._connect(step, agreed.present))
+        self.connect_until = time.monotonic() + self.connect_s
         self.mode = "peers"
 
     def decide(self, step: int, me: WorkerId, participants: int, ok: bool) -> bool:
@@ -121,23 +160,47 @@ class PeerVote:
         elif self.mode == "broken":
             outcome = self._settle(step, (False, False))
         else:
-            outcome = self._rounds(step, ok, self.steady())
+            outcome = self._connected(step)
+            if outcome is None:
+                outcome = self._rounds(step, ok, self.steady())
         self.reuse = outcome[1]
         return outcome[0]
 
     def close(self) -> None:
-        if self.framed is not None:
-            self.framed.close(wait_s=0.5)
-        self.framed = None
+        if self.connecting is not None:
+            self.connecting.abandon()
+        self.connecting = None
+
+    def _connected(self, step: int) -> Outcome | None:
+        """Wait for the group's streams; None once they are there, else the outcome this member
+        adopts without them: the store's, which another member's fallback has fixed, or its own
+        fallback's once they failed (or the connect deadline passed)."""
+        pause = 1e-3
+        while not self.connecting.wait(pause):
+            if time.monotonic() > self.connect_until:
+                return self._settle(step, (False, False))
+            key = f"pvote/{step}/decision"
+            if self.store.check([key]):
+                self.close()
+                self.mode = "broken"
+                self.settled_by_store += 1
+                return decode_outcome(self.store.get(key))
+            pause = min(2 * pause, 0.05)
+        if self.connecting.framed is None:
+            print(f"meshlearn worker {self.me}: the vote's streams did not connect "
+                  f"({self.connecting.error}); it votes through the store", file=sys.stderr, flush=True)
+            return self._settle(step, (False, False))
+        return None
 
     def _rounds(self, step: int, ok: bool, steady: bool) -> Outcome:
+        framed = self.connecting.framed
         known: Outcome | None = None
         try:
-            verdicts = self.framed.all_gather(torch.tensor([float(ok), float(steady)]), self.group)
+            verdicts = framed.all_gather(torch.tensor([float(ok), float(steady)]), self.group)
             commit = all(float(v[0]) == 1.0 for v in verdicts)
             known = (commit, commit and all(float(v[1]) == 1.0 for v in verdicts))
             sent = torch.tensor([float(known[0]), float(known[1])])
-            outcomes = self.framed.all_gather(sent, self.group)
+            outcomes = framed.all_gather(sent, self.group)
         except (Lost, Refused):
             return self._settle(step, known or (False, False))
         if any(not torch.equal(o, sent) for o in outcomes):  # no honest member sends another

@@ -99,13 +99,17 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
     sentinel = cfg.verify.name == "sentinel"  # the relay's hops are the slot rows; its bans evict
     rows = RowAgreement(shared, mesh.stages, mesh.replicas, timeouts.quorum_s,  # a quorum may wait
                         repair=not sentinel, evictions=sentinel)
+    counted = [shared]
     if isinstance(quorum, ControlQuorum):  # the vote over streams, the rows reused until a change
-        peers = PeerVote(shared, session.connector or PlainConnector(shared, listen_address(host, port)),
+        # the vote's streams connect in a thread: their rendezvous has a store client of its own
+        own = store_client(host, port, timeouts.quorum_s)
+        counted.append(CountingStore(dist.PrefixStore("elastic/", own)))
+        peers = PeerVote(shared, session.connector or PlainConnector(counted[1], listen_address(host, port)),
                          mesh, me, vote, timeouts.collective_s, timeouts.quorum_s,
                          steady=lambda: driver[0].steady())
         vote, rows = SettlingVote(peers, quorum), ReusedRows(rows, peers)  # its fast path needs the outcome
     driver.append(ElasticDriver(cfg, worker, session.health, session.device, session.comm, quorum, vote,
-                                rows, links, store, requests=lambda: shared.requests))
+                                rows, links, store, requests=lambda: sum(c.requests for c in counted)))
     if joining():
         driver[0].join()
     return driver[0]
