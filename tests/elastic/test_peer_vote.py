@@ -36,7 +36,9 @@ class Member:
         self.vote = PeerVote(self.store, PlainConnector(self.store, "127.0.0.1"), MESH, me,
                              CommitVote(self.store, MESH.stages, 5.0), collective_s=5.0, connect_s=120.0,
                              steady=lambda: self.steady)
-        self.rows = ReusedRows(RowAgreement(self.store, MESH.stages, MESH.replicas, 10.0), self.vote)
+        self.checkpoints: set[int] = set()  # the steps after which it took a checkpoint
+        self.rows = ReusedRows(RowAgreement(self.store, MESH.stages, MESH.replicas, 10.0), self.vote,
+                               checkpointed=lambda step: step in self.checkpoints)
         self.held = None
         self.log: list[dict] = []  # per step: agreed rows, reused, committed, reuse next, requests
 
@@ -111,6 +113,16 @@ def test_a_member_not_steady_commits_and_makes_every_member_agree_anew(members):
         assert [e["committed"] for e in m.log] == [True] * 4
         assert [e["reuse"] for e in m.log] == [True, False, True, True]
         assert [e["reused"] for e in m.log] == [False, True, False, True]
+
+
+def test_the_step_after_a_checkpoint_agrees_on_the_store(members):
+    for m in members:
+        m.checkpoints.add(1)  # every process checkpoints after the same steps
+    steps(members, 0, 4)
+    for m in members:
+        assert [e["committed"] for e in m.log] == [True] * 4
+        assert [e["reused"] for e in m.log] == [False, True, False, True]
+        assert [e["requests"] > 0 for e in m.log] == [True, False, True, False]
 
 
 def test_a_member_that_dies_fails_the_step_in_every_stage_through_the_store(members):

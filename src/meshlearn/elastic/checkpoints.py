@@ -42,8 +42,8 @@ class ElasticCheckpoints:
         self.last_taken: int | None = None  # the step count of this worker's latest checkpoint
 
     def taken_since(self, step: int) -> bool:
-        """Whether this worker took a checkpoint after step ``step`` (0-based) ran: the reused row
-        agreement is then refreshed on the store (``peer_vote.ReusedRows``)."""
+        """Whether this worker took a checkpoint after step ``step`` (0-based) ran: the next step
+        then agrees its rows on the store (``peer_vote.ReusedRows``)."""
         return self.last_taken is not None and self.last_taken > step
 
     def manifest(self, step: int) -> tuple[list[str], bool]:

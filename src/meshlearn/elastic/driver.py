@@ -95,7 +95,6 @@ class ElasticDriver(Evictions, DistDriver):
         self.requests = requests  # the vote's and the row agreement's store requests so far (counted)
         self.requests_mark = 0
         self.agreed: Agreed | None = None  # the coming step's agreement
-        self.agreed_at = 0  # the step the agreement in use was made at (on the store)
         self.links = links
         self.generation = links.generation
         self.progress = progress  # the run store: this worker's last step, for workers.json
@@ -183,8 +182,6 @@ class ElasticDriver(Evictions, DistDriver):
         self.requests_mark = self.requests() if self.requests is not None else 0
         agreed = self.agreement.agree(step, self.me, self.current.participants, held)
         self.agreed, self.rows = agreed, agreed.rows
-        if not agreed.reused:
-            self.agreed_at = step
         if not self.rows:  # some stage has no live replica that is not evicted (SENTINEL: no re-pairing)
             raise WorkerFailure(f"no pipeline row is complete in step {step + 1}'s quorums: every row "
                                 f"lost a stage replica, so nothing can train (noticed by {self.me})")
@@ -208,12 +205,10 @@ class ElasticDriver(Evictions, DistDriver):
     def steady(self) -> bool:
         """Whether nothing this worker knows of asks for a new row agreement at the next step (its
         bit in the peer vote, ``peer_vote.py``): its stage's record stands (no sum failed or flagged
-        a change), it holds the links the agreement gave its row, and it took no checkpoint since
-        the agreement was made."""
+        a change), and it holds the links the agreement gave its row."""
         row = self.agreed.row_of(self.me) if self.agreed is not None else None
         target = None if row is None else (row, self.agreed.linked_at[row])
-        return (self.agreed is not None and self.quorum.unchanged() and self._held() == target
-                and not self.checkpoint_membership.taken_since(self.agreed_at))
+        return self.agreed is not None and self.quorum.unchanged() and self._held() == target
 
     def _held(self) -> Held | None:
         """The links this worker holds, as it reports them to the row agreement."""

@@ -38,9 +38,14 @@ commit": that step commits nowhere and the one after agrees its rows and connect
 **Reuse** (``ReusedRows``). The agreement of a step is reused by the next one only if the outcome
 says so: the step committed (a failed step re-forms the stages' quorums), no member's stage
 flagged a change in its sums (a joiner, a lapsed heartbeat: ``ControlQuorum``) nor a failed sum,
-every member holds the links its row was agreed (a row partner found dead, a one-sided drop), and
-no checkpoint was taken since the agreement (``ElasticCheckpoints.taken_since``: the store sees
-the rows at least once per checkpoint period). All read one outcome, so all reuse or none does.
+and every member holds the links its row was agreed (a row partner found dead, a one-sided drop).
+All read one outcome, so all reuse or none does. The step after a checkpoint agrees on the store
+whatever the outcome (every process checkpoints after the same steps): the checkpoint's writer
+waits up to the collective's deadline for the listed shards (``ElasticCheckpoints.manifest``), and
+a member dead since the vote never writes its own, so the writer starts the next step late; an
+agreement on the store holds every member until it arrives, where a reused one would send its
+row partners into the pipeline, whose deadline is shorter (found with a process test: the partner
+left the run).
 A member that drops its links between the vote and the next step (a partner found dead) trains
 nothing of a reused step: its stage's counts miss its row, the step commits nowhere, and the next
 agrees on the store.
@@ -230,16 +235,19 @@ class PeerVote:
 
 class ReusedRows:
     """``RowAgreement``'s interface (``agree``): the last agreement again while the vote's outcome
-    says so (``PeerVote.reuse``), else a new one on the store, which regroups the vote.
-    ``at``: the step of the agreement in use (made on the store)."""
+    says so (``PeerVote.reuse``) and no checkpoint was taken since the vote, else a new one on the
+    store, which regroups the vote. ``checkpointed(step)``: whether this process took a
+    checkpoint after step ``step`` ran (``ElasticCheckpoints.taken_since``; every process takes
+    them after the same steps). ``at``: the step of the agreement in use (made on the store)."""
 
-    def __init__(self, agreement: RowAgreement, vote: PeerVote):
-        self.agreement, self.vote = agreement, vote
+    def __init__(self, agreement: RowAgreement, vote: PeerVote,
+                 checkpointed: Callable[[int], bool] = lambda step: False):
+        self.agreement, self.vote, self.checkpointed = agreement, vote, checkpointed
         self.last: Agreed | None = None
         self.at = -1
 
     def agree(self, step: int, me: WorkerId, participants: int, held: Held | None) -> Agreed:
-        if self.vote.reuse and self.last is not None:
+        if self.vote.reuse and self.last is not None and not self.checkpointed(step - 1):
             return dataclasses.replace(self.last, reused=True)
         agreed = self.agreement.agree(step, me, participants, held)
         self.vote.regroup(step, agreed)

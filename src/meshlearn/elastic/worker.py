@@ -107,7 +107,8 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
         peers = PeerVote(shared, session.connector or PlainConnector(counted[1], listen_address(host, port)),
                          mesh, me, vote, timeouts.collective_s, timeouts.quorum_s,
                          steady=lambda: driver[0].steady())
-        vote, rows = SettlingVote(peers, quorum), ReusedRows(rows, peers)  # its fast path needs the outcome
+        rows = ReusedRows(rows, peers, lambda step: driver[0].checkpoint_membership.taken_since(step))
+        vote = SettlingVote(peers, quorum)  # its fast path needs the outcome
     driver.append(ElasticDriver(cfg, worker, session.health, session.device, session.comm, quorum, vote,
                                 rows, links, store, requests=lambda: sum(c.requests for c in counted)))
     if joining():
