@@ -31,17 +31,16 @@ launchers' ``meshlearn-cluster/``):
   by r0s1)`` (what it observed) — and a host may speak only for the processes it runs;
 - a process group's own rendezvous (``pg/``): any host, only when the run declares its links
   trusted (``dist.trusted_links``), the one case where hosts trust each other's bytes anyway;
-- in an elastic run (``slots``: ``cluster/slots.py``), a worker slot's records — its rank's
-  heartbeat and marks above, ``progress/<slot>``, ``elastic/{joined,finished,ended,events,gen}/
-  <slot>…``, its checkpoint mark, its row agreement entry, its stage quorum's heartbeat and arrival
-  ``…/<slot>.<generation>``, its links' meeting mark: the slot's *current holder*, not the
-  placement's host; a stage's shared tallies (``elastic//rows/…/s<stage>/``, ``elastic//commit/…/
-  s<stage>/``, ``elastic/q/s<stage>/``): a holder of a slot of that stage; a step's decisions
-  (rows fixed, commit decision, a row's links dropped, ``elastic/started``): any slot holder; the
-  records' claim ``records/<step>``: a holder of a last-stage slot; ``elastic/free/<slot>/<g>``:
-  generation g's holder (its launcher) or the coordinator; ``elastic/taken/<slot>/<g>``: a claim,
-  checked by the slot table (``claim_refusal``); ``elastic/holder/<slot>``: nobody (the service
-  publishes it).
+- in an elastic run (``slots``: ``cluster/slots.py``), a worker slot's records — its rank's heartbeat and
+  marks above, ``progress/<slot>``, ``elastic/{joined,finished,ended,events,gen}/<slot>…``, its checkpoint
+  mark, its row agreement entry, its stage quorum's heartbeat and arrival ``…/<slot>.<generation>``, its
+  links' meeting mark: the slot's *current holder*, not the placement's host; a stage's shared tallies
+  (``elastic//rows/…/s<stage>/``, ``elastic//commit/…/s<stage>/``, ``elastic/q/s<stage>/``): a holder of a
+  slot of that stage; a step's decisions (rows fixed, commit decision, the peer vote's decision after a
+  failed stream, a row's links dropped, ``elastic/started``): any slot holder; the records' claim
+  ``records/<step>``: a holder of a last-stage slot; ``elastic/free/<slot>/<g>``: generation g's holder (its
+  launcher) or the coordinator; ``elastic/taken/<slot>/<g>``: a claim, checked by the slot table
+  (``claim_refusal``); ``elastic/holder/<slot>``: nobody (the service publishes it).
 """
 
 from __future__ import annotations
@@ -189,7 +188,7 @@ ELASTIC_FAMILIES = (  # elastic/… (``elastic/worker.py``, ``driver.py``, ``row
     Family(re.compile(r"elastic/started\Z"), _any_holder(ADD)),
     Family(re.compile(rf"elastic//rows/\d+/links/{SLOT}\Z"), _slot_holder(SET)),
     Family(re.compile(rf"elastic//(rows|commit)/\d+/{STAGE}/(count|n|yes|done)\Z"), _stage_holder(SET + ADD)),
-    Family(re.compile(r"elastic//(rows/\d+/fixed|commit/\d+/decision)\Z"), _any_holder(CAS)),
+    Family(re.compile(r"elastic//(rows/\d+/fixed|(commit|pvote)/\d+/decision)\Z"), _any_holder(CAS)),
     Family(re.compile(rf"elastic/q/{STAGE}/hb/{SLOT}\.{GEN}\Z"), _quorum_heartbeat),
     Family(re.compile(rf"elastic/q/{STAGE}/at/\d+/in/{SLOT}\.{GEN}\Z"), _slot_holder(SET)),
     Family(re.compile(rf"elastic/q/{STAGE}/(joins|latest|join/\d+|at/\d+)\Z"),
