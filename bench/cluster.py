@@ -20,10 +20,14 @@ pair). The load average is recorded before and after each run: the 2 cores are s
 compute of this small model dominates its wall time, so the wall numbers are not a throughput
 claim; the device model's are.
 
-Elastic membership across machines is not built (``elastic.enabled`` with ``[cluster]`` is
-refused), so there is no elastic row.
+``--elastic-pair`` measures elastic membership across machines instead: the two-machine placement
+with its 80 ms RTT pair, fixed membership against ``elastic.enabled`` with ``elastic.membership =
+"control"`` (the stage quorums on the coordinator's control service, docs/elastic.md), same config
+otherwise, and the elastic step's overhead against issue 26's goal (≤ 10% of the fixed step). An
+elastic run clips per stage (docs/elastic.md, "Clipping"), so its losses are not the simulator's
+and are not checked against them; its device-model columns are the fixed membership's.
 
-    sudo OMP_NUM_THREADS=1 python bench/cluster.py [--steps 30] [--warmup 5]
+    sudo OMP_NUM_THREADS=1 python bench/cluster.py [--steps 30] [--warmup 5] [--elastic-pair]
 """
 
 from __future__ import annotations
@@ -71,13 +75,15 @@ class Arm:
 
     count: int
     one_way_ms: float
+    elastic: bool = False  # elastic.membership = "control" instead of fixed membership
 
     @property
     def label(self) -> str:
         if self.count == 1:
             return "1 machine (loopback)"
+        membership = ", elastic (control membership)" if self.elastic else ""
         return f"{self.count} machines, " + (f"one pair {2 * self.one_way_ms:.0f} ms RTT" if self.one_way_ms
-                                             else "no added delay")
+                                             else "no added delay") + membership
 
 
 def slow_overrides(placement: dict[str, tuple[str, ...]], pair: tuple[int, int], one_way_ms: float) -> str:
@@ -105,8 +111,12 @@ def link_settings(arm: Arm) -> list[str]:
     return sets
 
 
+ELASTIC = ["elastic.enabled=true", "elastic.membership=control", "backend=dist"]
+
+
 def arm_config(arm: Arm, steps: int) -> RunConfig:
-    return demo_config(*MESH, *link_settings(arm), f"train.steps={steps}", f"train.eval_every={steps}")
+    return demo_config(*MESH, *link_settings(arm), f"train.steps={steps}", f"train.eval_every={steps}",
+                       *(ELASTIC if arm.elastic else []))
 
 
 def placed(cfg: RunConfig, arm: Arm, hosts: list[Machine]) -> RunConfig:
@@ -202,12 +212,13 @@ def measure(arm: Arm, steps: int, warmup: int) -> dict:
     measured = step_numbers(train_records(run), warmup, cfg, "step_wall_s")
     load_after = os.getloadavg()
     shutil.rmtree(scratch, ignore_errors=True)
-    sim = predict(cfg, warmup)
+    sim = predict(dataclasses.replace(cfg, elastic=dataclasses.replace(cfg.elastic, enabled=False)), warmup)
     diff = max(abs(a - b) for a, b in zip(measured["losses"], sim["losses"], strict=True))
-    if len(measured["losses"]) != steps or diff > 1e-5:
+    if len(measured["losses"]) != steps or (diff > 1e-5 and not arm.elastic):
         raise SystemExit(f"{arm.label}: losses differ from the simulator's by {diff:.3g} "
                          f"({len(measured['losses'])} of {steps} steps)")
-    return {"arm": arm.label, "machines": arm.count, "slow_pair_rtt_ms": 2 * arm.one_way_ms,
+    return {"arm": arm.label, "machines": arm.count, "elastic": arm.elastic,
+            "slow_pair_rtt_ms": 2 * arm.one_way_ms,
             "slow_pair_measured_rtt_ms": rtt, "rtt": "—" if rtt is None else f"{rtt:.2f}",
             "median_s_per_step": measured["median_s_per_step"], "tokens_per_s": measured["tokens_per_s"],
             "final_train_loss": measured["losses"][-1], "losses": measured["losses"],
@@ -242,8 +253,9 @@ median after {warmup}; framed streams, no process group, no in-process shaping; 
 (1-minute load average before/after each run). Every row's losses equal the simulator's step by
 step (max diff {spread:.1g} across placements). **Wall time here is CPU-bound** (6 processes of a
 small model on {cores} cores): it is not a throughput claim; the *device model* columns (the
-simulator: an RTX 4090 at 40% of peak, the same links) are. Elastic across machines is not built:
-no elastic row. `sudo OMP_NUM_THREADS=1 python bench/cluster.py --steps {steps} --warmup {warmup}`
+simulator: an RTX 4090 at 40% of peak, the same links) are. Elastic membership across machines:
+`--elastic-pair` (docs/results/cluster_elastic.md).
+`sudo OMP_NUM_THREADS=1 python bench/cluster.py --steps {steps} --warmup {warmup}`
 
 {table}
 
@@ -252,6 +264,36 @@ time cancels):
 
 {costs}
 """
+
+
+ELASTIC_HEADER = """\
+Elastic membership across machines: the two-machine placement (alice `r0s0 r0s2 r1s1`, bob `r0s1 r1s0
+r1s2`: every pipeline and DP link across the {rtt} ms RTT pair, {rate} Mbit/s), fixed membership
+against `elastic.membership = "control"`, P=3 × D=2, demo corpus, d 64, 3 layers, seq 32, batch 8,
+{steps} steps, median after {warmup}; {cores} shared cores (load average before/after each run).
+The elastic run clips per stage, so its losses are its own (not checked against the simulator);
+the device model columns are the fixed membership's.
+`sudo OMP_NUM_THREADS=1 python bench/cluster.py --elastic-pair --steps {steps} --warmup {warmup}`
+
+{table}
+
+Elastic step overhead at {rtt} ms RTT: **{overhead:+.1%}** of the fixed membership's step (issue 26's
+goal: ≤ +10%).
+"""
+
+
+def elastic_main(args: argparse.Namespace) -> None:
+    """``--elastic-pair``: fixed vs elastic (control) membership on the 80 ms RTT pair."""
+    rows = [measure(Arm(2, SLOW_RTT_MS / 2, elastic), args.steps, args.warmup) for elastic in (False, True)]
+    fixed, elastic = (row["median_s_per_step"] for row in rows)
+    overhead = elastic / fixed - 1
+    payload = {"steps": args.steps, "warmup": args.warmup, "mesh": MESH, "elastic": ELASTIC,
+               "placement": PLACEMENTS[2], "rate_mbit": RATE_MBIT, "rows": rows,
+               "elastic_overhead": overhead, "goal": "<= +10% (issue 26)", "cpu_count": os.cpu_count()}
+    markdown = ELASTIC_HEADER.format(rate=RATE_MBIT, rtt=SLOW_RTT_MS, steps=args.steps, warmup=args.warmup,
+                                     cores=os.cpu_count(), table=markdown_table(rows, COLUMNS),
+                                     overhead=overhead)
+    write_results("cluster_elastic", payload, markdown)
 
 
 def delay_costs(rows: list[dict]) -> list[dict]:
@@ -269,12 +311,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     parser.add_argument("--no-reference", action="store_true", help="skip the arms with no added delay")
+    parser.add_argument("--elastic-pair", action="store_true",
+                        help="fixed vs elastic (control) membership on the two machines' 80 ms RTT pair")
     args = parser.parse_args()
     why = unavailable()
     if why is not None:
         raise SystemExit(f"bench/cluster.py: {why} (run it as root on Linux)")
     if not 0 <= args.warmup < args.steps:
         raise SystemExit(f"--warmup = {args.warmup}: must be in [0, --steps = {args.steps})")
+    if args.elastic_pair:
+        elastic_main(args)
+        return
     rows = [measure(arm, args.steps, args.warmup) for arm in arms(not args.no_reference)]
     first = rows[0]["losses"]
     spread = max(max(abs(a - b) for a, b in zip(row["losses"], first, strict=True)) for row in rows)
@@ -288,7 +335,7 @@ def main() -> None:
                "slow_pair_cost": costs, "max_loss_diff_across_placements": spread,
                "losses_bit_identical": len({tuple(row["losses"]) for row in rows}) == 1,
                "cpu_count": os.cpu_count(),
-               "elastic": "not built: elastic.enabled with [cluster] is refused; no elastic row"}
+               "elastic": "measured by --elastic-pair (results/cluster_elastic)"}
     markdown = HEADER.format(rate=RATE_MBIT, rtt=SLOW_RTT_MS, steps=args.steps, warmup=args.warmup,
                              cores=os.cpu_count(), spread=spread, table=markdown_table(rows, COLUMNS),
                              costs=markdown_table(costs, COST_COLUMNS))

@@ -6,7 +6,7 @@ still a dependency, only a hidden one), type-only ones under ``TYPE_CHECKING`` t
 
 - no import circle among meshlearn's modules (a strongly connected component of more than one);
 - a method package (anchor, compress, curvature, dp, protocol, verify, warmup, and the subspace
-  update plugin) imports no trainer, planner, runtime, entry point or config tree;
+  update plugin) imports no trainer, planner, runtime, entry point, config tree or compatibility table;
 - the dist runtime never imports the elastic layer (elastic is composed on top of it);
 - the transport at the bottom (``net``: credentials, TLS, the one port, authenticated links)
   imports nothing of meshlearn's but itself and the leaf helpers ``atomic`` and ``errors``, and of
@@ -31,7 +31,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = "meshlearn"
 
 METHODS = ("anchor", "compress", "curvature", "dp", "protocol", "verify", "warmup", "mesh.basis_updates")
-ABOVE_METHODS = ("train", "plan", "distributed", "elastic", "entry", "config")
+ABOVE_METHODS = ("train", "plan", "distributed", "elastic", "entry", "config", "compat")
 BELOW_NET = ("net", "atomic", "errors")  # what the transport may import
 NET_THIRD_PARTY = ("torch", "cryptography")  # besides the standard library
 

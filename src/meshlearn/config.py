@@ -8,6 +8,7 @@ listed. Every check runs before any work starts.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -19,9 +20,9 @@ from typing import Any
 
 import tomli_w
 
+from meshlearn import compat
 from meshlearn.anchor.settings import AnchorConfig, validate_anchor
 from meshlearn.cluster.settings import ClusterConfig, validate_cluster
-from meshlearn.cluster.trusted_ends import validate_trusted_ends
 from meshlearn.compress.registry import CodecConfig, validate_codec
 from meshlearn.curvature.settings import CurvatureConfig, validate_curvature
 from meshlearn.data.replica_spec import replica_corpus_problem
@@ -259,6 +260,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """File (optional) → overrides → dataclasses → validation. Raises ConfigError on bad input."""
+    cfg = read_config(path, overrides)
+    validate(cfg)
+    return cfg
+
+
+def read_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """File (optional) → overrides → dataclasses, not validated (``load_config`` validates): each
+    value has its field's type, but combinations are not checked yet."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -269,10 +278,20 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
                 data = tomllib.load(f)
             except tomllib.TOMLDecodeError as err:
                 raise ConfigError("--config", str(path), f"not valid TOML: {err}") from None
-    data = apply_overrides(data, list(overrides))
-    cfg = resolve_init(_build(RunConfig, data), data)
+    return _from_tree(data, overrides)
+
+
+def config_from_tree(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
+    """A config tree (``to_dict``'s, as a cluster run's coordinator sends it) → overrides →
+    dataclasses → validation. Raises ConfigError on bad input."""
+    cfg = _from_tree(copy.deepcopy(data), overrides)
     validate(cfg)
     return cfg
+
+
+def _from_tree(data: dict[str, Any], overrides: list[str]) -> RunConfig:
+    data = apply_overrides(data, list(overrides))
+    return resolve_init(_build(RunConfig, data), data)
 
 
 def resolve_init(cfg: RunConfig, data: dict[str, Any]) -> RunConfig:
@@ -327,19 +346,12 @@ def _validate_codec(cfg: RunConfig) -> None:
     update = cfg.subspace_update
     _require(update.every >= 0, "subspace_update.every", update.every, "must be >= 0 (0 = frozen U)")
     _require(update.lr > 0, "subspace_update.lr", update.lr, "must be > 0")
-    if update.every:
-        _require(m.subspace_rank > 0, "subspace_update.every", update.every,
-                 "basis updates need a constrained model: set model.subspace_rank > 0")
-    if codec.name == "subspace":
-        _require(m.subspace_rank > 0, "codec.name", codec.name,
-                 "the subspace codec needs a constrained model: set model.subspace_rank > 0")
 
 
 def _validate_verify(cfg: RunConfig) -> None:
     from meshlearn.verify.settings import validate_verify  # the checks live next to VerifyConfig
 
-    validate_verify(cfg, _require)  # async: steps overlap, SENTINEL lags its view (verify/sentinel.py);
-    # backend = dist: refused in distributed/settings.py (verification on that path is not built yet)
+    validate_verify(cfg, _require)  # async: steps overlap, SENTINEL lags its view (verify/sentinel.py)
 
 
 # Float keys where inf means something; NaN means nothing anywhere.
@@ -397,7 +409,7 @@ def validate(cfg: RunConfig) -> None:
         parse_overrides(cfg.links.overrides)
     except ValueError as err:
         raise ConfigError("links.overrides", cfg.links.overrides, str(err)) from None
-    validate_protocol(cfg, _require)  # before the codec: it refuses the subspace codec first
+    validate_protocol(cfg, _require)
     _validate_codec(cfg)
     validate_optim(cfg.optim, _require)
     _require(train.lr > 0, "train.lr", train.lr, "must be > 0")
@@ -434,6 +446,6 @@ def validate(cfg: RunConfig) -> None:
     validate_warmup(cfg, _require)
     validate_curvature(cfg, _require)
     validate_anchor(cfg, _require)
+    compat.check(cfg)  # the refused combinations, once every component's own keys are valid
     validate_report(cfg, _require)
     validate_cluster(cfg, _require)
-    validate_trusted_ends(cfg, _require)

@@ -88,8 +88,21 @@ def test_the_coordinator_runs_a_worker_and_needs_hosts(tmp_path):
                                                                             everything_on_bob))
     with pytest.raises(ConfigError, match="cluster.coordinator = 'alice': needs hosts"):
         load_config(None, ["cluster.coordinator=alice"])
-    with pytest.raises(ConfigError, match="elastic.enabled = True: not yet with a"):
+
+
+def test_elastic_in_a_cluster_needs_control_membership_and_a_coordinator_last_stage(tmp_path):
+    with pytest.raises(ConfigError, match="elastic.membership = 'torchft': with a .cluster. placement: must "
+                                          "be 'control' .torchft's lighthouse"):
         _load(tmp_path, PLACEMENT, "elastic.enabled=true", "backend=dist")
+    cfg = _load(tmp_path, PLACEMENT, "elastic.enabled=true", "elastic.membership=control", "backend=dist",
+                "dist.links=tcp", "dist.trusted_links=false")  # no process group under control membership
+    assert cfg.elastic.enabled and cfg.cluster.enabled
+    first_stages = PLACEMENT.replace('["r0s0", "r1s1"]', '["r0s0", "r1s0"]').replace('["r0s1", "r1s0"]',
+                                                                                     '["r0s1", "r1s1"]')
+    with pytest.raises(ConfigError, match="cluster.hosts.alice.workers = .*the coordinator must run a "
+                                          "last-stage worker .r0s1, r1s1.: that worker starts the run's"):
+        _load(tmp_path, first_stages, "elastic.enabled=true", "elastic.membership=control", "backend=dist")
+    _load(tmp_path, first_stages, "backend=dist")  # a fixed run may
 
 
 def test_extras_may_be_placed_and_otherwise_run_on_the_coordinator(tmp_path):
@@ -183,16 +196,17 @@ def test_a_verified_run_keeps_its_trusted_ends_on_trusted_hosts(tmp_path):
     """Below 3 replicas SENTINEL assumes the first and last stages honest: a cluster run must put
     them on hosts the owner marks trusted; the middle stage may run anywhere."""
     verified = ("verify.name=sentinel", "backend=dist")
-    with pytest.raises(ConfigError, match=r"cluster.hosts.alice.trusted = False: alice runs r0s0, r0s2, "
-                                          r"r1s0, r1s2, of the first or last stage, which SENTINEL assumes "
-                                          r"honest at 2 replicas \(verify.trusted_ends = 'auto'\)"):
+    with pytest.raises(ConfigError, match=r"verify.trusted_ends = 'auto': assumes the first and last stages "
+                                          r"honest at 2 replicas, and host alice runs r0s0, r0s2, r1s0, r1s2 "
+                                          r"without cluster.hosts.alice.trusted = true"):
         _load(tmp_path, THREE_STAGES, *verified)
     cfg = _load(tmp_path, THREE_STAGES, *verified, "cluster.hosts.alice.trusted=true")
     assert cfg.cluster.hosts["alice"].trusted and not cfg.cluster.hosts["bob"].trusted
-    with pytest.raises(ConfigError, match="cluster.hosts.bob.trusted = False: bob runs r1s2"):
+    with pytest.raises(ConfigError, match="host bob runs r1s2 without cluster.hosts.bob.trusted = true"):
         _load(tmp_path, THREE_STAGES, *verified, "cluster.hosts.alice.trusted=true",
               "cluster.hosts.alice.workers=r0s0,r0s2,r1s0", "cluster.hosts.bob.workers=r0s1,r1s1,r1s2")
-    with pytest.raises(ConfigError, match="verify.trusted_ends = 'always'"):
+    with pytest.raises(ConfigError, match="verify.trusted_ends = 'always': assumes the first and last stages "
+                                          "honest at 3 replicas"):
         _load(tmp_path, THREE_STAGES, *verified, "mesh.replicas=3", "train.batch_size=24",
               "verify.trusted_ends=always",
               "cluster.hosts.alice.workers=r0s0,r0s2,r1s0,r1s2,r2s0,r2s2",

@@ -177,9 +177,10 @@ def test_a_verifier_receives_each_relayed_link_on_a_stream_of_its_own(machines: 
             stream.close()
 
 
-def _receive_in_background(machines: Machines, rank: int) -> tuple[threading.Thread, dict, ClusterConnector]:
-    """The receiving end of r0s0 → r0s1 (bob's r0s1), connecting in a thread."""
-    connector, got = machines.connector("bob"), {}
+def _receive_in_background(machines: Machines, rank: int, connector: ClusterConnector | None = None
+                           ) -> tuple[threading.Thread, dict, ClusterConnector]:
+    """The receiving end of r0s0 → r0s1 (bob's r0s1, by ``connector`` if given), connecting in a thread."""
+    connector, got = connector or machines.connector("bob"), {}
     thread = threading.Thread(
         target=lambda: got.update(connector.connect(rank, {"links": PIPELINE[:1]}, 20.0)))
     thread.start()
@@ -289,3 +290,28 @@ def test_a_two_host_run_through_the_ports_gives_the_simulators_losses(machines: 
     assert all(0 < control.peak[h] <= control.caps[h] for h in HOSTS), (control.peak, control.caps)
     expected, got = simulator_losses(cfg, tmp_path / "sim"), losses(run_dirs["alice"])
     assert len(got) == 3 and max(abs(a - b) for a, b in zip(expected, got, strict=True)) <= 1e-5
+
+
+def test_a_moved_slots_links_are_its_new_holders_only(machines: Machines) -> None:
+    """Elastic: r0s0's slot is held by carol now (a joiner there; ``locate`` reads the control
+    service's published holder). Bob's gate takes r0s0's link from carol, and refuses the
+    placement's host alice, whose valid certificate no longer speaks for r0s0."""
+    ports = {h: ("127.0.0.1", a.port) for h, a in machines.agents.items()}
+    moved = {**machines.hosts_of, "r0s0": "carol"}
+    bob = ClusterConnector(RunTls(Credentials.in_folder(machines.keys, "bob")),
+                           machines.agents["bob"].socket_path, machines.names, machines.hosts_of, ports,
+                           locate=moved.__getitem__)
+    thread, got, receiver = _receive_in_background(machines, MESH.rank(R01), bob)
+    link = ("r0s0", "r0s1[r0s0->r0s1]")
+    for host in ("alice", "carol"):
+        owners = {"r0s0": host, "r0s1[r0s0->r0s1]": "bob"}
+        sock = dial("127.0.0.1", machines.agents["bob"].port, "r0s1/links", 10)
+        tls = RunTls(Credentials.in_folder(machines.keys, host))
+        if host == "alice":
+            with pytest.raises(Refused, match="refused_by_peer: bob refused the link r0s0->r0s1"):
+                dial_link(sock, tls, link, owners, time.monotonic() + 10, 1024)
+        else:
+            sent = dial_link(sock, tls, link, owners, time.monotonic() + 10, 1024)
+    thread.join(20)
+    assert "alice (host) claims r0s0, which carol runs" in receiver.counters.recent()[0]
+    assert got["links"][0].peer.name == "carol" and sent.peer.name == "bob"

@@ -47,13 +47,15 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 class Service:
     def __init__(self, keys: dict[str, Path], folder: Path,
                  rate: tuple[float, float] = (RATE_PER_S, RATE_BURST),
-                 per_process: int = CONNECTIONS_PER_PROCESS, clock: Callable[[], float] = time.monotonic):
+                 per_process: int = CONNECTIONS_PER_PROCESS, clock: Callable[[], float] = time.monotonic,
+                 authority: Authority | None = None):
         self.keys = keys
         self.counters = Counters()
         self.made: list[ControlStore] = []
         self.agent = PortAgent("127.0.0.1", 0, folder / "agent.sock", self.counters)
         self.agent.start()
-        self.service = ControlService(self.tls("alice"), Authority(HOSTS_OF, RANKS, "alice"), self.counters,
+        authority = authority or Authority(HOSTS_OF, RANKS, "alice")
+        self.service = ControlService(self.tls("alice"), authority, self.counters,
                                       handshake_timeout_s=3.0, rate=rate, per_process=per_process,
                                       clock=clock)
         self.service.serve(self.agent.socket_path)
@@ -391,3 +393,66 @@ def test_numbers_that_would_spin_or_crash_the_service_are_refused(control: Servi
     answer, _ = receive(link)
     assert answer["error"] == "malformed_request" and why in answer["why"], answer
     assert store.add("meshlearn/0//hb/1", 1) == 1  # the same connection, still served
+
+
+ELASTIC_HOSTS_OF = {"r0s0": "alice", "r0s1": "bob", "r1s0": "bob", "r1s1": "alice"}
+ELASTIC_RANKS = {"r0s0": 0, "r0s1": 1, "r1s0": 2, "r1s1": 3}
+
+
+@pytest.fixture
+def elastic(keys) -> Iterator[Service]:
+    authority = Authority(ELASTIC_HOSTS_OF, ELASTIC_RANKS, "alice", elastic=True, stages=2,
+                          hosts=["alice", "bob", "carol"])
+    with _serving(keys, authority=authority) as service:
+        yield service
+
+
+def test_a_slots_records_are_its_holders_only(elastic: Service) -> None:
+    """Slot authority (issue 27 item 3): bob holds r1s0 and may write its records; alice may not,
+    nor write a stage's tallies where she holds no slot of that stage... she holds r0s0, so she
+    may; nobody writes the published holder."""
+    alice, bob = _workers(elastic.store("alice")), _workers(elastic.store("bob"))
+    assert alice.get("elastic/holder/r1s0") == b"bob.0"  # published from the placement
+    bob.set("progress/r1s0", "3")
+    bob.add("elastic/q/s0/hb/r1s0.0", 1)
+    bob.set("elastic//rows/3/links/r1s0", "[]")
+    alice.add("elastic/q/s0/hb/r1s0.0", 0)  # a stage member creates the others' beats
+    alice.add("elastic//commit/3/s0/yes", 1)  # her r0s0 is in stage 0
+    refused = [lambda: alice.set("progress/r1s0", "9"), lambda: alice.add("elastic/q/s0/hb/r1s0.0", 1),
+               lambda: alice.set("elastic//rows/3/links/r1s0", "[]"),
+               lambda: alice.set("elastic/events/r1s0/0/0", "{}"), lambda: alice.add("hb/2", 1),
+               lambda: bob.set("elastic/holder/r1s0", "bob.7"), lambda: bob.set("records/3", "r1s0"),
+               lambda: bob.set("elastic/free/r0s0/0", "3")]
+    for write in refused:
+        with pytest.raises(Exception, match="authority"):  # noqa: PT011 — torch wraps it
+            write()
+    assert elastic.count("authority") == len(refused)
+    assert bob.compare_set("records/3", "", "r0s1") == b"r0s1"  # bob holds a last-stage slot
+
+
+def test_a_claim_is_a_compare_and_set_naming_the_claimant(elastic: Service) -> None:
+    """A slot moves only by a claim: once its holder's generation has left, naming the claimant's
+    own identity; the first claim wins and the slot's records become the claimant's."""
+    alice, bob = _workers(elastic.store("alice")), _workers(elastic.store("bob"))
+    with pytest.raises(Exception, match="held by bob .generation 0 has not left"):  # noqa: PT011
+        alice.compare_set("elastic/taken/r1s0/0", "", "alice:42")
+    bob.set("elastic/ended/r1s0/0", "killed by SIGKILL")
+    bob.set("elastic/free/r1s0/0", "5")  # its holder's launcher saw it end
+    with pytest.raises(Exception, match="may claim r1s0 only for itself, not for bob"):  # noqa: PT011
+        alice.compare_set("elastic/taken/r1s0/0", "", "bob:42")
+    with pytest.raises(Exception, match="must name its claimant as HOST:PID"):  # noqa: PT011
+        alice.compare_set("elastic/taken/r1s0/0", "", "42")
+    assert alice.compare_set("elastic/taken/r1s0/0", "", "alice:42") == b"alice:42"
+    assert bob.get("elastic/holder/r1s0") == b"alice.1"
+    with pytest.raises(Exception, match="r1s0 is at generation 1, not 0"):  # noqa: PT011
+        bob.compare_set("elastic/taken/r1s0/0", "alice:42", "bob:7")  # the same generation again
+    alice.set("progress/r1s0", "6")
+    alice.add("elastic/q/s0/hb/r1s0.1", 1)
+    for write in (lambda: bob.set("progress/r1s0", "7"), lambda: alice.add("elastic/q/s0/hb/r1s0.0", 1),
+                  lambda: bob.add("hb/2", 1), lambda: bob.set("elastic/free/r1s0/1", "6")):
+        with pytest.raises(Exception, match="authority"):  # noqa: PT011
+            write()
+    alice.add("hb/2", 1)  # the rank's heartbeat is the holder's too
+    alice.set("elastic/free/r1s0/1", "6")  # the coordinator may free any slot (a machine that is gone)
+    assert bob.compare_set("elastic/taken/r1s0/1", "", "bob:9") == b"bob:9"
+    assert alice.get("elastic/holder/r1s0") == b"bob.2"

@@ -38,6 +38,20 @@ def launch(cfg: RunConfig, run_dir: Path, *sets: str, resume: bool = False,
     return launch_local(argv, load_config(source, overrides), run_dir, out=out or io.StringIO())
 
 
+def launch_fixed_and_elastic(cfg: RunConfig, tmp_path: Path, seconds: float, what: str) -> dict[str, Path]:
+    """``cfg`` launched twice, with fixed membership and with ``elastic.enabled``, each to success
+    within ``seconds`` together; the two run folders by name ("fixed", "elastic")."""
+    runs = {"fixed": tmp_path / "fixed", "elastic": tmp_path / "elastic"}
+    try:
+        with deadline(seconds, what):
+            assert launch(cfg, runs["fixed"]) == 0
+            assert launch(cfg, runs["elastic"], "elastic.enabled=true") == 0
+    finally:
+        for run in runs.values():
+            kill_leftovers(run)
+    return runs
+
+
 def records(run_dir: Path, kind: str = "train") -> list[dict]:
     return [r for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == kind]
 

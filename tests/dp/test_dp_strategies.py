@@ -233,8 +233,8 @@ def test_powersgd_at_full_rank_equals_the_allreduce():
             assert torch.allclose(p.grad, g, atol=1e-5)
     # error feedback keeps the local residual M − Ĝ; at full rank those sum to 0 over the replicas,
     # so the next update's mean is still the all-reduce's
-    for i in strategies[0].error:
-        assert torch.stack([s.error[i] for s in strategies]).sum(0).abs().max().item() < 1e-5
+    for i in strategies[0].compressor.error:
+        assert torch.stack([s.compressor.error[i] for s in strategies]).sum(0).abs().max().item() < 1e-5
     low = [PowerSGD(WorkerId(r, 0), D, m, rank=1, seed=0) for r, m in enumerate(modules(D))]
     phase0, phase1 = low[0].wire_values()
     assert phase0 == 5 * 1 + 5 + 5 + 5 + 3 * 1 + 3 and phase1 == 7 + 5

@@ -118,7 +118,7 @@ def test_at_full_rank_a_robust_powersgd_feeds_back_nothing_the_rule_left_out(rul
     while queue:
         message = queue.pop(0)
         queue += strategies[message.dst.replica].receive(message)
-    errors = torch.stack([s.error[0] for s in strategies])
+    errors = torch.stack([s.compressor.error[0] for s in strategies])
     if rule == "none":
         assert errors.sum(0).abs().max() < 1e-4 and errors[-1].abs().max() > 1.0
     else:

@@ -15,7 +15,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 
-from dist_helpers import deadline, kill_leftovers, launch, launch_and_signal, records  # noqa: E402
+from dist_helpers import (  # noqa: E402
+    launch_and_signal,
+    launch_fixed_and_elastic,
+    records,
+)
 from tiny import tiny_config  # noqa: E402
 
 from meshlearn.entry.launch import WORKERS_FILE  # noqa: E402
@@ -48,14 +52,7 @@ def test_elastic_strategy_with_fixed_membership_equals_the_fixed_driver(tiny_cor
     steps = 6
     cfg = tiny_config(tiny_corpus, *BASE, *(PIPELINE if stages == 2 else []), f"train.steps={steps}",
                       *STRATEGIES[strategy])
-    runs = {"fixed": tmp_path / "fixed", "elastic": tmp_path / "elastic"}
-    try:
-        with deadline(90, f"the {strategy} runs"):
-            assert launch(cfg, runs["fixed"]) == 0
-            assert launch(cfg, runs["elastic"], "elastic.enabled=true") == 0
-    finally:
-        for run in runs.values():
-            kill_leftovers(run)
+    runs = launch_fixed_and_elastic(cfg, tmp_path, 90, f"the {strategy} runs")
     a, b = records(runs["fixed"]), records(runs["elastic"])
     assert [r["step"] for r in b] == list(range(1, steps + 1)) and all(r["committed"] for r in b)
     assert max(abs(x["train_loss"] - y["train_loss"]) for x, y in zip(a, b, strict=True)) <= 1e-5

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 
 from dist_helpers import deadline, kill_leftovers, launch, records, wait_until  # noqa: E402
+from elastic_records import assert_no_vote_rows_requests_unless_changed  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
 from meshlearn.elastic.listeners import listening  # noqa: E402
@@ -247,6 +248,8 @@ def test_a_broken_rows_partner_stays_and_one_joiner_completes_the_row(tiny_corpu
     committed = [r for r in rows if r["committed"]]
     assert all(math.isfinite(r["train_loss"]) for r in committed)
     assert [r["batch"] for r in committed] == list(range(len(committed)))  # each batch once, in order
+    if membership == "control":
+        assert_no_vote_rows_requests_unless_changed(rows)
     final = latest_complete(run)
     assert final is not None and int(final.name.removeprefix("step-")) == len(rows)
     assert json.loads((final / MANIFEST).read_text())["shards"] == ["r0s0", "r0s1", "r1s0", "r1s1"]

@@ -24,6 +24,7 @@ from dist_helpers import (  # noqa: E402
     train_records,
     wait_until,
 )
+from elastic_records import assert_no_vote_rows_requests_unless_changed  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
 from meshlearn.entry.launch import WORKERS_FILE  # noqa: E402
@@ -45,6 +46,8 @@ def assert_no_quorum_requests_unless_changed(rows: list[dict]) -> None:
     changed = [r for prev, r in zip(rows, rows[1:], strict=False) if not prev["committed"]
                or prev["participants"] != r["participants"]]
     assert changed and all(r["quorum_requests"] > 0 for r in changed), rows
+    assert_no_vote_rows_requests_unless_changed(rows)
+
 
 
 @pytest.mark.parametrize(("killed", "membership"), [

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
+import os
+import struct
+import termios
 
 import pytest
 
@@ -127,17 +131,50 @@ def test_non_tty_close_flushes_unprinted_state():
     assert "val 2.750" in lines[-1]
 
 
-def test_tty_rewrites_in_place():
+def test_tty_redraws_one_tqdm_line_in_place():
     out = FakeTTY()
     progress = ProgressLine(3, stream=out)
     for step in range(1, 4):
         progress.update(_train(step))
     progress.close()
     text = out.getvalue()
-    assert text.count("\r") == 3 and text.count("\x1b[K") == 3
-    assert text.endswith(
-        "step 3/3 | loss 2.970 | 5.1k tok/s wall | 41.0k tok/s sim | ETA 0s\x1b[K\n"
-    )
+    frames = text.split("\r")[1:]  # each redraw starts with a carriage return
+    assert [frame.split(" |")[0] for frame in frames] == ["step 1/3", "step 2/3", "step 3/3", "step 3/3"]
+    assert text.count("\n") == 1 and text.endswith(
+        "step 3/3 | loss 2.970 | 5.1k tok/s wall | 41.0k tok/s sim | ETA 0s |##########| 100%\n")
+
+
+class NarrowTTY(FakeTTY):
+    """A FakeTTY whose terminal (a pseudo-terminal) is 40 columns wide."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._master, self._slave = os.openpty()
+        fcntl.ioctl(self._slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 40, 0, 0))
+
+    def fileno(self) -> int:
+        return self._slave
+
+    def close(self) -> None:
+        os.close(self._master)
+        os.close(self._slave)
+        super().close()
+
+
+def test_tty_line_fits_the_terminal_and_events_go_above_it():
+    out = NarrowTTY()
+    with ProgressLine(5, stream=out) as progress:
+        progress.update(_train(1))
+        progress.update({"kind": "alert", "step": 1, "worker": "r1s2", "detail": "far"})
+        progress.update(_train(2))
+    text = out.getvalue()
+    out.close()
+    frames = [f.rstrip("\n") for f in text.split("\r")[1:]]
+    assert all(len(frame.rstrip()) < 40 for frame in frames if not frame.startswith("!"))
+    assert any(frame.startswith("step 2/5 |") for frame in frames)
+    before, after = text.split("\r! step 1: SENTINEL alert: r1s2: far\n")  # a line of its own
+    assert before.endswith("\r" + " " * 39)  # the bar cleared first
+    assert after.startswith("\rstep 1/5 |") and "\rstep 2/5 |" in after  # then drawn again below it
 
 
 def test_every_must_be_positive():

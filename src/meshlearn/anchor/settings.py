@@ -10,9 +10,6 @@ from typing import Any
 WIRE_DTYPES = ("bf16", "fp32")
 SENDS = ("factors", "gradients")
 WEIGHTS = ("outer", "snapshot")
-# DP strategies whose replicas agree on some weights the anchor can follow by listening: the
-# per-update averages keep replicas identical, streaming DiLoCo's outer weights are common.
-AGREEING_DP = ("allreduce", "powersgd", "diloco")
 
 
 @dataclass(frozen=True)
@@ -93,34 +90,3 @@ def validate_anchor(cfg: Any, require: Callable[[bool, str, Any, str], None]) ->
     require(a.send in SENDS, "anchor.send", a.send, f"allowed: {list(SENDS)}")
     require(a.rank >= 1, "anchor.rank", a.rank, "must be >= 1 (the factors' rank r)")
     require(a.weights in WEIGHTS, "anchor.weights", a.weights, f"allowed: {list(WEIGHTS)}")
-    spectral = tuple(t.strip() for t in cfg.optim.spectral.targets.split(",") if t.strip())
-    unknown = [t for t in anchor_targets(cfg) if t not in spectral]
-    require(not unknown, "anchor.targets", a.targets,
-            f"names from optim.spectral.targets = {cfg.optim.spectral.targets!r} (the correction "
-            f"receives only those); not there: {unknown}")
-    if a.z == 0:
-        return
-    require(cfg.optim.spectral.enabled, "anchor.z", a.z,
-            "the anchor feeds the spectral correction: set optim.spectral.enabled = true")
-    require(cfg.backend == "sim" or cfg.verify.name == "none", "anchor.z", a.z,
-            f"under backend = dist the anchor circuit and verify.name = {cfg.verify.name!r} are not "
-            "combined (the verifier relays the pipeline links only); use verify.name = none")
-    require(cfg.backend == "sim" or not cfg.elastic.enabled, "anchor.z", a.z,
-            "under backend = dist the anchor circuit needs a fixed mesh: set elastic.enabled = false")
-    require(cfg.protocol.morph in ("off", "none"), "anchor.z", a.z,
-            f"with protocol.morph = {cfg.protocol.morph!r} a morph between hand-off and arrival would "
-            "put the anchor's gradients in another basis than the weights'; use protocol.morph = off")
-    staleness = cfg.optim.spectral.max_staleness
-    require(a.delay + a.max_late <= staleness, "anchor.max_late", a.max_late,
-            f"anchor.delay + anchor.max_late = {a.delay + a.max_late} exceeds optim.spectral."
-            f"max_staleness = {staleness}, which would drop what the anchor delivers late; at most "
-            f"{staleness - a.delay}" if staleness >= a.delay else
-            f"anchor.delay = {a.delay} exceeds optim.spectral.max_staleness = {staleness}, which "
-            "would drop every arrival")
-    if a.weights == "outer":
-        require(cfg.mesh.replicas >= 2, "anchor.weights", a.weights,
-                "with mesh.replicas = 1 there is no DP synchronization to listen to: "
-                "set anchor.weights = snapshot")
-        require(cfg.dp.name in AGREEING_DP, "anchor.weights", a.weights,
-                f"under dp.name = {cfg.dp.name!r} the replicas agree on no weights: use dp.name "
-                f"from {list(AGREEING_DP)}, or anchor.weights = snapshot")

@@ -30,14 +30,26 @@ launchers' ``meshlearn-cluster/``):
   runtime's aborts name their speaker — ``worker r0s1 failed: …`` (its own failure), ``… (noticed
   by r0s1)`` (what it observed) — and a host may speak only for the processes it runs;
 - a process group's own rendezvous (``pg/``): any host, only when the run declares its links
-  trusted (``dist.trusted_links``), the one case where hosts trust each other's bytes anyway.
+  trusted (``dist.trusted_links``), the one case where hosts trust each other's bytes anyway;
+- in an elastic run (``slots``: ``cluster/slots.py``), a worker slot's records — its rank's heartbeat and
+  marks above, ``progress/<slot>``, ``elastic/{joined,finished,ended,events,gen}/<slot>…``, its checkpoint
+  mark, its row agreement entry, its stage quorum's heartbeat and arrival ``…/<slot>.<generation>``, its
+  links' meeting mark: the slot's *current holder*, not the placement's host; a stage's shared tallies
+  (``elastic//rows/…/s<stage>/``, ``elastic//commit/…/s<stage>/``, ``elastic/q/s<stage>/``): a holder of a
+  slot of that stage; a step's decisions (rows fixed, commit decision, the peer vote's decision after a
+  failed stream, a row's links dropped, ``elastic/started``): any slot holder; the records' claim
+  ``records/<step>``: a holder of a last-stage slot; ``elastic/free/<slot>/<g>``: generation g's holder (its
+  launcher) or the coordinator; ``elastic/taken/<slot>/<g>``: a claim, checked by the slot table
+  (``claim_refusal``); ``elastic/holder/<slot>``: nobody (the service publishes it).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+
+from meshlearn.cluster.slots import WORKERS_NAMESPACE, SlotTable, holder_key
 
 WORKERS = re.compile(r"meshlearn/\d+//(?P<rest>.+)\Z")  # what health.store_client's PrefixStore makes
 LAUNCHERS = "meshlearn-cluster/"  # cluster/shared.py's KEYS
@@ -49,6 +61,7 @@ WRITES = ("set", "add", "compare_set", "delete_key")
 SPEAKERS = re.compile(r"\A(?:worker |anchor |the )?(?P<name>[A-Za-z0-9_-]+) failed:"
                       r"|noticed by (?:the )?(?P<by>[A-Za-z0-9_-]+)")
 READS = ("get", "check", "wait", "multi_get", "num_keys")
+CLAIM = re.compile(r"elastic/taken/(?P<worker>r\d+s\d+)/(?P<gen>\d+)\Z")
 
 
 @dataclass(frozen=True)
@@ -60,11 +73,11 @@ class Family:
 
 
 def _owner_of_rank(op_allowed: tuple[str, ...]):
-    return lambda a, who, op, m, n: op in op_allowed and a.rank_host.get(int(m["rank"])) == who
+    return lambda a, who, op, m, n: op in op_allowed and a.host_of_rank(int(m["rank"])) == who
 
 
 def _owner_of_worker(a, who, op, m, n) -> bool:
-    return op == "set" and a.hosts_of.get(m["worker"]) == who
+    return op == "set" and a.host_of(m["worker"]) == who
 
 
 def _coordinator(a, who, op, m, n) -> bool:
@@ -89,7 +102,7 @@ def _coordinator_posts(a, who, op, m, n) -> bool:
 def _heartbeat(a, who, op, m, n) -> bool:
     # every process creates every counter of the run's ranks (``Health.start`` adds 0); only the
     # owner moves its own; a rank the run does not have is a key to fill the service with
-    owner = a.rank_host.get(int(m["rank"]))
+    owner = a.host_of_rank(int(m["rank"]))
     return op == "add" and owner is not None and (n == 0 or owner == who)
 
 
@@ -110,7 +123,81 @@ def _trusted(a, who, op, m, n) -> bool:
     return a.trusted_groups
 
 
+def _slot_holder(ops: tuple[str, ...]):
+    """The slot's current holder (of generation ``gen``, where the key names one)."""
+    def may(a, who, op, m, n) -> bool:
+        gen = m.groupdict().get("gen")
+        return (op in ops and a.slots is not None
+                and a.slots.holds(who, m["worker"], None if gen is None else int(gen)))
+    return may
+
+
+def _stage_holder(ops: tuple[str, ...]):
+    return lambda a, who, op, m, n: (op in ops and a.slots is not None
+                                     and a.slots.holds_stage(who, int(m["stage"])))
+
+
+def _any_holder(ops: tuple[str, ...]):
+    return lambda a, who, op, m, n: op in ops and a.slots is not None and a.slots.holds_any(who)
+
+
+def _quorum_heartbeat(a, who, op, m, n) -> bool:
+    """A stage member's beat: its holder moves it; a member of the stage may only create it."""
+    if op != "add" or a.slots is None:
+        return False
+    stage = int(m["stage"])
+    return a.slots.holds(who, m["worker"], int(m["gen"])) or (n == 0 and a.slots.holds_stage(who, stage))
+
+
+def _counter(owner):
+    """A counter its owner moves and anyone reads by adding 0 (a launcher following a slot's events)."""
+    return lambda a, who, op, m, n: (op == "add" and n == 0) or owner(a, who, op, m, n)
+
+
+def _nobody(a, who, op, m, n) -> bool:
+    return False
+
+
+def _free(a, who, op, m, n) -> bool:
+    return op == "set" and a.slots is not None and a.slots.may_free(who, m["worker"], int(m["gen"]))
+
+
+def _claim(a, who, op, m, n) -> bool:
+    """Any host may try; ``Authority.claim_refusal`` checks the value and the slot."""
+    return op == "compare_set" and a.slots is not None
+
+
+def _last_stage_holder(a, who, op, m, n) -> bool:
+    return op == "compare_set" and a.slots is not None and a.slots.holds_stage(who, a.stages - 1)
+
+
 NAME = r"[A-Za-z0-9_-]+"
+SLOT = r"(?P<worker>r\d+s\d+)"
+GEN = r"(?P<gen>\d+)"
+STAGE = r"s(?P<stage>\d+)"
+SET, ADD, CAS = ("set",), ("add",), ("compare_set",)
+ELASTIC_FAMILIES = (  # elastic/… (``elastic/worker.py``, ``driver.py``, ``rows.py``, ``quorum.py``, …)
+    Family(re.compile(rf"progress/{SLOT}\Z"), _slot_holder(SET)),
+    Family(re.compile(rf"elastic/(joined|finished|ended)/{SLOT}/{GEN}\Z"), _slot_holder(SET)),
+    Family(re.compile(rf"elastic/events/{SLOT}/{GEN}/\d+\Z"), _slot_holder(SET)),
+    Family(re.compile(rf"elastic/events/{SLOT}/{GEN}/count\Z"), _counter(_slot_holder(ADD))),
+    Family(re.compile(rf"elastic/banned/{SLOT}/{GEN}\Z"), _nobody),  # SENTINEL's: not in a cluster run
+    Family(re.compile(rf"elastic/(gen|checkpoint/\d+)/{SLOT}\Z"), _slot_holder(SET)),
+    Family(re.compile(rf"elastic/free/{SLOT}/{GEN}\Z"), _free),
+    Family(re.compile(rf"elastic/taken/{SLOT}/{GEN}\Z"), _claim),
+    Family(re.compile(r"elastic/started\Z"), _any_holder(ADD)),
+    Family(re.compile(rf"elastic//rows/\d+/links/{SLOT}\Z"), _slot_holder(SET)),
+    Family(re.compile(rf"elastic//(rows|commit)/\d+/{STAGE}/(count|n|yes|done)\Z"), _stage_holder(SET + ADD)),
+    Family(re.compile(r"elastic//(rows/\d+/fixed|(commit|pvote)/\d+/decision)\Z"), _any_holder(CAS)),
+    Family(re.compile(rf"elastic/q/{STAGE}/hb/{SLOT}\.{GEN}\Z"), _quorum_heartbeat),
+    Family(re.compile(rf"elastic/q/{STAGE}/at/\d+/in/{SLOT}\.{GEN}\Z"), _slot_holder(SET)),
+    Family(re.compile(rf"elastic/q/{STAGE}/(joins|latest|join/\d+|at/\d+)\Z"),
+           _stage_holder(SET + ADD + CAS)),
+    Family(re.compile(rf"elastic/links/[0-9a-z.-]+/\d+/here/{SLOT}\Z"), _slot_holder(SET)),
+    Family(re.compile(r"elastic/links/[0-9.]+/\d+/dropped\Z"), _any_holder(SET + CAS)),
+    Family(re.compile(r"elastic/holder/r\d+s\d+\Z"), _nobody),  # the service publishes it
+    Family(re.compile(r"records/\d+\Z"), _last_stage_holder),
+)
 WORKER_FAMILIES = (
     Family(re.compile(r"hb/(?P<rank>\d+)\Z"), _heartbeat),
     Family(re.compile(rf"{ABORT}\Z"), _anyone_compare_set),
@@ -127,6 +214,7 @@ WORKER_FAMILIES = (
     Family(re.compile(rf"cluster/checkpoint/\d+/host/(?P<host>{NAME})\Z"), _that_host),
     Family(re.compile(rf"cluster/checkpoint/(\d+/shard|resume)/(?P<worker>{NAME})\Z"), _owner_of_worker),
     Family(re.compile(r"pg/.+\Z", re.DOTALL), _trusted),
+    *ELASTIC_FAMILIES,
 )
 LAUNCHER_FAMILIES = (
     Family(re.compile(r"(config|tokenizer|tokenizer_sha256|revocations)\Z"), _coordinator),
@@ -137,16 +225,55 @@ LAUNCHER_FAMILIES = (
 class Authority:
     """The owner rules of one run's placement. ``hosts_of``: every process → its host;
     ``ranks``: every process → its rank; ``verifier_host``: where the SENTINEL verifier runs (None:
-    no verifier); ``trusted_groups``: the run declares its links trusted (process groups)."""
+    no verifier); ``trusted_groups``: the run declares its links trusted (process groups);
+    ``elastic``: the run's slots change hands (``slots``: who holds each now); ``stages``: the
+    mesh's; ``hosts``: every host of the placement (default: those that run a process)."""
 
     def __init__(self, hosts_of: Mapping[str, str], ranks: Mapping[str, int], coordinator: str,
-                 trusted_groups: bool = False):
+                 trusted_groups: bool = False, elastic: bool = False, stages: int = 0,
+                 hosts: Iterable[str] = ()):
         self.hosts_of = dict(hosts_of)
+        self.rank_name = {rank: name for name, rank in ranks.items()}
         self.rank_host = {rank: self.hosts_of[name] for name, rank in ranks.items()}
         self.coordinator = coordinator
         self.verifier_host = self.hosts_of.get("verifier")
         self.trusted_groups = trusted_groups
-        self.hosts = set(self.hosts_of.values()) | {coordinator}
+        self.hosts = set(self.hosts_of.values()) | {coordinator} | set(hosts)
+        self.slots = SlotTable(self.hosts_of, coordinator) if elastic else None
+        self.stages = stages
+
+    def host_of(self, process: str) -> str | None:
+        """The host that runs ``process`` now: a slot's holder in an elastic run, else the placement's."""
+        if self.slots is not None and process in self.slots:
+            return self.slots.host(process)
+        return self.hosts_of.get(process)
+
+    def host_of_rank(self, rank: int) -> str | None:
+        name = self.rank_name.get(rank)
+        return None if name is None else self.host_of(name)
+
+    def claim_refusal(self, who: str, key: str, desired: bytes,
+                      has: Callable[[list[str]], bool]) -> str | None:
+        """Why ``who``'s compare-and-set of ``key`` to ``desired`` is no valid slot claim (None: it
+        is, or ``key`` is no claim)."""
+        claim = self._claim_of(key)
+        if claim is None:
+            return None
+        return self.slots.claim_refusal(who, claim[0], claim[1], desired, has)
+
+    def claimed(self, who: str, key: str) -> tuple[str, str] | None:
+        """``who``'s claim of ``key`` went through: the slot moves to it; returns the holder key to
+        publish and its value (None: ``key`` is no claim)."""
+        claim = self._claim_of(key)
+        if claim is None:
+            return None
+        slot, generation = claim
+        return WORKERS_NAMESPACE + holder_key(slot), self.slots.take(who, slot, generation)
+
+    def _claim_of(self, key: str) -> tuple[str, int] | None:
+        worker = WORKERS.match(key)
+        claim = CLAIM.match(worker["rest"]) if worker and self.slots is not None else None
+        return (claim["worker"], int(claim["gen"])) if claim else None
 
     def refusal(self, who: str, op: str, key: str, amount: int = 0) -> str | None:
         """Why host ``who`` may not do ``op`` on ``key`` (None: it may)."""
@@ -170,7 +297,7 @@ class Authority:
         text = value.decode(errors="replace")
         for speaker in SPEAKERS.finditer(text):
             name = speaker["name"] or speaker["by"]
-            owner = self.hosts_of.get(name)
+            owner = self.host_of(name)
             if owner is not None and owner != who:
                 return (f"host {who} may not report for {name}, which {owner} runs: an abort speaks only "
                         "for its writer's own processes")

@@ -141,6 +141,8 @@ class ControlService:
         self.peak: Counter[str] = Counter()  # the most connections each host held at once
         self.state = ControlState()
         self.state.set(REVOCATIONS, tls.revocations.data)  # what every other host applies
+        for key, holder in (authority.slots.published().items() if authority.slots else ()):
+            self.state.set(key, holder.encode())  # an elastic run's slots, as the placement starts them
         timing = {} if handshake_timeout_s is None else {"timeout_s": handshake_timeout_s}
         self.acceptor = Acceptor(self._authenticate, counters, on_ready=self._start, **timing)
         self._inbox: Inbox | None = None
@@ -150,6 +152,7 @@ class ControlService:
         self._revoked: set[int] = set()  # serials cut off while the service ran
         self._pending: Counter[str] = Counter()  # admitted connections not yet registered, by host
         self._lock = threading.Lock()
+        self._claims = threading.Lock()
 
     def serve(self, port_socket: Path) -> None:
         """Register as ``control`` at this machine's port agent and serve in daemon threads."""
@@ -308,6 +311,8 @@ class ControlService:
         timeout_s = min(max(timeout_s, 0.0), MAX_WAIT_S)
         if op in ("set", "compare_set") and (why := self.authority.speaker_refusal(who, key, values[-1])):
             return self._refuse(who, "authority", why)
+        if op == "compare_set" and (why := self.authority.claim_refusal(who, key, values[-1], state.check)):
+            return self._refuse(who, "authority", why)
         if op == "set":
             state.set(key, self.authority.attributed(who, key, values[0]))
             return {}, []
@@ -315,7 +320,12 @@ class ControlService:
             return {"value": state.add(key, amount)}, []
         if op == "compare_set":
             expected, desired = values
-            return {}, [state.compare_set(key, expected, self.authority.attributed(who, key, desired))]
+            with self._claims:  # a claim's compare-and-set and the slot's move, as one
+                got = state.compare_set(key, expected, self.authority.attributed(who, key, desired))
+                moved = self.authority.claimed(who, key) if got == desired else None
+                if moved is not None:
+                    state.set(moved[0], moved[1].encode())
+            return {}, [got]
         if op == "delete_key":
             return {"value": state.delete(key)}, []
         if op == "check":

@@ -33,13 +33,15 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from meshlearn.cluster.placement import hosts_of, ranks, resolve_address
 from meshlearn.cluster.refusals import ProcessRecord
 from meshlearn.cluster.role import HOST_ENV
+from meshlearn.cluster.slots import SLOT, holder_key, parse_holder
 from meshlearn.config import RunConfig
+from meshlearn.distributed.health import store_client
 from meshlearn.distributed.streams import Hop, link_name
 from meshlearn.distributed.wire import HEADER_ROOM
 from meshlearn.errors import ConfigError
@@ -59,13 +61,18 @@ class ClusterConnector:
     """One process's streams through the hosts' ports (``distributed.streams.StreamConnector``).
 
     ``names``: every process of the run by rank; ``hosts_of``: process → host; ``ports``: host →
-    (address, port) of its agent; ``inbox_socket``: this host's agent's Unix socket."""
+    (address, port) of its agent; ``inbox_socket``: this host's agent's Unix socket; ``locate``:
+    in an elastic run, the host that holds a worker slot *now* (a joiner runs its slot's process
+    on the host it started on: ``cluster/slots.py``), asked at every connect instead of
+    ``hosts_of``."""
 
     def __init__(self, tls: RunTls, inbox_socket: Path, names: Mapping[int, str],
                  hosts_of: Mapping[str, str], ports: Mapping[str, tuple[str, int]],
-                 counters: Counters | None = None):
+                 counters: Counters | None = None, locate: Callable[[str], str] | None = None):
         self.tls, self.inbox_socket = tls, Path(inbox_socket)
         self.names, self.hosts_of, self.ports = dict(names), dict(hosts_of), dict(ports)
+        self.locate = locate
+        self._hosts = dict(self.hosts_of)  # where each process runs (``connect`` asks ``locate``)
         self.counters = counters if counters is not None else Counters()
         self.retries = 0  # dials tried again (the destination was not there yet, or refused us)
 
@@ -75,6 +82,10 @@ class ClusterConnector:
         registered first, then every hop it sends on dialed, then every hop it receives on
         awaited; TimeoutError naming what never connected by ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
+        self._hosts = dict(self.hosts_of)  # where each process runs, for this connect
+        if self.locate is not None:
+            ranks = {r for hops in channels.values() for _, a, b in hops for r in (a, b)}
+            self._hosts |= {self.names[r]: self.locate(self.names[r]) for r in ranks}
         gates: dict[str, tuple[LinkGate, port.Inbox, dict[int, Link]]] = {}
         try:
             for channel, hops in channels.items():
@@ -111,14 +122,14 @@ class ClusterConnector:
         owners = {}
         for hop in hops:
             sender, receiver = self._link(hop)
-            owners[sender] = self.hosts_of[sender]
-            owners[receiver] = self.hosts_of[self.names[hop[2]]]
+            owners[sender] = self._hosts[sender]
+            owners[receiver] = self._hosts[self.names[hop[2]]]
         return owners
 
     def _dial(self, hop: Hop, channel: str, owners: Mapping[str, str], deadline: float) -> AuthStream:
         """The stream for ``hop`` from this process, tried again until ``deadline``."""
         link, receiver = self._link(hop), self.names[hop[2]]
-        address, agent_port = self.ports[self.hosts_of[receiver]]
+        address, agent_port = self.ports[self._hosts[receiver]]
         wait, why = RETRY_FIRST_S, "no attempt"
         while True:
             left = deadline - time.monotonic()
@@ -163,5 +174,22 @@ def cluster_connector(cfg: RunConfig, environ: Mapping[str, str] = os.environ) -
              for name, h in cfg.cluster.hosts.items()}
     record, rank = environ.get(REFUSALS_ENV), environ.get("RANK", "")
     counters = Counters(ProcessRecord(Path(record), names[int(rank)])) if record and rank.isdigit() else None
-    return ClusterConnector(tls, Path(socket_path), names, hosts_of(cfg), ports, counters)
+    return ClusterConnector(tls, Path(socket_path), names, hosts_of(cfg), ports, counters,
+                            locate=slot_holders(cfg) if cfg.elastic.enabled else None)
+
+
+def slot_holders(cfg: RunConfig) -> Callable[[str], str]:
+    """Where a worker slot's process runs now, as the coordinator's control service publishes it
+    (``cluster/slots.py``); any other process (none in an elastic run) where the placement puts it."""
+    placed = hosts_of(cfg)
+    clients: list = []  # one store client, made at first use (the rendezvous is set up by then)
+
+    def locate(process: str) -> str:
+        if not SLOT.match(process):
+            return placed[process]
+        if not clients:
+            clients.append(store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                        cfg.dist.init_timeout_s))
+        return parse_holder(clients[0].get(holder_key(process)).decode())[0]
+    return locate
 

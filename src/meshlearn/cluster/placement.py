@@ -21,6 +21,8 @@ from meshlearn.distributed.groups import anchors, world_size
 from meshlearn.distributed.health import process_name
 from meshlearn.mesh.topology import MeshShape
 
+PORT_FILE = "port.json"  # in an elastic cluster run's folder: its host's port agent, for a joiner here
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -60,6 +62,15 @@ def records_writer(cfg: RunConfig) -> str:
     """The coordinator's first worker in rank order (settings.py checks it runs one)."""
     mine = set(cfg.cluster.hosts[cfg.cluster.coordinator].workers)
     return next(w for w in worker_names(cfg.mesh.replicas, cfg.mesh.stages) if w in mine)
+
+
+def elastic_writer(cfg: RunConfig) -> str:
+    """An elastic run's first writer of config.toml, run.json and metrics.jsonl, and its preferred
+    records claimant: the coordinator's first last-stage worker (settings.py checks it runs one),
+    so the run's records are in the coordinator's folder while that worker is in the run."""
+    mine = set(cfg.cluster.hosts[cfg.cluster.coordinator].workers)
+    return next(f"r{r}s{cfg.mesh.stages - 1}" for r in range(cfg.mesh.replicas)
+                if f"r{r}s{cfg.mesh.stages - 1}" in mine)
 
 
 def resolve_address(key: str, address: str) -> str:

@@ -105,8 +105,10 @@ def validate_cluster(cfg, require: Callable[[bool, str, Any, str], None]) -> Non
     names = sorted(cluster.hosts)
     require(cluster.coordinator in cluster.hosts, "cluster.coordinator", cluster.coordinator,
             f"must name one of the hosts: {names}")
-    require(not cfg.elastic.enabled, "elastic.enabled", cfg.elastic.enabled,
-            "not yet with a [cluster] placement (docs/cluster.md, 'not yet'): set it to false")
+    if cfg.elastic.enabled:
+        require(cfg.elastic.membership == "control", "elastic.membership", cfg.elastic.membership,
+                "with a [cluster] placement: must be 'control' (torchft's lighthouse, manager servers "
+                "and stores open unauthenticated ports on every machine; docs/cluster.md, 'Joining')")
     for name, host in cluster.hosts.items():
         key = f"cluster.hosts.{name}"
         require(bool(HOST_NAME.match(name)), key, name,
@@ -129,6 +131,12 @@ def validate_cluster(cfg, require: Callable[[bool, str, Any, str], None]) -> Non
     require(any(w in workers for w in cluster.hosts[cluster.coordinator].workers),
             f"cluster.hosts.{cluster.coordinator}.workers", cluster.hosts[cluster.coordinator].workers,
             "the coordinator must run at least one worker (its run folder gets the run's records)")
+    last = [f"r{r}s{cfg.mesh.stages - 1}" for r in range(cfg.mesh.replicas)]
+    require(not cfg.elastic.enabled or any(w in last for w in cluster.hosts[cluster.coordinator].workers),
+            f"cluster.hosts.{cluster.coordinator}.workers", cluster.hosts[cluster.coordinator].workers,
+            f"with elastic.enabled: the coordinator must run a last-stage worker ({', '.join(last)}): "
+            "that worker starts the run's config.toml, run.json and metrics.jsonl, which are the "
+            "coordinator's to hold")
     missing = [w for w in workers if w not in placed]
     require(not missing, "cluster.hosts", names,
             f"worker {missing[0] if missing else ''} is placed on no host: every worker of the mesh "

@@ -55,9 +55,7 @@ def share_run(cfg: RunConfig, run_dir: Path, placement: Placement, store, resume
         key, (was, now) = next(iter(differ.items()))
         raise ConfigError(key, now, f"differs from the coordinator's ({placement.coordinator}: {was!r}); "
                                     "every machine must run the same config (only data.corpus may differ)")
-    blob, digest = store.get(f"{KEYS}/tokenizer"), store.get(f"{KEYS}/tokenizer_sha256").decode()
-    if hashlib.sha256(blob).hexdigest() != digest:
-        raise ConnectionError(f"the coordinator's tokenizer arrived damaged (sha256 differs from {digest})")
+    blob, digest = received_tokenizer(store)
     if blob:
         install_tokenizer(run_dir / TOKENIZER, blob, digest, resume)
     atomic_write_json(run_dir / POINTER, {
@@ -65,6 +63,14 @@ def share_run(cfg: RunConfig, run_dir: Path, placement: Placement, store, resume
         "address": f"{placement.store_address}:{placement.store_port}",
         "what": "the run's metrics.jsonl, summary.json, workers.json and report are in the coordinator's "
                 "run folder; this folder holds this machine's config, provenance, shards and logs"})
+
+
+def received_tokenizer(store) -> tuple[bytes, str]:
+    """The coordinator's tokenizer (empty: none) and its SHA-256, checked."""
+    blob, digest = store.get(f"{KEYS}/tokenizer"), store.get(f"{KEYS}/tokenizer_sha256").decode()
+    if hashlib.sha256(blob).hexdigest() != digest:
+        raise ConnectionError(f"the coordinator's tokenizer arrived damaged (sha256 differs from {digest})")
+    return blob, digest
 
 
 def install_tokenizer(path: Path, blob: bytes, digest: str, resume: bool) -> None:

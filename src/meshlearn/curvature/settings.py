@@ -36,7 +36,3 @@ def validate_curvature(cfg: Any, require: Callable[[bool, str, Any, str], None])
     require(c.iters >= 1, "curvature.iters", c.iters, "must be >= 1")
     require(0 < c.tol < 1, "curvature.tol", c.tol, "must be in (0, 1)")
     require(c.batch_size >= 1, "curvature.batch_size", c.batch_size, "must be >= 1")
-    if c.every:
-        require(cfg.backend == "sim", "curvature.every", c.every,
-                "the tracker needs every stage in one process (backend = sim); under --backend dist "
-                "Hessian-vector products across processes are not implemented")

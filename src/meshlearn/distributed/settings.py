@@ -129,31 +129,13 @@ def validate_dist(cfg, require) -> None:
     ``require(ok, key, value, allowed)`` raises the ConfigError)."""
     dist = cfg.dist
     require(cfg.backend in BACKENDS, "backend", cfg.backend, f"allowed: {list(BACKENDS)}")
-    if cfg.backend == "dist":
-        # Basis updates act across workers inside one process; the real runtime does not carry them.
-        require(cfg.subspace_update.every == 0, "subspace_update.every", cfg.subspace_update.every,
-                "must be 0 with backend = 'dist' (only the simulator runs it so far)")
-        verifying = cfg.verify.name == "sentinel"
-        # Attacks score against the verifier's verdicts; their ground truth crosses processes with them.
-        require(cfg.attack.kind == "none" or verifying, "attack.kind", cfg.attack.kind,
-                "needs verify.name = 'sentinel' with backend = 'dist' (unverified attacks run in the "
-                "simulator only)")
-        if verifying:  # the verifier process relays the pipeline (distributed/verifier.py)
-            require(cfg.dp.name == "allreduce", "dp.name", cfg.dp.name,
-                    "must be 'allreduce' with verify.name = 'sentinel' and backend = 'dist'")
-            require(dist.comm != "nccl", "dist.comm", dist.comm,
-                    "must be 'gloo' or 'auto' with verify.name = 'sentinel' (the verifier relays over gloo)")
     require(dist.comm in COMMS, "dist.comm", dist.comm, f"allowed: {list(COMMS)}")
     require(dist.links in LINKS, "dist.links", dist.links, f"allowed: {list(LINKS)}")
-    require(dist.links != "tcp" or not cfg.elastic.enabled, "dist.links", dist.links,
-            "must be 'auto' or 'collective' with elastic.enabled (rows link over gloo pair groups)")
     require(dist.trusted_links in TRUSTED_LINKS, "dist.trusted_links", dist.trusted_links,
             f"allowed: {list(TRUSTED_LINKS)} (a string)")
     untrusted = dist.trusted_links == "false"
     require(not untrusted or dist.links != "collective", "dist.links", dist.links,
             "must be 'auto' or 'tcp' with dist.trusted_links = 'false' (collective links are process groups)")
-    require(not untrusted or not cfg.elastic.enabled, "dist.trusted_links", dist.trusted_links,
-            "must be 'auto' or 'true' with elastic.enabled (torchft's process groups carry its DP axis)")
     require(dist.shaping in SHAPINGS, "dist.shaping", dist.shaping, f"allowed: {list(SHAPINGS)}")
     for key, value in [("dist.timeout_s", dist.timeout_s), ("dist.heartbeat_s", dist.heartbeat_s),
                        ("dist.dead_after_s", dist.dead_after_s),

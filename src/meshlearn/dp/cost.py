@@ -26,8 +26,9 @@ import torch
 from meshlearn.compress.codecs import SizedEncoded
 from meshlearn.dp.base import DPStrategy, Exchange, Key
 from meshlearn.dp.diloco import StreamingDiLoCo, Sync
+from meshlearn.dp.lowrank import LowRankCompressor
 from meshlearn.dp.powersgd import PowerSGD
-from meshlearn.dp.registry import BUILDERS, _deadline, robust_of
+from meshlearn.dp.registry import _deadline, builder_of, robust_of
 from meshlearn.dp.sparse import Round, SparseAveraging
 from meshlearn.mesh.messages import Message
 
@@ -68,8 +69,8 @@ def _payload(n: int) -> SizedEncoded:
 
 class CostPowerSGD(PowerSGD):
     @staticmethod
-    def _initial_q(m: int, r: int, gen: torch.Generator) -> torch.Tensor:
-        return torch.empty(m, r, device="meta")  # its shape is all the wire size needs
+    def _compressor(shapes: list[torch.Size], rank: int, seed: int) -> LowRankCompressor:
+        return LowRankCompressor(shapes, rank, seed, draw_q=False)  # sizes are all the wire needs
 
     def wire_values(self) -> tuple[int, int]:
         if not hasattr(self, "_wire"):  # shapes never change: counted once
@@ -165,7 +166,7 @@ def build_cost_strategy(cfg, worker, profile) -> DPStrategy:
     elif cfg.name == "powersgd":  # the registry's rule, without drawing a random Q on meta
         strategy = CostPowerSGD(worker.id, worker.mesh.replicas, worker.module, rank=cfg.rank, seed=cfg.seed)
     else:
-        strategy = BUILDERS[cfg.name](cfg, worker, profile)
+        strategy = builder_of(cfg.name)(cfg, worker, profile)
         cost_class = {"diloco": CostDiLoCo}.get(cfg.name)
         if cost_class is not None:
             strategy.__class__ = cost_class  # built by the registry's own rule, then made cost-only

@@ -36,13 +36,15 @@ class LowRankCompressor:
     """Two-round PowerSGD over tensors of fixed ``shapes`` (one compressor per set that syncs
     together, e.g. a DiLoCo fragment); work in progress is kept per round key."""
 
-    def __init__(self, shapes: list[torch.Size], rank: int, seed: int):
+    def __init__(self, shapes: list[torch.Size], rank: int, seed: int, *, draw_q: bool = True):
+        """``draw_q = False``: sizes only (the planner's cost-only strategies never compress)."""
         self.shapes = [torch.Size(s) for s in shapes]
         self.matrices = [i for i, s in enumerate(self.shapes) if len(s) >= 2]
         self.vectors = [i for i, s in enumerate(self.shapes) if len(s) < 2]
+        self.ranks = {i: min(rank, *self._nm(i)) for i in self.matrices}
         gen = torch.Generator().manual_seed(seed)
-        self.q = {i: torch.randn(self._nm(i)[1], min(rank, *self._nm(i)), generator=gen)
-                  for i in self.matrices}
+        self.q = {i: torch.randn(self._nm(i)[1], self.ranks[i], generator=gen)
+                  for i in self.matrices} if draw_q else {}
         self.error: dict[int, torch.Tensor] = {}
         self._work: dict[Key, _Work] = {}
 
@@ -52,9 +54,9 @@ class LowRankCompressor:
 
     def wire_values(self) -> tuple[int, int]:
         """Values each replica sends each peer in round 0 and in round 1 (fp32: 4 bytes each)."""
-        phase0 = sum(self._nm(i)[0] * self.q[i].shape[1] for i in self.matrices)
+        phase0 = sum(self._nm(i)[0] * self.ranks[i] for i in self.matrices)
         phase0 += sum(self.shapes[i].numel() for i in self.vectors)
-        return phase0, sum(self._nm(i)[1] * self.q[i].shape[1] for i in self.matrices)
+        return phase0, sum(self._nm(i)[1] * self.ranks[i] for i in self.matrices)
 
     @torch.no_grad()
     def phase0(self, key: Key, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -73,7 +75,7 @@ class LowRankCompressor:
         """Round 0's average in; this replica's part of round 1 out."""
         work, offset, parts = self._work[key], 0, []
         for i in self.matrices:
-            n, r = self._nm(i)[0], self.q[i].shape[1]
+            n, r = self._nm(i)[0], self.ranks[i]
             work.ps[i] = torch.linalg.qr(mean_p[offset:offset + n * r].reshape(n, r)).Q
             offset += n * r
             work.qs[i] = work.ms[i].T @ work.ps[i]
@@ -91,7 +93,7 @@ class LowRankCompressor:
         work, offset = self._work.pop(key), 0
         out: list[torch.Tensor | None] = [None] * len(self.shapes)
         for i in self.matrices:
-            m, r = self._nm(i)[1], self.q[i].shape[1]
+            m, r = self._nm(i)[1], self.ranks[i]
             q = mean_q[offset:offset + m * r].reshape(m, r)
             offset += m * r
             approx = work.ps[i] @ q.T

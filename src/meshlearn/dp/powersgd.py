@@ -17,6 +17,8 @@ update, so a replica the rule trims once stays an outlier and the stage's Ĝ dri
 docs/dp_robust.md).
 Under the mean both errors sum to the same Σ M − D·P·Qᵀ over the replicas, and the mean factors
 depend on that sum only, so the mean keeps its original expression (bit for bit as before).
+The arithmetic is ``dp.lowrank.LowRankCompressor``'s (one compressor over the stage's parameters,
+seeded per stage); this strategy applies its estimate as the gradients.
 Wire: phase 0 sends Σ n·r + Σ vector sizes fp32 values to each peer, phase 1 Σ m·r.
 
 Under a change of basis of a weight's output side (W ← L·W, a protocol model's morph; torch's
@@ -32,6 +34,7 @@ import torch
 
 from meshlearn.basis import BasisTensor
 from meshlearn.dp.base import DPStrategy
+from meshlearn.dp.lowrank import LowRankCompressor
 from meshlearn.mesh.messages import Message
 
 
@@ -43,25 +46,12 @@ class PowerSGD(DPStrategy):
         super().__init__(me, replicas)
         self.names = [name for name, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
-        self.rank = rank
-        self.matrices = [i for i, p in enumerate(self.params) if p.dim() >= 2]
-        self.vectors = [i for i, p in enumerate(self.params) if p.dim() < 2]
-        gen = torch.Generator().manual_seed(seed * 1009 + me.stage)
-        self.q: dict[int, torch.Tensor] = {}
-        self.error: dict[int, torch.Tensor] = {}
-        for i in self.matrices:
-            n, m = self.shape(i)
-            self.q[i] = self._initial_q(m, min(rank, n, m), gen)  # identical on every replica
-        self._work: dict[int, dict] = {}
+        self.compressor = self._compressor([p.shape for p in self.params], rank, seed * 1009 + me.stage)
         self._done: set[int] = set()
 
     @staticmethod
-    def _initial_q(m: int, r: int, gen: torch.Generator) -> torch.Tensor:
-        return torch.randn(m, r, generator=gen)
-
-    def shape(self, i: int) -> tuple[int, int]:
-        p = self.params[i]
-        return p.shape[0], p.numel() // p.shape[0]
+    def _compressor(shapes: list[torch.Size], rank: int, seed: int) -> LowRankCompressor:
+        return LowRankCompressor(shapes, rank, seed)  # the same seeded Q on every replica
 
     def _grad(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -69,26 +59,15 @@ class PowerSGD(DPStrategy):
 
     def wire_values(self) -> tuple[int, int]:
         """fp32 values per peer message of phase 0 and of phase 1 (the byte formula / 4)."""
-        phase0 = sum(self.shape(i)[0] * self.q[i].shape[1] for i in self.matrices)
-        phase0 += sum(self.params[i].numel() for i in self.vectors)
-        phase1 = sum(self.shape(i)[1] * self.q[i].shape[1] for i in self.matrices)
-        return phase0, phase1
+        return self.compressor.wire_values()
 
     @torch.no_grad()
     def pre_step(self, u: int) -> list[Message]:
-        ms, ps = {}, []
-        for i in self.matrices:
-            n, m = self.shape(i)
-            M = self._grad(i).reshape(n, m).float() + self.error.get(i, 0.0)
-            ms[i] = M
-            ps.append((M @ self.q[i]).reshape(-1))
-        ps += [self._grad(i).reshape(-1).float() for i in self.vectors]
-        self._work[u] = {"M": ms}
+        factors = self.compressor.phase0((u, 0), [self._grad(i) for i in range(len(self.params))])
         self.rounds += 1
         if self.replicas == 1:
-            self._phase1(u, torch.cat(ps))
-            return self._phase2(u, None)
-        return self.share((u, 0), torch.cat(ps), u)
+            return self._apply(u, self.compressor.phase1((u, 0), factors))
+        return self.share((u, 0), factors, u)
 
     def on_complete(self, key) -> list[Message]:
         mean = self.exchange.mean(key)
@@ -97,49 +76,18 @@ class PowerSGD(DPStrategy):
                                "are misshapen; a blocking strategy cannot drop a round")
         u, phase = key
         self.note_score(u, key)  # both rounds are merged at u, into Ĝ
-        return self._phase1(u, mean) if phase == 0 else self._phase2(u, mean)
+        if phase == 0:
+            return self.share((u, 1), self.compressor.phase1((u, 0), mean), u)
+        return self._apply(u, mean)
 
-    def _phase1(self, u: int, mean_p: torch.Tensor) -> list[Message]:
-        work, offset, qs = self._work[u], 0, []
-        work["P"], work["vectors"] = {}, {}
-        for i in self.matrices:
-            n, r = self.shape(i)[0], self.q[i].shape[1]
-            P = torch.linalg.qr(mean_p[offset:offset + n * r].reshape(n, r)).Q
-            offset += n * r
-            work["P"][i] = P
-            qs.append((work["M"][i].T @ P).reshape(-1))
-        for i in self.vectors:
-            k = self.params[i].numel()
-            work["vectors"][i] = mean_p[offset:offset + k]
-            offset += k
-        work["Q_local"] = torch.cat(qs) if qs else torch.zeros(0)
-        if self.replicas == 1:
-            return []
-        return self.share((u, 1), work["Q_local"], u)
-
-    def _phase2(self, u: int, mean_q: torch.Tensor | None) -> list[Message]:
-        work = self._work.pop(u)
-        mean_q = work["Q_local"] if mean_q is None else mean_q
-        offset = 0
-        own = self.robust.gathers  # the error against this replica's own Q (module docstring)
-        for i in self.matrices:
-            n, m = self.shape(i)
-            r = self.q[i].shape[1]
-            Q = mean_q[offset:offset + m * r].reshape(m, r)
-            approx = work["P"][i] @ Q.T
-            kept = work["P"][i] @ work["Q_local"][offset:offset + m * r].reshape(m, r).T if own else approx
-            offset += m * r
-            self.error[i] = work["M"][i] - kept
-            self.q[i] = Q.clone()  # warm start
-            self._set_grad(i, approx)
-        for i, g in work["vectors"].items():
-            self._set_grad(i, g)
+    def _apply(self, u: int, mean_q: torch.Tensor) -> list[Message]:
+        """Round 1's average in: Ĝ becomes every parameter's gradient. Under a robust rule the
+        error is against this replica's own Q (module docstring)."""
+        estimate = self.compressor.finish((u, 0), mean_q, own=self.robust.gathers)
+        for p, value in zip(self.params, estimate, strict=True):
+            p.grad = value.to(p.dtype).clone()
         self._done.add(u)
         return []
-
-    def _set_grad(self, i: int, value: torch.Tensor) -> None:
-        p = self.params[i]
-        p.grad = value.reshape(p.shape).to(p.dtype).clone()
 
     def pre_ready(self, u: int) -> bool:
         return u in self._done
@@ -154,16 +102,16 @@ class PowerSGD(DPStrategy):
     def reset_local(self) -> None:
         """Error feedback ← 0: the residual is each replica's own (the warm-start Q, the
         replicas' common average, is kept)."""
-        self.error = {}
+        self.compressor.error = {}
 
     def basis_state(self) -> dict[str, BasisTensor]:
         # Matrices only: vectors keep no error, and a morph multiplies matrices.
         return {f"error.{self.names[i]}": BasisTensor(self.names[i], "gradient", e)
-                for i, e in self.error.items() if self.params[i].dim() == 2}
+                for i, e in self.compressor.error.items() if self.params[i].dim() == 2}
 
     def state_dict(self) -> dict:
-        return super().state_dict() | {"q": dict(self.q), "error": dict(self.error)}
+        return super().state_dict() | self.compressor.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.q, self.error = dict(state["q"]), dict(state["error"])
+        self.compressor.load_state_dict(state)

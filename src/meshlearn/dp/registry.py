@@ -1,14 +1,16 @@
-"""Strategy by name: ``dp.name`` → a ``DPStrategy`` for one worker."""
+"""Strategy by name: ``dp.name`` → a ``DPStrategy`` for one worker (built-in, or a plug-in's:
+``dp/strategies.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from meshlearn.dp import strategies
 from meshlearn.dp.base import DPStrategy, round_deadline_s
 from meshlearn.dp.diloco import StreamingDiLoCo
 from meshlearn.dp.powersgd import PowerSGD
 from meshlearn.dp.robust import Robust
-from meshlearn.dp.settings import STRATEGIES, DPConfig
+from meshlearn.dp.settings import DPConfig
 from meshlearn.dp.sparse import SparseAveraging
 
 
@@ -62,7 +64,16 @@ BUILDERS: dict[str, Callable] = {
     "powersgd": _powersgd,
     "diloco": _diloco,
 }
-assert set(BUILDERS) == set(STRATEGIES)
+assert tuple(BUILDERS) == strategies.BUILT_IN
+
+
+def builder_of(name: str) -> Callable:
+    """The builder of strategy ``name``: a built-in one, else the plug-in's (``dp/strategies.py``)."""
+    if name in BUILDERS:
+        return BUILDERS[name]
+    if name not in strategies.plugins():
+        raise ValueError(f"dp.name = {name!r}: allowed: {list(strategies.names())}")
+    return strategies.load(name)
 
 
 def robust_of(cfg: DPConfig) -> Robust:
@@ -75,9 +86,7 @@ def build_strategy(cfg: DPConfig, worker, profile) -> DPStrategy:
     LinkProfile of its DP links, from which default deadlines derive. Its parts leave through
     the worker's ``dp_contribution`` (the seam of ``attack.target = dp``); its outlier scores in
     robust rounds go to the worker's ``note_round_score`` (attribution)."""
-    if cfg.name not in BUILDERS:
-        raise ValueError(f"dp.name = {cfg.name!r}: allowed: {sorted(BUILDERS)}")
-    strategy = BUILDERS[cfg.name](cfg, worker, profile)
+    strategy = builder_of(cfg.name)(cfg, worker, profile)
     strategy.exchange.robust = robust_of(cfg)
     strategy.outgoing = worker.dp_contribution
     strategy.scored = worker.note_round_score

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-STRATEGIES = ("allreduce", "sparse", "powersgd", "diloco")
+from meshlearn.dp import strategies
+
 RULES = ("avg", "delta", "ema")
 EMA_INITS = ("first_round", "per_coordinate")
 COMPRESSIONS = ("none", "powersgd")
@@ -37,7 +38,8 @@ class DPConfig:
     """
 
     name: str = "allreduce"
-    """allreduce, sparse, powersgd or diloco."""
+    """allreduce, sparse, powersgd or diloco; or a plug-in's name (an installed package's entry point
+    in the group ``meshlearn.dp_strategies``: docs/architecture.md, Where a new method plugs in)."""
     fraction: float = 0.05
     """sparse: fraction p of each tensor's elements averaged per round, in (0, 1]. The tensor is
     cut into K = ⌈1/p⌉ disjoint parts by a seeded affine permutation, so no index travels and
@@ -151,7 +153,7 @@ def evicts_dp_outliers(cfg) -> bool:
 def validate_dp(cfg, require) -> None:
     """The checks of ``dp.*`` (``require(ok, key, value, allowed)`` raises the ConfigError)."""
     dp = cfg.dp
-    require(dp.name in STRATEGIES, "dp.name", dp.name, f"allowed: {list(STRATEGIES)}")
+    validate_name(dp.name, require)
     require(0 < dp.fraction <= 1, "dp.fraction", dp.fraction, "in (0, 1]")
     require(dp.delay >= 0, "dp.delay", dp.delay, "must be >= 0 (0 = synchronous)")
     require(dp.every >= 1, "dp.every", dp.every, "must be >= 1")
@@ -181,22 +183,28 @@ def validate_dp(cfg, require) -> None:
             "compresses gradients itself)")
 
 
+def validate_name(name: str, require) -> None:
+    """``dp.name``: a built-in strategy, or a plug-in installed under ``meshlearn.dp_strategies``
+    whose builder loads (a broken plug-in is named in one line, before any work starts)."""
+    allowed = strategies.names()
+    require(name in allowed, "dp.name", name,
+            f"allowed: {list(allowed)} (plug-ins: the entry point group {strategies.GROUP})")
+    if name in strategies.BUILT_IN:
+        return
+    try:
+        strategies.load(name)
+    except Exception as err:  # whatever a third party's import raises: one line, not a traceback
+        require(False, "dp.name", name, f"the plug-in {strategies.plugins()[name].value} does not load: "
+                f"{type(err).__name__}: {err}")
+
+
 def validate_robust(cfg, require) -> None:
-    """``dp.robust`` and ``dp.trim``: a robust rule needs a majority to outvote (D ≥ 3; at D = 2
-    every rule is the mean of the two and nothing can be attributed)."""
-    dp, replicas = cfg.dp, cfg.mesh.replicas
+    """``dp.robust``, ``dp.trim`` and ``dp.outlier_score`` on their own; what they need of the mesh
+    (a majority to outvote: D ≥ 3, at D = 2 every rule is the mean of the two and nothing can be
+    attributed) and of elastic membership are rows of ``meshlearn.compat``."""
+    dp = cfg.dp
     require(dp.robust in ROBUST_RULES, "dp.robust", dp.robust, f"allowed: {list(ROBUST_RULES)}")
     require(dp.trim >= 1, "dp.trim", dp.trim, "must be >= 1")
     score = dp.outlier_score
     require(math.isfinite(score) and score > 1, "dp.outlier_score", score,
             "a finite number > 1 (a multiple of the median replica's distance; at 1 half are outliers)")
-    if dp.robust == "none":
-        return
-    require(replicas >= 3, "dp.robust", dp.robust,
-            f"needs mesh.replicas >= 3 (mesh.replicas = {replicas}: with 2 there is no majority, "
-            "every rule is their mean); use dp.robust = none")
-    if dp.robust == "trimmed_mean":
-        require(2 * dp.trim < replicas, "dp.trim", dp.trim,
-                f"2·dp.trim < mesh.replicas = {replicas} (trimmed_mean keeps D − 2·trim values)")
-    require(not cfg.elastic.enabled, "dp.robust", dp.robust,
-            "none with elastic.enabled (quorum rounds sum their contributions; not implemented)")

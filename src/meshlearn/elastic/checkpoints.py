@@ -39,11 +39,18 @@ class ElasticCheckpoints:
         self.me = me
         self.rows = rows  # () -> the rows (stage → replica) that trained the last step (agreed)
         self.deadline_s = deadline_s
+        self.last_taken: int | None = None  # the step count of this worker's latest checkpoint
+
+    def taken_since(self, step: int) -> bool:
+        """Whether this worker took a checkpoint after step ``step`` (0-based) ran: the next step
+        then agrees its rows on the store (``peer_vote.ReusedRows``)."""
+        return self.last_taken is not None and self.last_taken > step
 
     def manifest(self, step: int) -> tuple[list[str], bool]:
         """This worker's shard of the checkpoint after ``step`` steps is on disk: say so; the
         manifest's writer then collects the listed shards that are."""
         key = f"elastic/checkpoint/{step}"
+        self.last_taken = step
         self.store.set(f"{key}/{self.me}", "1")
         rows = self.rows()
         if not rows or self.me != WorkerId(rows[0][-1], self.mesh.stages - 1):  # the first row's last stage

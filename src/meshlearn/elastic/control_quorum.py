@@ -230,6 +230,11 @@ class ControlQuorum:
     def settled(self, committed: bool) -> None:
         self.committed = committed
 
+    def unchanged(self) -> bool:
+        """Whether the next step may keep this record, as far as this member knows after its sums:
+        none failed and none flagged a change (the peer vote's ``steady``)."""
+        return not self.flagged and not self.broken and self.sums > 0
+
     def shutdown(self) -> None:
         self.watch.stop()
         if self.framed is not None:
@@ -369,7 +374,7 @@ class ControlQuorum:
 
 class SettlingVote:
     """The commit vote, telling the quorum its outcome (every process adopts the same one: the
-    fast path's condition). Otherwise ``CommitVote`` as it is."""
+    fast path's condition). Otherwise the vote it wraps as it is (``PeerVote``)."""
 
     def __init__(self, vote, quorum: ControlQuorum):
         self.vote, self.quorum = vote, quorum
@@ -378,4 +383,7 @@ class SettlingVote:
         committed = self.vote.decide(step, me, participants, ok)
         self.quorum.settled(committed)
         return committed
+
+    def close(self) -> None:
+        self.vote.close()
 

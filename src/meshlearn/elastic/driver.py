@@ -14,7 +14,9 @@ are the same code):
   their loss sum and count beside the gradients, so every last stage holds the mean train loss
   over the contributing ones, and one of them, agreed per step, writes the step's records
   (``ElasticRecords``);
-- a step commits in every stage or in none (``CommitVote``); a step that does not commit leaves
+- a step commits in every stage or in none (``CommitVote`` on the store; under
+  ``elastic.membership = "control"`` ``PeerVote`` over the members' streams, and the rows agreed
+  at one step reused until a change: ``peer_vote.py``); a step that does not commit leaves
   every worker's weights and optimizer state as they were (``Worker.discard_update``), and its
   global batch is trained again by the next step (``batch_index`` counts committed steps);
 - pipeline links are pair groups of the row's own (``RowLinks``), built at the first step the row
@@ -44,9 +46,11 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
+from meshlearn.cluster.placement import elastic_writer
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import RowBroken, WorkerFailure
 from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
@@ -60,7 +64,7 @@ from meshlearn.elastic.quorum import CommitVote, QuorumStep, StageQuorum
 from meshlearn.elastic.records import ElasticRecords
 from meshlearn.elastic.rollback import Rollback
 from meshlearn.elastic.rounds import QuorumExchange
-from meshlearn.elastic.rows import Held, Row, RowAgreement, row_label, slot_row, whole_batch
+from meshlearn.elastic.rows import Agreed, Held, Row, RowAgreement, row_label, slot_row, whole_batch
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.report import StepReport
 from meshlearn.mesh.topology import WorkerId
@@ -84,11 +88,14 @@ class ElasticDriver(Evictions, DistDriver):
     ``elastic.worker``. ``generation``: how many processes held this slot before this one."""
 
     def __init__(self, cfg, worker, health, device, comm, quorum: StageQuorum, vote: CommitVote,
-                 rows: RowAgreement, links: RowLinks, progress):
+                 rows: RowAgreement, links: RowLinks, progress, requests: Callable[[], int] | None = None):
         super().__init__(cfg, worker, health, device, comm, None, {})  # links: at the first step trained
         self.quorum = quorum
         self.vote = vote
         self.agreement = rows
+        self.requests = requests  # the vote's and the row agreement's store requests so far (counted)
+        self.requests_mark = 0
+        self.agreed: Agreed | None = None  # the coming step's agreement
         self.links = links
         self.generation = links.generation
         self.progress = progress  # the run store: this worker's last step, for workers.json
@@ -97,7 +104,11 @@ class ElasticDriver(Evictions, DistDriver):
         # process that claims them (``records``), the summary by the last one's
         writer = os.environ.get(WRITER_ENV, str(WorkerId(0, self.mesh.stages - 1)))
         self.writes_records = writer == str(self.me)
-        self.records = ElasticRecords(progress, self.mesh, self.me, lambda: self.rows)
+        # a cluster run's records go to the coordinator's folder while its last stage is in the run;
+        # its checkpoints are the rows' shards on the hosts that hold them, no agreement of hosts
+        self.records = ElasticRecords(progress, self.mesh, self.me, lambda: self.rows,
+                                      WorkerId.parse(elastic_writer(cfg)) if self.cluster else None)
+        self.checkpoint_store = None
         self.current: QuorumStep | None = None
         self.uncommitted = 0  # steps this worker trained whose update was dropped everywhere
         self.spectated = 0  # steps this worker applied without training (its row incomplete)
@@ -173,8 +184,9 @@ class ElasticDriver(Evictions, DistDriver):
             check_bound(os.getpid(), self.cfg.elastic.host, f"worker {self.me}")
         self.quorum_s += self.current.quorum_s
         held = self._held()
+        self.requests_mark = self.requests() if self.requests is not None else 0
         agreed = self.agreement.agree(step, self.me, self.current.participants, held)
-        self.rows = agreed.rows
+        self.agreed, self.rows = agreed, agreed.rows
         if not self.rows:  # some stage has no live replica that is not evicted (SENTINEL: no re-pairing)
             raise WorkerFailure(f"no pipeline row is complete in step {step + 1}'s quorums: every row "
                                 f"lost a stage replica, so nothing can train (noticed by {self.me})")
@@ -182,15 +194,26 @@ class ElasticDriver(Evictions, DistDriver):
         # Every live member of the row reads this agreement: all drop their links at this step, or
         # all link (again) at it, whatever each of them noticed alone.
         drop, link_at = agreed.plan(self.me, held)
+        if agreed.reused and link_at is not None:  # it dropped its row's links since the vote: it
+            drop, link_at = held is not None, None  # trains nothing, so the step commits nowhere
         row = agreed.row_of(self.me)
         if drop and link_at is None and not self.links.relayed:
-            self._drop_links(step, f"its row is not complete in step {step + 1}'s quorums")
+            self._drop_links(step, f"its links are not its row's of the reused agreement at step {step + 1}"
+                             if agreed.reused else f"its row is not complete in step {step + 1}'s quorums")
         if link_at is not None:
             self._link_row(link_at, row)
         trains = row is not None and self.linked_at is not None
         reports = super().run_step(step, source) if trains else [self._spectate(step, source)]
         self.progress.set(f"progress/{self.me}", str(step + 1))
         return reports
+
+    def steady(self) -> bool:
+        """Whether nothing this worker knows of asks for a new row agreement at the next step (its
+        bit in the peer vote, ``peer_vote.py``): its stage's record stands (no sum failed or flagged
+        a change), and it holds the links the agreement gave its row."""
+        row = self.agreed.row_of(self.me) if self.agreed is not None else None
+        target = None if row is None else (row, self.agreed.linked_at[row])
+        return self.agreed is not None and self.quorum.unchanged() and self._held() == target
 
     def _held(self) -> Held | None:
         """The links this worker holds, as it reports them to the row agreement."""
@@ -447,7 +470,10 @@ class ElasticDriver(Evictions, DistDriver):
         vote of every stage."""
         current = self.current
         current.stage_commit = self.quorum.should_commit() and current.mean_ok
-        return self.vote.decide(step, self.me, current.participants, current.stage_commit)
+        committed = self.vote.decide(step, self.me, current.participants, current.stage_commit)
+        if self.requests is not None:
+            current.vote_rows_requests = self.requests() - self.requests_mark
+        return committed
 
     def _no_messages(self, messages: list[Message], u: int) -> None:
         if messages:
@@ -461,7 +487,9 @@ class ElasticDriver(Evictions, DistDriver):
         return {"participants": current.participants, "rows": [row_label(r) for r in self.rows],
                 "batch": self.trained_batch,
                 "committed": current.committed, "quorum_s": current.quorum_s} | (
-                    {} if current.requests is None else {"quorum_requests": current.requests})
+                    {} if current.requests is None else {"quorum_requests": current.requests}) | (
+                    {} if current.vote_rows_requests is None
+                    else {"vote_rows_requests": current.vote_rows_requests})
 
     @torch.no_grad()
     def evaluate(self, batches) -> float | None:
@@ -506,6 +534,7 @@ class ElasticDriver(Evictions, DistDriver):
         self.progress.set(f"elastic/finished/{self.me}/{self.generation}", str(self.next_step + 1))
         with contextlib.suppress(RowBroken):  # a partner died after the last step: nothing to deliver
             self.transport.drain(self.deadlines.message_s)
+        self.vote.close()
         self.quorum.shutdown()
         self.health.finish()
         self.transport.close()

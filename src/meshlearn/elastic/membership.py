@@ -13,6 +13,10 @@ holder also reports when its row breaks (``spectates``), trains again (``contrib
 joiner's first step trained too) and links anew while it still held links (``relinks``: the row
 agreement found its members holding different ones); the launcher copies all of it to
 ``workers.json``.
+
+In a cluster run every host's launcher runs this watch for the processes on its machine, says
+each end in the store (``ended_key``) and follows the others' from there (``elastic/remote.py``);
+a claim there names its host (``cluster/slots.py``), whose launcher watches the joiner's pid.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, EXIT_PEER_FAIL
 from meshlearn.distributed.procs import echo, stop
 from meshlearn.elastic.binding import start_lighthouse
 from meshlearn.elastic.links import generation_key
+from meshlearn.elastic.remote import ClusterWatch, Lapses, claimant
 from meshlearn.elastic.settings import derive_timeouts
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
@@ -67,8 +72,15 @@ def banned_key(wid: WorkerId, generation: int) -> str:
 
 
 def taken_key(wid: WorkerId, generation: int) -> str:
-    """The pid of the joiner that took slot ``wid`` after generation ``generation`` left."""
+    """The pid of the joiner that took slot ``wid`` after generation ``generation`` left (in a
+    cluster run ``HOST:PID``, its host's claim: ``cluster/slots.py``)."""
     return f"elastic/taken/{wid}/{generation}"
+
+
+def ended_key(wid: WorkerId, generation: int) -> str:
+    """Set (JSON: exit code, why) by the launcher of the host that ran generation ``generation`` of
+    slot ``wid`` once it ended: how a cluster's other launchers learn of a remote worker's end."""
+    return f"elastic/ended/{wid}/{generation}"
 
 
 def resume_absent(cfg, run_dir: Path) -> list[str]:
@@ -114,6 +126,16 @@ def _last_step(store: dist.Store, name: str) -> int:
         return -1
 
 
+def _tell(store: dist.Store, key: str, value: str) -> None:
+    """Say a slot's end in the store. Refused when the slot has moved on (the coordinator freed it,
+    its machine having been silent, and a joiner took it): what it says is no longer this host's
+    to say, and the watch goes on."""
+    try:
+        store.set(key, value)
+    except Exception as err:  # noqa: BLE001 — a refusal (authority) or a lost coordinator
+        print(f"meshlearn: could not record {key} ({type(err).__name__}: {err})", file=sys.stderr)
+
+
 def _error_line(log: Path) -> str | None:
     try:
         lines = log.read_text(errors="replace").splitlines()
@@ -149,6 +171,7 @@ class Slot:
     generation: int = 0
     proc: object | None = None  # the launcher's own child (generation 0)
     pid: int | None = None  # a joiner holding it (generation >= 1), not this process's child
+    remote: bool = False  # held on another host of a cluster run: its end comes from ``ended_key``
     joined: bool = False  # the joiner said it healed (``elastic/joined/...``)
     events: int = 0  # the holder's events recorded so far (``elastic/events/...``: spectates, contributes)
     code: int | None = None  # the last holder's end: 0 finished, else left (None: holds it now)
@@ -156,7 +179,8 @@ class Slot:
 
 
 def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Path, echo_log: Path,
-                  out: TextIO, grace_s: float, absent: list[str] = (), verifier=None) -> int:
+                  out: TextIO, grace_s: float, absent: list[str] = (), verifier=None,
+                  cluster: ClusterWatch | None = None) -> int:
     """Wait for every worker, logging each exit, each join and each joiner's first step trained;
     0 if some pipeline row finished every stage. Once a worker has finished, the others have
     ``grace_s`` to exit too; a worker still there then (frozen, say: SIGSTOP) is killed and logged
@@ -164,9 +188,16 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
     through the store, watched by pid, and report their own end there. ``absent``: slots with no
     process at start (a resume from a checkpoint they were not in), free for joiners at once.
     ``verifier``: SENTINEL's process; a holder it banned is recorded (``banned``), its slot stays
-    closed, and it is killed if it has not left ``grace_s`` after the ban."""
+    closed, and it is killed if it has not left ``grace_s`` after the ban. ``cluster``: this host
+    of a cluster run — it watches the processes that run here (its children, and the joiners that
+    claimed a slot from here), tells the others of each end (``ended_key``), and follows the
+    slots held elsewhere through theirs; only the coordinator writes workers.json."""
     prefixed = dist.PrefixStore("meshlearn/0/", store)
     slots = {p.name: Slot(p.name, proc=p) for p in procs}
+    for name in cluster.remote if cluster else ():
+        slots[name] = Slot(name, remote=True)
+    lapses = (Lapses(prefixed, cluster.ranks, cluster.dead_after_s)
+              if cluster is not None and cluster.coordinator and cluster.dead_after_s > 0 else None)
     for name in absent:
         slots[name] = Slot(name, code=EXIT_LEFT)
         prefixed.set(generation_key(WorkerId.parse(name)), "0")
@@ -177,7 +208,8 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
 
     def record(name: str, event: dict) -> None:
         membership[name]["events"].append(event)
-        atomic_write_json(run_dir / WORKERS_FILE, membership)
+        if cluster is None or cluster.coordinator:
+            atomic_write_json(run_dir / WORKERS_FILE, membership)
 
     def note_ban(slot: Slot) -> None:
         """SENTINEL banned the holder (the verifier wrote it before its verdict): a membership change."""
@@ -205,14 +237,18 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
                           f"({event['why']}); it stays in its stage's quorum\n")
             slot.events = i + 1
 
-    def ended(slot: Slot, code: int, why: str) -> None:
+    def ended(slot: Slot, code: int, why: str, free: bool = False) -> None:
+        """``free``: the coordinator frees a slot held elsewhere (its machine is lost)."""
         note_ban(slot)  # before its exit, if it left before this loop saw the ban
         follow_events(slot)  # what it reported before its end comes before the end
         code = 0 if stopped_by_signal(code) else code  # it ran to the run's (agreed) last step
         slot.code = code
         step = _last_step(prefixed, slot.name)
-        if code != 0 and slot.banned_at is None:  # free for a joiner before workers.json says it left
-            prefixed.set(free_key(WorkerId.parse(slot.name), slot.generation), str(step))
+        if cluster is not None and not slot.remote:  # the other hosts learn of it here
+            _tell(prefixed, ended_key(WorkerId.parse(slot.name), slot.generation),
+                  json.dumps({"code": code, "why": why}))
+        if code != 0 and slot.banned_at is None and (free or not slot.remote):  # free before workers.json
+            _tell(prefixed, free_key(WorkerId.parse(slot.name), slot.generation), str(step))  # says it left
         record(slot.name, {"event": "finished" if code == 0 else "left", "step": step, "why": why})
         if code != 0:
             out.write(f"meshlearn: worker {slot.name} left after step {step} ({why}); the others go on\n")
@@ -228,18 +264,24 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
                                                     "no answer after the run ended")
                 ended(slot, code, why if slot.name in killed else describe_exit(code))
             joined = f"elastic/joined/{slot.name}/{g}"
-            if slot.code is None and slot.pid is not None and not slot.joined and prefixed.check([joined]):
+            if slot.code is None and slot.generation > 0 and not slot.joined and prefixed.check([joined]):
                 slot.joined = True  # a joiner reports its heal before any other event
                 info = json.loads(prefixed.get(joined).decode())
-                record(slot.name, {"event": "joined", "step": info["step"], "pid": slot.pid,
+                record(slot.name, {"event": "joined", "step": info["step"], "pid": info.get("pid", slot.pid),
                                    "generation": g, "at": info["at"]})
                 out.write(f"meshlearn: worker {slot.name} joined at step {info['step'] + 1} "
-                          f"(pid {slot.pid})\n")
+                          f"(pid {info.get('pid', slot.pid)})\n")
             if slot.code is None:
                 follow_events(slot)
             if slot.code is None and slot.pid is not None and not _alive(slot.pid):
                 done = prefixed.check([f"elastic/finished/{slot.name}/{g}"])
                 ended(slot, 0 if done else 1, "finished" if done else "exited before the end")
+            if slot.code is None and slot.remote and prefixed.check([ended_key(wid, g)]):
+                end = json.loads(prefixed.get(ended_key(wid, g)).decode())
+                ended(slot, end["code"], end["why"])
+            if slot.code is None and slot.remote and lapses and (silent := lapses.lapsed(slot.name, g)):
+                ended(slot, 1, f"its machine stopped answering: no heartbeat for {silent:.1f} s; the "
+                               "coordinator freed its slot", free=True)
             if slot.code is None:
                 note_ban(slot)
             if (slot.code is None and slot.banned_at is not None and slot.proc is not None
@@ -248,15 +290,21 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
                 stop([slot.proc], signal.SIGKILL, wait_s=5.0)
             elif slot.code not in (None, 0) and prefixed.check([taken_key(wid, g)]):
                 slot.generation, slot.proc, slot.code = g + 1, None, None  # a joiner took it
-                slot.pid = int(prefixed.get(taken_key(wid, g)).decode())
+                host, slot.pid = claimant(prefixed.get(taken_key(wid, g)).decode(), cluster)
+                slot.remote = cluster is not None and host != cluster.host  # watched where it runs
                 slot.joined, slot.events = False, 0
                 membership[slot.name]["pid"] = slot.pid
+                if cluster is not None:
+                    membership[slot.name]["host"] = host
         if finished_at is None and any(slot.code == 0 for slot in slots.values()):
             finished_at = time.monotonic()
         if finished_at is not None and time.monotonic() - finished_at > grace_s:
             stragglers = [p for p in procs if p.exitcode is None]
             killed.update(p.name for p in stragglers)
             stop(stragglers, signal.SIGKILL, wait_s=5.0)
+            for slot in slots.values():  # a host that never said how its worker ended (it is gone)
+                if slot.remote and slot.code is None and time.monotonic() - finished_at > 2 * grace_s:
+                    ended(slot, 1, "its host said nothing of it after the run ended")
         alive = [p.sentinel for p in procs if p.exitcode is None]
         if alive:
             multiprocessing.connection.wait(alive, timeout=0.2)

@@ -36,6 +36,7 @@ class QuorumStep:
     stage_commit: bool = False
     committed: bool = False
     requests: int | None = None  # requests to the run's store in ``begin`` (None: torchft's, not counted)
+    vote_rows_requests: int | None = None  # the run store's requests of the row agreement and the vote
 
 
 class StageQuorum:
@@ -115,6 +116,9 @@ class CommitVote:
                 return self._fix(key, "0")
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
+
+    def close(self) -> None:
+        """Nothing to close: the store is the driver's."""
 
     def _outcome(self, key: str) -> bool | None:
         """False on the first "no"; True once every stage's quorum has voted yes in full; else None."""

@@ -31,12 +31,16 @@ from meshlearn.mesh.topology import MeshShape, WorkerId
 
 class ElasticRecords:
     """The Trainer's records sink in one elastic worker. ``rows()``: the rows (stage → replica)
-    that trained the step just run (the driver's agreed value)."""
+    that trained the step just run (the driver's agreed value). ``preferred``: the last stage that
+    claims at once, if it is in the run (a cluster run's, on the coordinator: its folder holds the
+    run's records); None: the first trained row's."""
 
-    def __init__(self, store: dist.Store, mesh: MeshShape, me: WorkerId, rows):
+    def __init__(self, store: dist.Store, mesh: MeshShape, me: WorkerId, rows,
+                 preferred: WorkerId | None = None):
         self.store = store
         self.me = me
         self.rows = rows
+        self.preferred = preferred
         self.eligible = me.stage == mesh.stages - 1  # only a last stage has the losses
         self.path: Path | None = None
         self.held: set[int] = set()  # the steps (done counts) whose records this process writes
@@ -55,7 +59,8 @@ class ElasticRecords:
             return
         self.pending.setdefault(done, []).append(record)
         rows = self.rows()
-        if rows and self.me == WorkerId(rows[0][-1], self.me.stage):  # the first row's last stage
+        first = WorkerId(rows[0][-1], self.me.stage) if rows else None  # the first row's last stage
+        if self.me == (self.preferred or first):
             self._claim(done)
 
     def after_quorum(self, step: int) -> None:

@@ -60,10 +60,17 @@ def row_label(row: Row) -> int | list[int]:
 
 @dataclass(frozen=True)
 class Agreed:
-    """A step's agreed rows (in data order), and per row the step whose links it trains on."""
+    """A step's agreed rows (in data order), and per row the step whose links it trains on.
+    ``present``: every member the agreement was formed from (all stages, rank order); ``complete``:
+    whether every stage's quorum had reported in full (not fixed at the deadline) — then
+    ``present`` is every process that votes on the step (the peer vote's group, ``peer_vote.py``);
+    ``reused``: this process reuses an earlier step's agreement (``peer_vote.ReusedRows``)."""
 
     rows: tuple[Row, ...]
     linked_at: dict[Row, int]
+    present: tuple[WorkerId, ...] = ()
+    complete: bool = False
+    reused: bool = False
 
     def row_of(self, me: WorkerId) -> Row | None:
         return next((row for row in self.rows if row[me.stage] == me.replica), None)
@@ -95,7 +102,7 @@ def link_step(step: int, row: Row, reports: Sequence[Held | None]) -> int:
 
 
 def form_rows(step: int, present: Sequence[set[int]], held: dict[WorkerId, Held | None],
-              repair: bool) -> Agreed:
+              repair: bool, complete: bool = False) -> Agreed:
     """The fixer's rule. ``present[s]``: the replicas of stage s in its quorum (less evicted ones);
     ``held``: each present member's report. First the rows every member of which still holds that
     row's links (so a healthy row — a re-paired one too — never re-links), then the complete slot
@@ -127,7 +134,9 @@ def form_rows(step: int, present: Sequence[set[int]], held: dict[WorkerId, Held 
         for left in zip(*[sorted(f) for f in free], strict=False):
             take(tuple(left))
     rows = tuple(sorted(linked))
-    return Agreed(rows, {row: linked[row] for row in rows})
+    members = tuple(sorted((WorkerId(r, s) for s, replicas in enumerate(present) for r in replicas),
+                           key=lambda w: (w.stage, w.replica)))
+    return Agreed(rows, {row: linked[row] for row in rows}, members, complete)
 
 
 def encode_held(held: Held | None) -> str:
@@ -143,13 +152,18 @@ def decode_held(raw: bytes | str) -> Held | None:
 
 
 def encode_agreed(agreed: Agreed) -> str:
-    return ",".join(encode_held((row, agreed.linked_at[row])) for row in agreed.rows) or "-"
+    """``rows;members;complete``: ``0.0@3,1.1@3;r0s0,r1s0,r0s1,r1s1;1``."""
+    rows = ",".join(encode_held((row, agreed.linked_at[row])) for row in agreed.rows) or "-"
+    return f"{rows};{','.join(map(str, agreed.present))};{int(agreed.complete)}"
 
 
 def decode_agreed(raw: bytes | str) -> Agreed:
     text = raw.decode() if isinstance(raw, bytes) else str(raw)
-    pairs = [decode_held(item) for item in text.split(",") if item not in ("", "-")]
-    return Agreed(tuple(row for row, _ in pairs), dict(pairs))
+    rows, _, rest = text.partition(";")
+    members, _, complete = rest.partition(";")
+    pairs = [decode_held(item) for item in rows.split(",") if item not in ("", "-")]
+    present = tuple(WorkerId.parse(name) for name in members.split(",") if name)
+    return Agreed(tuple(row for row, _ in pairs), dict(pairs), present, complete == "1")
 
 
 def decode_rows(raw: bytes | str) -> tuple[int, ...]:
@@ -187,7 +201,7 @@ class RowAgreement:
             if self.store.check([f"{key}/fixed"]):
                 return decode_agreed(self.store.get(f"{key}/fixed"))
             if self._complete(key):
-                return self._fix(key, step)
+                return self._fix(key, step, complete=True)
             if time.monotonic() >= end:
                 missing = [s for s in range(self.stages) if not self.store.check([f"{key}/s{s}/n"])]
                 if missing:
@@ -207,7 +221,7 @@ class RowAgreement:
         counts = [int(v) for v in self.store.multi_get([f"{key}/s{s}/count" for s in range(self.stages)])]
         return all(c >= n for c, n in zip(counts, sizes, strict=True))
 
-    def _fix(self, key: str, step: int) -> Agreed:
+    def _fix(self, key: str, step: int, complete: bool = False) -> Agreed:
         """``form_rows`` over the members that reported, less the replicas SENTINEL evicted
         (``evictions.evicted_key``, set by the verifier before the verdict every worker reads
         first): whatever a banned process still does (asked only with ``evictions``: a round trip
@@ -219,7 +233,7 @@ class RowAgreement:
         values = self.store.multi_get([names[w] for w in reported]) if reported else []
         held = {w: decode_held(raw) for w, raw in zip(reported, values, strict=True)}
         present: list[set[int]] = [{w.replica for w in reported if w.stage == s} for s in range(self.stages)]
-        agreed = form_rows(step, present, held, self.repair)
+        agreed = form_rows(step, present, held, self.repair, complete)
         return decode_agreed(self.store.compare_set(f"{key}/fixed", "", encode_agreed(agreed)))
 
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from meshlearn.distributed.settings import DistConfig, derive_deadlines
 from meshlearn.mesh.network import LinkProfile
 
-ELASTIC_SCHEDULES = ("gpipe", "1f1b")
 MEMBERSHIPS = ("torchft", "control")
 
 
@@ -92,25 +91,3 @@ def validate_elastic(cfg, require) -> None:
                                      "(never 0.0.0.0: nothing may listen on every interface)")
     require(el.membership in MEMBERSHIPS, "elastic.membership", el.membership,
             f"allowed: {list(MEMBERSHIPS)}")
-    require(1 <= el.min_replicas <= cfg.mesh.replicas, "elastic.min_replicas", el.min_replicas,
-            f"must be between 1 and mesh.replicas = {cfg.mesh.replicas}")
-    if not el.enabled:
-        return
-    require(cfg.backend == "dist", "elastic.enabled", el.enabled,
-            "needs backend = 'dist' (the simulator has fixed membership)")
-    require(cfg.mesh.schedule in ELASTIC_SCHEDULES, "mesh.schedule", cfg.mesh.schedule,
-            f"with elastic.enabled: allowed: {list(ELASTIC_SCHEDULES)} (async is not elastic yet)")
-    require(cfg.mesh.replicas >= 2, "mesh.replicas", cfg.mesh.replicas,
-            "with elastic.enabled: must be >= 2 (a stage of one replica cannot lose it and go on)")
-    counts = [k for k in range(1, cfg.mesh.replicas + 1)
-              if cfg.train.batch_size % (k * cfg.mesh.microbatches)]
-    require(not counts, "train.batch_size", cfg.train.batch_size,
-            f"with elastic.enabled: must be divisible by k × mesh.microbatches for every number of "
-            f"rows k = 1..mesh.replicas (the rows that train a step split its batch; "
-            f"not for k = {counts[0] if counts else 0})")
-    require(cfg.verify.name == "none" or el.membership == "torchft", "elastic.membership", el.membership,
-            f"with verify.name = {cfg.verify.name!r}: must be 'torchft' (the verifier's relayed links "
-            "under the control service's membership are not built)")
-    require(cfg.verify.name == "none" or cfg.dp.name == "allreduce", "dp.name", cfg.dp.name,
-            f"with elastic.enabled and verify.name = {cfg.verify.name!r}: must be 'allreduce' (an "
-            "eviction under a message-based strategy's rolled-back rounds is not built or tested)")

@@ -41,6 +41,7 @@ from meshlearn.elastic.membership import (
     free_key,
     taken_key,
 )
+from meshlearn.elastic.peer_vote import PeerVote, ReusedRows
 from meshlearn.elastic.quorum import CommitVote, StageQuorum
 from meshlearn.elastic.rows import RowAgreement
 from meshlearn.elastic.settings import derive_timeouts
@@ -93,15 +94,23 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
                 raise TimeoutError("not every worker reached the start of the elastic run within "
                                    f"dist.init_timeout_s = {cfg.dist.init_timeout_s:g} s")
             time.sleep(0.01)
-    shared = dist.PrefixStore("elastic/", store)
+    shared = CountingStore(dist.PrefixStore("elastic/", store))  # the vote's and the rows' requests
     vote = CommitVote(shared, mesh.stages, timeouts.collective_s)
-    if isinstance(quorum, ControlQuorum):  # its fast path needs each step's outcome
-        vote = SettlingVote(vote, quorum)
     sentinel = cfg.verify.name == "sentinel"  # the relay's hops are the slot rows; its bans evict
     rows = RowAgreement(shared, mesh.stages, mesh.replicas, timeouts.quorum_s,  # a quorum may wait
                         repair=not sentinel, evictions=sentinel)
+    counted = [shared]
+    if isinstance(quorum, ControlQuorum):  # the vote over streams, the rows reused until a change
+        # the vote's streams connect in a thread: their rendezvous has a store client of its own
+        own = store_client(host, port, timeouts.quorum_s)
+        counted.append(CountingStore(dist.PrefixStore("elastic/", own)))
+        peers = PeerVote(shared, session.connector or PlainConnector(counted[1], listen_address(host, port)),
+                         mesh, me, vote, timeouts.collective_s, timeouts.quorum_s,
+                         steady=lambda: driver[0].steady())
+        rows = ReusedRows(rows, peers, lambda step: driver[0].checkpoint_membership.taken_since(step))
+        vote = SettlingVote(peers, quorum)  # its fast path needs the outcome
     driver.append(ElasticDriver(cfg, worker, session.health, session.device, session.comm, quorum, vote,
-                                rows, links, store))
+                                rows, links, store, requests=lambda: sum(c.requests for c in counted)))
     if joining():
         driver[0].join()
     return driver[0]

@@ -30,6 +30,10 @@ def _train(args: argparse.Namespace) -> int:
     from meshlearn.train.rundir import RunLock, default_out, start_fresh
     from meshlearn.train.signals import GracefulStop
 
+    if args.join:
+        return _join(args)
+    if args.coordinator:
+        raise ConfigError("--coordinator", args.coordinator, "only with --join (docs/cluster.md, 'Joining')")
     if args.backend:  # --backend is short for --set backend=...
         args.set = [*args.set, f"backend={args.backend}"]
     changed: dict = {}
@@ -109,6 +113,23 @@ def _resuming(run_dir: Path, step: int, last: int, changed: dict) -> str:
     return what
 
 
+def _join(args: argparse.Namespace) -> int:
+    """``--join``: one process joins a running elastic cluster run from this machine."""
+    from meshlearn.entry.cluster_join import prepare_cluster_join
+    from meshlearn.entry.worker import run
+
+    for flag in ("config", "resume", "overwrite", "backend"):
+        if getattr(args, flag):
+            raise ConfigError(f"--{flag}", getattr(args, flag), "not with --join: a joiner takes the run's "
+                                                                "config from its coordinator")
+    for flag in ("host", "out", "coordinator"):
+        if not getattr(args, flag):
+            raise ConfigError(f"--{flag}", None, "required with --join: meshlearn train --join --host NAME "
+                                                 "--key FILE --coordinator ADDR:PORT --out RUN")
+    run_dir = Path(args.out)
+    return run(prepare_cluster_join(args.host, args.key, args.coordinator, run_dir, args.set), run_dir, False)
+
+
 def _credentials(placement, key: str | None):
     """``--key``: this host's checked credentials in a cluster run; refused without ``--host``."""
     from meshlearn.cluster.identity import host_credentials
@@ -147,6 +168,11 @@ def _config(args: argparse.Namespace) -> int:
     from meshlearn.config import load_config, to_dict
     from meshlearn.train.config_help import format_keys
 
+    if args.compat:
+        from meshlearn.train.compat_help import format_compat
+
+        print(format_compat())
+        return 0
     if args.resolved is not None or args.set:
         cfg = load_config(args.resolved or None, args.set)
         text = tomli_w.dumps(to_dict(cfg))
@@ -409,6 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--key", metavar="FILE",
                        help="with --host: this host's private key, made by `meshlearn keys` (its .crt, "
                             "ca.crt and ca.crl beside it; docs/security.md)")
+    train.add_argument("--join", action="store_true",
+                       help="join a running elastic [cluster] run from this machine as one worker: "
+                            "with --host, --key, --coordinator and --out (docs/cluster.md, 'Joining')")
+    train.add_argument("--coordinator", metavar="ADDR:PORT",
+                       help="with --join: the coordinator's address and port; the config, tokenizer "
+                            "and a free slot come from the run")
     train.set_defaults(func=_train)
 
     worker = sub.add_parser("worker", help="one worker process of a dist run: what torchrun starts "
@@ -455,9 +487,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export)
 
     config = sub.add_parser("config", help="every config key with its type, default and description; "
-                                           "or a resolved config (--resolved FILE, --set)")
+                                           "a resolved config (--resolved FILE, --set); or the refused "
+                                           "combinations (--compat)")
     config.add_argument("section", nargs="?", help="one section (e.g. mesh) or key (e.g. train.lr)")
     config.add_argument("--full", action="store_true", help="whole descriptions, not first sentences")
+    config.add_argument("--compat", action="store_true",
+                        help="every refused combination of settings, with the error it gets")
     config.add_argument("--resolved", metavar="FILE", nargs="?", const="",
                         help="print FILE (or the defaults) with every --set applied, as TOML")
     config.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -20,6 +20,13 @@ coordinator publishes for the whole run (``control_store.follow_revocations``), 
 its key, where its workers and a resume read it.
 The coordinator's launcher keeps the service up until every host's workers are done, then adds
 every host's refusals to the run's summary.json (each host also keeps its own security.json).
+
+An elastic run (``elastic.membership = "control"``): each launcher watches its own workers and the
+joiners that claimed a slot from this machine, and follows the slots held elsewhere
+(``elastic/membership.watch_elastic`` with ``elastic/remote.ClusterWatch``); the coordinator's
+control service keeps which host holds each slot (``cluster/slots.py``), and its launcher frees a
+lost machine's slots; ``RUN/port.json`` tells a joiner on this machine where its port agent is
+(``entry/cluster_join.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from meshlearn.cluster.control import ControlService
 from meshlearn.cluster.control_store import ControlLine, ControlStore, follow_revocations
 from meshlearn.cluster.control_wire import ControlRefused
 from meshlearn.cluster.hostport import HostPort
-from meshlearn.cluster.placement import Placement
+from meshlearn.cluster.placement import PORT_FILE, Placement, elastic_writer
 from meshlearn.cluster.role import HOST_ENV
 from meshlearn.cluster.security import collect_records, record_refusals
 from meshlearn.cluster.shared import KEYS, share_run
@@ -50,7 +57,14 @@ from meshlearn.config import RunConfig
 from meshlearn.distributed.procs import forward_signals, stop_at_once
 from meshlearn.distributed.settings import derive_deadlines, links_trusted
 from meshlearn.distributed.streams import BIND_ADDRESS_ENV
-from meshlearn.elastic.membership import WORKERS_FILE
+from meshlearn.elastic.membership import (
+    STARTED_ENV,
+    WORKERS_FILE,
+    WRITER_ENV,
+    watch_elastic,
+)
+from meshlearn.elastic.remote import ClusterWatch
+from meshlearn.elastic.settings import derive_timeouts
 from meshlearn.entry.launch import (  # one machine's launcher: the same children and watch
     abort_message,
     failure_report,
@@ -71,6 +85,9 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
     resume = "--resume" in worker_argv
     if resume:
         refuse_resume(cfg, run_dir)
+        if cfg.elastic.enabled:  # its checkpoints' shards are on the hosts that held the slots then
+            raise ConfigError("--resume", str(run_dir), "an elastic cluster run cannot resume yet "
+                                                        "(docs/cluster.md, 'Not yet'): start it anew")
     run_dir = Path(run_dir)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -80,12 +97,15 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
         tls = RunTls(credentials)
         if placement.is_coordinator:  # the run's control state, behind this host's port
             authority = Authority(placement.hosts_of, placement.ranks, placement.coordinator,
-                                  trusted_groups=links_trusted(cfg))
+                                  trusted_groups=links_trusted(cfg), elastic=cfg.elastic.enabled,
+                                  stages=cfg.mesh.stages, hosts=cfg.cluster.hosts)
             service = ControlService(tls, authority, port.counters, log=_log)
             service.serve(port.socket_path)
             service.watch_revocations()  # the owner revokes by replacing ca.crl here: no restart
         line = ControlLine(tls, placement.store_address, placement.store_port, placement.coordinator)
         store = _join_coordinator(cfg, run_dir, placement, line, resume)
+        if cfg.elastic.enabled:  # where a joiner on this machine finds its host's port
+            atomic_write_json(run_dir / PORT_FILE, {"socket": str(port.socket_path), "host": placement.host})
         if not placement.is_coordinator:  # the coordinator's list, here too
             watch = follow_revocations(line, port.counters, _log)
             watch.look()  # before any worker starts: its links listen under the coordinator's list
@@ -120,6 +140,9 @@ def _run_workers(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placemen
                                         f"{placement.store_address}:{placement.store_port}",
                "GLOO_SOCKET_IFNAME": placement.interface, BIND_ADDRESS_ENV: placement.address,
                HOST_ENV: placement.host, **port.worker_env(run_dir)}
+        if cfg.elastic.enabled:  # every initial worker of every host, and the records' first writer
+            env |= {STARTED_ENV: str(cfg.mesh.replicas * cfg.mesh.stages),
+                    WRITER_ENV: elastic_writer(cfg)}
         log = logs / f"{name}.log"
         with log.open("a") as f:
             f.write(f"--- meshlearn worker {name} (rank {rank}) on host {placement.host} "
@@ -127,16 +150,27 @@ def _run_workers(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placemen
         proc = ctx.Process(target=run_child, args=(worker_argv, env, str(log)), name=name)
         proc.start()
         procs.append(proc)
+    pids = {p.name: p.pid for p in procs}
+    membership = {name: {"rank": rank, "host": placement.hosts_of[name], "pid": pids.get(name),
+                         "events": [{"event": "joined", "step": 0}]}
+                  for name, rank in placement.ranks.items()}
     if placement.is_coordinator:
-        pids = {p.name: p.pid for p in procs}
-        atomic_write_json(run_dir / WORKERS_FILE, {
-            name: {"rank": rank, "host": placement.hosts_of[name], "pid": pids.get(name),
-                   "events": [{"event": "joined", "step": 0}]}
-            for name, rank in placement.ranks.items()})
-    echo = placement.writer if placement.is_coordinator else next(iter(placement.processes))
+        atomic_write_json(run_dir / WORKERS_FILE, membership)
+    writer = elastic_writer(cfg) if cfg.elastic.enabled else placement.writer
+    echo = writer if placement.is_coordinator else next(iter(placement.processes), None)
+    echo_log = logs / f"{echo}.log"  # a host with no worker of its own echoes nothing
     stopping = forward_signals(procs, STOPPING)
     try:
-        codes = watch_children(procs, cfg, logs / f"{echo}.log", out)
+        if cfg.elastic.enabled:
+            timeouts = derive_timeouts(cfg.elastic, cfg.dist, cfg.link)
+            remote = tuple(name for name in placement.ranks if name not in placement.processes)
+            watch = ClusterWatch(placement.host, remote, placement.is_coordinator, placement.ranks,
+                                 dead_after_s=2 * timeouts.heartbeat_s + 5.0)  # a lost machine's slots
+            code = watch_elastic(procs, store, membership, run_dir, echo_log, out,
+                                 grace_s=timeouts.quorum_s + timeouts.heartbeat_s + 10.0, cluster=watch)
+            _finish(store, cfg, placement, port, run_dir)
+            return code
+        codes = watch_children(procs, cfg, echo_log, out)
     except BaseException as err:  # a second Ctrl-C, or a caller's timeout
         resume = f"meshlearn train --resume {run_dir} --host {placement.host} --key FILE"
         return stop_at_once(procs, err, stopping, resume)

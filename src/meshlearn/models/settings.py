@@ -7,7 +7,7 @@ from __future__ import annotations
 
 def validate_model(cfg, require) -> None:
     """``cfg`` is a resolved RunConfig (model.init already filled in the architecture)."""
-    m, stages = cfg.model, cfg.mesh.stages
+    m = cfg.model
     kv_ok = [k for k in range(1, m.n_head + 1) if m.n_head % k == 0]
     require(m.n_kv_head == 0 or m.n_kv_head in kv_ok, "model.n_kv_head", m.n_kv_head,
             f"0 (= model.n_head) or a divisor of model.n_head = {m.n_head}: {kv_ok}")
@@ -16,12 +16,5 @@ def validate_model(cfg, require) -> None:
     for key in ("attn_softcap", "logit_softcap"):  # a negative cap would silently mean "off"
         require(getattr(m, key) >= 0, f"model.{key}", getattr(m, key), "must be >= 0 (0 = off)")
     if m.tie_embeddings:
-        require(stages == 1, "model.tie_embeddings", m.tie_embeddings,
-                f"the embedding (stage 0) and the head (stage {stages - 1}) cannot share one weight "
-                f"across mesh.stages = {stages}; set model.tie_embeddings = false (the last stage gets "
-                "its own copy of the embedding, trained separately) or mesh.stages = 1")
         require(m.subspace_rank == 0, "model.tie_embeddings", m.tie_embeddings,
                 "a subspace-constrained embedding has no dense weight to share; set model.subspace_rank = 0")
-    if cfg.data.tokenizer == "model":
-        require(bool(m.init), "data.tokenizer", "model",
-                "the tokenizer of a pretrained model needs model.init (a preset, .gguf, HF folder or run)")

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 MORPHS = ("off", "none", "orthogonal", "lowcond")
-MORPH_OPTIMIZERS = ("muon", "numuon")
-MORPH_DP = ("allreduce", "powersgd", "diloco")
 """DP strategies whose state follows a morph (``basis_state``; docs/protocol.md)."""
 
 
@@ -60,9 +58,8 @@ class ProtocolConfig:
 
 
 def validate_protocol(cfg: Any, require: Callable[[bool, str, Any, str], None]) -> None:
-    """Checks of ``protocol.*`` and of what the protocol model and morphs cannot combine with.
-    ``cfg`` is the RunConfig; config.validate calls this before the codec checks, so a refused
-    codec is named for the right reason."""
+    """Checks of ``protocol.*`` run by ``config.validate``; what the protocol model and morphs
+    cannot combine with are rows of ``meshlearn.compat``."""
     p = cfg.protocol
     require(p.morph in MORPHS, "protocol.morph", p.morph, f"allowed: {list(MORPHS)}")
     require(p.every_steps >= 1, "protocol.every_steps", p.every_steps, "must be >= 1")
@@ -78,39 +75,3 @@ def validate_protocol(cfg: Any, require: Callable[[bool, str, Any, str], None]) 
             "must be >= 0 (morphs whose before/after stage snapshots are kept; 0: none)")
     require(p.traffic_tokens >= 1, "protocol.traffic_tokens", p.traffic_tokens,
             "must be >= 1 (tokens of boundary traffic per snapshot and boundary)")
-    if p.morph == "off":
-        return
-    off = "or protocol.morph = off"
-    require(cfg.codec.name != "subspace", "codec.name", cfg.codec.name,
-            "the subspace codec is refused in protocol models: its public basis U would leak the "
-            f"morphs' transforms (method note, open detail 5); use another codec {off}")
-    require(cfg.model.subspace_rank == 0, "model.subspace_rank", cfg.model.subspace_rank,
-            f"the protocol model is dense; set model.subspace_rank = 0 {off}")
-    require(not cfg.model.tie_embeddings, "model.tie_embeddings", cfg.model.tie_embeddings,
-            f"the protocol model's head is folded (Qᵀ·diag(g)·W), not the embedding; set false {off}")
-    require(not cfg.warmup.enabled, "warmup.enabled", cfg.warmup.enabled,
-            f"architecture warm-up is not supported in the protocol model yet; set false {off}")
-    if p.morph == "none":
-        return
-    require(cfg.optim.name in MORPH_OPTIMIZERS, "optim.name", cfg.optim.name,
-            f"morphs need {' or '.join(MORPH_OPTIMIZERS)}: Adam-style second moments cannot follow "
-            "a change of basis (method note, Training); or protocol.morph = none")
-    if cfg.backend != "sim":
-        require(p.keep_snapshots == 0, "protocol.keep_snapshots", p.keep_snapshots,
-                "the distributed driver keeps no attack snapshots (they need every stage in one "
-                "process); set 0 under backend = dist, or use backend = sim")
-        require(p.every_seconds == 0, "protocol.every_seconds", p.every_seconds,
-                "seconds are the simulator's virtual clock; under backend = dist use "
-                "protocol.every_steps or protocol.every_tokens")
-        require(not cfg.elastic.enabled, "elastic.enabled", cfg.elastic.enabled,
-                "elastic membership does not carry morphs (a joining worker's masters); set false "
-                "or protocol.morph = none")
-    require(cfg.dp.name in MORPH_DP, "dp.name", cfg.dp.name,
-            f"morphs work with {list(MORPH_DP)}: sparse averaging mixes slices of coordinates, "
-            "which do not follow a change of basis; use one of those or protocol.morph = none")
-    require(cfg.dp.compress == "none", "dp.compress", cfg.dp.compress,
-            "compressed DiLoCo keeps PowerSGD error feedback and factors of the pseudo-gradients, "
-            "which morphs do not transform yet; set dp.compress = none or protocol.morph = none")
-    require(cfg.verify.name == "none", "verify.name", cfg.verify.name,
-            "morphs do not yet reset the verifiers' activation statistics; use verify.name = none "
-            "or protocol.morph = none")

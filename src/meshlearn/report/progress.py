@@ -1,18 +1,21 @@
 """A one-line console progress display fed with the same records as metrics.jsonl.
 
-On a terminal the line is rewritten in place; in CI logs and pipes, where ``\\r`` turns
-into noise, a full line is printed every ``every`` steps plus the first and last.
+On a terminal the line is a tqdm bar rewritten in place (tqdm clears it, fits it to the terminal's
+width and keeps event lines above it); in CI logs and pipes, where ``\\r`` turns into noise, a
+full line is printed every ``every`` steps plus the first and last.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, TextIO
 
+from tqdm import tqdm
+
 from meshlearn.report.units import as_number, format_count, format_duration
 
-_CLEAR_TO_EOL = "\x1b[K"
+BAR_FORMAT = "{desc} |{bar}| {percentage:3.0f}%"
+"""The terminal line: ``format_progress``'s text, then tqdm's bar of steps (cut to the terminal's width)."""
 
 
 def format_progress(
@@ -93,11 +96,11 @@ def _is_tty(stream: TextIO) -> bool:
         return False
 
 
-def _terminal_width(stream: TextIO) -> int | None:
-    try:
-        return os.get_terminal_size(stream.fileno()).columns
-    except (AttributeError, ValueError, OSError):
-        return None
+class _Bar(tqdm):
+    """tqdm without its monitor thread: the trainer redraws on every record, and a thread of its
+    own in the process that starts the workers is one more thing to leave behind."""
+
+    monitor_interval = 0
 
 
 class ProgressLine:
@@ -126,7 +129,7 @@ class ProgressLine:
         self._eta_s: float | None = None
         self._first_step: int | None = None
         self._anchor: tuple[int, float] | None = None  # (step, wall_time_s) of first timing
-        self._line_open = False  # TTY: a line without newline is on screen
+        self._bar: tqdm | None = None  # TTY: opened with the first train record
         self._dirty = False  # non-TTY: state changed since the last printed line
         self._pending = False  # non-TTY: a due line waits for its step's evaluation
 
@@ -162,13 +165,11 @@ class ProgressLine:
 
     def _event(self, record: dict[str, Any]) -> None:
         text = format_event(record)
-        if self.tty and self._line_open:
-            self.stream.write(f"\r{_CLEAR_TO_EOL}{text}\n")
-            self._line_open = False
-            self._redraw()
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)  # above the bar, which is drawn again below it
         else:
             self.stream.write(text + "\n")
-        self.stream.flush()
+            self.stream.flush()
 
     def _take_train(self, record: dict[str, Any]) -> None:
         step = as_number(record.get("step"))
@@ -219,13 +220,13 @@ class ProgressLine:
         )
 
     def _redraw(self) -> None:
-        text = self.line()
-        width = _terminal_width(self.stream)
-        if width is not None and len(text) >= width:
-            text = text[: max(1, width - 1)]  # a wrapped line cannot be rewritten with \r
-        self.stream.write(f"\r{text}{_CLEAR_TO_EOL}")
-        self.stream.flush()
-        self._line_open = True
+        step, text = min(self._step or 0, self.total_steps), self.line()
+        if self._bar is None:  # drawn as it opens
+            self._bar = _Bar(total=self.total_steps, initial=step, desc=text, file=self.stream,
+                             bar_format=BAR_FORMAT, dynamic_ncols=True, leave=True)
+        else:
+            self._bar.n = step
+            self._bar.set_description_str(text)  # redraws
         self._dirty = False
 
     def _print_line(self) -> None:
@@ -235,12 +236,10 @@ class ProgressLine:
 
     def close(self) -> None:
         """End the line: newline on a TTY; in logs, print the final state if not yet shown."""
-        if self.tty:
-            if self._line_open:
-                self.stream.write("\n")
-                self.stream.flush()
-                self._line_open = False
-        elif self._dirty and self._step is not None:
+        if self._bar is not None:
+            self._bar.close()  # leaves the last line on screen, with a newline
+            self._bar = None
+        elif not self.tty and self._dirty and self._step is not None:
             self._print_line()
 
     def __enter__(self) -> ProgressLine:

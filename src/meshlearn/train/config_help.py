@@ -157,10 +157,15 @@ def config_markdown() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write docs/config.md under the repository root given (default: the working directory)."""
+    """Write docs/config.md and docs/compat.md under the repository root given (default: the
+    working directory)."""
+    from meshlearn.train import compat_help
+
     root = Path(argv[0]) if argv else Path.cwd()
-    (root / DOCS_PAGE).write_text(config_markdown())
-    print(f"wrote {root / DOCS_PAGE}")
+    pages = [(DOCS_PAGE, config_markdown()), (compat_help.DOCS_PAGE, compat_help.compat_markdown())]
+    for page, text in pages:
+        (root / page).write_text(text)
+        print(f"wrote {root / page}")
     return 0
 
 

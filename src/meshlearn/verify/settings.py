@@ -239,8 +239,3 @@ def validate_verify(cfg, require) -> None:
     require(v.view in VIEWS, "verify.view", v.view, f"allowed: {list(VIEWS)}")
     require(v.decision_log in DECISION_LOGS, "verify.decision_log", v.decision_log,
             f"allowed: {list(DECISION_LOGS)}")
-    if v.name != "none":
-        require(cfg.subspace_update.every == 0, "verify.name", v.name,
-                "SENTINEL's references assume a fixed basis, and subspace_update changes it (method "
-                "note, open detail 7: re-warming after a basis change is not wired to it); set "
-                "subspace_update.every = 0 or verify.name = none")

@@ -60,16 +60,4 @@ def validate_warmup(cfg: Any, require: Callable[[bool, str, Any, str], None]) ->
     require(w.unlock_every >= 1, "warmup.unlock_every", w.unlock_every, "must be >= 1")
     require(w.start_step >= -1, "warmup.start_step", w.start_step, "-1 (train.warmup_steps) or >= 0")
     require(w.lr_ramp_steps >= 0, "warmup.lr_ramp_steps", w.lr_ramp_steps, "must be >= 0")
-    m, stages = cfg.model, cfg.mesh.stages
-    if m.n_layer % stages:
-        return  # config.validate names mesh.stages
-    from meshlearn.warmup.locking import locked_layers
-
-    n_locked = len(locked_layers(m.n_layer, stages, w.locked_fraction, w.placement))
-    require(n_locked >= 1, "warmup.locked_fraction", w.locked_fraction,
-            f"locks no block of {m.n_layer // stages} per stage; raise it or use fewer stages")
     require(w.groups >= 1, "warmup.groups", w.groups, "must be >= 1")
-    require(m.subspace_rank == 0, "warmup.enabled", w.enabled,
-            "locked blocks need dense residual writers: set model.subspace_rank = 0")
-    require(cfg.dp.name == "allreduce", "warmup.enabled", w.enabled,
-            "DP strategies other than allreduce hold a fixed parameter list; use dp.name = allreduce")

@@ -1,0 +1,124 @@
+"""Slot authority: in an elastic cluster run, which host holds each worker slot now, kept by the
+coordinator's control service, and what holding a slot lets a host write there.
+
+Why: the placement says which host runs a worker when the run starts, but under elastic membership
+a slot changes hands — its holder leaves, a joiner on any host takes it over. If the owner rules
+went by the placement, a joiner could write nothing of its own, and the placement's host could
+go on writing records for a slot it no longer holds. So the owner of a slot's records (its
+heartbeat, its progress, its events, its votes and quorum entries, its links' meeting marks) is
+the slot's *current holder*, and only a claim moves a slot:
+
+- a claim is the compare-and-set of ``elastic/taken/<slot>/<g>`` from empty to a value naming the
+  claimant's own TLS identity, ``<host>:<pid>``; it is refused unless generation ``g`` is the
+  slot's current one and has left (``elastic/free/<slot>/<g>`` exists: set by the leaving holder's
+  host, or by the coordinator). Two claimants race on the compare-and-set; only the winner moves
+  the slot. Nobody can claim a slot for another host, nor a slot whose holder is still in it.
+- once the compare-and-set went through, the service moves the slot to the claimant at generation
+  ``g + 1`` and publishes it under ``elastic/holder/<slot>`` (``<host>.<generation>``), a key only
+  the service writes: every process's connector reads it to find the host a slot's process now
+  runs on (``cluster/links.py``), and every host's launcher to find the joiners it must watch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from meshlearn.mesh.topology import WorkerId
+
+SLOT = re.compile(r"r\d+s\d+\Z")
+WORKERS_NAMESPACE = "meshlearn/0//"  # the workers' keys, as ``health.store_client`` prefixes them
+
+
+def holder_key(slot: str) -> str:
+    """Where the control service publishes ``slot``'s holder, in the workers' namespace (as a
+    process reads it through ``store_client``)."""
+    return f"elastic/holder/{slot}"
+
+
+def claim_value(host: str, pid: int) -> str:
+    """What a claimant writes into the taken key: its own identity and its process."""
+    return f"{host}:{pid}"
+
+
+def parse_claim(value: str) -> tuple[str, int]:
+    """(host, pid) of a claim's value; ValueError when it is none."""
+    host, _, pid = value.rpartition(":")
+    if not host or not pid.isdigit():
+        raise ValueError(f"{value!r} is no claim (HOST:PID)")
+    return host, int(pid)
+
+
+def parse_holder(value: str) -> tuple[str, int]:
+    """(host, generation) of a published holder."""
+    host, _, generation = value.rpartition(".")
+    return host, int(generation)
+
+
+@dataclass
+class Holder:
+    host: str
+    generation: int
+
+
+class SlotTable:
+    """Each worker slot's holder. ``placed``: every worker slot → the host the placement gives it
+    (generation 0); ``coordinator``: the host that may free any slot (its machine holds the run)."""
+
+    def __init__(self, placed: Mapping[str, str], coordinator: str):
+        self.holders = {slot: Holder(host, 0) for slot, host in placed.items() if SLOT.match(slot)}
+        self.coordinator = coordinator
+
+    def __contains__(self, slot: str) -> bool:
+        return slot in self.holders
+
+    def host(self, slot: str) -> str | None:
+        holder = self.holders.get(slot)
+        return holder.host if holder else None
+
+    def holds(self, who: str, slot: str, generation: int | None = None) -> bool:
+        """Whether ``who`` holds ``slot`` (at ``generation``, when given)."""
+        holder = self.holders.get(slot)
+        return holder is not None and holder.host == who and generation in (None, holder.generation)
+
+    def holds_stage(self, who: str, stage: int) -> bool:
+        return any(h.host == who and WorkerId.parse(slot).stage == stage for slot, h in self.holders.items())
+
+    def holds_any(self, who: str) -> bool:
+        return any(h.host == who for h in self.holders.values())
+
+    def may_free(self, who: str, slot: str, generation: int) -> bool:
+        """The holder's host frees its own generation (its launcher saw the process end); the
+        coordinator may free any (a machine that is gone frees nothing)."""
+        return self.holds(who, slot, generation) or (slot in self.holders and who == self.coordinator)
+
+    def claim_refusal(self, who: str, slot: str, generation: int, desired: bytes,
+                      has: Callable[[list[str]], bool]) -> str | None:
+        """Why ``who`` may not claim generation ``generation`` of ``slot`` with ``desired`` (None:
+        it may); ``has``: whether keys exist in the control state."""
+        holder = self.holders.get(slot)
+        if holder is None:
+            return f"{slot!r} is no worker slot of this run"
+        try:
+            host, _ = parse_claim(desired.decode(errors="replace"))
+        except ValueError as err:
+            return f"a claim of {slot} must name its claimant as HOST:PID ({err})"
+        if host != who:
+            return f"host {who} may claim {slot} only for itself, not for {host}"
+        if generation != holder.generation:
+            return f"{slot} is at generation {holder.generation}, not {generation}"
+        if not has([f"{WORKERS_NAMESPACE}elastic/free/{slot}/{generation}"]):
+            return f"{slot} is held by {holder.host} (generation {generation} has not left)"
+        return None
+
+    def take(self, who: str, slot: str, generation: int) -> str:
+        """The claim went through: ``who`` holds ``slot`` at ``generation + 1``; returns the holder
+        as published (``parse_holder``)."""
+        self.holders[slot] = Holder(who, generation + 1)
+        return f"{who}.{generation + 1}"
+
+    def published(self) -> dict[str, str]:
+        """Every slot's holder key (in the workers' namespace) → its published value."""
+        return {WORKERS_NAMESPACE + holder_key(slot): f"{h.host}.{h.generation}"
+                for slot, h in self.holders.items()}
