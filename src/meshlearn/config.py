@@ -446,6 +446,6 @@ def validate(cfg: RunConfig) -> None:
     validate_warmup(cfg, _require)
     validate_curvature(cfg, _require)
     validate_anchor(cfg, _require)
-    compat.check(cfg)  # the refused combinations, once every component's own keys are valid
     validate_report(cfg, _require)
     validate_cluster(cfg, _require)
+    compat.check(cfg)  # the refused combinations, once every component's own keys are valid
