@@ -356,8 +356,8 @@ class ElasticDriver(Evictions, DistDriver):
 
     def update(self, action, pp_before: int, dp_before: int) -> StepReport:
         """The step's update over the stage's quorum, the update protocol's actions executed with
-        the quorum's collectives (``_execute``), and the step's report from this worker's own
-        numbers (no collective spans the mesh)."""
+        the quorum's collectives (``_execute_over_quorum``), and the step's report from this
+        worker's own numbers (no collective spans the mesh)."""
         worker = self.worker
         step = action.microbatch // self.cfg.mesh.microbatches
         u = self.batch_index  # committed updates so far: one that does not commit is retried as u
@@ -368,7 +368,7 @@ class ElasticDriver(Evictions, DistDriver):
         self.round_bytes = 0
         started = time.monotonic()
         counts = [sum(losses), len(losses), float(self.sequences > 0), self.sequences]
-        sq_norm, counts = self._execute(action, u, actions, counts)
+        sq_norm, counts = self._execute_over_quorum(action, u, actions, counts)
         self.dp_axis.wait_s += time.monotonic() - started
         loss_sum, loss_count = counts[:2]
         mean_loss = loss_sum / loss_count if self.current.mean_ok and loss_count > 0 else None
@@ -377,8 +377,8 @@ class ElasticDriver(Evictions, DistDriver):
                           bytes_dp=self._bytes("dp") - dp_before + self.round_bytes,
                           grad_norm=sq_norm**0.5, staleness=[])
 
-    def _execute(self, action, u: int, actions: list[UpdateAction],
-                 counts: list[float]) -> tuple[float, list[float]]:
+    def _execute_over_quorum(self, action, u: int, actions: list[UpdateAction],
+                             counts: list[float]) -> tuple[float, list[float]]:
         """Run update ``u``'s actions over the quorum; returns (the clip's squared norm, the step's
         counts summed over the quorum: loss sum, loss count, contributing replicas, sequences).
 
