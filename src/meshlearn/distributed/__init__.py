@@ -12,6 +12,7 @@ config tree can use ``meshlearn.distributed.settings`` without pulling in the ru
 - ``driver``    DistDriver: the same Worker objects, driven by real messages
 - ``dp_axis``   the driver's DP axis: the stage's all-reduce held to the link model, a
   message-based strategy's rounds in real time
+- ``process_rows`` the step report from every process's row, gathered; the summary's link table
 - ``worker``    the per-process entry point (what torchrun runs: ``meshlearn worker``)
 - ``verifier``  the SENTINEL verifier process (the extra rank with ``verify.name = sentinel``),
   relaying every pipeline message; ``verdict_board`` its verdicts on the rendezvous store

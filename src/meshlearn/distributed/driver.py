@@ -29,6 +29,7 @@ from meshlearn.distributed.evaluation import PipelineEvaluation
 from meshlearn.distributed.groups import GroupCollectives
 from meshlearn.distributed.health import Health, RowBroken, WorkerFailure, store_client
 from meshlearn.distributed.pipeline_refusals import PipelineRefusals, sender_of
+from meshlearn.distributed.process_rows import ProcessRows
 from meshlearn.distributed.settings import derive_deadlines
 from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.transport import Forged, Transport
@@ -37,7 +38,7 @@ from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, buffer_capacit
 from meshlearn.mesh.feeding import Feed, Feeding, LearnVerdicts, Report, Settle, feed_policy
 from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.network import build_network
-from meshlearn.mesh.report import ProcessRow, StepReport, mesh_report, stats_row
+from meshlearn.mesh.report import ProcessRow, StepReport
 from meshlearn.mesh.schedule import AsyncPlan, pipeline_in_flight
 from meshlearn.mesh.standin import slot_microbatch, stand_in
 from meshlearn.mesh.timeline import TimelineRecorder
@@ -136,8 +137,9 @@ class DistDriver(PipelineEvaluation):
                                       cleanup=self.writes_records and flushes)
                          if relay is not None else None)
         self.busy_s = 0.0
-        self.last_rows: list[ProcessRow] | None = None  # the last step's, every process's, for the summary
-        self.pending: list[ProcessRow] = []  # async: this worker's rows of steps not yet gathered
+        # The step's report: this process's row, every process's once gathered (process_rows.py).
+        self.process_rows = ProcessRows(self.mesh, self.network, self.slots, cfg.mesh.microbatches,
+                                        self._gather)
         # The simulator's feeding rule (mesh/feeding.py), from the deepest stage of the mesh (not
         # this worker's own depth), so every process feeds equally far ahead; verified async: only
         # what this stage's plan can reach before the running step ends.
@@ -206,15 +208,16 @@ class DistDriver(PipelineEvaluation):
         stats = worker.pop_stats(step)
         if worker.plan.flushes:
             return [report]
-        self.pending.append(self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before))
+        rows = self.process_rows
+        rows.pending.append(self._row(stats, pp_before, dp_before))
         complete = find(end, Report)
         if complete is None:
             return []
         if self.remote_sentinel is not None and self.writes_records:
             self.verdicts.post_drained(step)  # before the gather: ahead of any next-step message
-        gathered = self._gather_rows(self.pending)  # per step: every process's row
-        self.pending = []
-        return [self._report(complete.first + i, rows) for i, rows in enumerate(gathered)]
+        gathered = rows.gather_steps(rows.pending)  # per step: every process's row
+        rows.pending = []
+        return [rows.report(complete.first + i, step_rows) for i, step_rows in enumerate(gathered)]
 
     @property
     def drained(self) -> bool:
@@ -272,7 +275,7 @@ class DistDriver(PipelineEvaluation):
         rows = self._execute(action, self._actions(), pp_before, dp_before)
         if rows is None:  # async: the reports come from the drain point's gather
             return None
-        return self._report(action.microbatch // self.cfg.mesh.microbatches, rows)
+        return self.process_rows.report(action.microbatch // self.cfg.mesh.microbatches, rows)
 
     def route(self, message: Message) -> Message | None:
         """Where this worker's outgoing ``message`` goes (None: nowhere, it is dropped). Here: to
@@ -429,39 +432,19 @@ class DistDriver(PipelineEvaluation):
 
     def _step_rows(self, step: int, pp_before: int, dp_before: int, sq_norm: float) -> list[ProcessRow]:
         """Every process's row of ``step``, this one's with ``sq_norm`` (a gather)."""
-        stats = self.worker.stats.get(step, StepStats())
-        row = self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before, sq_norm=sq_norm)
-        [rows] = self._gather_rows([row])
+        row = self._row(self.worker.stats.get(step, StepStats()), pp_before, dp_before, sq_norm)
+        [rows] = self.process_rows.gather_steps([row])
         return rows
 
-    def _row(self, stats: StepStats, bytes_pp: int, bytes_dp: int,
+    def _row(self, stats: StepStats, pp_before: int, dp_before: int,
              sq_norm: float | None = None) -> ProcessRow:
-        """This process's numbers for one step: losses, squared norm, busy time, bytes, staleness, links."""
-        links = []
-        for src, dst in self.slots:
-            link = self.network.link(src, dst) if dst is not None else None
-            links.append((link.bytes_sent, link.busy_s) if link is not None else (0.0, 0.0))
-        return stats_row(stats, self.cfg.mesh.microbatches, sq_norm, busy_s=self.busy_s, bytes_pp=bytes_pp,
-                         bytes_dp=bytes_dp, dp_wait_s=self.dp_axis.wait_s, links=links)
+        """This process's row of a step whose link counters stood at ``pp_before``/``dp_before``."""
+        return self.process_rows.own(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before,
+                                     self.busy_s, self.dp_axis.wait_s, sq_norm)
 
     def _gather(self, values: torch.Tensor) -> torch.Tensor:
         """Every process's ``values`` (steps × n) → every process: (world, steps, n)."""
         return self.collectives.gather(values, "the gather of losses and norms")
-
-    def _gather_rows(self, rows: list[ProcessRow]) -> list[list[ProcessRow]]:
-        """This process's rows of some steps → per step, every process's row (by rank); the last
-        step's are kept for the summary."""
-        M, slots = self.cfg.mesh.microbatches, len(self.slots)
-        gathered = self._gather(torch.stack([row.pack(M, slots) for row in rows]))
-        per_step = [[ProcessRow.unpack(gathered[rank, i], M, slots) for rank in range(gathered.shape[0])]
-                    for i in range(gathered.shape[1])]
-        self.last_rows = per_step[-1]
-        return per_step
-
-    def _report(self, step: int, rows: list[ProcessRow]) -> StepReport:
-        """One step's report from every process's row (by rank), the simulator's arithmetic."""
-        return mesh_report(step, self.mesh, {self.mesh.worker(rank): row for rank, row in enumerate(rows)},
-                           None, sum(row.bytes_pp for row in rows), sum(row.bytes_dp for row in rows))
 
     def _bytes(self, axis: str) -> int:
         return self.network.bytes_on_axis(axis)
@@ -472,32 +455,15 @@ class DistDriver(PipelineEvaluation):
         return {}  # no virtual clock: records carry wall time only
 
     def summary_fields(self, tokens: int, wall_s: float) -> dict:
-        rows = self.last_rows
-        links = []
-        if rows is not None:
-            for rank in range(self.mesh.world_size):
-                wid = self.mesh.worker(rank)
-                replicas = self.mesh.replicas
-                peers = (self.mesh.next_stage(wid), self.mesh.prev_stage(wid),
-                         WorkerId((wid.replica + 1) % replicas, wid.stage) if replicas > 1 else None)
-                for i, peer in enumerate(peers):
-                    if peer is None:
-                        continue
-                    nbytes, busy = rows[rank].links[i]
-                    links.append({"src": str(wid), "dst": str(peer), "axis": "pp" if i < 2 else "dp",
-                                  "bytes": int(nbytes), "busy_s": busy,
-                                  "utilization": busy / wall_s if wall_s else 0.0})
-            links.sort(key=lambda ln: (ln["axis"], WorkerId.parse(ln["src"]), WorkerId.parse(ln["dst"])))
-        busy = sum(row.busy_s for row in rows) if rows is not None else None
+        usage = self.process_rows.usage(wall_s)
         return {
             "sim_time_s": None,
             "sim_tokens_per_s": None,
-            "idle_fraction": (1.0 - busy / (self.mesh.world_size * wall_s)
-                                if busy is not None and wall_s else None),
+            "idle_fraction": usage["idle_fraction"],
             "compute_model": f"real: {self.mesh.world_size} processes over "
                              f"{'framed TCP streams' if self.collectives.framed else self.comm}, "
                              f"shaping={self.cfg.dist.shaping}",
-            "links": links,
+            "links": usage["links"],
         } | self.dp_axis.summary(self.sum_over_workers)
 
     def sum_over_workers(self, values: list[float]) -> list[float]:
