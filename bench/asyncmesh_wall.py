@@ -15,7 +15,7 @@ updates waited on the DP axis per worker and step:
   the shaped release: waiting for the slowest replica plus the modelled ring time) but summary.json
   reports ``dp_wait_s`` only for message-based strategies. This script exports it: the workers
   import this file as their ``__mp_main__`` (forkserver), and the patch below makes
-  ``DistDriver._dp_summary`` gather that counter for ``allreduce`` too (marked
+  ``DPAxis.summary`` (distributed/dp_axis.py) gather that counter for ``allreduce`` too (marked
   ``dp_wait_source``). As a cross-check independent of the patch, the table also shows the wall
   time per step of each all-reduce run minus its sparse twin's.
 
@@ -33,26 +33,23 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import torch
 from common import DEMO, demo_config, markdown_table, write_results
 
-from meshlearn.distributed import driver as _driver
+from meshlearn.distributed.dp_axis import DPAxis
 from meshlearn.entry.launch import launch_local
 
-_original_dp_summary = _driver.DistDriver._dp_summary
+_original_dp_summary = DPAxis.summary
 
 
-def _dp_summary_with_allreduce(self) -> dict:
+def _dp_summary_with_allreduce(self, sum_over_workers) -> dict:
     """As the driver's, plus the all-reduce's own wait counter when the strategy is ``allreduce``."""
-    if self.dp is not None or self.mesh.replicas == 1:
-        return _original_dp_summary(self)
-    kept = self.rows
-    rows = self._gather(torch.tensor([[self.dp_wait_s]], dtype=torch.float64))[:, 0]
-    self.rows = kept
-    return {"dp_wait_s": float(rows.sum().item()), "dp_wait_source": "bench patch: DistDriver.dp_wait_s"}
+    if self.strategy is not None or self.mesh.replicas == 1:
+        return _original_dp_summary(self, sum_over_workers)
+    [total] = sum_over_workers([self.wait_s])
+    return {"dp_wait_s": total, "dp_wait_source": "bench patch: DPAxis.wait_s"}
 
 
-_driver.DistDriver._dp_summary = _dp_summary_with_allreduce  # in this process and every worker
+DPAxis.summary = _dp_summary_with_allreduce  # in this process and every worker
 
 SPARSE = ["dp.name=sparse", "dp.fraction=0.05", "dp.delay=10", "dp.rule=ema"]
 ASYNC = ["mesh.schedule=async", "optim.name=nadamw"]

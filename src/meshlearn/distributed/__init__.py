@@ -10,6 +10,9 @@ config tree can use ``meshlearn.distributed.settings`` without pulling in the ru
 - ``groups``    every process group, created in one order by every process
 - ``transport`` background senders/receivers over one process group per directed link
 - ``driver``    DistDriver: the same Worker objects, driven by real messages
+- ``dp_axis``   the driver's DP axis: the stage's all-reduce held to the link model, a
+  message-based strategy's rounds in real time
+- ``process_rows`` the step report from every process's row, gathered; the summary's link table
 - ``worker``    the per-process entry point (what torchrun runs: ``meshlearn worker``)
 - ``verifier``  the SENTINEL verifier process (the extra rank with ``verify.name = sentinel``),
   relaying every pipeline message; ``verdict_board`` its verdicts on the rendezvous store

@@ -23,20 +23,22 @@ import time
 import torch
 
 from meshlearn.cluster.role import role_of
-from meshlearn.distributed.collectives import FramedCollectives, RunCollectives, frame_bytes
+from meshlearn.distributed.collectives import FramedCollectives, RunCollectives
+from meshlearn.distributed.dp_axis import DPAxis, DPLinks
 from meshlearn.distributed.evaluation import PipelineEvaluation
 from meshlearn.distributed.groups import GroupCollectives
 from meshlearn.distributed.health import Health, RowBroken, WorkerFailure, store_client
 from meshlearn.distributed.pipeline_refusals import PipelineRefusals, sender_of
+from meshlearn.distributed.process_rows import ProcessRows
 from meshlearn.distributed.settings import derive_deadlines
-from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
+from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.transport import Forged, Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, blob_state, state_blob
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, buffer_capacities, message_bound
 from meshlearn.mesh.feeding import Feed, Feeding, LearnVerdicts, Report, Settle, feed_policy
 from meshlearn.mesh.messages import Message, carried_kind
-from meshlearn.mesh.network import build_network, ring_allreduce_bytes_per_member
-from meshlearn.mesh.report import ProcessRow, StepReport, mesh_report, stats_row
+from meshlearn.mesh.network import build_network
+from meshlearn.mesh.report import ProcessRow, StepReport
 from meshlearn.mesh.schedule import AsyncPlan, pipeline_in_flight
 from meshlearn.mesh.standin import slot_microbatch, stand_in
 from meshlearn.mesh.timeline import TimelineRecorder
@@ -45,14 +47,11 @@ from meshlearn.mesh.update import (
     ClipAndStep,
     GatherNorms,
     MergeRounds,
-    PhaseWalk,
     ReduceGradients,
-    RoundStarts,
     StrategyPhase,
     UpdateAction,
     UpdateSpec,
     find,
-    receive_round,
     update_actions,
 )
 from meshlearn.mesh.wall_clock import WallClock
@@ -93,19 +92,6 @@ class DistDriver(PipelineEvaluation):
         self.ring_next = WorkerId((self.me.replica + 1) % replicas, self.me.stage) if replicas > 1 else None
         # Link slots of the gather, in order: to the next stage, to the previous, to the ring's next.
         self.slots = [(self.me, peer) for peer in (self.next, self.prev, self.ring_next)]
-        # A message-based DP strategy's peers: the other replicas of this stage (meshlearn.dp).
-        self.dp = worker.dp if worker.dp is not None and not worker.dp.collective else None
-        self.dp_peers = ([WorkerId(r, self.me.stage) for r in range(replicas) if r != self.me.replica]
-                         if self.dp is not None else [])
-        self.dp_started = RoundStarts()  # on the monotonic clock
-        self.dp_wait_s = 0.0  # seconds this worker's updates waited on the DP axis
-        self.dp_capacity = PREFIX_BYTES + HEADER_ROOM + 4 * worker.n_params  # larger: oversize path
-        pacers = {peer: Pacer(self.network.link(self.me, peer), self.epoch, self.shaped)
-                  for peer in (self.prev, self.next, *self.dp_peers) if peer is not None}
-        # Framed collectives: each replica's gradients go to every other replica as a shaped frame.
-        self.dp_pacers = {peer: Pacer(self.network.link(self.me, peer), self.epoch, self.shaped)
-                          for peer in self.mesh.stage_replicas(self.me.stage)
-                          if peer != self.me and framed is not None}
         micro = cfg.train.batch_size // replicas // cfg.mesh.microbatches
         self.deadlines = derive_deadlines(
             cfg.dist, cfg.link, message_bytes=micro * cfg.model.seq_len * cfg.model.d_model * 4,
@@ -119,6 +105,13 @@ class DistDriver(PipelineEvaluation):
                            self.deadlines.collective_s) if framed is not None
             else GroupCollectives(dp_group, workers_group, health, self.mesh.world_size, device,
                                   self.deadlines.collective_s))
+        # The DP axis: the stage's collective, or a message-based strategy's rounds (dp_axis.py).
+        self.dp_axis = DPAxis(worker, self.network, self.epoch, self.shaped, self.collectives, self.ring_next,
+                              DPLinks(self._send, lambda *a: self.transport.expect(*a),
+                                      lambda *a: self.transport.next_message(*a), self._deliver),
+                              lambda: self.timeline)
+        pacers = {peer: Pacer(self.network.link(self.me, peer), self.epoch, self.shaped)
+                  for peer in (self.prev, self.next, *self.dp_axis.peers) if peer is not None}
         # A cluster run's checkpoints: each host's own shards, complete by agreement (cluster/).
         self.checkpoint_store = None if self.cluster is None else lambda run_dir: self.cluster.checkpoints(
             run_dir, store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
@@ -144,8 +137,9 @@ class DistDriver(PipelineEvaluation):
                                       cleanup=self.writes_records and flushes)
                          if relay is not None else None)
         self.busy_s = 0.0
-        self.last_rows: list[ProcessRow] | None = None  # the last step's, every process's, for the summary
-        self.pending: list[ProcessRow] = []  # async: this worker's rows of steps not yet gathered
+        # The step's report: this process's row, every process's once gathered (process_rows.py).
+        self.process_rows = ProcessRows(self.mesh, self.network, self.slots, cfg.mesh.microbatches,
+                                        self._gather)
         # The simulator's feeding rule (mesh/feeding.py), from the deepest stage of the mesh (not
         # this worker's own depth), so every process feeds equally far ahead; verified async: only
         # what this stage's plan can reach before the running step ends.
@@ -203,25 +197,27 @@ class DistDriver(PipelineEvaluation):
                 for message in outgoing:
                     self._send(message, self.capacity)
         self._learn(self.feeding.before_end(step))  # a ban at step − L asks for a drain after this one
-        asks = self.feeding.asks_at_end(background=self.dp is not None)
+        strategy = self.dp_axis.strategy
+        asks = self.feeding.asks_at_end(background=strategy is not None)
         end = self.feeding.step_end(step, source.next_drain(step) if asks else None)
-        if self.dp is not None and Settle() in end:
-            self._dp_settle()
+        if strategy is not None and Settle() in end:
+            self.dp_axis.settle()
         if self.anchor is not None:  # what has arrived is used from the next update on; no wait
             self.anchor.step_end(step)
         self._bytes_mark = (self._bytes("pp"), self._bytes("dp"))
         stats = worker.pop_stats(step)
         if worker.plan.flushes:
             return [report]
-        self.pending.append(self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before))
+        rows = self.process_rows
+        rows.pending.append(self._row(stats, pp_before, dp_before))
         complete = find(end, Report)
         if complete is None:
             return []
         if self.remote_sentinel is not None and self.writes_records:
             self.verdicts.post_drained(step)  # before the gather: ahead of any next-step message
-        gathered = self._gather_rows(self.pending)  # per step: every process's row
-        self.pending = []
-        return [self._report(complete.first + i, rows) for i, rows in enumerate(gathered)]
+        gathered = rows.gather_steps(rows.pending)  # per step: every process's row
+        rows.pending = []
+        return [rows.report(complete.first + i, step_rows) for i, step_rows in enumerate(gathered)]
 
     @property
     def drained(self) -> bool:
@@ -241,7 +237,7 @@ class DistDriver(PipelineEvaluation):
         while True:
             message = self.transport.next_message(what, src)
             if message.kind == "dp":
-                self._dp_deliver(message)
+                self.dp_axis.deliver(message)
                 continue
             if message.kind != kind or message.src != src:
                 raise RuntimeError(f"worker {self.me}: waited for {what} from {src} at a drain point, "
@@ -279,7 +275,7 @@ class DistDriver(PipelineEvaluation):
         rows = self._execute(action, self._actions(), pp_before, dp_before)
         if rows is None:  # async: the reports come from the drain point's gather
             return None
-        return self._report(action.microbatch // self.cfg.mesh.microbatches, rows)
+        return self.process_rows.report(action.microbatch // self.cfg.mesh.microbatches, rows)
 
     def route(self, message: Message) -> Message | None:
         """Where this worker's outgoing ``message`` goes (None: nowhere, it is dropped). Here: to
@@ -319,7 +315,7 @@ class DistDriver(PipelineEvaluation):
         src = message.link[0]
         if carried_kind(src, self.me) == "dp":
             if message.kind == "dp":
-                self._dp_deliver(message)
+                self.dp_axis.deliver(message)
                 return
             raise WorkerFailure(self.health.abort(
                 f"worker {src} sent a {message.kind!r} message on its link to {self.me}, which carries "
@@ -409,12 +405,12 @@ class DistDriver(PipelineEvaluation):
         norms: dict[WorkerId, float] | None = None  # every worker's squared norm, once gathered
         for act in actions:
             if isinstance(act, ReduceGradients):
-                self._allreduce_gradients(step, act)
+                self.dp_axis.reduce_gradients(step, act)
             elif isinstance(act, StrategyPhase):
-                self._strategy_phase(act)
+                self.dp_axis.phase(act)
             elif isinstance(act, GatherNorms):
                 stage_sq = worker.grad_sq_norm()
-                if self.dp is None:
+                if self.dp_axis.strategy is None:
                     rows = self._step_rows(step, pp_before, dp_before, stage_sq)
                     values = [row.sq_norm for row in rows]
                 else:
@@ -427,7 +423,7 @@ class DistDriver(PipelineEvaluation):
                                              else lambda w: worker.grad_sq_norm())
                 self._apply(action, act.policy.coefficient(sq_norm), sq_norm)
             elif isinstance(act, MergeRounds):
-                self.dp.apply(act.u)
+                self.dp_axis.strategy.apply(act.u)
             else:
                 raise RuntimeError(f"worker {self.me}: no {act!r} in the dist runtime (votes are elastic's)")
         if rows is None and stage_sq is not None:
@@ -436,168 +432,19 @@ class DistDriver(PipelineEvaluation):
 
     def _step_rows(self, step: int, pp_before: int, dp_before: int, sq_norm: float) -> list[ProcessRow]:
         """Every process's row of ``step``, this one's with ``sq_norm`` (a gather)."""
-        stats = self.worker.stats.get(step, StepStats())
-        row = self._row(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before, sq_norm=sq_norm)
-        [rows] = self._gather_rows([row])
+        row = self._row(self.worker.stats.get(step, StepStats()), pp_before, dp_before, sq_norm)
+        [rows] = self.process_rows.gather_steps([row])
         return rows
 
-    def _strategy_phase(self, phase: StrategyPhase) -> None:
-        """A message-based strategy's phase (meshlearn.dp.base), the simulator's in real time:
-        "pre" posts the update's receives, sends and waits until the strategy is ready; "post"
-        sends, then waits for each round it names, each wait bounded by that round's deadline."""
-        walk = PhaseWalk(self.dp, phase, self.dp_started)
-        if phase.phase == "pre":
-            for peer in self.dp_peers:
-                self.transport.expect(peer, self.dp.expects(phase.u), self.dp_capacity)
-        started = time.monotonic()
-        self._dp_send(walk.messages())
-        if phase.phase == "post":
-            started = time.monotonic()
-            self._dp_poll()
-        while (wait := walk.poll(time.monotonic())) is not None:
-            self._dp_wait(f"the DP round of update {wait.u + 1}", wait.until)
-        self.dp_wait_s += time.monotonic() - started
-
-    def _dp_send(self, messages: list[Message]) -> None:
-        self.dp_started.mark(messages, time.monotonic())
-        for message in messages:
-            self._send(message, self.dp_capacity)
-
-    def _dp_deliver(self, message: Message) -> None:
-        arrived = getattr(message, "received_at", time.monotonic())
-        self._dp_send(receive_round(self.dp, self.dp_started, message, arrived))
-
-    def _dp_wait(self, what: str, give_up_at: float | None) -> bool:
-        """Take one arrival (any kind); False if ``give_up_at`` passed first."""
-        peer = self.dp_peers[0] if self.dp_peers else self.me
-        message = self.transport.next_message(what, peer, give_up_at)
-        if message is None:
-            return False
-        self._deliver(message)
-        return True
-
-    def _dp_poll(self) -> None:
-        """Deliver everything that has already arrived, without waiting."""
-        while self._dp_wait("nothing", time.monotonic()):
-            pass
-
-    def _dp_settle(self) -> None:
-        """At a drain point: rounds still open land or miss their deadline (then dropped)."""
-        for key in self.dp.exchange.open_keys():
-            give_up_at = self.dp_started.give_up_at(self.dp, key)
-            while key in self.dp.exchange.open_keys():
-                if not self._dp_wait(f"the DP round of update {key[0] + 1}", give_up_at):
-                    self.dp.expire(key)
-
-    def _allreduce_gradients(self, step: int, reduce: ReduceGradients) -> None:
-        """The stage's aggregate of its replicas' gradients, as the simulator: the mean, (Σ over
-        replicas) / D, or with a robust rule (``reduce.rule``) its reduce of every contribution;
-        each wait bounded by ``dist.collective_deadline_s`` (``reduce.deadline_s``, the bound the
-        collectives were built with)."""
-        replicas = self.mesh.replicas
-        if replicas == 1:
-            return
-        started = time.monotonic()
-        flat = self.worker.flat_gradients()
-        rule = reduce.rule
-        what = f"the data-parallel {'all-gather' if rule.gathers else 'all-reduce'} of stage {self.me.stage}"
-        scores = None  # a robust rule's outlier scores, in replica order (attribution)
-        if self.collectives.framed:  # each frame held to its own link's model, counted as sent
-            release = self._dp_frames_release(flat, step)
-            if rule.gathers:
-                flat, scores = self.collectives.stage_reduce(flat, rule, what, release)
-            else:
-                flat = self.collectives.stage_sum(flat, what, release).div_(replicas)
-        elif rule.gathers:
-            flat, scores = self.collectives.stage_reduce(flat, rule, what)
-            self._hold_gather(flat, step)
-        else:
-            flat = self.collectives.stage_sum(flat, what)
-            self._hold_ring(flat, step)
-            flat.div_(replicas)
-        self.worker.set_flat_gradients(flat)
-        if scores is not None:
-            self.worker.note_dp_score(step, scores[self.me.replica])
-        self.dp_wait_s += time.monotonic() - started
-
-    def _hold_gather(self, flat: torch.Tensor, step: int) -> None:
-        """A process-group all-gather (a robust rule) ran at loopback speed: hold its completion to
-        the simulator's model from here, this replica's contribution queued on the link to each
-        peer, and count those bytes."""
-        joined = time.monotonic()
-        nbytes = flat.numel() * flat.element_size()
-        done = joined
-        for peer in self.mesh.stage_replicas(self.me.stage):
-            if peer == self.me:
-                continue
-            link = self.network.link(self.me, peer)
-            leaves = max(joined - self.epoch, link.queue_free_at)
-            at = self.epoch + link.transmit(joined - self.epoch, nbytes)
-            done = max(done, at)
-            if self.timeline is not None and self.timeline.wants(step):
-                self.timeline.send(str(self.me), str(peer), "dp", "allgather", step, nbytes,
-                                   self.epoch + leaves, self.epoch + link.free_at, at)
-        if self.shaped:
-            hold_until(done)
-
-    def _hold_ring(self, flat: torch.Tensor, step: int) -> None:
-        """A process-group all-reduce ran at loopback speed once the last replica joined: hold its
-        completion to the ring model from there, as the simulator starts it when the group's last
-        member is ready, and count the ring's bytes."""
-        joined = time.monotonic()
-        replicas = self.mesh.replicas
-        nbytes = flat.numel() * flat.element_size()
-        link = self.network.link(self.me, self.ring_next)
-        sent_before = link.busy_s
-        release = allreduce_release_at(link, self.epoch, joined, nbytes, replicas, self.shaped)
-        if self.timeline is not None and self.timeline.wants(step):  # the ring's rounds, as one bar
-            self.timeline.send(str(self.me), str(self.ring_next), "dp", "allreduce", step,
-                               ring_allreduce_bytes_per_member(nbytes, replicas), joined,
-                               joined + link.busy_s - sent_before, release)
-        hold_until(release)
-
-    def _dp_frames_release(self, flat: torch.Tensor, step: int) -> dict[int, float]:
-        """Framed collectives: when this replica's frame may leave for each other replica (its
-        link's model, as a pipeline message's), each frame counted in the DP bytes as sent."""
-        nbytes = frame_bytes(flat)
-        release = {}
-        for peer, pacer in self.dp_pacers.items():
-            link = pacer.link
-            start = max(time.monotonic() - self.epoch, link.queue_free_at)
-            release[self.mesh.rank(peer)] = at = pacer.release_at(nbytes)
-            if self.timeline is not None and self.timeline.wants(step):
-                self.timeline.send(str(self.me), str(peer), "dp", "allreduce", step, nbytes,
-                                   self.epoch + start, self.epoch + link.free_at, at)
-        return release
-
-    def _row(self, stats: StepStats, bytes_pp: int, bytes_dp: int,
+    def _row(self, stats: StepStats, pp_before: int, dp_before: int,
              sq_norm: float | None = None) -> ProcessRow:
-        """This process's numbers for one step: losses, squared norm, busy time, bytes, staleness, links."""
-        links = []
-        for src, dst in self.slots:
-            link = self.network.link(src, dst) if dst is not None else None
-            links.append((link.bytes_sent, link.busy_s) if link is not None else (0.0, 0.0))
-        return stats_row(stats, self.cfg.mesh.microbatches, sq_norm, busy_s=self.busy_s, bytes_pp=bytes_pp,
-                         bytes_dp=bytes_dp, dp_wait_s=self.dp_wait_s, links=links)
+        """This process's row of a step whose link counters stood at ``pp_before``/``dp_before``."""
+        return self.process_rows.own(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before,
+                                     self.busy_s, self.dp_axis.wait_s, sq_norm)
 
     def _gather(self, values: torch.Tensor) -> torch.Tensor:
         """Every process's ``values`` (steps × n) → every process: (world, steps, n)."""
         return self.collectives.gather(values, "the gather of losses and norms")
-
-    def _gather_rows(self, rows: list[ProcessRow]) -> list[list[ProcessRow]]:
-        """This process's rows of some steps → per step, every process's row (by rank); the last
-        step's are kept for the summary."""
-        M, slots = self.cfg.mesh.microbatches, len(self.slots)
-        gathered = self._gather(torch.stack([row.pack(M, slots) for row in rows]))
-        per_step = [[ProcessRow.unpack(gathered[rank, i], M, slots) for rank in range(gathered.shape[0])]
-                    for i in range(gathered.shape[1])]
-        self.last_rows = per_step[-1]
-        return per_step
-
-    def _report(self, step: int, rows: list[ProcessRow]) -> StepReport:
-        """One step's report from every process's row (by rank), the simulator's arithmetic."""
-        return mesh_report(step, self.mesh, {self.mesh.worker(rank): row for rank, row in enumerate(rows)},
-                           None, sum(row.bytes_pp for row in rows), sum(row.bytes_dp for row in rows))
 
     def _bytes(self, axis: str) -> int:
         return self.network.bytes_on_axis(axis)
@@ -608,41 +455,16 @@ class DistDriver(PipelineEvaluation):
         return {}  # no virtual clock: records carry wall time only
 
     def summary_fields(self, tokens: int, wall_s: float) -> dict:
-        rows = self.last_rows
-        links = []
-        if rows is not None:
-            for rank in range(self.mesh.world_size):
-                wid = self.mesh.worker(rank)
-                replicas = self.mesh.replicas
-                peers = (self.mesh.next_stage(wid), self.mesh.prev_stage(wid),
-                         WorkerId((wid.replica + 1) % replicas, wid.stage) if replicas > 1 else None)
-                for i, peer in enumerate(peers):
-                    if peer is None:
-                        continue
-                    nbytes, busy = rows[rank].links[i]
-                    links.append({"src": str(wid), "dst": str(peer), "axis": "pp" if i < 2 else "dp",
-                                  "bytes": int(nbytes), "busy_s": busy,
-                                  "utilization": busy / wall_s if wall_s else 0.0})
-            links.sort(key=lambda ln: (ln["axis"], WorkerId.parse(ln["src"]), WorkerId.parse(ln["dst"])))
-        busy = sum(row.busy_s for row in rows) if rows is not None else None
+        usage = self.process_rows.usage(wall_s)
         return {
             "sim_time_s": None,
             "sim_tokens_per_s": None,
-            "idle_fraction": (1.0 - busy / (self.mesh.world_size * wall_s)
-                                if busy is not None and wall_s else None),
+            "idle_fraction": usage["idle_fraction"],
             "compute_model": f"real: {self.mesh.world_size} processes over "
                              f"{'framed TCP streams' if self.collectives.framed else self.comm}, "
                              f"shaping={self.cfg.dist.shaping}",
-            "links": links,
-        } | self._dp_summary()
-
-    def _dp_summary(self) -> dict:
-        """The DP strategy's counters summed over every process (a collective: all call it)."""
-        if self.dp is None:
-            return {}
-        keys = list(self.dp.summary())
-        totals = self.sum_over_workers([self.dp_wait_s, *self.dp.summary().values()])
-        return {"dp_wait_s": totals[0], **{k: int(v) for k, v in zip(keys, totals[1:], strict=True)}}
+            "links": usage["links"],
+        } | self.dp_axis.summary(self.sum_over_workers)
 
     def sum_over_workers(self, values: list[float]) -> list[float]:
         """Each value summed over every worker process (a collective: all of them call it)."""

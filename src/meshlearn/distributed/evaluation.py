@@ -35,7 +35,8 @@ class PipelineEvaluation:
         charges no time for evaluation either); every process gets each pass's mean loss. The
         replicas' mean, where they drift, is a mean over each stage's dp group at this drain
         point."""
-        drifts = self.dp is not None and self.dp.drifts and self.mesh.replicas > 1
+        strategy = self.dp_axis.strategy
+        drifts = strategy is not None and strategy.drifts and self.mesh.replicas > 1
         plan = evaluation_plan(drifts, evaluation_passes(self.cfg) == 2)
         averaged = functools.cache(self._averaged)
         loss, self._eval_fields = run_plan(plan, lambda p: self._evaluate(
@@ -78,7 +79,7 @@ class PipelineEvaluation:
             else:
                 message = self.transport.next_message(f"validation activation {i}", self.prev)
                 while message.kind == "dp":  # a straggler of a dropped DP round: its strategy's
-                    self._dp_deliver(message)
+                    self.dp_axis.deliver(message)
                     message = self.transport.next_message(f"validation activation {i}", self.prev)
                 ids = message.payload.tensors.get("ids")
                 h = part.arrive(message.payload, i)

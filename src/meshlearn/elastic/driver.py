@@ -127,8 +127,8 @@ class ElasticDriver(Evictions, DistDriver):
         self.checkpoint_membership = ElasticCheckpoints(progress, self.mesh, self.me, lambda: self.rows,
                                                         self.deadlines.collective_s)
         self.round_bytes = 0  # bytes of the coming update's strategy rounds (their all-reduces)
-        if self.dp is not None:  # a message-based strategy: its rounds are sums over the quorum
-            self.dp.exchange = QuorumExchange(self.me, self.mesh.replicas, self._reduce_round)
+        if self.dp_axis.strategy is not None:  # a message-based strategy: its rounds are quorum sums
+            self.dp_axis.strategy.exchange = QuorumExchange(self.me, self.mesh.replicas, self._reduce_round)
         self.setup_verification(cfg)
         # A re-paired row links this worker to any replica of its neighbouring stages: a pacer
         # per such destination, each with its own link model (one per destination, as always).
@@ -150,8 +150,8 @@ class ElasticDriver(Evictions, DistDriver):
         """The peer's state, less what is the peer's own (``DPStrategy.reset_local``: its error
         feedback, its drift since the last sync); docs/elastic.md lists what a joiner gets."""
         self.worker.load_state_dict(state["worker"])
-        if self.dp is not None:
-            self.dp.reset_local()
+        if self.dp_axis.strategy is not None:
+            self.dp_axis.strategy.reset_local()
         self.joined_at = state["step"]
         self.batch_index = state["batch_index"]
 
@@ -356,8 +356,8 @@ class ElasticDriver(Evictions, DistDriver):
 
     def update(self, action, pp_before: int, dp_before: int) -> StepReport:
         """The step's update over the stage's quorum, the update protocol's actions executed with
-        the quorum's collectives (``_execute``), and the step's report from this worker's own
-        numbers (no collective spans the mesh)."""
+        the quorum's collectives (``_execute_over_quorum``), and the step's report from this
+        worker's own numbers (no collective spans the mesh)."""
         worker = self.worker
         step = action.microbatch // self.cfg.mesh.microbatches
         u = self.batch_index  # committed updates so far: one that does not commit is retried as u
@@ -368,8 +368,8 @@ class ElasticDriver(Evictions, DistDriver):
         self.round_bytes = 0
         started = time.monotonic()
         counts = [sum(losses), len(losses), float(self.sequences > 0), self.sequences]
-        sq_norm, counts = self._execute(action, u, actions, counts)
-        self.dp_wait_s += time.monotonic() - started
+        sq_norm, counts = self._execute_over_quorum(action, u, actions, counts)
+        self.dp_axis.wait_s += time.monotonic() - started
         loss_sum, loss_count = counts[:2]
         mean_loss = loss_sum / loss_count if self.current.mean_ok and loss_count > 0 else None
         return StepReport(step=step, losses=[mean_loss] if mean_loss is not None else [],
@@ -377,8 +377,8 @@ class ElasticDriver(Evictions, DistDriver):
                           bytes_dp=self._bytes("dp") - dp_before + self.round_bytes,
                           grad_norm=sq_norm**0.5, staleness=[])
 
-    def _execute(self, action, u: int, actions: list[UpdateAction],
-                 counts: list[float]) -> tuple[float, list[float]]:
+    def _execute_over_quorum(self, action, u: int, actions: list[UpdateAction],
+                             counts: list[float]) -> tuple[float, list[float]]:
         """Run update ``u``'s actions over the quorum; returns (the clip's squared norm, the step's
         counts summed over the quorum: loss sum, loss count, contributing replicas, sequences).
 
@@ -391,7 +391,7 @@ class ElasticDriver(Evictions, DistDriver):
         its state and any optimizer step its rounds followed (``Rollback``). A spectator adds
         zeros to every sum, applies what its peers apply, and forgets what would be its own
         (``reset_local``)."""
-        worker, current, strategy = self.worker, self.current, self.dp
+        worker, current, strategy = self.worker, self.current, self.dp_axis.strategy
         trains = self.sequences > 0
         rollback = None
         if strategy is not None:
@@ -510,7 +510,8 @@ class ElasticDriver(Evictions, DistDriver):
         return {}
 
     def summary_fields(self, tokens: int, wall_s: float) -> dict:
-        strategy = {"dp_wait_s": self.dp_wait_s, **self.dp.summary()} if self.dp is not None else {}
+        dp = self.dp_axis
+        strategy = {"dp_wait_s": dp.wait_s, **dp.strategy.summary()} if dp.strategy is not None else {}
         return {"sim_time_s": None, "sim_tokens_per_s": None, "idle_fraction": None,
                 "compute_model": f"real: elastic, {self.mesh.world_size} processes at start over "
                                  f"{self.comm}, one torchft quorum per stage, "
