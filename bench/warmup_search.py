@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from common import RESULTS, load_average, markdown_table, write_results
+from common import RESULTS, markdown_table, write_results
 from warmup import run
 
 PROBES: dict[str, list[str]] = {  # in the order they were tried; each ≤ ~2.5 min on a loaded core
@@ -41,14 +41,13 @@ COLUMNS = [("probe", "probe", ""), ("setting", "overrides of configs/warmup.toml
 
 
 def probe(name: str, reuse: bool) -> dict:
-    """Run one probe (or reuse its finished run; wall time and load are then the reuse's)."""
-    load = load_average()
+    """Run one probe (or reuse its finished run; its wall time is then the reuse's)."""
     r = run("search", name, PROBES[name], reuse)
     return {"probe": name, "overrides": PROBES[name], "setting": " ".join(f"`{o}`" for o in PROBES[name]),
             "val": f"div @ {r['steps_done']}" if r["diverged"] else f"{r['final_val_loss']:.4f}",
             "spikes": r["spikes"], "at": ", ".join(map(str, r["spike_steps"][:8])),
             "excursion": r["max_excursion"], "peak": max(r["losses"]), "wall": r["run_wall_s"],
-            "load": load, "losses": r["losses"], "diverged": r["diverged"]}
+            "load": r["load"], "losses": r["losses"], "diverged": r["diverged"]}
 
 
 def main() -> None:
