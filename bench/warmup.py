@@ -106,6 +106,7 @@ def run(group: str, name: str, overrides: list[str], reuse: bool) -> dict:
         "train_wall_s": sum(r["step_wall_s"] for r in train), "run_wall_s": time.perf_counter() - started,
         "losses": losses, "val": [(r["step"], r["val_loss"]) for r in records if r["kind"] == "eval"],
         "load": load_file.read_text() if load_file.is_file() else None,
+        "trained_wall_s": max((r.get("wall_time_s", 0.0) for r in records), default=0.0),
         "unlock_excursions": unlock_excursions(losses, unlock_steps(cfg)),
     }
     if curv:
@@ -229,7 +230,6 @@ def mean(values: list[float | None]) -> float | None:
 
 def unstable(args: argparse.Namespace) -> None:
     """``--setting unstable``: the methods at ``UNSTABLE_LR`` (or ``--lr``) for each seed."""
-    started = time.perf_counter()
     steps = [f"train.steps={args.steps}"] if args.steps else []
     lr = args.lr or UNSTABLE_LR
     group = "unstable" if lr == UNSTABLE_LR else f"lr{lr:g}"
@@ -253,7 +253,7 @@ def unstable(args: argparse.Namespace) -> None:
                                                  "+.2f") for r in mine),
                         "lam": " / ".join(fmt(r.get("peak_lambda_max"), ".3g") for r in mine),
                         "S": " / ".join(fmt(r.get("peak_stability_ratio"), ".3g") for r in mine)})
-    total = time.perf_counter() - started
+    total = sum(r["trained_wall_s"] for r in rows)  # the runs' own wall time, also under --reuse
     cfg = load_config(CONFIG, steps)
     tracked = args.curvature_every > 0
     seeds_text = " / ".join(map(str, seeds))
@@ -262,12 +262,12 @@ def unstable(args: argparse.Namespace) -> None:
                ("mean_val", "mean", ""), ("spikes", "spikes", ""), ("unlock", unlock, "")]
     columns += [("lam", "peak λ_max(H)", ""), ("S", "peak S", "")] if tracked else []
     per_run = [*BASE_COLUMNS, ("unlock", f"{unlock} ({', '.join(map(str, unlock_steps(cfg)))})", ""),
-               *(CURV_COLUMNS if tracked else []), ("load", "load avg before", "")]
+               *(CURV_COLUMNS if tracked else []), ("load", "load avg before (— = not recorded)", "")]
     command = (f"python bench/warmup.py --setting unstable{f' --lr {lr:g}' if args.lr else ''} --seeds "
                f"{args.seeds}{f' --methods {args.methods}' if args.methods else ''} --curvature-every "
                f"{args.curvature_every}")
     md = [f"# Architecture warm-up at peak lr {lr:g} (issue 29)\n\n"
-          f"`{command}` ({total / 60:.0f} min on one CPU thread, shared machine; load average before "
+          f"`{command}` ({total / 60:.0f} min of runs on one CPU thread, shared machine; load average before "
           f"each run in the last column). `configs/warmup.toml` ({cfg.model.n_layer} layers, d_model "
           f"{cfg.model.d_model}, {cfg.train.steps} steps, grad clip {cfg.train.grad_clip}, "
           f"{cfg.train.warmup_steps}-step LR warm-up) at peak lr **{lr:g}** "

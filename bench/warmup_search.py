@@ -31,6 +31,7 @@ PROBES: dict[str, list[str]] = {  # in the order they were tried; each ≤ ~2.5 
     "d64-lr0.03-600": ["model.d_model=64", "train.lr=0.03", "train.steps=600", "train.warmup_steps=60"],
     "d64-lr0.1-600": ["model.d_model=64", "train.lr=0.1", "train.steps=600", "train.warmup_steps=60"],
     "d64-lr0.3-600": ["model.d_model=64", "train.lr=0.3", "train.steps=600", "train.warmup_steps=60"],
+    "clip1-lr0.5": ["train.lr=0.5"],
     "clip1-lr1": ["train.lr=1"],
     "noclip-lr1": ["train.grad_clip=0", "train.lr=1"],
 }
