@@ -51,7 +51,7 @@ METHODS = {
 }
 ATTN_SOFTCAP = {"attn-softcap-50": ["model.attn_softcap=50"]}  # --attn-softcap: the explicit attention
 # path costs about 1.6x a step here (measured on a trial run), so it is optional
-UNSTABLE_LR = 1.0  # the lowest lr of bench/warmup_search.py whose baseline spikes repeatedly (8 spikes)
+UNSTABLE_LR = 1.0  # bench/warmup_search.py: the baseline spikes 8 times here (6 at 0.5: run --lr 0.5)
 UNSTABLE_RAMP = 15  # = warmup.unlock_every of the config: one ramp ends as the next group unlocks
 UNSTABLE_METHODS = {
     "baseline": [],
