@@ -17,7 +17,14 @@ written to docs/results/warmup.{json,md} with a run report (plots) under docs/re
 
 Spikes: ``meshlearn.warmup.find_spikes`` (train loss above its running EMA by more than δ nats).
 
+``--setting unstable`` (issue 29) runs instead at the setting ``bench/warmup_search.py`` found
+unstable (the same config at peak lr 1.0: the baseline spikes again and again), single process,
+for each seed: baseline, architecture warm-up without and with an lr ramp at unlock, QK-norm, and
+warm-up with the ramp plus QK-norm, tracker on; written to docs/results/warmup_unstable.{json,md}
+(with ``--lr X``: docs/results/warmup_lrX.{json,md}).
+
     python bench/warmup.py [--lrs 3e-3,3e-2,1e-1,3e-1,1] [--lr X] [--steps N] [--attn-softcap] [--reuse]
+    python bench/warmup.py --setting unstable [--lr 1] [--seeds 1337,1] [--methods a,b] [--curvature-every 30]
 """
 
 from __future__ import annotations
@@ -27,12 +34,12 @@ import json
 import shutil
 import time
 
-from common import RESULTS, ROOT, finished_run, markdown_table, write_results
+from common import RESULTS, ROOT, finished_run, load_average, markdown_table, write_results
 
 from meshlearn.config import load_config
 from meshlearn.report import render_report
 from meshlearn.train import Trainer
-from meshlearn.warmup import SPIKE_DELTA_NATS, SPIKE_EMA_BETA, find_spikes
+from meshlearn.warmup import SPIKE_DELTA_NATS, SPIKE_EMA_BETA, WarmupSchedule, find_spikes
 
 CONFIG = ROOT / "configs" / "warmup.toml"
 OUT = ROOT / "bench" / "out" / "warmup"
@@ -44,6 +51,18 @@ METHODS = {
 }
 ATTN_SOFTCAP = {"attn-softcap-50": ["model.attn_softcap=50"]}  # --attn-softcap: the explicit attention
 # path costs about 1.6x a step here (measured on a trial run), so it is optional
+UNSTABLE_LR = 1.0  # bench/warmup_search.py: the baseline spikes 8 times here (6 at 0.5: run --lr 0.5)
+UNSTABLE_RAMP = 15  # = warmup.unlock_every of the config: one ramp ends as the next group unlocks
+UNSTABLE_METHODS = {
+    "baseline": [],
+    "arch-warmup": ["warmup.enabled=true", "warmup.lr_ramp_steps=0"],
+    f"arch-warmup-ramp{UNSTABLE_RAMP}": ["warmup.enabled=true", f"warmup.lr_ramp_steps={UNSTABLE_RAMP}"],
+    "qk-norm": ["model.qk_norm=true"],
+    f"arch-warmup-ramp{UNSTABLE_RAMP}+qk-norm": ["warmup.enabled=true",
+                                                  f"warmup.lr_ramp_steps={UNSTABLE_RAMP}",
+                                                  "model.qk_norm=true"],
+}
+UNLOCK_WINDOW = 5  # steps after an unlock read for its jump (fresh Adam state's first updates)
 PIPELINE = ["mesh.stages=4", "mesh.microbatches=4", "mesh.schedule=1f1b"]
 PIPELINE_METHODS = ("baseline", "arch-warmup")
 CURVATURE_KEYS = ("step", "lambda_max", "lambda_max_converged", "lambda_max_residual", "lambda_max_iters",
@@ -60,12 +79,15 @@ def run(group: str, name: str, overrides: list[str], reuse: bool) -> dict:
     cfg = load_config(CONFIG, [*overrides, f"name={name}"])
     summary = finished_run(run_dir, cfg) if reuse else None
     diverged, started = None, time.perf_counter()
+    load_file = run_dir / "load_average.txt"  # the load the run trained under, kept for --reuse
     if summary is None:
         shutil.rmtree(run_dir, ignore_errors=True)
+        load = load_average()
         try:
             summary = Trainer(cfg, run_dir, progress=False).train()
         except FloatingPointError as err:  # the trainer stops at a non-finite loss
             diverged = str(err)
+        load_file.write_text(load)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     losses = [r["train_loss"] for r in train]
@@ -83,6 +105,9 @@ def run(group: str, name: str, overrides: list[str], reuse: bool) -> dict:
         "step_wall_s": sum(r["step_wall_s"] for r in train) / max(1, len(train)),
         "train_wall_s": sum(r["step_wall_s"] for r in train), "run_wall_s": time.perf_counter() - started,
         "losses": losses, "val": [(r["step"], r["val_loss"]) for r in records if r["kind"] == "eval"],
+        "load": load_file.read_text() if load_file.is_file() else None,
+        "trained_wall_s": max((r.get("wall_time_s", 0.0) for r in records), default=0.0),
+        "unlock_excursions": unlock_excursions(losses, unlock_steps(cfg)),
     }
     if curv:
         row |= curvature_stats(curv, row["train_wall_s"], row["step_wall_s"])
@@ -90,6 +115,29 @@ def run(group: str, name: str, overrides: list[str], reuse: bool) -> dict:
     print(f"{group}/{name}: {status}, {spikes.count} spikes {spikes.onsets}, max excursion "
           f"{spikes.max_excursion:+.3f}, {row['step_wall_s']:.3f} s/step", flush=True)
     return row
+
+
+def unlock_steps(cfg) -> list[int]:
+    """The steps after which the config's warm-up would unlock a group (whether or not it is on), so
+    that every run is read at the same steps."""
+    w = cfg.warmup
+    return WarmupSchedule.from_config(w, cfg.model.n_layer, cfg.mesh.stages, cfg.train.warmup_steps).steps
+
+
+def unlock_excursions(losses: list[float], steps: list[int]) -> list[float | None]:
+    """For each unlock after step u: the largest train loss of steps u+1 … u+UNLOCK_WINDOW over the
+    spike EMA of the losses up to u (the spike margin's reference, ``find_spikes``)."""
+    out: list[float | None] = []
+    for u in steps:
+        window = losses[u:u + UNLOCK_WINDOW]
+        if u < 1 or not window:
+            out.append(None)
+            continue
+        ema = losses[0]
+        for loss in losses[1:u]:
+            ema = SPIKE_EMA_BETA * ema + (1 - SPIKE_EMA_BETA) * loss
+        out.append(max(window) - ema)
+    return out
 
 
 def curvature_stats(curv: list[dict], train_wall_s: float, step_wall_s: float) -> dict:
@@ -145,7 +193,10 @@ def table_rows(rows: list[dict]) -> list[dict]:
                  "val": fmt(r["final_val_loss"]) if not r["diverged"] else f"div @ {r['steps_done']}",
                  "min_train": fmt(r["min_train_loss"]), "spikes": r["spikes"],
                  "spike_steps": short_list(r["spike_steps"]),
-                 "excursion": fmt(r["max_excursion"], "+.3f"), "step_s": r["step_wall_s"]}
+                 "excursion": fmt(r["max_excursion"], "+.3f"), "step_s": r["step_wall_s"],
+                 "unlock": ", ".join("—" if e is None else f"{e:+.2f}"
+                                     for e in r.get("unlock_excursions", [])),
+                 "load": r.get("load") or "—"}
         if "peak_stability_ratio" in r:
             cells |= {"lam": fmt(r["peak_lambda_max"], ".3g"),
                       "lam_pre": fmt(r["peak_lambda_max_precond"], ".3g"),
@@ -173,17 +224,90 @@ def render(group: str, rows: list[dict]) -> str:
     return str(report.parent.relative_to(RESULTS))
 
 
+def mean(values: list[float | None]) -> float | None:
+    return None if not values or any(v is None for v in values) else sum(values) / len(values)
+
+
+def unstable(args: argparse.Namespace) -> None:
+    """``--setting unstable``: the methods at ``UNSTABLE_LR`` (or ``--lr``) for each seed."""
+    steps = [f"train.steps={args.steps}"] if args.steps else []
+    lr = args.lr or UNSTABLE_LR
+    group = "unstable" if lr == UNSTABLE_LR else f"lr{lr:g}"
+    seeds = [int(s) for s in args.seeds.split(",")]
+    methods = {name: UNSTABLE_METHODS[name] for name in
+               (args.methods.split(",") if args.methods else UNSTABLE_METHODS)}
+    rows: list[dict] = []
+    for seed in seeds:
+        for name, extra in methods.items():
+            overrides = [*steps, f"seed={seed}", f"train.lr={lr}",
+                         f"curvature.every={args.curvature_every}", *extra]
+            rows.append(run(group, f"{name}-s{seed}", overrides, args.reuse))
+    summary = []
+    for name in methods:
+        mine = [r for r in rows if r["run"].startswith(f"{name}-s") and r["run"][len(name) + 2:].isdigit()]
+        summary.append({"method": name,
+                        "val": " / ".join(fmt(r["final_val_loss"]) for r in mine),
+                        "mean_val": fmt(mean([r["final_val_loss"] for r in mine])),
+                        "spikes": " / ".join(str(r["spikes"]) for r in mine),
+                        "unlock": " / ".join(fmt(max(e for e in r["unlock_excursions"] if e is not None),
+                                                 "+.2f") for r in mine),
+                        "lam": " / ".join(fmt(r.get("peak_lambda_max"), ".3g") for r in mine),
+                        "S": " / ".join(fmt(r.get("peak_stability_ratio"), ".3g") for r in mine)})
+    total = sum(r["trained_wall_s"] for r in rows)  # the runs' own wall time, also under --reuse
+    cfg = load_config(CONFIG, steps)
+    tracked = args.curvature_every > 0
+    seeds_text = " / ".join(map(str, seeds))
+    unlock = f"max ℓ − EMA ≤ {UNLOCK_WINDOW} steps after an unlock step"
+    columns = [("method", "method", ""), ("val", f"final val loss (seed {seeds_text})", ""),
+               ("mean_val", "mean", ""), ("spikes", "spikes", ""), ("unlock", unlock, "")]
+    columns += [("lam", "peak λ_max(H)", ""), ("S", "peak S", "")] if tracked else []
+    per_run = [*BASE_COLUMNS, ("unlock", f"{unlock} ({', '.join(map(str, unlock_steps(cfg)))})", ""),
+               *(CURV_COLUMNS if tracked else []), ("load", "load avg before (— = not recorded)", "")]
+    command = (f"python bench/warmup.py --setting unstable{f' --lr {lr:g}' if args.lr else ''} --seeds "
+               f"{args.seeds}{f' --methods {args.methods}' if args.methods else ''} --curvature-every "
+               f"{args.curvature_every}")
+    md = [f"# Architecture warm-up at peak lr {lr:g} (issue 29)\n\n"
+          f"`{command}` ({total / 60:.0f} min of runs on one CPU thread, shared machine; load average before "
+          f"each run in the last column). `configs/warmup.toml` ({cfg.model.n_layer} layers, d_model "
+          f"{cfg.model.d_model}, {cfg.train.steps} steps, grad clip {cfg.train.grad_clip}, "
+          f"{cfg.train.warmup_steps}-step LR warm-up) at peak lr **{lr:g}** "
+          f"([warmup_search.md](warmup_search.md): the baseline spikes repeatedly at 1). Warm-up locks 8 "
+          f"of 16 blocks and unlocks 2 every {cfg.warmup.unlock_every} steps from step "
+          f"{cfg.train.warmup_steps}; `ramp{UNSTABLE_RAMP}`: each unlocked group's lr ramps linearly over "
+          f"{UNSTABLE_RAMP} steps. Spike: train loss > its EMA (β {SPIKE_EMA_BETA}) + {SPIKE_DELTA_NATS} "
+          f"nats. The unlock column reads every run at the same steps, warm-up or not. "
+          + (f"Tracker (Lanczos, converged estimates only) every {args.curvature_every} steps."
+             if tracked else "Tracker off.") + "\n",
+          f"## Per method\n\n{markdown_table(summary, columns)}\n",
+          f"## Per run\n\n{markdown_table(table_rows(rows), per_run)}\n"
+          + ("\nS = η·λ_max(G)(1−β₁)/(2+2β₁) with G = P^-½HP^-½ (Adam's preconditioner): stable while "
+             "< 1.\n" if tracked else "")]
+    name = "warmup_unstable" if group == "unstable" else f"warmup_{group}"
+    write_results(name, {"config": str(CONFIG.relative_to(ROOT)), "lr": lr, "seeds": seeds,
+                         "command": command, "unlock_window": UNLOCK_WINDOW,
+                         "spike": {"delta_nats": SPIKE_DELTA_NATS, "ema_beta": SPIKE_EMA_BETA},
+                         "total_wall_s": total, "runs": rows, "summary": summary}, "\n".join(md))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--setting", choices=("config", "unstable"), default="config",
+                        help="config: the sweep and comparison at the config's setting; unstable: "
+                             "every method at the lr where the baseline spikes repeatedly (issue 29)")
+    parser.add_argument("--seeds", default="1337,1", help="--setting unstable: run seeds")
+    parser.add_argument("--methods", default="", help=f"--setting unstable: some of {list(UNSTABLE_METHODS)}")
     parser.add_argument("--lrs", default="3e-3,3e-2,1e-1,3e-1,1", help="baseline peak lrs of the sweep")
     parser.add_argument("--steps", type=int, default=0, help="train.steps (default: the config's)")
     parser.add_argument("--lr", type=float, default=0.0, help="comparison lr (default: from the sweep)")
     parser.add_argument("--attn-softcap", action="store_true", help="also attention soft-capping")
-    parser.add_argument("--curvature-every", type=int, default=15)
+    parser.add_argument("--curvature-every", type=int, default=15)  # --setting unstable: use 30
     parser.add_argument("--pipeline-curvature-every", type=int, default=50)
     parser.add_argument("--reuse", action="store_true", help="keep runs in bench/out/warmup/ that finished "
                                                              "with the same config")
     args = parser.parse_args()
+    if args.setting == "unstable":
+        unstable(args)
+        return
     started = time.perf_counter()
     steps = [f"train.steps={args.steps}"] if args.steps else []
     sweep = [run("sweep", f"baseline-lr{lr:g}", [*steps, f"train.lr={lr}"], args.reuse)

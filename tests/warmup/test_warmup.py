@@ -3,6 +3,7 @@ the placement and schedule, the compute model, resume, and the optimizer seam.""
 
 import copy
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,14 @@ from meshlearn.mesh.compute import forward_flops, stage_shape
 from meshlearn.models import Decoder, DecoderConfig, init_model
 from meshlearn.optim import OptimConfig, build_optimizer
 from meshlearn.train import Trainer
-from meshlearn.warmup import BlockLocks, WarmupConfig, WarmupSchedule, locked_layers, unlock_groups
+from meshlearn.warmup import (
+    BlockLocks,
+    WarmupCallback,
+    WarmupConfig,
+    WarmupSchedule,
+    locked_layers,
+    unlock_groups,
+)
 
 CFG = DecoderConfig(vocab_size=32, n_layer=4, d_model=32, n_head=2, seq_len=16)
 LOCKED = [1, 3]
@@ -149,6 +157,33 @@ def test_unlock_is_continuous_and_the_first_gradient_is_nonzero(optim):
     assert counts and all(c == 1.0 for c in counts)
     assert float(optimizer.state[model.layers["0"].attn_norm.weight]["step"]) == 4.0
     assert model.layers["3"].locked and model.layers["3"].attn.o.weight.abs().sum() == 0
+
+
+@pytest.mark.parametrize("ramp", [0, 4])
+def test_the_first_update_after_unlock_is_lr_per_coordinate_and_the_ramp_divides_it(ramp):
+    """Why ``warmup.lr_ramp_steps`` exists: Adam's first update from fresh state is lr·g/|g|, so the
+    unlocked block's output projection jumps from 0 to ±lr in every coordinate at once (against an
+    init of ~0.01); a ramp of R steps makes that first jump lr/R."""
+    lr = 1e-2
+    model = init_model(CFG, 0)
+    optimizer = build_optimizer(model, OptimConfig(name="adamw", weight_decay=0.0), lr, 10)
+    for group in optimizer.param_groups:  # as the worker does
+        group.setdefault("initial_lr", group["lr"])
+    w = WarmupConfig(enabled=True, groups=1, start_step=1, unlock_every=1, lr_ramp_steps=ramp)
+    cfg = SimpleNamespace(warmup=w, model=SimpleNamespace(n_layer=CFG.n_layer), seed=0,
+                          mesh=SimpleNamespace(stages=1), train=SimpleNamespace(warmup_steps=0))
+    callback = WarmupCallback(cfg, {0: SimpleNamespace(module=model, optimizer=optimizer)}, None)
+    assert callback.schedule.locked == LOCKED
+    train_steps(model, optimizer, 1)
+    callback.on_drain(1)
+    for group in optimizer.param_groups:  # what the worker's lr schedule does before every step
+        group["lr"] = group["initial_lr"]
+    train_steps(model, optimizer, 1, seed=1)
+    moved = model.layers["1"].attn.o.weight.detach().abs()
+    assert torch.allclose(moved.median(), torch.tensor(lr / max(1, ramp)), rtol=1e-3)
+    callback.on_step_end(1, None)  # the ramp's next factor: 2/R
+    assert all(g["initial_lr"] == pytest.approx(lr * (2 / ramp if ramp else 1))
+               for g in optimizer.param_groups[-2:])
 
 
 def test_literal_zero_unlock_is_a_saddle_that_never_trains():

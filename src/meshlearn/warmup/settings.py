@@ -43,7 +43,10 @@ class WarmupConfig:
     """Scale of the input-side init of ``zero_out_small_in``."""
     lr_ramp_steps: int = 0
     """Steps over which an unlocked group's learning rate ramps linearly from 0 to the scheduled
-    one; 0 = the scheduled lr at once (the paper)."""
+    one; 0 = the scheduled lr at once (the paper). A fresh Adam state's first update is ±lr per
+    coordinate, so a ramp of R makes the unlocked output projections' first jump lr/R; the default
+    stays 0 because the loss showed no unlock jump to damp (docs/warmup.md, issue 29). Set it to
+    about ``unlock_every`` if the train loss jumps in the steps right after ``warmup_unlock`` events."""
 
 
 def validate_warmup(cfg: Any, require: Callable[[bool, str, Any, str], None]) -> None:
