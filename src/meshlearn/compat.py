@@ -8,8 +8,8 @@ docs/compat.md, generated from the table) lists every combination that is refuse
 A row is refused when all of its conditions hold; the ConfigError names the row's key with its
 value and the row's reason. ``config.validate`` checks the rows in table order after every
 component's own checks (so each row may assume its components' own keys are valid), before any
-work starts. Every row carries an example (``--set`` overrides of the defaults) that triggers it
-and nothing else: the tests check that, and the docs show each example's message.
+work starts. Every row carries an example (``--set`` overrides of the defaults) that it refuses
+before any other row: the tests check that, and the docs show each example's message.
 """
 
 from __future__ import annotations

@@ -456,3 +456,28 @@ def test_a_claim_is_a_compare_and_set_naming_the_claimant(elastic: Service) -> N
     alice.set("elastic/free/r1s0/1", "6")  # the coordinator may free any slot (a machine that is gone)
     assert bob.compare_set("elastic/taken/r1s0/1", "", "bob:9") == b"bob:9"
     assert alice.get("elastic/holder/r1s0") == b"bob.2"
+
+
+def test_decisions_stand_once_written_and_tallies_count_each_holder_once(elastic: Service) -> None:
+    """A step's decision, a record's claimant and a slot's claim are fixed by the first write (a
+    compare-and-set from empty): another slot holder cannot swap them afterwards and split the
+    stages on whether a step committed. A stage tally moves by 0 or 1 (never reset, never by 5);
+    nobody creates counters of a slot the run does not have, nor another stage's quorum beats."""
+    alice, bob = _workers(elastic.store("alice")), _workers(elastic.store("bob"))
+    assert alice.compare_set("elastic//pvote/7/decision", "", "00") == b"00"
+    assert bob.compare_set("elastic//pvote/7/decision", "", "11") == b"00"  # the first write stands
+    assert bob.compare_set("records/4", "", "r1s1") == b"r1s1"
+    bob.add("elastic//commit/7/s0/yes", 1)
+    bob.set("elastic//commit/7/s0/n", "2")
+    refused = [lambda: bob.compare_set("elastic//pvote/7/decision", "00", "11"),
+               lambda: bob.compare_set("elastic//commit/7/decision", "x", "11"),
+               lambda: alice.compare_set("records/4", "r1s1", "r0s1"),
+               lambda: bob.add("elastic//commit/7/s0/yes", 5),
+               lambda: bob.set("elastic//commit/7/s0/yes", "0"),
+               lambda: bob.add("elastic/events/r9s9/0/count", 0),
+               lambda: bob.add("elastic/q/s1/hb/r0s0.0", 0)]
+    for write in refused:
+        with pytest.raises(Exception, match="authority"):  # noqa: PT011 — torch wraps it
+            write()
+    assert elastic.count("authority") == len(refused)
+    assert alice.get("elastic//pvote/7/decision") == b"00"

@@ -146,12 +146,21 @@ def _quorum_heartbeat(a, who, op, m, n) -> bool:
     if op != "add" or a.slots is None:
         return False
     stage = int(m["stage"])
-    return a.slots.holds(who, m["worker"], int(m["gen"])) or (n == 0 and a.slots.holds_stage(who, stage))
+    slot_of_stage = m["worker"] in a.slots and m["worker"].endswith(f"s{stage}")
+    return a.slots.holds(who, m["worker"], int(m["gen"])) or (
+        n == 0 and slot_of_stage and a.slots.holds_stage(who, stage))
 
 
 def _counter(owner):
-    """A counter its owner moves and anyone reads by adding 0 (a launcher following a slot's events)."""
-    return lambda a, who, op, m, n: (op == "add" and n == 0) or owner(a, who, op, m, n)
+    """A counter its owner moves and anyone reads by adding 0 (a launcher following a slot's events),
+    for a slot of the run only: a slot it does not have is a key to fill the service with."""
+    return lambda a, who, op, m, n: ((op == "add" and n == 0 and a.slots is not None
+                                      and m["worker"] in a.slots) or owner(a, who, op, m, n))
+
+
+def _tally(a, who, op, m, n) -> bool:
+    """A stage's tally: each holder of the stage counts itself once (adds 0 or 1), never resets it."""
+    return op == "add" and n in (0, 1) and _stage_holder(ADD)(a, who, op, m, n)
 
 
 def _nobody(a, who, op, m, n) -> bool:
@@ -172,6 +181,9 @@ def _last_stage_holder(a, who, op, m, n) -> bool:
 
 
 NAME = r"[A-Za-z0-9_-]+"
+WRITE_ONCE = re.compile(  # decided once, by the first compare-and-set from empty; never moved after
+    r"(records/\d+|elastic/taken/r\d+s\d+/\d+|elastic/q/s\d+/at/\d+"
+    r"|elastic//(rows/\d+/fixed|(commit|pvote)/\d+/decision))\Z")
 SLOT = r"(?P<worker>r\d+s\d+)"
 GEN = r"(?P<gen>\d+)"
 STAGE = r"s(?P<stage>\d+)"
@@ -187,7 +199,8 @@ ELASTIC_FAMILIES = (  # elastic/… (``elastic/worker.py``, ``driver.py``, ``row
     Family(re.compile(rf"elastic/taken/{SLOT}/{GEN}\Z"), _claim),
     Family(re.compile(r"elastic/started\Z"), _any_holder(ADD)),
     Family(re.compile(rf"elastic//rows/\d+/links/{SLOT}\Z"), _slot_holder(SET)),
-    Family(re.compile(rf"elastic//(rows|commit)/\d+/{STAGE}/(count|n|yes|done)\Z"), _stage_holder(SET + ADD)),
+    Family(re.compile(rf"elastic//(rows|commit)/\d+/{STAGE}/n\Z"), _stage_holder(SET)),
+    Family(re.compile(rf"elastic//(rows|commit)/\d+/{STAGE}/(count|yes|done)\Z"), _tally),
     Family(re.compile(r"elastic//(rows/\d+/fixed|(commit|pvote)/\d+/decision)\Z"), _any_holder(CAS)),
     Family(re.compile(rf"elastic/q/{STAGE}/hb/{SLOT}\.{GEN}\Z"), _quorum_heartbeat),
     Family(re.compile(rf"elastic/q/{STAGE}/at/\d+/in/{SLOT}\.{GEN}\Z"), _slot_holder(SET)),
@@ -251,6 +264,15 @@ class Authority:
     def host_of_rank(self, rank: int) -> str | None:
         name = self.rank_name.get(rank)
         return None if name is None else self.host_of(name)
+
+    @staticmethod
+    def write_once_refusal(key: str, expected: bytes) -> str | None:
+        """Why a compare-and-set expecting ``expected`` may not move ``key``: a decision, a claim or a
+        record's claimant is fixed by the first write (None: it may)."""
+        worker = WORKERS.match(key)
+        if expected and worker and WRITE_ONCE.match(worker["rest"]):
+            return f"{key!r} is decided once: a compare-and-set must expect it empty"
+        return None
 
     def claim_refusal(self, who: str, key: str, desired: bytes,
                       has: Callable[[list[str]], bool]) -> str | None:

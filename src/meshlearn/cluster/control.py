@@ -311,8 +311,6 @@ class ControlService:
         timeout_s = min(max(timeout_s, 0.0), MAX_WAIT_S)
         if op in ("set", "compare_set") and (why := self.authority.speaker_refusal(who, key, values[-1])):
             return self._refuse(who, "authority", why)
-        if op == "compare_set" and (why := self.authority.claim_refusal(who, key, values[-1], state.check)):
-            return self._refuse(who, "authority", why)
         if op == "set":
             state.set(key, self.authority.attributed(who, key, values[0]))
             return {}, []
@@ -320,7 +318,11 @@ class ControlService:
             return {"value": state.add(key, amount)}, []
         if op == "compare_set":
             expected, desired = values
-            with self._claims:  # a claim's compare-and-set and the slot's move, as one
+            with self._claims:  # a claim's check, its compare-and-set and the slot's move, as one
+                why = (self.authority.claim_refusal(who, key, desired, state.check)
+                       or self.authority.write_once_refusal(key, expected))
+                if why:
+                    return self._refuse(who, "authority", why)
                 got = state.compare_set(key, expected, self.authority.attributed(who, key, desired))
                 moved = self.authority.claimed(who, key) if got == desired else None
                 if moved is not None:

@@ -38,8 +38,9 @@ class DistConfig:
     run's message bound before allocating it, and the link stays up — under gloo, a peer sending
     more bytes than the receive it meets kills the receiving process; ``auto``: tcp when the mesh
     is untrusted (verify.name = "sentinel": every link to and from the verifier), else collective
-    (NCCL keeps GPU tensors off the host). Elastic runs link their rows over gloo pair groups
-    (collective) whatever this says: tcp is refused there. With untrusted links
+    (NCCL keeps GPU tensors off the host). Elastic runs under ``elastic.membership = "torchft"``
+    link their rows over gloo pair groups (collective) whatever this says: tcp is refused there;
+    under ``"control"`` rows always link over framed streams. With untrusted links
     (``trusted_links``) ``auto`` is tcp and ``collective`` is refused."""
     trusted_links: str = "auto"
     """Whether the run may use process groups (gloo/NCCL), where a peer's malformed or oversized
@@ -51,8 +52,9 @@ class DistConfig:
     point-to-point links are tcp (``dist.links = collective`` is refused). ``auto``: false in a
     ``[cluster]`` run and with a verifier (verify.name = "sentinel"), true otherwise, and true
     wherever ``dist.links = collective`` says the links are trusted or the run is elastic
-    (torchft owns the DP axis there; ``false`` is refused with elastic.enabled). Written as a
-    string: ``trusted_links = "false"``."""
+    (torchft owns the DP axis there; ``false`` is refused with elastic membership ``torchft``;
+    membership ``control`` uses no process group, and in a ``[cluster]`` run its control service
+    accepts process groups' keys only with ``true``). Written as a string: ``trusted_links = "false"``."""
     timeout_s: float = 60.0
     """Compute slack in every deadline, in seconds: the longest a worker may compute before it
     sends what a peer waits for. The links' transfer time is added automatically. If a run stops

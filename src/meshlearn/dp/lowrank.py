@@ -1,9 +1,10 @@
 """PowerSGD's compression of a list of tensors, as two rounds of averaging (for any strategy).
 
-The same arithmetic as ``dp.powersgd.PowerSGD`` (Vogels et al. 2019), detached from gradients so a
-strategy can compress what it averages; streaming DiLoCo uses it on its pseudo-gradients
-(``dp.compress = powersgd``, the method note's DP mode B). Per matrix T (a tensor viewed as
-(shape[0], rest)), r = min(rank, n, m), with error feedback e and a warm-started Q:
+The one copy of PowerSGD's arithmetic (Vogels et al. 2019), detached from gradients so a strategy
+can compress what it averages: ``dp.powersgd.PowerSGD`` applies it to the gradients, streaming
+DiLoCo to its pseudo-gradients (``dp.compress = powersgd``, the method note's DP mode B). Per
+matrix T (a tensor viewed as (shape[0], rest)), r = min(rank, n, m), with error feedback e and a
+warm-started Q:
 
     M = T + e;  P = M·Q             → round 0 averages P (vectors travel whole in it)
     P ← orthonormal(mean P);  Q = Mᵀ·P   → round 1 averages Q
@@ -11,8 +12,8 @@ strategy can compress what it averages; streaming DiLoCo uses it on its pseudo-g
 
 Every replica starts from the same seeded Q, so the averaged factors are the same everywhere and
 T̂ is the replicas' common estimate of the mean. A round that is dropped leaves e and Q as they were.
-Under a robust rule the error is M − P·Q_iᵀ with this replica's own Q_i (``finish(own=True)``), as
-in ``dp.powersgd`` and for the same reason: what the rule left out must not be fed back.
+Under a robust rule the error is M − P·Q_iᵀ with this replica's own Q_i (``finish(own=True)``): what
+the rule left out must not be fed back (``dp.powersgd``'s docstring says why).
 """
 
 from __future__ import annotations

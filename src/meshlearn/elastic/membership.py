@@ -230,12 +230,15 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
         linked anew while it held links (``relinks``: the step, why)."""
         base = f"elastic/events/{slot.name}/{slot.generation}"
         for i in range(slot.events, int(prefixed.add(f"{base}/count", 0))):
-            event = json.loads(prefixed.get(f"{base}/{i}").decode())
+            event = _report(prefixed, f"{base}/{i}", {"event": str, "step": int})
+            slot.events = i + 1
+            if event is None:  # a holder elsewhere wrote what no worker writes: not believed
+                out.write(f"meshlearn: worker {slot.name}'s event {i} is malformed; ignored\n")
+                continue
             record(slot.name, event)
             if event["event"] == "spectates":
                 out.write(f"meshlearn: worker {slot.name} spectates from step {event['step'] + 1} "
-                          f"({event['why']}); it stays in its stage's quorum\n")
-            slot.events = i + 1
+                          f"({event.get('why')}); it stays in its stage's quorum\n")
 
     def ended(slot: Slot, code: int, why: str, free: bool = False) -> None:
         """``free``: the coordinator frees a slot held elsewhere (its machine is lost)."""
@@ -266,9 +269,9 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
             joined = f"elastic/joined/{slot.name}/{g}"
             if slot.code is None and slot.generation > 0 and not slot.joined and prefixed.check([joined]):
                 slot.joined = True  # a joiner reports its heal before any other event
-                info = json.loads(prefixed.get(joined).decode())
+                info = _report(prefixed, joined, {"step": int}) or {"step": -1}
                 record(slot.name, {"event": "joined", "step": info["step"], "pid": info.get("pid", slot.pid),
-                                   "generation": g, "at": info["at"]})
+                                   "generation": g, "at": info.get("at")})
                 out.write(f"meshlearn: worker {slot.name} joined at step {info['step'] + 1} "
                           f"(pid {info.get('pid', slot.pid)})\n")
             if slot.code is None:
@@ -277,7 +280,8 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
                 done = prefixed.check([f"elastic/finished/{slot.name}/{g}"])
                 ended(slot, 0 if done else 1, "finished" if done else "exited before the end")
             if slot.code is None and slot.remote and prefixed.check([ended_key(wid, g)]):
-                end = json.loads(prefixed.get(ended_key(wid, g)).decode())
+                end = _report(prefixed, ended_key(wid, g), {"code": int, "why": str})
+                end = end or {"code": 1, "why": "its host's report of its end is malformed"}
                 ended(slot, end["code"], end["why"])
             if slot.code is None and slot.remote and lapses and (silent := lapses.lapsed(slot.name, g)):
                 ended(slot, 1, f"its machine stopped answering: no heartbeat for {silent:.1f} s; the "
@@ -296,7 +300,9 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
                 membership[slot.name]["pid"] = slot.pid
                 if cluster is not None:
                     membership[slot.name]["host"] = host
-        if finished_at is None and any(slot.code == 0 for slot in slots.values()):
+        # the run's end is seen by a worker of this host that finished: another host's report of its
+        # own worker's end is believed for that slot, never as the end of this host's workers
+        if finished_at is None and any(slot.code == 0 and not slot.remote for slot in slots.values()):
             finished_at = time.monotonic()
         if finished_at is not None and time.monotonic() - finished_at > grace_s:
             stragglers = [p for p in procs if p.exitcode is None]
@@ -354,3 +360,15 @@ def _failure_report(codes: dict[str, int], killed: set[str], run_dir: Path) -> s
         lines.append(f"  last complete checkpoint: {checkpoint} — continue with: "
                      f"meshlearn train --resume {run_dir}")
     return "\n".join(lines)
+
+
+def _report(store, key: str, fields: dict[str, type]) -> dict | None:
+    """A JSON object a worker (maybe on another host) wrote at ``key``, with ``fields`` of their
+    types; None when it is not one (its writer is not believed, and this launcher goes on)."""
+    try:
+        value = json.loads(store.get(key).decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(value, dict) or not all(isinstance(value.get(k), t) for k, t in fields.items()):
+        return None
+    return value

@@ -44,8 +44,7 @@ whatever the outcome (every process checkpoints after the same steps): the check
 waits up to the collective's deadline for the listed shards (``ElasticCheckpoints.manifest``), and
 a member dead since the vote never writes its own, so the writer starts the next step late; an
 agreement on the store holds every member until it arrives, where a reused one would send its
-row partners into the pipeline, whose deadline is shorter (found with a process test: the partner
-left the run).
+row partners into the pipeline, whose deadline is shorter.
 A member that drops its links between the vote and the next step (a partner found dead) trains
 nothing of a reused step: its stage's counts miss its row, the step commits nowhere, and the next
 agrees on the store.
@@ -77,7 +76,7 @@ def encode_outcome(outcome: Outcome) -> str:
 
 
 def decode_outcome(raw: bytes | str) -> Outcome:
-    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
     return text[:1] == "1", text[1:2] == "1"
 
 

@@ -97,7 +97,7 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
         tls = RunTls(credentials)
         if placement.is_coordinator:  # the run's control state, behind this host's port
             authority = Authority(placement.hosts_of, placement.ranks, placement.coordinator,
-                                  trusted_groups=links_trusted(cfg), elastic=cfg.elastic.enabled,
+                                  trusted_groups=_groups_trusted(cfg), elastic=cfg.elastic.enabled,
                                   stages=cfg.mesh.stages, hosts=cfg.cluster.hosts)
             service = ControlService(tls, authority, port.counters, log=_log)
             service.serve(port.socket_path)
@@ -232,3 +232,10 @@ def _finish(store: dist.Store, cfg: RunConfig, placement: Placement, port: HostP
     records = {placement.host: port.write_record(run_dir)}  # again: the others' last words were refusable
     records |= collect_records(store, f"{KEYS}/security", [h for h in hosts if h != placement.host])
     record_refusals(run_dir, records, placement.host, hosts)
+
+
+def _groups_trusted(cfg) -> bool:
+    """Whether the control service lets any host write process groups' rendezvous keys (``pg/``).
+    An elastic cluster run (membership ``control``) uses no process group: only where the user
+    declares its links trusted."""
+    return cfg.dist.trusted_links == "true" if cfg.elastic.enabled else links_trusted(cfg)
