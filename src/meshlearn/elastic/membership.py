@@ -26,6 +26,7 @@ import multiprocessing.connection
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -75,6 +76,27 @@ def taken_key(wid: WorkerId, generation: int) -> str:
     """The pid of the joiner that took slot ``wid`` after generation ``generation`` left (in a
     cluster run ``HOST:PID``, its host's claim: ``cluster/slots.py``)."""
     return f"elastic/taken/{wid}/{generation}"
+
+
+def claim_first_free(store, mesh: MeshShape, mine: str,
+                     generation_of: Callable[[WorkerId], int | None]) -> tuple[WorkerId, int] | None:
+    """The first slot (row order: a partly taken row is filled first) whose holder of generation
+    ``generation_of(slot)`` has left, claimed by a compare-and-set of its ``taken_key`` to ``mine``:
+    the slot and that generation, or None when no slot is free. A claim the store refuses (in a
+    cluster run: another claimant moved the slot first) is a lost race; any other error is raised."""
+    for wid in mesh.workers():
+        generation = generation_of(wid)
+        if generation is None or not store.check([free_key(wid, generation)]):
+            continue
+        try:
+            won = store.compare_set(taken_key(wid, generation), "", mine)
+        except RuntimeError as err:  # torch's store wraps the control service's refusal
+            if "refused" not in str(err):
+                raise
+            continue
+        if (won.decode() if isinstance(won, bytes) else str(won)) == mine:
+            return wid, generation
+    return None
 
 
 def ended_key(wid: WorkerId, generation: int) -> str:

@@ -38,8 +38,7 @@ from meshlearn.elastic.membership import (
     RUN_FILE,
     STARTED_ENV,
     WRITER_ENV,
-    free_key,
-    taken_key,
+    claim_first_free,
 )
 from meshlearn.elastic.peer_vote import PeerVote, ReusedRows
 from meshlearn.elastic.quorum import CommitVote, StageQuorum
@@ -147,18 +146,11 @@ def prepare_join(address: str, run_dir: Path) -> RunConfig:
     refuse_join_when_verified(cfg, address)
     store = store_client(host, int(port), cfg.dist.init_timeout_s)
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
-    mine = str(os.getpid())
-    for wid in mesh.workers():  # row order: a partly taken row is filled first
-        if not store.check([generation_key(wid)]):
-            continue
-        held = int(store.get(generation_key(wid)).decode())
-        if not store.check([free_key(wid, held)]):
-            continue
-        taken = store.compare_set(taken_key(wid, held), "", mine)
-        if (taken.decode() if isinstance(taken, bytes) else str(taken)) == mine:
-            break
-    else:
+    claimed = claim_first_free(store, mesh, str(os.getpid()), lambda wid: (
+        int(store.get(generation_key(wid)).decode()) if store.check([generation_key(wid)]) else None))
+    if claimed is None:
         raise ConfigError("--join", address, "no free slot: every worker of the run is still in it")
+    wid, held = claimed
     os.environ.update({"RANK": str(mesh.rank(wid)), "WORLD_SIZE": str(mesh.world_size),
                        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": host, "MASTER_PORT": port,
                        LIGHTHOUSES_ENV: store.get(LIGHTHOUSES_KEY).decode(), JOIN_ENV: "1",

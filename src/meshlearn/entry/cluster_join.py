@@ -44,8 +44,7 @@ from meshlearn.elastic.membership import (
     JOIN_ENV,
     STARTED_ENV,
     WRITER_ENV,
-    free_key,
-    taken_key,
+    claim_first_free,
 )
 from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape, WorkerId
@@ -98,20 +97,12 @@ def received_config(store: ControlStore, name: str, address: str, port: int,
 
 
 def claim_slot(store, mesh: MeshShape, host: str) -> tuple[WorkerId, int]:
-    """The first slot (row order: a partly taken row is filled first) whose holder has left,
-    claimed in this host's name; its generation before the claim."""
-    mine = claim_value(host, os.getpid())
-    for wid in mesh.workers():
-        _, generation = parse_holder(store.get(holder_key(str(wid))).decode())
-        if not store.check([free_key(wid, generation)]):
-            continue
-        try:
-            won = store.compare_set(taken_key(wid, generation), "", mine)
-        except Exception:  # noqa: BLE001 — refused: another joiner took it first and the slot moved
-            continue
-        if (won.decode() if isinstance(won, bytes) else str(won)) == mine:
-            return wid, generation
-    raise ConfigError("--join", True, "no free slot: every worker of the run is still in it")
+    """The first free slot, claimed in this host's name; its generation before the claim."""
+    claimed = claim_first_free(store, mesh, claim_value(host, os.getpid()),
+                               lambda wid: parse_holder(store.get(holder_key(str(wid))).decode())[1])
+    if claimed is None:
+        raise ConfigError("--join", True, "no free slot: every worker of the run is still in it")
+    return claimed
 
 
 def port_socket(run_dir: Path, host: str) -> str:
