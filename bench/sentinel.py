@@ -56,7 +56,7 @@ ATTACKS: list[tuple[str, list[str], str]] = [
     ("random", ["attack.kind=random"], "N(0, σ²), σ = the message's std"),
     ("scaling", ["attack.kind=scaling"], f"c = {DEFAULTS.scale:g}"),
     ("sign_flip", ["attack.kind=sign_flip"], f"{DEFAULTS.sign_fraction:.0%} of channels"),
-    ("replay", ["attack.kind=replay"], f"delay {DEFAULTS.replay_delay} steps"),
+    ("replay", ["attack.kind=replay"], "delay {replay_delay} steps"),  # the run's, filled in below
     ("bias", ["attack.kind=bias"], f"RMS {DEFAULTS.bias:g}σ per channel"),
     ("invisible_noise", ["attack.kind=invisible_noise"], f"ρ = {DEFAULTS.noise_rho:g}"),
     ("mixed", ["attack.kind=mixed"], f"switches every {DEFAULTS.mixed_period} steps among 7"),
@@ -337,11 +337,11 @@ def main() -> None:
             continue
         overrides = [o.replace(WARMUP_START, warmup_half) for o in overrides]
         try:
-            demo_config(*base, f"attack.workers={attacker}", *overrides)
+            cfg = demo_config(*base, f"attack.workers={attacker}", *overrides)
         except ConfigError as err:  # e.g. forge_ids on a codec without index fields
             print(f"skipped {label}: {err}", flush=True)
             continue
-        specs.append((label, overrides, params))
+        specs.append((label, overrides, params.replace("{replay_delay}", str(cfg.attack.replay_delay))))
     jobs: dict[str, list[str]] = {"clean/sentinel": [*base, "verify.name=sentinel"],
                                   "clean/none": [*base, "verify.name=none"]}
     for label, overrides, _ in specs:
