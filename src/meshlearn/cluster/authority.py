@@ -146,7 +146,7 @@ def _quorum_heartbeat(a, who, op, m, n) -> bool:
     if op != "add" or a.slots is None:
         return False
     stage = int(m["stage"])
-    slot_of_stage = m["worker"] in a.slots and m["worker"].endswith(f"s{stage}")
+    slot_of_stage = m["worker"] in a.slots and int(m["worker"].rsplit("s", 1)[1]) == stage
     return a.slots.holds(who, m["worker"], int(m["gen"])) or (
         n == 0 and slot_of_stage and a.slots.holds_stage(who, stage))
 
@@ -160,7 +160,7 @@ def _counter(owner):
 
 def _tally(a, who, op, m, n) -> bool:
     """A stage's tally: each holder of the stage counts itself once (adds 0 or 1), never resets it."""
-    return op == "add" and n in (0, 1) and _stage_holder(ADD)(a, who, op, m, n)
+    return op == "add" and n in (0, 1) and a.slots is not None and a.slots.holds_stage(who, int(m["stage"]))
 
 
 def _nobody(a, who, op, m, n) -> bool:

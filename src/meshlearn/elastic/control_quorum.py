@@ -57,6 +57,20 @@ def member_worker(member: str) -> WorkerId:
     return WorkerId.parse(member.split(".", 1)[0])
 
 
+def all_pairs(connector: StreamConnector, mesh: MeshShape, me: WorkerId, members: list[WorkerId],
+              channel: str, connect_s: float, collective_s: float) -> FramedCollectives:
+    """``me``'s framed collectives over streams between every ordered pair of ``members`` (a stage's
+    quorum, the vote's group), connected on ``channel``; each collective waits ``collective_s``."""
+    rank = mesh.rank(me)
+    hops = [((a, b), mesh.rank(a), mesh.rank(b)) for a in members for b in members if a != b]
+    mine = connector.connect(rank, {channel: hops}, connect_s)[channel]
+    framed = FramedCollectives(rank, {b: mine[i] for i, (_, a, b) in enumerate(hops) if a == rank},
+                               {a: mine[i] for i, (_, a, b) in enumerate(hops) if b == rank},
+                               connector.counters)
+    framed.set_timeout(collective_s)
+    return framed
+
+
 class CountingStore:
     """The store, counting the requests made through it (each a round trip to the run's store:
     over a WAN, what the quorum costs a step). A plain wrapper, never under a ``PrefixStore``:
@@ -339,16 +353,8 @@ class ControlQuorum:
 
     def _connect(self, q: int) -> FramedCollectives:
         """Streams between every ordered pair of the record's members, on a channel of its own."""
-        rank = self.mesh.rank(self.me)
-        hops = [((member_worker(a), member_worker(b)), self.mesh.rank(member_worker(a)),
-                 self.mesh.rank(member_worker(b))) for a in self.members for b in self.members if a != b]
-        channel = f"quorum-s{self.me.stage}-q{q}"
-        mine = self.connector.connect(rank, {channel: hops}, self.timeouts.quorum_s)[channel]
-        framed = FramedCollectives(rank, {b: mine[i] for i, (_, a, b) in enumerate(hops) if a == rank},
-                                   {a: mine[i] for i, (_, a, b) in enumerate(hops) if b == rank},
-                                   self.connector.counters)
-        framed.set_timeout(self.timeouts.collective_s)
-        return framed
+        return all_pairs(self.connector, self.mesh, self.me, [member_worker(m) for m in self.members],
+                         f"quorum-s{self.me.stage}-q{q}", self.timeouts.quorum_s, self.timeouts.collective_s)
 
     def _heal(self, record: dict) -> None:
         """The donor sends its state to the record's joiners; each joiner loads it."""

@@ -63,12 +63,18 @@ import torch.distributed as dist
 
 from meshlearn.distributed.collectives import FramedCollectives, Lost, Refused
 from meshlearn.distributed.streams import StreamConnector
+from meshlearn.elastic.control_quorum import all_pairs
 from meshlearn.elastic.quorum import CommitVote
 from meshlearn.elastic.rows import Agreed, Held, RowAgreement
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
 Outcome = tuple[bool, bool]
 """(the step commits, the next step reuses its row agreement)."""
+
+
+def decision_key(step: int) -> str:
+    """Where a step's outcome is fixed when a stream failed: the first proposal stands."""
+    return f"pvote/{step}/decision"
 
 
 def encode_outcome(outcome: Outcome) -> str:
@@ -183,7 +189,7 @@ class PeerVote:
         while not self.connecting.wait(pause):
             if time.monotonic() > self.connect_until:
                 return self._settle(step, (False, False))
-            key = f"pvote/{step}/decision"
+            key = decision_key(step)
             if self.store.check([key]):
                 self.close()
                 self.mode = "broken"
@@ -217,19 +223,13 @@ class PeerVote:
         self.close()
         self.mode = "broken"
         self.settled_by_store += 1
-        won = self.store.compare_set(f"pvote/{step}/decision", "", encode_outcome(proposal))
+        won = self.store.compare_set(decision_key(step), "", encode_outcome(proposal))
         return decode_outcome(won)
 
     def _connect(self, step: int, members: tuple[WorkerId, ...]) -> FramedCollectives:
         """Streams between every ordered pair of ``members``, on a channel of this step's."""
-        rank = self.mesh.rank(self.me)
-        hops = [((a, b), self.mesh.rank(a), self.mesh.rank(b)) for a in members for b in members if a != b]
-        mine = self.connector.connect(rank, {f"pvote-{step}": hops}, self.connect_s)[f"pvote-{step}"]
-        framed = FramedCollectives(rank, {b: mine[i] for i, (_, a, b) in enumerate(hops) if a == rank},
-                                   {a: mine[i] for i, (_, a, b) in enumerate(hops) if b == rank},
-                                   self.connector.counters)
-        framed.set_timeout(self.collective_s)
-        return framed
+        return all_pairs(self.connector, self.mesh, self.me, list(members), f"pvote-{step}",
+                         self.connect_s, self.collective_s)
 
 
 class ReusedRows:
