@@ -168,6 +168,13 @@ def _untrusted_ends_reason(cfg: Any) -> str:
             "that machine, or place those workers on a trusted host (docs/cluster.md)")
 
 
+def _untrusted_verifier_host(cfg: Any) -> str | None:
+    """The host that runs the SENTINEL verifier while it is neither the coordinator nor marked
+    trusted: the verifier bans and evicts workers, so its machine's honesty is the run's."""
+    return next((name for name, host in sorted(cfg.cluster.hosts.items()) if "verifier" in host.workers
+                 and name != cfg.cluster.coordinator and not host.trusted), None)
+
+
 def _attackable(cfg: Any) -> str:
     return (f"stages 1..{cfg.mesh.stages - 2}" if cfg.mesh.stages > 2
             else "none: the mesh needs at least 3 stages to have an attackable one")
@@ -286,6 +293,16 @@ TABLE: tuple[Refusal, ...] = (
             _untrusted_ends_reason,
             ("verify.name=sentinel", "cluster.coordinator=alice", "cluster.hosts.alice.address=127.0.0.1",
              "cluster.hosts.alice.workers=r0s0,r0s1,r0s2,r0s3,r1s0,r1s1,r1s2,r1s3")),
+    Refusal((SENTINEL, relation("the verifier is placed on a [cluster] host that is neither the coordinator "
+                                "nor marked trusted", lambda c: _untrusted_verifier_host(c) is not None)),
+            "verify.name",
+            lambda c: f"host {_untrusted_verifier_host(c)} runs the verifier, which bans and evicts any "
+            f"worker, without cluster.hosts.{_untrusted_verifier_host(c)}.trusted = true: set it if you own "
+            "that machine, or leave the verifier to the coordinator (docs/cluster.md)",
+            ("verify.name=sentinel", "cluster.coordinator=alice", "cluster.hosts.alice.address=127.0.0.1",
+             "cluster.hosts.alice.workers=r0s0,r0s1,r0s2,r0s3,r1s0,r1s1,r1s2,r1s3",
+             "cluster.hosts.alice.trusted=true", "cluster.hosts.bob.address=127.0.0.2",
+             "cluster.hosts.bob.workers=verifier")),
     # --- the distributed runtime (was distributed/settings.py) ---
     Refusal((DIST, BASIS_UPDATES), "subspace_update.every",
             lambda c: "must be 0 with backend = 'dist' (only the simulator runs it so far)",

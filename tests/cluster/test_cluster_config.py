@@ -223,3 +223,18 @@ def test_ends_verified_like_any_stage_need_no_trusted_host(tmp_path):
                      ).cluster.hosts["alice"].trusted
     _load(tmp_path, THREE_STAGES, "verify.name=sentinel", "backend=dist", "verify.trusted_ends=never")
     _load(tmp_path, THREE_STAGES, "backend=dist")
+
+
+def test_the_verifier_runs_on_the_coordinator_or_a_trusted_host(tmp_path):
+    """The verifier bans and evicts any worker: a host that is neither the coordinator nor marked
+    trusted may not run it, whoever runs the ends."""
+    verified = ("verify.name=sentinel", "backend=dist", "verify.trusted_ends=never")
+    on_bob = PLACEMENT.replace('["r0s1", "r1s0"]', '["r0s1", "r1s0", "verifier"]')
+    with pytest.raises(ConfigError, match="verify.name = 'sentinel': host bob runs the verifier, which bans "
+                                          "and evicts any worker, without cluster.hosts.bob.trusted = true"):
+        _load(tmp_path, on_bob, *verified)
+    assert place(_load(tmp_path, on_bob, *verified, "cluster.hosts.bob.trusted=true"), "alice").hosts_of[
+        "verifier"] == "bob"
+    on_alice = PLACEMENT.replace('["r0s0", "r1s1"]', '["r0s0", "r1s1", "verifier"]')
+    assert place(_load(tmp_path, on_alice, *verified), "alice").hosts_of["verifier"] == "alice"
+    assert place(_load(tmp_path, PLACEMENT, *verified), "alice").hosts_of["verifier"] == "alice"
