@@ -31,6 +31,7 @@ from pathlib import Path
 from meshlearn.atomic import atomic_write_json
 from meshlearn.statefile import save_state
 from meshlearn.train.checkpoint import (
+    AGREED,
     CHECKPOINT_DIR,
     CheckpointError,
     load_checkpoint_file,
@@ -40,7 +41,6 @@ from meshlearn.train.checkpoint import (
 )
 
 HOST_MANIFEST = "host.json"
-AGREED = "agreed.json"
 KEYS = "cluster/checkpoint"  # on the rendezvous store, below the run's prefix
 
 
