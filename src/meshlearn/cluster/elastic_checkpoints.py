@@ -27,21 +27,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
 from meshlearn.atomic import atomic_write_json
-from meshlearn.cluster.checkpoints import AGREED, KEYS, agreed_steps
+from meshlearn.cluster.checkpoints import AGREED, KEYS, prune_agreed, read_json
 from meshlearn.statefile import save_state
 from meshlearn.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointError,
     load_checkpoint_file,
     sha256_file,
-    step_folders,
-    step_of,
 )
 
 RESUME_STEP_ENV = "MESHLEARN_RESUME_STEP"  # the step the launchers agreed to resume from
@@ -55,10 +52,7 @@ def resume_step() -> int | None:
 
 def read_agreement(folder: Path) -> dict | None:
     """A step folder's ``agreed.json`` (None: none, or not an agreement)."""
-    try:
-        agreement = json.loads((folder / AGREED).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+    agreement = read_json(folder / AGREED)
     shards = agreement.get("shards") if isinstance(agreement, dict) else None
     if not isinstance(shards, dict) or not all(isinstance(e, dict) for e in shards.values()):
         return None
@@ -101,7 +95,7 @@ class ElasticClusterCheckpoint:
         agreement = self._agreement(step)
         if agreement:
             atomic_write_json(folder / AGREED, agreement)
-            self._prune(step)
+            prune_agreed(self.root, self.keep, step)
         return folder
 
     def _agreement(self, step: int) -> dict | None:
@@ -117,13 +111,6 @@ class ElasticClusterCheckpoint:
             time.sleep(self.poll_s)
         agreement = json.loads(self.store.get(key))
         return agreement if agreement.get("shards") else None
-
-    def _prune(self, newest: int) -> None:
-        """Keep the newest ``keep`` agreed checkpoints; drop older folders, agreed or not."""
-        kept = {f"step-{s:06d}" for s in agreed_steps(self.root.parent)[-self.keep:]}
-        for folder in step_folders(self.root):
-            if folder.name not in kept and step_of(folder) < newest:
-                shutil.rmtree(folder, ignore_errors=True)
 
     def load(self) -> tuple[dict, dict]:
         if self.resume_step is None:
