@@ -17,6 +17,7 @@ of several minutes' worth of processes on a 2-core machine.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +27,8 @@ from cluster_run import logs
 from elastic_cluster import PORT, ElasticCluster, assert_identical, shard
 from netns import missing
 from two_hosts import PLACED, two_machines
+
+from meshlearn.cluster.checkpoints import AGREED, agreed_steps
 
 pytestmark = [pytest.mark.skipif(missing() is not None, reason=str(missing())), pytest.mark.slow]
 
@@ -75,6 +78,11 @@ def _check_the_end(cluster: ElasticCluster, codes: dict[str, int], joiner: subpr
     assert_identical(shard(alice, step, "r0s0"), shard(alice, step, "r1s0"), "stage 0")
     assert_identical(shard(bob, step, "r0s1"), shard(alice, step, "r1s1"), "stage 1")
     assert not (bob / "checkpoints" / f"step-{step:06d}" / "r1s0.pt").exists()  # its holder is alice now
+    for folder in (alice, bob):  # the newest complete checkpoint advanced past the join, on both machines
+        assert agreed_steps(folder)[-1] == step
+        agreement = json.loads((folder / "checkpoints" / f"step-{step:06d}" / AGREED).read_text())
+        assert {w: e["host"] for w, e in agreement["shards"].items()} == {
+            "r0s0": "alice", "r1s0": "alice", "r0s1": "bob", "r1s1": "alice"}
 
 
 def test_a_worker_killed_on_one_machine_is_replaced_from_another_with_the_coordinators_address(cluster):
