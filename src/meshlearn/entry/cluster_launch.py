@@ -26,7 +26,9 @@ joiners that claimed a slot from this machine, and follows the slots held elsewh
 (``elastic/membership.watch_elastic`` with ``elastic/remote.ClusterWatch``); the coordinator's
 control service keeps which host holds each slot (``cluster/slots.py``), and its launcher frees a
 lost machine's slots; ``RUN/port.json`` tells a joiner on this machine where its port agent is
-(``entry/cluster_join.py``).
+(``entry/cluster_join.py``). Its ``--resume``: the launchers report what their folders hold and
+the coordinator's picks the agreed step and the slots that start (``cluster/elastic_resume.py``);
+the others are ``absent`` and free for joiners.
 """
 
 from __future__ import annotations
