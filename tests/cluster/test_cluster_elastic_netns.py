@@ -17,142 +17,26 @@ of several minutes' worth of processes on a 2-core machine.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
-import torch
-from cluster_run import finish, issue_keys, logs, start
-from netns import Wan, missing, wan_link
-from tiny import tiny_config
+from cluster_run import logs
+from elastic_cluster import PORT, ElasticCluster, assert_identical, shard
+from netns import missing
+from two_hosts import PLACED, two_machines
 
-import meshlearn
-from meshlearn.cluster.settings import ClusterConfig, HostConfig
-from meshlearn.config import save_config
-from meshlearn.jsonl import read_records
-from meshlearn.statefile import load_state
+from meshlearn.cluster.checkpoints import AGREED, agreed_steps
 
 pytestmark = [pytest.mark.skipif(missing() is not None, reason=str(missing())), pytest.mark.slow]
-
-DELAY_MS = 5
-PORT = 29541
-HOSTS = ("alice", "bob")
-PLACED = {"alice": ("r0s0", "r1s1"), "bob": ("r0s1", "r1s0")}
 
 
 @pytest.fixture
 def wan():
-    with wan_link(DELAY_MS, "100mbit", subnet="10.231.13") as link:
+    with two_machines("10.231.13") as link:
         yield link
-
-
-class ElasticCluster:
-    """The two launchers of one elastic cluster run, and the joiners started on alice."""
-
-    def __init__(self, wan: Wan, tmp_path: Path, tiny_corpus: Path):
-        cfg = tiny_config(tiny_corpus, "backend=dist", "mesh.stages=2", "mesh.replicas=2", "train.steps=2000",
-                          "elastic.enabled=true", "elastic.membership=control", "dist.timeout_s=5",
-                          "dist.dead_after_s=2", f"link.latency_ms={DELAY_MS}", "dist.shaping=none",
-                          "dist.threads=1", "dist.init_timeout_s=90", "data.tokenizer=bpe",
-                          "data.bpe_vocab_size=300")
-        hosts = {name: HostConfig(address, PORT, PLACED[name])
-                 for name, address in zip(HOSTS, wan.addresses, strict=True)}
-        placed = dataclasses.replace(cfg, cluster=ClusterConfig("alice", hosts))
-        self.wan, self.tmp_path = wan, tmp_path
-        self.keys = issue_keys(tmp_path, HOSTS)
-        for host in HOSTS:
-            shutil.copy(tiny_corpus, tmp_path / host / "corpus.txt")
-            save_config(placed, tmp_path / host / "run.toml")
-        self.runs = {h: tmp_path / h / "runs" / "x" for h in HOSTS}
-        self.coordinator = f"{wan.addresses[0]}:{PORT}"
-        args = {h: ["--backend", "dist", "--config", "run.toml", "--out", "runs/x", "--set",
-                    "data.corpus=corpus.txt", "--key", str(self.keys[h])] for h in HOSTS}
-        self.procs = start(wan, tmp_path, HOSTS, args, "run")
-        self.joiners: list[subprocess.Popen] = []
-
-    def join(self, tag: str) -> subprocess.Popen:
-        """A joiner on alice that knows only the coordinator's address (and alice's own key)."""
-        env = os.environ | {"PYTHONPATH": str(Path(meshlearn.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-        with (self.tmp_path / f"join-{tag}.log").open("w") as log:
-            proc = self.wan.run(0, [sys.executable, "-m", "meshlearn", "train", "--join", "--host", "alice",
-                                    "--key", str(self.keys["alice"]), "--coordinator", self.coordinator,
-                                    "--out", "runs/x", "--set", "data.corpus=corpus.txt"],
-                                env=env, cwd=self.tmp_path / "alice", stdout=log, stderr=subprocess.STDOUT)
-        self.joiners.append(proc)
-        return proc
-
-    def output(self, tag: str) -> str:
-        return (self.tmp_path / f"join-{tag}.log").read_text()
-
-    def members(self) -> dict:
-        path = self.runs["alice"] / "workers.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
-
-    def event(self, name: str, kind: str, generation: int | None = None) -> dict | None:
-        """The latest ``kind`` event of slot ``name`` (a joiner's ``joined`` names its generation)."""
-        events = self.members().get(name, {}).get("events", [])
-        return next((e for e in reversed(events) if e["event"] == kind
-                     and (generation is None or e.get("generation") == generation)), None)
-
-    def steps(self) -> list[dict]:
-        """Train records of every host's folder (a step's claimant writes it), by step."""
-        found = {}
-        for run in self.runs.values():
-            path = run / "metrics.jsonl"
-            for r in read_records(path) if path.is_file() else []:
-                if r["kind"] == "train":
-                    found[r["step"]] = r
-        return [found[s] for s in sorted(found)]
-
-    def last_step(self) -> int:
-        steps = self.steps()
-        return steps[-1]["step"] if steps else 0
-
-    def wait(self, condition: Callable[[], object], timeout_s: float, what: str) -> None:
-        end = time.monotonic() + timeout_s
-        while not condition():
-            assert all(p.poll() is None for p in self.procs.values()), f"a launcher ended before {what}"
-            assert time.monotonic() < end, f"no {what} within {timeout_s} s\n{logs(self.tmp_path)}"
-            time.sleep(0.05)
-
-    def pid(self, host: str, name: str) -> int:
-        """The pid of worker ``name`` started by ``host``'s launcher (its log is its standard output)."""
-        log = str(self.runs[host] / "logs" / f"{name}.log")
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    if os.readlink(entry / "fd" / "1") == log:
-                        return int(entry.name)
-                except OSError:
-                    continue
-        raise AssertionError(f"no process of {name} on {host}")
-
-    def listeners(self, side: int) -> set[str]:
-        out = subprocess.run(["ip", "netns", "exec", self.wan.namespaces[side], "ss", "-ltnH"],
-                             capture_output=True, text=True, check=True, timeout=10).stdout
-        return {line.split()[3] for line in out.splitlines() if line.strip()}
-
-    def stop(self) -> dict[str, int]:
-        """The graceful stop: SIGTERM to r0s0, every process stops after the same step."""
-        os.kill(self.pid("alice", "r0s0"), signal.SIGTERM)
-        for j in self.joiners:
-            j.wait(timeout=120)
-        return finish(self.procs, limit_s=120)
-
-    def close(self) -> None:
-        for j in self.joiners:
-            if j.poll() is None:
-                j.kill()
-                j.wait(timeout=10)
-        finish(self.procs, limit_s=1)
 
 
 @pytest.fixture
@@ -162,19 +46,6 @@ def cluster(wan, tmp_path, tiny_corpus):
         yield run
     finally:
         run.close()
-
-
-def _shard(run: Path, step: int, name: str) -> dict:
-    return load_state(run / "checkpoints" / f"step-{step:06d}" / f"{name}.pt")["workers"][name]
-
-
-def _assert_identical(a: dict, b: dict, what: str) -> None:
-    assert a["version"] == b["version"], what
-    for key, tensor in a["module"].items():
-        assert torch.equal(tensor, b["module"][key]), f"{what}: {key}"
-    for (pa, sa), (pb, sb) in zip(a["optimizer"]["state"].items(), b["optimizer"]["state"].items(),
-                                  strict=True):
-        assert pa == pb and all(torch.equal(sa[k], sb[k]) for k in sa), f"{what}: optimizer {pa}"
 
 
 def _kill_r1s0_and_wait_for_the_spectator(cluster: ElasticCluster) -> int:
@@ -204,9 +75,14 @@ def _check_the_end(cluster: ElasticCluster, codes: dict[str, int], joiner: subpr
     assert rows[-1]["rows"] == [0, 1] and rows[-1]["committed"]
     alice, bob = cluster.runs["alice"], cluster.runs["bob"]
     step = len(rows)  # the stop's checkpoint: r0s0 and the joined r1s0 on alice, r0s1 on bob, r1s1 on alice
-    _assert_identical(_shard(alice, step, "r0s0"), _shard(alice, step, "r1s0"), "stage 0")
-    _assert_identical(_shard(bob, step, "r0s1"), _shard(alice, step, "r1s1"), "stage 1")
+    assert_identical(shard(alice, step, "r0s0"), shard(alice, step, "r1s0"), "stage 0")
+    assert_identical(shard(bob, step, "r0s1"), shard(alice, step, "r1s1"), "stage 1")
     assert not (bob / "checkpoints" / f"step-{step:06d}" / "r1s0.pt").exists()  # its holder is alice now
+    for folder in (alice, bob):  # the newest complete checkpoint advanced past the join, on both machines
+        assert agreed_steps(folder)[-1] == step
+        agreement = json.loads((folder / "checkpoints" / f"step-{step:06d}" / AGREED).read_text())
+        assert {w: e["host"] for w, e in agreement["shards"].items()} == {
+            "r0s0": "alice", "r1s0": "alice", "r0s1": "bob", "r1s1": "alice"}
 
 
 def test_a_worker_killed_on_one_machine_is_replaced_from_another_with_the_coordinators_address(cluster):

@@ -9,31 +9,26 @@ Needs root, ``ip``/``tc`` and /dev/net/tun; skipped with the reason otherwise.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import shutil
 
 import pytest
 from cluster_run import issue_keys, logs, start_all
-from netns import missing, wan_link
+from netns import missing
 from tiny import tiny_config
+from two_hosts import DELAY_MS, HOSTS, PLACED, placed, two_machines
 
-from meshlearn.cluster.settings import ClusterConfig, HostConfig
 from meshlearn.config import save_config
 from meshlearn.jsonl import read_records
 from meshlearn.train import Trainer
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
 
-DELAY_MS = 5
-HOSTS = ("alice", "bob")
-PLACED = {"alice": ("r0s0", "r1s1"), "bob": ("r0s1", "r1s0")}
-
 
 @pytest.fixture
 def wan():
-    with wan_link(DELAY_MS, "100mbit", subnet="10.231.9") as link:
+    with two_machines("10.231.9") as link:
         yield link
 
 
@@ -43,14 +38,12 @@ def test_two_machines_stop_and_resume_each_from_its_own_folder_match_the_simulat
                       "train.checkpoint_every=1", "dist.keep_checkpoints=1", "data.tokenizer=bpe",
                       "data.bpe_vocab_size=300", f"link.latency_ms={DELAY_MS}", "dist.shaping=none",
                       "dist.threads=1", "dist.init_timeout_s=90", "dist.timeout_s=30")
-    hosts = {name: HostConfig(address, 29533, PLACED[name]) for name, address in zip(HOSTS, wan.addresses,
-                                                                                      strict=True)}
-    placed = dataclasses.replace(cfg, cluster=ClusterConfig("alice", hosts))
+    on_two = placed(cfg, wan, 29533)
     keys = issue_keys(tmp_path, HOSTS)
     for host in HOSTS:  # each machine: its own folder, its own copy of the corpus at its own path
         shutil.copy(tiny_corpus, tmp_path / host / f"corpus-{host}.txt")
-    save_config(placed, tmp_path / "alice" / "run.toml")
-    save_config(placed, tmp_path / "bob" / "run.toml")
+    save_config(on_two, tmp_path / "alice" / "run.toml")
+    save_config(on_two, tmp_path / "bob" / "run.toml")
     fresh = {h: ["--backend", "dist", "--config", "run.toml", "--out", "runs/x", "--set",
                  f"data.corpus=corpus-{h}.txt", "--set", "train.stop_at_step=2", "--key", str(keys[h])]
              for h in HOSTS}

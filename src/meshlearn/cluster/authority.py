@@ -16,10 +16,11 @@ launchers' ``meshlearn-cluster/``):
   checkpoint shard entries and resume lists ``cluster/checkpoint/.../<worker>``: the host that
   runs that rank or worker;
 - a host's own records — its checkpoint manifest ``.../host/<host>``, the launcher's
-  ``done/<host>`` and ``security/<host>``: that host;
+  ``done/<host>``, ``security/<host>`` and ``resume/<host>`` (what its folder holds): that host;
 - the run's decisions — the config and tokenizer, the revocation list in force (``REVOCATIONS``:
   every other host applies it, so no host but the coordinator's may say what it is), the
-  tokenizer's ``ready``, the checkpoint agreement and resume step, the records writer's drain
+  tokenizer's ``ready``, the checkpoint agreement (in an elastic run: a holder of a last-stage slot,
+  which writes the elastic manifest) and resume step, the launchers' resume choice, the records writer's drain
   marks, state requests and resume state: the coordinator (which runs the records writer);
   rank 0's tokenizer mark: rank 0's host;
 - the verifier's verdicts and states: the verifier's host (the coordinator and the verifier's
@@ -82,6 +83,14 @@ def _owner_of_worker(a, who, op, m, n) -> bool:
 
 def _coordinator(a, who, op, m, n) -> bool:
     return op == "set" and who == a.coordinator
+
+
+def _agreement(a, who, op, m, n) -> bool:
+    """A checkpoint's agreement: the coordinator's; in an elastic run the manifest's writer, a
+    holder of a last-stage slot wherever it runs (``cluster/elastic_checkpoints.py``)."""
+    if a.slots is None:
+        return op == "set" and who == a.coordinator
+    return op == "set" and a.slots.holds_stage(who, a.stages - 1)
 
 
 def _that_host(a, who, op, m, n) -> bool:
@@ -223,7 +232,8 @@ WORKER_FAMILIES = (
     Family(re.compile(r"state_request\Z"), _coordinator_posts),
     Family(re.compile(r"resume_state\Z"), _coordinator),
     Family(re.compile(rf"truth/\d+/(?P<worker>{NAME})\Z"), _truth),
-    Family(re.compile(r"cluster/checkpoint/(\d+/agreed|resume/step)\Z"), _coordinator),
+    Family(re.compile(r"cluster/checkpoint/\d+/agreed\Z"), _agreement),
+    Family(re.compile(r"cluster/checkpoint/resume/step\Z"), _coordinator),
     Family(re.compile(rf"cluster/checkpoint/\d+/host/(?P<host>{NAME})\Z"), _that_host),
     Family(re.compile(rf"cluster/checkpoint/(\d+/shard|resume)/(?P<worker>{NAME})\Z"), _owner_of_worker),
     Family(re.compile(r"pg/.+\Z", re.DOTALL), _trusted),
@@ -231,7 +241,8 @@ WORKER_FAMILIES = (
 )
 LAUNCHER_FAMILIES = (
     Family(re.compile(r"(config|tokenizer|tokenizer_sha256|revocations)\Z"), _coordinator),
-    Family(re.compile(rf"(done|security)/(?P<host>{NAME})\Z"), _that_host),
+    Family(re.compile(rf"(done|security|resume)/(?P<host>{NAME})\Z"), _that_host),
+    Family(re.compile(r"resume\Z"), _coordinator),
 )
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from meshlearn.atomic import atomic_write_json
 from meshlearn.statefile import save_state
 from meshlearn.train.checkpoint import (
+    AGREED,
     CHECKPOINT_DIR,
     CheckpointError,
     load_checkpoint_file,
@@ -40,7 +41,6 @@ from meshlearn.train.checkpoint import (
 )
 
 HOST_MANIFEST = "host.json"
-AGREED = "agreed.json"
 KEYS = "cluster/checkpoint"  # on the rendezvous store, below the run's prefix
 
 
@@ -49,11 +49,20 @@ def agreed_steps(run_dir: Path) -> list[int]:
     return [step_of(f) for f in step_folders(Path(run_dir) / CHECKPOINT_DIR) if (f / AGREED).is_file()]
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
+    """A JSON file of a checkpoint folder (None: missing or unreadable)."""
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def prune_agreed(root: Path, keep: int, newest: int) -> None:
+    """Keep the newest ``keep`` agreed checkpoints under ``root``; drop older folders, agreed or not."""
+    kept = {f"step-{s:06d}" for s in agreed_steps(root.parent)[-keep:]}
+    for folder in step_folders(root):
+        if folder.name not in kept and step_of(folder) < newest:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class StoreWaits:
@@ -122,21 +131,14 @@ class ClusterCheckpoint:
             agreement = self.waits.get(f"{keys}/agreed", f"the coordinator's agreement on step {step}",
                                        self.deadline_s)
             atomic_write_json(folder / AGREED, json.loads(agreement))
-        self._prune(step)
+        prune_agreed(self.root, self.keep, step)
         return folder
-
-    def _prune(self, newest: int) -> None:
-        """Keep the newest ``keep`` agreed checkpoints; drop older folders, agreed or not."""
-        kept = {f"step-{s:06d}" for s in agreed_steps(self.root.parent)[-self.keep:]}
-        for folder in step_folders(self.root):
-            if folder.name not in kept and step_of(folder) < newest:
-                shutil.rmtree(folder, ignore_errors=True)
 
     def _intact(self) -> list[int]:
         """Steps whose folder here holds this worker's shard as its host's manifest lists it."""
         steps = []
         for folder in step_folders(self.root):
-            listed = (_read_json(folder / HOST_MANIFEST) or {}).get("shards", {}).get(self.shard)
+            listed = (read_json(folder / HOST_MANIFEST) or {}).get("shards", {}).get(self.shard)
             path = folder / f"{self.shard}.pt"
             if listed and path.is_file() and path.stat().st_size == listed["size"]:
                 steps.append(step_of(folder))

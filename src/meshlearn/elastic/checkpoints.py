@@ -46,15 +46,20 @@ class ElasticCheckpoints:
         then agrees its rows on the store (``peer_vote.ReusedRows``)."""
         return self.last_taken is not None and self.last_taken > step
 
+    def writes(self) -> bool:
+        """Whether this worker writes the manifest: the last stage of the first row that trained."""
+        rows = self.rows()
+        return bool(rows) and self.me == WorkerId(rows[0][-1], self.mesh.stages - 1)
+
     def manifest(self, step: int) -> tuple[list[str], bool]:
         """This worker's shard of the checkpoint after ``step`` steps is on disk: say so; the
         manifest's writer then collects the listed shards that are."""
         key = f"elastic/checkpoint/{step}"
         self.last_taken = step
         self.store.set(f"{key}/{self.me}", "1")
-        rows = self.rows()
-        if not rows or self.me != WorkerId(rows[0][-1], self.mesh.stages - 1):  # the first row's last stage
+        if not self.writes():
             return [], False
+        rows = self.rows()
         wanted = [WorkerId(r, s) for row in rows for s, r in enumerate(row)]
         end = time.monotonic() + self.deadline_s
         while not self.store.check([f"{key}/{w}" for w in wanted]) and time.monotonic() < end:

@@ -50,6 +50,7 @@ from collections.abc import Callable
 
 import torch
 
+from meshlearn.cluster.elastic_checkpoints import ElasticClusterCheckpoint, resume_step
 from meshlearn.cluster.placement import elastic_writer
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import RowBroken, WorkerFailure
@@ -105,10 +106,13 @@ class ElasticDriver(Evictions, DistDriver):
         writer = os.environ.get(WRITER_ENV, str(WorkerId(0, self.mesh.stages - 1)))
         self.writes_records = writer == str(self.me)
         # a cluster run's records go to the coordinator's folder while its last stage is in the run;
-        # its checkpoints are the rows' shards on the hosts that hold them, no agreement of hosts
+        # its checkpoints are the rows' shards on the hosts that held them, agreed on the control
+        # service and recorded in every host's folder (cluster/elastic_checkpoints.py)
         self.records = ElasticRecords(progress, self.mesh, self.me, lambda: self.rows,
                                       WorkerId.parse(elastic_writer(cfg)) if self.cluster else None)
-        self.checkpoint_store = None
+        self.checkpoint_store = None if self.cluster is None else lambda run_dir: ElasticClusterCheckpoint(
+            run_dir, str(self.me), self.cluster.placement.host, self.checkpoint_membership, progress,
+            self.deadlines.collective_s, cfg.dist.keep_checkpoints, resume_step())
         self.current: QuorumStep | None = None
         self.uncommitted = 0  # steps this worker trained whose update was dropped everywhere
         self.spectated = 0  # steps this worker applied without training (its row incomplete)

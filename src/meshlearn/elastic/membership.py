@@ -221,9 +221,11 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
     lapses = (Lapses(prefixed, cluster.ranks, cluster.dead_after_s)
               if cluster is not None and cluster.coordinator and cluster.dead_after_s > 0 else None)
     for name in absent:
-        slots[name] = Slot(name, code=EXIT_LEFT)
-        prefixed.set(generation_key(WorkerId.parse(name)), "0")
-        prefixed.set(free_key(WorkerId.parse(name), 0), str(_last_step(prefixed, name)))
+        remote = cluster is not None and name in cluster.remote
+        slots[name] = Slot(name, code=EXIT_LEFT, remote=remote)
+        if not remote:  # its host frees it; the others follow its claim
+            prefixed.set(generation_key(WorkerId.parse(name)), "0")
+            prefixed.set(free_key(WorkerId.parse(name), 0), str(_last_step(prefixed, name)))
     killed: set[str] = set()
     finished_at: float | None = None
     position = 0

@@ -26,7 +26,9 @@ joiners that claimed a slot from this machine, and follows the slots held elsewh
 (``elastic/membership.watch_elastic`` with ``elastic/remote.ClusterWatch``); the coordinator's
 control service keeps which host holds each slot (``cluster/slots.py``), and its launcher frees a
 lost machine's slots; ``RUN/port.json`` tells a joiner on this machine where its port agent is
-(``entry/cluster_join.py``).
+(``entry/cluster_join.py``). Its ``--resume``: the launchers report what their folders hold and
+the coordinator's picks the agreed step and the slots that start (``cluster/elastic_resume.py``);
+the others are ``absent`` and free for joiners.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from meshlearn.cluster.checkpoints import agreed_steps
 from meshlearn.cluster.control import ControlService
 from meshlearn.cluster.control_store import ControlLine, ControlStore, follow_revocations
 from meshlearn.cluster.control_wire import ControlRefused
+from meshlearn.cluster.elastic_checkpoints import RESUME_STEP_ENV
+from meshlearn.cluster.elastic_resume import ResumePlan, plan_resume
 from meshlearn.cluster.hostport import HostPort
 from meshlearn.cluster.placement import PORT_FILE, Placement, elastic_writer
 from meshlearn.cluster.role import HOST_ENV
@@ -73,6 +77,7 @@ from meshlearn.entry.launch import (  # one machine's launcher: the same childre
 )
 from meshlearn.entry.worker import refuse_resume
 from meshlearn.errors import ConfigError
+from meshlearn.mesh.topology import WorkerId
 from meshlearn.net.keys import Credentials
 from meshlearn.net.tls import Refused, RunTls
 from meshlearn.train.signals import STOPPING
@@ -85,9 +90,6 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
     resume = "--resume" in worker_argv
     if resume:
         refuse_resume(cfg, run_dir)
-        if cfg.elastic.enabled:  # its checkpoints' shards are on the hosts that held the slots then
-            raise ConfigError("--resume", str(run_dir), "an elastic cluster run cannot resume yet "
-                                                        "(docs/cluster.md, 'Not yet'): start it anew")
     run_dir = Path(run_dir)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -104,13 +106,17 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
             service.watch_revocations()  # the owner revokes by replacing ca.crl here: no restart
         line = ControlLine(tls, placement.store_address, placement.store_port, placement.coordinator)
         store = _join_coordinator(cfg, run_dir, placement, line, resume)
+        plan = None
+        if resume and cfg.elastic.enabled:  # the step, and the slots whose shards are on their hosts
+            plan = plan_resume(store, run_dir, placement, sorted(cfg.cluster.hosts), cfg.mesh.stages,
+                               cfg.dist.init_timeout_s)
         if cfg.elastic.enabled:  # where a joiner on this machine finds its host's port
             atomic_write_json(run_dir / PORT_FILE, {"socket": str(port.socket_path), "host": placement.host})
         if not placement.is_coordinator:  # the coordinator's list, here too
             watch = follow_revocations(line, port.counters, _log)
             watch.look()  # before any worker starts: its links listen under the coordinator's list
             watch.start()
-        return _run_workers(worker_argv, cfg, run_dir, placement, port, store, out)
+        return _run_workers(worker_argv, cfg, run_dir, placement, port, store, out, plan)
     finally:
         if watch is not None:
             watch.close()
@@ -125,13 +131,17 @@ def _log(line: str) -> None:
 
 
 def _run_workers(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement: Placement, port: HostPort,
-                 store: dist.Store, out: TextIO) -> int:
+                 store: dist.Store, out: TextIO, plan: ResumePlan | None = None) -> int:
+    """``plan``: an elastic resume's (``cluster/elastic_resume.py``): only its slots start, from its step."""
     logs = run_dir / "logs"
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["meshlearn.entry.worker", "torch._dynamo"])
     local = len(placement.processes)
+    absent = [] if plan is None else [name for name in placement.ranks if name not in plan.start]
     procs = []
     for local_rank, (name, rank) in enumerate(placement.processes.items()):
+        if name in absent:
+            continue
         env = {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(placement.world),
                "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": "0",
                "MASTER_ADDR": placement.store_address, "MASTER_PORT": str(placement.store_port),
@@ -141,8 +151,10 @@ def _run_workers(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placemen
                "GLOO_SOCKET_IFNAME": placement.interface, BIND_ADDRESS_ENV: placement.address,
                HOST_ENV: placement.host, **port.worker_env(run_dir)}
         if cfg.elastic.enabled:  # every initial worker of every host, and the records' first writer
-            env |= {STARTED_ENV: str(cfg.mesh.replicas * cfg.mesh.stages),
-                    WRITER_ENV: elastic_writer(cfg)}
+            env |= {STARTED_ENV: str(len(plan.start) if plan else cfg.mesh.replicas * cfg.mesh.stages),
+                    WRITER_ENV: _first_writer(cfg, plan)}
+        if plan is not None:
+            env[RESUME_STEP_ENV] = str(plan.step)
         log = logs / f"{name}.log"
         with log.open("a") as f:
             f.write(f"--- meshlearn worker {name} (rank {rank}) on host {placement.host} "
@@ -154,9 +166,11 @@ def _run_workers(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placemen
     membership = {name: {"rank": rank, "host": placement.hosts_of[name], "pid": pids.get(name),
                          "events": [{"event": "joined", "step": 0}]}
                   for name, rank in placement.ranks.items()}
+    for name in absent:
+        membership[name] |= {"pid": None, "events": [{"event": "absent", "why": _absent_why(name, plan)}]}
     if placement.is_coordinator:
         atomic_write_json(run_dir / WORKERS_FILE, membership)
-    writer = elastic_writer(cfg) if cfg.elastic.enabled else placement.writer
+    writer = _first_writer(cfg, plan) if cfg.elastic.enabled else placement.writer
     echo = writer if placement.is_coordinator else next(iter(placement.processes), None)
     echo_log = logs / f"{echo}.log"  # a host with no worker of its own echoes nothing
     stopping = forward_signals(procs, STOPPING)
@@ -167,7 +181,8 @@ def _run_workers(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placemen
             watch = ClusterWatch(placement.host, remote, placement.is_coordinator, placement.ranks,
                                  dead_after_s=2 * timeouts.heartbeat_s + 5.0)  # a lost machine's slots
             code = watch_elastic(procs, store, membership, run_dir, echo_log, out,
-                                 grace_s=timeouts.quorum_s + timeouts.heartbeat_s + 10.0, cluster=watch)
+                                 grace_s=timeouts.quorum_s + timeouts.heartbeat_s + 10.0, absent=absent,
+                                 cluster=watch)
             _finish(store, cfg, placement, port, run_dir)
             return code
         codes = watch_children(procs, cfg, echo_log, out)
@@ -192,6 +207,21 @@ def _run_workers(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placemen
                   "  no agreed checkpoint yet: start the run again")
     print("\n".join(report), file=sys.stderr)
     return 1
+
+
+def _first_writer(cfg: RunConfig, plan: ResumePlan | None) -> str:
+    """An elastic run's first writer of config.toml, run.json and metrics.jsonl: the coordinator's
+    last stage, or on a resume that does not start it the first last stage that starts."""
+    writer = elastic_writer(cfg)
+    if plan is None or writer in plan.start:
+        return writer
+    last = [WorkerId.parse(name) for name in plan.start if WorkerId.parse(name).stage == cfg.mesh.stages - 1]
+    return str(min(last, key=lambda w: w.replica))
+
+
+def _absent_why(name: str, plan: ResumePlan) -> str:
+    return (f"its shard of the checkpoint resumed from (step {plan.step}) is not on the host the placement "
+            "gives it" if name in plan.listed else f"not in the checkpoint resumed from (step {plan.step})")
 
 
 def _join_coordinator(cfg: RunConfig, run_dir: Path, placement: Placement, line: ControlLine,

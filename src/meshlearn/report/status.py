@@ -41,8 +41,7 @@ def _is_cluster(run: RunData) -> bool:
 def run_status(run: RunData) -> RunStatus:
     step, total = _last_step(run), _total(run)
     at = f"step {step if step is not None else 0} of {total if total is not None else '?'}"
-    resume = resume_hint(run.path, cluster=_is_cluster(run),
-                         elastic=bool((run.config.get("elastic") or {}).get("enabled")))
+    resume = resume_hint(run.path, cluster=_is_cluster(run))
     holder = running_holder(run.path)
     if holder is not None:
         who = f" (pid {holder['pid']} on {holder['host']})" if "pid" in holder and "host" in holder else ""

@@ -35,6 +35,7 @@ PREVIOUS = "checkpoint.prev.pt"
 SINGLE_MANIFEST = "checkpoint.json"
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST = "manifest.json"
+AGREED = "agreed.json"  # a cluster run's agreement that a checkpoint is complete (cluster/checkpoints.py)
 
 __all__ = ["CheckpointError"]  # defined with the file format (meshlearn/statefile.py), raised here too
 
@@ -244,6 +245,11 @@ def load_run_state(run_dir: Path) -> dict:
     if (run_dir / CHECKPOINT).is_file() or (run_dir / PREVIOUS).is_file():
         return load_verified(run_dir)
     folder = latest_complete(run_dir)
+    agreed = [f for f in step_folders(run_dir / CHECKPOINT_DIR) if (f / AGREED).is_file()]
+    if folder is None and agreed:
+        raise FileNotFoundError(f"{run_dir}: one machine's folder of a cluster run: its newest agreed "
+                                f"checkpoint (step {step_of(agreed[-1])}) holds only this machine's shards, "
+                                "and no machine holds every shard (docs/cluster.md, 'Not yet')")
     if folder is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint; train (or resume) the run first")
     state: dict = {"workers": {}}

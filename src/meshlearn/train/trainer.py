@@ -348,8 +348,7 @@ class Trainer:
         signal_name = self.interrupted or (stop.name if stop is not None else None)
         return closing(summary, self.cfg.train.steps, self.cfg.train.stop_at_step, signal_name,
                        stop.exit_code if stop is not None else 0, self.run_dir, rates,
-                       cluster=self.cfg.backend == "dist" and self.cfg.cluster.enabled,
-                       elastic=self.cfg.elastic.enabled)
+                       cluster=self.cfg.backend == "dist" and self.cfg.cluster.enabled)
 
     def _writes_summary(self) -> bool:
         """The records' writer; under a sink, the process that wrote the last step's records."""

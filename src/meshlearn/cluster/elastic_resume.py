@@ -1,0 +1,139 @@
+"""Which checkpoint an elastic cluster run resumes from, and which slots start: decided by the
+coordinator's launcher from what every host's folder holds, before any worker starts.
+
+Why at the launchers: under elastic membership a checkpoint's shards are where the slots' holders
+ran at that step (``cluster/elastic_checkpoints.py``), so which processes can start from their own
+machine's folder is known only once every host has said what it holds; and a slot that does not
+start must be free for joiners from its first quorum on, which its host's launcher arranges.
+
+- Each host's launcher reports ``meshlearn-cluster/resume/<host>``: for every agreed checkpoint in
+  its folder, the agreement and the slots whose shard the agreement places on this host and whose
+  file is here at the listed size (its SHA-256 is checked by the process that loads it).
+- The coordinator's launcher waits for every host of the placement (each must run ``--resume``),
+  and picks the newest step whose agreement every host that holds one holds identically and that
+  can start a replica of every stage: a slot starts when its shard is on the host the placement
+  gives it. Its choice (``meshlearn-cluster/resume``) is the same for every host: the step, and
+  the slots that start; or why none can.
+- A slot whose shard is not on its placement's host — a joiner from another machine held it when
+  the checkpoint was taken — and a slot the checkpoint does not list do not start: they are
+  ``absent`` and free for ``meshlearn train --join`` (its joiner heals from a live replica), as on
+  one machine (``elastic/membership.resume_absent``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from meshlearn.cluster.elastic_checkpoints import read_agreement
+from meshlearn.cluster.placement import Placement
+from meshlearn.cluster.shared import KEYS
+from meshlearn.cluster.slots import SLOT
+from meshlearn.errors import ConfigError
+from meshlearn.mesh.topology import WorkerId
+from meshlearn.train.checkpoint import CHECKPOINT_DIR, step_folders, step_of
+
+CHOICE = f"{KEYS}/resume"
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    step: int  # the agreed checkpoint every started slot loads
+    start: tuple[str, ...]  # the slots that start from it (in every host); the others are absent
+    listed: tuple[str, ...] = ()  # the slots its agreement lists (some may be held off their hosts)
+
+
+def holdings(run_dir: Path, host: str) -> dict[str, dict]:
+    """This folder's agreed checkpoints: step → its agreement and the slots it holds for ``host``."""
+    held = {}
+    for folder in step_folders(Path(run_dir) / CHECKPOINT_DIR):
+        agreement = read_agreement(folder)
+        if agreement is None:
+            continue
+        holds = [slot for slot, entry in sorted(agreement["shards"].items()) if entry.get("host") == host
+                 and (shard := folder / f"{slot}.pt").is_file() and shard.stat().st_size == entry.get("size")]
+        held[str(step_of(folder))] = {"agreement": agreement, "holds": holds}
+    return held
+
+
+def choose(reports: Mapping[str, dict], hosts_of: Mapping[str, str], stages: int) -> ResumePlan | str:
+    """The plan from every host's ``holdings`` (host → report), or why no checkpoint can resume."""
+    steps = sorted({int(s) for report in reports.values() for s in report}, reverse=True)
+    if not steps:
+        return "no machine's folder holds an agreed checkpoint of this run"
+    reasons = []
+    for step in steps:
+        why = _unusable(reports, step, hosts_of, stages)
+        if why is None:
+            shards = _agreement(reports, step)["shards"]
+            start = tuple(slot for slot, entry in sorted(shards.items())
+                          if hosts_of.get(slot) == entry["host"])
+            return ResumePlan(step, start, tuple(sorted(shards)))
+        reasons.append(f"step {step}: {why}")
+    return "; ".join(reasons[:2])
+
+
+def _agreement(reports: Mapping[str, dict], step: int) -> dict:
+    return next(report[str(step)]["agreement"] for report in reports.values() if str(step) in report)
+
+
+def _unusable(reports: Mapping[str, dict], step: int, hosts_of: Mapping[str, str], stages: int) -> str | None:
+    """Why the agreed checkpoint of ``step`` cannot resume the run (None: it can)."""
+    agreement = _agreement(reports, step)
+    if any(report[str(step)]["agreement"] != agreement for report in reports.values() if str(step) in report):
+        return "the machines' agreed.json differ"
+    on: dict[str, list[str]] = {}
+    for slot, entry in sorted(agreement["shards"].items()):
+        on.setdefault(entry["host"], []).append(slot)
+    for host, slots in on.items():
+        held = reports.get(host, {}).get(str(step), {}).get("holds", [])
+        if lacking := [slot for slot in slots if slot not in held]:
+            return (f"host {host}'s folder lacks its agreed shards {', '.join(lacking)} "
+                    f"(checkpoints/step-{step:06d})")
+    placed = {WorkerId.parse(slot).stage for slot, entry in agreement["shards"].items()
+              if hosts_of.get(slot) == entry["host"]}
+    if missing := sorted(set(range(stages)) - placed):
+        shards = sorted(agreement["shards"].items())
+        elsewhere = ", ".join(f"{slot} on {entry['host']}" for slot, entry in shards
+                              if WorkerId.parse(slot).stage == missing[0])
+        return (f"no shard of stage {missing[0]} is on the host its placement names (a joiner's from "
+                f"another machine: {elsewhere})")
+    return None
+
+
+def plan_resume(store, run_dir: Path, placement: Placement, hosts: list[str], stages: int,
+                timeout_s: float) -> ResumePlan:
+    """Report this host's holdings, let the coordinator choose, and return its choice; ConfigError
+    (one line, the same on every host) when no agreed checkpoint can resume the run. ``hosts``:
+    every host of the placement (each reports)."""
+    store.set(f"{CHOICE}/{placement.host}", json.dumps(holdings(run_dir, placement.host)))
+    store.set_timeout(timedelta(seconds=timeout_s))
+    if placement.is_coordinator:
+        reports = {h: _report(store.get(f"{CHOICE}/{h}")) for h in hosts}  # waits for every host
+        plan = choose(reports, placement.hosts_of, stages)
+        store.set(CHOICE, json.dumps({"step": plan.step, "start": plan.start, "listed": plan.listed}
+                                     if isinstance(plan, ResumePlan) else {"step": -1, "why": plan}))
+    choice = json.loads(store.get(CHOICE))
+    if choice["step"] < 0:
+        raise ConfigError("--resume", str(run_dir), f"no agreed checkpoint can resume this elastic cluster "
+                                                    f"run ({choice['why']}): start it anew")
+    return ResumePlan(int(choice["step"]), tuple(choice["start"]), tuple(choice["listed"]))
+
+
+def _report(value: bytes) -> dict:
+    """A host's holdings as sent (authenticated by the control service, bounded by its value
+    limit); one that is not a report of agreements counts as holding nothing."""
+    try:
+        report = json.loads(value)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    if not isinstance(report, dict):
+        return {}
+    return {step: held for step, held in report.items() if step.isdigit() and str(int(step)) == step
+            and isinstance(held, dict) and isinstance(held.get("holds"), list)
+            and isinstance(held.get("agreement"), dict) and isinstance(held["agreement"].get("shards"), dict)
+            and all(SLOT.match(slot) and isinstance(e, dict) and isinstance(e.get("host"), str)
+                    for slot, e in held["agreement"]["shards"].items())}
