@@ -509,8 +509,10 @@ def test_a_newcomer_claims_one_free_slot_with_its_port_and_writes_only_its_recor
     joe.add("hb/2", 1)  # r1s0's rank
     joe.add("elastic/q/s0/hb/r1s0.1", 1)
     refused = [lambda: joe.set("progress/r0s1", "6"), lambda: joe.add("hb/1", 1),
-               lambda: joe.set("elastic/events/r0s1/0/0", "{}"), lambda: joe.set("elastic/address/joe", "1.2.3.4:1"),
-               lambda: bob.set("elastic/address/joe", "1.2.3.4:1"), lambda: joe.set("elastic/free/r0s1/0", "5"),
+               lambda: joe.set("elastic/events/r0s1/0/0", "{}"),
+               lambda: joe.set("elastic/address/joe", "1.2.3.4:1"),
+               lambda: bob.set("elastic/address/joe", "1.2.3.4:1"),
+               lambda: joe.set("elastic/free/r0s1/0", "5"),
                lambda: bob.set("progress/r1s0", "7")]
     for write in refused:
         with pytest.raises(Exception, match="authority"):  # noqa: PT011
@@ -527,15 +529,16 @@ def test_a_revoked_or_unelastic_newcomer_is_refused_in_the_handshake(keys) -> No
     with _serving(keys, authority=authority) as service:
         with pytest.raises(Refused):
             _handshake(service, service.tls("eve"))
-        assert wait_until(lambda: service.count("handshake_failed") + service.count("certificate_refused") == 1)
+        assert wait_until(lambda: service.count("handshake_failed")
+                          + service.count("certificate_refused") == 1)
     lines: list[str] = []
     with _serving(keys) as service:
         service.service.log = lines.append
         with pytest.raises(Refused, match="closed without admitting us"):
             _handshake(service, service.tls("joe"))
         assert wait_until(lambda: service.count("identity_refused") == 1)
-    assert lines == ["meshlearn control: refused newcomer joe: joe (joiner) is no host of this run's placement, "
-                     "and only an elastic run admits newcomers"]
+    assert lines == ["meshlearn control: refused newcomer joe: joe (joiner) is no host of this run's "
+                     "placement, and only an elastic run admits newcomers"]
 
 
 def test_a_newcomer_may_not_hold_a_trusted_end() -> None:
@@ -549,9 +552,10 @@ def test_a_newcomer_may_not_hold_a_trusted_end() -> None:
     def free(key: list[str]) -> bool:
         return True  # every generation 0 has left
 
+    claim = b"joe:1@10.0.0.9:1"
     for slot in ("r0s0", "r1s2"):
-        why = authority.claim_refusal("joe", f"meshlearn/0//elastic/taken/{slot}/0", b"joe:1@10.0.0.9:1", free)
+        why = authority.claim_refusal("joe", f"meshlearn/0//elastic/taken/{slot}/0", claim, free)
         assert why is not None and "verify.trusted_ends assumes stage" in why
-    assert authority.claim_refusal("joe", "meshlearn/0//elastic/taken/r1s1/0", b"joe:1@10.0.0.9:1", free) is None
+    assert authority.claim_refusal("joe", "meshlearn/0//elastic/taken/r1s1/0", claim, free) is None
     assert authority.claim_refusal("alice", "meshlearn/0//elastic/taken/r0s0/0", b"alice:1", free) is None
     assert Authority(placed, {}, "alice").admission_refusal(Identity("joe", "joiner")) is not None
