@@ -26,7 +26,7 @@ from meshlearn.cluster.control_store import ControlLine, ControlStore
 from meshlearn.cluster.control_wire import MAX_FRAME, ControlRefused, receive
 from meshlearn.net.counters import Counters
 from meshlearn.net.frames import PREFIX
-from meshlearn.net.keys import Credentials, add_joiner, create_run, revoke
+from meshlearn.net.keys import Credentials, Identity, add_joiner, create_run, revoke
 from meshlearn.net.port import PortAgent, dial
 from meshlearn.net.tls import Refused, RunTls
 
@@ -39,7 +39,9 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("keys")
     create_run(root / "run", ["alice", "bob", "carol"], "test-run")
     add_joiner(root / "run", "joe")
+    add_joiner(root / "run", "eve")
     revoke(root / "run", "carol")
+    revoke(root / "run", "eve")
     create_run(root / "other", ["bob"], "another-run")
     return {"run": root / "run", "other": root / "other"}
 
@@ -481,3 +483,79 @@ def test_decisions_stand_once_written_and_tallies_count_each_holder_once(elastic
             write()
     assert elastic.count("authority") == len(refused)
     assert alice.get("elastic//pvote/7/decision") == b"00"
+
+
+def test_a_newcomer_claims_one_free_slot_with_its_port_and_writes_only_its_records(elastic: Service) -> None:
+    """A newcomer (a joiner's certificate, no host of the placement) is admitted to an elastic run:
+    it writes nothing before it holds a slot; its claim must carry its inbound port, which the
+    service publishes for the members that connect to it; then it writes that slot's records and
+    no other slot's, and may not claim a second slot. A host may not attach an address."""
+    joe, bob = _workers(elastic.store("joe")), _workers(elastic.store("bob"))
+    assert joe.get("elastic/holder/r1s0") == b"bob.0"  # it reads the run's view like a host
+    with pytest.raises(Exception, match="authority"):  # noqa: PT011 — torch wraps it
+        joe.set("progress/r1s0", "1")  # not its slot (yet)
+    bob.set("elastic/free/r1s0/0", "5")
+    bob.set("elastic/free/r0s1/0", "5")
+    with pytest.raises(Exception, match="must attach its inbound port"):  # noqa: PT011
+        joe.compare_set("elastic/taken/r1s0/0", "", "joe:42")
+    with pytest.raises(Exception, match="claims with its placement's address"):  # noqa: PT011
+        bob.compare_set("elastic/taken/r1s0/0", "", "bob:42@10.0.0.9:29500")
+    with pytest.raises(Exception, match="may claim r1s0 only for itself, not for bob"):  # noqa: PT011
+        joe.compare_set("elastic/taken/r1s0/0", "", "bob:42@10.0.0.9:29500")
+    assert joe.compare_set("elastic/taken/r1s0/0", "", "joe:42@10.0.0.9:29500") == b"joe:42@10.0.0.9:29500"
+    assert bob.get("elastic/holder/r1s0") == b"joe.1"
+    assert bob.get("elastic/address/joe") == b"10.0.0.9:29500"
+    joe.set("progress/r1s0", "6")
+    joe.add("hb/2", 1)  # r1s0's rank
+    joe.add("elastic/q/s0/hb/r1s0.1", 1)
+    refused = [lambda: joe.set("progress/r0s1", "6"), lambda: joe.add("hb/1", 1),
+               lambda: joe.set("elastic/events/r0s1/0/0", "{}"),
+               lambda: joe.set("elastic/address/joe", "1.2.3.4:1"),
+               lambda: bob.set("elastic/address/joe", "1.2.3.4:1"),
+               lambda: joe.set("elastic/free/r0s1/0", "5"),
+               lambda: bob.set("progress/r1s0", "7")]
+    for write in refused:
+        with pytest.raises(Exception, match="authority"):  # noqa: PT011
+            write()
+    with pytest.raises(Exception, match="newcomer joe holds r1s0 already"):  # noqa: PT011
+        joe.compare_set("elastic/taken/r0s1/0", "", "joe:43@10.0.0.9:29500")
+    assert bob.compare_set("elastic/taken/r0s1/0", "", "bob:9") == b"bob:9"  # the slot stays free for others
+
+
+def test_a_revoked_or_unelastic_newcomer_is_refused_in_the_handshake(keys) -> None:
+    """A revoked joiner never finishes its handshake with an elastic run's service; a valid one is
+    refused by a run that is not elastic, with one line in the coordinator's log."""
+    authority = Authority(ELASTIC_HOSTS_OF, ELASTIC_RANKS, "alice", elastic=True, stages=2)
+    with _serving(keys, authority=authority) as service:
+        with pytest.raises(Refused):
+            _handshake(service, service.tls("eve"))
+        assert wait_until(lambda: service.count("handshake_failed")
+                          + service.count("certificate_refused") == 1)
+    lines: list[str] = []
+    with _serving(keys) as service:
+        service.service.log = lines.append
+        with pytest.raises(Refused, match="closed without admitting us"):
+            _handshake(service, service.tls("joe"))
+        assert wait_until(lambda: service.count("identity_refused") == 1)
+    assert lines == ["meshlearn control: refused newcomer joe: joe (joiner) is no host of this run's "
+                     "placement, and only an elastic run admits newcomers"]
+
+
+def test_a_newcomer_may_not_hold_a_trusted_end() -> None:
+    """Where verify.trusted_ends assumes the first and last stages honest, only a host marked trusted
+    runs them (the compat row): a newcomer is refused those slots, not a middle one."""
+    placed = {f"r{r}s{s}": "alice" for r in range(2) for s in range(3)}
+    authority = Authority(placed, {w: i for i, w in enumerate(placed)}, "alice", elastic=True, stages=3,
+                          trusted_ends=True)
+    assert authority.admission_refusal(Identity("joe", "joiner")) is None
+
+    def free(key: list[str]) -> bool:
+        return True  # every generation 0 has left
+
+    claim = b"joe:1@10.0.0.9:1"
+    for slot in ("r0s0", "r1s2"):
+        why = authority.claim_refusal("joe", f"meshlearn/0//elastic/taken/{slot}/0", claim, free)
+        assert why is not None and "verify.trusted_ends assumes stage" in why
+    assert authority.claim_refusal("joe", "meshlearn/0//elastic/taken/r1s1/0", claim, free) is None
+    assert authority.claim_refusal("alice", "meshlearn/0//elastic/taken/r0s0/0", b"alice:1", free) is None
+    assert Authority(placed, {}, "alice").admission_refusal(Identity("joe", "joiner")) is not None

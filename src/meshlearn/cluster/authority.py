@@ -41,7 +41,14 @@ launchers' ``meshlearn-cluster/``):
   failed stream, a row's links dropped, ``elastic/started``): any slot holder; the records' claim
   ``records/<step>``: a holder of a last-stage slot; ``elastic/free/<slot>/<g>``: generation g's holder (its
   launcher) or the coordinator; ``elastic/taken/<slot>/<g>``: a claim, checked by the slot table
-  (``claim_refusal``); ``elastic/holder/<slot>``: nobody (the service publishes it).
+  (``claim_refusal``); ``elastic/holder/<slot>`` and a newcomer's ``elastic/address/<name>``: nobody
+  (the service publishes them).
+
+Newcomers (``admission_refusal``): in an elastic run, a peer whose certificate of the run's CA says
+``joiner`` (``meshlearn keys --add``; a revoked one never finishes its handshake) is admitted as a
+participant outside the placement. It reads what every host reads (the config, the tokenizer, the
+holders) and writes by the same rules, which give it nothing until it holds a slot: then exactly
+that slot's records. How it may claim (one slot, its port attached, no trusted end): ``slots.py``.
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from meshlearn.cluster.slots import WORKERS_NAMESPACE, SlotTable, holder_key
+from meshlearn.cluster.slots import SlotTable
+from meshlearn.net.keys import Identity
 
 WORKERS = re.compile(r"meshlearn/\d+//(?P<rest>.+)\Z")  # what health.store_client's PrefixStore makes
 LAUNCHERS = "meshlearn-cluster/"  # cluster/shared.py's KEYS
@@ -218,6 +226,7 @@ ELASTIC_FAMILIES = (  # elastic/… (``elastic/worker.py``, ``driver.py``, ``row
     Family(re.compile(rf"elastic/links/[0-9a-z.-]+/\d+/here/{SLOT}\Z"), _slot_holder(SET)),
     Family(re.compile(r"elastic/links/[0-9.]+/\d+/dropped\Z"), _any_holder(SET + CAS)),
     Family(re.compile(r"elastic/holder/r\d+s\d+\Z"), _nobody),  # the service publishes it
+    Family(re.compile(r"elastic/address/[A-Za-z0-9._-]+\Z"), _nobody),  # likewise (a newcomer's claim)
     Family(re.compile(r"records/\d+\Z"), _last_stage_holder),
 )
 WORKER_FAMILIES = (
@@ -251,11 +260,13 @@ class Authority:
     ``ranks``: every process → its rank; ``verifier_host``: where the SENTINEL verifier runs (None:
     no verifier); ``trusted_groups``: the run declares its links trusted (process groups);
     ``elastic``: the run's slots change hands (``slots``: who holds each now); ``stages``: the
-    mesh's; ``hosts``: every host of the placement (default: those that run a process)."""
+    mesh's; ``hosts``: every host of the placement (default: those that run a process);
+    ``trusted_ends``: ``verify.trusted_ends`` assumes the first and last stages honest (a newcomer
+    may hold neither)."""
 
     def __init__(self, hosts_of: Mapping[str, str], ranks: Mapping[str, int], coordinator: str,
                  trusted_groups: bool = False, elastic: bool = False, stages: int = 0,
-                 hosts: Iterable[str] = ()):
+                 hosts: Iterable[str] = (), trusted_ends: bool = False):
         self.hosts_of = dict(hosts_of)
         self.rank_name = {rank: name for name, rank in ranks.items()}
         self.rank_host = {rank: self.hosts_of[name] for name, rank in ranks.items()}
@@ -263,8 +274,25 @@ class Authority:
         self.verifier_host = self.hosts_of.get("verifier")
         self.trusted_groups = trusted_groups
         self.hosts = set(self.hosts_of.values()) | {coordinator} | set(hosts)
-        self.slots = SlotTable(self.hosts_of, coordinator) if elastic else None
+        ends = frozenset({0, stages - 1}) if trusted_ends and stages else frozenset()
+        self.slots = SlotTable(self.hosts_of, coordinator, ends) if elastic else None
         self.stages = stages
+
+    def admission_refusal(self, peer: Identity) -> str | None:
+        """Why ``peer`` (what its certificate of the run's CA says) may not talk to the control
+        service (None: it may; a newcomer is admitted to claim from now on)."""
+        if peer.role == "host":
+            return None if peer.name in self.hosts else f"{peer} is not a host of this run's placement"
+        if self.slots is None:
+            return f"{peer} is no host of this run's placement, and only an elastic run admits newcomers"
+        if peer.name in self.hosts:
+            return f"{peer} bears the name of a host of the placement"
+        self.slots.admit(peer.name)
+        return None
+
+    def participant(self, who: str) -> bool:
+        """Whether ``who`` is a host of the run or an admitted newcomer."""
+        return who in self.hosts or (self.slots is not None and who in self.slots.newcomers)
 
     def host_of(self, process: str) -> str | None:
         """The host that runs ``process`` now: a slot's holder in an elastic run, else the placement's."""
@@ -294,14 +322,14 @@ class Authority:
             return None
         return self.slots.claim_refusal(who, claim[0], claim[1], desired, has)
 
-    def claimed(self, who: str, key: str) -> tuple[str, str] | None:
-        """``who``'s claim of ``key`` went through: the slot moves to it; returns the holder key to
-        publish and its value (None: ``key`` is no claim)."""
+    def claimed(self, who: str, key: str, desired: bytes) -> dict[str, str]:
+        """``who``'s claim of ``key`` with ``desired`` went through: the slot moves to it; returns
+        the keys to publish and their values (none: ``key`` is no claim)."""
         claim = self._claim_of(key)
         if claim is None:
-            return None
+            return {}
         slot, generation = claim
-        return WORKERS_NAMESPACE + holder_key(slot), self.slots.take(who, slot, generation)
+        return self.slots.take(who, slot, generation, desired)
 
     def _claim_of(self, key: str) -> tuple[str, int] | None:
         worker = WORKERS.match(key)
@@ -309,8 +337,8 @@ class Authority:
         return (claim["worker"], int(claim["gen"])) if claim else None
 
     def refusal(self, who: str, op: str, key: str, amount: int = 0) -> str | None:
-        """Why host ``who`` may not do ``op`` on ``key`` (None: it may)."""
-        if who not in self.hosts:
+        """Why host (or newcomer) ``who`` may not do ``op`` on ``key`` (None: it may)."""
+        if not self.participant(who):
             return f"{who} is not a host of this run"
         family, match = self._family(key)
         if family is None:

@@ -134,7 +134,7 @@ class ControlService:
                  rate: tuple[float, float] = (RATE_PER_S, RATE_BURST),
                  per_process: int = CONNECTIONS_PER_PROCESS, clock: Callable[[], float] = time.monotonic):
         self.tls, self.authority, self.counters, self.log = tls, authority, counters, log
-        self.rate = rate
+        self.rate, self.per_process, self.clock = rate, per_process, clock
         processes = Counter(authority.hosts_of.values())
         self.caps = {host: per_process * (processes[host] + 1) for host in authority.hosts}
         self._buckets = {host: TokenBucket(*rate, clock=clock) for host in authority.hosts}
@@ -217,9 +217,15 @@ class ControlService:
         """Admit ``peer`` and take one of its host's slots (None), or say why not. The slot counts
         from now, before the connection is registered: handshakes in flight (up to the acceptor's
         half-open cap of them) cannot carry a host past its cap."""
-        if peer.role != "host" or peer.name not in self.authority.hosts:
-            return f"{peer} is not a host of this run's placement"
+        why = self.authority.admission_refusal(peer)
+        if why is not None:
+            if peer.role == "joiner":  # the run's owner issued it: say why here too, not only count it
+                self.log(f"meshlearn control: refused newcomer {peer.name}: {why}")
+            return why
         with self._lock:
+            if peer.name not in self.caps:  # a newcomer: one process of its own at most
+                self.caps[peer.name] = self.per_process * 2
+                self._buckets[peer.name] = TokenBucket(*self.rate, clock=self.clock)
             held, pending, cap = self._held(peer.name), self._pending[peer.name], self.caps[peer.name]
             if held + pending >= cap:  # each connection is a thread of ours
                 raise Refused("too_many_connections", f"{peer} holds {held} connections already and "
@@ -298,8 +304,8 @@ class ControlService:
             if why is not None:
                 return self._refuse(who, "authority", why)
         if op == "num_keys":
-            if who not in self.authority.hosts:
-                return self._refuse(who, "authority", f"{who} is not a host of this run")
+            if not self.authority.participant(who):
+                return self._refuse(who, "authority", f"{who} is not a participant of this run")
             return {"value": self.state.count()}, []
         if not keys:
             raise ValueError(f"{op!r} needs keys")
@@ -324,9 +330,9 @@ class ControlService:
                 if why:
                     return self._refuse(who, "authority", why)
                 got = state.compare_set(key, expected, self.authority.attributed(who, key, desired))
-                moved = self.authority.claimed(who, key) if got == desired else None
-                if moved is not None:
-                    state.set(moved[0], moved[1].encode())
+                for published, value in (self.authority.claimed(who, key, desired) if got == desired
+                                         else {}).items():
+                    state.set(published, value.encode())
             return {}, [got]
         if op == "delete_key":
             return {"value": state.delete(key)}, []

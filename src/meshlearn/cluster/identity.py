@@ -24,12 +24,14 @@ from meshlearn.net.crl import ListRefused, read_list
 from meshlearn.net.keys import Credentials, KeysError, check_private, identity_of
 
 
-def host_credentials(host: str, key: str | None) -> Credentials:
-    """``host``'s credentials from ``--key`` (its private key file), checked; ConfigError otherwise."""
+def host_credentials(host: str, key: str | None, role: str = "host") -> Credentials:
+    """``host``'s credentials from ``--key`` (its private key file), checked; ConfigError otherwise.
+    ``role``: ``joiner`` for a newcomer's credential (``meshlearn keys --add``)."""
     if not key:
-        raise ConfigError("--key", None, f"a [cluster] run needs this host's private key: --key "
-                                         f"DIR/{host}.key, made by `meshlearn keys --config RUN.toml "
-                                         f"--out DIR` (docs/security.md)")
+        made = "--add NAME" if role == "joiner" else "--config RUN.toml"
+        raise ConfigError("--key", None, f"a [cluster] run needs this {role}'s private key: --key "
+                                         f"DIR/{host}.key, made by `meshlearn keys {made} --out DIR` "
+                                         "(docs/security.md)")
     creds = credentials_beside(Path(key))
     for needed in (creds.key, creds.cert, creds.ca, creds.crl):
         if not needed.is_file():
@@ -44,8 +46,8 @@ def host_credentials(host: str, key: str | None) -> Credentials:
         who = identity_of(cert)
     except ValueError:
         who = None
-    if who is None or who.name != host or who.role != "host":
-        raise ConfigError("--key", key, f"its certificate is for {who or 'no participant'}, not host "
+    if who is None or who.name != host or who.role != role:
+        raise ConfigError("--key", key, f"its certificate is for {who or 'no participant'}, not {role} "
                                         f"{host!r}: use the key `meshlearn keys` made for {host}")
     try:
         cert.verify_directly_issued_by(ca)
@@ -58,8 +60,8 @@ def host_credentials(host: str, key: str | None) -> Credentials:
         raise ConfigError("--key", key, f"the revocation list beside it cannot be used ({err}): copy the "
                                         "run owner's current ca.crl") from None
     if cert.serial_number in revoked:
-        raise ConfigError("--key", key, f"host {host}'s certificate is revoked in {creds.crl}: ask the run's "
-                                        "owner for a new one")
+        raise ConfigError("--key", key, f"{role} {host}'s certificate is revoked in {creds.crl}: ask the "
+                                        "run's owner for a new one")
     if _public(cert) != _public_of_key(creds.key, key):
         raise ConfigError("--key", key, f"the key does not belong to {creds.cert.name}")
     return creds

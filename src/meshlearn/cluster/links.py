@@ -39,7 +39,7 @@ from pathlib import Path
 from meshlearn.cluster.placement import hosts_of, ranks, resolve_address
 from meshlearn.cluster.refusals import ProcessRecord
 from meshlearn.cluster.role import HOST_ENV
-from meshlearn.cluster.slots import SLOT, holder_key, parse_holder
+from meshlearn.cluster.slots import SLOT, address_key, holder_key, parse_holder
 from meshlearn.config import RunConfig
 from meshlearn.distributed.health import store_client
 from meshlearn.distributed.streams import Hop, link_name
@@ -64,14 +64,16 @@ class ClusterConnector:
     (address, port) of its agent; ``inbox_socket``: this host's agent's Unix socket; ``locate``:
     in an elastic run, the host that holds a worker slot *now* (a joiner runs its slot's process
     on the host it started on: ``cluster/slots.py``), asked at every connect instead of
-    ``hosts_of``."""
+    ``hosts_of``; ``reach``: where a holder outside ``ports`` (a newcomer) takes connections, as
+    the control service published it from its claim."""
 
     def __init__(self, tls: RunTls, inbox_socket: Path, names: Mapping[int, str],
                  hosts_of: Mapping[str, str], ports: Mapping[str, tuple[str, int]],
-                 counters: Counters | None = None, locate: Callable[[str], str] | None = None):
+                 counters: Counters | None = None, locate: Callable[[str], str] | None = None,
+                 reach: Callable[[str], tuple[str, int]] | None = None):
         self.tls, self.inbox_socket = tls, Path(inbox_socket)
         self.names, self.hosts_of, self.ports = dict(names), dict(hosts_of), dict(ports)
-        self.locate = locate
+        self.locate, self.reach = locate, reach
         self._hosts = dict(self.hosts_of)  # where each process runs (``connect`` asks ``locate``)
         self.counters = counters if counters is not None else Counters()
         self.retries = 0  # dials tried again (the destination was not there yet, or refused us)
@@ -86,6 +88,9 @@ class ClusterConnector:
         if self.locate is not None:
             ranks = {r for hops in channels.values() for _, a, b in hops for r in (a, b)}
             self._hosts |= {self.names[r]: self.locate(self.names[r]) for r in ranks}
+        for host in set(self._hosts.values()) - set(self.ports):
+            if self.reach is not None:  # a newcomer: its port as its claim carried it
+                self.ports[host] = self.reach(host)
         gates: dict[str, tuple[LinkGate, port.Inbox, dict[int, Link]]] = {}
         try:
             for channel, hops in channels.items():
@@ -174,22 +179,32 @@ def cluster_connector(cfg: RunConfig, environ: Mapping[str, str] = os.environ) -
              for name, h in cfg.cluster.hosts.items()}
     record, rank = environ.get(REFUSALS_ENV), environ.get("RANK", "")
     counters = Counters(ProcessRecord(Path(record), names[int(rank)])) if record and rank.isdigit() else None
-    return ClusterConnector(tls, Path(socket_path), names, hosts_of(cfg), ports, counters,
-                            locate=slot_holders(cfg) if cfg.elastic.enabled else None)
+    if not cfg.elastic.enabled:
+        return ClusterConnector(tls, Path(socket_path), names, hosts_of(cfg), ports, counters)
+    locate, reach = slot_holders(cfg)
+    return ClusterConnector(tls, Path(socket_path), names, hosts_of(cfg), ports, counters, locate, reach)
 
 
-def slot_holders(cfg: RunConfig) -> Callable[[str], str]:
+def slot_holders(cfg: RunConfig) -> tuple[Callable[[str], str], Callable[[str], tuple[str, int]]]:
     """Where a worker slot's process runs now, as the coordinator's control service publishes it
-    (``cluster/slots.py``); any other process (none in an elastic run) where the placement puts it."""
+    (``cluster/slots.py``), any other process (none in an elastic run) where the placement puts it;
+    and where a newcomer holding a slot takes connections (published from its own claim)."""
     placed = hosts_of(cfg)
     clients: list = []  # one store client, made at first use (the rendezvous is set up by then)
+
+    def client():
+        if not clients:
+            clients.append(store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                        cfg.dist.init_timeout_s))
+        return clients[0]
 
     def locate(process: str) -> str:
         if not SLOT.match(process):
             return placed[process]
-        if not clients:
-            clients.append(store_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                        cfg.dist.init_timeout_s))
-        return parse_holder(clients[0].get(holder_key(process)).decode())[0]
-    return locate
+        return parse_holder(client().get(holder_key(process)).decode())[0]
+
+    def reach(newcomer: str) -> tuple[str, int]:
+        address, _, port = client().get(address_key(newcomer)).decode().rpartition(":")
+        return address, int(port)
+    return locate, reach
 

@@ -120,6 +120,21 @@ def place(cfg: RunConfig, host: str) -> Placement:
                      by_rank, len(by_rank), records_writer(cfg))
 
 
+def newcomer_placement(cfg: RunConfig, name: str, address: tuple[str, int],
+                       slot: str | None = None) -> Placement:
+    """A newcomer's part of the run (a machine outside ``[cluster.hosts]``, joining under its joiner
+    credential's ``name``): its own address and port, and the ``slot`` it holds (once it has one)."""
+    if name in cfg.cluster.hosts:
+        raise ConfigError("--host", name, "is a host of the run's placement; a newcomer joins under the "
+                                          "name its joiner credential was issued to")
+    chief = cfg.cluster.coordinator
+    by_rank, mine = ranks(cfg), {slot: name} if slot else {}
+    store = resolve_address(f"cluster.hosts.{chief}.address", cfg.cluster.hosts[chief].address)
+    return Placement(name, address[0], address[1], interface_of("--address", address[0]), chief, store,
+                     cfg.cluster.hosts[chief].port, {s: by_rank[s] for s in mine}, hosts_of(cfg) | mine,
+                     by_rank, len(by_rank), records_writer(cfg))
+
+
 def host_of_command(cfg: RunConfig, host: str | None) -> Placement | None:
     """``meshlearn train``'s ``--host``: this machine's part of a dist cluster run, None for a run
     on one machine (a simulator run ignores the placement); ConfigError when they do not fit."""

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshlearn.cluster.checkpoints import ClusterCheckpoint, StoreWaits
-from meshlearn.cluster.placement import Placement, place
+from meshlearn.cluster.placement import Placement, newcomer_placement, place
 from meshlearn.cluster.settings import worker_names
 from meshlearn.config import RunConfig
+from meshlearn.distributed.streams import BIND_ADDRESS_ENV
 
 HOST_ENV = "MESHLEARN_HOST"
 
@@ -53,4 +54,8 @@ def role_of(cfg: RunConfig, me: object) -> Role | None:
     host = os.environ.get(HOST_ENV)
     if not host or not cfg.cluster.enabled:
         return None
-    return Role(place(cfg, host), str(me), worker_names(cfg.mesh.replicas, cfg.mesh.stages))
+    if host in cfg.cluster.hosts:
+        placement = place(cfg, host)
+    else:  # a newcomer (``entry/cluster_join.py``): its own address, and the slot it claimed
+        placement = newcomer_placement(cfg, host, (os.environ[BIND_ADDRESS_ENV], 0), str(me))
+    return Role(placement, str(me), worker_names(cfg.mesh.replicas, cfg.mesh.stages))

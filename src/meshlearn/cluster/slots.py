@@ -17,6 +17,21 @@ the slot's *current holder*, and only a claim moves a slot:
   ``g + 1`` and publishes it under ``elastic/holder/<slot>`` (``<host>.<generation>``), a key only
   the service writes: every process's connector reads it to find the host a slot's process now
   runs on (``cluster/links.py``), and every host's launcher to find the joiners it must watch.
+
+A *newcomer* — a joiner whose certificate says ``joiner`` (``meshlearn keys --add``), a machine
+outside ``[cluster.hosts]`` — claims as a host does, with three more rules, because the run knows
+nothing of it but its certificate:
+
+- its claim carries its one inbound port, ``<name>:<pid>@<address>:<port>``: the service
+  publishes it under ``elastic/address/<name>`` (a key only the service writes), so the members
+  that must connect to it learn its address from the run, attached to the claim its own
+  certificate made — nobody can state an address for another identity. A host's claim carries
+  none (its address is the placement's);
+- it holds at most one slot: a second claim, while it holds another, is refused (a newcomer runs
+  one process; two slots would let one stranger stand for two replicas of a stage);
+- where ``verify.trusted_ends`` assumes the first and last stages honest, it may not claim a
+  slot of those stages (``ends``): only a host the owner marked ``trusted`` may run them there
+  (the compat row of ``cluster.hosts.X.trusted``), and a newcomer is nobody's vouched-for machine.
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ from dataclasses import dataclass
 from meshlearn.mesh.topology import WorkerId
 
 SLOT = re.compile(r"r\d+s\d+\Z")
+ADDRESS = re.compile(r"\A[0-9A-Za-z.:-]{1,253}\Z")  # an IP address (v4 or v6) or a DNS name
 WORKERS_NAMESPACE = "meshlearn/0//"  # the workers' keys, as ``health.store_client`` prefixes them
 
 
@@ -37,17 +53,40 @@ def holder_key(slot: str) -> str:
     return f"elastic/holder/{slot}"
 
 
-def claim_value(host: str, pid: int) -> str:
-    """What a claimant writes into the taken key: its own identity and its process."""
-    return f"{host}:{pid}"
+def address_key(name: str) -> str:
+    """Where the control service publishes a newcomer's inbound port (ADDR:PORT), in the workers'
+    namespace."""
+    return f"elastic/address/{name}"
+
+
+def claim_value(host: str, pid: int, address: tuple[str, int] | None = None) -> str:
+    """What a claimant writes into the taken key: its own identity and its process, and a
+    newcomer's inbound port."""
+    return f"{host}:{pid}" + (f"@{address[0]}:{address[1]}" if address else "")
 
 
 def parse_claim(value: str) -> tuple[str, int]:
     """(host, pid) of a claim's value; ValueError when it is none."""
-    host, _, pid = value.rpartition(":")
+    return _parse_claim(value)[:2]
+
+
+def claim_address(value: str) -> tuple[str, int] | None:
+    """The inbound port a newcomer's claim carries (None: it carries none); ValueError when the
+    value is no claim."""
+    return _parse_claim(value)[2]
+
+
+def _parse_claim(value: str) -> tuple[str, int, tuple[str, int] | None]:
+    claim, at, where = value.partition("@")
+    host, _, pid = claim.rpartition(":")
     if not host or not pid.isdigit():
         raise ValueError(f"{value!r} is no claim (HOST:PID)")
-    return host, int(pid)
+    if not at:
+        return host, int(pid), None
+    address, _, port = where.rpartition(":")
+    if not ADDRESS.match(address) or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} carries no inbound port (NAME:PID@ADDR:PORT)")
+    return host, int(pid), (address, int(port))
 
 
 def parse_holder(value: str) -> tuple[str, int]:
@@ -64,11 +103,19 @@ class Holder:
 
 class SlotTable:
     """Each worker slot's holder. ``placed``: every worker slot → the host the placement gives it
-    (generation 0); ``coordinator``: the host that may free any slot (its machine holds the run)."""
+    (generation 0); ``coordinator``: the host that may free any slot (its machine holds the run);
+    ``ends``: the stages a newcomer may not hold (the first and last where ``verify.trusted_ends``
+    trusts them). ``newcomers``: each admitted newcomer → its inbound port, once it has claimed."""
 
-    def __init__(self, placed: Mapping[str, str], coordinator: str):
+    def __init__(self, placed: Mapping[str, str], coordinator: str, ends: frozenset[int] = frozenset()):
         self.holders = {slot: Holder(host, 0) for slot, host in placed.items() if SLOT.match(slot)}
         self.coordinator = coordinator
+        self.ends = ends
+        self.newcomers: dict[str, tuple[str, int] | None] = {}
+
+    def admit(self, name: str) -> None:
+        """``name`` proved a joiner's certificate of the run: it may claim (``claim_refusal``)."""
+        self.newcomers.setdefault(name, None)
 
     def __contains__(self, slot: str) -> bool:
         return slot in self.holders
@@ -101,22 +148,47 @@ class SlotTable:
         if holder is None:
             return f"{slot!r} is no worker slot of this run"
         try:
-            host, _ = parse_claim(desired.decode(errors="replace"))
+            host, _, address = _parse_claim(desired.decode(errors="replace"))
         except ValueError as err:
             return f"a claim of {slot} must name its claimant as HOST:PID ({err})"
         if host != who:
             return f"host {who} may claim {slot} only for itself, not for {host}"
+        why = self._newcomer_refusal(who, slot, address)
+        if why is not None:
+            return why
         if generation != holder.generation:
             return f"{slot} is at generation {holder.generation}, not {generation}"
         if not has([f"{WORKERS_NAMESPACE}elastic/free/{slot}/{generation}"]):
             return f"{slot} is held by {holder.host} (generation {generation} has not left)"
         return None
 
-    def take(self, who: str, slot: str, generation: int) -> str:
-        """The claim went through: ``who`` holds ``slot`` at ``generation + 1``; returns the holder
-        as published (``parse_holder``)."""
+    def _newcomer_refusal(self, who: str, slot: str, address: tuple[str, int] | None) -> str | None:
+        """The rules a newcomer's claim obeys beyond a host's (the module's docstring)."""
+        if who not in self.newcomers:
+            return None if address is None else (f"host {who} claims with its placement's address, not "
+                                                 f"{address[0]}:{address[1]}")
+        if address is None:
+            return f"newcomer {who} must attach its inbound port to its claim of {slot} (NAME:PID@ADDR:PORT)"
+        held = [s for s, h in self.holders.items() if h.host == who and s != slot]
+        if held:
+            return f"newcomer {who} holds {held[0]} already: a newcomer holds one slot"
+        stage = WorkerId.parse(slot).stage
+        if stage in self.ends:
+            return (f"newcomer {who} may not hold {slot}: verify.trusted_ends assumes stage {stage} "
+                    "honest, so only a host marked trusted runs it")
+        return None
+
+    def take(self, who: str, slot: str, generation: int, desired: bytes = b"") -> dict[str, str]:
+        """The claim went through: ``who`` holds ``slot`` at ``generation + 1``; returns the keys to
+        publish: the slot's holder (``parse_holder``) and a newcomer's inbound port."""
         self.holders[slot] = Holder(who, generation + 1)
-        return f"{who}.{generation + 1}"
+        published = {WORKERS_NAMESPACE + holder_key(slot): f"{who}.{generation + 1}"}
+        if who in self.newcomers:
+            address = claim_address(desired.decode(errors="replace"))
+            assert address is not None, "claim_refusal let no newcomer's claim through without its port"
+            self.newcomers[who] = address
+            published[WORKERS_NAMESPACE + address_key(who)] = f"{address[0]}:{address[1]}"
+        return published
 
     def published(self) -> dict[str, str]:
         """Every slot's holder key (in the workers' namespace) → its published value."""

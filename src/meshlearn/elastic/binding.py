@@ -118,9 +118,16 @@ def start_lighthouse(host: str, min_replicas: int, join_timeout_ms: int, heartbe
     return server, f"http://{host}:{port}"
 
 
+OWN_PORT_ENV = "MESHLEARN_OWN_PORT"
+"""ADDR:PORT of the one port a cluster newcomer's process opens itself (``entry/cluster_join.py``:
+it has no launcher to hold it), the only listener allowed off ``host`` in that process."""
+
+
 def check_bound(pid: int, host: str, who: str) -> None:
-    """Refuse to go on if process ``pid`` listens anywhere but ``host``."""
-    stray = off_address(pid, host)
+    """Refuse to go on if process ``pid`` listens anywhere but ``host`` (and its own port, for a
+    cluster newcomer: ``OWN_PORT_ENV``)."""
+    own = os.environ.get(OWN_PORT_ENV, "")
+    stray = [(a, p) for a, p in off_address(pid, host) if f"{a}:{p}" != own]
     if stray:
         where = ", ".join(f"{a}:{p}" for a, p in stray)
         raise ElasticSetupError(f"{who} listens on {where}, not only on elastic.host = {host}: "

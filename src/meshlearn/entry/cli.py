@@ -34,6 +34,9 @@ def _train(args: argparse.Namespace) -> int:
         return _join(args)
     if args.coordinator:
         raise ConfigError("--coordinator", args.coordinator, "only with --join (docs/cluster.md, 'Joining')")
+    if args.address:
+        raise ConfigError("--address", args.address, "only with --join, by a newcomer "
+                                                     "(docs/cluster.md, 'Joining')")
     if args.backend:  # --backend is short for --set backend=...
         args.set = [*args.set, f"backend={args.backend}"]
     changed: dict = {}
@@ -127,7 +130,8 @@ def _join(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{flag}", None, "required with --join: meshlearn train --join --host NAME "
                                                  "--key FILE --coordinator ADDR:PORT --out RUN")
     run_dir = Path(args.out)
-    return run(prepare_cluster_join(args.host, args.key, args.coordinator, run_dir, args.set), run_dir, False)
+    return run(prepare_cluster_join(args.host, args.key, args.coordinator, run_dir, args.set, args.address),
+               run_dir, False)
 
 
 def _credentials(placement, key: str | None):
@@ -441,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--coordinator", metavar="ADDR:PORT",
                        help="with --join: the coordinator's address and port; the config, tokenizer "
                             "and a free slot come from the run")
+    train.add_argument("--address", metavar="ADDR:PORT",
+                       help="with --join and a newcomer's key (`meshlearn keys --add NAME`): this "
+                            "machine's one inbound port, where the run's members reach its worker")
     train.set_defaults(func=_train)
 
     worker = sub.add_parser("worker", help="one worker process of a dist run: what torchrun starts "

@@ -15,6 +15,14 @@ over the coordinator's authenticated control service (``cluster/control.py``):
 - this machine's port: the host launcher of ``NAME`` must be running for this run (``RUN`` is its
   folder, where it keeps ``port.json``), because the joiner's links arrive through that port.
 
+A *newcomer* — a machine outside ``[cluster.hosts]``, with the joiner credential the run's owner
+issued (``meshlearn keys --add NAME``; ``--host NAME``) — has no launcher: it opens its own one
+port at ``--address ADDR:PORT`` (a ``HostPort`` in this process, for the life of the worker), and
+its claim carries that address, which the coordinator publishes for the members that must
+connect to it (``cluster/slots.py``: one slot, never a trusted end). If it fails, nobody on its
+machine frees its slot: the coordinator does, once its heartbeat stands still
+(``elastic/remote.py``).
+
 From there the process is an ordinary elastic worker of the slot (``entry/worker.run``): it asks
 its stage's quorum to take it, heals from a live replica, spectates until its row is complete and
 then trains. If it fails before it contributes, its host's launcher sees the process end and frees
@@ -30,15 +38,22 @@ from pathlib import Path
 
 from meshlearn.cluster.control import DESTINATION
 from meshlearn.cluster.control_store import ControlLine, ControlStore
+from meshlearn.cluster.hostport import HostPort
 from meshlearn.cluster.identity import host_credentials
 from meshlearn.cluster.links import KEY_ENV, PORT_SOCKET_ENV, REFUSALS_ENV
-from meshlearn.cluster.placement import PORT_FILE, place, resolve_address
+from meshlearn.cluster.placement import (
+    PORT_FILE,
+    newcomer_placement,
+    place,
+    resolve_address,
+)
 from meshlearn.cluster.refusals import REFUSALS_DIR
 from meshlearn.cluster.role import HOST_ENV
 from meshlearn.cluster.shared import KEYS, LOCAL_KEYS, TOKENIZER, install_tokenizer, received_tokenizer
 from meshlearn.cluster.slots import claim_value, holder_key, parse_holder
 from meshlearn.config import RunConfig, config_from_tree, parse_override
 from meshlearn.distributed.streams import BIND_ADDRESS_ENV
+from meshlearn.elastic.binding import OWN_PORT_ENV
 from meshlearn.elastic.membership import (
     GENERATION_ENV,
     JOIN_ENV,
@@ -52,15 +67,17 @@ from meshlearn.net.port import dial
 from meshlearn.net.tls import HANDSHAKE_TIMEOUT_S, Refused, RunTls
 
 REACH_S = 30.0  # how long the coordinator may take to answer the first contact
+NEWCOMER_PORTS: list[HostPort] = []  # a newcomer's own port, held open for the life of its worker
 
 
-def parse_coordinator(text: str | None) -> tuple[str, int]:
-    """``--coordinator ADDR:PORT``, the address resolved once."""
+def parse_coordinator(text: str | None, flag: str = "--coordinator") -> tuple[str, int]:
+    """``--coordinator ADDR:PORT`` (or a newcomer's ``--address``), the address resolved once."""
     host, _, port = (text or "").rpartition(":")
     if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError("--coordinator", text, "must be ADDR:PORT, the coordinator's address and its one "
-                                                 "port (cluster.hosts.<coordinator>.address and .port)")
-    return resolve_address("--coordinator", host.strip("[]")), int(port)
+        whose = ("the coordinator's address and its one port (cluster.hosts.<coordinator>.address and "
+                 ".port)" if flag == "--coordinator" else "this machine's address and its one inbound port")
+        raise ConfigError(flag, text, f"must be ADDR:PORT, {whose}")
+    return resolve_address(flag, host.strip("[]")), int(port)
 
 
 def coordinator_name(tls: RunTls, address: str, port: int) -> str:
@@ -96,9 +113,11 @@ def received_config(store: ControlStore, name: str, address: str, port: int,
     return cfg
 
 
-def claim_slot(store, mesh: MeshShape, host: str) -> tuple[WorkerId, int]:
-    """The first free slot, claimed in this host's name; its generation before the claim."""
-    claimed = claim_first_free(store, mesh, claim_value(host, os.getpid()),
+def claim_slot(store, mesh: MeshShape, host: str,
+               address: tuple[str, int] | None = None) -> tuple[WorkerId, int]:
+    """The first free slot, claimed in this host's name (with a newcomer's inbound port); its
+    generation before the claim."""
+    claimed = claim_first_free(store, mesh, claim_value(host, os.getpid(), address),
                                lambda wid: parse_holder(store.get(holder_key(str(wid))).decode())[1])
     if claimed is None:
         raise ConfigError("--join", True, "no free slot: every worker of the run is still in it")
@@ -119,11 +138,13 @@ def port_socket(run_dir: Path, host: str) -> str:
 
 
 def prepare_cluster_join(host: str, key: str | None, coordinator: str | None, run_dir: Path,
-                         overrides: list[str]) -> RunConfig:
+                         overrides: list[str], own: str | None = None) -> RunConfig:
     """Find the run behind ``coordinator``, take a free slot in ``host``'s name, and set this
-    process's environment as a host launcher sets it for its workers; returns the run's config."""
+    process's environment as a host launcher sets it for its workers; returns the run's config.
+    ``own``: a newcomer's ``--address`` (its key's certificate says ``joiner``)."""
     address, port = parse_coordinator(coordinator)
-    credentials = host_credentials(host, key)
+    newcomer = own is not None  # a machine outside the placement gives its own port
+    credentials = host_credentials(host, key, "joiner" if newcomer else "host")
     tls = RunTls(credentials)
     try:
         name = coordinator_name(tls, address, port)
@@ -137,13 +158,21 @@ def prepare_cluster_join(host: str, key: str | None, coordinator: str | None, ru
                                                         f"({type(err).__name__}: {err})") from None
     store = ControlStore(line, REACH_S)
     cfg = received_config(store, name, address, port, overrides)
-    placement = place(cfg, host)  # a host of the run, whose address this machine has
-    socket_path = port_socket(run_dir, host)
+    if newcomer:
+        placement = newcomer_placement(cfg, host, parse_coordinator(own, "--address"))
+        run_dir.mkdir(parents=True, exist_ok=True)  # no launcher made it: the newcomer's own folder
+        NEWCOMER_PORTS.append(HostPort(placement, credentials))
+        socket_path = str(NEWCOMER_PORTS[-1].socket_path)
+        os.environ[OWN_PORT_ENV] = f"{placement.address}:{placement.port}"
+    else:
+        placement = place(cfg, host)  # a host of the run, whose address this machine has
+        socket_path = port_socket(run_dir, host)
     if cfg.data.tokenizer == "bpe":
         install_tokenizer(run_dir / TOKENIZER, *received_tokenizer(store), resume=False)
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
     workers = _workers_store(store)
-    wid, generation = claim_slot(workers, mesh, host)
+    wid, generation = claim_slot(workers, mesh, host,
+                                 (placement.address, placement.port) if newcomer else None)
     os.environ.update({
         "RANK": str(mesh.rank(wid)), "WORLD_SIZE": str(mesh.world_size), "LOCAL_RANK": "0",
         "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0", "MASTER_ADDR": address, "MASTER_PORT": str(port),

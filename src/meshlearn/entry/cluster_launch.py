@@ -100,7 +100,9 @@ def launch_host(worker_argv: list[str], cfg: RunConfig, run_dir: Path, placement
         if placement.is_coordinator:  # the run's control state, behind this host's port
             authority = Authority(placement.hosts_of, placement.ranks, placement.coordinator,
                                   trusted_groups=_groups_trusted(cfg), elastic=cfg.elastic.enabled,
-                                  stages=cfg.mesh.stages, hosts=cfg.cluster.hosts)
+                                  stages=cfg.mesh.stages, hosts=cfg.cluster.hosts,
+                                  trusted_ends=(cfg.verify.name == "sentinel"  # as the compat row reads it
+                                                and cfg.verify.ends_trusted(cfg.mesh.replicas)))
             service = ControlService(tls, authority, port.counters, log=_log)
             service.serve(port.socket_path)
             service.watch_revocations()  # the owner revokes by replacing ca.crl here: no restart
