@@ -36,24 +36,23 @@ from meshlearn.distributed.transport import Forged, Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, blob_state, state_blob
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, buffer_capacities, message_bound
 from meshlearn.mesh.feeding import Feed, Feeding, LearnVerdicts, Report, Settle, feed_policy
-from meshlearn.mesh.messages import Message, carried_kind
+from meshlearn.mesh.messages import Message, carried_kind, charged_step
 from meshlearn.mesh.network import build_network
 from meshlearn.mesh.report import ProcessRow, StepReport
 from meshlearn.mesh.schedule import AsyncPlan, pipeline_in_flight
 from meshlearn.mesh.standin import slot_microbatch, stand_in
-from meshlearn.mesh.timeline import TimelineRecorder
+from meshlearn.mesh.timeline import TimelineRecorder, transfer
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.update import (
-    ClipAndStep,
     GatherNorms,
-    MergeRounds,
     ReduceGradients,
-    StrategyPhase,
     UpdateAction,
     UpdateSpec,
+    Wait,
     find,
     update_actions,
 )
+from meshlearn.mesh.update_run import Apply, Send, UpdateRun, drive
 from meshlearn.mesh.wall_clock import WallClock
 from meshlearn.mesh.worker import StepStats, StepWork, Worker
 from meshlearn.net.counters import Counters
@@ -373,16 +372,10 @@ class DistDriver(PipelineEvaluation):
     def _transmit(self, message: Message, capacity: int) -> None:
         """Hand ``message`` to the transport; when its step is recorded, the link model's times for
         it (queued start, end of serialization, delivery; known only with sender-side shaping)."""
-        step = self.worker.steps_done if message.kind == "dp" else message.step
-        if self.timeline is None or not self.timeline.wants(step):
-            self.transport.send(message, capacity)
-            return
-        link = self.network.link(self.me, message.dst)
-        start = max(time.monotonic() - self.epoch, link.queue_free_at)  # its sender's uplink, when shared
-        self.transport.send(message, capacity)
-        self.timeline.send(str(self.me), str(message.dst), link.axis, message.kind, step, message.wire_bytes,
-                           self.epoch + start, self.epoch + link.free_at,
-                           self.epoch + link.last_arrival if self.shaped else None)
+        transfer(self.timeline, charged_step(message, self.worker.steps_done), self.me, message.dst,
+                 self.network.link(self.me, message.dst), message.kind, message.wire_bytes,
+                 time.monotonic() - self.epoch, lambda: self.transport.send(message, capacity), self.epoch,
+                 known=self.shaped)
 
     # --- the update protocol's actions (mesh/update.py), executed with this runtime's collectives --
 
@@ -395,40 +388,33 @@ class DistDriver(PipelineEvaluation):
 
     def _execute(self, action, actions: list[UpdateAction], pp_before: int,
                  dp_before: int) -> list[ProcessRow] | None:
-        """Run update ``action``'s ``actions`` in order; under a flushing schedule return every
-        process's row of the step. Without a strategy the norms ride on the step's rows (one
-        gather); with one, the rows are gathered after its rounds have left, so that their DP
-        bytes are the step's, and the norms are a scalar gather of their own."""
-        worker, step = self.worker, action.microbatch // self.cfg.mesh.microbatches
-        rows = None
-        stage_sq = None  # this worker's norm as its row reports it (a flushing schedule's, before the clip)
-        norms: dict[WorkerId, float] | None = None  # every worker's squared norm, once gathered
-        for act in actions:
-            if isinstance(act, ReduceGradients):
-                self.dp_axis.reduce_gradients(step, act)
-            elif isinstance(act, StrategyPhase):
-                self.dp_axis.phase(act)
-            elif isinstance(act, GatherNorms):
-                stage_sq = worker.grad_sq_norm()
-                if self.dp_axis.strategy is None:
-                    rows = self._step_rows(step, pp_before, dp_before, stage_sq)
-                    values = [row.sq_norm for row in rows]
-                else:
-                    values = self._gather(torch.tensor([[stage_sq]], dtype=torch.float64))[:, 0, 0].tolist()
-                norms = {self.mesh.worker(rank): value for rank, value in enumerate(values)}
-                if act.latency and self.shaped:
-                    time.sleep(self.network.default.latency_s)  # the scalar exchange, as the simulator's
-            elif isinstance(act, ClipAndStep):
-                sq_norm = act.policy.sq_norm(self.me, norms.__getitem__ if norms is not None
-                                             else lambda w: worker.grad_sq_norm())
-                self._apply(action, act.policy.coefficient(sq_norm), sq_norm)
-            elif isinstance(act, MergeRounds):
-                self.dp_axis.strategy.apply(act.u)
+        """Run update ``action``'s ``actions`` (mesh/update_run.py); under a flushing schedule
+        return every process's row of the step. Without a strategy the norms ride on the step's
+        rows (one gather); with one, the rows are gathered after its rounds have left, so that
+        their DP bytes are the step's, and the norms are a scalar gather of their own."""
+        worker, axis, step = self.worker, self.dp_axis, action.microbatch // self.cfg.mesh.microbatches
+        rows: list[list[ProcessRow]] = []  # the step's rows, once gathered
+        stage_sq: list[float] = []  # this worker's norm as its row reports it (before the clip)
+
+        def gather_norms(act: GatherNorms):
+            stage_sq.append(worker.grad_sq_norm())
+            if axis.strategy is None:
+                rows.append(self._step_rows(step, pp_before, dp_before, stage_sq[0]))
+                values = [row.sq_norm for row in rows[0]]
             else:
-                raise RuntimeError(f"worker {self.me}: no {act!r} in the dist runtime (votes are elastic's)")
-        if rows is None and stage_sq is not None:
-            rows = self._step_rows(step, pp_before, dp_before, stage_sq)
-        return rows
+                values = self._gather(torch.tensor([stage_sq], dtype=torch.float64))[:, 0, 0].tolist()
+            if act.latency and self.shaped:
+                time.sleep(self.network.default.latency_s)  # the scalar exchange, as the simulator's
+            return {self.mesh.worker(rank): value for rank, value in enumerate(values)}.__getitem__
+
+        run = UpdateRun(actions, self.me, axis.strategy, axis.started, worker.grad_sq_norm)
+        drive(run, {ReduceGradients: lambda act: axis.reduce_gradients(step, act), Send: axis.send_phase,
+                    Wait: axis.wait_round, GatherNorms: gather_norms,
+                    Apply: lambda act: self._apply(action, act.coefficient, act.sq_norm)})
+        axis.wait_s += run.pop_waited()
+        if not rows and stage_sq:
+            rows.append(self._step_rows(step, pp_before, dp_before, stage_sq[0]))
+        return rows[0] if rows else None
 
     def _step_rows(self, step: int, pp_before: int, dp_before: int, sq_norm: float) -> list[ProcessRow]:
         """Every process's row of ``step``, this one's with ``sq_norm`` (a gather)."""

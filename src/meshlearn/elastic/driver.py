@@ -68,18 +68,8 @@ from meshlearn.elastic.rows import Agreed, Held, Row, RowAgreement, row_label, s
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.report import StepReport
 from meshlearn.mesh.topology import WorkerId
-from meshlearn.mesh.update import (
-    ClipAndStep,
-    Commit,
-    MergeRounds,
-    PhaseWalk,
-    ReduceGradients,
-    RoundStarts,
-    StrategyPhase,
-    UpdateAction,
-    UpdateSpec,
-    update_actions,
-)
+from meshlearn.mesh.update import Commit, ReduceGradients, UpdateAction, UpdateSpec, update_actions
+from meshlearn.mesh.update_run import Apply, Send, UpdateRun, drive
 from meshlearn.mesh.worker import StepStats, StepWork
 
 
@@ -401,42 +391,27 @@ class ElasticDriver(Evictions, DistDriver):
             self._reduce_round(summed)
             counts = summed.tolist()
             current.mean_ok = whole_batch(counts[2], counts[3], self.rows, self.cfg.train.batch_size)
-        sq_norm, stepped = None, False
-        for act in actions:
-            if isinstance(act, (Commit, ClipAndStep)) and sq_norm is None:
-                sq_norm = worker.grad_sq_norm()  # after the reduce or the pre rounds, before a vote
-            if isinstance(act, ReduceGradients):
-                counts = self._reduce_gradients(counts)
-            elif isinstance(act, StrategyPhase):  # its rounds are quorum sums: done once sent
-                walk = PhaseWalk(strategy, act, RoundStarts())
-                self._no_messages(walk.messages(), act.u)
-                if walk.poll(time.monotonic()) is not None:
-                    raise RuntimeError(f"worker {self.me}: a DP round of update {act.u + 1} is still open")
-            elif isinstance(act, Commit):
-                current.committed = self._decide(action.microbatch // self.cfg.mesh.microbatches)
-                if not current.committed:
-                    break
-            elif isinstance(act, ClipAndStep):
-                began = time.perf_counter()
-                worker.apply_update(action, act.policy.coefficient(sq_norm), sq_norm)  # the stage's own
-                self.busy_s += time.perf_counter() - began
-                stepped = True
-            elif isinstance(act, MergeRounds):
-                strategy.apply(act.u)
-                if not trains:
-                    strategy.reset_local()
-            else:
-                raise RuntimeError(f"worker {self.me}: no {act!r} under elastic (no mesh-wide norms)")
+
+        def reduce(_act: ReduceGradients) -> None:
+            nonlocal counts
+            counts = self._reduce_gradients(counts)
+
+        step = action.microbatch // self.cfg.mesh.microbatches
+        run = UpdateRun(actions, self.me, strategy, self.dp_axis.started, worker.grad_sq_norm, not trains)
+        outcome = drive(run, {ReduceGradients: reduce, Send: self._no_messages,  # rounds are quorum sums
+                              Commit: lambda _act: self._decide(step),
+                              Apply: lambda act: self._apply(action, act.coefficient, act.sq_norm)})
+        current.committed = outcome.committed
         self.trained_batch = self.batch_index
         if current.committed:
             self.batch_index += 1
         else:
             self.uncommitted += 1
-            if not stepped:
+            if not outcome.stepped:
                 worker.discard_update(action)
             if rollback is not None:
                 rollback.restore(worker)
-        return sq_norm, counts
+        return outcome.sq_norm, counts
 
     def _reduce_gradients(self, counts: list[float]) -> list[float]:
         """The gradients' sum over the quorum with the step's counts beside them; the mean divides
@@ -475,10 +450,13 @@ class ElasticDriver(Evictions, DistDriver):
             current.vote_rows_requests = self.requests() - self.requests_mark
         return committed
 
-    def _no_messages(self, messages: list[Message], u: int) -> None:
-        if messages:
-            raise RuntimeError(f"worker {self.me}: update {u + 1}'s DP strategy sent messages; "
-                               "in an elastic run its rounds are sums over the quorum")
+    def _no_messages(self, request: Send) -> float:
+        """A strategy's phase sends nothing here: its rounds ran as quorum sums inside it (a
+        ``Wait`` that follows is not executable here either: nothing may stay open)."""
+        if request.messages:
+            raise RuntimeError(f"worker {self.me}: update {request.phase.u + 1}'s DP strategy sent "
+                               "messages; in an elastic run its rounds are sums over the quorum")
+        return time.monotonic()
 
     def record_fields(self) -> dict:
         current = self.current

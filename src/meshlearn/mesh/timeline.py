@@ -15,11 +15,13 @@ clock, so their files line up).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from meshlearn.atomic import atomic_write_text
+from meshlearn.mesh.network import Link
 
 TIMELINE_FILE = "timeline.json"
 MAX_EVENTS = 20_000
@@ -68,6 +70,23 @@ class TimelineRecorder:
         """Write the record atomically (a temporary name, then a rename)."""
         atomic_write_text(path, json.dumps(self.payload(workers, meta)))
         return path
+
+
+def transfer(timeline: TimelineRecorder | None, step: int, src: object, dst: object, link: Link, what: str,
+             nbytes: int, now: float, send: Callable[[], Any] | None = None, epoch: float = 0.0,
+             known: bool = True) -> Any:
+    """Put a transfer of ``nbytes`` on ``link`` at ``now`` (``send()``, or the link model's
+    ``transmit``, whose result is returned) and, when ``step`` is recorded, its times by the link
+    model: its queued start, the end of its serialization and (``known``: the sender knows it) its
+    delivery. Every runtime records a transfer here: the simulator on its virtual clock, dist on
+    seconds since ``epoch``."""
+    recorded = timeline is not None and timeline.wants(step)
+    start = max(now, link.queue_free_at) if recorded else now
+    result = link.transmit(now, nbytes) if send is None else send()
+    if recorded:
+        timeline.send(str(src), str(dst), link.axis, what, step, nbytes, epoch + start, epoch + link.free_at,
+                      epoch + link.last_arrival if known else None)
+    return result
 
 
 def parse_timeline_steps(value: str, total_steps: int) -> list[int]:
