@@ -27,6 +27,7 @@ from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_unti
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import Network, ring_allreduce_bytes_per_member
+from meshlearn.mesh.report import dp_counters
 from meshlearn.mesh.timeline import TimelineRecorder, transfer
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.mesh.update import ReduceGradients, RoundStarts, Wait, receive_round
@@ -208,10 +209,8 @@ class DPAxis:
                                                known=self.shaped)
                 for peer, pacer in self.frame_pacers.items()}
 
-    def summary(self, sum_over_workers: Callable[[list[float]], list[float]]) -> dict:
-        """The strategy's counters summed over every process (a collective: all call it)."""
-        if self.strategy is None:
-            return {}
-        keys = list(self.strategy.summary())
-        totals = sum_over_workers([self.wait_s, *self.strategy.summary().values()])
-        return {"dp_wait_s": totals[0], **{k: int(v) for k, v in zip(keys, totals[1:], strict=True)}}
+    def summary(self, sum_over_workers: Callable[[list[float]], list[float]] | None = None) -> dict:
+        """The strategy's counters, summed over every process by ``sum_over_workers`` (a
+        collective: all call it; None: this process's own)."""
+        return dp_counters(self.wait_s, [self.strategy.summary()] if self.strategy is not None else [],
+                           sum_over_workers)

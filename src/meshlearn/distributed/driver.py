@@ -38,7 +38,7 @@ from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, buffer_capacit
 from meshlearn.mesh.feeding import Feed, Feeding, LearnVerdicts, Report, Settle, feed_policy
 from meshlearn.mesh.messages import Message, carried_kind, charged_step
 from meshlearn.mesh.network import build_network
-from meshlearn.mesh.report import ProcessRow, StepReport
+from meshlearn.mesh.report import ProcessRow, StepReport, run_summary
 from meshlearn.mesh.schedule import AsyncPlan, pipeline_in_flight
 from meshlearn.mesh.standin import slot_microbatch, stand_in
 from meshlearn.mesh.timeline import TimelineRecorder, transfer
@@ -441,16 +441,10 @@ class DistDriver(PipelineEvaluation):
         return {}  # no virtual clock: records carry wall time only
 
     def summary_fields(self, tokens: int, wall_s: float) -> dict:
-        usage = self.process_rows.usage(wall_s)
-        return {
-            "sim_time_s": None,
-            "sim_tokens_per_s": None,
-            "idle_fraction": usage["idle_fraction"],
-            "compute_model": f"real: {self.mesh.world_size} processes over "
-                             f"{'framed TCP streams' if self.collectives.framed else self.comm}, "
-                             f"shaping={self.cfg.dist.shaping}",
-            "links": usage["links"],
-        } | self.dp_axis.summary(self.sum_over_workers)
+        over = "framed TCP streams" if self.collectives.framed else self.comm
+        return run_summary(f"real: {self.mesh.world_size} processes over {over}, "
+                           f"shaping={self.cfg.dist.shaping}", **self.process_rows.usage(wall_s)
+                           ) | self.dp_axis.summary(self.sum_over_workers)
 
     def sum_over_workers(self, values: list[float]) -> list[float]:
         """Each value summed over every worker process (a collective: all of them call it)."""

@@ -66,7 +66,7 @@ from meshlearn.elastic.rollback import Rollback
 from meshlearn.elastic.rounds import QuorumExchange
 from meshlearn.elastic.rows import Agreed, Held, Row, RowAgreement, row_label, slot_row, whole_batch
 from meshlearn.mesh.messages import Message
-from meshlearn.mesh.report import StepReport
+from meshlearn.mesh.report import StepReport, run_summary
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.mesh.update import Commit, ReduceGradients, UpdateAction, UpdateSpec, update_actions
 from meshlearn.mesh.update_run import Apply, Send, UpdateRun, drive
@@ -488,15 +488,10 @@ class ElasticDriver(Evictions, DistDriver):
         return {}
 
     def summary_fields(self, tokens: int, wall_s: float) -> dict:
-        dp = self.dp_axis
-        strategy = {"dp_wait_s": dp.wait_s, **dp.strategy.summary()} if dp.strategy is not None else {}
-        return {"sim_time_s": None, "sim_tokens_per_s": None, "idle_fraction": None,
-                "compute_model": f"real: elastic, {self.mesh.world_size} processes at start over "
-                                 f"{self.comm}, one torchft quorum per stage, "
-                                 f"shaping={self.cfg.dist.shaping}",
-                "uncommitted_steps": self.uncommitted, "spectated_steps": self.spectated,
-                "quorum_s_total": self.quorum_s,
-                "links": []} | strategy
+        return run_summary(f"real: elastic, {self.mesh.world_size} processes at start over {self.comm}, "
+                           f"one torchft quorum per stage, shaping={self.cfg.dist.shaping}", []) | {
+            "uncommitted_steps": self.uncommitted, "spectated_steps": self.spectated,
+            "quorum_s_total": self.quorum_s} | self.dp_axis.summary()  # this worker's: no sum over the mesh
 
     def barrier(self, what: str) -> None:
         """No mesh-wide barrier: membership may have changed (checkpoints agree on their shards

@@ -32,7 +32,15 @@ from meshlearn.mesh.network import (
     ring_allreduce_bytes_per_member,
     ring_allreduce_s,
 )
-from meshlearn.mesh.report import StepReport, mesh_report, stats_row
+from meshlearn.mesh.report import (
+    StepReport,
+    dp_counters,
+    idle_fraction,
+    link_table,
+    mesh_report,
+    run_summary,
+    stats_row,
+)
 from meshlearn.mesh.schedule import Action, AsyncPlan
 from meshlearn.mesh.sync import average_gradients
 from meshlearn.mesh.timeline import TimelineRecorder, transfer
@@ -514,34 +522,14 @@ class SimDriver:
         return {"sim_time_s": self.clock.step_end}
 
     def summary_fields(self, tokens: int, wall_s: float) -> dict:
-        sim_s = self.clock.step_end
-        busy = sum(self.clock.busy_s.values())
-        links = [{"src": str(link.src), "dst": str(link.dst), "axis": link.axis,
-                  "bytes": link.bytes_sent, "busy_s": link.busy_s,
-                  "utilization": link.busy_s / sim_s if sim_s else 0.0}
-                 for link in sorted(self.network.links.values(),
-                                    key=lambda link: (link.axis, link.src, link.dst))]
-        return {
-            "sim_time_s": sim_s,
-            "sim_tokens_per_s": tokens / sim_s if sim_s else None,
-            "idle_fraction": 1.0 - busy / (len(self.clock.busy_s) * sim_s) if sim_s else None,
-            "worker_utilization": {str(w): b / sim_s if sim_s else None
-                                   for w, b in sorted(self.clock.busy_s.items())},
+        sim_s, busy = self.clock.step_end, self.clock.busy_s
+        links = link_table(((link.src, link.dst, link.axis, link.bytes_sent, link.busy_s)
+                            for link in self.network.links.values()), sim_s)
+        idle = idle_fraction(sum(busy.values()), len(busy), sim_s)
+        return run_summary(self.compute.cfg.describe(), links, idle, sim_s, tokens) | {
+            "worker_utilization": {str(w): b / sim_s if sim_s else None for w, b in sorted(busy.items())},
             "stash_bytes_peak": max(w.stash_bytes for w in self.workers.values()),
-            "compute_model": self.compute.cfg.describe(),
-            "links": links,
-        } | self.dp_summary()
-
-    def dp_summary(self) -> dict:
-        """The DP strategy's counters over every worker (message-based strategies only)."""
-        strategies = [w.dp for w in self.workers.values() if not _collective(w)]
-        if not strategies:
-            return {}
-        out = {"dp_wait_s": self.dp_wait_s}
-        for strategy in strategies:
-            for key, value in strategy.summary().items():
-                out[key] = out.get(key, 0) + value
-        return out
+        } | dp_counters(self.dp_wait_s, [w.dp.summary() for w in self.workers.values() if not _collective(w)])
 
     def state(self) -> dict:
         assert self.drained, "driver state is saved at drain points only"
