@@ -38,7 +38,7 @@ from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, buffer_capacit
 from meshlearn.mesh.feeding import Feed, Feeding, LearnVerdicts, Report, Settle, feed_policy
 from meshlearn.mesh.messages import Message, carried_kind, charged_step
 from meshlearn.mesh.network import build_network
-from meshlearn.mesh.report import ProcessRow, StepReport, run_summary
+from meshlearn.mesh.report import AxisBytes, ProcessRow, StepBytes, StepReport, run_summary
 from meshlearn.mesh.schedule import AsyncPlan, pipeline_in_flight
 from meshlearn.mesh.standin import slot_microbatch, stand_in
 from meshlearn.mesh.timeline import TimelineRecorder, transfer
@@ -128,7 +128,7 @@ class DistDriver(PipelineEvaluation):
         self.capacity, self.eval_capacity = buffer_capacities(cfg)
         # A control message at a drain point (a protocol model's boundary transform: d×d fp64).
         self.control_capacity = PREFIX_BYTES + HEADER_ROOM + 8 * cfg.model.d_model ** 2
-        self._bytes_mark: tuple[int, int] | None = None  # counters at the previous step's end
+        self.step_bytes = StepBytes(self.network)
         # With a verifier: its verdicts (verify/verdicts.py) and the attackers' ground truth travel
         # through the rendezvous store, on a client of the main thread's own.
         flushes = worker.plan.flushes
@@ -180,14 +180,14 @@ class DistDriver(PipelineEvaluation):
         self.feed(step, source)
         # From the previous step's end, so control messages sent at the drain point in between
         # (send_control) are in this step's bytes, as in the simulator.
-        pp_before, dp_before = self._bytes_mark or (self._bytes("pp"), self._bytes("dp"))
+        start = self.step_bytes.begin()
         report = None
         while worker.steps_done <= step:
             action = worker.next_action()
             if action is None:  # its input has not arrived yet
                 self._receive_one()
             elif action.kind == "U":
-                report = self.update(action, pp_before, dp_before)
+                report = self.update(action, start)
             else:
                 started, begun = time.perf_counter(), time.monotonic()
                 outgoing = worker.run(action)
@@ -203,12 +203,12 @@ class DistDriver(PipelineEvaluation):
             self.dp_axis.settle()
         if self.anchor is not None:  # what has arrived is used from the next update on; no wait
             self.anchor.step_end(step)
-        self._bytes_mark = (self._bytes("pp"), self._bytes("dp"))
+        self.step_bytes.end()
         stats = worker.pop_stats(step)
         if worker.plan.flushes:
             return [report]
         rows = self.process_rows
-        rows.pending.append(self._row(stats, pp_before, dp_before))
+        rows.pending.append(self._row(stats, start))
         complete = find(end, Report)
         if complete is None:
             return []
@@ -266,12 +266,12 @@ class DistDriver(PipelineEvaluation):
     # It overrides these four, nothing else of the step: what a step's work posts, how an update
     # reduces and what the step reports, where a message goes, and what a partner's loss means.
 
-    def update(self, action, pp_before: int, dp_before: int) -> StepReport | None:
+    def update(self, action, start: AxisBytes) -> StepReport | None:
         """Apply update ``action`` (a U) and, under a flushing schedule, return the step's report
-        (under ``async`` the reports come from the drain point's gather: None). ``pp_before`` and
-        ``dp_before``: the link counters at the step's start, for its bytes. Here: the mesh's
-        collectives (the stage's all-reduce, or a DP strategy's rounds, and the gather)."""
-        rows = self._execute(action, self._actions(), pp_before, dp_before)
+        (under ``async`` the reports come from the drain point's gather: None). ``start``: the
+        link counters at the step's start, for its bytes. Here: the mesh's collectives (the
+        stage's all-reduce, or a DP strategy's rounds, and the gather)."""
+        rows = self._execute(action, self._actions(), start)
         if rows is None:  # async: the reports come from the drain point's gather
             return None
         return self.process_rows.report(action.microbatch // self.cfg.mesh.microbatches, rows)
@@ -386,8 +386,7 @@ class DistDriver(PipelineEvaluation):
                                          self.cfg.train.grad_clip, worker.dp,
                                          collective_deadline_s=self.deadlines.collective_s))
 
-    def _execute(self, action, actions: list[UpdateAction], pp_before: int,
-                 dp_before: int) -> list[ProcessRow] | None:
+    def _execute(self, action, actions: list[UpdateAction], start: AxisBytes) -> list[ProcessRow] | None:
         """Run update ``action``'s ``actions`` (mesh/update_run.py); under a flushing schedule
         return every process's row of the step. Without a strategy the norms ride on the step's
         rows (one gather); with one, the rows are gathered after its rounds have left, so that
@@ -399,7 +398,7 @@ class DistDriver(PipelineEvaluation):
         def gather_norms(act: GatherNorms):
             stage_sq.append(worker.grad_sq_norm())
             if axis.strategy is None:
-                rows.append(self._step_rows(step, pp_before, dp_before, stage_sq[0]))
+                rows.append(self._step_rows(step, start, stage_sq[0]))
                 values = [row.sq_norm for row in rows[0]]
             else:
                 values = self._gather(torch.tensor([stage_sq], dtype=torch.float64))[:, 0, 0].tolist()
@@ -413,27 +412,23 @@ class DistDriver(PipelineEvaluation):
                     Apply: lambda act: self._apply(action, act.coefficient, act.sq_norm)})
         axis.wait_s += run.pop_waited()
         if not rows and stage_sq:
-            rows.append(self._step_rows(step, pp_before, dp_before, stage_sq[0]))
+            rows.append(self._step_rows(step, start, stage_sq[0]))
         return rows[0] if rows else None
 
-    def _step_rows(self, step: int, pp_before: int, dp_before: int, sq_norm: float) -> list[ProcessRow]:
+    def _step_rows(self, step: int, start: AxisBytes, sq_norm: float) -> list[ProcessRow]:
         """Every process's row of ``step``, this one's with ``sq_norm`` (a gather)."""
-        row = self._row(self.worker.stats.get(step, StepStats()), pp_before, dp_before, sq_norm)
+        row = self._row(self.worker.stats.get(step, StepStats()), start, sq_norm)
         [rows] = self.process_rows.gather_steps([row])
         return rows
 
-    def _row(self, stats: StepStats, pp_before: int, dp_before: int,
-             sq_norm: float | None = None) -> ProcessRow:
-        """This process's row of a step whose link counters stood at ``pp_before``/``dp_before``."""
-        return self.process_rows.own(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before,
-                                     self.busy_s, self.dp_axis.wait_s, sq_norm)
+    def _row(self, stats: StepStats, start: AxisBytes, sq_norm: float | None = None) -> ProcessRow:
+        """This process's row of a step whose link counters stood at ``start``."""
+        return self.process_rows.own(stats, *self.step_bytes.since(start), self.busy_s, self.dp_axis.wait_s,
+                                     sq_norm)
 
     def _gather(self, values: torch.Tensor) -> torch.Tensor:
         """Every process's ``values`` (steps × n) → every process: (world, steps, n)."""
         return self.collectives.gather(values, "the gather of losses and norms")
-
-    def _bytes(self, axis: str) -> int:
-        return self.network.bytes_on_axis(axis)
 
     # --- evaluation, records, checkpoints ----------------------------------------------------
 

@@ -66,7 +66,7 @@ from meshlearn.elastic.rollback import Rollback
 from meshlearn.elastic.rounds import QuorumExchange
 from meshlearn.elastic.rows import Agreed, Held, Row, RowAgreement, row_label, slot_row, whole_batch
 from meshlearn.mesh.messages import Message
-from meshlearn.mesh.report import StepReport, run_summary
+from meshlearn.mesh.report import AxisBytes, StepReport, run_summary
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.mesh.update import Commit, ReduceGradients, UpdateAction, UpdateSpec, update_actions
 from meshlearn.mesh.update_run import Apply, Send, UpdateRun, drive
@@ -337,14 +337,13 @@ class ElasticDriver(Evictions, DistDriver):
         """A step this worker's row does not train: zero gradients into the stage's sum, then the
         update every replica of the stage applies."""
         self.feed(step, source)
-        pp_before, dp_before = self._bytes_mark or (self._bytes("pp"), self._bytes("dp"))
-        report = self.update(self.worker.spectate(), pp_before, dp_before)
-        self._bytes_mark = (self._bytes("pp"), self._bytes("dp"))
+        report = self.update(self.worker.spectate(), self.step_bytes.begin())
+        self.step_bytes.end()
         self.worker.pop_stats(step)
         self.spectated += 1
         return report
 
-    def update(self, action, pp_before: int, dp_before: int) -> StepReport:
+    def update(self, action, start: AxisBytes) -> StepReport:
         """The step's update over the stage's quorum, the update protocol's actions executed with
         the quorum's collectives (``_execute_over_quorum``), and the step's report from this
         worker's own numbers (no collective spans the mesh)."""
@@ -362,9 +361,9 @@ class ElasticDriver(Evictions, DistDriver):
         self.dp_axis.wait_s += time.monotonic() - started
         loss_sum, loss_count = counts[:2]
         mean_loss = loss_sum / loss_count if self.current.mean_ok and loss_count > 0 else None
+        bytes_pp, bytes_dp = self.step_bytes.since(start)
         return StepReport(step=step, losses=[mean_loss] if mean_loss is not None else [],
-                          sim_s=None, bytes_pp=self._bytes("pp") - pp_before,
-                          bytes_dp=self._bytes("dp") - dp_before + self.round_bytes,
+                          sim_s=None, bytes_pp=bytes_pp, bytes_dp=bytes_dp + self.round_bytes,
                           grad_norm=sq_norm**0.5, staleness=[])
 
     def _execute_over_quorum(self, action, u: int, actions: list[UpdateAction],

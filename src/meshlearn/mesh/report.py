@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from meshlearn.mesh.network import Network
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepStats
 
@@ -117,6 +118,34 @@ def mesh_report(step: int, mesh: MeshShape, rows: dict[WorkerId, ProcessRow], si
                       staleness=staleness, dp_wait_s=dp_wait_s,
                       dp_scores={str(w): row.dp_score for w in mesh.workers()
                                  if (row := rows[w]).dp_score != NO_SCORE})
+
+
+AxisBytes = tuple[int, int]
+"""Bytes sent on the pipeline ("pp") and the data-parallel ("dp") axes."""
+
+
+class StepBytes:
+    """A step's bytes per axis as every runtime reports them: counted from the previous step's end,
+    so the control messages of a drain point (sent between two steps) are in the next step's."""
+
+    def __init__(self, network: Network):
+        self.network = network
+        self.mark: AxisBytes | None = None  # the counters at the last step's end
+
+    def counters(self) -> AxisBytes:
+        return self.network.bytes_on_axis("pp"), self.network.bytes_on_axis("dp")
+
+    def begin(self) -> AxisBytes:
+        """The counters the coming step's bytes count from."""
+        return self.mark or self.counters()
+
+    def since(self, start: AxisBytes) -> AxisBytes:
+        """The bytes per axis sent since ``start``."""
+        pp, dp = self.counters()
+        return pp - start[0], dp - start[1]
+
+    def end(self) -> None:
+        self.mark = self.counters()
 
 
 # --- the run's summary: the fields every runtime writes to summary.json, computed once ------------

@@ -33,6 +33,7 @@ from meshlearn.mesh.network import (
     ring_allreduce_s,
 )
 from meshlearn.mesh.report import (
+    StepBytes,
     StepReport,
     dp_counters,
     idle_fraction,
@@ -165,7 +166,7 @@ class SimDriver:
         microbatches = next(iter(workers.values())).microbatches
         self.feeding = Feeding(feed_policy(microbatches, self.flushes, in_flight))
         self.lookahead = self.feeding.policy.lookahead
-        self._bytes_mark: tuple[int, int] | None = None  # link bytes at the last step's end
+        self.step_bytes = StepBytes(network)
         self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
         self.control_mail: list[Message] = []  # control messages sent, not yet received
         self._stage_sq: dict[WorkerId, float] = {}  # a flushing step's stage norms before the clip
@@ -205,8 +206,7 @@ class SimDriver:
         """Run until every worker has applied step ``step``'s updates (``source``: a WorkSource)."""
         # Counted from the previous step's end, so control messages sent at the drain point in
         # between (send_control) are in this step's bytes.
-        pp_before, dp_before = self._bytes_mark or (self.network.bytes_on_axis("pp"),
-                                                    self.network.bytes_on_axis("dp"))
+        start = self.step_bytes.begin()
         wait_before = self.dp_wait_s
         self._feed(step, source)
         # Workers that have not finished ``step``: kept as a set (a min over every worker per
@@ -229,10 +229,9 @@ class SimDriver:
         rows = {w: stats_row(worker.pop_stats(step), worker.microbatches, self._stage_sq.get(w))
                 for w, worker in self.workers.items()}
         report = mesh_report(step, self.mesh, rows, self.now - self.clock.step_end,
-                             self.network.bytes_on_axis("pp") - pp_before,
-                             self.network.bytes_on_axis("dp") - dp_before, self.dp_wait_s - wait_before)
+                             *self.step_bytes.since(start), self.dp_wait_s - wait_before)
         self.clock.step_end = self.now
-        self._bytes_mark = (self.network.bytes_on_axis("pp"), self.network.bytes_on_axis("dp"))
+        self.step_bytes.end()
         return [report]
 
     @property
@@ -539,7 +538,7 @@ class SimDriver:
         self.clock.load_state(state["clock"])
         self.network.load_state(state["network"])
         self.feeding.resume(state["fed"])
-        self._bytes_mark = None
+        self.step_bytes.mark = None  # the link counters were restored
         self.steps_done = {w: worker.steps_done for w, worker in self.workers.items()}
 
     def barrier(self, what: str) -> None:
