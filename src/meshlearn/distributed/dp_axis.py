@@ -155,7 +155,7 @@ class DPAxis:
             self._hold_gather(flat, step)
         else:
             flat = self.collectives.stage_sum(flat, what)
-            self._hold_ring(flat, step)
+            self.hold_ring(flat.numel() * flat.element_size(), replicas, step)
             flat.div_(replicas)
         self.worker.set_flat_gradients(flat)
         if scores is not None:
@@ -182,13 +182,14 @@ class DPAxis:
         if self.shaped:
             hold_until(done)
 
-    def _hold_ring(self, flat: torch.Tensor, step: int) -> None:
-        """A process-group all-reduce ran at loopback speed once the last replica joined: hold its
-        completion to the ring model from there, as the simulator starts it when the group's last
-        member is ready, and count the ring's bytes."""
+    def hold_ring(self, nbytes: int, replicas: int, step: int) -> None:
+        """An all-reduce of ``nbytes`` over ``replicas`` (the stage's group, or elastic's quorum)
+        ran at loopback speed once the last replica joined: hold its completion to the ring model
+        from there, as the simulator starts it when the group's last member is ready, and count
+        the ring's bytes (a ring of one: nothing)."""
+        if self.ring_next is None:
+            return
         joined = time.monotonic()
-        replicas = self.mesh.replicas
-        nbytes = flat.numel() * flat.element_size()
         link = self.network.link(self.me, self.ring_next)
         sent_before = link.busy_s
         release = allreduce_release_at(link, self.epoch, joined, nbytes, replicas, self.shaped)

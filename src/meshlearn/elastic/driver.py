@@ -53,7 +53,7 @@ import torch
 from meshlearn.cluster.placement import elastic_writer
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import RowBroken, WorkerFailure
-from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
+from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.transport import Transport
 from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.checkpoints import ElasticCheckpoints
@@ -433,9 +433,7 @@ class ElasticDriver(Evictions, DistDriver):
         commits nowhere; False then), held for the ring model's time as the fixed driver holds it."""
         summed = self.quorum.sum(flat)
         nbytes = flat.numel() * flat.element_size()
-        if self.ring_next is not None:
-            hold_until(allreduce_release_at(self.network.link(self.me, self.ring_next), self.epoch,
-                                            time.monotonic(), nbytes, self.current.participants, self.shaped))
+        self.dp_axis.hold_ring(nbytes, self.current.participants, self.next_step)
         self.round_bytes += nbytes
         return summed
 
