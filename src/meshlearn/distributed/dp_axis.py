@@ -28,7 +28,7 @@ from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import Network, ring_allreduce_bytes_per_member
 from meshlearn.mesh.report import dp_counters
-from meshlearn.mesh.timeline import TimelineRecorder, transfer
+from meshlearn.mesh.timeline import TimelineRecorder, all_gather, transfer
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.mesh.update import ReduceGradients, RoundStarts, Wait, receive_round
 from meshlearn.mesh.update_run import Send
@@ -171,16 +171,11 @@ class DPAxis:
         """A process-group all-gather (a robust rule) ran at loopback speed: hold its completion to
         the simulator's model from here, this replica's contribution queued on the link to each
         peer, and count those bytes."""
-        joined = time.monotonic()
-        nbytes = flat.numel() * flat.element_size()
-        done = joined
-        for peer in self.mesh.stage_replicas(self.me.stage):
-            if peer != self.me:
-                done = max(done, self.epoch + transfer(self.timeline(), step, self.me, peer,
-                                                       self.network.link(self.me, peer), "allgather",
-                                                       nbytes, joined - self.epoch, epoch=self.epoch))
+        replicas, nbytes = self.mesh.stage_replicas(self.me.stage), flat.numel() * flat.element_size()
+        done = all_gather(self.timeline(), step, self.network, [self.me], replicas, nbytes,
+                          time.monotonic() - self.epoch, self.epoch)
         if self.shaped:
-            hold_until(done)
+            hold_until(self.epoch + max(done.values()))
 
     def hold_ring(self, nbytes: int, replicas: int, step: int) -> None:
         """An all-reduce of ``nbytes`` over ``replicas`` (the stage's group, or elastic's quorum)

@@ -44,7 +44,7 @@ from meshlearn.mesh.report import (
 )
 from meshlearn.mesh.schedule import Action, AsyncPlan
 from meshlearn.mesh.sync import average_gradients
-from meshlearn.mesh.timeline import TimelineRecorder, transfer
+from meshlearn.mesh.timeline import TimelineRecorder, all_gather, transfer
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.update import (
     GatherNorms,
@@ -458,29 +458,14 @@ class SimDriver:
             return {}
         start = max(ready[w] for w in replicas)
         step = self.waiting[replicas[0]].microbatch // self.workers[replicas[0]].microbatches
-        if reduce.gathers:
-            done = self._allgather(ring, start, nbytes, step)
+        if reduce.gathers:  # a robust rule's (``dp.robust``)
+            done = all_gather(self.timeline, step, self.network, ring, ring, nbytes, start)
             return {w: done[w] for w in replicas}
         if self.network.access == UPLINK:  # the ring's sends queue behind what each uplink holds
             start = max(start, *(self.network.link(a, b).queue_free_at for a, b in _ring(ring)))
         self._charge_allreduce(ring, start, nbytes, step)
         seconds = ring_allreduce_s(nbytes, len(ring), self.network.link(*ring[:2]).profile)
         return {w: start + seconds for w in replicas}
-
-    def _allgather(self, members: list[WorkerId], start: float, nbytes: int,
-                   step: int) -> dict[WorkerId, float]:
-        """A robust rule's all-gather (``dp.robust``): from ``start`` every member sends its
-        ``nbytes`` to each of the D − 1 others on that pair's link (queued like any message, on
-        the sender's uplink where access is shared); a member has the aggregate when the last
-        contribution reached it."""
-        done = dict.fromkeys(members, start)
-        for src in members:
-            for dst in members:
-                if src != dst:
-                    link = self.network.link(src, dst)
-                    done[dst] = max(done[dst], transfer(self.timeline, step, src, dst, link, "allgather",
-                                                        nbytes, start))
-        return done
 
     def _charge_allreduce(self, replicas: list[WorkerId], start: float, nbytes: int, step: int) -> None:
         ring = _ring(replicas)

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from meshlearn.atomic import atomic_write_text
-from meshlearn.mesh.network import Link
+from meshlearn.mesh.network import Link, Network
+from meshlearn.mesh.topology import WorkerId
 
 TIMELINE_FILE = "timeline.json"
 MAX_EVENTS = 20_000
@@ -87,6 +88,23 @@ def transfer(timeline: TimelineRecorder | None, step: int, src: object, dst: obj
         timeline.send(str(src), str(dst), link.axis, what, step, nbytes, epoch + start, epoch + link.free_at,
                       epoch + link.last_arrival if known else None)
     return result
+
+
+def all_gather(timeline: TimelineRecorder | None, step: int, network: Network, senders: list[WorkerId],
+               members: list[WorkerId], nbytes: int, start: float,
+               epoch: float = 0.0) -> dict[WorkerId, float]:
+    """A robust rule's all-gather on the link model (``dp.robust``), as every runtime charges it:
+    from ``start`` each of ``senders`` sends its ``nbytes`` to every other of ``members`` on that
+    pair's link (queued like any message, on the sender's uplink where access is shared); returns
+    when the last contribution reached each member (``start`` where none did)."""
+    done = dict.fromkeys(members, start)
+    for src in senders:
+        for dst in members:
+            if src != dst:
+                link = network.link(src, dst)
+                arrival = transfer(timeline, step, src, dst, link, "allgather", nbytes, start, epoch=epoch)
+                done[dst] = max(done[dst], arrival)
+    return done
 
 
 def parse_timeline_steps(value: str, total_steps: int) -> list[int]:
