@@ -41,7 +41,7 @@ from meshlearn.mesh.network import build_network
 from meshlearn.mesh.report import AxisBytes, ProcessRow, StepBytes, StepReport, run_summary
 from meshlearn.mesh.schedule import AsyncPlan, pipeline_in_flight
 from meshlearn.mesh.standin import slot_microbatch, stand_in
-from meshlearn.mesh.timeline import TimelineRecorder, transfer
+from meshlearn.mesh.timeline import TimelineRecorder, computed, transfer
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.update import (
     GatherNorms,
@@ -354,10 +354,8 @@ class DistDriver(PipelineEvaluation):
         self._record(action, begun)
 
     def _record(self, action, t0: float) -> None:
-        """A compute of a recorded step, on the monotonic clock (shared by the processes of a host)."""
-        step = action.microbatch // self.cfg.mesh.microbatches
-        if self.timeline is not None and self.timeline.wants(step):
-            self.timeline.compute(str(self.me), action.kind, step, action.microbatch, t0, time.monotonic())
+        """A compute on the monotonic clock (shared by the processes of a host)."""
+        computed(self.timeline, self.me, action, self.cfg.mesh.microbatches, t0, time.monotonic())
 
     def _send(self, message: Message, capacity: int) -> None:
         """Hand ``message`` to the transport where ``route`` sends it."""

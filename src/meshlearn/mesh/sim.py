@@ -44,7 +44,7 @@ from meshlearn.mesh.report import (
 )
 from meshlearn.mesh.schedule import Action, AsyncPlan
 from meshlearn.mesh.sync import average_gradients
-from meshlearn.mesh.timeline import TimelineRecorder, all_gather, transfer
+from meshlearn.mesh.timeline import TimelineRecorder, all_gather, computed, transfer
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.update import (
     GatherNorms,
@@ -331,9 +331,7 @@ class SimDriver:
         start = max(now, self.clock.now[wid])
         self.clock.busy_s[wid] += duration
         self.busy.add(wid)
-        step = action.microbatch // worker.microbatches
-        if self.timeline is not None and self.timeline.wants(step):
-            self.timeline.compute(str(wid), action.kind, step, action.microbatch, start, start + duration)
+        computed(self.timeline, wid, action, worker.microbatches, start, start + duration)
         self._push(start + duration, ComputeDone(wid, tuple(outgoing)))
 
     # --- updates: the update protocol's requests (mesh/update_run.py), executed in simulated time --
@@ -427,10 +425,7 @@ class SimDriver:
             seconds = self.compute.update_s(worker.n_params, time.perf_counter() - started)
             self.clock.busy_s[wid] += seconds
             self.busy.add(wid)
-            step = action.microbatch // worker.microbatches
-            if self.timeline is not None and self.timeline.wants(step):
-                self.timeline.compute(str(wid), "U", step, action.microbatch, ready[wid],
-                                      ready[wid] + seconds)
+            computed(self.timeline, wid, action, worker.microbatches, ready[wid], ready[wid] + seconds)
             if reduce is not None and worker.mesh.replicas > 1:
                 self.dp_wait_s += ready[wid] - arrived[wid]
             self._push(ready[wid] + seconds, UpdateComputed(wid))

@@ -73,6 +73,15 @@ class TimelineRecorder:
         return path
 
 
+def computed(timeline: TimelineRecorder | None, worker: object, action, microbatches: int, t0: float,
+             t1: float) -> None:
+    """``worker``'s forward, backward or update ``action`` (a ``schedule.Action``) ran from ``t0``
+    to ``t1``: recorded if its step is (every runtime's compute goes through here)."""
+    step = action.microbatch // microbatches
+    if timeline is not None and timeline.wants(step):
+        timeline.compute(str(worker), action.kind, step, action.microbatch, t0, t1)
+
+
 def transfer(timeline: TimelineRecorder | None, step: int, src: object, dst: object, link: Link, what: str,
              nbytes: int, now: float, send: Callable[[], Any] | None = None, epoch: float = 0.0,
              known: bool = True) -> Any:
