@@ -6,6 +6,7 @@ merge (and a spectator's reset), and what a runtime that lacks a request is told
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from test_update_protocol import SQ, EveryOther, pair
 
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.mesh.update import (
+    ClipAndStep,
     Commit,
     GatherNorms,
     ReduceGradients,
@@ -146,3 +148,13 @@ def test_drive_names_a_request_the_runtime_cannot_execute():
     run = run_of(UpdateSpec(0, True, P, 1.0, None, mesh_wide=False, votes=True), OwnNorm(1.0))
     with pytest.raises(RuntimeError, match="cannot execute Commit"):
         drive(run, {ReduceGradients: lambda _: None, Apply: lambda _: None})
+
+
+def test_a_workers_run_reads_its_schedule_and_the_runtimes_shape():
+    worker = SimpleNamespace(version=3, plan=SimpleNamespace(flushes=True), mesh=SimpleNamespace(stages=P),
+                             dp=None, id=ME, grad_sq_norm=OwnNorm(2.0))
+    run = UpdateRun.of(worker, 1.0, RoundStarts())
+    assert [type(a) for a in run.actions] == [ReduceGradients, GatherNorms, ClipAndStep]
+    elastic = UpdateRun.of(worker, 1.0, RoundStarts(), u=0, mesh_wide=False, votes=True)
+    assert [type(a) for a in elastic.actions] == [ReduceGradients, Commit, ClipAndStep]
+    assert elastic.actions[-1].policy.scope == "stage" and run.actions[-1].policy.scope == "mesh"

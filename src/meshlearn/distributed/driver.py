@@ -46,11 +46,8 @@ from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.update import (
     GatherNorms,
     ReduceGradients,
-    UpdateAction,
-    UpdateSpec,
     Wait,
     find,
-    update_actions,
 )
 from meshlearn.mesh.update_run import Apply, Send, UpdateRun, drive
 from meshlearn.mesh.wall_clock import WallClock
@@ -271,7 +268,7 @@ class DistDriver(PipelineEvaluation):
         (under ``async`` the reports come from the drain point's gather: None). ``start``: the
         link counters at the step's start, for its bytes. Here: the mesh's collectives (the
         stage's all-reduce, or a DP strategy's rounds, and the gather)."""
-        rows = self._execute(action, self._actions(), start)
+        rows = self._execute(action, start)
         if rows is None:  # async: the reports come from the drain point's gather
             return None
         return self.process_rows.report(action.microbatch // self.cfg.mesh.microbatches, rows)
@@ -377,15 +374,8 @@ class DistDriver(PipelineEvaluation):
 
     # --- the update protocol's actions (mesh/update.py), executed with this runtime's collectives --
 
-    def _actions(self) -> list[UpdateAction]:
-        """The actions of this worker's coming update."""
-        worker = self.worker
-        return update_actions(UpdateSpec(worker.version, worker.plan.flushes, self.mesh.stages,
-                                         self.cfg.train.grad_clip, worker.dp,
-                                         collective_deadline_s=self.deadlines.collective_s))
-
-    def _execute(self, action, actions: list[UpdateAction], start: AxisBytes) -> list[ProcessRow] | None:
-        """Run update ``action``'s ``actions`` (mesh/update_run.py); under a flushing schedule
+    def _execute(self, action, start: AxisBytes) -> list[ProcessRow] | None:
+        """Run update ``action`` (mesh/update_run.py); under a flushing schedule
         return every process's row of the step. Without a strategy the norms ride on the step's
         rows (one gather); with one, the rows are gathered after its rounds have left, so that
         their DP bytes are the step's, and the norms are a scalar gather of their own."""
@@ -404,7 +394,8 @@ class DistDriver(PipelineEvaluation):
                 time.sleep(self.network.default.latency_s)  # the scalar exchange, as the simulator's
             return {self.mesh.worker(rank): value for rank, value in enumerate(values)}.__getitem__
 
-        run = UpdateRun(actions, self.me, axis.strategy, axis.started, worker.grad_sq_norm)
+        run = UpdateRun.of(worker, self.cfg.train.grad_clip, axis.started,
+                           collective_deadline_s=self.deadlines.collective_s)
         drive(run, {ReduceGradients: lambda act: axis.reduce_gradients(step, act), Send: axis.send_phase,
                     Wait: axis.wait_round, GatherNorms: gather_norms,
                     Apply: lambda act: self._apply(action, act.coefficient, act.sq_norm)})

@@ -68,7 +68,7 @@ from meshlearn.elastic.rows import Agreed, Held, Row, RowAgreement, row_label, s
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.report import AxisBytes, StepReport, run_summary
 from meshlearn.mesh.topology import WorkerId
-from meshlearn.mesh.update import Commit, ReduceGradients, UpdateAction, UpdateSpec, update_actions
+from meshlearn.mesh.update import Commit, ReduceGradients
 from meshlearn.mesh.update_run import Apply, Send, UpdateRun, drive
 from meshlearn.mesh.worker import StepStats, StepWork
 
@@ -350,14 +350,13 @@ class ElasticDriver(Evictions, DistDriver):
         worker = self.worker
         step = action.microbatch // self.cfg.mesh.microbatches
         u = self.batch_index  # committed updates so far: one that does not commit is retried as u
-        actions = update_actions(UpdateSpec(u, worker.plan.flushes, self.mesh.stages,
-                                            self.cfg.train.grad_clip, worker.dp, mesh_wide=False,
-                                            votes=True, collective_deadline_s=self.deadlines.collective_s))
+        run = UpdateRun.of(worker, self.cfg.train.grad_clip, self.dp_axis.started, u, self.sequences == 0,
+                           mesh_wide=False, votes=True, collective_deadline_s=self.deadlines.collective_s)
         losses = list(worker.stats.get(step, StepStats()).losses.values())
         self.round_bytes = 0
         started = time.monotonic()
         counts = [sum(losses), len(losses), float(self.sequences > 0), self.sequences]
-        sq_norm, counts = self._execute_over_quorum(action, u, actions, counts)
+        sq_norm, counts = self._execute_over_quorum(action, u, run, counts)
         self.dp_axis.wait_s += time.monotonic() - started
         loss_sum, loss_count = counts[:2]
         mean_loss = loss_sum / loss_count if self.current.mean_ok and loss_count > 0 else None
@@ -366,9 +365,9 @@ class ElasticDriver(Evictions, DistDriver):
                           sim_s=None, bytes_pp=bytes_pp, bytes_dp=bytes_dp + self.round_bytes,
                           grad_norm=sq_norm**0.5, staleness=[])
 
-    def _execute_over_quorum(self, action, u: int, actions: list[UpdateAction],
+    def _execute_over_quorum(self, action, u: int, run: UpdateRun,
                              counts: list[float]) -> tuple[float, list[float]]:
-        """Run update ``u``'s actions over the quorum; returns (the clip's squared norm, the step's
+        """Run update ``u`` (``run``) over the quorum; returns (the clip's squared norm, the step's
         counts summed over the quorum: loss sum, loss count, contributing replicas, sequences).
 
         The counts ride with the gradients' sum (``ReduceGradients``: the mean divides by the
@@ -396,7 +395,6 @@ class ElasticDriver(Evictions, DistDriver):
             counts = self._reduce_gradients(counts)
 
         step = action.microbatch // self.cfg.mesh.microbatches
-        run = UpdateRun(actions, self.me, strategy, self.dp_axis.started, worker.grad_sq_norm, not trains)
         outcome = drive(run, {ReduceGradients: reduce, Send: self._no_messages,  # rounds are quorum sums
                               Commit: lambda _act: self._decide(step),
                               Apply: lambda act: self._apply(action, act.coefficient, act.sq_norm)})

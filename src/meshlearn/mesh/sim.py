@@ -50,10 +50,8 @@ from meshlearn.mesh.update import (
     GatherNorms,
     ReduceGradients,
     RoundStarts,
-    UpdateSpec,
     Wait,
     receive_round,
-    update_actions,
     waits_for,
 )
 from meshlearn.mesh.update_run import Apply, Send, UpdateRun
@@ -340,13 +338,10 @@ class SimDriver:
         """Start ``wid``'s update ``action``: its run waits for whom its actions need
         (``waits_for``): the whole mesh when norms are gathered (a flushing schedule), the stage's
         replicas for their reduce, else nobody."""
-        worker = self.workers[wid]
-        actions = update_actions(UpdateSpec(worker.version, self.flushes, self.mesh.stages, self.grad_clip,
-                                            worker.dp))
-        who = waits_for(actions)
+        run = UpdateRun.of(self.workers[wid], self.grad_clip, self.dp_started[wid])
+        who = waits_for(run.actions)
         group = (self.everyone if who == "mesh" else
                  self.mesh.stage_replicas(wid.stage) if who == "stage" else [wid])
-        run = UpdateRun(actions, wid, worker.dp, self.dp_started[wid], worker.grad_sq_norm)
         self.updates[wid] = _Update(run, action, group, None)
         self._proceed(wid, run.start(), now)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshlearn.dp.base import DPStrategy
 from meshlearn.mesh.messages import Message
@@ -42,8 +42,13 @@ from meshlearn.mesh.update import (
     RoundStarts,
     StrategyPhase,
     UpdateAction,
+    UpdateSpec,
     Wait,
+    update_actions,
 )
+
+if TYPE_CHECKING:
+    from meshlearn.mesh.worker import Worker
 
 KEEP_ROUND_STARTS = 64
 """Rounds begun this many updates ago are long settled: their starts are forgotten at a merge."""
@@ -98,6 +103,18 @@ class UpdateRun:
         self.outcome = Outcome()
         self._own: float | None = None
         self._walk = self._steps()
+
+    @classmethod
+    def of(cls, worker: Worker, grad_clip: float, starts: RoundStarts, u: int | None = None,
+           spectator: bool = False, **runtime) -> UpdateRun:
+        """``worker``'s coming update: its actions from its schedule, its strategy and the
+        runtime's shape (``runtime``: ``UpdateSpec``'s ``mesh_wide``, ``votes``,
+        ``collective_deadline_s``); ``u``: its number (the worker's version unless the runtime
+        counts otherwise: elastic counts committed updates)."""
+        spec = UpdateSpec(worker.version if u is None else u, worker.plan.flushes, worker.mesh.stages,
+                          grad_clip, worker.dp, **runtime)
+        strategy = worker.dp if worker.dp is not None and not worker.dp.collective else None
+        return cls(update_actions(spec), worker.id, strategy, starts, worker.grad_sq_norm, spectator)
 
     def start(self) -> Request | None:
         """The first request (None: the update has nothing to do, which no action list allows)."""
