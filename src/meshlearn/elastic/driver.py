@@ -350,8 +350,9 @@ class ElasticDriver(Evictions, DistDriver):
         worker = self.worker
         step = action.microbatch // self.cfg.mesh.microbatches
         u = self.batch_index  # committed updates so far: one that does not commit is retried as u
-        run = UpdateRun.of(worker, self.cfg.train.grad_clip, self.dp_axis.started, u, self.sequences == 0,
-                           mesh_wide=False, votes=True, collective_deadline_s=self.deadlines.collective_s)
+        run = UpdateRun.of(worker, self.cfg.train.grad_clip, self.dp_axis.started, u,
+                           spectator=self.sequences == 0, mesh_wide=False, votes=True,
+                           collective_deadline_s=self.deadlines.collective_s)
         losses = list(worker.stats.get(step, StepStats()).losses.values())
         self.round_bytes = 0
         started = time.monotonic()
