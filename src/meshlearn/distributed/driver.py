@@ -35,7 +35,7 @@ from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.transport import Forged, Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, blob_state, state_blob
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, buffer_capacities, message_bound
-from meshlearn.mesh.feeding import Feed, Feeding, LearnVerdicts, Report, Settle, feed_policy
+from meshlearn.mesh.feeding import Feeding, LearnVerdicts, Report, Settle, feed_policy
 from meshlearn.mesh.messages import Message, carried_kind, charged_step
 from meshlearn.mesh.network import build_network
 from meshlearn.mesh.report import AxisBytes, ProcessRow, StepBytes, StepReport, run_summary
@@ -194,8 +194,7 @@ class DistDriver(PipelineEvaluation):
                     self._send(message, self.capacity)
         self._learn(self.feeding.before_end(step))  # a ban at step − L asks for a drain after this one
         strategy = self.dp_axis.strategy
-        asks = self.feeding.asks_at_end(background=strategy is not None)
-        end = self.feeding.step_end(step, source.next_drain(step) if asks else None)
+        end = self.feeding.end(step, source, background=strategy is not None)
         if strategy is not None and Settle() in end:
             self.dp_axis.settle()
         if self.anchor is not None:  # what has arrived is used from the next update on; no wait
@@ -249,11 +248,7 @@ class DistDriver(PipelineEvaluation):
         depends on, then data up to the next drain point (or the lookahead), each step's work
         handed over by ``take``; no forward past the horizon."""
         self._learn(self.feeding.before_feed(step))
-        for action in self.feeding.feed(step, source.next_drain(step)):
-            if isinstance(action, Feed):
-                self.take(source.work(action.step)[self.me])
-            else:
-                self.worker.horizon = action.microbatch
+        self.feeding.hand_over(step, source, self.workers, lambda _wid, work: self.take(work))
 
     def _learn(self, actions: list[LearnVerdicts]) -> None:
         for action in actions:

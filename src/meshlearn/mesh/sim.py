@@ -23,7 +23,7 @@ import torch
 from meshlearn.mesh.compute import ComputeModel
 from meshlearn.mesh.evaluation import average_modules, evaluation_plan, mean_loss, run_plan
 from meshlearn.mesh.events import Arrival, ComputeDone, Delivery, RoundDeadline, SimEvent, UpdateComputed
-from meshlearn.mesh.feeding import Feed, Feeding, Horizon, Settle, feed_policy
+from meshlearn.mesh.feeding import Feeding, Settle, feed_policy
 from meshlearn.mesh.messages import Message, MessageMonitor, charged_step
 from meshlearn.mesh.network import (
     UPLINK,
@@ -206,7 +206,7 @@ class SimDriver:
         # between (send_control) are in this step's bytes.
         start = self.step_bytes.begin()
         wait_before = self.dp_wait_s
-        self._feed(step, source)
+        self.feeding.hand_over(step, source, self.workers, lambda wid, work: self.workers[wid].feed(work))
         # Workers that have not finished ``step``: kept as a set (a min over every worker per
         # event made large meshes' event loops slow).
         self._target = step
@@ -219,8 +219,7 @@ class SimDriver:
                 raise RuntimeError(f"pipeline deadlock: workers {stuck} wait for messages that never come")
             self._process(*heapq.heappop(self.events))
         end = self.now
-        drain = source.next_drain(step) if self.feeding.asks_at_end(background=bool(self.events)) else None
-        if Settle() in self.feeding.step_end(step, drain):
+        if Settle() in self.feeding.end(step, source, background=bool(self.events)):
             while self.events:  # the DP rounds run in the background land, in no step's time
                 self._process(*heapq.heappop(self.events))
         self.now = end
@@ -235,16 +234,6 @@ class SimDriver:
     @property
     def fed(self) -> int:
         return self.feeding.fed
-
-    def _feed(self, step: int, source) -> None:
-        """The feeding policy's actions (mesh/feeding.py): every worker gets its work at once."""
-        for action in self.feeding.feed(step, source.next_drain(step)):
-            if isinstance(action, Feed):
-                for wid, work in source.work(action.step).items():
-                    self.workers[wid].feed(work)
-            elif isinstance(action, Horizon):
-                for worker in self.workers.values():
-                    worker.horizon = action.microbatch
 
     # --- the event loop ----------------------------------------------------------------------
 
