@@ -11,7 +11,6 @@ next one's microbatches are already in flight, and only a drain point empties it
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 import time
@@ -21,7 +20,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from meshlearn.mesh.compute import ComputeModel
-from meshlearn.mesh.evaluation import average_modules, evaluation_plan, mean_loss, run_plan
+from meshlearn.mesh.evaluation import average_modules, mean_loss, run_evaluation
 from meshlearn.mesh.events import Arrival, ComputeDone, Delivery, RoundDeadline, SimEvent, UpdateComputed
 from meshlearn.mesh.feeding import Feeding, Settle, feed_policy
 from meshlearn.mesh.messages import Message, MessageMonitor, charged_step
@@ -467,14 +466,12 @@ class SimDriver:
         assert self.drained, "evaluation runs at a drain point"
         stages = [self.workers[WorkerId(0, s)] for s in range(self.mesh.stages)]
         codec = stages[0].codec
-        own = [w.module for w in stages]
-        averaged = functools.cache(lambda: [average_modules([self.workers[w].module for w in
-                                                             self.mesh.stage_replicas(s)])
-                                            for s in range(self.mesh.stages)])
         masks = getattr(codec, "name", "") == "mask"
-        plan = evaluation_plan(_drifts(stages[0]) and self.mesh.replicas > 1, masks)
-        loss, self._eval_fields = run_plan(plan, lambda p: mean_loss(averaged() if p.averaged else own, codec,
-                                                                      batches, p.masked))
+        loss, self._eval_fields = run_evaluation(
+            stages[0].dp, self.mesh.replicas, masks, [w.module for w in stages],
+            lambda: [average_modules([self.workers[w].module for w in self.mesh.stage_replicas(s)])
+                     for s in range(self.mesh.stages)],
+            lambda modules, masked: mean_loss(modules, codec, batches, masked))
         return loss
 
     def eval_fields(self) -> dict:
@@ -528,10 +525,6 @@ def _ring(replicas: list[WorkerId]) -> list[tuple[WorkerId, WorkerId]]:
 def _collective(worker: Worker) -> bool:
     """Whether the worker's update runs the built-in all-reduce (no strategy, or ``allreduce``)."""
     return worker.dp is None or worker.dp.collective
-
-
-def _drifts(worker: Worker) -> bool:
-    return worker.dp is not None and worker.dp.drifts
 
 
 def build_sim_driver(cfg, workers: dict[WorkerId, Worker]) -> SimDriver:
