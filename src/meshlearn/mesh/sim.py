@@ -53,7 +53,7 @@ from meshlearn.mesh.update import (
     receive_round,
     waits_for,
 )
-from meshlearn.mesh.update_run import Apply, Send, UpdateRun
+from meshlearn.mesh.update_run import Apply, Request, Send, UpdateRun
 from meshlearn.mesh.worker import Worker
 
 
@@ -349,7 +349,10 @@ class SimDriver:
         if update is not None and isinstance(update.request, Wait):
             self._parked(wid, update, update.run.resume(now), now, phased=True)
 
-    def _parked(self, wid: WorkerId, update: _Update, request, now: float, phased: bool) -> None:
+    def _parked(self, wid: WorkerId, update: _Update, request: Request | None, now: float,
+                phased: bool) -> None:
+        """``wid``'s run stopped at ``request``: a round's ``Wait`` (its deadline queued as an
+        event), the end of the update, or a collective or step its group executes together."""
         update.request = request
         self.dp_wait_s += update.run.pop_waited()
         if isinstance(request, Wait):
@@ -514,7 +517,7 @@ class _Update:
     run: UpdateRun
     action: Action
     group: list[WorkerId]
-    request: object
+    request: Request | None
 
 
 def _ring(replicas: list[WorkerId]) -> list[tuple[WorkerId, WorkerId]]:
