@@ -5,6 +5,8 @@ against the unsplit computation."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from meshlearn.mesh.evaluation import (
     evaluation_plan,
     mean_loss,
     pipeline_loss,
+    run_evaluation,
     run_plan,
 )
 from meshlearn.models.llama import Decoder
@@ -37,6 +40,26 @@ def test_the_plan_names_each_pass_its_model_and_its_field(drifts, masks, expecte
     assert seen == plan  # executed in the plan's order: a pipeline's messages follow it
     assert loss == 1.0 + plan.index(EvalPass("val_loss", averaged=drifts))
     assert set(fields) == {p.field for p in plan} - {"val_loss"}
+
+
+@pytest.mark.parametrize("drifts,replicas,masks,means", [
+    (False, 2, True, 0), (True, 1, True, 0), (True, 2, False, 1), (True, 2, True, 1)])
+def test_an_evaluation_builds_the_replicas_mean_once_and_only_where_several_drift(drifts, replicas, masks,
+                                                                                  means):
+    built, passes = [], []
+
+    def loss(weights, masked: bool) -> float:
+        passes.append((weights, masked))
+        return float(len(passes))
+
+    value, fields = run_evaluation(SimpleNamespace(drifts=drifts), replicas, masks, "own",
+                                   lambda: built.append(1) or "mean", loss)
+    assert len(built) == means  # the mean is a collective in dist: once per evaluation at most
+    model = "mean" if means else "own"
+    replica0 = [("own", False)] if means else []  # val_loss_replica0 first where replicas drift
+    assert passes == [*replica0, (model, False), *([(model, True)] if masks else [])]
+    assert value == passes.index((model, False)) + 1.0
+    assert run_evaluation(None, replicas, False, "own", lambda: 1 / 0, lambda w, m: 2.0) == (2.0, {})
 
 
 def test_a_pass_codes_a_boundary_as_evaluation_or_as_batch_i_s_training_message():

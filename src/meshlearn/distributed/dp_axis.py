@@ -3,8 +3,8 @@
 Two kinds of exchange run on it. The stage's built-in collective (``ReduceGradients``): the mean of
 its replicas' gradients over a process group (or with untrusted links the framed collectives of
 ``collectives.py``), a robust rule's reduce of every contribution, each completion held to the
-link model as the simulator charges it. A message-based strategy's rounds (``StrategyPhase``,
-meshlearn.dp): point-to-point messages on the stage's DP links, each round waited for until it
+link model as the simulator charges it. A message-based strategy's rounds (``Send`` and ``Wait``,
+mesh/update_run.py): point-to-point messages on the stage's DP links, each round waited for until it
 lands or its deadline passes.
 
 The DistDriver owns one and hands it what it needs explicitly: the worker, the link model, the
@@ -27,9 +27,11 @@ from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_unti
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import Network, ring_allreduce_bytes_per_member
-from meshlearn.mesh.timeline import TimelineRecorder
+from meshlearn.mesh.report import dp_counters
+from meshlearn.mesh.timeline import TimelineRecorder, all_gather, transfer
 from meshlearn.mesh.topology import WorkerId
-from meshlearn.mesh.update import PhaseWalk, ReduceGradients, RoundStarts, StrategyPhase, receive_round
+from meshlearn.mesh.update import ReduceGradients, RoundStarts, Wait, receive_round
+from meshlearn.mesh.update_run import Send
 from meshlearn.mesh.worker import Worker
 
 
@@ -77,22 +79,23 @@ class DPAxis:
 
     # --- a message-based strategy's rounds ----------------------------------------------------
 
-    def phase(self, phase: StrategyPhase) -> None:
-        """A message-based strategy's phase (meshlearn.dp.base), the simulator's in real time:
-        "pre" posts the update's receives, sends and waits until the strategy is ready; "post"
-        sends, then waits for each round it names, each wait bounded by that round's deadline."""
-        walk = PhaseWalk(self.strategy, phase, self.started)
+    def send_phase(self, request: Send) -> float:
+        """A phase's messages (mesh/update_run.py), the simulator's in real time: a "pre" phase
+        posts the update's receives first; after a "post" phase's, what has arrived is delivered.
+        Returns the clock its rounds' waits count from."""
+        phase = request.phase
         if phase.phase == "pre":
             for peer in self.peers:
                 self.links.expect(peer, self.strategy.expects(phase.u), self.capacity)
-        started = time.monotonic()
-        self.send(walk.messages())
+        self.send(request.messages)
         if phase.phase == "post":
-            started = time.monotonic()
             self.poll()
-        while (wait := walk.poll(time.monotonic())) is not None:
-            self.wait(f"the DP round of update {wait.u + 1}", wait.until)
-        self.wait_s += time.monotonic() - started
+        return time.monotonic()
+
+    def wait_round(self, wait: Wait) -> float:
+        """Deliver one arrival, or none if the round's deadline passes first; returns the clock."""
+        self.wait(f"the DP round of update {wait.u + 1}", wait.until)
+        return time.monotonic()
 
     def send(self, messages: list[Message]) -> None:
         self.started.mark(messages, time.monotonic())
@@ -152,7 +155,7 @@ class DPAxis:
             self._hold_gather(flat, step)
         else:
             flat = self.collectives.stage_sum(flat, what)
-            self._hold_ring(flat, step)
+            self.hold_ring(flat.numel() * flat.element_size(), replicas, step)
             flat.div_(replicas)
         self.worker.set_flat_gradients(flat)
         if scores is not None:
@@ -168,30 +171,20 @@ class DPAxis:
         """A process-group all-gather (a robust rule) ran at loopback speed: hold its completion to
         the simulator's model from here, this replica's contribution queued on the link to each
         peer, and count those bytes."""
-        joined = time.monotonic()
-        nbytes = flat.numel() * flat.element_size()
-        done = joined
-        timeline = self._recording(step)
-        for peer in self.mesh.stage_replicas(self.me.stage):
-            if peer == self.me:
-                continue
-            link = self.network.link(self.me, peer)
-            leaves = max(joined - self.epoch, link.queue_free_at)
-            at = self.epoch + link.transmit(joined - self.epoch, nbytes)
-            done = max(done, at)
-            if timeline is not None:
-                timeline.send(str(self.me), str(peer), "dp", "allgather", step, nbytes,
-                              self.epoch + leaves, self.epoch + link.free_at, at)
+        replicas, nbytes = self.mesh.stage_replicas(self.me.stage), flat.numel() * flat.element_size()
+        done = all_gather(self.timeline(), step, self.network, [self.me], replicas, nbytes,
+                          time.monotonic() - self.epoch, self.epoch)
         if self.shaped:
-            hold_until(done)
+            hold_until(self.epoch + max(done.values()))
 
-    def _hold_ring(self, flat: torch.Tensor, step: int) -> None:
-        """A process-group all-reduce ran at loopback speed once the last replica joined: hold its
-        completion to the ring model from there, as the simulator starts it when the group's last
-        member is ready, and count the ring's bytes."""
+    def hold_ring(self, nbytes: int, replicas: int, step: int) -> None:
+        """An all-reduce of ``nbytes`` over ``replicas`` (the stage's group, or elastic's quorum)
+        ran at loopback speed once the last replica joined: hold its completion to the ring model
+        from there, as the simulator starts it when the group's last member is ready, and count
+        the ring's bytes (a ring of one: nothing)."""
+        if self.ring_next is None:
+            return
         joined = time.monotonic()
-        replicas = self.mesh.replicas
-        nbytes = flat.numel() * flat.element_size()
         link = self.network.link(self.me, self.ring_next)
         sent_before = link.busy_s
         release = allreduce_release_at(link, self.epoch, joined, nbytes, replicas, self.shaped)
@@ -206,21 +199,14 @@ class DPAxis:
         """Framed collectives: when this replica's frame may leave for each other replica (its
         link's model, as a pipeline message's), each frame counted in the DP bytes as sent."""
         nbytes = frame_bytes(flat)
-        release = {}
-        timeline = self._recording(step)
-        for peer, pacer in self.frame_pacers.items():
-            link = pacer.link
-            start = max(time.monotonic() - self.epoch, link.queue_free_at)
-            release[self.mesh.rank(peer)] = at = pacer.release_at(nbytes)
-            if timeline is not None:
-                timeline.send(str(self.me), str(peer), "dp", "allreduce", step, nbytes,
-                              self.epoch + start, self.epoch + link.free_at, at)
-        return release
+        return {self.mesh.rank(peer): transfer(self.timeline(), step, self.me, peer, pacer.link, "allreduce",
+                                               nbytes, time.monotonic() - self.epoch,
+                                               lambda pacer=pacer: pacer.release_at(nbytes), self.epoch,
+                                               known=self.shaped)
+                for peer, pacer in self.frame_pacers.items()}
 
-    def summary(self, sum_over_workers: Callable[[list[float]], list[float]]) -> dict:
-        """The strategy's counters summed over every process (a collective: all call it)."""
-        if self.strategy is None:
-            return {}
-        keys = list(self.strategy.summary())
-        totals = sum_over_workers([self.wait_s, *self.strategy.summary().values()])
-        return {"dp_wait_s": totals[0], **{k: int(v) for k, v in zip(keys, totals[1:], strict=True)}}
+    def summary(self, sum_over_workers: Callable[[list[float]], list[float]] | None = None) -> dict:
+        """The strategy's counters, summed over every process by ``sum_over_workers`` (a
+        collective: all call it; None: this process's own)."""
+        return dp_counters(self.wait_s, [self.strategy.summary()] if self.strategy is not None else [],
+                           sum_over_workers)

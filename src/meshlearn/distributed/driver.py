@@ -35,25 +35,21 @@ from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.transport import Forged, Transport
 from meshlearn.distributed.verdict_board import VerdictBoard, blob_state, state_blob
 from meshlearn.distributed.wire import HEADER_ROOM, PREFIX_BYTES, buffer_capacities, message_bound
-from meshlearn.mesh.feeding import Feed, Feeding, LearnVerdicts, Report, Settle, feed_policy
-from meshlearn.mesh.messages import Message, carried_kind
+from meshlearn.mesh.feeding import Feeding, LearnVerdicts, Report, Settle, feed_policy
+from meshlearn.mesh.messages import Message, carried_kind, charged_step
 from meshlearn.mesh.network import build_network
-from meshlearn.mesh.report import ProcessRow, StepReport
+from meshlearn.mesh.report import AxisBytes, ProcessRow, StepBytes, StepReport, run_summary
 from meshlearn.mesh.schedule import AsyncPlan, pipeline_in_flight
 from meshlearn.mesh.standin import slot_microbatch, stand_in
-from meshlearn.mesh.timeline import TimelineRecorder
+from meshlearn.mesh.timeline import TimelineRecorder, computed, transfer
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.update import (
-    ClipAndStep,
     GatherNorms,
-    MergeRounds,
     ReduceGradients,
-    StrategyPhase,
-    UpdateAction,
-    UpdateSpec,
+    Wait,
     find,
-    update_actions,
 )
+from meshlearn.mesh.update_run import Apply, Send, UpdateRun, drive
 from meshlearn.mesh.wall_clock import WallClock
 from meshlearn.mesh.worker import StepStats, StepWork, Worker
 from meshlearn.net.counters import Counters
@@ -129,7 +125,7 @@ class DistDriver(PipelineEvaluation):
         self.capacity, self.eval_capacity = buffer_capacities(cfg)
         # A control message at a drain point (a protocol model's boundary transform: d×d fp64).
         self.control_capacity = PREFIX_BYTES + HEADER_ROOM + 8 * cfg.model.d_model ** 2
-        self._bytes_mark: tuple[int, int] | None = None  # counters at the previous step's end
+        self.step_bytes = StepBytes(self.network)
         # With a verifier: its verdicts (verify/verdicts.py) and the attackers' ground truth travel
         # through the rendezvous store, on a client of the main thread's own.
         flushes = worker.plan.flushes
@@ -181,14 +177,14 @@ class DistDriver(PipelineEvaluation):
         self.feed(step, source)
         # From the previous step's end, so control messages sent at the drain point in between
         # (send_control) are in this step's bytes, as in the simulator.
-        pp_before, dp_before = self._bytes_mark or (self._bytes("pp"), self._bytes("dp"))
+        start = self.step_bytes.begin()
         report = None
         while worker.steps_done <= step:
             action = worker.next_action()
             if action is None:  # its input has not arrived yet
                 self._receive_one()
             elif action.kind == "U":
-                report = self.update(action, pp_before, dp_before)
+                report = self.update(action, start)
             else:
                 started, begun = time.perf_counter(), time.monotonic()
                 outgoing = worker.run(action)
@@ -198,18 +194,17 @@ class DistDriver(PipelineEvaluation):
                     self._send(message, self.capacity)
         self._learn(self.feeding.before_end(step))  # a ban at step − L asks for a drain after this one
         strategy = self.dp_axis.strategy
-        asks = self.feeding.asks_at_end(background=strategy is not None)
-        end = self.feeding.step_end(step, source.next_drain(step) if asks else None)
+        end = self.feeding.end(step, source, background=strategy is not None)
         if strategy is not None and Settle() in end:
             self.dp_axis.settle()
         if self.anchor is not None:  # what has arrived is used from the next update on; no wait
             self.anchor.step_end(step)
-        self._bytes_mark = (self._bytes("pp"), self._bytes("dp"))
+        self.step_bytes.end()
         stats = worker.pop_stats(step)
         if worker.plan.flushes:
             return [report]
         rows = self.process_rows
-        rows.pending.append(self._row(stats, pp_before, dp_before))
+        rows.pending.append(self._row(stats, start))
         complete = find(end, Report)
         if complete is None:
             return []
@@ -253,11 +248,7 @@ class DistDriver(PipelineEvaluation):
         depends on, then data up to the next drain point (or the lookahead), each step's work
         handed over by ``take``; no forward past the horizon."""
         self._learn(self.feeding.before_feed(step))
-        for action in self.feeding.feed(step, source.next_drain(step)):
-            if isinstance(action, Feed):
-                self.take(source.work(action.step)[self.me])
-            else:
-                self.worker.horizon = action.microbatch
+        self.feeding.hand_over(step, source, self.workers, lambda _wid, work: self.take(work))
 
     def _learn(self, actions: list[LearnVerdicts]) -> None:
         for action in actions:
@@ -267,12 +258,12 @@ class DistDriver(PipelineEvaluation):
     # It overrides these four, nothing else of the step: what a step's work posts, how an update
     # reduces and what the step reports, where a message goes, and what a partner's loss means.
 
-    def update(self, action, pp_before: int, dp_before: int) -> StepReport | None:
+    def update(self, action, start: AxisBytes) -> StepReport | None:
         """Apply update ``action`` (a U) and, under a flushing schedule, return the step's report
-        (under ``async`` the reports come from the drain point's gather: None). ``pp_before`` and
-        ``dp_before``: the link counters at the step's start, for its bytes. Here: the mesh's
-        collectives (the stage's all-reduce, or a DP strategy's rounds, and the gather)."""
-        rows = self._execute(action, self._actions(), pp_before, dp_before)
+        (under ``async`` the reports come from the drain point's gather: None). ``start``: the
+        link counters at the step's start, for its bytes. Here: the mesh's collectives (the
+        stage's all-reduce, or a DP strategy's rounds, and the gather)."""
+        rows = self._execute(action, start)
         if rows is None:  # async: the reports come from the drain point's gather
             return None
         return self.process_rows.report(action.microbatch // self.cfg.mesh.microbatches, rows)
@@ -355,10 +346,8 @@ class DistDriver(PipelineEvaluation):
         self._record(action, begun)
 
     def _record(self, action, t0: float) -> None:
-        """A compute of a recorded step, on the monotonic clock (shared by the processes of a host)."""
-        step = action.microbatch // self.cfg.mesh.microbatches
-        if self.timeline is not None and self.timeline.wants(step):
-            self.timeline.compute(str(self.me), action.kind, step, action.microbatch, t0, time.monotonic())
+        """A compute on the monotonic clock (shared by the processes of a host)."""
+        computed(self.timeline, self.me, action, self.cfg.mesh.microbatches, t0, time.monotonic())
 
     def _send(self, message: Message, capacity: int) -> None:
         """Hand ``message`` to the transport where ``route`` sends it."""
@@ -373,81 +362,57 @@ class DistDriver(PipelineEvaluation):
     def _transmit(self, message: Message, capacity: int) -> None:
         """Hand ``message`` to the transport; when its step is recorded, the link model's times for
         it (queued start, end of serialization, delivery; known only with sender-side shaping)."""
-        step = self.worker.steps_done if message.kind == "dp" else message.step
-        if self.timeline is None or not self.timeline.wants(step):
-            self.transport.send(message, capacity)
-            return
-        link = self.network.link(self.me, message.dst)
-        start = max(time.monotonic() - self.epoch, link.queue_free_at)  # its sender's uplink, when shared
-        self.transport.send(message, capacity)
-        self.timeline.send(str(self.me), str(message.dst), link.axis, message.kind, step, message.wire_bytes,
-                           self.epoch + start, self.epoch + link.free_at,
-                           self.epoch + link.last_arrival if self.shaped else None)
+        transfer(self.timeline, charged_step(message, self.worker.steps_done), self.me, message.dst,
+                 self.network.link(self.me, message.dst), message.kind, message.wire_bytes,
+                 time.monotonic() - self.epoch, lambda: self.transport.send(message, capacity), self.epoch,
+                 known=self.shaped)
 
     # --- the update protocol's actions (mesh/update.py), executed with this runtime's collectives --
 
-    def _actions(self) -> list[UpdateAction]:
-        """The actions of this worker's coming update."""
-        worker = self.worker
-        return update_actions(UpdateSpec(worker.version, worker.plan.flushes, self.mesh.stages,
-                                         self.cfg.train.grad_clip, worker.dp,
-                                         collective_deadline_s=self.deadlines.collective_s))
+    def _execute(self, action, start: AxisBytes) -> list[ProcessRow] | None:
+        """Run update ``action`` (mesh/update_run.py); under a flushing schedule
+        return every process's row of the step. Without a strategy the norms ride on the step's
+        rows (one gather); with one, the rows are gathered after its rounds have left, so that
+        their DP bytes are the step's, and the norms are a scalar gather of their own."""
+        worker, axis, step = self.worker, self.dp_axis, action.microbatch // self.cfg.mesh.microbatches
+        rows: list[list[ProcessRow]] = []  # the step's rows, once gathered
+        stage_sq: list[float] = []  # this worker's norm as its row reports it (before the clip)
 
-    def _execute(self, action, actions: list[UpdateAction], pp_before: int,
-                 dp_before: int) -> list[ProcessRow] | None:
-        """Run update ``action``'s ``actions`` in order; under a flushing schedule return every
-        process's row of the step. Without a strategy the norms ride on the step's rows (one
-        gather); with one, the rows are gathered after its rounds have left, so that their DP
-        bytes are the step's, and the norms are a scalar gather of their own."""
-        worker, step = self.worker, action.microbatch // self.cfg.mesh.microbatches
-        rows = None
-        stage_sq = None  # this worker's norm as its row reports it (a flushing schedule's, before the clip)
-        norms: dict[WorkerId, float] | None = None  # every worker's squared norm, once gathered
-        for act in actions:
-            if isinstance(act, ReduceGradients):
-                self.dp_axis.reduce_gradients(step, act)
-            elif isinstance(act, StrategyPhase):
-                self.dp_axis.phase(act)
-            elif isinstance(act, GatherNorms):
-                stage_sq = worker.grad_sq_norm()
-                if self.dp_axis.strategy is None:
-                    rows = self._step_rows(step, pp_before, dp_before, stage_sq)
-                    values = [row.sq_norm for row in rows]
-                else:
-                    values = self._gather(torch.tensor([[stage_sq]], dtype=torch.float64))[:, 0, 0].tolist()
-                norms = {self.mesh.worker(rank): value for rank, value in enumerate(values)}
-                if act.latency and self.shaped:
-                    time.sleep(self.network.default.latency_s)  # the scalar exchange, as the simulator's
-            elif isinstance(act, ClipAndStep):
-                sq_norm = act.policy.sq_norm(self.me, norms.__getitem__ if norms is not None
-                                             else lambda w: worker.grad_sq_norm())
-                self._apply(action, act.policy.coefficient(sq_norm), sq_norm)
-            elif isinstance(act, MergeRounds):
-                self.dp_axis.strategy.apply(act.u)
+        def gather_norms(act: GatherNorms):
+            stage_sq.append(worker.grad_sq_norm())
+            if axis.strategy is None:
+                rows.append(self._step_rows(step, start, stage_sq[0]))
+                values = [row.sq_norm for row in rows[0]]
             else:
-                raise RuntimeError(f"worker {self.me}: no {act!r} in the dist runtime (votes are elastic's)")
-        if rows is None and stage_sq is not None:
-            rows = self._step_rows(step, pp_before, dp_before, stage_sq)
-        return rows
+                values = self._gather(torch.tensor([stage_sq], dtype=torch.float64))[:, 0, 0].tolist()
+            if act.latency and self.shaped:
+                time.sleep(self.network.default.latency_s)  # the scalar exchange, as the simulator's
+            return {self.mesh.worker(rank): value for rank, value in enumerate(values)}.__getitem__
 
-    def _step_rows(self, step: int, pp_before: int, dp_before: int, sq_norm: float) -> list[ProcessRow]:
+        run = UpdateRun.of(worker, self.cfg.train.grad_clip, axis.started,
+                           collective_deadline_s=self.deadlines.collective_s)
+        drive(run, {ReduceGradients: lambda act: axis.reduce_gradients(step, act), Send: axis.send_phase,
+                    Wait: axis.wait_round, GatherNorms: gather_norms,
+                    Apply: lambda act: self._apply(action, act.coefficient, act.sq_norm)})
+        axis.wait_s += run.pop_waited()
+        if not rows and stage_sq:
+            rows.append(self._step_rows(step, start, stage_sq[0]))
+        return rows[0] if rows else None
+
+    def _step_rows(self, step: int, start: AxisBytes, sq_norm: float) -> list[ProcessRow]:
         """Every process's row of ``step``, this one's with ``sq_norm`` (a gather)."""
-        row = self._row(self.worker.stats.get(step, StepStats()), pp_before, dp_before, sq_norm)
+        row = self._row(self.worker.stats.get(step, StepStats()), start, sq_norm)
         [rows] = self.process_rows.gather_steps([row])
         return rows
 
-    def _row(self, stats: StepStats, pp_before: int, dp_before: int,
-             sq_norm: float | None = None) -> ProcessRow:
-        """This process's row of a step whose link counters stood at ``pp_before``/``dp_before``."""
-        return self.process_rows.own(stats, self._bytes("pp") - pp_before, self._bytes("dp") - dp_before,
-                                     self.busy_s, self.dp_axis.wait_s, sq_norm)
+    def _row(self, stats: StepStats, start: AxisBytes, sq_norm: float | None = None) -> ProcessRow:
+        """This process's row of a step whose link counters stood at ``start``."""
+        return self.process_rows.own(stats, *self.step_bytes.since(start), self.busy_s, self.dp_axis.wait_s,
+                                     sq_norm)
 
     def _gather(self, values: torch.Tensor) -> torch.Tensor:
         """Every process's ``values`` (steps × n) → every process: (world, steps, n)."""
         return self.collectives.gather(values, "the gather of losses and norms")
-
-    def _bytes(self, axis: str) -> int:
-        return self.network.bytes_on_axis(axis)
 
     # --- evaluation, records, checkpoints ----------------------------------------------------
 
@@ -455,16 +420,10 @@ class DistDriver(PipelineEvaluation):
         return {}  # no virtual clock: records carry wall time only
 
     def summary_fields(self, tokens: int, wall_s: float) -> dict:
-        usage = self.process_rows.usage(wall_s)
-        return {
-            "sim_time_s": None,
-            "sim_tokens_per_s": None,
-            "idle_fraction": usage["idle_fraction"],
-            "compute_model": f"real: {self.mesh.world_size} processes over "
-                             f"{'framed TCP streams' if self.collectives.framed else self.comm}, "
-                             f"shaping={self.cfg.dist.shaping}",
-            "links": usage["links"],
-        } | self.dp_axis.summary(self.sum_over_workers)
+        over = "framed TCP streams" if self.collectives.framed else self.comm
+        return run_summary(f"real: {self.mesh.world_size} processes over {over}, "
+                           f"shaping={self.cfg.dist.shaping}", **self.process_rows.usage(wall_s)
+                           ) | self.dp_axis.summary(self.sum_over_workers)
 
     def sum_over_workers(self, values: list[float]) -> list[float]:
         """Each value summed over every worker process (a collective: all of them call it)."""

@@ -9,11 +9,10 @@ step): it reads the driver's worker, transport, collectives and capacities. The 
 from __future__ import annotations
 
 import copy
-import functools
 
 import torch
 
-from meshlearn.mesh.evaluation import EVAL_STEP, StageEval, evaluation_plan, run_plan
+from meshlearn.mesh.evaluation import EVAL_STEP, StageEval, run_evaluation
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models.llama import Decoder
@@ -35,12 +34,9 @@ class PipelineEvaluation:
         charges no time for evaluation either); every process gets each pass's mean loss. The
         replicas' mean, where they drift, is a mean over each stage's dp group at this drain
         point."""
-        strategy = self.dp_axis.strategy
-        drifts = strategy is not None and strategy.drifts and self.mesh.replicas > 1
-        plan = evaluation_plan(drifts, evaluation_passes(self.cfg) == 2)
-        averaged = functools.cache(self._averaged)
-        loss, self._eval_fields = run_plan(plan, lambda p: self._evaluate(
-            batches, averaged() if p.averaged else self.worker.module, p.masked))
+        loss, self._eval_fields = run_evaluation(
+            self.dp_axis.strategy, self.mesh.replicas, evaluation_passes(self.cfg) == 2, self.worker.module,
+            self._averaged, lambda module, masked: self._evaluate(batches, module, masked))
         return loss
 
     def eval_fields(self) -> dict:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from meshlearn.mesh.network import Network
-from meshlearn.mesh.report import ProcessRow, StepReport, mesh_report, stats_row
+from meshlearn.mesh.report import ProcessRow, StepReport, idle_fraction, link_table, mesh_report, stats_row
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepStats
 
@@ -72,14 +72,7 @@ class ProcessRows:
             wid = self.mesh.worker(rank)
             peers = (self.mesh.next_stage(wid), self.mesh.prev_stage(wid),
                      WorkerId((wid.replica + 1) % replicas, wid.stage) if replicas > 1 else None)
-            for i, peer in enumerate(peers):
-                if peer is None:
-                    continue
-                nbytes, busy = rows[rank].links[i]
-                links.append({"src": str(wid), "dst": str(peer), "axis": "pp" if i < 2 else "dp",
-                              "bytes": int(nbytes), "busy_s": busy,
-                              "utilization": busy / wall_s if wall_s else 0.0})
-        links.sort(key=lambda ln: (ln["axis"], WorkerId.parse(ln["src"]), WorkerId.parse(ln["dst"])))
-        busy = sum(row.busy_s for row in rows)
-        return {"idle_fraction": 1.0 - busy / (self.mesh.world_size * wall_s) if wall_s else None,
-                "links": links}
+            links += [(wid, peer, "pp" if i < 2 else "dp", *rows[rank].links[i])
+                      for i, peer in enumerate(peers) if peer is not None]
+        return {"idle_fraction": idle_fraction(sum(row.busy_s for row in rows), self.mesh.world_size, wall_s),
+                "links": link_table(links, wall_s)}

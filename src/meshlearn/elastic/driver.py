@@ -54,7 +54,7 @@ from meshlearn.cluster.elastic_checkpoints import ElasticClusterCheckpoint, resu
 from meshlearn.cluster.placement import elastic_writer
 from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import RowBroken, WorkerFailure
-from meshlearn.distributed.shaping import Pacer, allreduce_release_at, hold_until
+from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.transport import Transport
 from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.checkpoints import ElasticCheckpoints
@@ -67,20 +67,10 @@ from meshlearn.elastic.rollback import Rollback
 from meshlearn.elastic.rounds import QuorumExchange
 from meshlearn.elastic.rows import Agreed, Held, Row, RowAgreement, row_label, slot_row, whole_batch
 from meshlearn.mesh.messages import Message
-from meshlearn.mesh.report import StepReport
+from meshlearn.mesh.report import AxisBytes, StepReport, run_summary
 from meshlearn.mesh.topology import WorkerId
-from meshlearn.mesh.update import (
-    ClipAndStep,
-    Commit,
-    MergeRounds,
-    PhaseWalk,
-    ReduceGradients,
-    RoundStarts,
-    StrategyPhase,
-    UpdateAction,
-    UpdateSpec,
-    update_actions,
-)
+from meshlearn.mesh.update import Commit, ReduceGradients
+from meshlearn.mesh.update_run import Apply, Send, UpdateRun, drive
 from meshlearn.mesh.worker import StepStats, StepWork
 
 
@@ -351,39 +341,38 @@ class ElasticDriver(Evictions, DistDriver):
         """A step this worker's row does not train: zero gradients into the stage's sum, then the
         update every replica of the stage applies."""
         self.feed(step, source)
-        pp_before, dp_before = self._bytes_mark or (self._bytes("pp"), self._bytes("dp"))
-        report = self.update(self.worker.spectate(), pp_before, dp_before)
-        self._bytes_mark = (self._bytes("pp"), self._bytes("dp"))
+        report = self.update(self.worker.spectate(), self.step_bytes.begin())
+        self.step_bytes.end()
         self.worker.pop_stats(step)
         self.spectated += 1
         return report
 
-    def update(self, action, pp_before: int, dp_before: int) -> StepReport:
+    def update(self, action, start: AxisBytes) -> StepReport:
         """The step's update over the stage's quorum, the update protocol's actions executed with
         the quorum's collectives (``_execute_over_quorum``), and the step's report from this
         worker's own numbers (no collective spans the mesh)."""
         worker = self.worker
         step = action.microbatch // self.cfg.mesh.microbatches
         u = self.batch_index  # committed updates so far: one that does not commit is retried as u
-        actions = update_actions(UpdateSpec(u, worker.plan.flushes, self.mesh.stages,
-                                            self.cfg.train.grad_clip, worker.dp, mesh_wide=False,
-                                            votes=True, collective_deadline_s=self.deadlines.collective_s))
+        run = UpdateRun.of(worker, self.cfg.train.grad_clip, self.dp_axis.started, u,
+                           spectator=self.sequences == 0, mesh_wide=False, votes=True,
+                           collective_deadline_s=self.deadlines.collective_s)
         losses = list(worker.stats.get(step, StepStats()).losses.values())
         self.round_bytes = 0
         started = time.monotonic()
         counts = [sum(losses), len(losses), float(self.sequences > 0), self.sequences]
-        sq_norm, counts = self._execute_over_quorum(action, u, actions, counts)
+        sq_norm, counts = self._execute_over_quorum(action, u, run, counts)
         self.dp_axis.wait_s += time.monotonic() - started
         loss_sum, loss_count = counts[:2]
         mean_loss = loss_sum / loss_count if self.current.mean_ok and loss_count > 0 else None
+        bytes_pp, bytes_dp = self.step_bytes.since(start)
         return StepReport(step=step, losses=[mean_loss] if mean_loss is not None else [],
-                          sim_s=None, bytes_pp=self._bytes("pp") - pp_before,
-                          bytes_dp=self._bytes("dp") - dp_before + self.round_bytes,
+                          sim_s=None, bytes_pp=bytes_pp, bytes_dp=bytes_dp + self.round_bytes,
                           grad_norm=sq_norm**0.5, staleness=[])
 
-    def _execute_over_quorum(self, action, u: int, actions: list[UpdateAction],
+    def _execute_over_quorum(self, action, u: int, run: UpdateRun,
                              counts: list[float]) -> tuple[float, list[float]]:
-        """Run update ``u``'s actions over the quorum; returns (the clip's squared norm, the step's
+        """Run update ``u`` (``run``) over the quorum; returns (the clip's squared norm, the step's
         counts summed over the quorum: loss sum, loss count, contributing replicas, sequences).
 
         The counts ride with the gradients' sum (``ReduceGradients``: the mean divides by the
@@ -405,42 +394,26 @@ class ElasticDriver(Evictions, DistDriver):
             self._reduce_round(summed)
             counts = summed.tolist()
             current.mean_ok = whole_batch(counts[2], counts[3], self.rows, self.cfg.train.batch_size)
-        sq_norm, stepped = None, False
-        for act in actions:
-            if isinstance(act, (Commit, ClipAndStep)) and sq_norm is None:
-                sq_norm = worker.grad_sq_norm()  # after the reduce or the pre rounds, before a vote
-            if isinstance(act, ReduceGradients):
-                counts = self._reduce_gradients(counts)
-            elif isinstance(act, StrategyPhase):  # its rounds are quorum sums: done once sent
-                walk = PhaseWalk(strategy, act, RoundStarts())
-                self._no_messages(walk.messages(), act.u)
-                if walk.poll(time.monotonic()) is not None:
-                    raise RuntimeError(f"worker {self.me}: a DP round of update {act.u + 1} is still open")
-            elif isinstance(act, Commit):
-                current.committed = self._decide(action.microbatch // self.cfg.mesh.microbatches)
-                if not current.committed:
-                    break
-            elif isinstance(act, ClipAndStep):
-                began = time.perf_counter()
-                worker.apply_update(action, act.policy.coefficient(sq_norm), sq_norm)  # the stage's own
-                self.busy_s += time.perf_counter() - began
-                stepped = True
-            elif isinstance(act, MergeRounds):
-                strategy.apply(act.u)
-                if not trains:
-                    strategy.reset_local()
-            else:
-                raise RuntimeError(f"worker {self.me}: no {act!r} under elastic (no mesh-wide norms)")
+
+        def reduce(_act: ReduceGradients) -> None:
+            nonlocal counts
+            counts = self._reduce_gradients(counts)
+
+        step = action.microbatch // self.cfg.mesh.microbatches
+        outcome = drive(run, {ReduceGradients: reduce, Send: self._no_messages,  # rounds are quorum sums
+                              Commit: lambda _act: self._decide(step),
+                              Apply: lambda act: self._apply(action, act.coefficient, act.sq_norm)})
+        current.committed = outcome.committed
         self.trained_batch = self.batch_index
         if current.committed:
             self.batch_index += 1
         else:
             self.uncommitted += 1
-            if not stepped:
+            if not outcome.stepped:
                 worker.discard_update(action)
             if rollback is not None:
                 rollback.restore(worker)
-        return sq_norm, counts
+        return outcome.sq_norm, counts
 
     def _reduce_gradients(self, counts: list[float]) -> list[float]:
         """The gradients' sum over the quorum with the step's counts beside them; the mean divides
@@ -463,9 +436,7 @@ class ElasticDriver(Evictions, DistDriver):
         commits nowhere; False then), held for the ring model's time as the fixed driver holds it."""
         summed = self.quorum.sum(flat)
         nbytes = flat.numel() * flat.element_size()
-        if self.ring_next is not None:
-            hold_until(allreduce_release_at(self.network.link(self.me, self.ring_next), self.epoch,
-                                            time.monotonic(), nbytes, self.current.participants, self.shaped))
+        self.dp_axis.hold_ring(nbytes, self.current.participants, self.next_step)
         self.round_bytes += nbytes
         return summed
 
@@ -479,10 +450,13 @@ class ElasticDriver(Evictions, DistDriver):
             current.vote_rows_requests = self.requests() - self.requests_mark
         return committed
 
-    def _no_messages(self, messages: list[Message], u: int) -> None:
-        if messages:
-            raise RuntimeError(f"worker {self.me}: update {u + 1}'s DP strategy sent messages; "
-                               "in an elastic run its rounds are sums over the quorum")
+    def _no_messages(self, request: Send) -> float:
+        """A strategy's phase sends nothing here: its rounds ran as quorum sums inside it (a
+        ``Wait`` that follows is not executable here either: nothing may stay open)."""
+        if request.messages:
+            raise RuntimeError(f"worker {self.me}: update {request.phase.u + 1}'s DP strategy sent "
+                               "messages; in an elastic run its rounds are sums over the quorum")
+        return time.monotonic()
 
     def record_fields(self) -> dict:
         current = self.current
@@ -514,15 +488,10 @@ class ElasticDriver(Evictions, DistDriver):
         return {}
 
     def summary_fields(self, tokens: int, wall_s: float) -> dict:
-        dp = self.dp_axis
-        strategy = {"dp_wait_s": dp.wait_s, **dp.strategy.summary()} if dp.strategy is not None else {}
-        return {"sim_time_s": None, "sim_tokens_per_s": None, "idle_fraction": None,
-                "compute_model": f"real: elastic, {self.mesh.world_size} processes at start over "
-                                 f"{self.comm}, one torchft quorum per stage, "
-                                 f"shaping={self.cfg.dist.shaping}",
-                "uncommitted_steps": self.uncommitted, "spectated_steps": self.spectated,
-                "quorum_s_total": self.quorum_s,
-                "links": []} | strategy
+        return run_summary(f"real: elastic, {self.mesh.world_size} processes at start over {self.comm}, "
+                           f"one torchft quorum per stage, shaping={self.cfg.dist.shaping}", []) | {
+            "uncommitted_steps": self.uncommitted, "spectated_steps": self.spectated,
+            "quorum_s_total": self.quorum_s} | self.dp_axis.summary()  # this worker's: no sum over the mesh
 
     def barrier(self, what: str) -> None:
         """No mesh-wide barrier: membership may have changed (checkpoints agree on their shards

@@ -17,8 +17,10 @@ stages in one process (``pipeline_loss``), dist and elastic send and receive its
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -53,6 +55,20 @@ def run_plan(plan: list[EvalPass], loss: Callable[[EvalPass], float]) -> tuple[f
     """Execute ``plan`` with a runtime's ``loss(pass)``: (``val_loss``, the other fields)."""
     values = {p.field: loss(p) for p in plan}
     return values.pop("val_loss"), values
+
+
+Weights = TypeVar("Weights")
+
+
+def run_evaluation(strategy, replicas: int, masks: bool, own: Weights, averaged: Callable[[], Weights],
+             loss: Callable[[Weights, bool], float]) -> tuple[float, dict]:
+    """One evaluation as every runtime runs it: the plan (the replicas' mean where ``strategy``, a
+    ``DPStrategy`` or None, lets several drift; ``masks``: the codec masks only in training), each
+    pass through the ``own`` weights or the mean (``averaged()``, built once, when a pass needs
+    it) by the runtime's ``loss(weights, masked)``; returns (``val_loss``, the other fields)."""
+    drifts = strategy is not None and strategy.drifts and replicas > 1
+    mean = functools.cache(averaged)
+    return run_plan(evaluation_plan(drifts, masks), lambda p: loss(mean() if p.averaged else own, p.masked))
 
 
 def eval_context(batch: int, boundary: int, masked: bool,

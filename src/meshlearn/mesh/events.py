@@ -10,9 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlearn.mesh.messages import Message
-from meshlearn.mesh.schedule import Action
 from meshlearn.mesh.topology import WorkerId
-from meshlearn.mesh.update import StrategyPhase
 
 
 @dataclass(frozen=True)
@@ -25,12 +23,9 @@ class ComputeDone:
 
 @dataclass(frozen=True)
 class UpdateComputed:
-    """``worker``'s optimizer step of update ``action`` ended and the strategy's ``phase`` (its
-    "post" rounds) follows."""
+    """``worker``'s optimizer step ended: its update goes on (a strategy's "post" rounds) or ends."""
 
     worker: WorkerId
-    action: Action
-    phase: StrategyPhase
 
 
 @dataclass(frozen=True)

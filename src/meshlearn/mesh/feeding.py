@@ -35,9 +35,15 @@ asks the next drain point once more, and executes ``Feeding.step_end(t, drain)``
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from meshlearn.mesh.schedule import feed_lookahead
+from meshlearn.mesh.topology import WorkerId
+
+if TYPE_CHECKING:
+    from meshlearn.mesh.worker import StepWork, Worker
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,25 @@ class Feeding:
         feeds = [Feed(t) for t in range(max(self.fed + 1, step), last + 1)]
         self.fed = max(self.fed, last)
         return [*feeds, Horizon((last + 1) * self.policy.microbatches)]
+
+    def hand_over(self, step: int, source, workers: Mapping[WorkerId, Worker],
+                  take: Callable[[WorkerId, StepWork], None]) -> None:
+        """Execute ``feed``'s actions for a process's ``workers`` (every worker in the simulator,
+        its own in a real runtime; ``source``: the work source, which gives their work): each fed
+        step's work to ``take`` (a worker's ``feed``, and in a real runtime the step's receives),
+        then their horizon."""
+        for action in self.feed(step, source.next_drain(step)):
+            if isinstance(action, Feed):
+                for wid, work in source.work(action.step).items():  # the process's workers' work
+                    take(wid, work)
+            else:
+                for worker in workers.values():
+                    worker.horizon = action.microbatch
+
+    def end(self, step: int, source, background: bool) -> list[StepEndAction]:
+        """``step_end``, the next drain point asked of ``source`` only where ``asks_at_end`` says
+        something depends on it."""
+        return self.step_end(step, source.next_drain(step) if self.asks_at_end(background) else None)
 
     def asks_at_end(self, background: bool) -> bool:
         """Whether a runtime must ask its work source, at a step's end, whether the step drains:

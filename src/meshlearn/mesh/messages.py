@@ -72,3 +72,9 @@ class MessageMonitor(Protocol):
     """
 
     def inspect(self, message: Message) -> Message: ...
+
+
+def charged_step(message: Message, steps_done: int) -> int:
+    """The step a message's transfer counts in: its own, or for a ``dp`` message (which carries its
+    round's key, not a step) the step its sender is in (``steps_done``)."""
+    return steps_done if message.kind == "dp" else message.step

@@ -9,10 +9,12 @@ numbers (no collective spans its mesh).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
+from meshlearn.mesh.network import Network
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepStats
 
@@ -116,3 +118,68 @@ def mesh_report(step: int, mesh: MeshShape, rows: dict[WorkerId, ProcessRow], si
                       staleness=staleness, dp_wait_s=dp_wait_s,
                       dp_scores={str(w): row.dp_score for w in mesh.workers()
                                  if (row := rows[w]).dp_score != NO_SCORE})
+
+
+AxisBytes = tuple[int, int]
+"""Bytes sent on the pipeline ("pp") and the data-parallel ("dp") axes."""
+
+
+class StepBytes:
+    """A step's bytes per axis as every runtime reports them: counted from the previous step's end,
+    so the control messages of a drain point (sent between two steps) are in the next step's."""
+
+    def __init__(self, network: Network):
+        self.network = network
+        self.mark: AxisBytes | None = None  # the counters at the last step's end
+
+    def counters(self) -> AxisBytes:
+        return self.network.bytes_on_axis("pp"), self.network.bytes_on_axis("dp")
+
+    def begin(self) -> AxisBytes:
+        """The counters the coming step's bytes count from."""
+        return self.mark or self.counters()
+
+    def since(self, start: AxisBytes) -> AxisBytes:
+        """The bytes per axis sent since ``start``."""
+        pp, dp = self.counters()
+        return pp - start[0], dp - start[1]
+
+    def end(self) -> None:
+        self.mark = self.counters()
+
+
+# --- the run's summary: the fields every runtime writes to summary.json, computed once ------------
+
+def run_summary(compute_model: str, links: list[dict], idle_fraction: float | None = None,
+                sim_s: float | None = None, tokens: int = 0) -> dict:
+    """The fields of summary.json every runtime fills: the virtual time and throughput (None for a
+    real run: no virtual clock), the idle fraction, what computed the run, and its link table."""
+    return {"sim_time_s": sim_s, "sim_tokens_per_s": tokens / sim_s if sim_s else None,
+            "idle_fraction": idle_fraction, "compute_model": compute_model, "links": links}
+
+
+def idle_fraction(busy_s: float, workers: int, seconds: float) -> float | None:
+    """The share of ``workers`` × ``seconds`` no worker computed in (None: no time passed)."""
+    return 1.0 - busy_s / (workers * seconds) if seconds else None
+
+
+def link_table(links: Iterable[tuple[WorkerId, WorkerId, str, float, float]], seconds: float) -> list[dict]:
+    """The summary's links, each (src, dst, axis, bytes sent, busy seconds) with its utilization
+    over ``seconds``, by axis, then sender and receiver."""
+    return [{"src": str(src), "dst": str(dst), "axis": axis, "bytes": int(nbytes), "busy_s": busy,
+             "utilization": busy / seconds if seconds else 0.0}
+            for src, dst, axis, nbytes, busy in sorted(links, key=lambda link: (link[2], link[0], link[1]))]
+
+
+def dp_counters(wait_s: float, summaries: list[dict],
+                total: Callable[[list[float]], list[float]] | None = None) -> dict:
+    """A message-based DP strategy's counters for the summary (none without one): the time updates
+    waited on the DP axis and each counter of ``summaries`` (this process's strategies'), summed,
+    then over every process by ``total`` where workers are processes of their own (a collective)."""
+    if not summaries:
+        return {}
+    keys = list(summaries[0])
+    values = [wait_s, *(sum(summary[key] for summary in summaries) for key in keys)]
+    if total is not None:
+        values = total(values)
+    return {"dp_wait_s": values[0], **{key: int(v) for key, v in zip(keys, values[1:], strict=True)}}

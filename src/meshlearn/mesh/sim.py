@@ -11,7 +11,6 @@ next one's microbatches are already in flight, and only a drain point empties it
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 import time
@@ -21,10 +20,10 @@ from typing import ClassVar, Protocol
 import torch
 
 from meshlearn.mesh.compute import ComputeModel
-from meshlearn.mesh.evaluation import average_modules, evaluation_plan, mean_loss, run_plan
+from meshlearn.mesh.evaluation import average_modules, mean_loss, run_evaluation
 from meshlearn.mesh.events import Arrival, ComputeDone, Delivery, RoundDeadline, SimEvent, UpdateComputed
-from meshlearn.mesh.feeding import Feed, Feeding, Horizon, Settle, feed_policy
-from meshlearn.mesh.messages import Message, MessageMonitor
+from meshlearn.mesh.feeding import Feeding, Settle, feed_policy
+from meshlearn.mesh.messages import Message, MessageMonitor, charged_step
 from meshlearn.mesh.network import (
     UPLINK,
     Network,
@@ -32,25 +31,29 @@ from meshlearn.mesh.network import (
     ring_allreduce_bytes_per_member,
     ring_allreduce_s,
 )
-from meshlearn.mesh.report import StepReport, mesh_report, stats_row
+from meshlearn.mesh.report import (
+    StepBytes,
+    StepReport,
+    dp_counters,
+    idle_fraction,
+    link_table,
+    mesh_report,
+    run_summary,
+    stats_row,
+)
 from meshlearn.mesh.schedule import Action, AsyncPlan
 from meshlearn.mesh.sync import average_gradients
-from meshlearn.mesh.timeline import TimelineRecorder
+from meshlearn.mesh.timeline import TimelineRecorder, all_gather, computed, transfer
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.update import (
-    ClipAndStep,
     GatherNorms,
-    PhaseWalk,
     ReduceGradients,
     RoundStarts,
-    StrategyPhase,
-    UpdateAction,
-    UpdateSpec,
-    find,
+    Wait,
     receive_round,
-    update_actions,
     waits_for,
 )
+from meshlearn.mesh.update_run import Apply, Request, Send, UpdateRun
 from meshlearn.mesh.worker import Worker
 
 
@@ -142,9 +145,10 @@ class SimDriver:
         self.monitors: list[tuple[MessageMonitor, bool]] = []
         self.events: list[tuple[float, int, SimEvent]] = []
         self.busy: set[WorkerId] = set()
-        self.waiting: dict[WorkerId, Action] = {}  # workers at an update whose collective is not complete
-        # Workers inside a message-based DP strategy's phase (meshlearn.dp.base): (walk, U, since).
-        self.dp_wait: dict[WorkerId, tuple[PhaseWalk, Action, float]] = {}
+        # Workers inside an update (mesh/update_run.py), from its start to its end; those of them
+        # at a collective whose group has not all arrived wait in ``waiting``.
+        self.updates: dict[WorkerId, _Update] = {}
+        self.waiting: dict[WorkerId, Action] = {}
         self.dp_started = {w: RoundStarts() for w in workers}  # round starts, per worker
         self._dp_alarms: set[RoundDeadline] = set()  # deadline events queued
         self.dp_wait_s = 0.0
@@ -159,7 +163,7 @@ class SimDriver:
         microbatches = next(iter(workers.values())).microbatches
         self.feeding = Feeding(feed_policy(microbatches, self.flushes, in_flight))
         self.lookahead = self.feeding.policy.lookahead
-        self._bytes_mark: tuple[int, int] | None = None  # link bytes at the last step's end
+        self.step_bytes = StepBytes(network)
         self.timeline: TimelineRecorder | None = None  # set by the timeline plugin (report.timeline_steps)
         self.control_mail: list[Message] = []  # control messages sent, not yet received
         self._stage_sq: dict[WorkerId, float] = {}  # a flushing step's stage norms before the clip
@@ -192,17 +196,16 @@ class SimDriver:
     @property
     def drained(self) -> bool:
         """Nothing in flight anywhere: a point where checkpoints and evaluation see settled weights."""
-        return (not self.events and not self.waiting and not self.dp_wait
+        return (not self.events and not self.updates
                 and all(w.idle for w in self.workers.values()))
 
     def run_step(self, step: int, source) -> list[StepReport]:
         """Run until every worker has applied step ``step``'s updates (``source``: a WorkSource)."""
         # Counted from the previous step's end, so control messages sent at the drain point in
         # between (send_control) are in this step's bytes.
-        pp_before, dp_before = self._bytes_mark or (self.network.bytes_on_axis("pp"),
-                                                    self.network.bytes_on_axis("dp"))
+        start = self.step_bytes.begin()
         wait_before = self.dp_wait_s
-        self._feed(step, source)
+        self.feeding.hand_over(step, source, self.workers, lambda wid, work: self.workers[wid].feed(work))
         # Workers that have not finished ``step``: kept as a set (a min over every worker per
         # event made large meshes' event loops slow).
         self._target = step
@@ -215,33 +218,21 @@ class SimDriver:
                 raise RuntimeError(f"pipeline deadlock: workers {stuck} wait for messages that never come")
             self._process(*heapq.heappop(self.events))
         end = self.now
-        drain = source.next_drain(step) if self.feeding.asks_at_end(background=bool(self.events)) else None
-        if Settle() in self.feeding.step_end(step, drain):
+        if Settle() in self.feeding.end(step, source, background=bool(self.events)):
             while self.events:  # the DP rounds run in the background land, in no step's time
                 self._process(*heapq.heappop(self.events))
         self.now = end
         rows = {w: stats_row(worker.pop_stats(step), worker.microbatches, self._stage_sq.get(w))
                 for w, worker in self.workers.items()}
         report = mesh_report(step, self.mesh, rows, self.now - self.clock.step_end,
-                             self.network.bytes_on_axis("pp") - pp_before,
-                             self.network.bytes_on_axis("dp") - dp_before, self.dp_wait_s - wait_before)
+                             *self.step_bytes.since(start), self.dp_wait_s - wait_before)
         self.clock.step_end = self.now
-        self._bytes_mark = (self.network.bytes_on_axis("pp"), self.network.bytes_on_axis("dp"))
+        self.step_bytes.end()
         return [report]
 
     @property
     def fed(self) -> int:
         return self.feeding.fed
-
-    def _feed(self, step: int, source) -> None:
-        """The feeding policy's actions (mesh/feeding.py): every worker gets its work at once."""
-        for action in self.feeding.feed(step, source.next_drain(step)):
-            if isinstance(action, Feed):
-                for wid, work in source.work(action.step).items():
-                    self.workers[wid].feed(work)
-            elif isinstance(action, Horizon):
-                for worker in self.workers.values():
-                    worker.horizon = action.microbatch
 
     # --- the event loop ----------------------------------------------------------------------
 
@@ -255,12 +246,13 @@ class SimDriver:
             for message in event.outgoing:
                 self._push(self._transmit(wid, message, now), Arrival(message))
             self._try_start(wid, now)
-        elif isinstance(event, UpdateComputed):
-            self._dp_posted(event.worker, event.action, event.phase, now)
+        elif isinstance(event, UpdateComputed):  # the optimizer step's compute ended
+            self.clock.now[event.worker] = now
+            self.busy.discard(event.worker)
+            self._proceed(event.worker, self.updates[event.worker].run.resume(), now)
         elif isinstance(event, RoundDeadline):
             self._dp_alarms.discard(event)
-            if event.worker in self.dp_wait:
-                self._dp_check(event.worker, now)
+            self._resume_wait(event.worker, now)
         elif isinstance(event, Arrival):
             message, at = event.message, now
             if message.kind != "dp":  # a dp message is checked by the strategy's exchange, no verifier
@@ -300,35 +292,22 @@ class SimDriver:
         sender is the worker that sent it, never the header's ``src`` (a forger's claim: its bytes
         still cross its own link, and its receiver reads sender and kind off ``message.link``)."""
         message.link = (sender, message.dst)
-        link = self.network.link(sender, message.dst)
-        if self.timeline is None:
-            return link.transmit(now, message.wire_bytes)
-        # A dp message carries its round key, not a step: it is charged to the sender's current step.
-        step = self.workers[sender].steps_done if message.kind == "dp" else message.step
-        if not self.timeline.wants(step):
-            return link.transmit(now, message.wire_bytes)
-        start = max(now, link.queue_free_at)
-        arrival = link.transmit(now, message.wire_bytes)
-        self.timeline.send(str(sender), str(message.dst), link.axis, message.kind, step,
-                           message.wire_bytes, start, link.free_at, arrival)
-        return arrival
+        step = charged_step(message, self.workers[sender].steps_done)
+        return transfer(self.timeline, step, sender, message.dst, self.network.link(sender, message.dst),
+                        message.kind, message.wire_bytes, now)
 
     def _push(self, at: float, event: SimEvent) -> None:
         heapq.heappush(self.events, (at, next(self._seq), event))
 
     def _try_start(self, wid: WorkerId, now: float) -> None:
-        if wid in self.busy or wid in self.waiting or wid in self.dp_wait:
+        if wid in self.busy or wid in self.updates:
             return
         worker = self.workers[wid]
         action = worker.next_action()
         if action is None:
             return
         if action.kind == "U":
-            first = self._actions(worker)[0]
-            if isinstance(first, StrategyPhase):  # its "pre" phase first
-                self._dp_enter(wid, first, action, max(now, self.clock.now[wid]))
-            else:
-                self._arrive_at_update(wid, action)
+            self._begin_update(wid, action, max(now, self.clock.now[wid]))
             return
         batch = worker.microbatch_size(action.microbatch)
         started = time.perf_counter()
@@ -338,46 +317,77 @@ class SimDriver:
         start = max(now, self.clock.now[wid])
         self.clock.busy_s[wid] += duration
         self.busy.add(wid)
-        step = action.microbatch // worker.microbatches
-        if self.timeline is not None and self.timeline.wants(step):
-            self.timeline.compute(str(wid), action.kind, step, action.microbatch, start, start + duration)
+        computed(self.timeline, wid, action, worker.microbatches, start, start + duration)
         self._push(start + duration, ComputeDone(wid, tuple(outgoing)))
 
-    # --- updates: the update protocol's actions (mesh/update.py), executed in simulated time ---
+    # --- updates: the update protocol's requests (mesh/update_run.py), executed in simulated time --
 
-    def _actions(self, worker: Worker) -> list[UpdateAction]:
-        """The actions of ``worker``'s coming update."""
-        return update_actions(UpdateSpec(worker.version, self.flushes, self.mesh.stages, self.grad_clip,
-                                         worker.dp))
-
-    def _arrive_at_update(self, wid: WorkerId, action: Action) -> None:
-        """An update waits for whom its actions need (``waits_for``): the whole mesh when norms are
-        gathered (a flushing schedule), the stage's replicas for their reduce, else nobody."""
-        self.waiting[wid] = action
-        who = waits_for(self._actions(self.workers[wid]))
+    def _begin_update(self, wid: WorkerId, action: Action, now: float) -> None:
+        """Start ``wid``'s update ``action``: its run waits for whom its actions need
+        (``waits_for``): the whole mesh when norms are gathered (a flushing schedule), the stage's
+        replicas for their reduce, else nobody."""
+        run = UpdateRun.of(self.workers[wid], self.grad_clip, self.dp_started[wid])
+        who = waits_for(run.actions)
         group = (self.everyone if who == "mesh" else
                  self.mesh.stage_replicas(wid.stage) if who == "stage" else [wid])
-        if all(self.waiting.get(w) == action for w in group):
-            self._update(group)
+        self.updates[wid] = _Update(run, action, group, None)
+        self._proceed(wid, run.start(), now)
+
+    def _proceed(self, wid: WorkerId, request, now: float) -> None:
+        """Execute ``wid``'s update from ``request`` on until it waits: for a round (a deadline
+        event, or the next arrival), for its group's collective, or for its optimizer step."""
+        update = self.updates[wid]
+        phased = isinstance(request, Send)
+        while isinstance(request, Send):
+            self._dp_send(wid, request.messages, now)
+            request = update.run.resume(now)
+        self._parked(wid, update, request, now, phased)
+
+    def _resume_wait(self, wid: WorkerId, now: float) -> None:
+        """An arrival or a deadline for ``wid``: if it waits in a round, its phase polls again."""
+        update = self.updates.get(wid)
+        if update is not None and isinstance(update.request, Wait):
+            self._parked(wid, update, update.run.resume(now), now, phased=True)
+
+    def _parked(self, wid: WorkerId, update: _Update, request: Request | None, now: float,
+                phased: bool) -> None:
+        """``wid``'s run stopped at ``request``: a round's ``Wait`` (its deadline queued as an
+        event), the end of the update, or a collective or step its group executes together."""
+        update.request = request
+        self.dp_wait_s += update.run.pop_waited()
+        if isinstance(request, Wait):
+            alarm = RoundDeadline(wid, request.until)
+            if request.until is not None and alarm not in self._dp_alarms:
+                self._dp_alarms.add(alarm)
+                self._push(request.until, alarm)
+            return
+        if phased:  # the worker stood in a phase until now
+            self.clock.now[wid] = max(self.clock.now[wid], now)
+        if request is None:
+            del self.updates[wid]
+            self._set_done(wid)
+            self._try_start(wid, now)
+            return
+        self.waiting[wid] = update.action
+        if all(self.waiting.get(w) == update.action for w in update.group):
+            self._update(update.group)
 
     def _update(self, group: list[WorkerId]) -> None:
-        """Execute the group's actions up to the optimizer step: each stage's reduce (values in
-        process, time on its ring), the norms' exchange (the slowest pair's latency, when the clip
-        waits on it), the clip and the step; a strategy's "post" phase follows when the step's
-        compute ends."""
-        actions = self._actions(self.workers[group[0]])
-        reduce = find(actions, ReduceGradients)
+        """Execute the group's collective requests and optimizer steps: each stage's reduce (values
+        in process, time on its ring), the norms' exchange (the slowest pair's latency, when the
+        clip waits on it), then every worker's ``Apply``; what follows it (a strategy's "post"
+        phase, or the end) comes when the step's compute ends."""
+        updates = [self.updates[w] for w in group]
+        reduce = updates[0].request if isinstance(updates[0].request, ReduceGradients) else None
         ready = {w: self.clock.now[w] for w in group}
         arrived = dict(ready)
         for stage in sorted({w.stage for w in group} if reduce is not None else ()):
             replicas = self.mesh.stage_replicas(stage)
             nbytes = self.collectives.average_gradients([self.workers[w] for w in replicas])
             ready |= self._allreduce(replicas, ready, nbytes, reduce)
-        gather = find(actions, GatherNorms)
-        if gather is not None and gather.latency:
-            barrier = max(ready.values()) + self.network.exchange_latency_s(group)
-            ready = {w: barrier for w in group}
-        policy = find(actions, ClipAndStep).policy
+        if reduce is not None:
+            for update in updates:
+                update.request = update.run.resume()
         sq: dict[WorkerId, float] = {}  # each worker's norm once, whoever asks
 
         def sq_of(w: WorkerId) -> float:
@@ -385,41 +395,28 @@ class SimDriver:
                 sq[w] = self.workers[w].grad_sq_norm()
             return sq[w]
 
+        gather = updates[0].request if isinstance(updates[0].request, GatherNorms) else None
         self._stage_sq = sq if gather is not None else {}  # a flushing step's rows report them
-        post = next((a for a in actions if isinstance(a, StrategyPhase) and a.phase == "post"), None)
-        for wid in group:
-            worker, action = self.workers[wid], self.waiting.pop(wid)
-            sq_norm = policy.sq_norm(wid, sq_of)
+        if gather is not None:
+            if gather.latency:
+                barrier = max(ready.values()) + self.network.exchange_latency_s(group)
+                ready = {w: barrier for w in group}
+            for update in updates:
+                update.request = update.run.resume(sq_of)
+        for wid, update in zip(group, updates, strict=True):
+            worker, action, apply = self.workers[wid], self.waiting.pop(wid), update.request
+            assert isinstance(apply, Apply), apply
             started = time.perf_counter()
-            worker.apply_update(action, policy.coefficient(sq_norm), sq_norm)
+            worker.apply_update(action, apply.coefficient, apply.sq_norm)
             seconds = self.compute.update_s(worker.n_params, time.perf_counter() - started)
             self.clock.busy_s[wid] += seconds
             self.busy.add(wid)
-            step = action.microbatch // worker.microbatches
-            if self.timeline is not None and self.timeline.wants(step):
-                self.timeline.compute(str(wid), "U", step, action.microbatch, ready[wid],
-                                      ready[wid] + seconds)
-            if post is not None:
-                self._push(ready[wid] + seconds, UpdateComputed(wid, action, post))
-            else:
-                self.dp_wait_s += ready[wid] - arrived[wid] if worker.mesh.replicas > 1 else 0.0
-                self._push(ready[wid] + seconds, ComputeDone(wid))
+            computed(self.timeline, wid, action, worker.microbatches, ready[wid], ready[wid] + seconds)
+            if reduce is not None and worker.mesh.replicas > 1:
+                self.dp_wait_s += ready[wid] - arrived[wid]
+            self._push(ready[wid] + seconds, UpdateComputed(wid))
 
-    # --- a message-based DP strategy's phases (meshlearn.dp.base) ------------------------------
-
-    def _dp_enter(self, wid: WorkerId, phase: StrategyPhase, action: Action, now: float) -> None:
-        """Start ``phase`` of the strategy of ``wid``'s update ``action``: send its messages, then
-        wait (bounded by each round's deadline) until it is done."""
-        walk = PhaseWalk(self.workers[wid].dp, phase, self.dp_started[wid])
-        self._dp_send(wid, walk.messages(), now)
-        self.dp_wait[wid] = (walk, action, now)
-        self._dp_check(wid, now)
-
-    def _dp_posted(self, wid: WorkerId, action: Action, phase: StrategyPhase, now: float) -> None:
-        """The optimizer step's compute ended: the "post" phase."""
-        self.clock.now[wid] = now
-        self.busy.discard(wid)
-        self._dp_enter(wid, phase, action, now)
+    # --- a message-based DP strategy's messages (meshlearn.dp.base) ----------------------------
 
     def _dp_send(self, wid: WorkerId, messages: list[Message], now: float) -> None:
         self.dp_started[wid].mark(messages, now)
@@ -429,30 +426,7 @@ class SimDriver:
     def _dp_deliver(self, message: Message, now: float) -> None:
         wid = message.dst
         self._dp_send(wid, receive_round(self.workers[wid].dp, self.dp_started[wid], message, now), now)
-        if wid in self.dp_wait:
-            self._dp_check(wid, now)
-
-    def _dp_check(self, wid: WorkerId, now: float) -> None:
-        """Poll the phase ``wid`` waits in; a deadline it waits for becomes an event. A "pre" phase
-        done goes on to the update; a "post" phase done merges its rounds (``MergeRounds``)."""
-        walk, action, since = self.dp_wait[wid]
-        wait = walk.poll(now)
-        if wait is not None:
-            if wait.until is not None and (alarm := RoundDeadline(wid, wait.until)) not in self._dp_alarms:
-                self._dp_alarms.add(alarm)
-                self._push(wait.until, alarm)
-            return
-        del self.dp_wait[wid]
-        self.dp_wait_s += now - since
-        self.clock.now[wid] = max(self.clock.now[wid], now)
-        if walk.phase.phase == "pre":
-            self._arrive_at_update(wid, action)
-            return
-        u = walk.phase.u
-        walk.strategy.apply(u)
-        self.dp_started[wid].forget_before(u - 64)
-        self._set_done(wid)
-        self._try_start(wid, now)
+        self._resume_wait(wid, now)
 
     def _allreduce(self, replicas: list[WorkerId], ready: dict[WorkerId, float],
                    nbytes: int, reduce: ReduceGradients) -> dict[WorkerId, float]:
@@ -465,34 +439,14 @@ class SimDriver:
             return {}
         start = max(ready[w] for w in replicas)
         step = self.waiting[replicas[0]].microbatch // self.workers[replicas[0]].microbatches
-        if reduce.gathers:
-            done = self._allgather(ring, start, nbytes, step)
+        if reduce.gathers:  # a robust rule's (``dp.robust``)
+            done = all_gather(self.timeline, step, self.network, ring, ring, nbytes, start)
             return {w: done[w] for w in replicas}
         if self.network.access == UPLINK:  # the ring's sends queue behind what each uplink holds
             start = max(start, *(self.network.link(a, b).queue_free_at for a, b in _ring(ring)))
         self._charge_allreduce(ring, start, nbytes, step)
         seconds = ring_allreduce_s(nbytes, len(ring), self.network.link(*ring[:2]).profile)
         return {w: start + seconds for w in replicas}
-
-    def _allgather(self, members: list[WorkerId], start: float, nbytes: int,
-                   step: int) -> dict[WorkerId, float]:
-        """A robust rule's all-gather (``dp.robust``): from ``start`` every member sends its
-        ``nbytes`` to each of the D − 1 others on that pair's link (queued like any message, on
-        the sender's uplink where access is shared); a member has the aggregate when the last
-        contribution reached it."""
-        done = dict.fromkeys(members, start)
-        for src in members:
-            for dst in members:
-                if src == dst:
-                    continue
-                link = self.network.link(src, dst)
-                leaves = max(start, link.queue_free_at)
-                arrival = link.transmit(start, nbytes)
-                done[dst] = max(done[dst], arrival)
-                if self.timeline is not None and self.timeline.wants(step):
-                    self.timeline.send(str(src), str(dst), "dp", "allgather", step, nbytes, leaves,
-                                       link.free_at, arrival)
-        return done
 
     def _charge_allreduce(self, replicas: list[WorkerId], start: float, nbytes: int, step: int) -> None:
         ring = _ring(replicas)
@@ -515,14 +469,12 @@ class SimDriver:
         assert self.drained, "evaluation runs at a drain point"
         stages = [self.workers[WorkerId(0, s)] for s in range(self.mesh.stages)]
         codec = stages[0].codec
-        own = [w.module for w in stages]
-        averaged = functools.cache(lambda: [average_modules([self.workers[w].module for w in
-                                                             self.mesh.stage_replicas(s)])
-                                            for s in range(self.mesh.stages)])
         masks = getattr(codec, "name", "") == "mask"
-        plan = evaluation_plan(_drifts(stages[0]) and self.mesh.replicas > 1, masks)
-        loss, self._eval_fields = run_plan(plan, lambda p: mean_loss(averaged() if p.averaged else own, codec,
-                                                                      batches, p.masked))
+        loss, self._eval_fields = run_evaluation(
+            stages[0].dp, self.mesh.replicas, masks, [w.module for w in stages],
+            lambda: [average_modules([self.workers[w].module for w in self.mesh.stage_replicas(s)])
+                     for s in range(self.mesh.stages)],
+            lambda modules, masked: mean_loss(modules, codec, batches, masked))
         return loss
 
     def eval_fields(self) -> dict:
@@ -533,34 +485,14 @@ class SimDriver:
         return {"sim_time_s": self.clock.step_end}
 
     def summary_fields(self, tokens: int, wall_s: float) -> dict:
-        sim_s = self.clock.step_end
-        busy = sum(self.clock.busy_s.values())
-        links = [{"src": str(link.src), "dst": str(link.dst), "axis": link.axis,
-                  "bytes": link.bytes_sent, "busy_s": link.busy_s,
-                  "utilization": link.busy_s / sim_s if sim_s else 0.0}
-                 for link in sorted(self.network.links.values(),
-                                    key=lambda link: (link.axis, link.src, link.dst))]
-        return {
-            "sim_time_s": sim_s,
-            "sim_tokens_per_s": tokens / sim_s if sim_s else None,
-            "idle_fraction": 1.0 - busy / (len(self.clock.busy_s) * sim_s) if sim_s else None,
-            "worker_utilization": {str(w): b / sim_s if sim_s else None
-                                   for w, b in sorted(self.clock.busy_s.items())},
+        sim_s, busy = self.clock.step_end, self.clock.busy_s
+        links = link_table(((link.src, link.dst, link.axis, link.bytes_sent, link.busy_s)
+                            for link in self.network.links.values()), sim_s)
+        idle = idle_fraction(sum(busy.values()), len(busy), sim_s)
+        return run_summary(self.compute.cfg.describe(), links, idle, sim_s, tokens) | {
+            "worker_utilization": {str(w): b / sim_s if sim_s else None for w, b in sorted(busy.items())},
             "stash_bytes_peak": max(w.stash_bytes for w in self.workers.values()),
-            "compute_model": self.compute.cfg.describe(),
-            "links": links,
-        } | self.dp_summary()
-
-    def dp_summary(self) -> dict:
-        """The DP strategy's counters over every worker (message-based strategies only)."""
-        strategies = [w.dp for w in self.workers.values() if not _collective(w)]
-        if not strategies:
-            return {}
-        out = {"dp_wait_s": self.dp_wait_s}
-        for strategy in strategies:
-            for key, value in strategy.summary().items():
-                out[key] = out.get(key, 0) + value
-        return out
+        } | dp_counters(self.dp_wait_s, [w.dp.summary() for w in self.workers.values() if not _collective(w)])
 
     def state(self) -> dict:
         assert self.drained, "driver state is saved at drain points only"
@@ -570,11 +502,22 @@ class SimDriver:
         self.clock.load_state(state["clock"])
         self.network.load_state(state["network"])
         self.feeding.resume(state["fed"])
-        self._bytes_mark = None
+        self.step_bytes.mark = None  # the link counters were restored
         self.steps_done = {w: worker.steps_done for w, worker in self.workers.items()}
 
     def barrier(self, what: str) -> None:
         """Nothing to wait for: every worker lives in this process."""
+
+
+@dataclass
+class _Update:
+    """A worker's update in the simulator: its run, its U, the group its collective waits for, and
+    the request it is parked at (a ``Wait``, a collective, an ``Apply`` computing; None: started)."""
+
+    run: UpdateRun
+    action: Action
+    group: list[WorkerId]
+    request: Request | None
 
 
 def _ring(replicas: list[WorkerId]) -> list[tuple[WorkerId, WorkerId]]:
@@ -585,10 +528,6 @@ def _ring(replicas: list[WorkerId]) -> list[tuple[WorkerId, WorkerId]]:
 def _collective(worker: Worker) -> bool:
     """Whether the worker's update runs the built-in all-reduce (no strategy, or ``allreduce``)."""
     return worker.dp is None or worker.dp.collective
-
-
-def _drifts(worker: Worker) -> bool:
-    return worker.dp is not None and worker.dp.drifts
 
 
 def build_sim_driver(cfg, workers: dict[WorkerId, Worker]) -> SimDriver:

@@ -15,11 +15,14 @@ clock, so their files line up).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from meshlearn.atomic import atomic_write_text
+from meshlearn.mesh.network import Link, Network
+from meshlearn.mesh.topology import WorkerId
 
 TIMELINE_FILE = "timeline.json"
 MAX_EVENTS = 20_000
@@ -68,6 +71,49 @@ class TimelineRecorder:
         """Write the record atomically (a temporary name, then a rename)."""
         atomic_write_text(path, json.dumps(self.payload(workers, meta)))
         return path
+
+
+def computed(timeline: TimelineRecorder | None, worker: object, action, microbatches: int, t0: float,
+             t1: float) -> None:
+    """``worker``'s forward, backward or update ``action`` (a ``schedule.Action``) ran from ``t0``
+    to ``t1``: recorded if its step is (every runtime's compute goes through here)."""
+    step = action.microbatch // microbatches
+    if timeline is not None and timeline.wants(step):
+        timeline.compute(str(worker), action.kind, step, action.microbatch, t0, t1)
+
+
+def transfer(timeline: TimelineRecorder | None, step: int, src: object, dst: object, link: Link, what: str,
+             nbytes: int, now: float, send: Callable[[], Any] | None = None, epoch: float = 0.0,
+             known: bool = True) -> Any:
+    """Put a transfer of ``nbytes`` on ``link`` at ``now`` (``send()``, or the link model's
+    ``transmit``, whose result is returned) and, when ``step`` is recorded, its times by the link
+    model: its queued start, the end of its serialization and (``known``: the sender knows it) its
+    delivery. Every runtime records a transfer here: the simulator on its virtual clock, dist on
+    seconds since ``epoch``."""
+    recorded = timeline is not None and timeline.wants(step)
+    start = max(now, link.queue_free_at) if recorded else now
+    result = link.transmit(now, nbytes) if send is None else send()
+    if recorded:
+        timeline.send(str(src), str(dst), link.axis, what, step, nbytes, epoch + start, epoch + link.free_at,
+                      epoch + link.last_arrival if known else None)
+    return result
+
+
+def all_gather(timeline: TimelineRecorder | None, step: int, network: Network, senders: list[WorkerId],
+               members: list[WorkerId], nbytes: int, start: float,
+               epoch: float = 0.0) -> dict[WorkerId, float]:
+    """A robust rule's all-gather on the link model (``dp.robust``), as every runtime charges it:
+    from ``start`` each of ``senders`` sends its ``nbytes`` to every other of ``members`` on that
+    pair's link (queued like any message, on the sender's uplink where access is shared); returns
+    when the last contribution reached each member (``start`` where none did)."""
+    done = dict.fromkeys(members, start)
+    for src in senders:
+        for dst in members:
+            if src != dst:
+                link = network.link(src, dst)
+                arrival = transfer(timeline, step, src, dst, link, "allgather", nbytes, start, epoch=epoch)
+                done[dst] = max(done[dst], arrival)
+    return done
 
 
 def parse_timeline_steps(value: str, total_steps: int) -> list[int]:
