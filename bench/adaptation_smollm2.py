@@ -84,6 +84,8 @@ PP_ROWS = {
     "bwd M95 + fwd int4": ["codec.name=int4", *BACK_M95],  # 292 + 58: 6.6×, over the budget
     "bwd M98 + fwd top-51": ["codec.name=topk", "codec.topk=51", "codec.backward.name=mask",
                             "codec.backward.keep=0.02"],  # 204 + 24: 10.1×
+    "bwd M98 + fwd lowrank-103": ["codec.name=lowrank", "codec.lowrank=103", "codec.backward.name=mask",
+                                  "codec.backward.keep=0.02"],  # 206 + 24: 10.0×
     "bwd M95 + fwd M85 rescale": ["codec.name=mask", "codec.keep=0.15", "codec.rescale=true",
                                  *BACK_M95],  # 172 + 58: 10.0×
     "M95 rescale": ["codec.name=mask", "codec.keep=0.05", "codec.rescale=true"],  # 58 + 58: 19.9×
@@ -250,10 +252,10 @@ def table_row(result: dict, start: float, dense: dict | None, dense_dp: dict | N
     paper_tps, paper_bpt = PAPER.get(result["row"], ("—", "—"))
     unsplit = result.get("unsplit_val_end")
     return {
-        "row": result["row"], "lr": result["lr"], "val_end": result["val_end"],
-        "unsplit_val": "—" if unsplit is None else unsplit,
+        "row": result["row"], "lr": result["lr"], "val_start": result["val_start"],
+        "val_end": result["val_end"], "unsplit_val": "—" if unsplit is None else unsplit,
         "masked_val": "—" if result["masked_val_end"] is None else result["masked_val_end"],
-        "gain": start - result["val_end"],
+        "gain": start - (unsplit if result["row"] in PP_ROWS else result["val_end"]),  # the weights'
         "vs_dense": "—" if dense is None else result["val_end"] / dense["val_end"] - 1,
         "vs_dense_dp": "—" if dense_dp is None or unsplit is None else unsplit / dense_dp["val_end"] - 1,
         "pp_factor": result.get("pp_factor", "—"),
@@ -270,7 +272,8 @@ def table_row(result: dict, start: float, dense: dict | None, dense_dp: dict | N
 
 
 COLUMNS = [
-    ("row", "row", ""), ("lr", "lr", "g"), ("val_end", "val after", ".4f"),
+    ("row", "row", ""), ("lr", "lr", "g"), ("val_start", "val before", ".4f"),
+    ("val_end", "val after", ".4f"),
     ("unsplit_val", "val, no codec", ".4f"), ("masked_val", "masked val after", ".4f"),
     ("gain", "gain vs start", "+.4f"), ("vs_dense", "÷ dense − 1", "+.2%"),
     ("vs_dense_dp", "no codec ÷ (dense + DP) − 1", "+.2%"), ("tokens_per_s", "virtual tokens/s", ".1f"),
@@ -295,8 +298,10 @@ def assemble(args, results: list[dict], probes: list[dict]) -> None:
     results = [*(r for r in (reference_rows(args.reference) if args.reference else [])
                  if (r["row"], r["lr"]) not in ran and r["lr"] in lrs), *results]
     done = [r for r in results if "missing" not in r]
-    starts = sorted({round(r["val_start"], 6) for r in done})
-    start = done[0]["val_start"] if done else float("nan")
+    # A lossy forward codec codes the start's evaluation too: its own "val before" column.
+    lossless = [r for r in done if r["row"] not in PP_ROWS]
+    starts = sorted({round(r["val_start"], 6) for r in lossless})
+    start = lossless[0]["val_start"] if lossless else float("nan")
     befores = {r["sample_before"] for r in done}
     dense = {r["lr"]: r for r in done if r["row"] == "dense"}
     dense_dp = {r["lr"]: r for r in done if r["row"] == "dense + DP"}
@@ -320,7 +325,8 @@ def assemble(args, results: list[dict], probes: list[dict]) -> None:
         f"{args.anchor_bandwidth or 200:g} Mbit/s, the anchor and spectral defaults otherwise.",
         "\"val, no codec\": the replicas' mean weights merged into the unsplit model, no codec at any "
         "boundary (a lossy forward codec codes the run's own evaluation too); \"no codec ÷ (dense + "
-        "DP) − 1\" divides it by dense + DP's val after at the same lr; \"÷ bf16 PP\": bf16 "
+        "DP) − 1\" divides it by dense + DP's val after at the same lr, and the gain vs start of a "
+        "PP-compression row is its val, no codec's; \"÷ bf16 PP\": bf16 "
         "boundaries' PP bytes per token over the row's."
         + (f" Rows not run by this command are read from results/{args.reference}.json "
            "(their commit and time in the last column)." if args.reference else ""),
