@@ -23,13 +23,22 @@ whose result.json was written with the same settings (the whole resolved config 
 spectral sections of a row without anchor, plus the prompt and sample length): the table resumes and
 never mixes settings.
 
+**PP compression of at least 10× (issue 29).** The rows of ``PP_ROWS`` code a boundary's two
+directions differently (``codec.backward``): the gradients through the unbiased backward-only mask
+(1/keep rescale), the activations through a lossy codec (top-k, random low-rank, int4, a rescaled
+mask), with the DP compression of the masked rows; they are compared with dense + DP at the same
+learning rate (run here, or read from ``--reference``, an earlier results file's rows). Every row's
+process also evaluates the replicas' mean weights merged into the unsplit model with no codec at any
+boundary ("val, no codec"): a lossy forward codec codes evaluation messages too, so the run's own
+val_loss is the coded pipeline's, and the adapted weights' own loss is what compares across codecs.
+
 ``--lrs`` may hold ``probe``: the learning rate among ``--probe-lrs`` whose dense run on one
 worker (P = 1, D = 1, same global batch and sequence length; one row process each) reaches the
 lowest validation loss after ``--probe-steps`` steps. It stands for "a learning rate at which dense
 adaptation actually moves"; the paper's 2e-5 hardly moves in a budget this small.
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python bench/adaptation_smollm2.py [--steps 20] [--lrs 2e-5,3e-4] \\
-        [--rows "dense,M95"] [--no-run]
+        [--rows "dense,M95"] [--no-run] [--reference adaptation_smollm2_densedp]
 
 Results go to docs/results/adaptation_smollm2.{json,md} (``--results``): the rows asked for;
 ``--no-run`` assembles them from the finished rows alone.
@@ -51,8 +60,8 @@ from pathlib import Path
 
 import torch
 from adaptation import PAPER, binding
-from adaptation_sweep import masked_val_loss
-from common import ROOT, markdown_table, write_results
+from adaptation_sweep import bf16_factor, masked_val_loss, unsplit_val_loss
+from common import RESULTS, ROOT, markdown_table, write_results
 
 from meshlearn.atomic import atomic_write_json
 from meshlearn.config import RunConfig, load_config, to_dict
@@ -66,7 +75,22 @@ from meshlearn.train.provenance import describe_run
 
 OUT = ROOT / "bench" / "out" / "adaptation_smollm2"
 PROMPT = "**KING**  \nWhat news from"
-ROW_NAMES = ["dense", "dense + DP", "M90", "M90 + anchor", "M95", "M95 + anchor"]
+BACK_M95 = ["codec.backward.name=mask", "codec.backward.keep=0.05"]  # rescaled: unbiased, 58 B/token
+PP_ROWS = {
+    # Codec settings of the PP-compression rows (d = 576: a bf16 boundary is 2,304 B per token both
+    # ways, 1/10 of it 230.4 B). Bytes per boundary and token, forward + backward, in the comments.
+    "bwd M95 + fwd top-40": ["codec.name=topk", "codec.topk=40", *BACK_M95],  # 160 + 58: 10.6×
+    "bwd M95 + fwd lowrank-86": ["codec.name=lowrank", "codec.lowrank=86", *BACK_M95],  # 172 + 58: 10.0×
+    "bwd M95 + fwd int4": ["codec.name=int4", *BACK_M95],  # 292 + 58: 6.6×, over the budget
+    "bwd M98 + fwd top-51": ["codec.name=topk", "codec.topk=51", "codec.backward.name=mask",
+                            "codec.backward.keep=0.02"],  # 204 + 24: 10.1×
+    "bwd M98 + fwd lowrank-103": ["codec.name=lowrank", "codec.lowrank=103", "codec.backward.name=mask",
+                                  "codec.backward.keep=0.02"],  # 206 + 24: 10.0×
+    "bwd M95 + fwd M85 rescale": ["codec.name=mask", "codec.keep=0.15", "codec.rescale=true",
+                                 *BACK_M95],  # 172 + 58: 10.0×
+    "M95 rescale": ["codec.name=mask", "codec.keep=0.05", "codec.rescale=true"],  # 58 + 58: 19.9×
+}
+ROW_NAMES = ["dense", "dense + DP", "M90", "M90 + anchor", "M95", "M95 + anchor", *PP_ROWS]
 # The options a row's process needs (every other option is the outer process's own).
 ROW_OPTIONS = ["steps", "stages", "replicas", "microbatches", "seq_len", "batch_size", "eval_batches",
                "probe_steps", "rank", "inner_steps", "anchor_delay", "anchor_bandwidth", "sample_tokens",
@@ -119,7 +143,8 @@ def row_sets(args, name: str) -> list[str]:
     anchor = ["optim.spectral.enabled=true", "anchor.z=1", f"anchor.delay={args.anchor_delay}",
               f"anchor.max_late={args.anchor_delay}", f"anchor.bandwidth_mbit={args.anchor_bandwidth}"]
     keep = {"M90": "0.1", "M95": "0.05"}.get(name.split(" ")[0])
-    codec = ["codec.name=bf16"] if keep is None else ["codec.name=mask", f"codec.keep={keep}"]
+    codec = PP_ROWS.get(name) or (["codec.name=bf16"] if keep is None else
+                                  ["codec.name=mask", f"codec.keep={keep}"])
     return [*mesh, *codec, *(dp if name != "dense" else []), *(anchor if name.endswith("anchor") else [])]
 
 
@@ -173,17 +198,23 @@ def run_row(args) -> None:
     model = replica0_model(trainer)
     with torch.no_grad():
         masked = masked_val_loss(model, cfg, trainer.val_batches) if cfg.codec.name == "mask" else None
+    replicas = [[trainer.workers[WorkerId(r, s)].module.state_dict() for s in range(cfg.mesh.stages)]
+                for r in range(cfg.mesh.replicas)]
+    unsplit = unsplit_val_loss(model.cfg, replicas, trainer.val_batches)
     result = {
         "row": args.row, "lr": args.lr, "settings": key, "run_dir": run_dir.name,
         "measured_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
         "commit": describe_run()["commit"], "val_start": val_start, "val_end": summary["final_val_loss"],
-        "masked_val_end": masked, "sample_before": before, "sample_after": sample(model, trainer, args),
+        "masked_val_end": masked, "unsplit_val_end": unsplit,
+        "pp_factor": bf16_factor(cfg, summary["bytes_per_token_pp"]), "sample_before": before,
+        "sample_after": sample(model, trainer, args),
         "summary": summary, "wall_s": time.perf_counter() - started,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # Linux: kB
     }
     atomic_write_json(run_dir / "result.json", result)
     print(f"lr {args.lr:g} {args.row}: val {val_start:.4f} → {summary['final_val_loss']:.4f}"
-          + ("" if masked is None else f" (masked {masked:.4f})") + f", {result['wall_s']:.0f} s", flush=True)
+          + ("" if masked is None else f" (masked {masked:.4f})") + f", no codec {unsplit:.4f}, "
+          f"{result['wall_s']:.0f} s", flush=True)
 
 
 # --- the table (the outer process) ---------------------------------------------------------
@@ -213,17 +244,21 @@ def ensure(args, name: str, lr: float) -> dict:
     return {"row": name, "lr": lr, "missing": last}
 
 
-def table_row(result: dict, start: float, dense: dict | None) -> dict:
+def table_row(result: dict, start: float, dense: dict | None, dense_dp: dict | None) -> dict:
     if "missing" in result:
         return {key: "—" for key, _, _ in COLUMNS} | {"row": result["row"], "lr": result["lr"],
                                                       "val_end": f"({result['missing']})"}
     s = result["summary"]
-    paper_tps, paper_bpt = PAPER[result["row"]]
+    paper_tps, paper_bpt = PAPER.get(result["row"], ("—", "—"))
+    unsplit = result.get("unsplit_val_end")
     return {
-        "row": result["row"], "lr": result["lr"], "val_end": result["val_end"],
+        "row": result["row"], "lr": result["lr"], "val_start": result["val_start"],
+        "val_end": result["val_end"], "unsplit_val": "—" if unsplit is None else unsplit,
         "masked_val": "—" if result["masked_val_end"] is None else result["masked_val_end"],
-        "gain": start - result["val_end"],
+        "gain": start - (unsplit if result["row"] in PP_ROWS else result["val_end"]),  # the weights'
         "vs_dense": "—" if dense is None else result["val_end"] / dense["val_end"] - 1,
+        "vs_dense_dp": "—" if dense_dp is None or unsplit is None else unsplit / dense_dp["val_end"] - 1,
+        "pp_factor": result.get("pp_factor", "—"),
         "tokens_per_s": s["sim_tokens_per_s"],
         "speedup": "—" if dense is None else s["sim_tokens_per_s"] / dense["summary"]["sim_tokens_per_s"],
         "bytes_pp": s["bytes_per_token_pp"], "bytes_dp": s["bytes_per_token_dp"],
@@ -237,10 +272,13 @@ def table_row(result: dict, start: float, dense: dict | None) -> dict:
 
 
 COLUMNS = [
-    ("row", "row", ""), ("lr", "lr", "g"), ("val_end", "val after", ".4f"),
-    ("masked_val", "masked val after", ".4f"), ("gain", "gain vs start", "+.4f"),
-    ("vs_dense", "÷ dense − 1", "+.2%"), ("tokens_per_s", "virtual tokens/s", ".1f"),
-    ("speedup", "÷ dense", ".1f"), ("bytes_pp", "PP B/token", ".0f"), ("bytes_dp", "DP B/token", ".0f"),
+    ("row", "row", ""), ("lr", "lr", "g"), ("val_start", "val before", ".4f"),
+    ("val_end", "val after", ".4f"),
+    ("unsplit_val", "val, no codec", ".4f"), ("masked_val", "masked val after", ".4f"),
+    ("gain", "gain vs start", "+.4f"), ("vs_dense", "÷ dense − 1", "+.2%"),
+    ("vs_dense_dp", "no codec ÷ (dense + DP) − 1", "+.2%"), ("tokens_per_s", "virtual tokens/s", ".1f"),
+    ("speedup", "÷ dense", ".1f"), ("bytes_pp", "PP B/token", ".0f"), ("pp_factor", "÷ bf16 PP", ".2f"),
+    ("bytes_dp", "DP B/token", ".0f"),
     ("bytes_anchor", "anchor B/token", ".0f"), ("binds", "binds", ""), ("anchor", "anchor arrivals", ""),
     ("paper_tokens_per_s", "paper tokens/s", ".0f"), ("paper_bytes", "paper B/token", ".0f"),
     ("wall_s", "wall (s)", ".0f"), ("peak_rss_gb", "peak RSS (GB)", ".1f"),
@@ -248,13 +286,26 @@ COLUMNS = [
 ]
 
 
+def reference_rows(name: str) -> list[dict]:
+    """The finished rows of an earlier results file (docs/results/NAME.json), as they were measured
+    (their own commit and time in the last column)."""
+    return [r for r in json.loads((RESULTS / f"{name}.json").read_text())["rows"] if "missing" not in r]
+
+
 def assemble(args, results: list[dict], probes: list[dict]) -> None:
+    ran = {(r["row"], r["lr"]) for r in results}
+    lrs = {r["lr"] for r in results}
+    results = [*(r for r in (reference_rows(args.reference) if args.reference else [])
+                 if (r["row"], r["lr"]) not in ran and r["lr"] in lrs), *results]
     done = [r for r in results if "missing" not in r]
-    starts = sorted({round(r["val_start"], 6) for r in done})
-    start = done[0]["val_start"] if done else float("nan")
+    # A lossy forward codec codes the start's evaluation too: its own "val before" column.
+    lossless = [r for r in done if r["row"] not in PP_ROWS]
+    starts = sorted({round(r["val_start"], 6) for r in lossless})
+    start = lossless[0]["val_start"] if lossless else float("nan")
     befores = {r["sample_before"] for r in done}
     dense = {r["lr"]: r for r in done if r["row"] == "dense"}
-    table = [table_row(r, start, dense.get(r["lr"])) for r in results]
+    dense_dp = {r["lr"]: r for r in done if r["row"] == "dense + DP"}
+    table = [table_row(r, start, dense.get(r["lr"]), dense_dp.get(r["lr"])) for r in results]
     tokens = args.steps * args.batch_size * args.seq_len
     start_row = {key: "—" for key, _, _ in COLUMNS} | {"row": "no adaptation (pretrained start)",
                                                          "val_end": start, "gain": 0.0}
@@ -272,6 +323,13 @@ def assemble(args, results: list[dict], probes: list[dict]) -> None:
         f"DiLoCo H = {args.inner_steps} with PowerSGD rank {args.rank}. Anchor rows: Z = 1, "
         f"K = {args.anchor_delay}, cap {args.anchor_delay} steps late, anchor links "
         f"{args.anchor_bandwidth or 200:g} Mbit/s, the anchor and spectral defaults otherwise.",
+        "\"val, no codec\": the replicas' mean weights merged into the unsplit model, no codec at any "
+        "boundary (a lossy forward codec codes the run's own evaluation too); \"no codec ÷ (dense + "
+        "DP) − 1\" divides it by dense + DP's val after at the same lr, and the gain vs start of a "
+        "PP-compression row is its val, no codec's; \"÷ bf16 PP\": bf16 "
+        "boundaries' PP bytes per token over the row's."
+        + (f" Rows not run by this command are read from results/{args.reference}.json "
+           "(their commit and time in the last column)." if args.reference else ""),
         "",
         f"No adaptation (the pretrained start, evaluated by every row before its first step): val "
         f"**{start:.4f}** nats/token" + ("" if len(starts) <= 1 else f" (rows disagree: {starts})") + ".",
@@ -315,6 +373,8 @@ def main() -> None:
                         help="Mbit/s of the anchor's own links (0 = the PP links')")
     parser.add_argument("--rows", default=",".join(ROW_NAMES), help="comma-separated row names, in order")
     parser.add_argument("--results", default="adaptation_smollm2", help="name under docs/results/")
+    parser.add_argument("--reference", default="",
+                        help="an earlier results name whose rows join the table (e.g. dense + DP)")
     parser.add_argument("--sample-tokens", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lock", default="/tmp/meshlearn-bench.lock", help="held while a row runs")

@@ -176,16 +176,26 @@ MESH = ["mesh.stages=2", "mesh.replicas=2", "mesh.schedule=1f1b", "codec.name=ma
         "codec.wire_dtype=fp32", "codec.seed=5"]
 
 
-def masked_reference(trainer: Trainer, steps: int) -> tuple[list[float], Decoder]:
+def masked_reference(trainer: Trainer, steps: int,
+                     gradient_only: bool = False) -> tuple[list[float], Decoder]:
     """The unsplit model, each microbatch's boundary activation multiplied by the mask of its
-    (step, microbatch, boundary 0, replica) as a forward hook: autograd does the masked backward."""
+    (step, microbatch, boundary 0, replica) as a forward hook: autograd does the masked backward.
+    ``gradient_only``: the activation passes unchanged and only its gradient is multiplied by the
+    mask (and the codec's rescale factor) of ``codec.backward``."""
     cfg = trainer.cfg
     codec = build_codec(cfg.codec, cfg.model)
     model = init_model(cfg.model, cfg.seed)
     optimizer = build_optimizer(model, cfg.optim, cfg.train.lr, cfg.train.steps)
     boundary_layer = model.layers[str(cfg.model.n_layer // cfg.mesh.stages - 1)]
     current: list[MessageContext] = []
-    boundary_layer.register_forward_hook(lambda mod, args, out: out * codec.mask(out.shape, current[0]))
+
+    def gradient_mask(out: torch.Tensor) -> torch.Tensor:
+        back, ctx = codec.backward, current[0]
+        out.register_hook(lambda grad: grad * back.mask(grad.shape, ctx) * back.scale)
+        return out
+
+    boundary_layer.register_forward_hook(lambda mod, args, out: gradient_mask(out) if gradient_only
+                                         else out * codec.mask(out.shape, current[0]))
     losses = []
     for t in range(steps):
         x, y = global_batch(trainer.corpus.splits.train, t, cfg.train.batch_size, cfg.model.seq_len, cfg.seed)
@@ -217,6 +227,29 @@ def test_the_masked_pipeline_equals_the_unsplit_model_with_the_mask_as_a_hook(ti
     merged = merge_stages(trainer.cfg.model, states).state_dict()
     reference = ref_model.state_dict()
     assert max((merged[k] - reference[k]).abs().max().item() for k in reference) <= 1e-5
+
+
+@pytest.mark.parametrize("form", ["fixed", "bernoulli"])
+def test_a_backward_only_mask_equals_the_unsplit_model_with_the_mask_on_the_gradient(tiny_corpus, tmp_path,
+                                                                                    form):
+    """codec.backward.name = mask under codec.name = identity: activations cross whole, gradients
+    masked and rescaled; the mesh equals the unsplit model whose boundary gradient is multiplied by
+    (d/K)·m (a gradient hook), to 1e-5 in losses and weights after 3 steps."""
+    mesh = [*MESH, "codec.name=identity", "codec.backward.name=mask", "codec.backward.keep=0.25",
+            f"codec.backward.mask={form}"]
+    trainer = Trainer(tiny_config(tiny_corpus, *mesh), tmp_path, progress=False)
+    mesh_losses = [trainer.step() for _ in range(3)]
+    ref_losses, ref_model = masked_reference(trainer, 3, gradient_only=True)
+    assert max(abs(a - b) for a, b in zip(mesh_losses, ref_losses, strict=True)) <= 1e-5
+    states = [trainer.workers[WorkerId(1, s)].module.state_dict() for s in range(2)]
+    merged = merge_stages(trainer.cfg.model, states).state_dict()
+    reference = ref_model.state_dict()
+    assert max((merged[k] - reference[k]).abs().max().item() for k in reference) <= 1e-5
+    cfg = trainer.cfg
+    micro, per_token = cfg.train.batch_size // 2 // cfg.mesh.microbatches, cfg.model.d_model * 4  # fp32
+    messages = 3 * 2 * cfg.mesh.microbatches * micro * cfg.model.seq_len  # steps × replicas × tokens
+    if form == "fixed":  # whole activations one way, exactly K = d/4 values a token back
+        assert trainer.totals.bytes_pp == messages * (per_token + per_token // 4)
 
 
 def test_the_simulator_charges_exactly_the_kept_values(tiny_corpus, tmp_path):

@@ -9,6 +9,7 @@ from meshlearn.compress.codecs import (
     Int8RowCodec,
     MessageContext,
 )
+from meshlearn.compress.directional import DirectionalCodec
 from meshlearn.compress.mask import MaskCodec
 from meshlearn.compress.registry import CODECS, WIRE_DTYPES, CodecConfig, build_codec, validate_codec
 from meshlearn.compress.subspace import SubspaceCodec
@@ -19,6 +20,7 @@ __all__ = [
     "CastCodec",
     "Codec",
     "CodecConfig",
+    "DirectionalCodec",
     "Encoded",
     "IdentityCodec",
     "Int4RowCodec",

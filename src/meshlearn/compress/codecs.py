@@ -76,7 +76,8 @@ class SizedEncoded(Encoded):
 
 
 class Codec(Protocol):
-    """Encode on the sender, decode on the receiver; both directions of a boundary use one codec.
+    """Encode on the sender, decode on the receiver; both directions of a boundary use one codec
+    (``DirectionalCodec``, ``codec.backward``: one per direction, behind this same interface).
 
     ``kind`` says which direction: ``act`` (forward activations) or ``grad`` (their gradients).
     ``ids`` are the microbatch's token ids (B, T); a codec that needs them downstream (the subspace
