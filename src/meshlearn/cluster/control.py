@@ -148,6 +148,7 @@ class ControlService:
         self._inbox: Inbox | None = None
         self._watch: RevocationWatch | None = None
         self.admitted = 0  # authenticated connections served
+        self._said: set[str] = set()  # certificate refusals already in the log
         self._links: dict[FramedStream, tuple[Identity, int]] = {}  # each with its peer's certificate serial
         self._revoked: set[int] = set()  # serials cut off while the service ran
         self._pending: Counter[str] = Counter()  # admitted connections not yet registered, by host
@@ -198,12 +199,25 @@ class ControlService:
         try:
             tls_sock, peer = self.tls.accept(sock, deadline, admit=admitted.reserve)
             serial = x509.load_der_x509_certificate(tls_sock.getpeercert(binary_form=True)).serial_number
-        except BaseException:
+        except Refused as err:
             admitted.close()  # its slot, if it had one, is free again
+            self._say_certificate_refused(err)
+            raise
+        except BaseException:
+            admitted.close()
             raise
         admitted.link, admitted.peer = stream(tls_sock, f"control<-{peer.name}"), peer
         admitted.serial = serial
         return admitted
+
+    def _say_certificate_refused(self, err: Refused) -> None:
+        """A certificate of this run's CA refused (revoked) is a participant the owner turned away:
+        say so in the log once per reason, beside the counter; a stranger's garbage is only counted
+        (a line each would let it fill the log)."""
+        if err.reason != "certificate_refused" or err.detail in self._said:
+            return
+        self._said.add(err.detail)
+        self.log(f"meshlearn control: refused a handshake: {err.detail}")
 
     def held(self, host: str) -> int:
         """The connections ``host`` holds open now."""
