@@ -19,13 +19,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from elastic_cluster import PORT, ElasticCluster, assert_identical, shard
 from netns import missing, stranger
 from test_cluster_elastic_netns import (  # noqa: F401 — the fixtures are used by name
-    PORT,
-    ElasticCluster,
-    _assert_identical,
     _kill_r1s0_and_wait_for_the_spectator,
-    _shard,
     cluster,
     wan,
 )
@@ -108,7 +105,7 @@ def test_a_newcomer_outside_the_placement_joins_with_its_credential_and_heals(ru
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     assert rows[-1]["rows"] == [0, 1] and rows[-1]["committed"]
     step = len(rows)
-    _assert_identical(_shard(run.runs["alice"], step, "r0s0"),
-                      _shard(run.tmp_path / "carl" / "runs" / "x", step, "r1s0"), "stage 0")
+    assert_identical(shard(run.runs["alice"], step, "r0s0"),
+                      shard(run.tmp_path / "carl" / "runs" / "x", step, "r1s0"), "stage 0")
     refused = json.loads((run.runs["alice"] / "summary.json").read_text())["refused"]["by_host"]["alice"]
     assert refused.get("handshake_failed", 0) + refused.get("certificate_refused", 0) >= 1, refused
