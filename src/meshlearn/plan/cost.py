@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
-from meshlearn.compress.registry import WIRE_DTYPES, build_codec
+from meshlearn.compress.directional import DirectionalCodec
+from meshlearn.compress.registry import SAME, WIRE_DTYPES, BackwardCodecConfig, build_codec
 from meshlearn.compress.subspace import SubspaceCodec, id_dtype
 from meshlearn.config import RunConfig
 from meshlearn.dp.cost import build_cost_strategy
@@ -51,13 +52,26 @@ from meshlearn.plan.mirror import MirrorCollectives, mirrors
 
 
 def cost_codec(cfg: RunConfig, mask_keep: float | None = None):
-    """The run's codec; the subspace codec gets a meta basis and token table (its wire layout
-    depends on their shapes and the vocabulary, not on their values). ``mask_keep``: the
-    planner's stand-in for the random-mask codec (``plan.mask``)."""
+    """The run's codec, each direction's (``codec.backward`` may name the gradients' own); the
+    random mask as its cost-only stand-in, whose bytes need no message context. ``mask_keep``: the
+    planner's stand-in for the forward mask codec (``plan.mask``)."""
+    forward = _forward_cost_codec(cfg, mask_keep)
+    back = cfg.codec.backward
+    if back.name == SAME:
+        return forward
+    wire = WIRE_DTYPES[cfg.codec.wire_dtype]
+    own = dataclasses.replace(cfg.codec, name=back.name, backward=BackwardCodecConfig())
+    backward = MaskCostCodec(back.keep, wire) if back.name == "mask" else build_codec(own, cfg.model)
+    return DirectionalCodec(forward, backward)
+
+
+def _forward_cost_codec(cfg: RunConfig, mask_keep: float | None):
+    """The subspace codec gets a meta basis and token table (its wire layout depends on their
+    shapes and the vocabulary, not on their values)."""
     if mask_keep is not None:
         return MaskCostCodec(mask_keep, WIRE_DTYPES[cfg.codec.wire_dtype])
     if cfg.codec.name != "subspace":
-        return build_codec(cfg.codec, cfg.model)
+        return build_codec(dataclasses.replace(cfg.codec, backward=BackwardCodecConfig()), cfg.model)
     m = cfg.model
     codec = SubspaceCodec.__new__(SubspaceCodec)
     codec.table = torch.empty(m.vocab_size, m.d_model, device="meta")

@@ -35,7 +35,8 @@ class MaskCostCodec:
         self.keep, self.wire_dtype = keep, wire_dtype
         self.name = f"mask keep={keep:g}"
 
-    def encode(self, x: torch.Tensor, kind: Kind = "act", ids: torch.Tensor | None = None) -> Encoded:
+    def encode(self, x: torch.Tensor, kind: Kind = "act", ids: torch.Tensor | None = None,
+               ctx: object = None) -> Encoded:
         *tokens, d = x.shape
         values = torch.empty(*tokens, mask_wire_values(self.keep, d), dtype=self.wire_dtype, device="meta")
         return Encoded({"values": values}, tuple(x.shape), x.dtype)
