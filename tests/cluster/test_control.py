@@ -24,6 +24,7 @@ from meshlearn.cluster.authority import Authority
 from meshlearn.cluster.control import CONNECTIONS_PER_PROCESS, RATE_BURST, RATE_PER_S, ControlService
 from meshlearn.cluster.control_store import ControlLine, ControlStore
 from meshlearn.cluster.control_wire import MAX_FRAME, ControlRefused, receive
+from meshlearn.cluster.slots import SlotTable
 from meshlearn.net.counters import Counters
 from meshlearn.net.frames import PREFIX
 from meshlearn.net.keys import Credentials, Identity, add_joiner, create_run, revoke
@@ -563,3 +564,21 @@ def test_a_newcomer_may_not_hold_a_trusted_end() -> None:
     assert authority.claim_refusal("joe", "meshlearn/0//elastic/taken/r1s1/0", claim, free) is None
     assert authority.claim_refusal("alice", "meshlearn/0//elastic/taken/r0s0/0", b"alice:1", free) is None
     assert Authority(placed, {}, "alice").admission_refusal(Identity("joe", "joiner")) is not None
+
+
+def test_a_newcomer_whose_slot_was_freed_may_claim_another() -> None:
+    """A newcomer holds one slot; once its generation of that slot has left (freed: its process
+    ended, or the coordinator freed a lost machine's), it may claim another, as a restarted one does."""
+    table = SlotTable({"r0s0": "alice", "r0s1": "bob", "r1s0": "bob", "r1s1": "alice"}, "alice")
+    table.admit("joe")
+    freed: set[str] = {"meshlearn/0//elastic/free/r1s0/0", "meshlearn/0//elastic/free/r0s1/0"}
+
+    def has(keys: list[str]) -> bool:
+        return all(key in freed for key in keys)
+
+    assert table.claim_refusal("joe", "r1s0", 0, b"joe:1@10.0.0.9:1", has) is None
+    table.take("joe", "r1s0", 0, b"joe:1@10.0.0.9:1")
+    why = table.claim_refusal("joe", "r0s1", 0, b"joe:2@10.0.0.9:1", has)
+    assert why == "newcomer joe holds r1s0 already: a newcomer holds one slot"
+    freed.add("meshlearn/0//elastic/free/r1s0/1")  # joe's process ended: its launcher freed r1s0
+    assert table.claim_refusal("joe", "r0s1", 0, b"joe:2@10.0.0.9:1", has) is None

@@ -211,9 +211,9 @@ class ControlService:
         return admitted
 
     def _say_certificate_refused(self, err: Refused) -> None:
-        """A certificate of this run's CA refused (revoked) is a participant the owner turned away:
-        say so in the log once per reason, beside the counter; a stranger's garbage is only counted
-        (a line each would let it fill the log)."""
+        """A refused certificate (revoked: a participant the owner turned away; another CA's) is
+        said in the log once per verify message, beside the counter: those messages are few, so a
+        peer retrying cannot fill the log; a handshake that never shows a certificate is only counted."""
         if err.reason != "certificate_refused" or err.detail in self._said:
             return
         self._said.add(err.detail)

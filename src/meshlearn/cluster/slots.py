@@ -105,17 +105,17 @@ class SlotTable:
     """Each worker slot's holder. ``placed``: every worker slot → the host the placement gives it
     (generation 0); ``coordinator``: the host that may free any slot (its machine holds the run);
     ``ends``: the stages a newcomer may not hold (the first and last where ``verify.trusted_ends``
-    trusts them). ``newcomers``: each admitted newcomer → its inbound port, once it has claimed."""
+    trusts them). ``newcomers``: the admitted newcomers (joiner certificates of the run)."""
 
     def __init__(self, placed: Mapping[str, str], coordinator: str, ends: frozenset[int] = frozenset()):
         self.holders = {slot: Holder(host, 0) for slot, host in placed.items() if SLOT.match(slot)}
         self.coordinator = coordinator
         self.ends = ends
-        self.newcomers: dict[str, tuple[str, int] | None] = {}
+        self.newcomers: set[str] = set()
 
     def admit(self, name: str) -> None:
         """``name`` proved a joiner's certificate of the run: it may claim (``claim_refusal``)."""
-        self.newcomers.setdefault(name, None)
+        self.newcomers.add(name)
 
     def __contains__(self, slot: str) -> bool:
         return slot in self.holders
@@ -153,7 +153,7 @@ class SlotTable:
             return f"a claim of {slot} must name its claimant as HOST:PID ({err})"
         if host != who:
             return f"host {who} may claim {slot} only for itself, not for {host}"
-        why = self._newcomer_refusal(who, slot, address)
+        why = self._newcomer_refusal(who, slot, address, has)
         if why is not None:
             return why
         if generation != holder.generation:
@@ -162,14 +162,17 @@ class SlotTable:
             return f"{slot} is held by {holder.host} (generation {generation} has not left)"
         return None
 
-    def _newcomer_refusal(self, who: str, slot: str, address: tuple[str, int] | None) -> str | None:
-        """The rules a newcomer's claim obeys beyond a host's (the module's docstring)."""
+    def _newcomer_refusal(self, who: str, slot: str, address: tuple[str, int] | None,
+                          has: Callable[[list[str]], bool]) -> str | None:
+        """The rules a newcomer's claim obeys beyond a host's (the module's docstring). A slot it
+        held whose generation has left (freed) no longer counts against its one slot."""
         if who not in self.newcomers:
             return None if address is None else (f"host {who} claims with its placement's address, not "
                                                  f"{address[0]}:{address[1]}")
         if address is None:
             return f"newcomer {who} must attach its inbound port to its claim of {slot} (NAME:PID@ADDR:PORT)"
-        held = [s for s, h in self.holders.items() if h.host == who and s != slot]
+        held = [s for s, h in self.holders.items() if h.host == who and s != slot
+                and not has([f"{WORKERS_NAMESPACE}elastic/free/{s}/{h.generation}"])]
         if held:
             return f"newcomer {who} holds {held[0]} already: a newcomer holds one slot"
         stage = WorkerId.parse(slot).stage
@@ -186,7 +189,6 @@ class SlotTable:
         if who in self.newcomers:
             address = claim_address(desired.decode(errors="replace"))
             assert address is not None, "claim_refusal let no newcomer's claim through without its port"
-            self.newcomers[who] = address
             published[WORKERS_NAMESPACE + address_key(who)] = f"{address[0]}:{address[1]}"
         return published
 
