@@ -73,6 +73,7 @@ class ClusterConnector:
                  reach: Callable[[str], tuple[str, int]] | None = None):
         self.tls, self.inbox_socket = tls, Path(inbox_socket)
         self.names, self.hosts_of, self.ports = dict(names), dict(hosts_of), dict(ports)
+        self.placed = frozenset(ports)  # the placement's hosts: their ports never change
         self.locate, self.reach = locate, reach
         self._hosts = dict(self.hosts_of)  # where each process runs (``connect`` asks ``locate``)
         self.counters = counters if counters is not None else Counters()
@@ -88,9 +89,9 @@ class ClusterConnector:
         if self.locate is not None:
             ranks = {r for hops in channels.values() for _, a, b in hops for r in (a, b)}
             self._hosts |= {self.names[r]: self.locate(self.names[r]) for r in ranks}
-        for host in set(self._hosts.values()) - set(self.ports):
-            if self.reach is not None:  # a newcomer: its port as its claim carried it
-                self.ports[host] = self.reach(host)
+        for host in set(self._hosts.values()) - set(self.placed):
+            if self.reach is not None:  # a newcomer: its port as its latest claim carried it
+                self.ports[host] = self.reach(host)  # read anew: a rejoin may bring another port
         gates: dict[str, tuple[LinkGate, port.Inbox, dict[int, Link]]] = {}
         try:
             for channel, hops in channels.items():
