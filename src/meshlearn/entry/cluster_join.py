@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 from meshlearn.cluster.control import DESTINATION
-from meshlearn.cluster.control_store import ControlLine, ControlStore
+from meshlearn.cluster.control_store import ControlLine, ControlStore, follow_revocations
 from meshlearn.cluster.hostport import HostPort
 from meshlearn.cluster.identity import host_credentials
 from meshlearn.cluster.links import KEY_ENV, PORT_SOCKET_ENV, REFUSALS_ENV
@@ -63,6 +64,7 @@ from meshlearn.elastic.membership import (
 )
 from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape, WorkerId
+from meshlearn.net.counters import Counters
 from meshlearn.net.port import dial
 from meshlearn.net.tls import HANDSHAKE_TIMEOUT_S, Refused, RunTls
 
@@ -157,6 +159,9 @@ def prepare_cluster_join(host: str, key: str | None, coordinator: str | None, ru
         raise ConfigError("--coordinator", coordinator, f"no control service answered there "
                                                         f"({type(err).__name__}: {err})") from None
     store = ControlStore(line, REACH_S)
+    # the revocation list the coordinator publishes, in force before this process's links listen
+    # (its contexts read the file beside the key); a joiner's list may be older than the run's
+    follow_revocations(line, Counters(), lambda text: print(text, file=sys.stderr, flush=True)).look()
     cfg = received_config(store, name, address, port, overrides)
     if newcomer:
         placement = newcomer_placement(cfg, host, parse_coordinator(own, "--address"))
