@@ -155,6 +155,29 @@ def test_a_step_with_no_replica_of_a_stage_stays_incomplete_everywhere(tmp_path,
     assert choose(_reports(tmp_path), PLACED, 2) == NOTHING
 
 
+FORGED = {  # what a last-stage holder might publish as step 2's agreement before the writer does
+    "a changed hash": lambda honest: honest | {"r0s0": honest["r0s0"] | {"sha256": "0" * 64}},
+    "a slot that did not train": lambda honest: honest | {"r5s0": honest["r0s0"]},
+    "no replica of stage 0": lambda honest: {w: e for w, e in honest.items() if w.endswith("s1")},
+}
+
+
+@pytest.mark.parametrize("forged", [*FORGED, "null", "[]", '{"step": 2, "shards": []}', "{"])
+def test_an_agreement_that_is_not_the_shards_own_entries_is_recorded_nowhere(tmp_path, store, capsys, forged):
+    """Any last-stage holder may publish the agreement (once): every process checks it against the
+    entries the shards' own processes published, and records and prunes by none that differs."""
+    _save(_stores(tmp_path, store, "run8/"), [1])
+    keys = dist.PrefixStore("run8/", store)
+    honest = json.loads(keys.get("cluster/checkpoint/1/agreed"))["shards"]
+    value = (json.dumps({"step": 2, "shards": FORGED[forged](honest)}) if forged in FORGED else forged)
+    keys.set("cluster/checkpoint/2/agreed", value)  # first: the writer's compare-and-set finds it taken
+    _save(_stores(tmp_path, store, "run8/"), [2])
+    assert sorted(p.parent.name for p in tmp_path.rglob(AGREED)) == ["step-000001"] * 2  # nothing pruned
+    assert choose(_reports(tmp_path), PLACED, 2).step == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if "stays incomplete here" in line]
+    assert len(lines) == 4 and all("the agreement on the checkpoint of step 2" in line for line in lines)
+
+
 def _refusal(call) -> str | None:
     try:
         call()
@@ -167,8 +190,11 @@ def test_the_agreement_is_a_last_stage_holders_and_each_launcher_reports_only_it
     ranks = {"r0s0": 0, "r0s1": 1, "r1s0": 2, "r1s1": 3}
     authority = Authority(PLACED, ranks, "alice", elastic=True, stages=2, hosts=["alice", "bob", "carol"])
     key = "meshlearn/0//cluster/checkpoint/4/agreed"
-    assert authority.refusal("bob", "set", key) is None  # r0s1's host: the manifest's writer
-    assert authority.refusal("carol", "set", key) == f"host carol may not set {key!r}"  # holds no slot
+    assert authority.refusal("bob", "compare_set", key) is None  # r0s1's host: the manifest's writer
+    assert authority.refusal("bob", "set", key) == f"host bob may not set {key!r}"  # once, from empty
+    assert authority.write_once_refusal(key, b"{}") is not None  # never moved after
+    assert authority.write_once_refusal(key, b"") is None
+    assert authority.refusal("carol", "compare_set", key) == f"host carol may not compare_set {key!r}"
     assert authority.refusal("bob", "set", "meshlearn-cluster/resume/bob") is None
     assert authority.refusal("alice", "set", "meshlearn-cluster/resume/bob") is not None
     assert authority.refusal("alice", "set", "meshlearn-cluster/resume") is None  # the coordinator's choice

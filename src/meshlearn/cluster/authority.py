@@ -20,9 +20,10 @@ launchers' ``meshlearn-cluster/``):
 - the run's decisions — the config and tokenizer, the revocation list in force (``REVOCATIONS``:
   every other host applies it, so no host but the coordinator's may say what it is), the
   tokenizer's ``ready``, the checkpoint agreement (in an elastic run: a holder of a last-stage slot,
-  which writes the elastic manifest) and resume step, the launchers' resume choice, the records writer's drain
-  marks, state requests and resume state: the coordinator (which runs the records writer);
-  rank 0's tokenizer mark: rank 0's host;
+  which writes the elastic manifest, once, by compare-and-set from empty; every reader checks it
+  against the shard entries, ``cluster/elastic_checkpoints.py``) and resume step, the launchers'
+  resume choice, the records writer's drain marks, state requests and resume state: the coordinator
+  (which runs the records writer); rank 0's tokenizer mark: rank 0's host;
 - the verifier's verdicts and states: the verifier's host (the coordinator and the verifier's
   host may delete what they have read);
 - ``abort`` and the graceful-stop ``drain``: any host, by compare-and-set; an abort is stored
@@ -98,7 +99,7 @@ def _agreement(a, who, op, m, n) -> bool:
     holder of a last-stage slot wherever it runs (``cluster/elastic_checkpoints.py``)."""
     if a.slots is None:
         return op == "set" and who == a.coordinator
-    return op == "set" and a.slots.holds_stage(who, a.stages - 1)
+    return op == "compare_set" and a.slots.holds_stage(who, a.stages - 1)  # once (WRITE_ONCE)
 
 
 def _that_host(a, who, op, m, n) -> bool:
@@ -200,7 +201,7 @@ def _last_stage_holder(a, who, op, m, n) -> bool:
 NAME = r"[A-Za-z0-9_-]+"
 WRITE_ONCE = re.compile(  # decided once, by the first compare-and-set from empty; never moved after
     r"(records/\d+|elastic/taken/r\d+s\d+/\d+|elastic/q/s\d+/at/\d+"
-    r"|elastic//(rows/\d+/fixed|(commit|pvote)/\d+/decision))\Z")
+    r"|elastic//(rows/\d+/fixed|(commit|pvote)/\d+/decision)|cluster/checkpoint/\d+/agreed)\Z")
 SLOT = r"(?P<worker>r\d+s\d+)"
 GEN = r"(?P<gen>\d+)"
 STAGE = r"s(?P<stage>\d+)"
