@@ -94,6 +94,15 @@ def test_a_joiners_slot_held_off_its_placement_is_absent_on_resume(tmp_path, sto
     assert plan == ResumePlan(1, ("r0s0", "r0s1", "r1s1"), ("r0s0", "r0s1", "r1s0", "r1s1"))
 
 
+def test_a_newcomers_slot_is_absent_on_resume_and_the_step_still_resumes(tmp_path, store):
+    """carol, a newcomer outside the placement, held r1s0 at the checkpoint and sends no report:
+    r1s0 waits for a ``--join``, the others start."""
+    _save(_stores(tmp_path, store, "run9/", held=PLACED | {"r1s0": "carol"}), [1])
+    assert (tmp_path / "carol" / "checkpoints" / "step-000001" / "r1s0.pt").is_file()
+    plan = choose(_reports(tmp_path), PLACED, 2)  # alice's and bob's reports only
+    assert plan == ResumePlan(1, ("r0s0", "r0s1", "r1s1"), ("r0s0", "r0s1", "r1s0", "r1s1"))
+
+
 def test_no_stage_replica_on_its_placements_host_is_one_line(tmp_path, store):
     _save(_stores(tmp_path, store, "run3/", held=PLACED | {"r1s0": "alice", "r0s0": "bob"}), [1])
     assert choose(_reports(tmp_path), PLACED, 2) == (

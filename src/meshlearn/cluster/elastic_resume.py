@@ -15,7 +15,8 @@ start must be free for joiners from its first quorum on, which its host's launch
   gives it. Its choice (``meshlearn-cluster/resume``) is the same for every host: the step, and
   the slots that start; or why none can.
 - A slot whose shard is not on its placement's host — a joiner from another machine held it when
-  the checkpoint was taken — and a slot the checkpoint does not list do not start: they are
+  the checkpoint was taken, a host of the placement or a newcomer (which sends no report, so its
+  holdings go unchecked) — and a slot the checkpoint does not list do not start: they are
   ``absent`` and free for ``meshlearn train --join`` (its joiner heals from a live replica), as on
   one machine (``elastic/membership.resume_absent``).
 """
@@ -89,7 +90,9 @@ def _unusable(reports: Mapping[str, dict], step: int, hosts_of: Mapping[str, str
     for slot, entry in sorted(agreement["shards"].items()):
         on.setdefault(entry["host"], []).append(slot)
     for host, slots in on.items():
-        held = reports.get(host, {}).get(str(step), {}).get("holds", [])
+        if host not in reports:
+            continue  # a newcomer's (no host of the placement, no report): its slots are absent
+        held = reports[host].get(str(step), {}).get("holds", [])
         if lacking := [slot for slot in slots if slot not in held]:
             return (f"host {host}'s folder lacks its agreed shards {', '.join(lacking)} "
                     f"(checkpoints/step-{step:06d})")
