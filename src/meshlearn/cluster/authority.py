@@ -14,7 +14,8 @@ launchers' ``meshlearn-cluster/``):
   ``done/``, ``joined/``, ``links/``, ``collectives/``, ``anchor/<rank>``, an attacker's
   ``truth/<step>/<worker>`` (the coordinator's records writer deletes it once read),
   checkpoint shard entries and resume lists ``cluster/checkpoint/.../<worker>``: the host that
-  runs that rank or worker;
+  runs that rank or worker (a shard entry must be its writer's own word on its own file:
+  ``entry_refusal``);
 - a host's own records — its checkpoint manifest ``.../host/<host>``, the launcher's
   ``done/<host>``, ``security/<host>`` and ``resume/<host>`` (what its folder holds): that host;
 - the run's decisions — the config and tokenizer, the revocation list in force (``REVOCATIONS``:
@@ -54,6 +55,7 @@ that slot's records. How it may claim (one slot, its port attached, no trusted e
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -196,6 +198,23 @@ def _claim(a, who, op, m, n) -> bool:
 
 def _last_stage_holder(a, who, op, m, n) -> bool:
     return op == "compare_set" and a.slots is not None and a.slots.holds_stage(who, a.stages - 1)
+
+
+SHARD_ENTRY = re.compile(r"cluster/checkpoint/\d+/shard/[A-Za-z0-9_-]+\Z")
+MAX_ENTRY = 512  # bytes of a shard entry: its host's name, a size and a hash fit well within
+SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def _entry_ok(value: bytes, host: str | None) -> bool:
+    """Whether ``value`` is a shard entry naming ``host`` (None: naming no host)."""
+    try:
+        entry = json.loads(value)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    want = {"size", "sha256"} | ({"host"} if host is not None else set())
+    return (isinstance(entry, dict) and set(entry) == want and entry.get("host") == host
+            and type(entry["size"]) is int and entry["size"] >= 0
+            and isinstance(entry["sha256"], str) and SHA256.match(entry["sha256"]) is not None)
 
 
 NAME = r"[A-Za-z0-9_-]+"
@@ -364,6 +383,21 @@ class Authority:
                 return (f"host {who} may not report for {name}, which {owner} runs: an abort speaks only "
                         "for its writer's own processes")
         return None
+
+    def entry_refusal(self, who: str, key: str, value: bytes) -> str | None:
+        """Why ``value`` may not be stored as host ``who``'s checkpoint shard entry ``key`` (None: it
+        may, or ``key`` is none): every process checks an agreement against these entries and an
+        elastic run's launchers trust the ``host`` they name, so each is its writer's own word on
+        its own file — ``{"host": <writer>, "size": <int ≥ 0>, "sha256": <64 lowercase hex>}`` (no
+        ``host`` in a fixed run), at most ``MAX_ENTRY`` bytes."""
+        worker = WORKERS.match(key)
+        if not worker or not SHARD_ENTRY.match(worker["rest"]):
+            return None
+        fields = ('{"host": "' + who + '", ' if self.slots is not None else "{") + '"size", "sha256"}'
+        if len(value) <= MAX_ENTRY and _entry_ok(value, who if self.slots is not None else None):
+            return None
+        return (f"{key!r} takes {fields} of at most {MAX_ENTRY} bytes (size an integer ≥ 0, sha256 64 "
+                f"lowercase hex digits), not {value[:80]!r}")
 
     def attributed(self, who: str, key: str, value: bytes) -> bytes:
         """The value stored for ``who``'s write: an abort becomes ``who``'s report (whatever it says
