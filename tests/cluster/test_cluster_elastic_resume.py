@@ -129,6 +129,26 @@ def test_a_host_whose_folder_lacks_the_agreed_checkpoint_falls_back_or_refuses(t
     assert errors == {h: line.format(tmp_path / h) for h in hosts}  # the same line on every machine
 
 
+NO_REPORTS = ['{"\u00b2": %s}', '{"%s": %%s}' % ("1" * 5000), '{"01": %s}', "[" * 100_000, "null",
+              '{"1": {"holds": [], "agreement": {"shards": []}}}']
+
+
+@pytest.mark.parametrize("report", NO_REPORTS)
+def test_a_report_that_is_no_report_holds_nothing_and_is_one_line(tmp_path, store, capsys, report):
+    """A host's report that would not parse (a superscript or 5000-digit step, nesting past the
+    recursion limit) counts as holding nothing: the choice is still one line on every host."""
+    _save(_stores(tmp_path, store, "run10/"), [1])
+    held = json.dumps(holdings(tmp_path / "bob", "bob")["1"])
+    keys = dist.PrefixStore("resume10/", store)
+    keys.set("meshlearn-cluster/resume/bob", report % held if "%s" in report else report)
+    alice = Placement("alice", "127.0.0.1", 1, "lo", "alice", "127.0.0.1", 1, {}, PLACED, {}, 4, "r0s1")
+    assert _refusal(lambda: plan_resume(keys, tmp_path / "alice", alice, ["alice", "bob"], 2, 30.0)) == (
+        f"--resume = '{tmp_path / 'alice'}': no agreed checkpoint can resume this elastic cluster run "
+        "(step 1: host bob's folder lacks its agreed shards r0s1, r1s0 (checkpoints/step-000001)): "
+        "start it anew")
+    assert capsys.readouterr().err.count("host bob's resume report is no report of agreed checkpoints") == 1
+
+
 def test_machines_whose_agreements_differ_resume_from_neither(tmp_path, store):
     _save(_stores(tmp_path, store, "run5/"), [1])
     path = tmp_path / "bob" / "checkpoints" / "step-000001" / AGREED

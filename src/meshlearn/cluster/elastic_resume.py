@@ -24,6 +24,8 @@ start must be free for joiners from its first quorum on, which its host's launch
 from __future__ import annotations
 
 import json
+import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +40,7 @@ from meshlearn.mesh.topology import WorkerId
 from meshlearn.train.checkpoint import CHECKPOINT_DIR, step_folders, step_of
 
 CHOICE = f"{KEYS}/resume"
+STEP = re.compile(r"[0-9]{1,12}")  # a step count as a report names it (ASCII digits, bounded)
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,7 @@ def plan_resume(store, run_dir: Path, placement: Placement, hosts: list[str], st
     store.set(f"{CHOICE}/{placement.host}", json.dumps(holdings(run_dir, placement.host)))
     store.set_timeout(timedelta(seconds=timeout_s))
     if placement.is_coordinator:
-        reports = {h: _report(store.get(f"{CHOICE}/{h}")) for h in hosts}  # waits for every host
+        reports = {h: _report(h, store.get(f"{CHOICE}/{h}")) for h in hosts}  # waits for every host
         plan = choose(reports, placement.hosts_of, stages)
         store.set(CHOICE, json.dumps({"step": plan.step, "start": plan.start, "listed": plan.listed}
                                      if isinstance(plan, ResumePlan) else {"step": -1, "why": plan}))
@@ -126,17 +129,30 @@ def plan_resume(store, run_dir: Path, placement: Placement, hosts: list[str], st
     return ResumePlan(int(choice["step"]), tuple(choice["start"]), tuple(choice["listed"]))
 
 
-def _report(value: bytes) -> dict:
+def _report(host: str, value: bytes) -> dict:
     """A host's holdings as sent (authenticated by the control service, bounded by its value
-    limit); one that is not a report of agreements counts as holding nothing."""
+    limit); one that is not a report of agreements counts as holding nothing (one line)."""
     try:
-        report = json.loads(value)
-    except (ValueError, UnicodeDecodeError):
+        report = _usable(json.loads(value))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        report = None
+    if report is None:
+        print(f"meshlearn cluster: host {host}'s resume report is no report of agreed checkpoints "
+              '({"<step>": {"agreement": {"shards": {...}}, "holds": [...]}}, steps of at most 12 digits): '
+              "it counts as holding none", file=sys.stderr, flush=True)
         return {}
+    return report
+
+
+def _usable(report) -> dict | None:
+    """``report`` if every step of it is a held agreement (None: not so)."""
     if not isinstance(report, dict):
-        return {}
-    return {step: held for step, held in report.items() if step.isdigit() and str(int(step)) == step
-            and isinstance(held, dict) and isinstance(held.get("holds"), list)
-            and isinstance(held.get("agreement"), dict) and isinstance(held["agreement"].get("shards"), dict)
-            and all(SLOT.match(slot) and isinstance(e, dict) and isinstance(e.get("host"), str)
-                    for slot, e in held["agreement"]["shards"].items())}
+        return None
+    for step, held in report.items():
+        if not (STEP.fullmatch(step) and str(int(step)) == step and isinstance(held, dict)
+                and isinstance(held.get("holds"), list) and isinstance(held.get("agreement"), dict)
+                and isinstance(shards := held["agreement"].get("shards"), dict)
+                and all(SLOT.match(slot) and isinstance(e, dict) and isinstance(e.get("host"), str)
+                        for slot, e in shards.items())):
+            return None
+    return report
