@@ -32,6 +32,7 @@ PLACED = {"r0s0": "alice", "r1s1": "alice", "r0s1": "bob", "r1s0": "bob"}
 MESH = MeshShape(2, 2)
 BOTH_ROWS = ((0, 0), (1, 1))  # stage → replica: row 0 and row 1 (r0s1 writes the manifest)
 NOTHING = "no machine's folder holds an agreed checkpoint of this run"
+DIFFERS = "step 1: host bob's agreed.json differs from the coordinator's"
 
 
 @pytest.fixture
@@ -74,7 +75,7 @@ def test_every_host_records_the_agreement_keeps_its_own_shards_and_resumes_from_
         agreements.append(json.loads((folder / "step-000002" / AGREED).read_text()))
     assert agreements[0] == agreements[1]
     assert {w: e["host"] for w, e in agreements[0]["shards"].items()} == PLACED
-    plan = choose(_reports(tmp_path), PLACED, 2)
+    plan = choose(_reports(tmp_path), PLACED, 2, "alice")
     assert plan == ResumePlan(2, ("r0s0", "r0s1", "r1s0", "r1s1"), ("r0s0", "r0s1", "r1s0", "r1s1"))
     loaded = in_threads(lambda w: _stores(tmp_path, store, "resume1/", resume=2)[w].load(), PLACED)
     assert {w: (common["totals"]["step"], state["workers"]) for w, (common, state) in loaded.items()} == {
@@ -90,7 +91,7 @@ def test_a_joiners_slot_held_off_its_placement_is_absent_on_resume(tmp_path, sto
     others do, stage 0 from r0s0."""
     _save(_stores(tmp_path, store, "run2/", held=PLACED | {"r1s0": "alice"}), [1])
     assert (tmp_path / "alice" / "checkpoints" / "step-000001" / "r1s0.pt").is_file()
-    plan = choose(_reports(tmp_path), PLACED, 2)
+    plan = choose(_reports(tmp_path), PLACED, 2, "alice")
     assert plan == ResumePlan(1, ("r0s0", "r0s1", "r1s1"), ("r0s0", "r0s1", "r1s0", "r1s1"))
 
 
@@ -99,13 +100,13 @@ def test_a_newcomers_slot_is_absent_on_resume_and_the_step_still_resumes(tmp_pat
     r1s0 waits for a ``--join``, the others start."""
     _save(_stores(tmp_path, store, "run9/", held=PLACED | {"r1s0": "carol"}), [1])
     assert (tmp_path / "carol" / "checkpoints" / "step-000001" / "r1s0.pt").is_file()
-    plan = choose(_reports(tmp_path), PLACED, 2)  # alice's and bob's reports only
+    plan = choose(_reports(tmp_path), PLACED, 2, "alice")  # alice's and bob's reports only
     assert plan == ResumePlan(1, ("r0s0", "r0s1", "r1s1"), ("r0s0", "r0s1", "r1s0", "r1s1"))
 
 
 def test_no_stage_replica_on_its_placements_host_is_one_line(tmp_path, store):
     _save(_stores(tmp_path, store, "run3/", held=PLACED | {"r1s0": "alice", "r0s0": "bob"}), [1])
-    assert choose(_reports(tmp_path), PLACED, 2) == (
+    assert choose(_reports(tmp_path), PLACED, 2, "alice") == (
         "step 1: no shard of stage 0 is on the host its placement names (a joiner's from another machine: "
         "r0s0 on bob, r1s0 on alice)")
 
@@ -113,7 +114,7 @@ def test_no_stage_replica_on_its_placements_host_is_one_line(tmp_path, store):
 def test_a_host_whose_folder_lacks_the_agreed_checkpoint_falls_back_or_refuses(tmp_path, store):
     _save(_stores(tmp_path, store, "run4/", keep=2), [1, 2])
     shutil.rmtree(tmp_path / "bob" / "checkpoints" / "step-000002")
-    assert choose(_reports(tmp_path), PLACED, 2).step == 1  # the newest one every machine still holds
+    assert choose(_reports(tmp_path), PLACED, 2, "alice").step == 1  # the newest every machine still holds
     shutil.rmtree(tmp_path / "bob" / "checkpoints" / "step-000001")
     hosts = {h: Placement(h, "127.0.0.1", 1, "lo", "alice", "127.0.0.1", 1, {}, PLACED, {}, 4, "r0s1")
              for h in ("alice", "bob")}
@@ -155,8 +156,24 @@ def test_machines_whose_agreements_differ_resume_from_neither(tmp_path, store):
     agreement = json.loads(path.read_text())
     agreement["shards"]["r0s0"]["sha256"] = "0" * 64
     path.write_text(json.dumps(agreement))
-    assert choose(_reports(tmp_path), PLACED, 2) == "step 1: the machines' agreed.json differ"
-    assert choose({"alice": {}, "bob": {}}, PLACED, 2) == NOTHING
+    assert choose(_reports(tmp_path), PLACED, 2, "alice") == DIFFERS
+    assert choose({"alice": {}, "bob": {}}, PLACED, 2, "alice") == NOTHING
+
+
+def test_only_the_agreements_in_the_coordinators_folder_count(tmp_path, store):
+    """bob runs a slot of every stage and reports a made-up newer step listing only his shards, or
+    step 1's agreement trimmed to them: only what alice's (the coordinator's) processes recorded
+    from the control service can resume, and bob's copy must be it."""
+    _save(_stores(tmp_path, store, "run11/"), [1])
+    reports = _reports(tmp_path)
+    honest = reports["bob"]["1"]
+    mine = {w: e for w, e in honest["agreement"]["shards"].items() if e["host"] == "bob"}
+    reports["bob"]["9"] = {"agreement": {"step": 9, "shards": mine}, "holds": sorted(mine)}
+    assert choose(reports, PLACED, 2, "alice") == ResumePlan(1, tuple(sorted(PLACED)), tuple(sorted(PLACED)))
+    reports["bob"]["1"] = {"agreement": {"step": 1, "shards": mine}, "holds": sorted(mine)}
+    assert choose(reports, PLACED, 2, "alice") == DIFFERS
+    assert choose(reports | {"alice": {}}, PLACED, 2, "alice") == (
+        "the coordinator's folder (alice) holds no agreed checkpoint of this run")
 
 
 def test_a_changed_shard_or_no_named_step_is_refused_by_the_process_that_loads_it(tmp_path, store):
@@ -165,7 +182,7 @@ def test_a_changed_shard_or_no_named_step_is_refused_by_the_process_that_loads_i
     data = bytearray(shard.read_bytes())
     data[-30] ^= 0xFF  # same size, other bytes: its host still reports it held
     shard.write_bytes(bytes(data))
-    assert choose(_reports(tmp_path), PLACED, 2).step == 1
+    assert choose(_reports(tmp_path), PLACED, 2, "alice").step == 1
     with pytest.raises(CheckpointError, match="checksum differs from .*agreed.json"):
         _stores(tmp_path, store, "resume6/", resume=1)["r1s0"].load()
     with pytest.raises(FileNotFoundError, match="launcher named no agreed checkpoint"):
@@ -181,7 +198,7 @@ def test_a_step_with_no_replica_of_a_stage_stays_incomplete_everywhere(tmp_path,
     said = json.loads(dist.PrefixStore("run7/", store).get("cluster/checkpoint/1/agreed"))
     assert said == {"step": 1, "shards": {}}  # the writer's word that the step is incomplete: nobody waits on
     assert not list(tmp_path.rglob(AGREED))
-    assert choose(_reports(tmp_path), PLACED, 2) == NOTHING
+    assert choose(_reports(tmp_path), PLACED, 2, "alice") == NOTHING
 
 
 FORGED = {  # what a last-stage holder might publish as step 2's agreement before the writer does
@@ -202,7 +219,7 @@ def test_an_agreement_that_is_not_the_shards_own_entries_is_recorded_nowhere(tmp
     keys.set("cluster/checkpoint/2/agreed", value)  # first: the writer's compare-and-set finds it taken
     _save(_stores(tmp_path, store, "run8/"), [2])
     assert sorted(p.parent.name for p in tmp_path.rglob(AGREED)) == ["step-000001"] * 2  # nothing pruned
-    assert choose(_reports(tmp_path), PLACED, 2).step == 1
+    assert choose(_reports(tmp_path), PLACED, 2, "alice").step == 1
     lines = [line for line in capsys.readouterr().err.splitlines() if "stays incomplete here" in line]
     assert len(lines) == 4 and all("the agreement on the checkpoint of step 2" in line for line in lines)
 

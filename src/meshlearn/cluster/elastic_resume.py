@@ -10,8 +10,10 @@ start must be free for joiners from its first quorum on, which its host's launch
   its folder, the agreement and the slots whose shard the agreement places on this host and whose
   file is here at the listed size (its SHA-256 is checked by the process that loads it).
 - The coordinator's launcher waits for every host of the placement (each must run ``--resume``),
-  and picks the newest step whose agreement every host that holds one holds identically and that
-  can start a replica of every stage: a slot starts when its shard is on the host the placement
+  and picks the newest step of its own folder (whose agreements its own processes recorded from
+  the control service: another host's report is only that host's word) whose agreement every
+  host that holds one holds identically, whose shards every host of the placement they name holds,
+  and that can start a replica of every stage: a slot starts when its shard is on the host the placement
   gives it. Its choice (``meshlearn-cluster/resume``) is the same for every host: the step, and
   the slots that start; or why none can.
 - A slot whose shard is not on its placement's host — a joiner from another machine held it when
@@ -63,32 +65,38 @@ def holdings(run_dir: Path, host: str) -> dict[str, dict]:
     return held
 
 
-def choose(reports: Mapping[str, dict], hosts_of: Mapping[str, str], stages: int) -> ResumePlan | str:
-    """The plan from every host's ``holdings`` (host → report), or why no checkpoint can resume."""
-    steps = sorted({int(s) for report in reports.values() for s in report}, reverse=True)
+def choose(reports: Mapping[str, dict], hosts_of: Mapping[str, str], stages: int,
+           coordinator: str) -> ResumePlan | str:
+    """The plan from every host's ``holdings`` (host → report), or why no checkpoint can resume.
+
+    Only the agreements in ``coordinator``'s own folder count: its processes wrote them there from
+    its control service after checking each against the shards' own entries, whereas any other
+    host's report is that host's word — one running a slot of every stage could otherwise report a
+    made-up newer step that lists only its shards. Every report must hold the same agreement."""
+    own = reports.get(coordinator, {})
+    steps = sorted((int(s) for s in own), reverse=True)
     if not steps:
-        return "no machine's folder holds an agreed checkpoint of this run"
+        return ("no machine's folder holds an agreed checkpoint of this run" if not any(reports.values())
+                else f"the coordinator's folder ({coordinator}) holds no agreed checkpoint of this run")
     reasons = []
     for step in steps:
-        why = _unusable(reports, step, hosts_of, stages)
+        agreement = own[str(step)]["agreement"]
+        why = _unusable(reports, step, agreement, hosts_of, stages)
         if why is None:
-            shards = _agreement(reports, step)["shards"]
-            start = tuple(slot for slot, entry in sorted(shards.items())
+            start = tuple(slot for slot, entry in sorted(agreement["shards"].items())
                           if hosts_of.get(slot) == entry["host"])
-            return ResumePlan(step, start, tuple(sorted(shards)))
+            return ResumePlan(step, start, tuple(sorted(agreement["shards"])))
         reasons.append(f"step {step}: {why}")
     return "; ".join(reasons[:2])
 
 
-def _agreement(reports: Mapping[str, dict], step: int) -> dict:
-    return next(report[str(step)]["agreement"] for report in reports.values() if str(step) in report)
-
-
-def _unusable(reports: Mapping[str, dict], step: int, hosts_of: Mapping[str, str], stages: int) -> str | None:
-    """Why the agreed checkpoint of ``step`` cannot resume the run (None: it can)."""
-    agreement = _agreement(reports, step)
-    if any(report[str(step)]["agreement"] != agreement for report in reports.values() if str(step) in report):
-        return "the machines' agreed.json differ"
+def _unusable(reports: Mapping[str, dict], step: int, agreement: dict, hosts_of: Mapping[str, str],
+              stages: int) -> str | None:
+    """Why the agreed checkpoint of ``step`` (the coordinator's copy of its agreement) cannot resume
+    the run (None: it can)."""
+    if differ := sorted(h for h, report in reports.items()
+                        if str(step) in report and report[str(step)]["agreement"] != agreement):
+        return f"host {differ[0]}'s agreed.json differs from the coordinator's"
     on: dict[str, list[str]] = {}
     for slot, entry in sorted(agreement["shards"].items()):
         on.setdefault(entry["host"], []).append(slot)
@@ -119,7 +127,7 @@ def plan_resume(store, run_dir: Path, placement: Placement, hosts: list[str], st
     store.set_timeout(timedelta(seconds=timeout_s))
     if placement.is_coordinator:
         reports = {h: _report(h, store.get(f"{CHOICE}/{h}")) for h in hosts}  # waits for every host
-        plan = choose(reports, placement.hosts_of, stages)
+        plan = choose(reports, placement.hosts_of, stages, placement.host)
         store.set(CHOICE, json.dumps({"step": plan.step, "start": plan.start, "listed": plan.listed}
                                      if isinstance(plan, ResumePlan) else {"step": -1, "why": plan}))
     choice = json.loads(store.get(CHOICE))
