@@ -7,6 +7,7 @@ host flooding requests on one connection is throttled and counted, and nobody el
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import ssl
 import tempfile
@@ -484,6 +485,29 @@ def test_decisions_stand_once_written_and_tallies_count_each_holder_once(elastic
             write()
     assert elastic.count("authority") == len(refused)
     assert alice.get("elastic//pvote/7/decision") == b"00"
+
+
+def test_an_agreement_is_written_once_and_a_shard_entry_is_its_writers_own(elastic: Service) -> None:
+    """The agreement is a last-stage holder's compare-and-set from empty: another one cannot swap it;
+    a shard entry names its writer's host, a size and a SHA-256, nothing else."""
+    alice, bob = _workers(elastic.store("alice")), _workers(elastic.store("bob"))
+    entry = {"host": "bob", "size": 10, "sha256": "ab" * 32}
+    bob.set("cluster/checkpoint/4/shard/r1s0", json.dumps(entry))
+    assert bob.compare_set("cluster/checkpoint/4/agreed", "", "{}") == b"{}"  # r0s1: stage 1
+    assert alice.compare_set("cluster/checkpoint/4/agreed", "", "[]") == b"{}"  # the first write stands
+    refused = [lambda: alice.compare_set("cluster/checkpoint/4/agreed", "{}", "[]"),
+               lambda: alice.set("cluster/checkpoint/5/agreed", "{}"),
+               *(lambda forged=forged: bob.set("cluster/checkpoint/4/shard/r1s0", forged) for forged in (
+                   json.dumps(entry | {"host": "alice"}), json.dumps(entry | {"size": -1}),
+                   json.dumps(entry | {"size": True}), json.dumps(entry | {"sha256": "AB" * 32}),
+                   json.dumps(entry | {"sha256": "ab" * 31}), json.dumps(entry | {"pad": "x" * 600}),
+                   json.dumps(entry | {"extra": 1}), "null", "[" * 400 + "]" * 400, ""))]
+    for write in refused:
+        with pytest.raises(Exception, match="authority"):  # noqa: PT011 — torch wraps it
+            write()
+    assert elastic.count("authority") == len(refused)
+    assert json.loads(alice.get("cluster/checkpoint/4/shard/r1s0")) == entry
+    assert alice.get("cluster/checkpoint/4/agreed") == b"{}"
 
 
 def test_a_newcomer_claims_one_free_slot_with_its_port_and_writes_only_its_records(elastic: Service) -> None:

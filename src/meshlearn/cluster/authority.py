@@ -14,15 +14,17 @@ launchers' ``meshlearn-cluster/``):
   ``done/``, ``joined/``, ``links/``, ``collectives/``, ``anchor/<rank>``, an attacker's
   ``truth/<step>/<worker>`` (the coordinator's records writer deletes it once read),
   checkpoint shard entries and resume lists ``cluster/checkpoint/.../<worker>``: the host that
-  runs that rank or worker;
+  runs that rank or worker (a shard entry must be its writer's own word on its own file:
+  ``entry_refusal``);
 - a host's own records — its checkpoint manifest ``.../host/<host>``, the launcher's
   ``done/<host>``, ``security/<host>`` and ``resume/<host>`` (what its folder holds): that host;
 - the run's decisions — the config and tokenizer, the revocation list in force (``REVOCATIONS``:
   every other host applies it, so no host but the coordinator's may say what it is), the
   tokenizer's ``ready``, the checkpoint agreement (in an elastic run: a holder of a last-stage slot,
-  which writes the elastic manifest) and resume step, the launchers' resume choice, the records writer's drain
-  marks, state requests and resume state: the coordinator (which runs the records writer);
-  rank 0's tokenizer mark: rank 0's host;
+  which writes the elastic manifest, once, by compare-and-set from empty; every reader checks it
+  against the shard entries, ``cluster/elastic_checkpoints.py``) and resume step, the launchers'
+  resume choice, the records writer's drain marks, state requests and resume state: the coordinator
+  (which runs the records writer); rank 0's tokenizer mark: rank 0's host;
 - the verifier's verdicts and states: the verifier's host (the coordinator and the verifier's
   host may delete what they have read);
 - ``abort`` and the graceful-stop ``drain``: any host, by compare-and-set; an abort is stored
@@ -53,6 +55,7 @@ that slot's records. How it may claim (one slot, its port attached, no trusted e
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -98,7 +101,7 @@ def _agreement(a, who, op, m, n) -> bool:
     holder of a last-stage slot wherever it runs (``cluster/elastic_checkpoints.py``)."""
     if a.slots is None:
         return op == "set" and who == a.coordinator
-    return op == "set" and a.slots.holds_stage(who, a.stages - 1)
+    return op == "compare_set" and a.slots.holds_stage(who, a.stages - 1)  # once (WRITE_ONCE)
 
 
 def _that_host(a, who, op, m, n) -> bool:
@@ -197,10 +200,27 @@ def _last_stage_holder(a, who, op, m, n) -> bool:
     return op == "compare_set" and a.slots is not None and a.slots.holds_stage(who, a.stages - 1)
 
 
+SHARD_ENTRY = re.compile(r"cluster/checkpoint/\d+/shard/[A-Za-z0-9_-]+\Z")
+MAX_ENTRY = 512  # bytes of a shard entry: its host's name, a size and a hash fit well within
+SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def _entry_ok(value: bytes, host: str | None) -> bool:
+    """Whether ``value`` is a shard entry naming ``host`` (None: naming no host)."""
+    try:
+        entry = json.loads(value)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    want = {"size", "sha256"} | ({"host"} if host is not None else set())
+    return (isinstance(entry, dict) and set(entry) == want and entry.get("host") == host
+            and type(entry["size"]) is int and entry["size"] >= 0
+            and isinstance(entry["sha256"], str) and SHA256.match(entry["sha256"]) is not None)
+
+
 NAME = r"[A-Za-z0-9_-]+"
 WRITE_ONCE = re.compile(  # decided once, by the first compare-and-set from empty; never moved after
     r"(records/\d+|elastic/taken/r\d+s\d+/\d+|elastic/q/s\d+/at/\d+"
-    r"|elastic//(rows/\d+/fixed|(commit|pvote)/\d+/decision))\Z")
+    r"|elastic//(rows/\d+/fixed|(commit|pvote)/\d+/decision)|cluster/checkpoint/\d+/agreed)\Z")
 SLOT = r"(?P<worker>r\d+s\d+)"
 GEN = r"(?P<gen>\d+)"
 STAGE = r"s(?P<stage>\d+)"
@@ -363,6 +383,21 @@ class Authority:
                 return (f"host {who} may not report for {name}, which {owner} runs: an abort speaks only "
                         "for its writer's own processes")
         return None
+
+    def entry_refusal(self, who: str, key: str, value: bytes) -> str | None:
+        """Why ``value`` may not be stored as host ``who``'s checkpoint shard entry ``key`` (None: it
+        may, or ``key`` is none): every process checks an agreement against these entries and an
+        elastic run's launchers trust the ``host`` they name, so each is its writer's own word on
+        its own file — ``{"host": <writer>, "size": <int ≥ 0>, "sha256": <64 lowercase hex>}`` (no
+        ``host`` in a fixed run), at most ``MAX_ENTRY`` bytes."""
+        worker = WORKERS.match(key)
+        if not worker or not SHARD_ENTRY.match(worker["rest"]):
+            return None
+        fields = ('{"host": "' + who + '", ' if self.slots is not None else "{") + '"size", "sha256"}'
+        if len(value) <= MAX_ENTRY and _entry_ok(value, who if self.slots is not None else None):
+            return None
+        return (f"{key!r} takes {fields} of at most {MAX_ENTRY} bytes (size an integer ≥ 0, sha256 64 "
+                f"lowercase hex digits), not {value[:80]!r}")
 
     def attributed(self, who: str, key: str, value: bytes) -> bytes:
         """The value stored for ``who``'s write: an abort becomes ``who``'s report (whatever it says

@@ -329,7 +329,8 @@ class ControlService:
                timeout_s: float) -> tuple[dict, list[bytes]]:
         key, state = keys[0], self.state
         timeout_s = min(max(timeout_s, 0.0), MAX_WAIT_S)
-        if op in ("set", "compare_set") and (why := self.authority.speaker_refusal(who, key, values[-1])):
+        if op in ("set", "compare_set") and (why := self.authority.speaker_refusal(who, key, values[-1])
+                                             or self.authority.entry_refusal(who, key, values[-1])):
             return self._refuse(who, "authority", why)
         if op == "set":
             state.set(key, self.authority.attributed(who, key, values[0]))

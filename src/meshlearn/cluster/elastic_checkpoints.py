@@ -12,10 +12,14 @@ disk:
   control service — a key only the slot's current holder may write (``cluster/authority.py``);
 - the elastic manifest's writer (the last stage of the first row that trained the step) waits for
   the rows' shards as on one machine, then publishes the agreement ``cluster/checkpoint/<step>/agreed``
-  (``{"step", "shards": {slot: {host, size, sha256}}}``; no shards: the step stays incomplete);
-- every live process waits for it and writes it as ``agreed.json`` in its own folder, then prunes by
-  it (the newest ``dist.keep_checkpoints`` agreed ones stay): every listed shard is on its
-  machine's disk before any process deletes an older checkpoint.
+  (``{"step", "shards": {slot: {host, size, sha256}}}``; no shards: the step stays incomplete) by a
+  compare-and-set from empty: the service keeps the first (``cluster/authority.py``);
+- every live process waits for it, checks it — every listed entry is the one that slot's own
+  process published, the listed slots are of the rows that trained the step and hold a replica of
+  every stage — since any last-stage holder may write it; then writes it as ``agreed.json`` in its
+  own folder and prunes by it (the newest ``dist.keep_checkpoints`` agreed ones stay): every listed
+  shard is on its machine's disk before any process deletes an older checkpoint. An agreement that
+  fails the check leaves the step incomplete there (one line).
 
 No ``manifest.json`` is written: a machine's folder never looks complete to ``meshlearn sample``.
 On ``--resume`` the launchers pick the step and the slots that start (``cluster/elastic_resume.py``);
@@ -33,6 +37,7 @@ from pathlib import Path
 
 from meshlearn.atomic import atomic_write_json
 from meshlearn.cluster.checkpoints import AGREED, KEYS, prune_agreed, read_json
+from meshlearn.mesh.topology import WorkerId
 from meshlearn.statefile import save_state
 from meshlearn.train.checkpoint import (
     CHECKPOINT_DIR,
@@ -57,6 +62,14 @@ def read_agreement(folder: Path) -> dict | None:
     if not isinstance(shards, dict) or not all(isinstance(e, dict) for e in shards.values()):
         return None
     return agreement
+
+
+def _parsed(value: bytes):
+    """A shard entry as its process published it (None: not JSON)."""
+    try:
+        return json.loads(value)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
 
 
 class ElasticClusterCheckpoint:
@@ -89,9 +102,9 @@ class ElasticClusterCheckpoint:
         listed, writes = self.membership.manifest(step)
         if writes:
             shards = {w: json.loads(self.store.get(f"{keys}/shard/{w}")) for w in sorted(listed)}
-            self.store.set(f"{keys}/agreed", json.dumps({"step": step, "shards": shards}))
+            self.store.compare_set(f"{keys}/agreed", "", json.dumps({"step": step, "shards": shards}))
         elif self.membership.writes():  # this process writes it, and found the step incomplete
-            self.store.set(f"{keys}/agreed", json.dumps({"step": step, "shards": {}}))
+            self.store.compare_set(f"{keys}/agreed", "", json.dumps({"step": step, "shards": {}}))
         agreement = self._agreement(step)
         if agreement:
             atomic_write_json(folder / AGREED, agreement)
@@ -109,8 +122,38 @@ class ElasticClusterCheckpoint:
                       f"{2 * self.deadline_s:.1f} s: it stays incomplete here", file=sys.stderr, flush=True)
                 return None
             time.sleep(self.poll_s)
-        agreement = json.loads(self.store.get(key))
-        return agreement if agreement.get("shards") else None
+        value = self.store.get(key)
+        try:
+            agreement = json.loads(value)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            agreement = None
+        if isinstance(agreement, dict) and agreement.get("shards") == {}:
+            return None  # the writer's word: the step is incomplete
+        why = self._flaw(step, agreement)
+        if why is not None:
+            print(f"meshlearn worker {self.shard}: the agreement on the checkpoint of step {step} {why}: "
+                  "it stays incomplete here", file=sys.stderr, flush=True)
+            return None
+        return agreement
+
+    def _flaw(self, step: int, agreement) -> str | None:
+        """Why ``agreement`` (as a last-stage holder published it) is not this step's (None: it is):
+        every listed entry must be what that slot's own process published, and the listed slots
+        those of the rows that trained the step, a replica of every stage among them — a holder
+        could otherwise make every honest process record, and prune by, a checkpoint that is not."""
+        shards = agreement.get("shards") if isinstance(agreement, dict) else None
+        if not isinstance(shards, dict) or agreement.get("step") != step:
+            return 'is not {"step": <this step>, "shards": {slot: entry}}'
+        trained = {str(WorkerId(r, s)) for row in self.membership.rows() for s, r in enumerate(row)}
+        if strangers := sorted(set(shards) - trained)[:4]:
+            return f"lists {', '.join(map(repr, strangers))}, no slot of the rows that trained it"
+        if {WorkerId.parse(w).stage for w in shards} != set(range(self.membership.mesh.stages)):
+            return "lists no replica of some stage"
+        for slot, entry in sorted(shards.items()):
+            key = f"{KEYS}/{step}/shard/{slot}"
+            if not self.store.check([key]) or _parsed(self.store.get(key)) != entry:
+                return f"lists an entry of {slot} that is not the one {slot}'s process published"
+        return None
 
     def load(self) -> tuple[dict, dict]:
         if self.resume_step is None:

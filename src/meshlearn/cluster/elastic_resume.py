@@ -10,12 +10,15 @@ start must be free for joiners from its first quorum on, which its host's launch
   its folder, the agreement and the slots whose shard the agreement places on this host and whose
   file is here at the listed size (its SHA-256 is checked by the process that loads it).
 - The coordinator's launcher waits for every host of the placement (each must run ``--resume``),
-  and picks the newest step whose agreement every host that holds one holds identically and that
-  can start a replica of every stage: a slot starts when its shard is on the host the placement
+  and picks the newest step of its own folder (whose agreements its own processes recorded from
+  the control service: another host's report is only that host's word) whose agreement every
+  host that holds one holds identically, whose shards every host of the placement they name holds,
+  and that can start a replica of every stage: a slot starts when its shard is on the host the placement
   gives it. Its choice (``meshlearn-cluster/resume``) is the same for every host: the step, and
   the slots that start; or why none can.
 - A slot whose shard is not on its placement's host — a joiner from another machine held it when
-  the checkpoint was taken — and a slot the checkpoint does not list do not start: they are
+  the checkpoint was taken, a host of the placement or a newcomer (which sends no report, so its
+  holdings go unchecked) — and a slot the checkpoint does not list do not start: they are
   ``absent`` and free for ``meshlearn train --join`` (its joiner heals from a live replica), as on
   one machine (``elastic/membership.resume_absent``).
 """
@@ -23,6 +26,8 @@ start must be free for joiners from its first quorum on, which its host's launch
 from __future__ import annotations
 
 import json
+import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,6 +42,7 @@ from meshlearn.mesh.topology import WorkerId
 from meshlearn.train.checkpoint import CHECKPOINT_DIR, step_folders, step_of
 
 CHOICE = f"{KEYS}/resume"
+STEP = re.compile(r"[0-9]{1,12}")  # a step count as a report names it (ASCII digits, bounded)
 
 
 @dataclass(frozen=True)
@@ -59,37 +65,45 @@ def holdings(run_dir: Path, host: str) -> dict[str, dict]:
     return held
 
 
-def choose(reports: Mapping[str, dict], hosts_of: Mapping[str, str], stages: int) -> ResumePlan | str:
-    """The plan from every host's ``holdings`` (host → report), or why no checkpoint can resume."""
-    steps = sorted({int(s) for report in reports.values() for s in report}, reverse=True)
+def choose(reports: Mapping[str, dict], hosts_of: Mapping[str, str], stages: int,
+           coordinator: str) -> ResumePlan | str:
+    """The plan from every host's ``holdings`` (host → report), or why no checkpoint can resume.
+
+    Only the agreements in ``coordinator``'s own folder count: its processes wrote them there from
+    its control service after checking each against the shards' own entries, whereas any other
+    host's report is that host's word — one running a slot of every stage could otherwise report a
+    made-up newer step that lists only its shards. Every report must hold the same agreement."""
+    own = reports.get(coordinator, {})
+    steps = sorted((int(s) for s in own), reverse=True)
     if not steps:
-        return "no machine's folder holds an agreed checkpoint of this run"
+        return ("no machine's folder holds an agreed checkpoint of this run" if not any(reports.values())
+                else f"the coordinator's folder ({coordinator}) holds no agreed checkpoint of this run")
     reasons = []
     for step in steps:
-        why = _unusable(reports, step, hosts_of, stages)
+        agreement = own[str(step)]["agreement"]
+        why = _unusable(reports, step, agreement, hosts_of, stages)
         if why is None:
-            shards = _agreement(reports, step)["shards"]
-            start = tuple(slot for slot, entry in sorted(shards.items())
+            start = tuple(slot for slot, entry in sorted(agreement["shards"].items())
                           if hosts_of.get(slot) == entry["host"])
-            return ResumePlan(step, start, tuple(sorted(shards)))
+            return ResumePlan(step, start, tuple(sorted(agreement["shards"])))
         reasons.append(f"step {step}: {why}")
     return "; ".join(reasons[:2])
 
 
-def _agreement(reports: Mapping[str, dict], step: int) -> dict:
-    return next(report[str(step)]["agreement"] for report in reports.values() if str(step) in report)
-
-
-def _unusable(reports: Mapping[str, dict], step: int, hosts_of: Mapping[str, str], stages: int) -> str | None:
-    """Why the agreed checkpoint of ``step`` cannot resume the run (None: it can)."""
-    agreement = _agreement(reports, step)
-    if any(report[str(step)]["agreement"] != agreement for report in reports.values() if str(step) in report):
-        return "the machines' agreed.json differ"
+def _unusable(reports: Mapping[str, dict], step: int, agreement: dict, hosts_of: Mapping[str, str],
+              stages: int) -> str | None:
+    """Why the agreed checkpoint of ``step`` (the coordinator's copy of its agreement) cannot resume
+    the run (None: it can)."""
+    if differ := sorted(h for h, report in reports.items()
+                        if str(step) in report and report[str(step)]["agreement"] != agreement):
+        return f"host {differ[0]}'s agreed.json differs from the coordinator's"
     on: dict[str, list[str]] = {}
     for slot, entry in sorted(agreement["shards"].items()):
         on.setdefault(entry["host"], []).append(slot)
     for host, slots in on.items():
-        held = reports.get(host, {}).get(str(step), {}).get("holds", [])
+        if host not in reports:
+            continue  # a newcomer's (no host of the placement, no report): its slots are absent
+        held = reports[host].get(str(step), {}).get("holds", [])
         if lacking := [slot for slot in slots if slot not in held]:
             return (f"host {host}'s folder lacks its agreed shards {', '.join(lacking)} "
                     f"(checkpoints/step-{step:06d})")
@@ -112,8 +126,8 @@ def plan_resume(store, run_dir: Path, placement: Placement, hosts: list[str], st
     store.set(f"{CHOICE}/{placement.host}", json.dumps(holdings(run_dir, placement.host)))
     store.set_timeout(timedelta(seconds=timeout_s))
     if placement.is_coordinator:
-        reports = {h: _report(store.get(f"{CHOICE}/{h}")) for h in hosts}  # waits for every host
-        plan = choose(reports, placement.hosts_of, stages)
+        reports = {h: _report(h, store.get(f"{CHOICE}/{h}")) for h in hosts}  # waits for every host
+        plan = choose(reports, placement.hosts_of, stages, placement.host)
         store.set(CHOICE, json.dumps({"step": plan.step, "start": plan.start, "listed": plan.listed}
                                      if isinstance(plan, ResumePlan) else {"step": -1, "why": plan}))
     choice = json.loads(store.get(CHOICE))
@@ -123,17 +137,30 @@ def plan_resume(store, run_dir: Path, placement: Placement, hosts: list[str], st
     return ResumePlan(int(choice["step"]), tuple(choice["start"]), tuple(choice["listed"]))
 
 
-def _report(value: bytes) -> dict:
+def _report(host: str, value: bytes) -> dict:
     """A host's holdings as sent (authenticated by the control service, bounded by its value
-    limit); one that is not a report of agreements counts as holding nothing."""
+    limit); one that is not a report of agreements counts as holding nothing (one line)."""
     try:
-        report = json.loads(value)
-    except (ValueError, UnicodeDecodeError):
+        report = _usable(json.loads(value))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        report = None
+    if report is None:
+        print(f"meshlearn cluster: host {host}'s resume report is no report of agreed checkpoints "
+              '({"<step>": {"agreement": {"shards": {...}}, "holds": [...]}}, steps of at most 12 digits): '
+              "it counts as holding none", file=sys.stderr, flush=True)
         return {}
+    return report
+
+
+def _usable(report) -> dict | None:
+    """``report`` if every step of it is a held agreement (None: not so)."""
     if not isinstance(report, dict):
-        return {}
-    return {step: held for step, held in report.items() if step.isdigit() and str(int(step)) == step
-            and isinstance(held, dict) and isinstance(held.get("holds"), list)
-            and isinstance(held.get("agreement"), dict) and isinstance(held["agreement"].get("shards"), dict)
-            and all(SLOT.match(slot) and isinstance(e, dict) and isinstance(e.get("host"), str)
-                    for slot, e in held["agreement"]["shards"].items())}
+        return None
+    for step, held in report.items():
+        if not (STEP.fullmatch(step) and str(int(step)) == step and isinstance(held, dict)
+                and isinstance(held.get("holds"), list) and isinstance(held.get("agreement"), dict)
+                and isinstance(shards := held["agreement"].get("shards"), dict)
+                and all(SLOT.match(slot) and isinstance(e, dict) and isinstance(e.get("host"), str)
+                        for slot, e in shards.items())):
+            return None
+    return report
