@@ -12,9 +12,10 @@ non-drifting strategy keeps common), which the anchor follows by listening: at e
 computes (docs/adaptation.md); under ``snapshot`` fast replica 0's live weights, sent at the
 hand-off. At each step end the plugin hands each fast worker's spectral correction every share that
 is due (computed for step t, now ≥ t + K) and has arrived by that worker's own virtual clock
-(``Worker.spectral.receive_basis`` for factors, ``receive_anchor`` for gradients); one still missing
-``anchor.max_late`` steps past its due step is dropped and counted. The fast circuit never waits:
-the plugin reads the run's clocks (``PluginContext.clock``) and never moves them.
+(``Worker.spectral.receive_basis`` for factors, ``receive_anchor`` for gradients,
+``receive_correction`` under ``anchor.use = error_feedback``); one still missing ``anchor.max_late``
+steps past its due step is dropped and counted (and the worker frees what it kept for it). The fast
+circuit never waits: the plugin reads the run's clocks (``PluginContext.clock``) and never moves them.
 
 The circuit is charged with the simulator's link and compute models (``PluginContext.time_models``):
 its anchor stages are simulated processes beside the mesh.
@@ -30,6 +31,7 @@ stage's own): the pass uses each stage's current weights, as a real hand-off wou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,12 +39,20 @@ import torch
 from torch import Tensor
 
 from meshlearn.anchor.circuit import AnchorCircuit
-from meshlearn.anchor.settings import anchor_targets
+from meshlearn.anchor.settings import AnchorConfig, anchor_targets
 from meshlearn.data.run_data import RunData
 from meshlearn.hooks import Callback, PluginContext, StepOutput
 from meshlearn.mesh.driver import Clock, TimeModels
 from meshlearn.mesh.topology import WorkerId
-from meshlearn.optim.spectral import AnchorBasis
+from meshlearn.optim.spectral import AnchorBasis, SpectralCorrection
+
+
+def share_receiver(spectral: SpectralCorrection, a: AnchorConfig) -> Callable[..., bool]:
+    """Where a fast worker's share goes: the basis (``send = factors``), the EMA of the gradients
+    (``send = gradients``), or with ``use = error_feedback`` the delayed correction."""
+    if a.send == "factors":
+        return spectral.receive_basis
+    return spectral.receive_correction if a.use == "error_feedback" else spectral.receive_anchor
 
 
 def relay_bytes(sent: int, replicas: int, collective: bool) -> int:
@@ -153,8 +163,7 @@ class AnchorCallback(Callback):
             if late < 0:
                 kept.append(d)
             elif d.arrival_s <= self.clock.worker_s(d.worker) and late <= self.a.max_late:
-                spectral = self.workers[d.worker].spectral
-                receive = spectral.receive_basis if self.a.send == "factors" else spectral.receive_anchor
+                receive = share_receiver(self.workers[d.worker].spectral, self.a)
                 for name, value in d.share.items():
                     receive(name, value, step=d.step, now=now)
                 delivered += 1
@@ -162,6 +171,7 @@ class AnchorCallback(Callback):
                 self.counters.late_max = max(self.counters.late_max, late)
             elif late >= self.a.max_late:
                 dropped += 1  # not there yet, and next time it would be past the cap
+                self.workers[d.worker].spectral.forget(d.step)
             else:
                 kept.append(d)
         self.pending = kept

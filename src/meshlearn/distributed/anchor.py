@@ -52,6 +52,7 @@ from torch import Tensor
 
 from meshlearn.anchor.circuit import WIRE
 from meshlearn.anchor.factors import AnchorEMA, pack, unpack
+from meshlearn.anchor.plugin import share_receiver
 from meshlearn.anchor.settings import anchor_targets
 from meshlearn.compress.codecs import Encoded
 from meshlearn.data import batch_offsets, shard_batch, windows
@@ -246,8 +247,7 @@ class AnchorClient:
             if late < 0:
                 kept.append(t)
             elif t in self.arrived and late <= self.a.max_late:
-                spectral = self.worker.spectral
-                receive = spectral.receive_basis if self.a.send == "factors" else spectral.receive_anchor
+                receive = share_receiver(self.worker.spectral, self.a)
                 for name, value in self.arrived.pop(t).items():
                     receive(name, value, step=t, now=now)
                 self.counters.delivered += 1
@@ -255,6 +255,7 @@ class AnchorClient:
                 self.settled.add(t)
             elif late >= self.a.max_late:
                 self.arrived.pop(t, None)
+                self.worker.spectral.forget(t)
                 self.counters.dropped_late += 1  # not there yet, and next time past the cap
                 self.settled.add(t)
             else:
