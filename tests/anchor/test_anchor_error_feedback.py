@@ -64,19 +64,21 @@ def test_nothing_masked_gives_a_zero_correction(tiny_corpus, tmp_path):
         assert c.abs().max() <= 1e-6 * masked[name].abs().max(), name
 
 
-def test_the_correction_is_added_to_every_update_of_one_step_only():
+@pytest.mark.parametrize("arrives", [(2, 0), (1, 1)])
+def test_the_correction_is_added_to_every_update_of_one_step_only(arrives):
     """Async-like: two updates per step. The kept gradient is the mean over step 0's updates; the
-    correction arrives before step 2 and is added to both of step 2's updates, not to step 3's."""
+    correction is added to both updates of the first step that starts after it arrives (step 2,
+    whether it arrives before step 2 or in the middle of step 1), to no other."""
     param = torch.nn.Parameter(torch.zeros(2, 3))
     feedback = AnchorErrorFeedback({"w": param}, every=2, horizon=4)
     grads = {0: [1.0, 3.0], 1: [5.0, 5.0], 2: [10.0, 20.0], 3: [7.0, 7.0]}
     seen = {}
     for step, values in grads.items():
-        if step == 2:
-            clean = torch.full((2, 3), 4.0)
-            assert feedback.receive("w", clean, step=0)  # c = 4 − mean(1, 3) = 2
-            assert 0 not in feedback.kept
         for i, value in enumerate(values):
+            if (step, i) == arrives:
+                clean = torch.full((2, 3), 4.0)
+                assert feedback.receive("w", clean, step=0)  # c = 4 − mean(1, 3) = 2
+                assert 0 not in feedback.kept
             param.grad = torch.full((2, 3), value)
             feedback.before_update(step)
             seen[step, i] = float(param.grad[0, 0])

@@ -18,10 +18,11 @@ EF-SGD / EF21, with the anchor as the reference). Why the pieces:
 - **How long.** Until the share for t arrives (``receive``: the kept gradient becomes c_t and is
   freed), until the anchor's share is dropped as late (``forget``), and never longer than
   ``horizon`` (= K + anchor.max_late) steps: at most ⌊horizon / K⌋ + 1 steps are held.
-- **Where c_t goes.** Into every update of the first step the worker updates at or after the
-  arrival (one update under 1F1B/GPipe; one per microbatch group under async, whose step of M
-  updates made the error M times), after the clip: the clip bounds the fast gradient, the
-  correction is the anchor's measurement of that gradient's error.
+- **Where c_t goes.** Into every update of the first step whose updates start after the arrival
+  (one update under 1F1B/GPipe; under async one per microbatch group, M updates that made the
+  error M times at step t, so a step already begun when the share arrives waits for the next),
+  after the clip: the clip bounds the fast gradient, the correction is the anchor's measurement
+  of that gradient's error.
 
 Memory: one fp32 copy of the targeted matrices per kept step and per pending correction.
 """
@@ -64,6 +65,7 @@ class AnchorErrorFeedback:
         self.kept: dict[int, Kept] = {}
         self.ready: dict[str, Tensor] = {}  # arrived, not yet bound to a step
         self.bound_step = -1  # the step whose updates get ``bound``
+        self.last_step = -1  # the step of the last update seen
         self.bound: dict[str, Tensor] = {}
         self.counters = FeedbackCounters()
 
@@ -72,15 +74,14 @@ class AnchorErrorFeedback:
     @torch.no_grad()
     def before_update(self, step: int) -> None:
         """Keep this update's gradients if ``step`` is handed off, then add the pending corrections."""
+        first = step != self.last_step  # this update starts step ``step``
+        self.last_step = step
         if step % self.every == 0:
             self._keep(step)
         if self.bound and self.bound_step < step:
             self.bound, self.bound_step = {}, -1  # its step's updates are over
-        if self.ready:
-            if self.bound_step != step:
-                self.bound, self.bound_step = {}, step
-            for name, c in self.ready.items():
-                self.bound[name] = self.bound[name].add_(c) if name in self.bound else c
+        if self.ready and first:  # a step already begun waits: every update of one step gets c
+            self.bound, self.bound_step = self.ready, step
             self.ready = {}
         self.counters.held_bytes_peak = max(self.counters.held_bytes_peak, self.held_bytes)
         touched = False
@@ -145,6 +146,7 @@ class AnchorErrorFeedback:
     def state_dict(self) -> dict:
         return {"kept": {str(t): {"sums": dict(k.sums), "updates": k.updates} for t, k in self.kept.items()},
                 "ready": dict(self.ready), "bound": dict(self.bound), "bound_step": self.bound_step,
+                "last_step": self.last_step,
                 "counters": dict(vars(self.counters))}
 
     def load_state_dict(self, state: dict) -> None:
@@ -155,5 +157,5 @@ class AnchorErrorFeedback:
 
         self.kept = {int(t): Kept(here(k["sums"]), k["updates"]) for t, k in state["kept"].items()}
         self.ready, self.bound = here(state["ready"]), here(state["bound"])
-        self.bound_step = state["bound_step"]
+        self.bound_step, self.last_step = state["bound_step"], state["last_step"]
         self.counters = FeedbackCounters(**state["counters"])
