@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from meshlearn.anchor.settings import anchor_targets
+from meshlearn.anchor.feedback import attach_feedback
 from meshlearn.compress.registry import build_codec
 from meshlearn.compress.wire_checks import WireGuard
 from meshlearn.config import RunConfig
@@ -17,7 +17,6 @@ from meshlearn.mesh.worker import Worker
 from meshlearn.models.llama import Decoder
 from meshlearn.models.split import init_model, split_model
 from meshlearn.optim.async_lr import async_lr_scale
-from meshlearn.optim.error_feedback import AnchorErrorFeedback
 from meshlearn.optim.factory import build_optimizer
 from meshlearn.optim.no_ws import no_ws_stage_hparams
 from meshlearn.optim.spectral import SpectralCorrection
@@ -39,14 +38,6 @@ def build_workers(cfg: RunConfig) -> dict[WorkerId, Worker]:
     return {wid: build_worker(cfg, wid, copy.deepcopy(stages[wid.stage])) for wid in mesh.workers()}
 
 
-def error_feedback(spectral: SpectralCorrection, cfg: RunConfig) -> AnchorErrorFeedback:
-    """``anchor.use = error_feedback``: keep the matrices the anchor sends, for the steps it is
-    handed (multiples of K), at most K + max_late steps (then its share is dropped as late)."""
-    wanted = set(anchor_targets(cfg))
-    params = {n: p for n, p in spectral.params.items() if n.split(".")[-2] in wanted}
-    return AnchorErrorFeedback(params, every=cfg.anchor.delay, horizon=cfg.anchor.delay + cfg.anchor.max_late)
-
-
 def build_worker(cfg: RunConfig, wid: WorkerId, module: Decoder) -> Worker:
     """One worker around its stage module (the dist runtime builds just its own)."""
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
@@ -61,8 +52,7 @@ def build_worker(cfg: RunConfig, wid: WorkerId, module: Decoder) -> Worker:
     if cfg.optim.spectral.enabled:
         worker.spectral = SpectralCorrection(module.named_parameters(), cfg.optim.spectral)
         worker.spectral.attach(optimizer)
-        if cfg.anchor.z > 0 and cfg.anchor.use == "error_feedback":
-            worker.spectral.feedback = error_feedback(worker.spectral, cfg)
+        attach_feedback(worker.spectral, cfg)
     if cfg.mesh.schedule == "async" and not cfg.mesh.weight_stashing:
         use_no_ws_hparams(worker, cfg)
     if cfg.mesh.schedule == "async":
