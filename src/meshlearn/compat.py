@@ -270,9 +270,11 @@ TABLE: tuple[Refusal, ...] = (
             "attack.target",
             lambda c: f"needs mesh.replicas >= 2 for a DP contribution (mesh.replicas = {c.mesh.replicas})",
             ("attack.target=dp", "attack.kind=sign_flip", "attack.workers=r0s1", "mesh.replicas=1")),
-    Refusal((equals("attack.kind", "forge_ids"), differs("codec.name", *INDEX_CODECS)), "attack.kind",
-            lambda c: f"forges index fields, which only codec.name in {list(INDEX_CODECS)} sends "
-            f"(codec.name = {c.codec.name!r})",
+    Refusal((equals("attack.kind", "forge_ids"), differs("codec.name", *INDEX_CODECS),
+             differs("codec.backward.name", *INDEX_CODECS)), "attack.kind",
+            lambda c: f"forges index fields, which only codec.name or codec.backward.name in "
+            f"{list(INDEX_CODECS)} sends (codec.name = {c.codec.name!r}, codec.backward.name = "
+            f"{c.codec.backward.name!r})",
             ("attack.kind=forge_ids", "attack.workers=r0s1")),
     Refusal((ATTACKING, relation("an attack.workers entry outside the mesh",
                                  lambda c: bool(_outside_mesh(c)))),
