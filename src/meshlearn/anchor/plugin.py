@@ -30,7 +30,7 @@ stage's own): the pass uses each stage's current weights, as a real hand-off wou
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from torch import Tensor
 
 from meshlearn.anchor.actor import AnchorCounters, FastSide, Fate
 from meshlearn.anchor.circuit import AnchorCircuit
-from meshlearn.anchor.settings import anchor_targets
+from meshlearn.anchor.settings import link_profile, stage_targets
 from meshlearn.data.run_data import RunData
 from meshlearn.hooks import Callback, PluginContext, StepOutput
 from meshlearn.mesh.driver import Clock, TimeModels
@@ -78,12 +78,9 @@ class AnchorCallback(Callback):
         self.cfg, self.a = cfg, cfg.anchor
         self.workers, self.clock, self.network, self.data = workers, clock, models.network, data
         stages, replicas = cfg.mesh.stages, cfg.mesh.replicas
-        wanted = set(anchor_targets(cfg))
         fast = [workers[WorkerId(0, s)] for s in range(stages)]
-        targets = [[n for n in w.spectral.params if n.split(".")[-2] in wanted] for w in fast]
-        pp = self.network.axes.get("pp", self.network.default)
-        profile = replace(pp, bandwidth_mbit=self.a.bandwidth_mbit or pp.bandwidth_mbit,
-                          latency_ms=self.a.latency_ms if self.a.latency_ms >= 0 else pp.latency_ms)
+        targets = [stage_targets(cfg, w.spectral.params) for w in fast]
+        profile = link_profile(self.network.axes.get("pp", self.network.default), self.a)
         self.circuit = self.circuit_class([w.module for w in fast], targets, self.a.z, replicas,
                                           models.compute, profile, self.a.wire_dtype, cfg.seed,
                                           send=self.a.send, rank=self.a.rank,

@@ -46,7 +46,6 @@ import json
 import os
 import random
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -66,7 +65,7 @@ from meshlearn.anchor.actor import (
     decode_share,
 )
 from meshlearn.anchor.factors import AnchorEMA
-from meshlearn.anchor.settings import anchor_targets
+from meshlearn.anchor.settings import link_profile, stage_targets
 from meshlearn.compress.codecs import Encoded
 from meshlearn.data import batch_offsets, shard_batch, windows
 from meshlearn.distributed.driver import DistDriver
@@ -101,20 +100,9 @@ def passes_of(cfg, z: int) -> list[int]:
 
 
 def anchor_profile(cfg, mesh: MeshShape) -> LinkProfile:
-    """The anchor links' profile: ``anchor.bandwidth_mbit`` / ``latency_ms``, else the PP links'."""
+    """The anchor links' profile, as the simulator's (``anchor.settings.link_profile``)."""
     network = build_network(cfg.link, cfg.links, mesh, cfg.seed)
-    pp = network.axes.get("pp", network.default)
-    a = cfg.anchor
-    return replace(pp, bandwidth_mbit=a.bandwidth_mbit or pp.bandwidth_mbit,
-                   latency_ms=a.latency_ms if a.latency_ms >= 0 else pp.latency_ms)
-
-
-def target_names(cfg, module: Decoder) -> list[str]:
-    """The matrices of ``module`` whose anchor gradients travel: the correction's, narrowed by
-    ``anchor.targets`` (the simulator's choice, in the same order)."""
-    wanted = set(anchor_targets(cfg))
-    return [n for n in SpectralCorrection(module.named_parameters(), cfg.optim.spectral).params
-            if n.split(".")[-2] in wanted]
+    return link_profile(network.axes.get("pp", network.default), cfg.anchor)
 
 
 def capacity(cfg) -> int:
@@ -388,7 +376,8 @@ class AnchorStage:
         # send = factors: this stage's own EMA of its gradients, whose top-r factors it sends
         ema = (AnchorEMA(cfg.optim.spectral.beta_anc, cfg.anchor.rank)
                if cfg.anchor.send == "factors" else None)
-        math = RealMath(module, target_names(cfg, module), self.s, mesh.stages)
+        targets = stage_targets(cfg, SpectralCorrection(module.named_parameters(), cfg.optim.spectral).params)
+        math = RealMath(module, targets, self.s, mesh.stages)
         self.actor = AnchorStageActor(me, mesh.stages, mesh.replicas, math, WIRE[cfg.anchor.wire_dtype], ema)
 
     @property
