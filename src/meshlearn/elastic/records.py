@@ -16,11 +16,11 @@ with compare-and-set on ``records/{done}``, and only the claimant appends them t
 
 Why the preferred claims before its verdict: another last stage claims only after its own vote on
 the step has ended, and that vote waits for every member's verdict, the preferred writer's too; so
-while the preferred writer is in the step its claim comes first. Claimed after the step (as
-before), it raced the others' fallback claims: a steady step's quorum asks the store nothing, and a
-fallback claimant that got there first wrote the step's records into its own folder — in a cluster
-run not the coordinator's (one step missing from the run's metrics in a benchmark run with no added
-delay, ``bench/cluster.py --elastic-pair --rtt-ms 0``).
+while the preferred writer is in the step its claim comes first. Claimed after the step instead,
+it would race the others' fallback claims (a steady step's quorum asks the store nothing), and a
+fallback that won would write the step's records into its own folder: in a cluster run not the
+coordinator's (a step was missing from the run's metrics so in ``bench/cluster.py --elastic-pair
+--rtt-ms 0``).
 
 Order in the file: a fallback claimant writes during the next step, before its stage's all-reduce,
 and that all-reduce is what every last stage needs to finish the next step; so a step's records are
