@@ -61,6 +61,7 @@ from meshlearn.elastic.checkpoints import ElasticCheckpoints
 from meshlearn.elastic.evictions import Evictions
 from meshlearn.elastic.links import RowLinks, neighbours, row_peer
 from meshlearn.elastic.membership import WRITER_ENV
+from meshlearn.elastic.progress import ProgressBeacon
 from meshlearn.elastic.quorum import CommitVote, QuorumStep, StageQuorum
 from meshlearn.elastic.records import ElasticRecords
 from meshlearn.elastic.rollback import Rollback
@@ -79,7 +80,8 @@ class ElasticDriver(Evictions, DistDriver):
     ``elastic.worker``. ``generation``: how many processes held this slot before this one."""
 
     def __init__(self, cfg, worker, health, device, comm, quorum: StageQuorum, vote: CommitVote,
-                 rows: RowAgreement, links: RowLinks, progress, requests: Callable[[], int] | None = None):
+                 rows: RowAgreement, links: RowLinks, progress, beacon: ProgressBeacon,
+                 requests: Callable[[], int] | None = None):
         super().__init__(cfg, worker, health, device, comm, None, {})  # links: at the first step trained
         self.quorum = quorum
         self.vote = vote
@@ -89,7 +91,8 @@ class ElasticDriver(Evictions, DistDriver):
         self.agreed: Agreed | None = None  # the coming step's agreement
         self.links = links
         self.generation = links.generation
-        self.progress = progress  # the run store: this worker's last step, for workers.json
+        self.progress = progress  # the run store: membership events, records' claims, checkpoints
+        self.beacon = beacon  # this worker's last step, for workers.json (set off the step's path)
         # writes config.toml, run.json and starts metrics.jsonl: the launcher names it (a resume
         # may not start r0s{P-1}; a joiner never is); the records of each step are written by the
         # process that claims them (``records``), the summary by the last one's
@@ -198,7 +201,7 @@ class ElasticDriver(Evictions, DistDriver):
             self._link_row(link_at, row)
         trains = row is not None and self.linked_at is not None
         reports = super().run_step(step, source) if trains else [self._spectate(step, source)]
-        self.progress.set(f"progress/{self.me}", str(step + 1))
+        self.beacon.report(step + 1)
         return reports
 
     def steady(self) -> bool:
@@ -445,6 +448,7 @@ class ElasticDriver(Evictions, DistDriver):
         vote of every stage."""
         current = self.current
         current.stage_commit = self.quorum.should_commit() and current.mean_ok
+        self.records.before_vote(step + 1)  # its records: the step after step + 1 steps
         committed = self.vote.decide(step, self.me, current.participants, current.stage_commit)
         if self.requests is not None:
             current.vote_rows_requests = self.requests() - self.requests_mark
@@ -505,6 +509,7 @@ class ElasticDriver(Evictions, DistDriver):
         self.batch_index = state["batch_index"]
 
     def close(self) -> None:
+        self.beacon.close(self.deadlines.collective_s)  # its last step before it says it finished
         self.progress.set(f"elastic/finished/{self.me}/{self.generation}", str(self.next_step + 1))
         with contextlib.suppress(RowBroken):  # a partner died after the last step: nothing to deliver
             self.transport.drain(self.deadlines.message_s)
