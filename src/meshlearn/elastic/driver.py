@@ -385,7 +385,8 @@ class ElasticDriver(Evictions, DistDriver):
         return StepReport(step=step, losses=[mean_loss] if mean_loss is not None else [],
                           sim_s=None, bytes_pp=bytes_pp, bytes_dp=bytes_dp + self.round_bytes,
                           grad_norm=sq_norm**0.5, staleness=[],
-                          dp_scores=self.dp_scores if self.current.committed else {})
+                          dp_scores={w: [s] for w, s in self.dp_scores.items()} if self.current.committed
+                          else {})
 
     def _execute_over_quorum(self, action, u: int, run: UpdateRun,
                              counts: list[float]) -> tuple[float, list[float]]:
