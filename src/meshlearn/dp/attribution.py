@@ -21,10 +21,10 @@ microbatch, often the same row in every stage at once: on the tests' tiny model 
 median distance). With a step's score the largest of its updates' (as before), a step was K
 chances of a mark; and 3 marks in 8 updates is a window of 8/K steps that an isolated burst
 fills. Counting 3·K marks in the last 8·K updates keeps the rule's meaning in steps (a window of
-8 steps, 3/8 of its updates marked): on the tests' tiny model, 24 async steps, 5 seeds clean and
-5 with a ×−4 attacker, it reported every attacker and no honest replica, where a step's largest
-score reported 9 honest replicas and 3 marks of the last 8 updates 3 (docs/dp_robust.md,
-"Attribution under async").
+8 steps, 3/8 of its updates marked): on a small model, 24 async steps, 5 seeds clean and 5 with
+a ×−4 attacker, under each of centered clipping and the median, it reported every attacker and
+no honest replica, where a step's largest score reported 29 honest replicas and 3 marks of the
+last 8 updates 16 (``bench/async_attribution.py``, docs/dp_robust.md "Attribution under async").
 
 A report is then a ban request to the trust layer (``TrustLayer.evict``): SENTINEL's ledger rules
 decide it (never a stage assumed honest, ``verify.trusted_ends``; at most a strict minority of a
