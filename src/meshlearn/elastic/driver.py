@@ -127,11 +127,12 @@ class ElasticDriver(Evictions, DistDriver):
         self.checkpoint_membership = ElasticCheckpoints(progress, self.mesh, self.me, lambda: self.rows,
                                                         self.deadlines.collective_s)
         self.round_bytes = 0  # bytes of the coming update's strategy rounds (their all-reduces)
-        self.rule = robust_of(cfg.dp)  # dp.robust: gathered rounds, reduced alike by every member
         self.dp_scores: dict[str, float] = {}  # the stage's outlier scores in the coming update
         if self.dp_axis.strategy is not None:  # a message-based strategy: its rounds are quorum sums
+            # (with dp.robust: gathered, and reduced alike by every member)
             self.dp_axis.strategy.exchange = QuorumExchange(self.me, self.mesh.replicas, self._reduce_round,
-                                                            self._gather_round, self.rule, self._note_scores)
+                                                            self._gather_round, robust_of(cfg.dp),
+                                                            self._note_scores)
         self.setup_verification(cfg)
         # A re-paired row links this worker to any replica of its neighbouring stages: a pacer
         # per such destination, each with its own link model (one per destination, as always).

@@ -84,7 +84,7 @@ class QuorumExchange(Exchange):
         aggregate, scores = reduce_contributions([p[:-1] for p in parts], flags, self.robust)
         if self.on_scores is not None:
             self.on_scores(flags, scores)
-        return aggregate.to(flat.dtype)
+        return aggregate.to(flat.device, flat.dtype)
 
     def receive(self, message: Message) -> Key | None:
         raise RuntimeError(f"worker {self.me}: a dp message from {message.src} in an elastic run, "
