@@ -5,6 +5,8 @@ reported; under torchft's membership the rule is refused in one line."""
 
 from __future__ import annotations
 
+import math
+import signal
 import sys
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 
-from dist_helpers import deadline, kill_leftovers, launch, records, tensors  # noqa: E402
+from dist_helpers import deadline, kill_leftovers, launch, launch_and_signal, records, tensors  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
 from meshlearn.dp.robust import Robust  # noqa: E402
@@ -190,3 +192,22 @@ def test_a_message_strategy_reduces_its_quorum_rounds_robustly(tiny_corpus, tmp_
         for w in WORKERS[1:]:
             theirs = list(tensors(common[w]))
             assert len(theirs) == len(mine) > 0 and all(map(torch.equal, mine, theirs)), w
+
+
+@pytest.mark.slow
+def test_a_member_killed_under_a_robust_rule_leaves_and_two_go_on_unscored(tiny_corpus, tmp_path):
+    """r2s0 SIGKILLed after two committed steps under the median: its stage's gather fails like the
+    sum (the step commits nowhere, its batch is trained again), the two others go on, reduced by
+    the rule over two contributors (their mean), and nobody is scored any more: no majority."""
+    cfg = tiny_config(tiny_corpus, *BASE, "train.steps=8", "train.checkpoint_every=0", "dp.robust=median")
+    run = tmp_path / "run"
+    assert launch_and_signal(cfg, run, "r2s0", signal.SIGKILL, 120) == 0
+    rows = records(run)
+    assert [r["step"] for r in rows] == list(range(1, 9)) and rows[-1]["rows"] == [0, 1]
+    committed = [r for r in rows if r["committed"]]
+    assert len(rows) - len(committed) <= 2 and all(math.isfinite(r["train_loss"]) for r in committed)
+    assert [r["batch"] for r in committed] == list(range(len(committed)))
+    three = [r for r in committed if r["rows"] == [0, 1, 2]]
+    two = [r for r in committed if r["rows"] == [0, 1]]
+    assert three and two and all("dp_score_max" in r for r in three)
+    assert not any("dp_score_max" in r for r in two) and not records(run, "dp_outlier")
