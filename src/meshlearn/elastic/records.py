@@ -27,10 +27,16 @@ and that all-reduce is what every last stage needs to finish the next step; so a
 in the file before any of the next step's. Each record is one ``O_APPEND`` write (``append_record``).
 What is lost: a claimant killed between winning the claim and its append (the preferred writer:
 the step's vote and update; another: one store round trip).
+
+Only a last stage writes: the others' records of a step are the last stage's too (the same step),
+except a DP outlier report (``dp_outlier``, ``dp/attribution.py``): each stage attributes its own
+contributions, so a report of another stage reaches no last stage. Each member of that stage
+hands it to ``witness`` instead (the driver's membership event, in the launcher's workers.json).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -46,11 +52,12 @@ class ElasticRecords:
     run's records); None: the first trained row's."""
 
     def __init__(self, store: dist.Store, mesh: MeshShape, me: WorkerId, rows,
-                 preferred: WorkerId | None = None):
+                 preferred: WorkerId | None = None, witness: Callable[[dict], None] | None = None):
         self.store = store
         self.me = me
         self.rows = rows
         self.preferred = preferred
+        self.witness = witness
         self.eligible = me.stage == mesh.stages - 1  # only a last stage has the losses
         self.path: Path | None = None
         self.held: set[int] = set()  # the steps (done counts) whose records this process writes
@@ -62,6 +69,8 @@ class ElasticRecords:
 
     def write(self, done: int, record: dict) -> None:
         """A record of the step after ``done`` steps."""
+        if not self.eligible and record.get("kind") == "dp_outlier" and self.witness is not None:
+            self.witness(record)
         if not self.eligible or self.path is None or done in self.lost:
             return
         if done in self.held:
