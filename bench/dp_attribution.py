@@ -42,7 +42,7 @@ class ScoreLog(Callback):
         self.steps: list[dict[str, float]] = []
 
     def on_step_end(self, step: int, report) -> StepOutput:
-        self.steps.append({w: json_score(s) for w, s in report.dp_scores.items()})  # ∞ → null
+        self.steps.append({w: json_score(max(s)) for w, s in report.dp_scores.items()})  # ∞ → null
         return StepOutput()
 
 

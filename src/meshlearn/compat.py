@@ -125,6 +125,13 @@ def _unknown_anchor_targets(cfg: Any) -> list[str]:
     return [t for t in anchor_targets(cfg) if t not in spectral]
 
 
+def _elastic_dp_attack(cfg: Any) -> bool:
+    """An attack on the DP axis of an elastic run under the control service's membership, which
+    runs no verifier (docs/dp_robust.md): its attacker corrupts what it gives its stage's reduce
+    in its own process, and a robust rule is what answers it."""
+    return cfg.elastic.enabled and cfg.elastic.membership == "control" and cfg.attack.target == "dp"
+
+
 def _elastic_batch_misfits(cfg: Any) -> list[int]:
     """Row counts k = 1..mesh.replicas whose share of the batch is not whole microbatches."""
     return [k for k in range(1, cfg.mesh.replicas + 1)
@@ -270,9 +277,11 @@ TABLE: tuple[Refusal, ...] = (
             "attack.target",
             lambda c: f"needs mesh.replicas >= 2 for a DP contribution (mesh.replicas = {c.mesh.replicas})",
             ("attack.target=dp", "attack.kind=sign_flip", "attack.workers=r0s1", "mesh.replicas=1")),
-    Refusal((equals("attack.kind", "forge_ids"), differs("codec.name", *INDEX_CODECS)), "attack.kind",
-            lambda c: f"forges index fields, which only codec.name in {list(INDEX_CODECS)} sends "
-            f"(codec.name = {c.codec.name!r})",
+    Refusal((equals("attack.kind", "forge_ids"), differs("codec.name", *INDEX_CODECS),
+             differs("codec.backward.name", *INDEX_CODECS)), "attack.kind",
+            lambda c: f"forges index fields, which only codec.name or codec.backward.name in "
+            f"{list(INDEX_CODECS)} sends (codec.name = {c.codec.name!r}, codec.backward.name = "
+            f"{c.codec.backward.name!r})",
             ("attack.kind=forge_ids", "attack.workers=r0s1")),
     Refusal((ATTACKING, relation("an attack.workers entry outside the mesh",
                                  lambda c: bool(_outside_mesh(c)))),
@@ -307,9 +316,11 @@ TABLE: tuple[Refusal, ...] = (
     Refusal((DIST, BASIS_UPDATES), "subspace_update.every",
             lambda c: "must be 0 with backend = 'dist' (only the simulator runs it so far)",
             ("backend=dist", "model.subspace_rank=8", "subspace_update.every=10")),
-    Refusal((DIST, ATTACKING, differs("verify.name", "sentinel")), "attack.kind",
+    Refusal((DIST, ATTACKING, differs("verify.name", "sentinel"),
+             relation("not (elastic.membership = 'control' and attack.target = 'dp' with elastic.enabled)",
+                      lambda c: not _elastic_dp_attack(c))), "attack.kind",
             lambda c: "needs verify.name = 'sentinel' with backend = 'dist' (unverified attacks run in the "
-            "simulator only)",
+            "simulator only, and on the DP axis of an elastic run with elastic.membership = 'control')",
             ("backend=dist", "attack.kind=sign_flip", "attack.workers=r0s1", "mesh.stages=4")),
     # (also refuses elastic runs with SENTINEL and another strategy: elastic needs backend = dist)
     Refusal((DIST, SENTINEL, differs("dp.name", "allreduce")), "dp.name",
@@ -361,8 +372,10 @@ TABLE: tuple[Refusal, ...] = (
              relation("2·dp.trim ≥ mesh.replicas", lambda c: 2 * c.dp.trim >= c.mesh.replicas)), "dp.trim",
             lambda c: f"2·dp.trim < mesh.replicas = {c.mesh.replicas} (trimmed_mean keeps D − 2·trim values)",
             ("dp.robust=trimmed_mean", "mesh.replicas=4", "dp.trim=2")),
-    Refusal((ROBUST, ELASTIC), "dp.robust",
-            lambda c: "none with elastic.enabled (quorum rounds sum their contributions; not implemented)",
+    Refusal((ROBUST, ELASTIC, TORCHFT), "dp.robust",
+            lambda c: "none with elastic.enabled and elastic.membership = 'torchft' (its quorum rounds are "
+            "sums through torchft's all-reduce, which no member can reduce robustly); use elastic.membership "
+            "= 'control', whose members gather every contribution",
             (*ON_ELASTIC, "mesh.replicas=3", "train.batch_size=48", "dp.robust=median")),
     # --- architecture warm-up (was warmup/settings.py) ---
     Refusal((WARMUP, relation("no block locked per stage", _warmup_locks_none)), "warmup.locked_fraction",

@@ -315,3 +315,30 @@ def test_a_moved_slots_links_are_its_new_holders_only(machines: Machines) -> Non
     thread.join(20)
     assert "alice (host) claims r0s0, which carol runs" in receiver.counters.recent()[0]
     assert got["links"][0].peer.name == "carol" and sent.peer.name == "bob"
+
+
+def test_a_newcomers_port_is_read_anew_at_every_connect(monkeypatch, tiny_corpus: Path) -> None:
+    """A newcomer that rejoins on another ``--address`` is dialed there: ``reach`` asks the control
+    service each time (one store client, made at first use), never a cached port."""
+    from meshlearn.cluster import links as cluster_links
+    from meshlearn.cluster.slots import address_key
+
+    published = {address_key("dora"): b"10.0.0.9:29500"}
+    made: list[tuple] = []
+
+    class Store:
+        def get(self, key: str) -> bytes:
+            return published[key]
+
+    def client(*args):
+        made.append(args)
+        return Store()
+    monkeypatch.setattr(cluster_links, "store_client", client)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29400")
+    _, reach = cluster_links.slot_holders(cluster_config(tiny_corpus, {"alice": 1, "bob": 2},
+                                                         "backend=dist", "elastic.enabled=true"))
+    assert reach("dora") == ("10.0.0.9", 29500)
+    published[address_key("dora")] = b"10.0.0.7:29501"
+    assert reach("dora") == ("10.0.0.7", 29501)
+    assert len(made) == 1

@@ -58,12 +58,14 @@ def _decisions(run) -> list[tuple]:
                   for r in rows)
 
 
-def _both(wan, tiny_corpus, tmp_path, sets: tuple[str, ...], placed: dict[str, tuple[str, ...]]):
-    """The keyed cluster run of ``sets`` placed as ``placed`` and the simulator's run of the same
-    config (the losses compared): the coordinator's folder, bob's folder, the simulator's folder."""
+def _both(wan, tiny_corpus, tmp_path, sets: tuple[str, ...], placed: dict[str, tuple[str, ...]],
+          trusted: tuple[str, ...] = ()):
+    """The keyed cluster run of ``sets`` placed as ``placed`` (the hosts ``trusted`` marked so) and
+    the simulator's run of the same config (the losses compared): the coordinator's folder, bob's
+    folder, the simulator's folder."""
     cfg = tiny_config(tiny_corpus, *sets, f"link.latency_ms={DELAY_MS}", "dist.shaping=none",
                       "dist.threads=1", "dist.init_timeout_s=90", "dist.timeout_s=30")
-    hosts = {name: HostConfig(address, 29561, placed[name])
+    hosts = {name: HostConfig(address, 29561, placed[name], trusted=name in trusted)
              for name, address in zip(HOSTS, wan.addresses, strict=True)}
     keys = issue_keys(tmp_path, HOSTS)
     for host in HOSTS:
@@ -88,10 +90,12 @@ def _both(wan, tiny_corpus, tmp_path, sets: tuple[str, ...], placed: dict[str, t
 
 @pytest.mark.slow  # about 30 s on 2 cores: nine workers and a verifier across two namespaces
 def test_a_verifier_on_another_machine_bans_as_the_simulator_does(wan, tiny_corpus, tmp_path):
-    # Every stage on both machines, the attacker (r1s1) on the coordinator, the verifier on bob.
+    # Every stage on both machines, the attacker (r1s1) on the coordinator, the verifier on bob,
+    # which the run's owner marks trusted (a verifier bans and evicts: only the coordinator or a
+    # trusted host may hold it, a compat row).
     placed = {"alice": ("r0s0", "r1s1", "r2s2", "r0s2"),
               "bob": ("r0s1", "r1s0", "r1s2", "r2s0", "r2s1", "verifier")}
-    alice, _, sim = _both(wan, tiny_corpus, tmp_path, SENTINEL, placed)
+    alice, _, sim = _both(wan, tiny_corpus, tmp_path, SENTINEL, placed, trusted=("bob",))
     assert _decisions(alice) == _decisions(sim)  # the verdicts crossed to the records writer
 
     def bans(run) -> list[tuple]:

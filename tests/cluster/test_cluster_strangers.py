@@ -10,7 +10,6 @@ Needs root, ``ip``/``tc`` and /dev/net/tun; skipped with the reason otherwise.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -22,28 +21,25 @@ from pathlib import Path
 
 import pytest
 from cluster_run import finish, issue_keys, logs, start
-from netns import Wan, missing, stranger, wan_link
+from netns import Wan, missing, stranger
 from tiny import tiny_config
+from two_hosts import DELAY_MS, HOSTS, PLACED, placed, two_machines
 
 import meshlearn
-from meshlearn.cluster.settings import ClusterConfig, HostConfig
 from meshlearn.config import save_config
 from meshlearn.jsonl import read_records
 from meshlearn.train import Trainer
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
 
-DELAY_MS = 5
 PORT = 29547
-HOSTS = ("alice", "bob")
-PLACED = {"alice": ("r0s0", "r1s1"), "bob": ("r0s1", "r1s0")}
 STEPS = 120
 STRANGER = Path(__file__).parent / "stranger.py"
 
 
 @pytest.fixture
 def wan():
-    with wan_link(DELAY_MS, "100mbit", subnet="10.231.11") as link:
+    with two_machines("10.231.11") as link:
         yield link
 
 
@@ -71,13 +67,10 @@ def test_strangers_cannot_stop_or_slow_a_keyed_cluster_run(wan, tiny_corpus, tmp
     cfg = tiny_config(tiny_corpus, "mesh.stages=2", "mesh.replicas=2", f"train.steps={STEPS}",
                       f"link.latency_ms={DELAY_MS}", "dist.shaping=none", "dist.threads=1",
                       "dist.init_timeout_s=90", "dist.timeout_s=30")
-    hosts = {name: HostConfig(address, PORT, PLACED[name])
-             for name, address in zip(HOSTS, wan.addresses, strict=True)}
-    placed = dataclasses.replace(cfg, cluster=ClusterConfig("alice", hosts))
     keys = issue_keys(tmp_path, HOSTS)
     for host in HOSTS:
         shutil.copy(tiny_corpus, tmp_path / host / "corpus.txt")
-        save_config(placed, tmp_path / host / "run.toml")
+        save_config(placed(cfg, wan, PORT), tmp_path / host / "run.toml")
     args = {h: ["--backend", "dist", "--config", "run.toml", "--out", "runs/x", "--set",
                 "data.corpus=corpus.txt", "--key", str(keys[h])] for h in HOSTS}
     ports = [f"{address}:{PORT}" for address in wan.addresses]

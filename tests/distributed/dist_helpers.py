@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import torch
+
 from meshlearn.config import RunConfig, load_config, save_config
 from meshlearn.entry.launch import WORKERS_FILE, launch_local
 from meshlearn.jsonl import read_records
@@ -137,3 +139,15 @@ def gloo_receiver_exit_code(target: Callable[[int, int], None], receiver: int) -
         proc.kill()
         proc.join()
     return procs[receiver].exitcode
+
+
+def tensors(state) -> Iterator:
+    """Every tensor of a nested state (dicts, lists, tuples), in order."""
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from tensors(value)
+    elif isinstance(state, list | tuple):
+        for value in state:
+            yield from tensors(value)

@@ -113,3 +113,17 @@ def test_dist_scores_a_message_strategys_rounds_as_the_simulator_does(tiny_corpu
     assert all(isinstance(r.get("dp_score_max"), float) for r in sim) and len(sim) == 4
     assert [r["dp_score_max"] for r in dist] == [r["dp_score_max"] for r in sim]
     assert max(abs(x["train_loss"] - y["train_loss"]) for x, y in zip(sim, dist, strict=True)) <= 1e-5
+
+
+def test_dist_scores_every_async_update_as_the_simulator_does(tiny_corpus, tmp_path):
+    """Under ``async`` a step has M / update_every updates (2 here), each scored: the rows carry
+    every update's score (M slots), gathered at the drain points, so dist's ledger sees the
+    simulator's scores and counts as many."""
+    cfg = tiny_config(tiny_corpus, *MESH, "mesh.stages=2", "model.n_layer=2", "mesh.schedule=async",
+                      "train.steps=4", "dp.robust=median", "dist.trusted_links=false")
+    sim_and_dist(cfg, tmp_path, "the async scored dist run")
+    sim, dist = records(tmp_path / "sim"), records(tmp_path / "dist")
+    assert all(isinstance(r.get("dp_score_max"), float) for r in sim) and len(sim) == 4
+    assert [r["dp_score_max"] for r in dist] == [r["dp_score_max"] for r in sim]
+    summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in ("sim", "dist")]
+    assert summaries[0]["dp_scored"] == summaries[1]["dp_scored"] == 4 * 6 * 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny import tiny_config
 
-from meshlearn.dp.attribution import COUNT, WINDOW, OutlierLedger
+from meshlearn.dp.attribution import COUNT, WINDOW, AttributionCallback, OutlierLedger
 from meshlearn.dp.robust import Robust, outlier_scores
 from meshlearn.errors import ConfigError
 from meshlearn.report.progress import ProgressLine
@@ -58,7 +58,7 @@ def test_count_marks_within_the_window_report_once():
     records = []
     for step in range(12):
         # r1s1 marked at every other step; r2s1 once only
-        scores = {"r0s1": 1.0, "r1s1": 9.0 if step % 2 == 0 else 1.0, "r2s1": 5.0 if step == 3 else 1.0}
+        scores = {"r0s1": [1.0], "r1s1": [9.0 if step % 2 == 0 else 1.0], "r2s1": [5.0 if step == 3 else 1.0]}
         records += ledger.observe(step, scores)
     assert [(r["worker"], r["step"], r["count"]) for r in records] == [("r1s1", 5, COUNT)]
     assert records[0]["stage"] == 1 and records[0]["score"] == 9.0
@@ -69,7 +69,7 @@ def test_marks_older_than_the_window_do_not_count():
     ledger = OutlierLedger(threshold=3.0)
     records = []
     for step in range(4 * WINDOW):  # one mark per WINDOW steps: never COUNT of them within one window
-        records += ledger.observe(step, {"r1s1": 9.0 if step % WINDOW == 0 else 1.0})
+        records += ledger.observe(step, {"r1s1": [9.0 if step % WINDOW == 0 else 1.0]})
     assert records == [] and ledger.marks == {"r1s1": 4}
 
 
@@ -129,8 +129,58 @@ def test_a_resumed_run_reports_as_an_uninterrupted_one(tiny_corpus, tmp_path):
         assert whole_summary[key] == split_summary[key], key
 
 
-def test_attribution_is_off_under_the_async_schedule(tiny_corpus, tmp_path):
-    """Not calibrated there (``attribution_plugin``): no field, no record, no summary key."""
-    records, summary = train(tiny_corpus, tmp_path, "async", "mesh.schedule=async", *ATTACK)
-    assert "dp_outliers" not in summary and not any(r["kind"] == "dp_outlier" for r in records)
-    assert not any("dp_score_max" in r for r in records)
+ASYNC = ["mesh.schedule=async", "dp.robust=centered_clip"]  # M = 2, update_every = 1: 2 updates a step
+
+
+def test_attribution_counts_marks_per_update_under_the_async_schedule(tiny_corpus, tmp_path):
+    """Calibrated per update: a clean async run reports nobody; an attacked one (×−4 from step 2)
+    reports the attacker at its sixth attacked update (2·COUNT marks: 2 updates a step), in step
+    4, nobody else; every update is scored (2 per step)."""
+    clean, clean_summary = train(tiny_corpus, tmp_path, "async_clean", *ASYNC)
+    hit, hit_summary = train(tiny_corpus, tmp_path, "async_hit", *ASYNC, *ATTACK)
+    assert not any(r["kind"] == "dp_outlier" for r in clean) and clean_summary["dp_outlier_reports"] == {}
+    assert clean_summary["dp_scored"] == 8 * 12 * 2
+    assert all("dp_score_max" in r for r in clean if r["kind"] == "train")
+    reports = [r for r in hit if r["kind"] == "dp_outlier"]
+    assert [(r["worker"], r["step"], r["count"], r["evicted"]) for r in reports] == [
+        ("r1s1", 4, 2 * COUNT, False)]
+    assert hit_summary["dp_outlier_reports"] == {"r1s1": 4}
+
+
+def test_marks_are_counted_per_update_in_a_window_of_steps():
+    """Two updates a step (``per_step = 2``: 2·COUNT marks in the last 2·WINDOW updates): an honest
+    burst, a spike in one update of each of 3 steps, reports nobody — a step's largest score (3
+    marked steps of 3) or COUNT marks in WINDOW updates would report it; a replica marked in every
+    update is reported at its sixth, in the third step."""
+    def scores(step):
+        return {"r0s1": [1.0, 1.0], "r1s1": [9.0, 9.0], "r2s1": [9.0 if step < 3 else 1.0, 1.0]}
+    calibrated, per_update, per_step = OutlierLedger(3.0, per_step=2), OutlierLedger(3.0), OutlierLedger(3.0)
+    records = []
+    for step in range(8):
+        records += calibrated.observe(step, scores(step))
+        per_update.observe(step, scores(step))
+        per_step.observe(step, {w: [max(s)] for w, s in scores(step).items()})
+    assert [(r["worker"], r["step"], r["count"]) for r in records] == [("r1s1", 3, 2 * COUNT)]
+    assert calibrated.marks == {"r1s1": 16, "r2s1": 3} and calibrated.scored == 8 * 3 * 2
+    assert "r2s1" in per_update.reported and "r2s1" in per_step.reported
+
+
+@pytest.mark.slow
+def test_a_longer_clean_async_run_reports_nobody_where_a_step_s_largest_score_would(tiny_corpus, tmp_path,
+                                                                                     monkeypatch):
+    """24 clean async steps (seed 0, centered clipping): the run, counting per update, reports
+    nobody; the same scores counted per step (a step's largest) report two honest replicas, the
+    uncalibrated rule this replaced."""
+    seen: list[dict[str, list[float]]] = []
+    on_step_end = AttributionCallback.on_step_end
+
+    def keep(self, step, report):
+        seen.append(report.dp_scores)
+        return on_step_end(self, step, report)
+    monkeypatch.setattr(AttributionCallback, "on_step_end", keep)
+    records, summary = train(tiny_corpus, tmp_path, "long", *ASYNC, "train.steps=24", "seed=0")
+    assert not any(r["kind"] == "dp_outlier" for r in records) and summary["dp_scored"] == 24 * 12 * 2
+    per_step = OutlierLedger(threshold=3.0)
+    for step, scores in enumerate(seen):
+        per_step.observe(step, {w: [max(s)] for w, s in scores.items()})
+    assert per_step.reported == {"r2s0": 12, "r2s1": 12}

@@ -139,7 +139,7 @@ def test_sentinel_bans_and_dp_evictions_share_one_budget(tiny_corpus, tmp_path):
 def test_a_non_finite_score_is_written_as_null_and_shown():
     """∞ (a NaN contribution) has no JSON spelling: ``Infinity`` would break every strict reader."""
     ledger = OutlierLedger(threshold=3.0)
-    records = [r for step in range(3) for r in ledger.observe(step, {"r1s1": float("inf"), "r0s1": 1.0})]
+    records = [r for step in range(3) for r in ledger.observe(step, {"r1s1": [float("inf")], "r0s1": [1.0]})]
     assert [r["score"] for r in records] == [None]
     json.dumps(records, allow_nan=False)
     out = io.StringIO()
@@ -152,5 +152,5 @@ def test_a_non_finite_score_is_written_as_null_and_shown():
 
 def test_the_donor_is_the_replica_least_marked():
     ledger = OutlierLedger(threshold=3.0)
-    ledger.observe(0, {"r0s1": 5.0, "r1s1": 9.0, "r2s1": 1.0, "r3s1": 1.0})
+    ledger.observe(0, {"r0s1": [5.0], "r1s1": [9.0], "r2s1": [1.0], "r3s1": [1.0]})
     assert ledger.donor("r1s1", ["r0s1", "r1s1", "r2s1", "r3s1"]) == "r2s1"

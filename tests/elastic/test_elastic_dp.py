@@ -19,6 +19,7 @@ from dist_helpers import (  # noqa: E402
     launch_and_signal,
     launch_fixed_and_elastic,
     records,
+    tensors,
 )
 from tiny import tiny_config  # noqa: E402
 
@@ -68,20 +69,8 @@ def test_elastic_strategy_with_fixed_membership_equals_the_fixed_driver(tiny_cor
         x, y = _shard(runs["fixed"], steps, name), _shard(runs["elastic"], steps, name)
         for key, tensor in x["module"].items():
             assert torch.equal(tensor, y["module"][key]), (name, key)
-        a, b = list(_tensors(x["dp"])), list(_tensors(y["dp"]))
+        a, b = list(tensors(x["dp"])), list(tensors(y["dp"]))
         assert len(a) == len(b) > 0 and all(torch.equal(u, v) for u, v in zip(a, b, strict=True)), name
-
-
-def _tensors(state):
-    """Every tensor of a nested state, in order."""
-    if isinstance(state, torch.Tensor):
-        yield state
-    elif isinstance(state, dict):
-        for value in state.values():
-            yield from _tensors(value)
-    elif isinstance(state, list | tuple):
-        for value in state:
-            yield from _tensors(value)
 
 
 @pytest.mark.parametrize("strategy", ["diloco", "powersgd", "sparse"])

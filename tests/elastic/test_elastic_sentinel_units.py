@@ -110,10 +110,14 @@ def test_the_fixed_drivers_truth_exchange_skips_attackers_evicted_before_the_ste
 
     driver = Driver()
     driver.evicted = {WorkerId(1, 1): 5}
+    driver.verdicts = object()  # a verifier's board (``setup_verification``'s with SENTINEL)
     attackers = [WorkerId(1, 1), WorkerId(2, 1)]
     driver.exchange_truth(5, {}, attackers)  # its last step: it sent its truth of it
     driver.exchange_truth(6, {}, attackers)  # gone
     assert seen == [attackers, [WorkerId(2, 1)]]
+    driver.verdicts = None  # no verifier (a DP attack under control membership): nothing crosses
+    assert driver.exchange_truth(7, {WorkerId(2, 1): {1}}, attackers) == {WorkerId(2, 1): {1}}
+    assert len(seen) == 2
 
 
 def test_a_banned_identity_is_refused_in_one_line_and_a_new_generation_is_not():

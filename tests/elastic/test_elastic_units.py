@@ -205,6 +205,28 @@ def test_each_steps_records_are_written_once_and_follow_the_live_rows(tmp_path):
     assert r1.holds(3) and not r0.holds(3) and not first.holds(1)
 
 
+def test_the_preferred_writer_claims_before_its_vote_so_a_fast_fallback_loses(tmp_path):
+    """A cluster run's preferred writer (r0s1, on the coordinator) claims step 1's records before its
+    verdict; r1s1, whose vote has then ended, reaches step 2's quorum before r0s1 has written a
+    record of step 1: its fallback claim loses, and the records are r0s1's, in r0s1's folder."""
+    store = BoundStore("127.0.0.1", 10).store
+    rows = ((0, 0), (1, 1))
+    r0, r1 = (ElasticRecords(store, MeshShape(2, 2), w, lambda: rows, preferred=WorkerId(0, 1))
+              for w in (WorkerId(0, 1), WorkerId(1, 1)))
+    r0.attach(tmp_path / "coordinator.jsonl")
+    r1.attach(tmp_path / "other.jsonl")
+    r1.before_vote(1)  # not the preferred writer: claims nothing here
+    r0.before_vote(1)
+    r1.write(1, {"kind": "train", "step": 1, "by": "r1s1"})
+    r1.after_quorum(1)
+    r0.write(1, {"kind": "train", "step": 1, "by": "r0s1"})
+    r0.write(1, {"kind": "eval", "step": 1, "by": "r0s1"})
+    assert [(r["kind"], r["by"]) for r in read_records(tmp_path / "coordinator.jsonl")] == [
+        ("train", "r0s1"), ("eval", "r0s1")]
+    assert not (tmp_path / "other.jsonl").exists()
+    assert r0.holds(1) and not r1.holds(1)
+
+
 def test_a_row_partners_death_breaks_the_row_and_the_worker_stays(monkeypatch):
     """Elastic: the monitor finds a row partner silent: ``RowBroken`` at the main thread's next
     check, no forced exit, and this worker's own heartbeat goes on (it stays in its stage's

@@ -15,7 +15,7 @@ from meshlearn.config import load_config
 from meshlearn.entry.cli import main
 from meshlearn.plan.cost import simulate
 from meshlearn.plan.mask import mask_wire_values
-from meshlearn.plan.methods import replace
+from meshlearn.plan.methods import given_label, replace
 from meshlearn.plan.steady import horizon, predict, segment_lengths
 from meshlearn.train import Trainer
 
@@ -77,6 +77,13 @@ def test_extrapolation_equals_the_whole_run(extra):
     _, whole = simulate(cfg, 36)
     assert not prediction.whole_run and prediction.steps_simulated < 36
     assert prediction.tokens_per_s == pytest.approx(whole.tokens_per_s, rel=0.01)
+
+
+def test_the_given_row_names_the_gradients_own_codec():
+    plain = load_config(DEMO, ["codec.name=int8"])
+    masked = load_config(DEMO, ["codec.name=int8", "codec.backward.name=mask", "codec.backward.keep=0.05"])
+    assert given_label(plain) == "as given: dense int8 · 1f1b · allreduce"
+    assert given_label(masked) == "as given: dense int8 / backward mask keep=0.05 · 1f1b · allreduce"
 
 
 def test_segments_and_horizon():

@@ -35,6 +35,35 @@ def test_processes_agree_on_the_highest_claimed_step():
     assert not a.observe(3, 9) and a.stop_after == 3  # latched once
 
 
+class CountingStore(LocalStore):
+    """A LocalStore that counts its requests (each a round trip to a remote store)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests = 0
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        self.requests += 1
+        return super().compare_set(key, expected, desired)
+
+
+def test_claiming_the_next_step_at_each_steps_end_is_one_request():
+    """Two processes of a flushing run claim step t + 1 at step t's end, in either order: one
+    request each (a swap that expects the value it saw last), not a read and then a swap."""
+    store = CountingStore()
+    a, b = GracefulStop(store), GracefulStop(store)
+    assert not a.observe(0, 0) and not b.observe(0, 0)
+    for t in range(6):
+        first, second = (a, b) if t % 2 else (b, a)
+        before = store.requests
+        assert not first.observe(t, t + 1) and not second.observe(t, t + 1)
+        assert store.requests - before == 2
+        assert a.claimed == b.claimed == t + 1
+    b.request()
+    assert b.observe(6, 6) and a.observe(6, 6)  # the stop lands after the highest claimed step
+    assert a.stop_after == b.stop_after == 6
+
+
 def test_a_process_that_claimed_the_next_step_moves_the_stop_there():
     """The dist race of a flushing schedule: b finished step 4 and claimed step 5 before a, which
     got the signal during step 4, asked; the stop is after 5, and a learns nothing is lost."""

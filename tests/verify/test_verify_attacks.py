@@ -97,7 +97,8 @@ def test_mixed_switches_among_its_attacks():
     ("attack.ramp_steps=-2", "attack.ramp_steps = -2: must be >= 0"),
     ("attack.kind=adaptive attack.ramp_steps=5", "attack.ramp_steps = 5: 0 for attack.kind = 'adaptive'"),
     ("attack.kind=forge_stale attack.ramp_steps=5", "0 for attack.kind = 'forge_stale'"),
-    ("attack.kind=forge_ids", "attack.kind = 'forge_ids': forges index fields, which only codec.name in"),
+    ("attack.kind=forge_ids", "attack.kind = 'forge_ids': forges index fields, which only codec.name or "
+                              "codec.backward.name in"),
     ("attack.mixed_kinds=zeros,forge_shape", "attack.mixed_kinds"),
     ("attack.oversize_factor=0", "attack.oversize_factor = 0.0: must be > 0"),
     ("verify.name=paranoid", "allowed: ['none', 'sentinel']"),
@@ -114,6 +115,11 @@ def test_bad_attack_and_verify_settings_fail_before_training(override, hint):
 def test_attackers_may_sit_on_ends_the_threat_model_verifies(overrides):
     cfg = load_config(DEMO, ["attack.kind=zeros", "attack.workers=r0s0,r1s3", *overrides])
     assert cfg.attack.workers == "r0s0,r1s3"
+
+
+def test_forge_ids_is_allowed_where_only_the_gradients_carry_indices():
+    cfg = load_config(DEMO, ["attack.kind=forge_ids", "attack.workers=r0s1", "codec.backward.name=topk"])
+    assert (cfg.codec.name, cfg.codec.backward.name) == ("identity", "topk")
 
 
 def test_attack_workers_parse_from_the_command_line():

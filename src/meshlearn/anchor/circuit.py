@@ -1,112 +1,58 @@
-"""The anchor circuit in the simulator: clean gradients on stale weights, on resources of its own.
+"""The anchor circuit in the simulator: Z × P anchor stage actors hosted as simulated processes.
 
-An anchor replica z holds the same P stages as a fast replica. A pass (``AnchorCircuit.run_pass``)
-is handed the weights of some step t and the ids of step t's batch (replica 0's share, as the fast
-circuit cut it into microbatches). The weights are either the ones every fast replica agrees on
-(``anchor.weights = outer``: the anchor has followed them by listening, fast replica 0 relaying
-the reduced result of each DP round of its stage, ``listen``, so only the ids travel at the
-hand-off) or fast replica 0's
-current ones, one snapshot per stage sent from its stage s over the anchor's own link
-(``snapshot``). It runs a GPipe forward/backward through its stages with nothing masked: each
-boundary carries the whole activation (and the whole gradient back) in ``anchor.wire_dtype``. It
-takes no optimizer step: its output is the gradient of the mean loss w.r.t. the targeted matrices
-of every stage ("geometry, not an update"). Each anchor stage sends every fast replica of its stage
-either those gradients (``anchor.send = gradients``) or, from the EMA it keeps of them, the top-r
-factors of its thin SVD (``factors``, anchor/factors.py).
+An anchor replica z holds the same P stages as a fast replica, each an ``AnchorStageActor``
+(anchor/actor.py: the protocol and its arithmetic, written once for every runtime). A pass
+(``AnchorCircuit.run_pass``) is handed the weights of some step t and the ids of step t's batch
+(replica 0's share, as the fast circuit cut it into microbatches). The weights are either the ones
+every fast replica agrees on (``anchor.weights = outer``: the anchor has followed them by
+listening, fast replica 0 relaying the reduced result of each DP round of its stage, ``listen``,
+so only the ids travel at the hand-off) or fast replica 0's current ones, one snapshot per stage
+sent from its stage s over the anchor's own link in ``anchor.wire_dtype`` (``snapshot``).
 
-The arithmetic is real (``anchor_gradients``); time is virtual. Compute is charged by the run's
-compute model on the anchor stage's own clock, messages on the anchor's own links (anchor stage
-s → s ± 1, fast (0, s) → anchor (z, s) for the hand-off and the listening, anchor (z, s) → fast
-(r, s) for the shares), so nothing here touches a fast worker's clock or link: with a queue per
-link (``links.access = off``) the fast circuit is never delayed. With one uplink per participant
-(``links.access = uplink``: ``uplink`` is the network's) every link leaves its sender's uplink,
-so fast (0, s)'s hand-off and relay wait behind, and delay, its own PP and DP sends, and each
-anchor stage's sends share the anchor stage's uplink. Bytes are counted here, apart from the run's
-``bytes_pp`` and ``bytes_dp``.
+This module is the actors' host, and the virtual time is its own: it delivers each event when its
+link has delivered it, in the order the actor awaits them; an actor's ``Compute`` is charged by the
+run's compute model on that anchor stage's own clock, its ``Send`` and ``Share`` on the anchor's own
+links (anchor stage s → s ± 1, fast (0, s) → anchor (z, s) for the hand-off and the listening,
+anchor (z, s) → fast (r, s) for the shares), so nothing here touches a fast worker's clock or link:
+with a queue per link (``links.access = off``) the fast circuit is never delayed. With one uplink
+per participant (``links.access = uplink``: ``uplink`` is the network's) every link leaves its
+sender's uplink, so fast (0, s)'s hand-off and relay wait behind, and delay, its own PP and DP
+sends, and each anchor stage's sends share the anchor stage's uplink. Bytes are counted here,
+apart from the run's ``bytes_pp`` and ``bytes_dp``. A pass runs to its end at its hand-off: its
+arrival times lie ahead, and the plugin folds each share in once a worker's clock has reached it.
 
-``CostAnchorCircuit`` is the same circuit without the arithmetic (the planner's cost-only runs).
+``CostAnchorCircuit`` is the same circuit with the actors' ``ShapeMath`` (the planner's cost-only
+runs).
 """
 
 from __future__ import annotations
 
 import copy
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
-from meshlearn.anchor.factors import AnchorEMA, basis_on_wire, factor_bytes
-from meshlearn.mesh.compute import ComputeModel, stage_shape
+from meshlearn.anchor.actor import (
+    WIRE,
+    Action,
+    AnchorStageActor,
+    Compute,
+    Event,
+    HandOff,
+    RealMath,
+    Send,
+    ShapeMath,
+    StageMath,
+    decode_share,
+)
+from meshlearn.anchor.factors import AnchorEMA
+from meshlearn.mesh.compute import ComputeModel
 from meshlearn.mesh.network import Link, LinkProfile, Uplink
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.models.llama import Decoder
 from meshlearn.optim.spectral import AnchorBasis
-
-WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def on_wire(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x`` as the receiver holds it after a trip in ``dtype`` (fp32 again, rounded if narrower)."""
-    return x.detach().to(dtype).to(torch.float32)
-
-
-@dataclass
-class PassCompute:
-    """What a pass computed: per stage the targeted gradients, and the measured seconds of each
-    microbatch's forward and backward (the compute model's ``measured`` mode uses them)."""
-
-    grads: list[dict[str, Tensor]]
-    forward_s: list[list[float]]  # [stage][microbatch]
-    backward_s: list[list[float]]
-    boundary_numel: list[int]  # elements of each microbatch's activation at a boundary
-
-
-def anchor_gradients(modules: list[Decoder], batches: list[tuple[Tensor, Tensor]],
-                     targets: list[list[str]], wire: torch.dtype) -> PassCompute:
-    """The unmasked gradient of the mean loss over ``batches`` (equal-sized microbatches, as the fast
-    circuit cuts them) w.r.t. each stage's ``targets``, the stages chained like a pipeline: every
-    boundary tensor, forward and backward, goes through ``on_wire``. With an fp32 wire it is the
-    unsplit model's gradient on the concatenated batch."""
-    for module in modules:
-        module.zero_grad(set_to_none=True)
-    stages = len(modules)
-    forward_s = [[] for _ in modules]
-    backward_s = [[] for _ in modules]
-    numel = []
-    for x, y in batches:
-        inputs, outputs = [], []
-        h = x
-        for s, module in enumerate(modules):
-            if s > 0:
-                h = on_wire(h, wire).requires_grad_(True)
-            inputs.append(h)
-            started = time.perf_counter()
-            out = module(h)
-            forward_s[s].append(time.perf_counter() - started)
-            outputs.append(out)
-            h = out
-        numel.append(outputs[0].numel() if stages > 1 else 0)
-        loss = Decoder.loss(outputs[-1], y) / len(batches)  # the mean over the microbatches
-        grad = None
-        for s in reversed(range(stages)):
-            started = time.perf_counter()
-            if s == stages - 1:
-                loss.backward()
-            else:
-                outputs[s].backward(grad)
-            backward_s[s].append(time.perf_counter() - started)
-            if s > 0:
-                grad = on_wire(inputs[s].grad, wire)
-    grads = []
-    for module, names in zip(modules, targets, strict=True):
-        params = dict(module.named_parameters())
-        grads.append({n: params[n].grad.detach().clone() for n in names if params[n].grad is not None})
-    for module in modules:
-        module.zero_grad(set_to_none=True)
-    return PassCompute(grads, forward_s, backward_s, numel)
 
 
 @dataclass
@@ -137,11 +83,12 @@ class AnchorBytes:
 
 @dataclass
 class AnchorCircuit:
-    """Z anchor replicas × P stages on their own clocks and links; see the module docstring.
+    """Z anchor replicas × P stage actors on their own clocks and links; see the module docstring.
 
     ``modules``: one stage module per stage, copied (the anchor never shares a fast worker's
-    tensors); ``targets``: per stage, the names of the matrices whose gradients it sends;
-    ``replicas``: D, the fast replicas each stage sends to.
+    tensors; the Z actors of a stage share the copy, a pass running to its end before the next);
+    ``targets``: per stage, the names of the matrices whose gradients it sends; ``replicas``: D,
+    the fast replicas each stage sends to.
     """
 
     modules: list[Decoder]
@@ -157,7 +104,7 @@ class AnchorCircuit:
     beta: float = 0.95
     weights: str = "outer"
     uplink: Callable[[WorkerId], Uplink | None] | None = None  # a sender's access link, if shared
-    ema: dict[WorkerId, AnchorEMA] = field(default_factory=dict)  # per anchor stage (send = factors)
+    actors: dict[WorkerId, AnchorStageActor] = field(default_factory=dict)
     clock: dict[WorkerId, float] = field(default_factory=dict)  # when each anchor stage is free
     busy_s: dict[WorkerId, float] = field(default_factory=dict)
     links: dict[tuple[WorkerId, WorkerId], Link] = field(default_factory=dict)
@@ -168,14 +115,26 @@ class AnchorCircuit:
     def __post_init__(self) -> None:
         self.modules = [copy.deepcopy(m) for m in self.modules]
         for z in range(self.anchors):
-            for s in range(len(self.modules)):
-                self.clock.setdefault(self.anchor_id(z, s), 0.0)
-                self.busy_s.setdefault(self.anchor_id(z, s), 0.0)
-                self.ema.setdefault(self.anchor_id(z, s), AnchorEMA(self.beta, self.rank))
+            for s in range(self.stages):
+                me = self.anchor_id(z, s)
+                self.clock.setdefault(me, 0.0)
+                self.busy_s.setdefault(me, 0.0)
+                ema = AnchorEMA(self.beta, self.rank) if self.send == "factors" else None
+                self.actors[me] = AnchorStageActor(me, self.stages, self.replicas, self._math(s),
+                                                   WIRE[self.wire], ema)
+
+    def _math(self, stage: int) -> StageMath:
+        """The actors' arithmetic: autograd on the stage's module."""
+        return RealMath(self.modules[stage], self.targets[stage], stage, self.stages)
 
     @property
     def stages(self) -> int:
         return len(self.modules)
+
+    @property
+    def ema(self) -> dict[WorkerId, AnchorEMA]:
+        """Each anchor stage's own EMA (``send = factors``)."""
+        return {me: actor.ema for me, actor in self.actors.items() if actor.ema is not None}
 
     def anchor_id(self, z: int, stage: int) -> WorkerId:
         """Anchor replica z's stage, numbered after the D fast replicas (they share no id)."""
@@ -188,20 +147,6 @@ class AnchorCircuit:
                                    random.Random(f"{self.seed}:anchor:{src}->{dst}"),
                                    uplink=self.uplink(src) if self.uplink else None)
         return self.links[key]
-
-    @torch.no_grad()
-    def _load(self, weights: list[dict[str, Tensor]], dtype: torch.dtype) -> list[int]:
-        """Put the weights into the anchor's stages; their bytes on the hand-off link per stage.
-        A snapshot arrives rounded to the wire dtype; the outer weights the anchor follows itself
-        (exactly: it applies the same update as the replicas), and nothing travels."""
-        snapshot = self.weights == "snapshot"
-        sizes = []
-        for module, state in zip(self.modules, weights, strict=True):
-            params = dict(module.named_parameters())
-            for name, value in state.items():
-                params[name].copy_(on_wire(value, dtype) if snapshot else value)
-            sizes.append(sum(v.numel() for v in state.values()) * dtype.itemsize if snapshot else 0)
-        return sizes
 
     def listen(self, sent_at: list[float], nbytes: list[int]) -> None:
         """``weights = outer``: per stage s, ``nbytes[s]`` (the reduced result of fast (0, s)'s DP
@@ -220,78 +165,68 @@ class AnchorCircuit:
         fast (0, s) at virtual time ``sent_at[s]``) and step ``step``'s ``batches``."""
         z, self.turn = self.turn, (self.turn + 1) % self.anchors
         self.passes += 1
-        dtype = WIRE[self.wire]
-        P, M = self.stages, len(batches)
-        me = [self.anchor_id(z, s) for s in range(P)]
+        dtype, P = WIRE[self.wire], self.stages
+        snapshot = self.weights == "snapshot"  # outer: the anchor follows them itself, exactly
         ids_bytes = 8 * sum(x.shape[0] for x, _ in batches)  # one offset per sequence, not its tokens
-        free = []
-        for s, nbytes in enumerate(self._load(weights, dtype)):
+        inbox: dict[WorkerId, list[tuple[Event, float]]] = {}
+        for s, state in enumerate(weights):
+            me = self.anchor_id(z, s)
+            handed = {n: v.detach().to(dtype) for n, v in state.items()} if snapshot else state
+            nbytes = sum(v.numel() for v in handed.values()) * dtype.itemsize if snapshot else 0
             nbytes += ids_bytes if s in (0, P - 1) else 0
             self.bytes.snapshot += nbytes
-            link = self.link(WorkerId(0, s), me[s])
+            link = self.link(WorkerId(0, s), me)
             # Nothing to send (outer weights, a middle stage): ready once the listening is in.
             ready = link.transmit(sent_at[s], nbytes) if nbytes else link.last_arrival
-            free.append(max(self.clock[me[s]], ready))
-        done = self._compute(batches, dtype)
-        shapes = [stage_shape(m) for m in self.modules]
-        micro = batches[0][0].shape[0]
-
-        def run(s: int, kind: str, m: int, ready: float) -> float:
-            measured = (done.forward_s if kind == "F" else done.backward_s)[s][m]
-            seconds = self.compute.compute_s(shapes[s], kind, micro, measured)
-            start = max(free[s], ready)
-            free[s] = start + seconds
-            self.busy_s[me[s]] += seconds
-            return free[s]
-
-        # GPipe: every forward, then every backward; a stage's work is served in order.
-        act = [[0.0] * M for _ in range(P)]
-        for m in range(M):
-            for s in range(P):
-                end = run(s, "F", m, act[s][m])
-                if s + 1 < P:
-                    nbytes = done.boundary_numel[m] * dtype.itemsize
-                    self.bytes.boundary += nbytes
-                    act[s + 1][m] = self.link(me[s], me[s + 1]).transmit(end, nbytes)
-        grad = [[0.0] * M for _ in range(P)]
+            hand = HandOff(step, len(batches), handed, batches if s in (0, P - 1) else None)
+            inbox[me] = [(hand, ready)]
+        shares: list[dict] = [{} for _ in range(P)]
         arrival: dict[WorkerId, float] = {}
-        for m in range(M):
-            for s in reversed(range(P)):
-                end = run(s, "B", m, grad[s][m])
-                if s > 0:
-                    nbytes = done.boundary_numel[m] * dtype.itemsize
-                    self.bytes.boundary += nbytes
-                    grad[s - 1][m] = self.link(me[s], me[s - 1]).transmit(end, nbytes)
-        received = []
-        for s in range(P):
-            nbytes = self.share_bytes(done.grads[s])
-            if self.send == "factors":  # the stage's own EMA, its top-r factors on the wire
-                bases = self.ema[me[s]].fold(done.grads[s])
-                received.append({n: basis_on_wire(b, dtype) for n, b in bases.items()})
+        self._host(inbox, shares, arrival)
+        arrival = {WorkerId(r, s): arrival[WorkerId(r, s)] for s in range(P) for r in range(self.replicas)}
+        return AnchorPass(z, step, shares, arrival)
+
+    def _host(self, inbox: dict[WorkerId, list[tuple[Event, float]]], shares: list[dict],
+              arrival: dict[WorkerId, float]) -> None:
+        """Deliver every event to its actor in the order it awaits them, each no earlier than its
+        link delivered it, and execute the actions, until the pass is done on every stage."""
+        moved = True
+        while moved:
+            moved = False
+            for me, events in inbox.items():
+                actor = self.actors[me]
+                for i, (event, at) in enumerate(events):
+                    if actor.takes(event):
+                        del events[i]
+                        self.clock[me] = max(self.clock[me], at)
+                        for action in actor.handle(event):
+                            self._execute(me, action, inbox, shares, arrival)
+                        moved = True
+                        break
+        stuck = [me for me, actor in self.actors.items() if actor.awaiting is not None]
+        if stuck:
+            raise RuntimeError(f"anchor pass left stages {stuck} waiting")
+
+    def _execute(self, me: WorkerId, action: Action, inbox: dict[WorkerId, list[tuple[Event, float]]],
+                 shares: list[dict], arrival: dict[WorkerId, float]) -> None:
+        """One action of actor ``me``, at the end of what it computed so far (its clock)."""
+        if isinstance(action, Compute):
+            seconds = self.compute.compute_s(action.shape, action.kind, action.rows, action.measured_s)
+            self.clock[me] += seconds
+            self.busy_s[me] += seconds
+        elif isinstance(action, Send):
+            self.bytes.boundary += action.nbytes
+            at = self.link(me, action.dst).transmit(self.clock[me], action.nbytes)
+            inbox.setdefault(action.dst, []).append((action.event, at))
+        else:  # Share
+            fast = WorkerId(action.replica, me.stage)
+            if self.send == "factors":
+                self.bytes.factors += action.nbytes
             else:
-                received.append({n: on_wire(g, dtype) for n, g in done.grads[s].items()})
-            for r in range(self.replicas):
-                if self.send == "factors":
-                    self.bytes.factors += nbytes
-                else:
-                    self.bytes.gradients += nbytes
-                arrival[WorkerId(r, s)] = self.link(me[s], WorkerId(r, s)).transmit(free[s], nbytes)
-            self.clock[me[s]] = free[s]
-        return AnchorPass(z, step, received, arrival)
-
-    def _compute(self, batches: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> PassCompute:
-        """The pass's arithmetic, on the stages' own device (the batch comes on CPU)."""
-        device = next(self.modules[0].parameters()).device
-        batches = [(x.to(device), y.to(device)) for x, y in batches]
-        return anchor_gradients(self.modules, batches, self.targets, dtype)
-
-    def share_bytes(self, grads: dict[str, Tensor]) -> int:
-        """Wire bytes of one stage's share to one fast replica: each targeted matrix's top-r
-        factors (``send = factors``) or the matrix itself, in ``wire``."""
-        itemsize = WIRE[self.wire].itemsize
-        if self.send == "factors":
-            return sum(factor_bytes(tuple(g.shape), self.rank, itemsize) for g in grads.values())
-        return sum(g.numel() for g in grads.values()) * itemsize
+                self.bytes.gradients += action.nbytes
+            arrival[fast] = self.link(me, fast).transmit(self.clock[me], action.nbytes)
+            if not shares[me.stage]:
+                shares[me.stage] = decode_share(action.tensors, self.send)
 
     def state(self) -> dict:
         return {"clock": {str(w): t for w, t in self.clock.items()},
@@ -309,27 +244,19 @@ class AnchorCircuit:
         self.bytes = AnchorBytes(**state["bytes"])
         self.turn, self.passes = state["turn"], state["passes"]
         for w, ema in state["ema"].items():
-            self.ema[WorkerId.parse(w)].load_state(ema)
+            if ema:  # under send = gradients no stage keeps one
+                self.actors[WorkerId.parse(w)].ema.load_state(ema)
 
 
 @dataclass
 class CostAnchorCircuit(AnchorCircuit):
     """The anchor circuit in cost-only mode (``meshlearn plan``): ``modules`` on the meta device,
-    and a pass whose forward/backward do no arithmetic (meta tensors through autograd cost
-    seconds per pass at a 1B shape). Everything else — the hand-off and relay, the GPipe timing
-    on the anchor's clocks, every byte on its links and uplinks, the EMA and factors (their
-    shapes) — is ``AnchorCircuit``'s own code. ``d_model``: the boundary's width."""
+    and actors whose arithmetic is ``ShapeMath`` (no arithmetic, the shapes). Everything else —
+    the hand-off and relay, the GPipe timing on the anchor's clocks, every byte on its links and
+    uplinks, the EMA and factors (their shapes) — is the same actors and host. ``d_model``: the
+    boundary's width."""
 
     d_model: int = 0
 
-    def _compute(self, batches: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> PassCompute:
-        """What ``anchor_gradients`` yields, by shape: each target's gradient (meta), no measured
-        seconds (the device model charges the compute), a boundary tensor of micro × seq × d."""
-        stages, micro, seq = len(self.modules), *batches[0][0].shape
-        grads = []
-        for module, names in zip(self.modules, self.targets, strict=True):
-            params = dict(module.named_parameters())
-            grads.append({n: torch.empty_like(params[n], device="meta") for n in names})
-        zeros = [[0.0] * len(batches) for _ in self.modules]
-        numel = [micro * seq * self.d_model if stages > 1 else 0 for _ in batches]
-        return PassCompute(grads, zeros, [list(z) for z in zeros], numel)
+    def _math(self, stage: int) -> StageMath:
+        return ShapeMath(self.modules[stage], self.targets[stage], stage, self.stages, self.d_model)

@@ -4,8 +4,8 @@ An anchor stage keeps, per targeted matrix, the EMA M ← β_anc·M + (1 − β_
 gradients (``optim.spectral.fold_ema``: the very update a fast worker applies under ``send =
 gradients``), takes the thin SVD of M on every pass and sends U_r, S_r, V_r: r·(m + n + 1) values
 per matrix (r = min(``anchor.rank``, m, n)) instead of m·n. The fast workers install the received
-basis (``SpectralCorrection.receive_basis``) and keep no EMA. Both drivers use this class: the
-simulator's circuit holds one per anchor replica and stage, the distributed anchor process its own.
+basis (``SpectralCorrection.receive_basis``) and keep no EMA. Each anchor stage actor
+(anchor/actor.py) holds one, under every runtime.
 
 The EMA folds in every pass the stage computes, whether or not a fast replica later receives it in
 time (under ``send = gradients`` a dropped arrival never enters the fast worker's EMA); with every
@@ -23,12 +23,6 @@ from meshlearn.optim.spectral import AnchorBasis, fold_ema
 def factor_rank(shape: tuple[int, int], rank: int) -> int:
     """r of one matrix: the requested rank, at most its thin SVD's."""
     return min(rank, *shape)
-
-
-def factor_bytes(shape: tuple[int, int], rank: int, itemsize: int) -> int:
-    """Wire bytes of one matrix's factors to one fast replica: r·(m + n + 1) values."""
-    m, n = shape
-    return factor_rank(shape, rank) * (m + n + 1) * itemsize
 
 
 class AnchorEMA:

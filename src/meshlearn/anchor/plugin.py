@@ -13,9 +13,10 @@ computes (docs/adaptation.md); under ``snapshot`` fast replica 0's live weights,
 hand-off. At each step end the plugin hands each fast worker's spectral correction every share that
 is due (computed for step t, now ≥ t + K) and has arrived by that worker's own virtual clock
 (``Worker.spectral.receive_basis`` for factors, ``receive_anchor`` for gradients,
-``receive_correction`` under ``anchor.use = error_feedback``); one still missing ``anchor.max_late``
-steps past its due step is dropped and counted (and the worker frees what it kept for it). The fast
-circuit never waits: the plugin reads the run's clocks (``PluginContext.clock``) and never moves them.
+``receive_correction`` under ``anchor.use = error_feedback``); one still missing
+``anchor.max_late`` steps past its due step is dropped and counted (and the worker frees what it
+kept for it). The fast circuit never waits: the plugin reads the run's clocks
+(``PluginContext.clock``) and never moves them.
 
 The circuit is charged with the simulator's link and compute models (``PluginContext.time_models``):
 its anchor stages are simulated processes beside the mesh.
@@ -31,28 +32,20 @@ stage's own): the pass uses each stage's current weights, as a real hand-off wou
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from meshlearn.anchor.actor import AnchorCounters, FastSide, Fate
 from meshlearn.anchor.circuit import AnchorCircuit
-from meshlearn.anchor.settings import AnchorConfig, anchor_targets
+from meshlearn.anchor.settings import link_profile, stage_targets
 from meshlearn.data.run_data import RunData
 from meshlearn.hooks import Callback, PluginContext, StepOutput
 from meshlearn.mesh.driver import Clock, TimeModels
 from meshlearn.mesh.topology import WorkerId
-from meshlearn.optim.spectral import AnchorBasis, SpectralCorrection
-
-
-def share_receiver(spectral: SpectralCorrection, a: AnchorConfig) -> Callable[..., bool]:
-    """Where a fast worker's share goes: the basis (``send = factors``), the EMA of the gradients
-    (``send = gradients``), or with ``use = error_feedback`` the delayed correction."""
-    if a.send == "factors":
-        return spectral.receive_basis
-    return spectral.receive_correction if a.use == "error_feedback" else spectral.receive_anchor
+from meshlearn.optim.spectral import AnchorBasis
 
 
 def relay_bytes(sent: int, replicas: int, collective: bool) -> int:
@@ -76,14 +69,6 @@ class Delivery:
     share: dict  # name → gradient (send = gradients) or name → AnchorBasis (send = factors)
 
 
-@dataclass
-class AnchorCounters:
-    delivered: int = 0  # deliveries folded in (one per fast worker and pass)
-    dropped_late: int = 0  # deliveries still missing max_late steps past their due step
-    staleness_sum: int = 0  # Σ (step folded in − step computed for) over the delivered
-    late_max: int = 0  # the most steps past its due step (t + K) a share was delivered at
-
-
 class AnchorCallback(Callback):
     circuit_class: type[AnchorCircuit] = AnchorCircuit  # ``plan.anchor``: the cost-only one
 
@@ -95,12 +80,9 @@ class AnchorCallback(Callback):
         self.cfg, self.a = cfg, cfg.anchor
         self.workers, self.clock, self.network, self.data = workers, clock, models.network, data
         stages, replicas = cfg.mesh.stages, cfg.mesh.replicas
-        wanted = set(anchor_targets(cfg))
         fast = [workers[WorkerId(0, s)] for s in range(stages)]
-        targets = [[n for n in w.spectral.params if n.split(".")[-2] in wanted] for w in fast]
-        pp = self.network.axes.get("pp", self.network.default)
-        profile = replace(pp, bandwidth_mbit=self.a.bandwidth_mbit or pp.bandwidth_mbit,
-                          latency_ms=self.a.latency_ms if self.a.latency_ms >= 0 else pp.latency_ms)
+        targets = [stage_targets(cfg, w.spectral.params) for w in fast]
+        profile = link_profile(self.network.axes.get("pp", self.network.default), self.a)
         self.circuit = self.circuit_class([w.module for w in fast], targets, self.a.z, replicas,
                                           models.compute, profile, self.a.wire_dtype, cfg.seed,
                                           send=self.a.send, rank=self.a.rank,
@@ -108,10 +90,14 @@ class AnchorCallback(Callback):
                                           uplink=self.network.uplink, **self._circuit_extra())
         self.dp_seen = [0] * stages  # what fast (0, s) had sent on its DP links at the last relay
         self.pending: list[Delivery] = []
-        self.counters = AnchorCounters()
+        self.fast = FastSide(self.a.delay, self.a.max_late, self.a.send, self.a.use)
         self.steps_seen = 0
         if fresh:
             self._hand_off(0)
+
+    @property
+    def counters(self) -> AnchorCounters:
+        return self.fast.counters
 
     def _circuit_extra(self) -> dict:
         """Keys of ``circuit_class`` beyond ``AnchorCircuit``'s (none here)."""
@@ -156,28 +142,21 @@ class AnchorCallback(Callback):
             self.pending.append(Delivery(step, wid, arrival, result.shares[wid.stage]))
 
     def _deliver(self, now: int) -> dict[str, int]:
-        """Fold in what is due and has arrived by each worker's clock; drop what is too late."""
-        kept, delivered, dropped = [], 0, 0
+        """Fold in what is due and has arrived by each worker's clock; drop what is too late
+        (``FastSide``: the rule every runtime applies)."""
+        before = (self.counters.delivered, self.counters.dropped_late)
+        kept = []
         for d in self.pending:
-            late = now - (d.step + self.a.delay)
-            if late < 0:
-                kept.append(d)
-            elif d.arrival_s <= self.clock.worker_s(d.worker) and late <= self.a.max_late:
-                receive = share_receiver(self.workers[d.worker].spectral, self.a)
-                for name, value in d.share.items():
-                    receive(name, value, step=d.step, now=now)
-                delivered += 1
-                self.counters.staleness_sum += now - d.step
-                self.counters.late_max = max(self.counters.late_max, late)
-            elif late >= self.a.max_late:
-                dropped += 1  # not there yet, and next time it would be past the cap
-                self.workers[d.worker].spectral.forget(d.step)
-            else:
+            fate = self.fast.settle(now, d.step, d.arrival_s <= self.clock.worker_s(d.worker))
+            if fate is Fate.DELIVER:
+                self.fast.fold(self.workers[d.worker].spectral, d.share, d.step, now)
+            elif fate is Fate.DROP:
+                self.fast.drop(self.workers[d.worker].spectral, d.step)
+            elif fate is Fate.WAIT:
                 kept.append(d)
         self.pending = kept
-        self.counters.delivered += delivered
-        self.counters.dropped_late += dropped
-        return {"delivered": delivered, "dropped_late": dropped}
+        return {"delivered": self.counters.delivered - before[0],
+                "dropped_late": self.counters.dropped_late - before[1]}
 
     # --- the hooks ---------------------------------------------------------------------------
 
@@ -221,7 +200,7 @@ class AnchorCallback(Callback):
         if state is None:
             return
         self.circuit.load_state(state["circuit"])
-        self.counters = AnchorCounters(**state["counters"])
+        self.fast.counters = AnchorCounters(**state["counters"])
         self.steps_seen, self.dp_seen = state["steps_seen"], list(state["dp_seen"])
         self.pending = [Delivery(d["step"], WorkerId.parse(d["worker"]), d["arrival_s"],
                                  {k: AnchorBasis(**v) if isinstance(v, dict) else v

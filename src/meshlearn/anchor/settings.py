@@ -3,8 +3,8 @@ config tree can import it; ``validate_anchor`` is called by ``config.validate``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 WIRE_DTYPES = ("bf16", "fp32")
@@ -83,6 +83,19 @@ def anchor_targets(cfg: Any) -> tuple[str, ...]:
     from_spectral = tuple(t.strip() for t in cfg.optim.spectral.targets.split(",") if t.strip())
     own = tuple(t.strip() for t in cfg.anchor.targets.split(",") if t.strip())
     return own or from_spectral
+
+
+def stage_targets(cfg: Any, names: Iterable[str]) -> list[str]:
+    """Of a stage's matrices ``names`` (its spectral correction's, in order), those the anchor sends."""
+    wanted = set(anchor_targets(cfg))
+    return [n for n in names if n.split(".")[-2] in wanted]
+
+
+def link_profile(pp: Any, a: AnchorConfig) -> Any:
+    """The anchor links' ``LinkProfile``: ``anchor.bandwidth_mbit`` / ``latency_ms``, else the PP
+    links' profile ``pp``."""
+    return replace(pp, bandwidth_mbit=a.bandwidth_mbit or pp.bandwidth_mbit,
+                   latency_ms=a.latency_ms if a.latency_ms >= 0 else pp.latency_ms)
 
 
 def validate_anchor(cfg: Any, require: Callable[[bool, str, Any, str], None]) -> None:

@@ -1,10 +1,12 @@
 """The anchor circuit under ``backend = dist``: Z × P anchor processes with links of their own.
 
-The simulator's circuit (``anchor/circuit.py``) in real processes. Anchor replica z's stage s is
-rank D·P + z·P + s (``groups.rank_of``); it holds stage s's module and nothing else (no optimizer:
-its gradient is "geometry, not an update"). Its links, each a two-rank group (``groups.anchor_link_list``):
-the snapshot fast (0, s) → anchor (z, s), the anchor pipeline (z, s) ↔ (z, s ± 1), and the
-gradients anchor (z, s) → fast (r, s) for every fast replica r. Every sender paces its messages to
+The anchor stage actors (``anchor/actor.py``) that the simulator hosts on virtual clocks
+(``anchor/circuit.py``), hosted here in real processes; this module is the process and transport
+glue. Anchor replica z's stage s is rank D·P + z·P + s (``groups.rank_of``); its actor holds stage
+s's module and nothing else (no optimizer: its gradient is "geometry, not an update"). Its links,
+each a two-rank group (``groups.anchor_link_list``): the snapshot fast (0, s) → anchor (z, s), the
+anchor pipeline (z, s) ↔ (z, s ± 1), and the gradients anchor (z, s) → fast (r, s) for every fast
+replica r. Every sender paces its messages to
 the anchor links' profile (``anchor.bandwidth_mbit`` / ``latency_ms``), as the simulator's links.
 
 A pass, for hand-off step t (t = 0, K, 2K, ... < train.steps; anchor replica (t / K) mod Z):
@@ -20,19 +22,20 @@ A pass, for hand-off step t (t = 0, K, 2K, ... < train.steps; anchor replica (t 
    relay as the size of the DP round's reduced result (``anchor/plugin.py: relay_bytes``); the two
    are equal under the all-reduce and uncompressed DiLoCo, and under a compressing strategy the
    fp32 tensors are larger than the reduced result (docs/adaptation.md);
-2. the anchor stages run GPipe over the fast circuit's microbatches, nothing masked: every
-   boundary carries the whole activation forward and the whole gradient back in the wire dtype;
+2. the anchor stages' actors run GPipe over the fast circuit's microbatches, nothing masked:
+   every boundary carries the whole activation forward and the whole gradient back in the wire
+   dtype (``AnchorStage`` hands each actor the event it awaits and sends what it returns);
 3. each anchor stage sends every fast replica of its stage, for its targeted matrices (the mean
    loss over the share, as the fast circuit normalizes it), the gradients (``anchor.send =
-   gradients``) or the top-r factors of the EMA of them it keeps itself (``factors``,
-   anchor/factors.py: the simulator's arithmetic).
+   gradients``) or the top-r factors of the EMA of them it keeps itself (``factors``): the
+   actor's ``Share``, one message.
 
 The fast side (``AnchorClient``) never waits for any of it: the driver calls ``step_end`` when its
 worker has applied a step's updates; it takes what has already arrived (a non-blocking poll of its
 own transport, apart from the pipeline's), hands each share due (now ≥ t + K) to the worker's
 spectral correction (``receive_basis`` for factors, ``receive_anchor`` for gradients), and drops
-one still missing ``anchor.max_late`` steps past its due step: the simulator's rule, with "arrived
-by the worker's clock" read on the wall clock. At the end a worker
+one still missing ``anchor.max_late`` steps past its due step: the simulator's rule
+(``anchor.actor.FastSide``), with "arrived by the worker's clock" read on the wall clock. At the end a worker
 neither drains its anchor links nor waits for a pass in flight. The anchor processes end when
 every worker has finished (their ``done`` keys).
 """
@@ -43,17 +46,26 @@ import json
 import os
 import random
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NoReturn
 
 import torch
 from torch import Tensor
 
-from meshlearn.anchor.circuit import WIRE
-from meshlearn.anchor.factors import AnchorEMA, pack, unpack
-from meshlearn.anchor.plugin import share_receiver
-from meshlearn.anchor.settings import anchor_targets
+from meshlearn.anchor.actor import (
+    WIRE,
+    Activation,
+    AnchorStageActor,
+    Compute,
+    FastSide,
+    Fate,
+    HandOff,
+    RealMath,
+    Send,
+    decode_share,
+)
+from meshlearn.anchor.factors import AnchorEMA
+from meshlearn.anchor.settings import link_profile, stage_targets
 from meshlearn.compress.codecs import Encoded
 from meshlearn.data import batch_offsets, shard_batch, windows
 from meshlearn.distributed.driver import DistDriver
@@ -88,20 +100,9 @@ def passes_of(cfg, z: int) -> list[int]:
 
 
 def anchor_profile(cfg, mesh: MeshShape) -> LinkProfile:
-    """The anchor links' profile: ``anchor.bandwidth_mbit`` / ``latency_ms``, else the PP links'."""
+    """The anchor links' profile, as the simulator's (``anchor.settings.link_profile``)."""
     network = build_network(cfg.link, cfg.links, mesh, cfg.seed)
-    pp = network.axes.get("pp", network.default)
-    a = cfg.anchor
-    return replace(pp, bandwidth_mbit=a.bandwidth_mbit or pp.bandwidth_mbit,
-                   latency_ms=a.latency_ms if a.latency_ms >= 0 else pp.latency_ms)
-
-
-def target_names(cfg, module: Decoder) -> list[str]:
-    """The matrices of ``module`` whose anchor gradients travel: the correction's, narrowed by
-    ``anchor.targets`` (the simulator's choice, in the same order)."""
-    wanted = set(anchor_targets(cfg))
-    return [n for n in SpectralCorrection(module.named_parameters(), cfg.optim.spectral).params
-            if n.split(".")[-2] in wanted]
+    return link_profile(network.axes.get("pp", network.default), cfg.anchor)
 
 
 def capacity(cfg) -> int:
@@ -195,13 +196,6 @@ class Follower:
             self.folded += 1
 
 
-@dataclass
-class AnchorCounters:
-    delivered: int = 0  # shares folded in (one per fast worker and pass)
-    dropped_late: int = 0  # shares still missing max_late steps past their due step
-    staleness_sum: int = 0  # Σ (step folded in − step computed for) over the delivered
-
-
 class AnchorClient:
     """A fast worker's side of the anchor circuit; see the module docstring. ``links``: this
     worker's anchor links (``Groups.anchor_links``)."""
@@ -220,7 +214,7 @@ class AnchorClient:
         self.arrived: dict[int, dict] = {}  # hand-off step → its share (gradients or bases), until used
         self.outstanding: list[int] = []  # hand-offs made whose share is neither folded nor dropped
         self.settled: set[int] = set()  # folded or dropped: a later arrival is ignored
-        self.counters = AnchorCounters()
+        self.fast = FastSide(self.a.delay, self.a.max_late, self.a.send, self.a.use)
         self.run_dir = run_dir  # the corpus (and a BPE tokenizer's cache) for the batch ids
         self.train_tokens = None
         self.started = False
@@ -243,23 +237,16 @@ class AnchorClient:
         self._poll()
         kept = []
         for t in sorted(self.outstanding):
-            late = now - (t + self.a.delay)
-            if late < 0:
+            fate = self.fast.settle(now, t, t in self.arrived)  # the simulator's rule (FastSide)
+            if fate is Fate.WAIT:
                 kept.append(t)
-            elif t in self.arrived and late <= self.a.max_late:
-                receive = share_receiver(self.worker.spectral, self.a)
-                for name, value in self.arrived.pop(t).items():
-                    receive(name, value, step=t, now=now)
-                self.counters.delivered += 1
-                self.counters.staleness_sum += now - t
-                self.settled.add(t)
-            elif late >= self.a.max_late:
-                self.arrived.pop(t, None)
-                self.worker.spectral.forget(t)
-                self.counters.dropped_late += 1  # not there yet, and next time past the cap
-                self.settled.add(t)
+                continue
+            share = self.arrived.pop(t, None)
+            if fate is Fate.DELIVER:
+                self.fast.fold(self.worker.spectral, share, t, now)
             else:
-                kept.append(t)
+                self.fast.drop(self.worker.spectral, t)
+            self.settled.add(t)
         self.outstanding = kept
         if self.relay is not None:  # the weights as they stand now, before a hand-off of them
             self.relay.after_step(step, lambda out: self.transport.send(out, capacity(self.cfg)))
@@ -301,13 +288,11 @@ class AnchorClient:
                 raise RuntimeError(f"worker {self.me}: a {item.kind!r} message on an anchor link "
                                    f"from {item.src}")
             if item.step not in self.settled:
-                tensors = item.payload.tensors
-                self.arrived[item.step] = (unpack(tensors) if self.a.send == "factors" else
-                                           {n: t.to(torch.float32) for n, t in tensors.items()})
+                self.arrived[item.step] = decode_share(item.payload.tensors, self.a.send)
 
     def totals(self) -> list[float]:
         """This worker's counters, in ``TOTALS`` order (summed over the workers for the summary)."""
-        c = self.counters
+        c = self.fast.counters
         listen = self.relay.bytes if self.relay is not None else 0
         snapshot = sum(p.link.bytes_sent for p in self.transport.pacers.values()) - listen
         return [c.delivered, c.dropped_late, c.staleness_sum, len(self.outstanding), snapshot, listen]
@@ -365,15 +350,14 @@ def dist_anchor_plugin(ctx: PluginContext) -> Callback | None:
 
 
 class AnchorStage:
-    """Anchor replica z's stage s: waits for snapshots, runs its part of each pass, sends."""
+    """Anchor replica z's stage s as a process: its ``AnchorStageActor`` (anchor/actor.py) on this
+    process's transport. It waits for each hand-off, then for the event the actor awaits (buffering
+    the others), and carries out the actor's sends and shares; the actor computes."""
 
     def __init__(self, cfg, me: WorkerId, mesh: MeshShape, module: Decoder, links: dict[Link, object],
                  health: Health, train_tokens, store):
         self.cfg, self.me, self.mesh = cfg, me, mesh
         self.z, self.s = me.replica - mesh.replicas, me.stage
-        self.module = module
-        self.targets = target_names(cfg, module)
-        self.dtype = WIRE[cfg.anchor.wire_dtype]
         self.health = health
         self.train_tokens = train_tokens
         self.store = store
@@ -388,103 +372,77 @@ class AnchorStage:
         if self.s + 1 < mesh.stages:
             self.transport.expect_link((anchor_id(mesh, self.z, self.s + 1), me), passes * M, capacity(cfg))
         self.inbox: dict[tuple[str, int, int], Message] = {}
-        self.passes = 0
         self.bytes_boundary = 0
         self.bytes_gradients = 0
         self.bytes_factors = 0
         # send = factors: this stage's own EMA of its gradients, whose top-r factors it sends
-        self.ema = (AnchorEMA(cfg.optim.spectral.beta_anc, cfg.anchor.rank)
-                    if cfg.anchor.send == "factors" else None)
+        ema = (AnchorEMA(cfg.optim.spectral.beta_anc, cfg.anchor.rank)
+               if cfg.anchor.send == "factors" else None)
+        targets = stage_targets(cfg, SpectralCorrection(module.named_parameters(), cfg.optim.spectral).params)
+        math = RealMath(module, targets, self.s, mesh.stages)
+        self.actor = AnchorStageActor(me, mesh.stages, mesh.replicas, math, WIRE[cfg.anchor.wire_dtype], ema)
+
+    @property
+    def passes(self) -> int:
+        return self.actor.passes
 
     def run(self) -> None:
         """Every pass of this anchor replica, until the workers have all finished."""
         due = passes_of(self.cfg, self.z)
         for i, t in enumerate(due):
-            if not self._follow(t, due[i + 1] if i + 1 < len(due) else None):
-                return
+            if self.follower is not None:  # outer: every relay of the fast step ends before t in
+                self.follower.aim(t)
+                if not self._wait_until(lambda t=t: self.follower.folded >= t):
+                    return
             snapshot = self._wait("anchor_weights", t, self.z)
-            if snapshot is None:
+            if snapshot is None or not self._pass(t, snapshot, due[i + 1] if i + 1 < len(due) else None):
                 return
-            if not self._pass(t, snapshot):
-                return
-            self.passes += 1
             self.store.set(f"anchor/{self.rank}", json.dumps(
                 {"passes": self.passes, "boundary": self.bytes_boundary, "gradients": self.bytes_gradients,
                  "factors": self.bytes_factors}))
         self._wait(None, -1, -1)  # nothing more to do: wait for the end
 
-    def _follow(self, t: int, after: int | None) -> bool:
-        """``anchor.weights = outer``: the weights as they stood when step ``t`` began (every relay
-        of the fast step ends before t folded in) into the module; from then on the follower folds
-        up to the next pass's step ``after`` (None: the last pass). False once the workers finished."""
-        follower = self.follower
-        if follower is None:
-            return True
-        follower.aim(t)
-        if not self._wait_until(lambda: follower.folded >= t):
-            return False
-        with torch.no_grad():
-            for name, param in self.module.named_parameters():
-                param.copy_(follower.weights[name])
-        follower.aim(after)
-        return True
-
-    def _pass(self, t: int, snapshot: Message) -> bool:
-        cfg, module, P, M = self.cfg, self.module, self.mesh.stages, self.cfg.mesh.microbatches
+    def _pass(self, t: int, snapshot: Message, after: int | None) -> bool:
+        """Pass ``t`` through the actor (``after``: the next pass's step, None: the last); False once
+        every worker finished."""
+        cfg, M = self.cfg, self.cfg.mesh.microbatches
         tensors = dict(snapshot.payload.tensors)
         ids = tensors.pop(IDS, None)
-        with torch.no_grad():
-            params = dict(module.named_parameters())
-            for name, value in tensors.items():
-                params[name].copy_(value.to(torch.float32))
-        micro = None
+        batch = None
         if ids is not None:
             x, y = windows(self.train_tokens, ids.numpy(), cfg.model.seq_len)
-            micro = shard_batch(x, y, 1, M)[0]
-        module.zero_grad(set_to_none=True)
-        inputs, outputs = [], []
-        for m in range(M):  # GPipe: every forward, then every backward, in microbatch order
-            if self.s == 0:
-                h = micro[m][0]
-            else:
-                arrival = self._wait("anchor_act", t, m)
-                if arrival is None:
-                    return False
-                h = arrival.payload.tensors["x"].to(torch.float32).requires_grad_(True)
-            out = module(h)
-            if self.s == P - 1:
-                out = Decoder.loss(out, micro[m][1]) / M  # the mean over the microbatches
-            else:
-                self._send("anchor_act", t, m, anchor_id(self.mesh, self.z, self.s + 1), out.detach())
-            inputs.append(h)
-            outputs.append(out)
-        for m in range(M):
-            if self.s == P - 1:
-                outputs[m].backward()
-            else:
-                arrival = self._wait("anchor_grad", t, m)
-                if arrival is None:
-                    return False
-                outputs[m].backward(arrival.payload.tensors["x"].to(torch.float32))
-            if self.s > 0:
-                self._send("anchor_grad", t, m, anchor_id(self.mesh, self.z, self.s - 1), inputs[m].grad)
-        params = dict(module.named_parameters())
-        grads = {n: params[n].grad.detach() for n in self.targets if params[n].grad is not None}
-        share = (pack(self.ema.fold(grads), self.dtype) if self.ema is not None else
-                 {n: g.to(self.dtype) for n, g in grads.items()})
-        for r in range(self.mesh.replicas):
-            out = message("anchor_share", t, self.z, self.me, WorkerId(r, self.s), share)
-            if self.ema is not None:
+            batch = shard_batch(x, y, 1, M)[0]
+        weights = self.follower.weights if self.follower is not None else tensors  # copied in at once
+        actions = self.actor.handle(HandOff(t, M, weights, batch))
+        if self.follower is not None:  # the weights are in: from now on fold up to the next pass
+            self.follower.aim(after)
+        while True:
+            for action in actions:
+                self._carry_out(t, action)
+            want = self.actor.awaiting
+            if want is None:
+                return True
+            arrival = self._wait("anchor_act" if want.kind is Activation else "anchor_grad", t,
+                                 want.microbatch)
+            if arrival is None:
+                return False
+            actions = self.actor.handle(want.kind(t, want.microbatch, arrival.payload.tensors["x"]))
+
+    def _carry_out(self, t: int, action) -> None:
+        """A ``Send`` or ``Share`` as a message on this stage's links (a ``Compute`` is done)."""
+        if isinstance(action, Compute):
+            return
+        if isinstance(action, Send):
+            kind = "anchor_act" if isinstance(action.event, Activation) else "anchor_grad"
+            out = message(kind, t, action.event.microbatch, self.me, action.dst, {"x": action.event.x})
+            self.bytes_boundary += out.wire_bytes
+        else:
+            out = message("anchor_share", t, self.z, self.me, WorkerId(action.replica, self.s),
+                          action.tensors)
+            if self.actor.ema is not None:
                 self.bytes_factors += out.wire_bytes
             else:
                 self.bytes_gradients += out.wire_bytes
-            self.transport.send(out, capacity(cfg))
-        module.zero_grad(set_to_none=True)
-        return True
-
-    def _send(self, kind: str, t: int, m: int, dst: WorkerId, x: Tensor) -> None:
-        out = message(kind, t, m, self.me, dst, {"x": x.detach().to(self.dtype)})
-        self.bytes_boundary += out.wire_bytes
         self.transport.send(out, capacity(self.cfg))
 
     def _wait(self, kind: str | None, step: int, microbatch: int) -> Message | None:

@@ -152,7 +152,8 @@ class DPAxis:
                 flat = self.collectives.stage_sum(flat, what, release).div_(replicas)
         elif rule.gathers:
             flat, scores = self.collectives.stage_reduce(flat, rule, what)
-            self._hold_gather(flat, step)
+            self.hold_gather(flat.numel() * flat.element_size(), self.mesh.stage_replicas(self.me.stage),
+                             step)
         else:
             flat = self.collectives.stage_sum(flat, what)
             self.hold_ring(flat.numel() * flat.element_size(), replicas, step)
@@ -167,11 +168,10 @@ class DPAxis:
         timeline = self.timeline()
         return timeline if timeline is not None and timeline.wants(step) else None
 
-    def _hold_gather(self, flat: torch.Tensor, step: int) -> None:
-        """A process-group all-gather (a robust rule) ran at loopback speed: hold its completion to
-        the simulator's model from here, this replica's contribution queued on the link to each
-        peer, and count those bytes."""
-        replicas, nbytes = self.mesh.stage_replicas(self.me.stage), flat.numel() * flat.element_size()
+    def hold_gather(self, nbytes: int, replicas: list[WorkerId], step: int) -> None:
+        """An all-gather of ``nbytes`` per member over ``replicas`` (the stage's, or elastic's
+        quorum) ran at loopback speed: hold its completion to the simulator's model from here, this
+        replica's contribution queued on the link to each peer, and count those bytes."""
         done = all_gather(self.timeline(), step, self.network, [self.me], replicas, nbytes,
                           time.monotonic() - self.epoch, self.epoch)
         if self.shaped:

@@ -111,17 +111,17 @@ class DPConfig:
     one marked in 3 of its last 8 updates is reported and evicted like a SENTINEL ban, within the
     same budget (verify.ban_budget: a strict minority of each stage, never an end assumed honest;
     verify.ban = false reports only; so do sparse with dp.delay > 0 and diloco with dp.overlap > 0,
-    never at a drain point at a step's end, and PowerSGD factors, whose error feedback keeps an
-    honest replica an outlier). Every strategy's rounds are scored (the all-reduce's
-    gradients, sparse slices, PowerSGD factors, DiLoCo pseudo-gradients). docs/dp_robust.md,
-    Attribution. > 1."""
+    never at a drain point at a step's end, PowerSGD factors, whose error feedback keeps an
+    honest replica an outlier, mesh.schedule = async, whose step ends are no drain points, and
+    elastic runs, whose stage records do not evict yet). Every
+    strategy's rounds are scored (the all-reduce's gradients, sparse slices, PowerSGD factors,
+    DiLoCo pseudo-gradients). docs/dp_robust.md, Attribution. > 1."""
 
 
 def scores_dp_outliers(cfg) -> bool:
     """Whether the run scores each replica's DP contribution (``dp/attribution.py``): with a robust
-    rule, which is what scores them, under a flushing schedule (under ``async`` an update reduces
-    ``update_every`` microbatches and honest scores run higher; not calibrated there)."""
-    return cfg.dp.robust != "none" and cfg.mesh.schedule != "async"
+    rule, which is what scores them (per update, under every schedule)."""
+    return cfg.dp.robust != "none"
 
 
 def merges_within_update(dp: DPConfig) -> bool:
@@ -142,12 +142,18 @@ def evicts_dp_outliers(cfg) -> bool:
     strategy's rounds are merged within their update, and they carry no error feedback.
 
     An eviction hands the slot a donor's whole state at the step's end, which exists only at a
-    drain point; with rounds running behind the updates there is none. With error feedback an honest
+    drain point; with rounds running behind the updates there is none, nor under ``async``
+    (SENTINEL's bans wait there for the next drain point, ``TrustLayer.pending_bans``; a DP
+    report's eviction would have to wait the same way: not built). With error feedback an honest
     replica's score is not calibrated: the part of its factors a robust rule leaves out stays in
     its error and comes back larger, so it stays an outlier (honest replicas were evicted on the
-    demo: docs/dp_robust.md). In both cases a report is a report only."""
+    demo: docs/dp_robust.md). In both cases a report is a report only. So is one under elastic
+    membership: an eviction there must come from the stage's honest members leaving the
+    outlier out of their quorum's record (it cannot be trusted to leave), which the control
+    service's records do not take yet (SENTINEL's elastic evictions are its verifier's, which
+    that membership does not run: elastic/evictions.py)."""
     return (scores_dp_outliers(cfg) and cfg.verify.ban and merges_within_update(cfg.dp)
-            and not feeds_back_error(cfg.dp))
+            and not feeds_back_error(cfg.dp) and not cfg.elastic.enabled and cfg.mesh.schedule != "async")
 
 
 def validate_dp(cfg, require) -> None:

@@ -224,8 +224,19 @@ class ControlQuorum:
     def sum(self, flat: torch.Tensor) -> bool:
         """``flat`` ← its sum over the record's members, added in replica order (the same bits
         everywhere); False if a member's contribution did not arrive (the step must not commit)."""
-        if self.broken:
+        parts = self.gather(flat)
+        if parts is None:
             return False
+        flat.copy_(torch.stack(parts).sum(0).view_as(flat).to(flat.device))
+        return True
+
+    def gather(self, flat: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every member's ``flat`` (flattened, on the CPU), in replica order (``members``); None if
+        a member's contribution did not arrive (the step must not commit). What a robust rule
+        (``dp.robust``) reduces: every member receives every contribution over the same streams
+        the sum uses."""
+        if self.broken:
+            return None
         self.sums += 1
         flag = torch.tensor([1.0 if self.watch.changed() else 0.0], dtype=flat.dtype)
         payload = torch.cat([flat.detach().reshape(-1).cpu(), flag])
@@ -233,10 +244,13 @@ class ControlQuorum:
             parts = self.framed.all_gather(payload, self._ranks(), "sum") if self.framed else [payload]
         except (Lost, Refused):
             self.broken = True
-            return False
-        flat.copy_(torch.stack([p[:-1] for p in parts]).sum(0).view_as(flat).to(flat.device))
+            return None
         self.flagged |= any(float(p[-1]) != 0.0 for p in parts)
-        return True
+        return [p[:-1] for p in parts]
+
+    def member_workers(self) -> list[WorkerId]:
+        """The record's members (slots), in replica order: whose rows ``gather`` returns."""
+        return [member_worker(m) for m in self.members]
 
     def should_commit(self) -> bool:
         return not self.broken

@@ -56,15 +56,18 @@ from meshlearn.distributed.driver import DistDriver
 from meshlearn.distributed.health import RowBroken, WorkerFailure
 from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.transport import Transport
+from meshlearn.dp.registry import robust_of
+from meshlearn.dp.robust import Robust
 from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.checkpoints import ElasticCheckpoints
 from meshlearn.elastic.evictions import Evictions
 from meshlearn.elastic.links import RowLinks, neighbours, row_peer
 from meshlearn.elastic.membership import WRITER_ENV
+from meshlearn.elastic.progress import ProgressBeacon
 from meshlearn.elastic.quorum import CommitVote, QuorumStep, StageQuorum
 from meshlearn.elastic.records import ElasticRecords
 from meshlearn.elastic.rollback import Rollback
-from meshlearn.elastic.rounds import QuorumExchange
+from meshlearn.elastic.rounds import QuorumExchange, reduce_contributions
 from meshlearn.elastic.rows import Agreed, Held, Row, RowAgreement, row_label, slot_row, whole_batch
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.report import AxisBytes, StepReport, run_summary
@@ -79,7 +82,8 @@ class ElasticDriver(Evictions, DistDriver):
     ``elastic.worker``. ``generation``: how many processes held this slot before this one."""
 
     def __init__(self, cfg, worker, health, device, comm, quorum: StageQuorum, vote: CommitVote,
-                 rows: RowAgreement, links: RowLinks, progress, requests: Callable[[], int] | None = None):
+                 rows: RowAgreement, links: RowLinks, progress, beacon: ProgressBeacon,
+                 requests: Callable[[], int] | None = None):
         super().__init__(cfg, worker, health, device, comm, None, {})  # links: at the first step trained
         self.quorum = quorum
         self.vote = vote
@@ -89,7 +93,8 @@ class ElasticDriver(Evictions, DistDriver):
         self.agreed: Agreed | None = None  # the coming step's agreement
         self.links = links
         self.generation = links.generation
-        self.progress = progress  # the run store: this worker's last step, for workers.json
+        self.progress = progress  # the run store: membership events, records' claims, checkpoints
+        self.beacon = beacon  # this worker's last step, for workers.json (set off the step's path)
         # writes config.toml, run.json and starts metrics.jsonl: the launcher names it (a resume
         # may not start r0s{P-1}; a joiner never is); the records of each step are written by the
         # process that claims them (``records``), the summary by the last one's
@@ -99,7 +104,8 @@ class ElasticDriver(Evictions, DistDriver):
         # its checkpoints are the rows' shards on the hosts that held them, agreed on the control
         # service and recorded in every host's folder (cluster/elastic_checkpoints.py)
         self.records = ElasticRecords(progress, self.mesh, self.me, lambda: self.rows,
-                                      WorkerId.parse(elastic_writer(cfg)) if self.cluster else None)
+                                      WorkerId.parse(elastic_writer(cfg)) if self.cluster else None,
+                                      witness=self._witness)
         self.checkpoint_store = None if self.cluster is None else lambda run_dir: ElasticClusterCheckpoint(
             run_dir, str(self.me), self.cluster.placement.host, self.checkpoint_membership, progress,
             self.deadlines.collective_s, cfg.dist.keep_checkpoints, resume_step())
@@ -121,8 +127,12 @@ class ElasticDriver(Evictions, DistDriver):
         self.checkpoint_membership = ElasticCheckpoints(progress, self.mesh, self.me, lambda: self.rows,
                                                         self.deadlines.collective_s)
         self.round_bytes = 0  # bytes of the coming update's strategy rounds (their all-reduces)
+        self.dp_scores: dict[str, float] = {}  # the stage's outlier scores in the coming update
         if self.dp_axis.strategy is not None:  # a message-based strategy: its rounds are quorum sums
-            self.dp_axis.strategy.exchange = QuorumExchange(self.me, self.mesh.replicas, self._reduce_round)
+            # (with dp.robust: gathered, and reduced alike by every member)
+            self.dp_axis.strategy.exchange = QuorumExchange(self.me, self.mesh.replicas, self._reduce_round,
+                                                            self._gather_round, robust_of(cfg.dp),
+                                                            self._note_scores)
         self.setup_verification(cfg)
         # A re-paired row links this worker to any replica of its neighbouring stages: a pacer
         # per such destination, each with its own link model (one per destination, as always).
@@ -198,7 +208,7 @@ class ElasticDriver(Evictions, DistDriver):
             self._link_row(link_at, row)
         trains = row is not None and self.linked_at is not None
         reports = super().run_step(step, source) if trains else [self._spectate(step, source)]
-        self.progress.set(f"progress/{self.me}", str(step + 1))
+        self.beacon.report(step + 1)
         return reports
 
     def steady(self) -> bool:
@@ -316,6 +326,12 @@ class ElasticDriver(Evictions, DistDriver):
         self.transport = Transport(self.me, self.mesh, groups, pacers, self.device, self.health,
                                    self.deadlines.message_s, self.max_message_bytes)
 
+    def _witness(self, record: dict) -> None:
+        """A DP outlier report of this worker's stage (not a last one, whose records go to
+        metrics.jsonl), as this process saw it: a membership event for workers.json."""
+        self._event("dp_outlier", record["step"] - 1, worker=record["worker"], score=record["score"],
+                    count=record["count"], evicted=record.get("evicted", False))
+
     def _event(self, kind: str, step: int, **fields) -> None:
         """A membership event of this process for the launcher's ``workers.json`` (``membership``):
         the body first, then the count that makes it visible."""
@@ -359,6 +375,7 @@ class ElasticDriver(Evictions, DistDriver):
                            collective_deadline_s=self.deadlines.collective_s)
         losses = list(worker.stats.get(step, StepStats()).losses.values())
         self.round_bytes = 0
+        self.dp_scores = {}
         started = time.monotonic()
         counts = [sum(losses), len(losses), float(self.sequences > 0), self.sequences]
         sq_norm, counts = self._execute_over_quorum(action, u, run, counts)
@@ -368,7 +385,9 @@ class ElasticDriver(Evictions, DistDriver):
         bytes_pp, bytes_dp = self.step_bytes.since(start)
         return StepReport(step=step, losses=[mean_loss] if mean_loss is not None else [],
                           sim_s=None, bytes_pp=bytes_pp, bytes_dp=bytes_dp + self.round_bytes,
-                          grad_norm=sq_norm**0.5, staleness=[])
+                          grad_norm=sq_norm**0.5, staleness=[],
+                          dp_scores={w: [s] for w, s in self.dp_scores.items()} if self.current.committed
+                          else {})
 
     def _execute_over_quorum(self, action, u: int, run: UpdateRun,
                              counts: list[float]) -> tuple[float, list[float]]:
@@ -395,9 +414,10 @@ class ElasticDriver(Evictions, DistDriver):
             counts = summed.tolist()
             current.mean_ok = whole_batch(counts[2], counts[3], self.rows, self.cfg.train.batch_size)
 
-        def reduce(_act: ReduceGradients) -> None:
+        def reduce(act: ReduceGradients) -> None:
             nonlocal counts
-            counts = self._reduce_gradients(counts)
+            counts = (self._reduce_robustly(counts, act.rule) if act.rule.gathers
+                      else self._reduce_gradients(counts))
 
         step = action.microbatch // self.cfg.mesh.microbatches
         outcome = drive(run, {ReduceGradients: reduce, Send: self._no_messages,  # rounds are quorum sums
@@ -418,18 +438,63 @@ class ElasticDriver(Evictions, DistDriver):
     def _reduce_gradients(self, counts: list[float]) -> list[float]:
         """The gradients' sum over the quorum with the step's counts beside them; the mean divides
         by the contributing replicas. Returns the summed counts."""
-        grads = self.worker.grads()
-        flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor(counts, dtype=grads[0].dtype)])
+        flat = self._contribution(counts)
         summed = self._reduce_round(flat)
         counts = flat[-4:].tolist()
         batch = self.cfg.train.batch_size
         self.current.mean_ok = summed and whole_batch(counts[2], counts[3], self.rows, batch)
         offset = 0
-        for g in grads:
+        for g in self.worker.grads():
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             g.div_(max(counts[2], 1.0))
             offset += g.numel()
         return counts
+
+    def _reduce_robustly(self, counts: list[float], rule: Robust) -> list[float]:
+        """``dp.robust``: every member's gradients with the step's counts beside them, gathered
+        over the quorum; the rule's aggregate of the contributors' gradients replaces this
+        worker's, the counts are summed. Returns the summed counts."""
+        parts = self._gather_round(self._contribution(counts))
+        if parts is None:  # a member's contribution did not arrive: the step commits nowhere
+            self.current.mean_ok = False
+            return counts
+        counts = torch.stack([p[-4:] for p in parts]).sum(0).tolist()
+        flags = [float(p[-2]) != 0.0 for p in parts]
+        aggregate, scores = reduce_contributions([p[:-4] for p in parts], flags, rule)
+        self._note_scores(flags, scores)
+        self.worker.set_flat_gradients(aggregate)
+        self.current.mean_ok = whole_batch(counts[2], counts[3], self.rows, self.cfg.train.batch_size)
+        return counts
+
+    def _contribution(self, counts: list[float]) -> torch.Tensor:
+        """What this worker adds to its stage's reduce: its flattened gradients as they leave it
+        (``flat_gradients``, the seam of ``attack.target = dp``; a spectator's zeros as they
+        are), then the step's four counts."""
+        worker = self.worker
+        grads = worker.flat_gradients() if self.sequences > 0 else torch.cat(
+            [g.reshape(-1) for g in worker.grads()])
+        return torch.cat([grads, grads.new_tensor(counts)])
+
+    def _gather_round(self, flat: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every member's ``flat`` (a robust rule's round), in replica order (None if a member
+        failed: the step then commits nowhere), held for the all-gather's time on the link model
+        as the fixed driver holds its robust reduce: this worker's N bytes to each other member."""
+        parts = self.quorum.gather(flat)
+        nbytes = flat.numel() * flat.element_size()
+        self.dp_axis.hold_gather(nbytes, self.quorum.member_workers(), self.next_step)
+        self.round_bytes += nbytes
+        return parts
+
+    def _note_scores(self, flags: list[bool], scores: list[float] | None) -> None:
+        """A robust round's outlier scores of its contributors (in replica order, as ``flags``),
+        the same on every member of the stage: each worker's largest of the update is its score
+        of the step (attribution, ``dp/attribution.py``)."""
+        if scores is None:
+            return
+        contributors = [w for w, f in zip(self.quorum.member_workers(), flags, strict=True) if f]
+        for wid, score in zip(contributors, scores, strict=True):
+            name = str(wid)
+            self.dp_scores[name] = max(self.dp_scores.get(name, score), score)
 
     def _reduce_round(self, flat: torch.Tensor) -> bool:
         """``flat`` ← its sum over the quorum (garbage if a participant failed: the step then
@@ -445,6 +510,7 @@ class ElasticDriver(Evictions, DistDriver):
         vote of every stage."""
         current = self.current
         current.stage_commit = self.quorum.should_commit() and current.mean_ok
+        self.records.before_vote(step + 1)  # its records: the step after step + 1 steps
         committed = self.vote.decide(step, self.me, current.participants, current.stage_commit)
         if self.requests is not None:
             current.vote_rows_requests = self.requests() - self.requests_mark
@@ -505,6 +571,7 @@ class ElasticDriver(Evictions, DistDriver):
         self.batch_index = state["batch_index"]
 
     def close(self) -> None:
+        self.beacon.close(self.deadlines.collective_s)  # its last step before it says it finished
         self.progress.set(f"elastic/finished/{self.me}/{self.generation}", str(self.next_step + 1))
         with contextlib.suppress(RowBroken):  # a partner died after the last step: nothing to deliver
             self.transport.drain(self.deadlines.message_s)

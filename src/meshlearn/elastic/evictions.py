@@ -154,7 +154,11 @@ class Evictions:
 
     def exchange_truth(self, step: int, local: dict[WorkerId, set], attackers: list[WorkerId]
                        ) -> dict[WorkerId, set]:
-        """As the fixed driver's, without the attackers evicted before ``step`` (gone)."""
+        """As the fixed driver's, without the attackers evicted before ``step`` (gone). Without a
+        verifier (a DP attack under ``elastic.membership = "control"``) nothing carries the ground
+        truth between processes: each knows its own attacker's only."""
+        if self.verdicts is None:
+            return local
         return super().exchange_truth(step, local, [w for w in attackers
                                                     if self.evicted.get(w, step) >= step])
 

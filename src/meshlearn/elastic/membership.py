@@ -227,6 +227,7 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
             prefixed.set(generation_key(WorkerId.parse(name)), "0")
             prefixed.set(free_key(WorkerId.parse(name), 0), str(_last_step(prefixed, name)))
     killed: set[str] = set()
+    outliers: set[tuple] = set()  # DP outlier reports printed: (worker, step)
     finished_at: float | None = None
     position = 0
 
@@ -251,7 +252,8 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
         """What the holder reported since (``ElasticDriver._event``): its row broke and it
         spectates (``spectates``: the first step it did not train, why); its row trains again,
         or a joiner's for the first time (``contributes``: the first step it trained); its row
-        linked anew while it held links (``relinks``: the step, why)."""
+        linked anew while it held links (``relinks``: the step, why); a DP outlier report of its
+        stage (``dp_outlier``: the step, the worker; printed once, whoever saw it first)."""
         base = f"elastic/events/{slot.name}/{slot.generation}"
         for i in range(slot.events, int(prefixed.add(f"{base}/count", 0))):
             event = _report(prefixed, f"{base}/{i}", {"event": str, "step": int})
@@ -260,6 +262,13 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
                 out.write(f"meshlearn: worker {slot.name}'s event {i} is malformed; ignored\n")
                 continue
             record(slot.name, event)
+            report = (event.get("worker"), event["step"])
+            if event["event"] == "dp_outlier" and report not in outliers:  # each member of the stage saw it
+                outliers.add(report)
+                out.write(f"meshlearn: worker {slot.name} reports {event.get('worker')} a DP outlier at step "
+                          f"{event['step'] + 1} (its contributions far from its stage's aggregate in "
+                          f"{event.get('count')} of its last updates; score {event.get('score')}); "
+                          "not evicted\n")
             if event["event"] == "spectates":
                 out.write(f"meshlearn: worker {slot.name} spectates from step {event['step'] + 1} "
                           f"({event.get('why')}); it stays in its stage's quorum\n")

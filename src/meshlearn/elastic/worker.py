@@ -41,6 +41,7 @@ from meshlearn.elastic.membership import (
     claim_first_free,
 )
 from meshlearn.elastic.peer_vote import PeerVote, ReusedRows
+from meshlearn.elastic.progress import ProgressBeacon
 from meshlearn.elastic.quorum import CommitVote, StageQuorum
 from meshlearn.elastic.rows import RowAgreement
 from meshlearn.elastic.settings import derive_timeouts
@@ -108,8 +109,9 @@ def build_elastic_driver(cfg, session, worker) -> ElasticDriver:
                          steady=lambda: driver[0].steady())
         rows = ReusedRows(rows, peers, lambda step: driver[0].checkpoint_membership.taken_since(step))
         vote = SettlingVote(peers, quorum)  # its fast path needs the outcome
-    driver.append(ElasticDriver(cfg, worker, session.health, session.device, session.comm, quorum, vote,
-                                rows, links, store, requests=lambda: sum(c.requests for c in counted)))
+    beacon = ProgressBeacon(store_client(host, port, timeouts.quorum_s), f"progress/{me}")
+    driver.append(ElasticDriver(cfg, worker, session.health, session.device, session.comm, quorum, vote, rows,
+                                links, store, beacon, requests=lambda: sum(c.requests for c in counted)))
     if joining():
         driver[0].join()
     return driver[0]

@@ -130,8 +130,13 @@ def _join(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{flag}", None, "required with --join: meshlearn train --join --host NAME "
                                                  "--key FILE --coordinator ADDR:PORT --out RUN")
     run_dir = Path(args.out)
-    return run(prepare_cluster_join(args.host, args.key, args.coordinator, run_dir, args.set, args.address),
-               run_dir, False)
+    cfg, own_port = prepare_cluster_join(args.host, args.key, args.coordinator, run_dir, args.set,
+                                         args.address)
+    try:  # a newcomer's own port receives its links while its worker runs
+        return run(cfg, run_dir, False)
+    finally:
+        if own_port is not None:
+            own_port.close()
 
 
 def _credentials(placement, key: str | None):

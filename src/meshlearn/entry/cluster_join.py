@@ -69,7 +69,6 @@ from meshlearn.net.port import dial
 from meshlearn.net.tls import HANDSHAKE_TIMEOUT_S, Refused, RunTls
 
 REACH_S = 30.0  # how long the coordinator may take to answer the first contact
-NEWCOMER_PORTS: list[HostPort] = []  # a newcomer's own port, held open for the life of its worker
 
 
 def parse_coordinator(text: str | None, flag: str = "--coordinator") -> tuple[str, int]:
@@ -140,10 +139,11 @@ def port_socket(run_dir: Path, host: str) -> str:
 
 
 def prepare_cluster_join(host: str, key: str | None, coordinator: str | None, run_dir: Path,
-                         overrides: list[str], own: str | None = None) -> RunConfig:
+                         overrides: list[str], own: str | None = None) -> tuple[RunConfig, HostPort | None]:
     """Find the run behind ``coordinator``, take a free slot in ``host``'s name, and set this
-    process's environment as a host launcher sets it for its workers; returns the run's config.
-    ``own``: a newcomer's ``--address`` (its key's certificate says ``joiner``)."""
+    process's environment as a host launcher sets it for its workers; returns the run's config
+    and, for a newcomer (``own``: its ``--address``; its key's certificate says ``joiner``), the
+    port it opened, which the caller holds open for the life of its worker."""
     address, port = parse_coordinator(coordinator)
     newcomer = own is not None  # a machine outside the placement gives its own port
     credentials = host_credentials(host, key, "joiner" if newcomer else "host")
@@ -166,11 +166,11 @@ def prepare_cluster_join(host: str, key: str | None, coordinator: str | None, ru
     if newcomer:
         placement = newcomer_placement(cfg, host, parse_coordinator(own, "--address"))
         run_dir.mkdir(parents=True, exist_ok=True)  # no launcher made it: the newcomer's own folder
-        NEWCOMER_PORTS.append(HostPort(placement, credentials))
-        socket_path = str(NEWCOMER_PORTS[-1].socket_path)
+        own_port = HostPort(placement, credentials)
+        socket_path = str(own_port.socket_path)
         os.environ[OWN_PORT_ENV] = f"{placement.address}:{placement.port}"
     else:
-        placement = place(cfg, host)  # a host of the run, whose address this machine has
+        placement, own_port = place(cfg, host), None  # a host of the run, whose address this machine has
         socket_path = port_socket(run_dir, host)
     if cfg.data.tokenizer == "bpe":
         install_tokenizer(run_dir / TOKENIZER, *received_tokenizer(store), resume=False)
@@ -189,7 +189,7 @@ def prepare_cluster_join(host: str, key: str | None, coordinator: str | None, ru
         WRITER_ENV: "", STARTED_ENV: str(mesh.world_size)})
     print(f"meshlearn: joined the run of {name} at {address}:{port} from host {host}: took slot {wid} "
           f"(generation {generation + 1})", flush=True)
-    return cfg
+    return cfg, own_port
 
 
 def _workers_store(store: ControlStore):

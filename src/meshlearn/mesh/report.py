@@ -31,18 +31,19 @@ class StepReport:
     grad_norm: float
     staleness: list[float] = field(default_factory=list)  # per stage: mean versions behind
     dp_wait_s: float = 0.0  # seconds workers' updates waited on the DP axis (summed over workers)
-    dp_scores: dict[str, float] = field(default_factory=dict)
-    """Per worker with a robust reduce in the step (``dp.robust``): its outlier score, the largest
-    of the step's updates (one under a flushing schedule); read by ``dp/attribution.py``."""
+    dp_scores: dict[str, list[float]] = field(default_factory=dict)
+    """Per worker with a robust reduce in the step (``dp.robust``): its outlier score in each of
+    the step's updates, in update order (one under a flushing schedule, up to M under ``async``);
+    read by ``dp/attribution.py``, which counts marks per update."""
 
 
 NO_SCORE = -1.0
-"""A ``ProcessRow``'s ``dp_score`` when its worker had no robust reduce in the step (scores are ≥ 0)."""
+"""A ``ProcessRow``'s score slot of an update without a robust reduce (scores are ≥ 0)."""
 
 
-def step_dp_score(scores: list[float]) -> float:
-    """A worker's outlier score of one step: the largest of its updates' (``NO_SCORE``: none)."""
-    return max(scores, default=NO_SCORE)
+def update_dp_scores(scores: dict[int, float]) -> list[float]:
+    """A worker's outlier scores of one step (``StepStats.dp_scores``: update → score), in update order."""
+    return [scores[u] for u in sorted(scores)]
 
 
 @dataclass
@@ -60,22 +61,26 @@ class ProcessRow:
     bytes_dp: int = 0
     staleness: float = 0.0  # mean versions behind of the gradients it applied in the step
     dp_wait_s: float = 0.0  # time its updates waited on the DP axis so far
-    dp_score: float = NO_SCORE  # its outlier score in the step (``step_dp_score``)
+    dp_scores: list[float] = field(default_factory=list)  # its updates' outlier scores (``update_dp_scores``)
     links: list[tuple[float, float]] = field(default_factory=list)  # per link slot: bytes sent, busy s
 
-    SCALARS = ("sq_norm", "busy_s", "bytes_pp", "bytes_dp", "staleness", "dp_wait_s", "dp_score")
+    SCALARS = ("sq_norm", "busy_s", "bytes_pp", "bytes_dp", "staleness", "dp_wait_s")
 
     def pack(self, microbatches: int, slots: int) -> torch.Tensor:
         """M losses, M flags (1: the loss is there; a microbatch a verifier quarantined has none),
-        the scalars, then (bytes, busy) per link slot."""
+        the scalars, M outlier score slots (a step has at most M updates; ``NO_SCORE`` where none),
+        then (bytes, busy) per link slot."""
         M = microbatches
-        row = torch.zeros(2 * M + len(self.SCALARS) + 2 * slots, dtype=torch.float64)
+        row = torch.zeros(3 * M + len(self.SCALARS) + 2 * slots, dtype=torch.float64)
         for m, loss in self.losses.items():
             row[m], row[M + m] = loss, 1.0
         at = 2 * M
         for i, name in enumerate(self.SCALARS):
             row[at + i] = getattr(self, name)
         at += len(self.SCALARS)
+        row[at:at + M] = NO_SCORE
+        row[at:at + len(self.dp_scores)] = torch.tensor(self.dp_scores, dtype=torch.float64)
+        at += M
         for i, (nbytes, busy) in enumerate(self.links):
             row[at + 2 * i], row[at + 2 * i + 1] = nbytes, busy
         return row
@@ -86,7 +91,9 @@ class ProcessRow:
         at = 2 * M
         scalars = dict(zip(cls.SCALARS, values[at:at + len(cls.SCALARS)], strict=True))
         at += len(cls.SCALARS)
-        return cls(losses={m: values[m] for m in range(M) if values[M + m] > 0},
+        scores = [s for s in values[at:at + M] if s != NO_SCORE]
+        at += M
+        return cls(losses={m: values[m] for m in range(M) if values[M + m] > 0}, dp_scores=scores,
                    **scalars | {"bytes_pp": int(scalars["bytes_pp"]), "bytes_dp": int(scalars["bytes_dp"])},
                    links=[(values[at + 2 * i], values[at + 2 * i + 1]) for i in range(slots)])
 
@@ -100,7 +107,7 @@ def stats_row(stats: StepStats, microbatches: int, sq_norm: float | None = None,
     return ProcessRow(losses={j % microbatches: loss for j, loss in stats.losses.items()},
                       sq_norm=sq_norm if sq_norm is not None else (sum(norms) / len(norms) if norms else 0.0),
                       staleness=sum(stats.staleness) / len(stats.staleness) if stats.staleness else 0.0,
-                      dp_score=step_dp_score(stats.dp_scores), **process)
+                      dp_scores=update_dp_scores(stats.dp_scores), **process)
 
 
 def mesh_report(step: int, mesh: MeshShape, rows: dict[WorkerId, ProcessRow], sim_s: float | None,
@@ -116,8 +123,7 @@ def mesh_report(step: int, mesh: MeshShape, rows: dict[WorkerId, ProcessRow], si
     return StepReport(step=step, losses=[loss for row in last for _, loss in sorted(row.losses.items())],
                       sim_s=sim_s, bytes_pp=bytes_pp, bytes_dp=bytes_dp, grad_norm=math.sqrt(sq),
                       staleness=staleness, dp_wait_s=dp_wait_s,
-                      dp_scores={str(w): row.dp_score for w in mesh.workers()
-                                 if (row := rows[w]).dp_score != NO_SCORE})
+                      dp_scores={str(w): rows[w].dp_scores for w in mesh.workers() if rows[w].dp_scores})
 
 
 AxisBytes = tuple[int, int]

@@ -76,7 +76,7 @@ class StepStats:
     losses: dict[int, float] = field(default_factory=dict)  # global microbatch id → loss
     update_sq_norms: list[float] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)  # versions behind, per applied gradient
-    dp_scores: list[float] = field(default_factory=list)  # outlier score per robust reduce (dp.robust)
+    dp_scores: dict[int, float] = field(default_factory=dict)  # update u → its outlier score (dp.robust)
 
 
 class Worker:
@@ -422,16 +422,20 @@ class Worker:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def note_dp_score(self, step: int, score: float) -> None:
-        """This worker's outlier score (``dp/robust.outlier_scores``) in the robust reduce of its
-        update of ``step``: reported with the step, for attribution (``dp/attribution.py``)."""
-        self._stats(step).dp_scores.append(score)
+    def note_dp_score(self, step: int, score: float, u: int | None = None) -> None:
+        """This worker's outlier score (``dp/robust.outlier_scores``) in a robust reduce of its
+        update ``u`` (default: the coming one, ``version``) of ``step``: reported with the step,
+        per update, for attribution (``dp/attribution.py``). An update's score is the largest of
+        its reduces' (PowerSGD: its P and Q rounds)."""
+        u = self.version if u is None else u
+        scores = self._stats(step).dp_scores
+        scores[u] = max(scores.get(u, score), score)
 
     def note_round_score(self, u: int, score: float) -> None:
         """This worker's outlier score in a robust round of its DP strategy (a sparse slice,
         PowerSGD factors, a DiLoCo pseudo-gradient) whose aggregate it merges at update ``u``:
         reported with that update's step, as the built-in all-reduce's scores are."""
-        self.note_dp_score(u // self.plan.updates_per_step, score)
+        self.note_dp_score(u // self.plan.updates_per_step, score, u)
 
     def grad_sq_norm(self) -> float:
         if self.cost_only is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from meshlearn.compress.registry import SAME
 from meshlearn.config import RunConfig, validate
 from meshlearn.plan.mask import mask_wire_values
 
@@ -79,7 +80,12 @@ def methods(cfg: RunConfig, rank: int, keeps: tuple[float, ...]) -> tuple[list[M
 
 
 def given_label(cfg: RunConfig) -> str:
+    """The given config's row label: its boundary codec (with the gradients' own codec where
+    ``codec.backward`` names one), schedule and DP strategy."""
     pp = f"subspace k={cfg.model.subspace_rank}" if cfg.model.subspace_rank else f"dense {cfg.codec.name}"
+    backward = cfg.codec.backward
+    if backward.name != SAME:
+        pp += f" / backward {backward.name}" + (f" keep={backward.keep:g}" if backward.name == "mask" else "")
     return f"as given: {pp} · {cfg.mesh.schedule} · {cfg.dp.name}"
 
 

@@ -139,21 +139,30 @@ class GracefulStop:
         return False
 
     def _exchange(self, frontier: int, stop: bool) -> str:
-        current = self._decode(self.store.compare_set(KEY, "", f"f:{frontier}"))
+        """The swap of the key that claims ``frontier`` (or stops), and the value it leaves.
+
+        The first swap expects the value this process read last (``claimed``: in a steady run, its
+        claim of the step it has just run), so claiming the next step is one request, not a read and
+        then a swap: each a round trip to a store across a WAN link, at every step's end, before
+        the next step may start. Where the guess is wrong the swap returns what the key holds, and
+        the loop goes on from that as it would from a read."""
+        current, read = f"f:{self.claimed}" if self.claimed >= 0 else "", False
         while True:
             if current.startswith("s:"):
                 return current
-            highest = int(current[2:])
+            highest = int(current[2:]) if current else -1
             if stop:
                 desired = f"s:{max(highest, frontier)}:{self.signum}"
-            elif frontier <= highest:
+            elif frontier > highest:
+                desired = f"f:{frontier}"
+            elif read:
                 return current
             else:
-                desired = f"f:{frontier}"
+                desired = current  # nothing to claim: the swap only reads the key (a stop may be in it)
             got = self._decode(self.store.compare_set(KEY, current, desired))
             if got == desired:
                 return got
-            current = got
+            current, read = got, True
 
     @staticmethod
     def _decode(value: bytes | str) -> str:
