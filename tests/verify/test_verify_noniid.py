@@ -56,7 +56,8 @@ def test_an_attacker_beside_a_replica_on_its_own_text_is_still_banned(tiny_corpu
 
 @pytest.mark.xfail(strict=True, reason="open (issue 31 item 4): a replica whose text shares no byte "
                    "with the others' stands out from its peers from the first warm-up step and is "
-                   "banned by the warm-up peer check (docs/sentinel.md, 'Non-identical data')")
+                   "banned by the warm-up peer check, and without it by the fences (docs/sentinel.md, "
+                   "'Non-identical data, measured')")
 def test_an_honest_replica_on_text_of_other_bytes_is_not_banned(tiny_corpus, tmp_path):
     rng = random.Random(2)
     digits = tmp_path / "digits.txt"
