@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import math
 import tomllib
 import typing
@@ -129,7 +130,9 @@ class RunConfig:
 NAME = "NAME"
 
 
+@functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
+    """A config dataclass's field types, resolved once (``validate`` walks them on every call)."""
     return typing.get_type_hints(cls)
 
 
