@@ -68,6 +68,14 @@ def test_the_slow_pairs_cost_is_its_row_minus_the_same_machines_without_delay() 
                                         "device_model_s": pytest.approx(0.24)}]
 
 
+def test_the_elastic_modes_machine_counts_are_checked_in_one_line() -> None:
+    assert bench.machine_counts("1,2,3") == [1, 2, 3] and bench.machine_counts("2") == [2]
+    for bad in ("4", "2,2", "", "1,x"):
+        with pytest.raises(SystemExit, match=r"^--machines = .*: distinct machine counts among 1, 2, 3"):
+            bench.machine_counts(bad)
+    assert bench.Arm(1, 0.0, elastic=True).label == "1 machine (loopback), elastic (control membership)"
+
+
 def test_without_root_the_bench_stops_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(wan.os, "geteuid", lambda: 1000)
     monkeypatch.setattr(sys, "argv", ["cluster.py"])
