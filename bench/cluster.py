@@ -28,7 +28,11 @@ elastic run clips per stage (docs/elastic.md, "Clipping"), so its losses are not
 and are not checked against them; its device-model columns are the fixed membership's. With
 ``--rtt-ms 0`` the same pair has no added delay: what elastic membership costs in CPU alone.
 
-    sudo OMP_NUM_THREADS=1 python bench/cluster.py [--steps 30] [--warmup 5] [--elastic-pair [--rtt-ms 80]]
+``--machines 1,2,3`` with it measures the same on one, two and three machines (each count's fixed
+and elastic runs side by side; one pair at ``--rtt-ms`` wherever there are two or more).
+
+    sudo OMP_NUM_THREADS=1 python bench/cluster.py [--steps 30] [--warmup 5]
+        [--elastic-pair [--rtt-ms 80] [--machines 1,2,3]]
 """
 
 from __future__ import annotations
