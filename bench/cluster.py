@@ -72,6 +72,12 @@ PLACEMENTS: dict[int, dict[str, tuple[str, ...]]] = {
     3: {"alice": ("r0s0", "r1s1"), "bob": ("r0s1", "r1s2"), "carol": ("r0s2", "r1s0")},
 }
 SLOW_PAIR = {2: (0, 1), 3: (0, 2)}  # machine indices (into HOSTS) of the 80 ms RTT pair
+# An elastic run's coordinator runs a last-stage worker (it starts the run's records): the
+# elastic mode's three machines, fixed and elastic alike, with every link still across machines.
+ELASTIC_PLACEMENTS: dict[int, dict[str, tuple[str, ...]]] = {
+    2: PLACEMENTS[2],
+    3: {"alice": ("r0s0", "r1s2"), "bob": ("r0s1", "r1s0"), "carol": ("r0s2", "r1s1")},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +87,11 @@ class Arm:
     count: int
     one_way_ms: float
     elastic: bool = False  # elastic.membership = "control" instead of fixed membership
+    elastic_mode: bool = False  # placed as the elastic mode places it (ELASTIC_PLACEMENTS)
+
+    @property
+    def placement(self) -> dict[str, tuple[str, ...]]:
+        return (ELASTIC_PLACEMENTS if self.elastic_mode else PLACEMENTS)[self.count]
 
     @property
     def label(self) -> str:
@@ -111,7 +122,7 @@ def link_settings(arm: Arm) -> list[str]:
         return [f"link.bandwidth_mbit={RATE_MBIT}", f"link.latency_ms={arm.one_way_ms:g}"]
     sets = [f"link.bandwidth_mbit={RATE_MBIT}", "link.latency_ms=0"]
     if arm.one_way_ms:
-        slow = slow_overrides(PLACEMENTS[arm.count], SLOW_PAIR[arm.count], arm.one_way_ms)
+        slow = slow_overrides(arm.placement, SLOW_PAIR[arm.count], arm.one_way_ms)
         sets.append(f"links.overrides={slow}")
     return sets
 
@@ -126,7 +137,7 @@ def arm_config(arm: Arm, steps: int) -> RunConfig:
 
 def placed(cfg: RunConfig, arm: Arm, hosts: list[Machine]) -> RunConfig:
     """``cfg`` with the ``[cluster]`` placement of ``arm`` on ``hosts`` (alice the coordinator)."""
-    table = {name: HostConfig(m.address, PORT, PLACEMENTS[arm.count][name])
+    table = {name: HostConfig(m.address, PORT, arm.placement[name])
              for name, m in zip(HOSTS, hosts, strict=False)}
     return dataclasses.replace(cfg, backend="dist", cluster=ClusterConfig("alice", table))
 
@@ -273,12 +284,13 @@ time cancels):
 
 ELASTIC_HEADER = """\
 Elastic membership on {machines} machine(s): fixed membership against `elastic.membership =
-"control"` on each, the placements of the fixed bench (two machines: alice `r0s0 r0s2 r1s1`, bob
-`r0s1 r1s0 r1s2`; three: alice `r0s0 r1s1`, bob `r0s1 r1s2`, carol `r0s2 r1s0`: every pipeline and DP
-link across machines; one pair at {rtt} ms RTT, {rate} Mbit/s; one machine: loopback), P=3 × D=2,
-demo corpus, d 64, 3 layers, seq 32, batch 8, {steps} steps, median after {warmup}; {cores} shared
-cores (load average before/after each run). The elastic run clips per stage, so its losses are its
-own (not checked against the simulator); the device model columns are the fixed membership's.
+"control"` on each (two machines: alice `r0s0 r0s2 r1s1`, bob `r0s1 r1s0 r1s2`; three: alice `r0s0
+r1s2`, bob `r0s1 r1s0`, carol `r0s2 r1s1`, the coordinator holding a last stage as an elastic run
+needs: every pipeline and DP link across machines; one pair at {rtt} ms RTT, {rate} Mbit/s; one
+machine: loopback), P=3 × D=2, demo corpus, d 64, 3 layers, seq 32, batch 8, {steps} steps, median
+after {warmup}; {cores} shared cores (load average before/after each run). The elastic run clips
+per stage, so its losses are its own (not checked against the simulator); the device model columns
+are the fixed membership's.
 `sudo OMP_NUM_THREADS=1 python bench/cluster.py --elastic-pair --steps {steps} --warmup {warmup}{options}`
 
 {table}
@@ -298,7 +310,8 @@ def elastic_main(args: argparse.Namespace) -> None:
     rows, overheads = [], []
     for count in args.machines:
         one_way = args.rtt_ms / 2 if count > 1 else 0.0
-        fixed, elastic = (measure(Arm(count, one_way, e), args.steps, args.warmup) for e in (False, True))
+        fixed, elastic = (measure(Arm(count, one_way, e, elastic_mode=True), args.steps, args.warmup)
+                          for e in (False, True))
         rows += [fixed, elastic]
         overheads.append({"machines": count, "rtt": f"{2 * one_way:g}" if count > 1 else "—",
                           "overhead": elastic["median_s_per_step"] / fixed["median_s_per_step"] - 1})
@@ -307,7 +320,8 @@ def elastic_main(args: argparse.Namespace) -> None:
     options = "".join([f" --machines {','.join(map(str, args.machines))}" if args.machines != [2] else "",
                        "" if goal else f" --rtt-ms {args.rtt_ms:g}"])
     payload = {"steps": args.steps, "warmup": args.warmup, "mesh": MESH, "elastic": ELASTIC,
-               "placements": {n: PLACEMENTS[n] for n in args.machines if n > 1}, "rate_mbit": RATE_MBIT,
+               "placements": {n: ELASTIC_PLACEMENTS[n] for n in args.machines if n > 1},
+               "rate_mbit": RATE_MBIT,
                "rtt_ms": args.rtt_ms, "rows": rows, "overheads": overheads,
                "goal": "<= +10% at 80 ms RTT (issue 26)" if goal else None, "cpu_count": os.cpu_count()}
     markdown = ELASTIC_HEADER.format(machines=", ".join(map(str, args.machines)), rate=RATE_MBIT,

@@ -22,12 +22,15 @@ from meshlearn.mesh.network import build_network  # noqa: E402
 from meshlearn.mesh.topology import MeshShape, WorkerId  # noqa: E402
 
 
+@pytest.mark.parametrize("elastic_mode", [False, True])
 @pytest.mark.parametrize("count", [2, 3])
-def test_every_link_crosses_machines_and_only_the_slow_pairs_links_are_delayed(count: int) -> None:
-    arm = bench.Arm(count, 40.0)
+def test_every_link_crosses_machines_and_only_the_slow_pairs_links_are_delayed(count: int,
+                                                                             elastic_mode: bool) -> None:
+    arm = bench.Arm(count, 40.0, elastic_mode=elastic_mode)
     cfg = bench.arm_config(arm, 3)
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
-    placement = bench.PLACEMENTS[count]
+    placement = arm.placement
+    assert not elastic_mode or any(w.endswith("s2") for w in placement["alice"])  # the coordinator's
     host_of = {w: h for h, workers in placement.items() for w in workers}
     assert sorted(host_of) == sorted(str(w) for w in mesh.workers())  # each worker placed once
     assert sum(len(ws) for ws in placement.values()) == len(host_of)
