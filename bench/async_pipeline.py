@@ -53,12 +53,12 @@ from common import (
     write_results,
 )
 
+from meshlearn.assemble import resolve
 from meshlearn.config import RunConfig, load_config
 from meshlearn.mesh.compute import DEVICES, ComputeModel, StageShape
 from meshlearn.mesh.schedule import stage_in_flight
 from meshlearn.models.split import init_model, split_model
 from meshlearn.train import Trainer
-from meshlearn.train.assemble import resolve
 
 OUT = ROOT / "bench" / "out" / "async_pipeline"
 SUBSPACE = ROOT / "configs" / "subspace.toml"

@@ -28,7 +28,11 @@ elastic run clips per stage (docs/elastic.md, "Clipping"), so its losses are not
 and are not checked against them; its device-model columns are the fixed membership's. With
 ``--rtt-ms 0`` the same pair has no added delay: what elastic membership costs in CPU alone.
 
-    sudo OMP_NUM_THREADS=1 python bench/cluster.py [--steps 30] [--warmup 5] [--elastic-pair [--rtt-ms 80]]
+``--machines 1,2,3`` with it measures the same on one, two and three machines (each count's fixed
+and elastic runs side by side; one pair at ``--rtt-ms`` wherever there are two or more).
+
+    sudo OMP_NUM_THREADS=1 python bench/cluster.py [--steps 30] [--warmup 5]
+        [--elastic-pair [--rtt-ms 80] [--machines 1,2,3]]
 """
 
 from __future__ import annotations
@@ -68,6 +72,12 @@ PLACEMENTS: dict[int, dict[str, tuple[str, ...]]] = {
     3: {"alice": ("r0s0", "r1s1"), "bob": ("r0s1", "r1s2"), "carol": ("r0s2", "r1s0")},
 }
 SLOW_PAIR = {2: (0, 1), 3: (0, 2)}  # machine indices (into HOSTS) of the 80 ms RTT pair
+# An elastic run's coordinator runs a last-stage worker (it starts the run's records): the
+# elastic mode's three machines, fixed and elastic alike, with every link still across machines.
+ELASTIC_PLACEMENTS: dict[int, dict[str, tuple[str, ...]]] = {
+    2: PLACEMENTS[2],
+    3: {"alice": ("r0s0", "r1s2"), "bob": ("r0s1", "r1s0"), "carol": ("r0s2", "r1s1")},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +87,17 @@ class Arm:
     count: int
     one_way_ms: float
     elastic: bool = False  # elastic.membership = "control" instead of fixed membership
+    elastic_mode: bool = False  # placed as the elastic mode places it (ELASTIC_PLACEMENTS)
+
+    @property
+    def placement(self) -> dict[str, tuple[str, ...]]:
+        return (ELASTIC_PLACEMENTS if self.elastic_mode else PLACEMENTS)[self.count]
 
     @property
     def label(self) -> str:
-        if self.count == 1:
-            return "1 machine (loopback)"
         membership = ", elastic (control membership)" if self.elastic else ""
+        if self.count == 1:
+            return "1 machine (loopback)" + membership
         return f"{self.count} machines, " + (f"one pair {2 * self.one_way_ms:.0f} ms RTT" if self.one_way_ms
                                              else "no added delay") + membership
 
@@ -107,7 +122,7 @@ def link_settings(arm: Arm) -> list[str]:
         return [f"link.bandwidth_mbit={RATE_MBIT}", f"link.latency_ms={arm.one_way_ms:g}"]
     sets = [f"link.bandwidth_mbit={RATE_MBIT}", "link.latency_ms=0"]
     if arm.one_way_ms:
-        slow = slow_overrides(PLACEMENTS[arm.count], SLOW_PAIR[arm.count], arm.one_way_ms)
+        slow = slow_overrides(arm.placement, SLOW_PAIR[arm.count], arm.one_way_ms)
         sets.append(f"links.overrides={slow}")
     return sets
 
@@ -122,7 +137,7 @@ def arm_config(arm: Arm, steps: int) -> RunConfig:
 
 def placed(cfg: RunConfig, arm: Arm, hosts: list[Machine]) -> RunConfig:
     """``cfg`` with the ``[cluster]`` placement of ``arm`` on ``hosts`` (alice the coordinator)."""
-    table = {name: HostConfig(m.address, PORT, PLACEMENTS[arm.count][name])
+    table = {name: HostConfig(m.address, PORT, arm.placement[name])
              for name, m in zip(HOSTS, hosts, strict=False)}
     return dataclasses.replace(cfg, backend="dist", cluster=ClusterConfig("alice", table))
 
@@ -268,38 +283,64 @@ time cancels):
 
 
 ELASTIC_HEADER = """\
-Elastic membership across machines: the two-machine placement (alice `r0s0 r0s2 r1s1`, bob `r0s1 r1s0
-r1s2`: every pipeline and DP link across the {rtt} ms RTT pair, {rate} Mbit/s), fixed membership
-against `elastic.membership = "control"`, P=3 × D=2, demo corpus, d 64, 3 layers, seq 32, batch 8,
-{steps} steps, median after {warmup}; {cores} shared cores (load average before/after each run).
-The elastic run clips per stage, so its losses are its own (not checked against the simulator);
-the device model columns are the fixed membership's.
-`sudo OMP_NUM_THREADS=1 python bench/cluster.py --elastic-pair --steps {steps} --warmup {warmup}{rtt_option}`
+Elastic membership on {machines} machine(s): fixed membership against `elastic.membership =
+"control"` on each (two machines: alice `r0s0 r0s2 r1s1`, bob `r0s1 r1s0 r1s2`; three: alice `r0s0
+r1s2`, bob `r0s1 r1s0`, carol `r0s2 r1s1`, the coordinator holding a last stage as an elastic run
+needs: every pipeline and DP link across machines; one pair at {rtt} ms RTT, {rate} Mbit/s; one
+machine: loopback), P=3 × D=2, demo corpus, d 64, 3 layers, seq 32, batch 8, {steps} steps, median
+after {warmup}; {cores} shared cores (load average before/after each run). The elastic run clips
+per stage, so its losses are its own (not checked against the simulator); the device model columns
+are the fixed membership's.
+`sudo OMP_NUM_THREADS=1 python bench/cluster.py --elastic-pair --steps {steps} --warmup {warmup}{options}`
 
 {table}
 
-Elastic step overhead at {rtt} ms RTT: **{overhead:+.1%}** of the fixed membership's step{goal}.
+Elastic step overhead (elastic ÷ fixed − 1, the same machines){goal}:
+
+{overheads}
 """
+OVERHEAD_COLUMNS = [("machines", "machines", "d"), ("rtt", "slow pair RTT, ms", ""),
+                    ("overhead", "elastic step overhead", "+.1%")]
 
 
 def elastic_main(args: argparse.Namespace) -> None:
-    """``--elastic-pair``: fixed vs elastic (control) membership on the pair at ``--rtt-ms`` (80 ms
-    RTT: issue 26's goal, ``results/cluster_elastic``; another RTT, e.g. 0 for the CPU cost alone,
-    goes to ``results/cluster_elastic_rtt<N>``)."""
-    rows = [measure(Arm(2, args.rtt_ms / 2, elastic), args.steps, args.warmup) for elastic in (False, True)]
-    fixed, elastic = (row["median_s_per_step"] for row in rows)
-    overhead = elastic / fixed - 1
+    """``--elastic-pair``: fixed vs elastic (control) membership on each of ``--machines`` (by
+    default the two machines' pair at ``--rtt-ms``, 80 ms RTT: issue 26's goal,
+    ``results/cluster_elastic``; other machine counts or RTTs go to a results file of their own)."""
+    rows, overheads = [], []
+    for count in args.machines:
+        one_way = args.rtt_ms / 2 if count > 1 else 0.0
+        fixed, elastic = (measure(Arm(count, one_way, e, elastic_mode=True), args.steps, args.warmup)
+                          for e in (False, True))
+        rows += [fixed, elastic]
+        overheads.append({"machines": count, "rtt": f"{2 * one_way:g}" if count > 1 else "—",
+                          "overhead": elastic["median_s_per_step"] / fixed["median_s_per_step"] - 1})
     goal = args.rtt_ms == SLOW_RTT_MS
+    default = goal and args.machines == [2]
+    options = "".join([f" --machines {','.join(map(str, args.machines))}" if args.machines != [2] else "",
+                       "" if goal else f" --rtt-ms {args.rtt_ms:g}"])
     payload = {"steps": args.steps, "warmup": args.warmup, "mesh": MESH, "elastic": ELASTIC,
-               "placement": PLACEMENTS[2], "rate_mbit": RATE_MBIT, "rtt_ms": args.rtt_ms, "rows": rows,
-               "elastic_overhead": overhead, "goal": "<= +10% (issue 26)" if goal else None,
-               "cpu_count": os.cpu_count()}
-    markdown = ELASTIC_HEADER.format(rate=RATE_MBIT, rtt=f"{args.rtt_ms:g}", steps=args.steps,
-                                     warmup=args.warmup, cores=os.cpu_count(),
-                                     table=markdown_table(rows, COLUMNS), overhead=overhead,
-                                     rtt_option="" if goal else f" --rtt-ms {args.rtt_ms:g}",
+               "placements": {n: ELASTIC_PLACEMENTS[n] for n in args.machines if n > 1},
+               "rate_mbit": RATE_MBIT,
+               "rtt_ms": args.rtt_ms, "rows": rows, "overheads": overheads,
+               "goal": "<= +10% at 80 ms RTT (issue 26)" if goal else None, "cpu_count": os.cpu_count()}
+    markdown = ELASTIC_HEADER.format(machines=", ".join(map(str, args.machines)), rate=RATE_MBIT,
+                                     rtt=f"{args.rtt_ms:g}", steps=args.steps, warmup=args.warmup,
+                                     cores=os.cpu_count(), table=markdown_table(rows, COLUMNS),
+                                     overheads=markdown_table(overheads, OVERHEAD_COLUMNS), options=options,
                                      goal=" (issue 26's goal at 80 ms RTT: ≤ +10%)" if goal else "")
-    write_results("cluster_elastic" if goal else f"cluster_elastic_rtt{args.rtt_ms:g}", payload, markdown)
+    name = "cluster_elastic" + ("" if default else "".join(
+        [f"_m{''.join(map(str, args.machines))}" if args.machines != [2] else "",
+         "" if goal else f"_rtt{args.rtt_ms:g}"]))
+    write_results(name, payload, markdown)
+
+
+def machine_counts(text: str) -> list[int]:
+    """``--machines 1,2,3``: distinct counts among 1, 2 and 3, in the order given."""
+    counts = [part.strip() for part in text.split(",")]
+    if not counts or any(c not in ("1", "2", "3") for c in counts) or len(set(counts)) != len(counts):
+        raise SystemExit(f"--machines = {text!r}: distinct machine counts among 1, 2, 3, e.g. 1,2,3")
+    return [int(c) for c in counts]
 
 
 def delay_costs(rows: list[dict]) -> list[dict]:
@@ -321,7 +362,10 @@ def main() -> None:
                         help="fixed vs elastic (control) membership on the two machines' 80 ms RTT pair")
     parser.add_argument("--rtt-ms", type=float, default=SLOW_RTT_MS,
                         help="--elastic-pair: the pair's added round trip, ms (0: none, the CPU cost alone)")
+    parser.add_argument("--machines", default="2",
+                        help="--elastic-pair: the machine counts, e.g. 1,2,3 (default 2: the pair)")
     args = parser.parse_args()
+    args.machines = machine_counts(args.machines)
     why = unavailable()
     if why is not None:
         raise SystemExit(f"bench/cluster.py: {why} (run it as root on Linux)")

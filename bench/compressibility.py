@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from common import RESULTS, ROOT, demo_config, load_average, markdown_table, write_results
 
+from meshlearn.assemble import resolve
 from meshlearn.compressibility import BLOCK_KINDS, CompressSettings, MatrixSpectrum, compress_run
 from meshlearn.compressibility.plots import plot_loss_vs_kept, plot_spectra
 from meshlearn.config import RunConfig
@@ -46,7 +47,6 @@ from meshlearn.jsonl import read_records
 from meshlearn.models import Decoder, init_model
 from meshlearn.optim import build_optimizer
 from meshlearn.train import Trainer
-from meshlearn.train.assemble import resolve
 
 OPTIMIZERS = ("adamw", "muon", "numuon")
 MATRIX_GRID = (1.2e-2, 2.4e-2, 4.8e-2)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from common import DEMO, demo_config, markdown_table, write_results
 
+from meshlearn.assemble import resolve
 from meshlearn.data import global_batch
 from meshlearn.data.corpus import load_corpus
 from meshlearn.distributed.shaping import Pacer, hold_until
@@ -48,7 +49,6 @@ from meshlearn.models import Decoder
 from meshlearn.models.split import init_model, split_model
 from meshlearn.optim import build_optimizer
 from meshlearn.optim.schedule_lr import lr_factor
-from meshlearn.train.assemble import resolve
 
 
 def overrides(bandwidth: float, steps: int) -> list[str]:

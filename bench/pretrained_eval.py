@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from meshlearn.assemble import resolve
 from meshlearn.config import load_config
 from meshlearn.data import shakespeare_dir
 from meshlearn.data.corpus import load_corpus
 from meshlearn.models import Decoder, init_model
-from meshlearn.train.assemble import resolve
 
 OUT = Path(__file__).parents[1] / "docs" / "results"
 

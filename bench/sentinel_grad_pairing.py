@@ -19,11 +19,11 @@ import statistics
 import torch
 from common import demo_config, markdown_table, write_results
 
+from meshlearn.assemble import resolve
 from meshlearn.data import global_batch
 from meshlearn.data.corpus import load_corpus
 from meshlearn.models import Decoder, init_model
 from meshlearn.optim import build_optimizer
-from meshlearn.train.assemble import resolve
 
 BOUNDARY_AFTER = "1"  # block 1 ends stage 1 of the demo's 4 stages: the s1|s2 boundary
 MICROBATCH = 4  # sequences per microbatch on the demo mesh: 32 / 2 replicas / 4 microbatches

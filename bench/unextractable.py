@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from common import DEMO, ROOT, demo_config, finished_run, markdown_table, write_results
 
+from meshlearn.assemble import resolve
 from meshlearn.attack_run import attack_run, attack_snapshots, random_init_loss, unigram_loss
 from meshlearn.compressibility.evaluate import validation_loss
 from meshlearn.config import load_config
@@ -52,7 +53,6 @@ from meshlearn.protocol.snapshots import (
     take_snapshot,
     traffic_windows,
 )
-from meshlearn.train.assemble import resolve
 
 ATTACKS = ("stitch", "bridge", "covariance")
 RSS_WRAPPER = """import resource, runpy, sys

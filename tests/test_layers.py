@@ -8,6 +8,9 @@ still a dependency, only a hidden one), type-only ones under ``TYPE_CHECKING`` t
 - a method package (anchor, compress, curvature, dp, protocol, verify, warmup, and the subspace
   update plugin) imports no trainer, planner, runtime, entry point, config tree or compatibility table;
 - the dist runtime never imports the elastic layer (elastic is composed on top of it);
+- the runtimes and the engine (distributed, elastic, cluster, mesh) never import the trainer
+  (``train``): what they share with it (the run folder's checkpoint layout, the worker's assembly,
+  the config diff) sits below both;
 - the transport at the bottom (``net``: credentials, TLS, the one port, authenticated links)
   imports nothing of meshlearn's but itself and the leaf helpers ``atomic`` and ``errors``, and of
   the rest only the standard library, torch and cryptography (it stays light to audit);
@@ -32,6 +35,7 @@ ROOT = "meshlearn"
 
 METHODS = ("anchor", "compress", "curvature", "dp", "protocol", "verify", "warmup", "mesh.basis_updates")
 ABOVE_METHODS = ("train", "plan", "distributed", "elastic", "entry", "config", "compat")
+RUNTIMES = ("distributed", "elastic", "cluster", "mesh")  # never import the trainer
 BELOW_NET = ("net", "atomic", "errors")  # what the transport may import
 NET_THIRD_PARTY = ("torch", "cryptography")  # besides the standard library
 
@@ -162,6 +166,9 @@ def layer_violations(edges: list[Edge]) -> list[str]:
         if _within(e.importer, "distributed") and _within(e.imported, "elastic"):
             lines.append(f"{e.importer} -> {e.imported} ({e.where}): the dist runtime imports the elastic "
                          "layer (the entry point composes it)")
+        if any(_within(e.importer, r) for r in RUNTIMES) and _within(e.imported, "train"):
+            lines.append(f"{e.importer} -> {e.imported} ({e.where}): a runtime imports the trainer "
+                         "(what both need sits below both)")
         if _within(e.importer, "net") and not any(_within(e.imported, p) for p in BELOW_NET):
             lines.append(f"{e.importer} -> {e.imported} ({e.where}): the transport (net) imports a layer "
                          "above it")
@@ -274,6 +281,12 @@ def test_the_checker_reports_each_kind_of_broken_layer(tmp_path):
                                  "    from meshlearn.elastic.driver import Driver\n",
         "elastic/__init__.py": "",
         "elastic/driver.py": "",
+        "elastic/membership.py": "from meshlearn.train.loop import run\n",
+        "cluster/__init__.py": "",
+        "cluster/shared.py": "def changed():\n    from meshlearn.train import loop\n",
+        "mesh/__init__.py": "",
+        "mesh/sim.py": "import importlib\n\nimportlib.import_module('meshlearn.train')\n",
+        "distributed/verifier.py": "from ..train import loop\n",
         "entry/__init__.py": "",
         "entry/cli.py": "from meshlearn.distributed import worker\n",
         "report.py": "from meshlearn.entry.cli import main\n",
@@ -286,13 +299,18 @@ def test_the_checker_reports_each_kind_of_broken_layer(tmp_path):
     assert sorted(p.split(" (")[0] for p in problems) == [
         "meshlearn.anchor.plugin -> meshlearn.hooks",  # hooks -> plugins -> anchor.plugin -> hooks
         "meshlearn.anchor.plugin -> meshlearn.train.loop",  # a method imports the trainer (lazily)
+        "meshlearn.cluster.shared -> meshlearn.train.loop",  # a runtime imports the trainer (lazily)
+        "meshlearn.distributed.verifier -> meshlearn.train.loop",  # ... (relative)
         "meshlearn.distributed.worker -> meshlearn.elastic.driver",  # dist -> elastic (type-only)
+        "meshlearn.elastic.membership -> meshlearn.train.loop",  # a runtime imports the trainer
         "meshlearn.hooks -> meshlearn.plugins",  # importlib's edge closes the circle
+        "meshlearn.mesh.sim -> meshlearn.train",  # the engine imports the trainer (importlib)
         "meshlearn.net.tls -> meshlearn.train.loop",  # the transport reaches up (errors is allowed)
         "meshlearn.plugins -> meshlearn.anchor.plugin",
         "meshlearn.report -> meshlearn.entry.cli",  # only entry and __main__ may import entry
     ]
     assert all("in an import circle of 3 modules" in p for p in problems if "hooks" in p or "plugins ->" in p)
+    assert sum("a runtime imports the trainer" in p for p in problems) == 4
     assert any(p.startswith("meshlearn.anchor.plugin -> meshlearn.train.loop (meshlearn/anchor/plugin.py:4)")
                for p in problems)
 
@@ -306,7 +324,11 @@ def test_the_checker_passes_a_package_that_keeps_its_layers(tmp_path):
         "elastic/__init__.py": "",
         "elastic/driver.py": "from meshlearn.distributed import worker\n",
         "distributed/__init__.py": "",
-        "distributed/worker.py": "",
+        "distributed/worker.py": "from meshlearn.checkpoint_layout import latest_complete\n",
+        "checkpoint_layout.py": "",
+        "train/__init__.py": "",
+        "train/trainer.py": ("from meshlearn import checkpoint_layout\n"
+                             "from meshlearn.distributed import worker\n"),
         "entry/__init__.py": "",
         "entry/plugins.py": "from meshlearn.anchor.plugin import *\n",
         "entry/cli.py": "from . import plugins\nfrom meshlearn.elastic.driver import *\n",

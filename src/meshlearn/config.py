@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import math
 import tomllib
 import typing
@@ -26,14 +27,14 @@ from meshlearn.cluster.settings import ClusterConfig, validate_cluster
 from meshlearn.compress.registry import CodecConfig, validate_codec
 from meshlearn.curvature.settings import CurvatureConfig, validate_curvature
 from meshlearn.data.replica_spec import replica_corpus_problem
-from meshlearn.distributed.settings import DistConfig, validate_dist
+from meshlearn.distributed.settings import Backend, DistConfig, validate_dist
 from meshlearn.dp.settings import DPConfig, validate_dp
 from meshlearn.elastic.settings import ElasticConfig, validate_elastic
 from meshlearn.errors import ConfigError
 from meshlearn.errors import require as _require
 from meshlearn.mesh.basis_update_settings import BasisUpdateConfig
 from meshlearn.mesh.compute import DEVICES, ComputeConfig
-from meshlearn.mesh.network import ACCESS, LinkProfile, LinksConfig, parse_overrides
+from meshlearn.mesh.network import LinkProfile, LinksConfig, parse_overrides
 from meshlearn.mesh.settings import MeshConfig, validate_mesh
 from meshlearn.models.llama import DecoderConfig
 from meshlearn.models.settings import validate_model
@@ -96,7 +97,7 @@ class RunConfig:
     """A label for reports; defaults to the run folder's name."""
     seed: int = 1337
     """Seeds model init, data order and link randomness."""
-    backend: str = "sim"
+    backend: Backend = "sim"
     """``sim``: every worker in one process on a virtual clock. ``dist``: one process per worker over
     torch.distributed (``meshlearn train --backend dist``; see ``dist.*`` and docs/distributed.md)."""
     model: DecoderConfig = field(default_factory=DecoderConfig)
@@ -129,7 +130,9 @@ class RunConfig:
 NAME = "NAME"
 
 
+@functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
+    """A config dataclass's field types, resolved once (``validate`` walks them on every call)."""
     return typing.get_type_hints(cls)
 
 
@@ -182,8 +185,23 @@ def unknown_key(key: str) -> str:
     return f"unknown key; {hint} (every key: meshlearn config)"
 
 
+def choices_of(tp: Any) -> tuple[Any, ...] | None:
+    """The values a ``Literal[...]`` field type allows, in declaration order; None for other types."""
+    return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
+
+
+def require_choice(key: str, value: Any, choices: tuple[Any, ...]) -> None:
+    """The one-line refusal of a value outside a ``Literal`` field's choices."""
+    _require(value in choices, key, value, f"allowed: {list(choices)}")
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Parse ``value`` (a TOML value or a ``--set`` string) into the field type ``tp``."""
+    choices = choices_of(tp)
+    if choices is not None:  # parsed as the choices' type, then refused unless one of them
+        value = _coerce(key, value, type(choices[0]))
+        require_choice(key, value, choices)
+        return value
     if tp == tuple[str, ...]:  # a TOML list of strings, or a comma-separated ``--set`` string
         items = [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
         if not isinstance(items, list | tuple) or not all(isinstance(x, str) for x in items):
@@ -368,10 +386,26 @@ def _validate_finite(node: Any, prefix: str = "") -> None:
                      "must be a finite number" + (" (inf means unlimited)" if key in INFINITE_OK else ""))
 
 
+def _validate_choices(node: Any, prefix: str = "") -> None:
+    """Every ``Literal`` field holds one of its choices, also in a config built in code (the loader
+    refuses a bad value as it parses it)."""
+    types = _field_types(type(node))
+    for f in dataclasses.fields(node):
+        value, key, tp = getattr(node, f.name), f"{prefix}{f.name}", types[f.name]
+        if dataclasses.is_dataclass(value):
+            _validate_choices(value, f"{key}.")
+        elif table_of(tp):
+            for table, entry in value.items():
+                _validate_choices(entry, f"{key}.{table}.")
+        elif choices_of(tp) is not None:
+            require_choice(key, value, choices_of(tp))
+
+
 def validate(cfg: RunConfig) -> None:
     """Every check that can fail before training starts."""
     m, mesh, link, train, data = cfg.model, cfg.mesh, cfg.link, cfg.train, cfg.data
     _validate_finite(cfg)
+    _validate_choices(cfg)
     for key, value in [("model.n_layer", m.n_layer), ("model.d_model", m.d_model),
                        ("model.n_head", m.n_head), ("model.seq_len", m.seq_len),
                        ("mesh.stages", mesh.stages), ("mesh.replicas", mesh.replicas),
@@ -404,7 +438,6 @@ def validate(cfg: RunConfig) -> None:
     for key, value in [("links.dp_latency_ms", cfg.links.dp_latency_ms),
                        ("links.pp_latency_ms", cfg.links.pp_latency_ms)]:
         _require(value >= 0 or value == -1, key, value, "must be >= 0, or -1 for link.latency_ms")
-    _require(cfg.links.access in ACCESS, "links.access", cfg.links.access, f"allowed: {list(ACCESS)}")
     try:
         parse_overrides(cfg.links.overrides)
     except ValueError as err:
@@ -432,8 +465,6 @@ def validate(cfg: RunConfig) -> None:
     if data.replica_corpus:
         problem = replica_corpus_problem(data.replica_corpus, cfg.mesh.replicas)
         _require(not problem, "data.replica_corpus", data.replica_corpus, problem)
-    _require(cfg.sim.compute in ("device", "measured"), "sim.compute", cfg.sim.compute,
-             "allowed: ['device', 'measured']")
     _require(cfg.sim.device in DEVICES, "sim.device", cfg.sim.device, f"allowed: {sorted(DEVICES)}")
     _require(0 < cfg.sim.utilization <= 1, "sim.utilization", cfg.sim.utilization, "in (0, 1]")
     _require(cfg.sim.peak_tflops >= 0, "sim.peak_tflops", cfg.sim.peak_tflops,

@@ -22,12 +22,15 @@ from meshlearn.mesh.network import build_network  # noqa: E402
 from meshlearn.mesh.topology import MeshShape, WorkerId  # noqa: E402
 
 
+@pytest.mark.parametrize("elastic_mode", [False, True])
 @pytest.mark.parametrize("count", [2, 3])
-def test_every_link_crosses_machines_and_only_the_slow_pairs_links_are_delayed(count: int) -> None:
-    arm = bench.Arm(count, 40.0)
+def test_every_link_crosses_machines_and_only_the_slow_pairs_links_are_delayed(count: int,
+                                                                             elastic_mode: bool) -> None:
+    arm = bench.Arm(count, 40.0, elastic_mode=elastic_mode)
     cfg = bench.arm_config(arm, 3)
     mesh = MeshShape(cfg.mesh.replicas, cfg.mesh.stages)
-    placement = bench.PLACEMENTS[count]
+    placement = arm.placement
+    assert not elastic_mode or any(w.endswith("s2") for w in placement["alice"])  # the coordinator's
     host_of = {w: h for h, workers in placement.items() for w in workers}
     assert sorted(host_of) == sorted(str(w) for w in mesh.workers())  # each worker placed once
     assert sum(len(ws) for ws in placement.values()) == len(host_of)
@@ -66,6 +69,14 @@ def test_the_slow_pairs_cost_is_its_row_minus_the_same_machines_without_delay() 
             {"machines": 2, "slow_pair_rtt_ms": 0.0, "median_s_per_step": 0.2, "sim_ms_per_step": 10.0}]
     assert bench.delay_costs(rows) == [{"machines": 2, "rtt_ms": 80.0, "measured_s": pytest.approx(0.3),
                                         "device_model_s": pytest.approx(0.24)}]
+
+
+def test_the_elastic_modes_machine_counts_are_checked_in_one_line() -> None:
+    assert bench.machine_counts("1,2,3") == [1, 2, 3] and bench.machine_counts("2") == [2]
+    for bad in ("4", "2,2", "", "1,x"):
+        with pytest.raises(SystemExit, match=r"^--machines = .*: distinct machine counts among 1, 2, 3"):
+            bench.machine_counts(bad)
+    assert bench.Arm(1, 0.0, elastic=True).label == "1 machine (loopback), elastic (control membership)"
 
 
 def test_without_root_the_bench_stops_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from in_threads import in_threads
 
 from meshlearn.cluster.checkpoints import AGREED, HOST_MANIFEST, ClusterCheckpoint, StoreWaits
-from meshlearn.train.checkpoint import CheckpointError
+from meshlearn.statefile import CheckpointError
 
 PLACED = {"alice": ["r0s0", "r1s1"], "bob": ["r0s1", "r1s0"]}
 HOST_OF = {w: h for h, ws in PLACED.items() for w in ws}

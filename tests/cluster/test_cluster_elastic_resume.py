@@ -18,6 +18,7 @@ import pytest
 import torch.distributed as dist
 from in_threads import in_threads
 
+from meshlearn.checkpoint_layout import MANIFEST
 from meshlearn.cluster.authority import Authority
 from meshlearn.cluster.checkpoints import AGREED
 from meshlearn.cluster.elastic_checkpoints import ElasticClusterCheckpoint
@@ -26,7 +27,8 @@ from meshlearn.cluster.placement import Placement
 from meshlearn.elastic.checkpoints import ElasticCheckpoints
 from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.train.checkpoint import MANIFEST, CheckpointError, load_run_state
+from meshlearn.statefile import CheckpointError
+from meshlearn.train.checkpoint import load_run_state
 
 PLACED = {"r0s0": "alice", "r1s1": "alice", "r0s1": "bob", "r1s0": "bob"}
 MESH = MeshShape(2, 2)

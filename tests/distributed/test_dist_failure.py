@@ -14,10 +14,10 @@ import pytest
 from dist_helpers import deadline, kill_leftovers, launch, records
 from tiny import tiny_config
 
+from meshlearn.checkpoint_layout import latest_complete
 from meshlearn.entry.launch import WORKERS_FILE
 from meshlearn.entry.worker import main as worker_main
 from meshlearn.train import Trainer
-from meshlearn.train.checkpoint import latest_complete
 
 LONG = ["mesh.stages=2", "mesh.replicas=2", "train.steps=40", "train.checkpoint_every=2",
         "train.eval_every=20"]

@@ -19,9 +19,9 @@ from dist_helpers import deadline, kill_leftovers, launch, records
 from test_dist_failure import pid_of, start_in_background, wait_for
 from tiny import tiny_config
 
+from meshlearn.checkpoint_layout import latest_complete
 from meshlearn.distributed.wire import HEADER_ROOM
 from meshlearn.train import Trainer
-from meshlearn.train.checkpoint import latest_complete
 
 # 16 sequences of 64 positions, width 32: an evaluation batch exceeds a microbatch's receive buffer.
 SHAPE = ["mesh.stages=2", "model.n_layer=2", "model.seq_len=64", "train.batch_size=16",

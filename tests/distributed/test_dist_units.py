@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from meshlearn.checkpoint_layout import latest_complete
 from meshlearn.compress.codecs import Encoded, IdentityCodec
 from meshlearn.compress.wire_checks import WireGuard
 from meshlearn.config import load_config
@@ -25,7 +26,7 @@ from meshlearn.mesh.network import Link, LinkProfile, build_network
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import Worker
 from meshlearn.net.counters import Counters
-from meshlearn.train.checkpoint import ShardedCheckpoint, latest_complete, load_run_state
+from meshlearn.train.checkpoint import ShardedCheckpoint, load_run_state
 
 CPU = torch.device("cpu")
 

@@ -32,11 +32,11 @@ from dist_helpers import deadline, kill_leftovers, launch, records, wait_until  
 from elastic_records import assert_no_vote_rows_requests_unless_changed  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
+from meshlearn.checkpoint_layout import MANIFEST, latest_complete  # noqa: E402
 from meshlearn.elastic.listeners import listening  # noqa: E402
 from meshlearn.entry.launch import WORKERS_FILE  # noqa: E402
 from meshlearn.jsonl import read_records  # noqa: E402
 from meshlearn.statefile import load_state
-from meshlearn.train.checkpoint import MANIFEST, latest_complete  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "train.steps=2000", "elastic.enabled=true",

@@ -11,6 +11,7 @@ import pytest
 from in_threads import in_threads
 from tiny import tiny_config
 
+from meshlearn.checkpoint_layout import CHECKPOINT_DIR, MANIFEST
 from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.elastic.evictions import evicted_key
 from meshlearn.elastic.membership import resume_absent
@@ -18,7 +19,6 @@ from meshlearn.elastic.rows import RowAgreement, form_rows
 from meshlearn.mesh.messages import carried_kind
 from meshlearn.mesh.network import LinkProfile, Network
 from meshlearn.mesh.topology import WorkerId
-from meshlearn.train.checkpoint import CHECKPOINT_DIR, MANIFEST
 
 
 def _rows(step, present, held=None, repair=True):

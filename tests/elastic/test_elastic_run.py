@@ -27,9 +27,9 @@ from dist_helpers import (  # noqa: E402
 from elastic_records import assert_no_vote_rows_requests_unless_changed  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
+from meshlearn.checkpoint_layout import latest_complete  # noqa: E402
 from meshlearn.entry.launch import WORKERS_FILE  # noqa: E402
 from meshlearn.statefile import load_state
-from meshlearn.train.checkpoint import latest_complete  # noqa: E402
 
 ELASTIC = ["backend=dist", "mesh.stages=2", "mesh.replicas=2", "train.steps=8", "elastic.enabled=true",
            "dist.timeout_s=5", "dist.dead_after_s=2"]

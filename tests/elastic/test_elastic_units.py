@@ -270,8 +270,8 @@ def test_a_worker_abandons_a_step_in_flight_and_stands_at_its_update(tiny_corpus
     idle, as a spectator; discarding that update changes no weight, and the next step runs."""
     import copy
 
+    from meshlearn.assemble import build_workers
     from meshlearn.mesh.worker import StepWork
-    from meshlearn.train.assemble import build_workers
 
     cfg = tiny_config(tiny_corpus, *ELASTIC, "model.vocab_size=256")
     worker = build_workers(cfg)[WorkerId(0, 0)]

@@ -5,16 +5,10 @@ import json
 import pytest
 from tiny import tiny_config
 
-from meshlearn.statefile import save_state
+from meshlearn.checkpoint_layout import CHECKPOINT, PREVIOUS, SINGLE_MANIFEST
+from meshlearn.statefile import CheckpointError, save_state
 from meshlearn.train import Trainer
-from meshlearn.train.checkpoint import (
-    CHECKPOINT,
-    PREVIOUS,
-    SINGLE_MANIFEST,
-    CheckpointError,
-    load_run_state,
-    load_verified,
-)
+from meshlearn.train.checkpoint import load_run_state, load_verified
 
 
 @pytest.fixture

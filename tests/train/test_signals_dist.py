@@ -13,11 +13,11 @@ import pytest
 import signal_at
 from test_signals import cli, train_records
 
+from meshlearn.checkpoint_layout import MANIFEST, latest_complete
 from meshlearn.config import load_config
 from meshlearn.entry.launch import launch_local
 from meshlearn.jsonl import read_records
 from meshlearn.train import Trainer
-from meshlearn.train.checkpoint import MANIFEST, latest_complete
 
 
 @pytest.mark.slow  # about 10 s: two real worker processes start, train, stop and checkpoint

@@ -14,6 +14,7 @@ import pytest
 import torch
 from tiny import tiny_config
 
+from meshlearn.checkpoint_layout import CHECKPOINT
 from meshlearn.distributed.verdict_board import blob_state, state_blob
 from meshlearn.elastic.heal_transport import StateTransport
 from meshlearn.entry.cli import main
@@ -27,7 +28,7 @@ from meshlearn.statefile import (
     save_state,
 )
 from meshlearn.train import Trainer
-from meshlearn.train.checkpoint import CHECKPOINT, load_run_state
+from meshlearn.train.checkpoint import load_run_state
 
 
 def same(a, b, where: str = "state") -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_verify_failsafe import CODEC, Stream
+from test_verify_failsafe import CODEC, SHAPE, Stream
 from tiny import tiny_config
 
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.train import Trainer
-from meshlearn.verify.ends import EndsWatch, data_explained
+from meshlearn.verify.ends import EndsWatch, data_explained, mean_share
 from meshlearn.verify.ledger import Decision, Ledger, Scored
 from meshlearn.verify.sentinel import Sentinel
 from meshlearn.verify.settings import VerifyConfig
@@ -33,6 +33,20 @@ def test_a_first_stage_attacker_is_banned_at_four_replicas(tiny_corpus, tmp_path
     summary = run(tiny_corpus, tmp_path, START + 6, "attack.workers=r1s0", *attack)
     assert [(b["worker"], b["honest"]) for b in summary["banned_workers"]] == [("r1s0", False)]
     assert summary["trust"]["workers"]["f1"] == 1.0
+
+
+def test_a_last_stage_that_adds_a_bias_is_banned_at_four_replicas(tiny_corpus, tmp_path):
+    """Its gradients are larger than its peers' (as behind a permuting first stage), but their mean
+    over tokens carries a share of their energy no data gives: its flags are its own. Without that
+    rule (``ends_mean_share`` 1: an excess nothing reaches) it was only quarantined, under an
+    ``ends`` alert."""
+    attack = ("attack.workers=r1s3", "attack.kind=bias", "attack.bias=2")  # 1σ is not flagged here
+    summary = run(tiny_corpus, tmp_path / "rule", START + 6, *attack)
+    assert [(b["worker"], b["honest"]) for b in summary["banned_workers"]] == [("r1s3", False)]
+    assert summary["banned_workers"][0]["step"] <= START + 3 and summary["trust"]["alerts"] == []
+    without = run(tiny_corpus, tmp_path / "without", START + 6, *attack, "verify.ends_mean_share=1.0")
+    assert without["banned_workers"] == []
+    assert [(a["worker"], a["cause"]) for a in without["trust"]["alerts"]] == [("r1s3", "ends")]
 
 
 PERMUTED = 30  # the permutation needs a model that has learnt something: its loss must rise
@@ -88,6 +102,23 @@ def test_larger_last_stage_gradients_ban_nobody_and_raise_an_ends_alert():
     assert s.bans == [] and [(a.worker, a.cause) for a in s.ledger.alerts] == [(WorkerId(1, 2), "ends")]
     without = last_stage_run(mismatched, ends_norm_ratio=1e9)
     assert [b.worker for b in without.bans] == [WorkerId(1, 2)]
+
+
+def test_larger_last_stage_gradients_with_a_bias_added_are_the_last_stage_s_own():
+    """A last stage that adds a fixed vector to every token's gradient makes them larger too (as a
+    mismatched loss would), but no data move their mean over tokens that far: it is banned."""
+    bias = torch.randn(SHAPE[-1], generator=torch.Generator().manual_seed(5))
+    s = last_stage_run(lambda x, stream: x + x.std() * bias)
+    assert [b.worker for b in s.bans] == [WorkerId(1, 2)] and s.ledger.alerts == []
+    without = last_stage_run(lambda x, stream: x + x.std() * bias, ends_mean_share=1.0)
+    assert without.bans == [] and [(a.worker, a.cause) for a in without.ledger.alerts] == [
+        (WorkerId(1, 2), "ends")]
+
+
+def test_the_mean_share_is_scale_free_and_one_for_a_constant():
+    x = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(0))
+    assert mean_share(3 * x) == pytest.approx(mean_share(x)) and mean_share(x) < 0.2
+    assert mean_share(torch.ones(2, 16, 8)) == pytest.approx(1.0) and mean_share(torch.zeros(2, 4)) == 0.0
 
 
 def grad(replica: int, mb: int, norm: float, flagged: bool, reason: str = "swd") -> Scored:

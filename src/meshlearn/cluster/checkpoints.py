@@ -29,16 +29,15 @@ import time
 from pathlib import Path
 
 from meshlearn.atomic import atomic_write_json
-from meshlearn.statefile import save_state
-from meshlearn.train.checkpoint import (
+from meshlearn.checkpoint_layout import (
     AGREED,
     CHECKPOINT_DIR,
-    CheckpointError,
     load_checkpoint_file,
     sha256_file,
     step_folders,
     step_of,
 )
+from meshlearn.statefile import CheckpointError, save_state
 
 HOST_MANIFEST = "host.json"
 KEYS = "cluster/checkpoint"  # on the rendezvous store, below the run's prefix

@@ -36,15 +36,10 @@ import time
 from pathlib import Path
 
 from meshlearn.atomic import atomic_write_json
+from meshlearn.checkpoint_layout import CHECKPOINT_DIR, load_checkpoint_file, sha256_file
 from meshlearn.cluster.checkpoints import AGREED, KEYS, prune_agreed, read_json
 from meshlearn.mesh.topology import WorkerId
-from meshlearn.statefile import save_state
-from meshlearn.train.checkpoint import (
-    CHECKPOINT_DIR,
-    CheckpointError,
-    load_checkpoint_file,
-    sha256_file,
-)
+from meshlearn.statefile import CheckpointError, save_state
 
 RESUME_STEP_ENV = "MESHLEARN_RESUME_STEP"  # the step the launchers agreed to resume from
 

@@ -33,13 +33,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from meshlearn.checkpoint_layout import CHECKPOINT_DIR, step_folders, step_of
 from meshlearn.cluster.elastic_checkpoints import read_agreement
 from meshlearn.cluster.placement import Placement
 from meshlearn.cluster.shared import KEYS
 from meshlearn.cluster.slots import SLOT
 from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import WorkerId
-from meshlearn.train.checkpoint import CHECKPOINT_DIR, step_folders, step_of
 
 CHOICE = f"{KEYS}/resume"
 STEP = re.compile(r"[0-9]{1,12}")  # a step count as a report names it (ASCII digits, bounded)

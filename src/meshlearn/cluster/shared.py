@@ -19,7 +19,7 @@ from pathlib import Path
 from meshlearn.atomic import atomic_path, atomic_write_json
 from meshlearn.cluster.placement import Placement
 from meshlearn.config import ConfigError, RunConfig, to_dict
-from meshlearn.train.provenance import changed_keys
+from meshlearn.config_diff import changed_keys
 
 KEYS = "meshlearn-cluster"  # on the rendezvous store, beside the workers' own prefix
 TOKENIZER = "tokenizer.json"

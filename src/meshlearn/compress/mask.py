@@ -32,7 +32,7 @@ E[h̃] = h. Evaluation passes (``MessageContext.training`` False) send every val
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -40,7 +40,7 @@ from meshlearn.compress.codecs import Encoded, Kind, MessageContext, place
 from meshlearn.compress.prf import grid32, key32
 
 MaskForm = Literal["fixed", "bernoulli"]
-MASK_FORMS: tuple[str, ...] = ("fixed", "bernoulli")
+MASK_FORMS: tuple[str, ...] = get_args(MaskForm)
 CACHE_ENTRIES = 64
 """Masks a codec keeps. A stage derives each mask twice (its forward's activation, then its
 backward's gradient over the same boundary); between the two lie at most ``in_flight`` other

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from meshlearn.compress.baselines import Int4RowCodec, RandomProjectionCodec, TopKCodec
 from meshlearn.compress.codecs import CastCodec, Codec, IdentityCodec, Int8RowCodec
 from meshlearn.compress.directional import DirectionalCodec
-from meshlearn.compress.mask import MASK_FORMS, MaskCodec, kept_channels
+from meshlearn.compress.mask import MaskCodec, MaskForm, kept_channels
 from meshlearn.compress.subspace import SubspaceCodec
 from meshlearn.models.llama import DecoderConfig
 from meshlearn.models.subspace import fixed_token_table, subspace_basis
 
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WireDtype = Literal["bf16", "fp16", "fp32"]
+"""Values of ``codec.wire_dtype``; ``WIRE_DTYPES`` gives each its torch dtype."""
+WIRE_DTYPES: dict[WireDtype, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                             "fp16": torch.float16}
 
 
 SAME = "same"
@@ -35,7 +38,7 @@ class BackwardCodecConfig:
     subspace), e.g. ``mask`` with rescale: an unbiased sparsifier of the gradient."""
     keep: float = 0.05
     """Backward mask: fraction of each token's gradient channels sent, in (0, 1]."""
-    mask: str = "fixed"
+    mask: MaskForm = "fixed"
     """Backward mask form: ``fixed`` or ``bernoulli`` (as codec.mask)."""
     rescale: bool = True
     """Backward mask: multiply what arrives by d/K (fixed) or 1/keep (Bernoulli). On by default:
@@ -49,7 +52,7 @@ class CodecConfig:
 
     name: str = "identity"
     """Registry name: identity (fp32), bf16, fp16, int8, int4, topk, lowrank, subspace, mask."""
-    wire_dtype: str = "bf16"
+    wire_dtype: WireDtype = "bf16"
     """Float type of the values sent by subspace, topk, lowrank and mask: fp32, bf16 or fp16."""
     topk: int = 8
     """Values kept per token by the topk codec."""
@@ -60,7 +63,7 @@ class CodecConfig:
     keep: float = 0.1
     """Mask codec: fraction of each token's channels that cross a boundary, 1 − p, in (0, 1].
     0.1 is the paper's M90, 0.05 its M95 (20× fewer bytes than a bf16 boundary in each direction)."""
-    mask: str = "fixed"
+    mask: MaskForm = "fixed"
     """Mask codec form: ``fixed`` (exactly round(keep·d) channels per token: an exact byte budget)
     or ``bernoulli`` (each channel kept independently with probability keep; the size varies)."""
     rescale: bool = False
@@ -102,8 +105,6 @@ def validate_codec(cfg: CodecConfig, model: DecoderConfig,
     the ConfigError naming the field, the value and what is allowed."""
     d = model.d_model
     require(cfg.name in CODECS, "codec.name", cfg.name, f"allowed: {sorted(CODECS)}")
-    require(cfg.wire_dtype in WIRE_DTYPES, "codec.wire_dtype", cfg.wire_dtype,
-            f"allowed: {sorted(WIRE_DTYPES)}")
     require(1 <= cfg.topk <= d, "codec.topk", cfg.topk, f"in [1, {d}]")
     require(1 <= cfg.lowrank <= d, "codec.lowrank", cfg.lowrank, f"in [1, {d}]")
     _validate_mask(cfg.name, cfg.keep, cfg.mask, "codec.", d, require)
@@ -118,7 +119,6 @@ def _validate_mask(name: str, keep: float, form: str, prefix: str, d: int,
                    require: Callable[[bool, str, Any, str], None]) -> None:
     """The mask options under ``prefix`` (codec. or codec.backward.); ``name`` is that codec's."""
     require(0 < keep <= 1, f"{prefix}keep", keep, "a fraction of the channels in (0, 1]")
-    require(form in MASK_FORMS, f"{prefix}mask", form, f"allowed: {list(MASK_FORMS)}")
     if name == "mask" and form == "fixed":
         require(kept_channels(keep, d) >= 1, f"{prefix}keep", keep,
                 f"keeps round({keep} * model.d_model = {d}) = 0 channels per token; "

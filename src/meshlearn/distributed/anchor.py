@@ -477,11 +477,11 @@ class AnchorStage:
 
 def run_anchor(cfg, run_dir: Path, session) -> NoReturn:
     """An anchor rank's whole life; ends the process (``run_and_exit``)."""
+    from meshlearn.assemble import resolve
     from meshlearn.data.corpus import load_corpus
     from meshlearn.distributed.session import train_tokenizer_once
     from meshlearn.models.split import init_model, split_model
     from meshlearn.protocol.model import stage_modules
-    from meshlearn.train.assemble import resolve
 
     me = session.anchor
     name = session.health.name

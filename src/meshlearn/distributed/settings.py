@@ -10,28 +10,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from meshlearn.mesh.network import LinkProfile, ring_allreduce_s
 
-BACKENDS = ("sim", "dist")
-COMMS = ("auto", "gloo", "nccl")
-SHAPINGS = ("sender", "none")
-LINKS = ("auto", "collective", "tcp")
-TRUSTED_LINKS = ("auto", "true", "false")
+Backend = Literal["sim", "dist"]
+"""The top-level ``backend``: the simulator or real processes."""
 
 
 @dataclass(frozen=True)
 class DistConfig:
     """The distributed runtime (``backend = "dist"``). Config keys under ``dist.``."""
 
-    comm: str = "auto"
+    comm: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: gloo (CPU tensors), nccl (one GPU per process), or auto (nccl when
     CUDA is available, else gloo)."""
-    shaping: str = "sender"
+    shaping: Literal["sender", "none"] = "sender"
     """``sender``: every sender paces its messages to its link's profile (token bucket for the
     bandwidth, delivery held back by the latency), so one machine emulates the WAN of ``link.*``.
     ``none``: send at the speed of the real network (a real WAN, or namespaces shaped by tc)."""
-    links: str = "auto"
+    links: Literal["auto", "collective", "tcp"] = "auto"
     """What carries the point-to-point links (pipeline, message-based DP, anchor circuit):
     ``collective``: send/recv on two-rank process groups (gloo or NCCL); ``tcp``: framed TCP
     streams of our own (distributed/streams.py), where the receiver refuses a frame beyond the
@@ -42,7 +40,7 @@ class DistConfig:
     link their rows over gloo pair groups (collective) whatever this says: tcp is refused there;
     under ``"control"`` rows always link over framed streams. With untrusted links
     (``trusted_links``) ``auto`` is tcp and ``collective`` is refused."""
-    trusted_links: str = "auto"
+    trusted_links: Literal["auto", "true", "false"] = "auto"
     """Whether the run may use process groups (gloo/NCCL), where a peer's malformed or oversized
     send aborts the receiving process, and every group opens a listening port of its own.
     ``true``: the DP all-reduce, the per-step gather, barriers and the validation broadcast are
@@ -127,18 +125,13 @@ def links_trusted(cfg) -> bool:
 
 
 def validate_dist(cfg, require) -> None:
-    """Checks of ``backend`` and ``dist.*`` run by ``config.validate`` (``cfg`` is the RunConfig;
-    ``require(ok, key, value, allowed)`` raises the ConfigError)."""
+    """Checks of ``dist.*`` run by ``config.validate`` beyond their choices (``Literal`` fields the
+    loader checks); ``cfg`` is the RunConfig, ``require(ok, key, value, allowed)`` raises the
+    ConfigError."""
     dist = cfg.dist
-    require(cfg.backend in BACKENDS, "backend", cfg.backend, f"allowed: {list(BACKENDS)}")
-    require(dist.comm in COMMS, "dist.comm", dist.comm, f"allowed: {list(COMMS)}")
-    require(dist.links in LINKS, "dist.links", dist.links, f"allowed: {list(LINKS)}")
-    require(dist.trusted_links in TRUSTED_LINKS, "dist.trusted_links", dist.trusted_links,
-            f"allowed: {list(TRUSTED_LINKS)} (a string)")
     untrusted = dist.trusted_links == "false"
     require(not untrusted or dist.links != "collective", "dist.links", dist.links,
             "must be 'auto' or 'tcp' with dist.trusted_links = 'false' (collective links are process groups)")
-    require(dist.shaping in SHAPINGS, "dist.shaping", dist.shaping, f"allowed: {list(SHAPINGS)}")
     for key, value in [("dist.timeout_s", dist.timeout_s), ("dist.heartbeat_s", dist.heartbeat_s),
                        ("dist.dead_after_s", dist.dead_after_s),
                        ("dist.init_timeout_s", dist.init_timeout_s)]:

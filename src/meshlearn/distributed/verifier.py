@@ -55,6 +55,7 @@ from typing import NoReturn, Protocol
 
 import torch
 
+from meshlearn.assemble import resolve
 from meshlearn.compress.codecs import MessageContext
 from meshlearn.compress.registry import build_codec
 from meshlearn.compress.wire_checks import WireGuard
@@ -74,7 +75,6 @@ from meshlearn.mesh.messages import Message, carried_kind
 from meshlearn.mesh.schedule import feed_lookahead, pipeline_in_flight
 from meshlearn.mesh.standin import slot_microbatch, stand_in
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.train.assemble import resolve
 from meshlearn.verify.ledger import Ban
 from meshlearn.verify.sentinel import Sentinel
 from meshlearn.verify.trust import choose_donor

@@ -126,7 +126,6 @@ class ElasticDriver(Evictions, DistDriver):
         self.events = 0  # membership events sent to the launcher (``_event``)
         self.checkpoint_membership = ElasticCheckpoints(progress, self.mesh, self.me, lambda: self.rows,
                                                         self.deadlines.collective_s)
-        self.round_bytes = 0  # bytes of the coming update's strategy rounds (their all-reduces)
         self.dp_scores: dict[str, float] = {}  # the stage's outlier scores in the coming update
         if self.dp_axis.strategy is not None:  # a message-based strategy: its rounds are quorum sums
             # (with dp.robust: gathered, and reduced alike by every member)
@@ -374,7 +373,6 @@ class ElasticDriver(Evictions, DistDriver):
                            spectator=self.sequences == 0, mesh_wide=False, votes=True,
                            collective_deadline_s=self.deadlines.collective_s)
         losses = list(worker.stats.get(step, StepStats()).losses.values())
-        self.round_bytes = 0
         self.dp_scores = {}
         started = time.monotonic()
         counts = [sum(losses), len(losses), float(self.sequences > 0), self.sequences]
@@ -384,7 +382,7 @@ class ElasticDriver(Evictions, DistDriver):
         mean_loss = loss_sum / loss_count if self.current.mean_ok and loss_count > 0 else None
         bytes_pp, bytes_dp = self.step_bytes.since(start)
         return StepReport(step=step, losses=[mean_loss] if mean_loss is not None else [],
-                          sim_s=None, bytes_pp=bytes_pp, bytes_dp=bytes_dp + self.round_bytes,
+                          sim_s=None, bytes_pp=bytes_pp, bytes_dp=bytes_dp,
                           grad_norm=sq_norm**0.5, staleness=[],
                           dp_scores={w: [s] for w, s in self.dp_scores.items()} if self.current.committed
                           else {})
@@ -482,7 +480,6 @@ class ElasticDriver(Evictions, DistDriver):
         parts = self.quorum.gather(flat)
         nbytes = flat.numel() * flat.element_size()
         self.dp_axis.hold_gather(nbytes, self.quorum.member_workers(), self.next_step)
-        self.round_bytes += nbytes
         return parts
 
     def _note_scores(self, flags: list[bool], scores: list[float] | None) -> None:
@@ -502,7 +499,6 @@ class ElasticDriver(Evictions, DistDriver):
         summed = self.quorum.sum(flat)
         nbytes = flat.numel() * flat.element_size()
         self.dp_axis.hold_ring(nbytes, self.current.participants, self.next_step)
-        self.round_bytes += nbytes
         return summed
 
     def _decide(self, step: int) -> bool:

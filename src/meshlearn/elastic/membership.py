@@ -34,6 +34,7 @@ from typing import TextIO
 import torch.distributed as dist
 
 from meshlearn.atomic import atomic_write_json
+from meshlearn.checkpoint_layout import MANIFEST, latest_complete
 from meshlearn.distributed.health import EXIT_EVICTED, EXIT_LEFT, EXIT_PEER_FAILURE
 from meshlearn.distributed.procs import echo, stop
 from meshlearn.elastic.binding import start_lighthouse
@@ -110,7 +111,6 @@ def resume_absent(cfg, run_dir: Path) -> list[str]:
     not list (they had left when it was taken; the listed ones form its rows again, re-paired
     where their rows broke at different stages)."""
     from meshlearn.elastic.checkpoints import listed_workers
-    from meshlearn.train.checkpoint import MANIFEST, latest_complete
 
     folder = latest_complete(run_dir)
     if folder is None:
@@ -368,8 +368,6 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
 def _failure_report(codes: dict[str, int], killed: set[str], run_dir: Path) -> str:
     """No row finished: name the stage that lost every replica by itself (not by a broken row), if
     one did, and say how to resume."""
-    from meshlearn.train.checkpoint import latest_complete
-
     stages: dict[int, list[str]] = {}
     for name, code in codes.items():
         if code not in (0, EXIT_LEFT) and name not in killed:

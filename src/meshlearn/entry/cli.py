@@ -151,9 +151,9 @@ def _credentials(placement, key: str | None):
 
 
 def _launch_dist(args: argparse.Namespace, cfg, run_dir: Path, changed: dict, placement, credentials) -> int:
+    from meshlearn.checkpoint_layout import latest_complete
     from meshlearn.cluster.checkpoints import agreed_steps
     from meshlearn.entry.launch import launch_local
-    from meshlearn.train.checkpoint import latest_complete
 
     if args.resume:
         folder = latest_complete(run_dir)

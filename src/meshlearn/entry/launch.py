@@ -29,6 +29,7 @@ from typing import TextIO
 import torch.distributed as dist
 
 from meshlearn.atomic import atomic_write_json
+from meshlearn.checkpoint_layout import latest_complete
 from meshlearn.config import RunConfig
 from meshlearn.distributed.bound_store import BoundStore
 from meshlearn.distributed.groups import anchors, world_size
@@ -49,7 +50,6 @@ from meshlearn.elastic.membership import (
 from meshlearn.elastic.settings import derive_timeouts
 from meshlearn.entry.worker import refuse_resume
 from meshlearn.mesh.topology import MeshShape, WorkerId
-from meshlearn.train.checkpoint import latest_complete
 from meshlearn.train.signals import STOPPING
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from meshlearn.assemble import build_worker
 from meshlearn.cluster.control_store import control_connector
 from meshlearn.cluster.links import cluster_connector
 from meshlearn.config import RunConfig, load_config
@@ -45,7 +46,6 @@ from meshlearn.errors import ConfigError
 from meshlearn.mesh.topology import MeshShape
 from meshlearn.models.split import init_model, split_model
 from meshlearn.protocol.model import stage_modules
-from meshlearn.train.assemble import build_worker
 from meshlearn.train.closing import rate
 from meshlearn.train.signals import GracefulStop
 from meshlearn.train.trainer import Trainer

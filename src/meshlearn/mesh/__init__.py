@@ -4,7 +4,7 @@ from meshlearn.mesh.compute import DEVICES, ComputeConfig, ComputeModel, StageSh
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.network import Link, LinkProfile, Network, ring_allreduce_s
 from meshlearn.mesh.report import StepReport
-from meshlearn.mesh.schedule import SCHEDULES, Action, AsyncPlan, FlushPlan, format_table, schedule_table
+from meshlearn.mesh.schedule import Action, AsyncPlan, FlushPlan, format_table, schedule_table
 from meshlearn.mesh.sim import SimDriver
 from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepWork, Worker
@@ -12,7 +12,6 @@ from meshlearn.mesh.worker import StepWork, Worker
 __all__ = [
     "DEVICES",
     "FlushPlan",
-    "SCHEDULES",
     "Action",
     "AsyncPlan",
     "ComputeConfig",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from meshlearn.models.llama import DecoderConfig
 
@@ -33,7 +33,7 @@ DEVICE_MEMORY_GB: dict[str, float] = {"rtx3090": 24.0, "rtx4090": 24.0, "a100": 
 class ComputeConfig:
     """Where the virtual clock's compute durations come from. Config keys under ``sim.``."""
 
-    compute: str = "device"
+    compute: Literal["device", "measured"] = "device"
     """``device`` (FLOP model of ``device``) or ``measured`` (wall time of the real compute here)."""
     device: str = "rtx4090"
     """A GPU from the device table: rtx3090, rtx4090, a100, h100, l4."""

@@ -14,11 +14,13 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field, replace
+from typing import Literal, get_args
 
 from meshlearn.mesh.topology import MeshShape, WorkerId
 
 UPLINK = "uplink"  # ``links.access`` for a shared access link; also its key in a saved network state
-ACCESS = ("off", UPLINK)  # the values ``links.access`` allows
+Access = Literal["off", "uplink"]  # the values ``links.access`` allows (the second is UPLINK)
+ACCESS = get_args(Access)
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ class Network:
     overrides: dict[tuple[WorkerId, WorkerId], LinkProfile] = field(default_factory=dict)
     axes: dict[str, LinkProfile] = field(default_factory=dict)  # per-axis profiles ("pp", "dp")
     links: dict[tuple[WorkerId, WorkerId], Link] = field(default_factory=dict)
-    access: str = "off"  # ``links.access``: UPLINK gives every sender one shared queue
+    access: Access = "off"  # ``links.access``: UPLINK gives every sender one shared queue
     uplinks: dict[WorkerId, Uplink] = field(default_factory=dict)
 
     def link(self, src: WorkerId, dst: WorkerId) -> Link:
@@ -213,7 +215,7 @@ class LinksConfig:
     """Bandwidth of every PP link (stage s → s±1 of one replica); 0 = link.bandwidth_mbit."""
     pp_latency_ms: float = -1.0
     """One-way latency of every PP link; -1 = link.latency_ms."""
-    access: str = "off"
+    access: Access = "off"
     """``off``: every directed link sends from a queue of its own. ``uplink``: each participant
     has one access link that every link out of it shares (its pipeline sends both ways and its DP
     traffic): its messages leave one at a time in send order, each at its link's bandwidth (with

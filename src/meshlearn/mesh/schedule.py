@@ -195,7 +195,8 @@ class AsyncPlan:
                                                          state["updates"])
 
 
-SCHEDULES = ("1f1b", "async", "gpipe")
+Schedule = Literal["1f1b", "async", "gpipe"]
+"""Values of ``mesh.schedule``."""
 
 
 def round_trip_in_flight(stage: int, stages: int, compute_s: float, latency_s: float,

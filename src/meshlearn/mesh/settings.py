@@ -6,8 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from meshlearn.mesh.schedule import SCHEDULES
-from meshlearn.optim.async_lr import ASYNC_LR_RULES
+from meshlearn.mesh.schedule import Schedule
+from meshlearn.optim.async_lr import AsyncLrRule
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class MeshConfig:
     """Pipeline stages P; must divide model.n_layer."""
     replicas: int = 2
     """Data-parallel replicas D of every stage."""
-    schedule: str = "1f1b"
+    schedule: Schedule = "1f1b"
     """Pipeline schedule: gpipe, 1f1b (both flush every step; exact) or async (no flush:
     PipeDream-style 1F1B with stale gradients; see docs/async.md)."""
     microbatches: int = 4
@@ -38,7 +38,7 @@ class MeshConfig:
     proportionally fewer (1 + ⌈(N − 1)(P − 1 − s)/(P − 1)⌉; N = P is the default), the last 1."""
     max_in_flight: int = 16
     """async: the cap of mesh.in_flight = auto (bounds staleness and stash memory)."""
-    async_lr_rule: str = "microbatch_staleness"
+    async_lr_rule: AsyncLrRule = "microbatch_staleness"
     """async: how each stage's lr follows from train.lr (tuned for one update per step on the whole
     batch), so that switching to async needs no retuning. ``microbatch_staleness``: × 1/√(n·(1 + τ_s))
     with n = microbatches / update_every updates per step (the square-root batch-size rule of Adam)
@@ -49,9 +49,9 @@ class MeshConfig:
 
 
 def validate_mesh(cfg: Any, require: Callable[[bool, str, Any, str], None]) -> None:
-    """The mesh's own checks (the model and batch divisibility rules live in config.validate)."""
+    """The mesh's own checks beyond its choices (``Literal`` fields the loader checks); the model
+    and batch divisibility rules live in config.validate."""
     mesh = cfg.mesh
-    require(mesh.schedule in SCHEDULES, "mesh.schedule", mesh.schedule, f"allowed: {list(SCHEDULES)}")
     require(mesh.update_every >= 1 and mesh.microbatches % mesh.update_every == 0, "mesh.update_every",
             mesh.update_every, f"must divide mesh.microbatches = {mesh.microbatches} "
             f"(allowed: {[d for d in range(1, mesh.microbatches + 1) if mesh.microbatches % d == 0]})")
@@ -59,8 +59,6 @@ def validate_mesh(cfg: Any, require: Callable[[bool, str, Any, str], None]) -> N
     require(text in ("default", "auto") or (text.isdigit() and int(text) >= 1), "mesh.in_flight",
             mesh.in_flight, "allowed: default, auto or a positive integer")
     require(mesh.max_in_flight >= 1, "mesh.max_in_flight", mesh.max_in_flight, "must be >= 1")
-    require(mesh.async_lr_rule in ASYNC_LR_RULES, "mesh.async_lr_rule", mesh.async_lr_rule,
-            f"allowed: {list(ASYNC_LR_RULES)}")
     if mesh.schedule != "async":
         for key, value, default in [("mesh.update_every", mesh.update_every, 1),
                                     ("mesh.weight_stashing", mesh.weight_stashing, True),

@@ -35,9 +35,11 @@ delay is never compensated twice.
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
-ASYNC_LR_RULES = ("microbatch_staleness", "microbatch", "off")
+AsyncLrRule = Literal["microbatch_staleness", "microbatch", "off"]
 """Values of ``mesh.async_lr_rule``."""
+ASYNC_LR_RULES = get_args(AsyncLrRule)
 
 
 def async_lr_scale(rule: str, microbatches: int, update_every: int, depth: int) -> float:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -52,12 +52,12 @@ class OptimConfig:
     """AdamW's and NAdamW's denominator epsilon."""
     momentum: float = 0.95
     """Muon/NuMuon momentum (EMA form)."""
-    muon_adjust_lr: str = "match_rms_adamw"
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     """Muon's per-matrix lr scale: ``match_rms_adamw`` (reuse AdamW's lr) or ``original`` (lr in
     spectral-norm units, ~0.02)."""
     numuon_rank_fraction: float = 0.25
     """NuMuon's update rank as a fraction of min(m, n) of each matrix (the final one of a schedule)."""
-    numuon_rank_schedule: str = "fixed"
+    numuon_rank_schedule: Literal["fixed", "cosine"] = "fixed"
     """``fixed``: ``numuon_rank_fraction`` throughout. ``cosine``: the method note's recipe — hold
     ``numuon_start_fraction`` for the first 10% of ``train.steps``, cosine-anneal to
     ``numuon_rank_fraction`` at 80%, then hold (early full-rank steps learn faster)."""
@@ -94,12 +94,8 @@ def validate_optim(cfg: OptimConfig, require: Callable[[bool, str, Any, str], No
     for key, value in [("optim.beta1", cfg.beta1), ("optim.beta2", cfg.beta2)]:
         require(value == OWN_DEFAULT or 0 < value < 1, key, value,
                 "in (0, 1), or 0 for the optimizer's own default")
-    require(cfg.muon_adjust_lr in ("match_rms_adamw", "original"), "optim.muon_adjust_lr",
-            cfg.muon_adjust_lr, "allowed: ['match_rms_adamw', 'original']")
     require(0 < cfg.numuon_rank_fraction <= 1, "optim.numuon_rank_fraction",
             cfg.numuon_rank_fraction, "in (0, 1]")
-    require(cfg.numuon_rank_schedule in ("fixed", "cosine"), "optim.numuon_rank_schedule",
-            cfg.numuon_rank_schedule, "allowed: ['fixed', 'cosine']")
     require(0 < cfg.numuon_start_fraction <= 1, "optim.numuon_start_fraction",
             cfg.numuon_start_fraction, "in (0, 1]")
     require(cfg.no_ws_lr_anneal >= 0 and math.isfinite(cfg.no_ws_lr_anneal), "optim.no_ws_lr_anneal",

@@ -2,7 +2,7 @@
 
 ``CostRun(cfg, drain_at)`` builds every worker of ``cfg``'s mesh on the meta device (exact
 parameter shapes, no storage), with the run's plans, codec (its ``encode`` run on meta tensors, so
-messages have the codec's exact wire size), DP strategy (``dp.cost``), links (``train.assemble``'s
+messages have the codec's exact wire size), DP strategy (``dp.cost``), links (``assemble``'s
 network) and compute model, and steps the SimDriver's own event loop. Nothing is a second
 formula: time is the virtual clock's, bytes are the links' counters, busy time the clock's.
 
@@ -123,7 +123,7 @@ class NoArithmetic:
 
 
 def dp_profile(network: Network, mesh: MeshShape, wid: WorkerId):
-    """``train.assemble.dp_link_profile`` over an already built network."""
+    """``assemble.dp_link_profile`` over an already built network."""
     peers = [WorkerId(r, wid.stage) for r in range(mesh.replicas) if r != wid.replica]
     profiles = [network.link(wid, p).profile for p in peers] or [network.link(wid, wid).profile]
     return max(profiles, key=lambda p: (p.serialization_s(1 << 20) + p.latency_s))

@@ -11,17 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-MORPHS = ("off", "none", "orthogonal", "lowcond")
-"""DP strategies whose state follows a morph (``basis_state``; docs/protocol.md)."""
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
 class ProtocolConfig:
     """Unextractable protocol models (arXiv 2605.23464; see docs/protocol.md). Keys under ``protocol.``."""
 
-    morph: str = "off"
+    morph: Literal["off", "none", "orthogonal", "lowcond"] = "off"
     """``off``: the plain decoder. ``none``: the protocol model, never morphed (computes what the
     plain decoder computes at init). ``orthogonal``: a Haar-orthogonal transform at every boundary
     (training stays exact under Muon). ``lowcond``: a low-condition transform (κ ≤ e^{2ε}); training
@@ -61,7 +58,6 @@ def validate_protocol(cfg: Any, require: Callable[[bool, str, Any, str], None]) 
     """Checks of ``protocol.*`` run by ``config.validate``; what the protocol model and morphs
     cannot combine with are rows of ``meshlearn.compat``."""
     p = cfg.protocol
-    require(p.morph in MORPHS, "protocol.morph", p.morph, f"allowed: {list(MORPHS)}")
     require(p.every_steps >= 1, "protocol.every_steps", p.every_steps, "must be >= 1")
     require(p.every_tokens >= 0, "protocol.every_tokens", p.every_tokens,
             "must be >= 0 (training tokens between morphs; 0: use protocol.every_steps)")

@@ -1,4 +1,7 @@
-"""Checkpoint layouts: one file when one process holds every worker, shards plus a manifest otherwise.
+"""Checkpoint stores: one file when one process holds every worker, shards plus a manifest otherwise.
+
+The run folder's format itself (names, manifests, which sharded checkpoint is complete) is
+``meshlearn/checkpoint_layout.py``, which the runtimes read without the trainer.
 
 The Trainer decides what a checkpoint holds (``common``: config, counters; ``shard``: this
 process's workers, driver state and RNG); a store decides where it goes. A sharded checkpoint is
@@ -19,7 +22,6 @@ loading it must not run code. The ``.pt`` names stayed; a pickle under them is r
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -28,25 +30,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from meshlearn.atomic import atomic_path, atomic_write_json, write_synced
-from meshlearn.statefile import CheckpointError, encode_state, load_state, save_state
-
-CHECKPOINT = "checkpoint.pt"
-PREVIOUS = "checkpoint.prev.pt"
-SINGLE_MANIFEST = "checkpoint.json"
-CHECKPOINT_DIR = "checkpoints"
-MANIFEST = "manifest.json"
-AGREED = "agreed.json"  # a cluster run's agreement that a checkpoint is complete (cluster/checkpoints.py)
-
-__all__ = ["CheckpointError"]  # defined with the file format (meshlearn/statefile.py), raised here too
-
-
-def sha256_file(path: Path) -> str:
-    """The SHA-256 of a file (hex), read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+from meshlearn.checkpoint_layout import (
+    AGREED,
+    CHECKPOINT,
+    CHECKPOINT_DIR,
+    MANIFEST,
+    PREVIOUS,
+    SINGLE_MANIFEST,
+    is_complete,
+    latest_complete,
+    load_checkpoint_file,
+    sha256_file,
+    step_folders,
+    step_of,
+)
+from meshlearn.statefile import CheckpointError, encode_state, save_state
 
 
 def _entry(path: Path, step: int) -> dict:
@@ -75,18 +73,6 @@ def _damage(path: Path, entry: dict | None, others: list[dict]) -> str | None:
     if not any(e.get("sha256") == digest for e in candidates):
         return "checksum mismatch: the file was changed after it was written"
     return None
-
-
-def load_checkpoint_file(path: Path, keys: tuple[str, ...] = ("config", "totals", "workers"),
-                         device=None) -> dict:
-    """A meshlearn checkpoint (or shard), read without pickle (meshlearn/statefile.py); tensors on
-    ``device`` (None: where they were saved). CheckpointError for anything else."""
-    state = load_state(path, device)
-    if not isinstance(state, dict) or not set(keys) <= set(state):
-        got = sorted(state)[:5] if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(path, f"not a meshlearn checkpoint (it holds {got}, expected the "
-                                    f"keys {', '.join(keys)})")
-    return state
 
 
 def load_verified(run_dir: Path, warn=None) -> dict:
@@ -201,41 +187,11 @@ class ShardedCheckpoint:
 
     def _prune(self, newest: int) -> None:
         """Keep the newest ``keep`` complete checkpoints; drop older folders, complete or not."""
-        complete = [f for f in step_folders(self.root) if _is_complete(f)]
+        complete = [f for f in step_folders(self.root) if is_complete(f)]
         kept = {f.name for f in complete[-self.keep:]}
         for folder in step_folders(self.root):
             if folder.name not in kept and step_of(folder) < newest:
                 shutil.rmtree(folder, ignore_errors=True)
-
-
-def step_of(folder: Path) -> int:
-    """The step a ``step-NNNNNN`` folder holds."""
-    return int(folder.name.removeprefix("step-"))
-
-
-def step_folders(root: Path) -> list[Path]:
-    """The ``step-NNNNNN`` folders under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    return sorted((f for f in root.iterdir() if f.is_dir() and f.name.startswith("step-")
-                   and f.name.removeprefix("step-").isdigit()), key=step_of)
-
-
-def _is_complete(folder: Path) -> bool:
-    manifest = folder / MANIFEST
-    if not manifest.is_file():
-        return False
-    try:
-        shards = json.loads(manifest.read_text())["shards"]
-    except (json.JSONDecodeError, KeyError):
-        return False
-    return all((folder / f"{name}.pt").is_file() for name in shards)
-
-
-def latest_complete(run_dir: Path) -> Path | None:
-    """The newest sharded checkpoint whose manifest and every listed shard exist."""
-    complete = [f for f in step_folders(Path(run_dir) / CHECKPOINT_DIR) if _is_complete(f)]
-    return complete[-1] if complete else None
 
 
 def load_run_state(run_dir: Path) -> dict:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshlearn.config import NAME, RunConfig, table_of
+from meshlearn.config import NAME, RunConfig, choices_of, table_of
 from meshlearn.errors import ConfigError
 
 DOCS_PAGE = Path("docs") / "config.md"
@@ -67,6 +67,9 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def _type_name(tp: Any) -> str:
+    """The type column: a ``Literal`` field shows its choices (``gpipe | 1f1b | async``)."""
+    if choices_of(tp) is not None:
+        return " | ".join(str(choice) for choice in choices_of(tp))
     if tp == tuple[str, ...]:
         return "list[str]"
     return {int: "int", float: "float", str: "str", bool: "bool"}.get(tp, getattr(tp, "__name__", str(tp)))
@@ -131,6 +134,11 @@ def format_keys(section: str | None = None, full: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _cell(text: str) -> str:
+    """``text`` inside a Markdown table cell (a bare ``|`` would end the cell)."""
+    return text.replace("|", "\\|")
+
+
 def config_markdown() -> str:
     """docs/config.md: every key, by section, generated from the dataclasses."""
     keys = describe_keys()
@@ -150,8 +158,7 @@ def config_markdown() -> str:
         lines += [f"## `{name}`" if name != "(top level)" else "## Top level", "",
                   "| key | type | default | description |", "|---|---|---|---|"]
         for k in group:
-            doc = (k.doc or "—").replace("|", "\\|")
-            lines.append(f"| `{k.key}` | {k.type} | `{_show(k.default)}` | {doc} |")
+            lines.append(f"| `{k.key}` | {_cell(k.type)} | `{_show(k.default)}` | {_cell(k.doc or '—')} |")
         lines.append("")
     return "\n".join(lines)
 

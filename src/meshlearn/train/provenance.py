@@ -22,6 +22,7 @@ from typing import Any
 
 import meshlearn
 from meshlearn.atomic import atomic_write_json
+from meshlearn.config_diff import changed_keys, flatten
 from meshlearn.errors import ConfigError
 
 RUN_JSON = "run.json"
@@ -57,23 +58,6 @@ def describe_run() -> dict:
         "packages": versions,
         "argv": sys.argv,
     }
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested config dict as ``{"section.key": value}``."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out |= flatten(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
-    """``{key: [old, new]}`` for every key whose value differs between two config dicts."""
-    a, b = flatten(old), flatten(new)
-    return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
 def _resumable(key: str, old: Any, new: Any) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from meshlearn.assemble import build_workers, resolve
 from meshlearn.atomic import atomic_write_json
 from meshlearn.config import RunConfig, save_config, to_dict
 from meshlearn.data import shard_batch, validation_batches
@@ -30,13 +31,12 @@ from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.mesh.worker import StepWork
 from meshlearn.optim.schedule_lr import lr_factor
 from meshlearn.report.progress import ProgressLine
-from meshlearn.train.assemble import build_workers, resolve
-from meshlearn.train.checkpoint import CHECKPOINT, ShardedCheckpoint, SingleFileCheckpoint
+from meshlearn.train.checkpoint import ShardedCheckpoint, SingleFileCheckpoint
 from meshlearn.train.closing import Closing, closing
 from meshlearn.train.provenance import record_start
 from meshlearn.train.signals import GracefulStop
 
-__all__ = ["CHECKPOINT", "Trainer", "pipeline_loss"]
+__all__ = ["Trainer", "pipeline_loss"]
 
 
 @dataclass

@@ -138,6 +138,7 @@ class Scored:
     excess: float = float("inf")  # suspicion minus the median of the same step's peer messages
     provisional: bool = False  # a warm-up message (accepted, or quarantined as suspended): no strike
     open_fences: bool = False  # scored while some of its fences were open (warm-up or re-warm-up)
+    mean_share: float | None = None  # a verified last stage's gradients: ``ends.mean_share``
 
     def chain_index(self, stages: int) -> int:
         """Position in its microbatch's causal chain: activations by stage, then gradients back."""

@@ -65,7 +65,7 @@ from meshlearn.mesh.topology import MeshShape, WorkerId
 from meshlearn.verify.boundary import ROBUST_GROUP, SANITY, BoundaryVerifier, Verdict, View, combine
 from meshlearn.verify.capture import splits, still_split, undecided
 from meshlearn.verify.cost import VerifierClock
-from meshlearn.verify.ends import EndsWatch, data_explained
+from meshlearn.verify.ends import EndsWatch, data_explained, mean_share
 from meshlearn.verify.ledger import (
     Action,
     Alert,
@@ -307,7 +307,8 @@ class Sentinel:
         attribute(scored, self.mesh.stages, self.cfg.explain_level)
         larger: set[WorkerId] = set()
         if not self.ledger.honest_stage(self.mesh.stages - 1):  # the last stage's blame rule (ends.py)
-            larger = data_explained(scored, self.mesh.stages, self.cfg.ends_norm_ratio)
+            larger = data_explained(scored, self.mesh.stages, self.cfg.ends_norm_ratio,
+                                    self.cfg.ends_mean_share)
             alerts += self.ends.enter(step, scored, larger)
         peer_excess(scored)
         bans, strike_alerts = self.ledger.enter(step, scored, voided)
@@ -382,10 +383,12 @@ class Sentinel:
         order = (message.microbatch, message.src.replica)
         if action != "warmup" or self.cfg.warmup_suspend:  # warm-up messages: for the peer check
             suspicion = float("inf") if verdict.sanity else verifier.score(verdict.distances, view)
+            last = message.kind == "grad" and message.src.stage == self.mesh.stages - 1
+            share = mean_share(values) if last and not self.ledger.honest_stage(message.src.stage) else None
             self.scored.append(Scored(message.src, message.microbatch, message.kind,
                                       (boundary, message.kind), flagged, reason, suspicion, decision,
                                       provisional=reason == "suspended" or action == "warmup",
-                                      open_fences=open_fences))
+                                      open_fences=open_fences, mean_share=share))
         if flagged:
             verifier.reject(order, summary, verdict.gain, step=message.step,
                             off_norm=verdict.norm if verdict.sanity == "norm" else None)

@@ -156,6 +156,14 @@ class VerifyConfig:
     activation statistic unchanged and shows only as larger honest gradients at the last stage
     (``verify/ends.py``). 1.2 sits between the ratios of honest senders and of a permuting first
     stage's last stage as measured (docs/sentinel.md, "First and last stages among strangers")."""
+    ends_mean_share: float = 0.15
+    """The other half of that rule: data explain a larger gradient, not a constant added to every
+    token's gradient. A larger last-stage sender whose gradients' share of energy in their mean
+    over tokens (``verify/ends.py``, ``mean_share``) exceeds its peers' median share by at least
+    this is not explained by its data: its flags are its own (a last stage adding a bias).
+    Gradients made ``ends_norm_ratio`` (1.2) times larger by a constant alone carry a share of at
+    least 1 − 1/1.2² = 0.31; the honest last stage behind a permuting first stage measured an
+    excess of 0.04 (demo) and 0.05 (tiny test mesh); 0.15 sits between."""
     view: str = "auto"
     """What is verified: ``auto`` reads the coefficients a compressing codec puts on the wire
     (subspace, lowrank) and decodes the others; ``decoded`` always decodes with the trusted codec."""
@@ -234,6 +242,7 @@ def validate_verify(cfg, require) -> None:
     require(v.grad_action in GRAD_ACTIONS, "verify.grad_action", v.grad_action,
             f"allowed: {list(GRAD_ACTIONS)}")
     require(v.ends_norm_ratio >= 1, "verify.ends_norm_ratio", v.ends_norm_ratio, "must be >= 1")
+    require(0 < v.ends_mean_share <= 1, "verify.ends_mean_share", v.ends_mean_share, "must be in (0, 1]")
     require(v.trusted_ends in TRUSTED_ENDS, "verify.trusted_ends", v.trusted_ends,
             f"allowed: {list(TRUSTED_ENDS)}")
     require(v.view in VIEWS, "verify.view", v.view, f"allowed: {list(VIEWS)}")
