@@ -89,7 +89,11 @@ PP_ROWS = {
     "bwd M95 + fwd M85 rescale": ["codec.name=mask", "codec.keep=0.15", "codec.rescale=true",
                                  *BACK_M95],  # 172 + 58: 10.0×
     "M95 rescale": ["codec.name=mask", "codec.keep=0.05", "codec.rescale=true"],  # 58 + 58: 19.9×
+    # Issue 29, 4(b): the same with the anchor's clean gradient as a delayed error feedback.
+    "M95 rescale + anchor EF": ["codec.name=mask", "codec.keep=0.05", "codec.rescale=true"],
 }
+# The error-feedback anchor: full gradients, computed on fast replica 0's own weights of the step.
+EF = ["anchor.send=gradients", "anchor.weights=snapshot", "anchor.use=error_feedback"]
 ROW_NAMES = ["dense", "dense + DP", "M90", "M90 + anchor", "M95", "M95 + anchor", *PP_ROWS]
 # The options a row's process needs (every other option is the outer process's own).
 ROW_OPTIONS = ["steps", "stages", "replicas", "microbatches", "seq_len", "batch_size", "eval_batches",
@@ -145,7 +149,8 @@ def row_sets(args, name: str) -> list[str]:
     keep = {"M90": "0.1", "M95": "0.05"}.get(name.split(" ")[0])
     codec = PP_ROWS.get(name) or (["codec.name=bf16"] if keep is None else
                                   ["codec.name=mask", f"codec.keep={keep}"])
-    return [*mesh, *codec, *(dp if name != "dense" else []), *(anchor if name.endswith("anchor") else [])]
+    anchored = [*anchor, *EF] if name.endswith("anchor EF") else anchor if name.endswith("anchor") else []
+    return [*mesh, *codec, *(dp if name != "dense" else []), *anchored]
 
 
 def row_config(args, name: str, lr: float) -> RunConfig:

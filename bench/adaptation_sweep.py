@@ -56,6 +56,7 @@ OUT = ROOT / "bench" / "out" / "adaptation_sweep"
 DP = ["dp.name=diloco", "dp.compress=powersgd", "dp.rank=4", "dp.inner_steps=10"]
 M95 = ["codec.name=mask", "codec.keep=0.05", *DP]
 ANCHOR = ["optim.spectral.enabled=true", "anchor.z=1", "anchor.delay=5", "anchor.max_late=5"]
+EF = ["anchor.send=gradients", "anchor.weights=snapshot", "anchor.use=error_feedback"]
 BACK_M95 = ["codec.backward.name=mask", "codec.backward.keep=0.05"]  # rescaled: unbiased
 BACK_M98 = ["codec.backward.name=mask", "codec.backward.keep=0.02"]
 
@@ -96,6 +97,9 @@ def rows() -> dict[str, tuple[str, list[str]]]:
                                                 *DP]),  # 44 + 6
         "bwd M95 + fwd M85 rescale": ("dense + DP", [*M95, "codec.keep=0.15", "codec.rescale=true",
                                                     *BACK_M95]),  # 38 + 12
+        # Issue 29, 4(b): the rescaled forward mask with the anchor's clean gradient as a delayed
+        # error feedback (fp32 copies of the targeted matrices kept per handed-off step).
+        "M95 rescale + anchor EF": ("dense + DP", [*M95, "codec.rescale=true", *ANCHOR, *EF]),
     }
 
 

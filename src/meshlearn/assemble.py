@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+from meshlearn.anchor.feedback import attach_feedback
 from meshlearn.compress.registry import build_codec
 from meshlearn.compress.wire_checks import WireGuard
 from meshlearn.config import RunConfig
@@ -51,6 +52,7 @@ def build_worker(cfg: RunConfig, wid: WorkerId, module: Decoder) -> Worker:
     if cfg.optim.spectral.enabled:
         worker.spectral = SpectralCorrection(module.named_parameters(), cfg.optim.spectral)
         worker.spectral.attach(optimizer)
+        attach_feedback(worker.spectral, cfg)
     if cfg.mesh.schedule == "async" and not cfg.mesh.weight_stashing:
         use_no_ws_hparams(worker, cfg)
     if cfg.mesh.schedule == "async":

@@ -430,6 +430,11 @@ TABLE: tuple[Refusal, ...] = (
             lambda c: f"anchor.delay = {c.anchor.delay} exceeds optim.spectral.max_staleness = "
             f"{c.optim.spectral.max_staleness}, which would drop every arrival",
             (*ON_ANCHOR, "anchor.delay=20", "optim.spectral.max_staleness=10")),
+    Refusal((ANCHORED, equals("anchor.use", "error_feedback"), differs("anchor.send", "gradients")),
+            "anchor.use",
+            lambda c: f"the error feedback subtracts the fast gradient from the anchor's, which "
+            f"anchor.send = {c.anchor.send!r} does not deliver: set anchor.send = gradients",
+            (*ON_ANCHOR, "anchor.use=error_feedback", "anchor.weights=snapshot")),
     Refusal((ANCHORED, OUTER, below("mesh.replicas", 2)), "anchor.weights",
             lambda c: "with mesh.replicas = 1 there is no DP synchronization to listen to: "
             "set anchor.weights = snapshot",

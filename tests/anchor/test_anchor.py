@@ -228,9 +228,12 @@ def test_the_note_dp_modes_put_the_filter_after_the_average_or_on_local_gradient
         assert not any(torch.equal(a, b) for a, b in pairs)
 
 
-def test_a_resumed_anchored_run_equals_an_uninterrupted_one(tiny_corpus, tmp_path):
-    """Pending arrivals, the anchor's clocks and links travel in the checkpoint."""
-    base = [*FAST, *ANCHOR, "anchor.delay=3", "train.steps=6", "train.checkpoint_every=2"]
+@pytest.mark.parametrize("use", ["basis", "error_feedback"])
+def test_a_resumed_anchored_run_equals_an_uninterrupted_one(tiny_corpus, tmp_path, use):
+    """Pending arrivals, the anchor's clocks and links travel in the checkpoint; under the error
+    feedback so does the gradient each worker kept for step 3 (its share is due at step 6)."""
+    base = [*FAST, *ANCHOR, "anchor.delay=3", "train.steps=6", "train.checkpoint_every=2",
+            f"anchor.use={use}"]
     whole = Trainer(tiny_config(tiny_corpus, *base), tmp_path / "whole", progress=False)
     whole_summary = whole.train()
     first = Trainer(tiny_config(tiny_corpus, *base, "train.stop_at_step=4"), tmp_path / "split",
@@ -238,6 +241,9 @@ def test_a_resumed_anchored_run_equals_an_uninterrupted_one(tiny_corpus, tmp_pat
     first.train()
     second = Trainer(tiny_config(tiny_corpus, *base), tmp_path / "split", progress=False, resume=True)
     split_summary = second.train()
+    if use == "error_feedback":
+        assert all(3 in w.spectral.feedback.kept for w in first.workers.values())
+        assert whole_summary["ef_corrections"] == split_summary["ef_corrections"] > 0
     for key in ("anchor_passes", "anchor_delivered", "anchor_bytes_snapshot", "spectral_anchor_accepted"):
         assert whole_summary[key] == split_summary[key], key
     for wid, worker in whole.workers.items():
@@ -267,6 +273,9 @@ def test_a_resumed_anchored_run_equals_an_uninterrupted_one(tiny_corpus, tmp_pat
     (["anchor.send=grads"], "anchor.send = 'grads': allowed: ['factors', 'gradients']"),
     (["anchor.rank=0"], "anchor.rank = 0: must be >= 1"),
     (["anchor.weights=live"], "anchor.weights = 'live': allowed: ['outer', 'snapshot']"),
+    (["anchor.use=both"], "anchor.use = 'both': allowed: ['basis', 'error_feedback']"),
+    (["anchor.z=1", "optim.spectral.enabled=true", "anchor.use=error_feedback", "anchor.weights=snapshot"],
+     "anchor.use = 'error_feedback': the error feedback subtracts the fast gradient from the anchor's"),
     (["anchor.z=1", "optim.spectral.enabled=true"],
      "anchor.weights = 'outer': with mesh.replicas = 1 there is no DP synchronization to listen to"),
     (["anchor.z=1", "optim.spectral.enabled=true", "mesh.replicas=2", "dp.name=sparse"],

@@ -120,3 +120,21 @@ def test_resuming_an_anchored_dist_run_is_refused_before_any_process_starts(tiny
     with pytest.raises(ConfigError, match=r"anchor circuit \(anchor.z > 0\) cannot resume yet"):
         launch_local(["--resume", str(tmp_path)], cfg, tmp_path)
     assert not (tmp_path / "logs").exists()
+
+
+def test_an_error_feedback_dist_run_equals_the_sim_run(tiny_corpus, tmp_path):
+    """``anchor.use = error_feedback`` (3 passes × 4 workers × 2 blocks × 7 matrices): each fast
+    process keeps its own gradient of the handed-off steps and adds the anchor's correction,
+    exactly as the simulator's workers do."""
+    cfg = tiny_config(tiny_corpus, *FAST, *ANCHOR, "anchor.bandwidth_mbit=10000", "anchor.latency_ms=0",
+                      "anchor.use=error_feedback")
+    sim, dist = run_both(cfg, tmp_path, "the error-feedback P=2 D=2 dist run")
+    for summary in (sim, dist):
+        assert summary["anchor_delivered"] == 3 * 4 and summary["ef_unmatched"] == 0
+        assert summary["ef_corrections"] == 3 * 4 * 2 * 7 and summary["spectral_anchor_accepted"] == 0
+    for key in ("ef_corrections", "ef_applied_updates", "ef_forgotten", "anchor_bytes_gradients"):
+        assert sim[key] == dist[key], key
+    a, b = records(tmp_path / "sim"), records(tmp_path / "dist")
+    for ra, rb in zip(a, b, strict=True):
+        assert abs(ra["train_loss"] - rb["train_loss"]) <= 1e-5
+        assert abs(ra["grad_norm"] - rb["grad_norm"]) <= 1e-5 * ra["grad_norm"]

@@ -27,7 +27,9 @@ TERMS = ("snapshot", "boundary", "gradients", "factors", "listen")
     ["links.access=uplink"],  # factors, outer weights (the relay on fast (0, s)'s uplink)
     ["links.access=uplink", "anchor.weights=snapshot", "anchor.send=gradients", "mesh.schedule=async"],
     ["mesh.schedule=async", "dp.name=diloco", "dp.inner_steps=2", "anchor.bandwidth_mbit=20"],
-], ids=["uplink-outer-factors", "uplink-snapshot-gradients-async", "async-diloco-slow-anchor"])
+    ["anchor.weights=snapshot", "anchor.send=gradients", "anchor.use=error_feedback", "mesh.schedule=async"],
+], ids=["uplink-outer-factors", "uplink-snapshot-gradients-async", "async-diloco-slow-anchor",
+        "snapshot-error-feedback-async"])
 def test_cost_only_anchor_equals_real_simulator(tmp_path, extra):
     cfg = load_config(DEMO, [*SHORT, *ANCHOR, *extra])
     trainer = Trainer(cfg, tmp_path, progress=False)

@@ -333,11 +333,13 @@ class AnchorCounters:
 @dataclass
 class FastSide:
     """A fast worker's (or all of them, in the simulator) rule for the shares of passes: ``delay``
-    = K, ``max_late``, ``send`` (which receive of the spectral correction takes a share)."""
+    = K, ``max_late``, ``send`` and ``use`` (which receive of the spectral correction takes a
+    share)."""
 
     delay: int
     max_late: int
     send: str
+    use: str = "basis"
     counters: AnchorCounters = field(default_factory=AnchorCounters)
 
     def settle(self, now: int, step: int, arrived: bool) -> Fate:
@@ -358,7 +360,17 @@ class FastSide:
         return Fate.WAIT
 
     def fold(self, spectral, share: dict, step: int, now: int) -> None:
-        """Hand ``share`` (``decode_share``'s) to a worker's spectral correction."""
-        receive = spectral.receive_basis if self.send == "factors" else spectral.receive_anchor
+        """Hand ``share`` (``decode_share``'s) to a worker's spectral correction: a basis (factors),
+        a gradient for its EMA, or under ``anchor.use = error_feedback`` a gradient that becomes
+        the delayed correction g_clean − g_masked (optim/error_feedback.py)."""
+        if self.send == "factors":
+            receive = spectral.receive_basis
+        else:
+            receive = spectral.receive_correction if self.use == "error_feedback" else spectral.receive_anchor
         for name, value in share.items():
             receive(name, value, step=step, now=now)
+
+    def drop(self, spectral, step: int) -> None:
+        """The share of pass ``step`` was dropped: the worker frees what it kept for it (the error
+        feedback's masked gradient; nothing otherwise)."""
+        spectral.forget(step)

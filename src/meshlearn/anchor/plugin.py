@@ -12,9 +12,11 @@ non-drifting strategy keeps common), which the anchor follows by listening: at e
 computes (docs/adaptation.md); under ``snapshot`` fast replica 0's live weights, sent at the
 hand-off. At each step end the plugin hands each fast worker's spectral correction every share that
 is due (computed for step t, now ≥ t + K) and has arrived by that worker's own virtual clock
-(``Worker.spectral.receive_basis`` for factors, ``receive_anchor`` for gradients); one still missing
-``anchor.max_late`` steps past its due step is dropped and counted. The fast circuit never waits:
-the plugin reads the run's clocks (``PluginContext.clock``) and never moves them.
+(``Worker.spectral.receive_basis`` for factors, ``receive_anchor`` for gradients,
+``receive_correction`` under ``anchor.use = error_feedback``); one still missing
+``anchor.max_late`` steps past its due step is dropped and counted (and the worker frees what it
+kept for it). The fast circuit never waits: the plugin reads the run's clocks
+(``PluginContext.clock``) and never moves them.
 
 The circuit is charged with the simulator's link and compute models (``PluginContext.time_models``):
 its anchor stages are simulated processes beside the mesh.
@@ -88,7 +90,7 @@ class AnchorCallback(Callback):
                                           uplink=self.network.uplink, **self._circuit_extra())
         self.dp_seen = [0] * stages  # what fast (0, s) had sent on its DP links at the last relay
         self.pending: list[Delivery] = []
-        self.fast = FastSide(self.a.delay, self.a.max_late, self.a.send)
+        self.fast = FastSide(self.a.delay, self.a.max_late, self.a.send, self.a.use)
         self.steps_seen = 0
         if fresh:
             self._hand_off(0)
@@ -148,6 +150,8 @@ class AnchorCallback(Callback):
             fate = self.fast.settle(now, d.step, d.arrival_s <= self.clock.worker_s(d.worker))
             if fate is Fate.DELIVER:
                 self.fast.fold(self.workers[d.worker].spectral, d.share, d.step, now)
+            elif fate is Fate.DROP:
+                self.fast.drop(self.workers[d.worker].spectral, d.step)
             elif fate is Fate.WAIT:
                 kept.append(d)
         self.pending = kept

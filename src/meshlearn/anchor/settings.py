@@ -10,6 +10,7 @@ from typing import Any
 WIRE_DTYPES = ("bf16", "fp32")
 SENDS = ("factors", "gradients")
 WEIGHTS = ("outer", "snapshot")
+USES = ("basis", "error_feedback")
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,14 @@ class AnchorConfig:
     the relay is the changed agreed tensors in fp32, distributed/anchor.py). Needs mesh.replicas
     >= 2 and one of those strategies. ``snapshot``: fast replica 0's current
     weights, sent per stage every K steps in ``wire_dtype`` (2 B × stage parameters in bf16)."""
+    use: str = "basis"
+    """What a fast worker does with the anchor's share (issue 29, 4(b)). ``basis``: the spectral
+    correction's basis (its EMA and SVD: the note's method). ``error_feedback``: a delayed
+    correction: each fast worker keeps its own gradient of the targeted matrices for every
+    handed-off step t and, when the anchor's clean gradient for t arrives, adds c_t = g_clean(t) −
+    g_masked(t) to its updates of that step (optim/error_feedback.py; one fp32 copy of the targeted
+    matrices per kept step). Needs ``send = gradients``; ``weights = snapshot`` makes g_clean the
+    gradient at fast replica 0's own weights of step t."""
 
 
 def anchor_targets(cfg: Any) -> tuple[str, ...]:
@@ -103,3 +112,4 @@ def validate_anchor(cfg: Any, require: Callable[[bool, str, Any, str], None]) ->
     require(a.send in SENDS, "anchor.send", a.send, f"allowed: {list(SENDS)}")
     require(a.rank >= 1, "anchor.rank", a.rank, "must be >= 1 (the factors' rank r)")
     require(a.weights in WEIGHTS, "anchor.weights", a.weights, f"allowed: {list(WEIGHTS)}")
+    require(a.use in USES, "anchor.use", a.use, f"allowed: {list(USES)}")

@@ -214,7 +214,7 @@ class AnchorClient:
         self.arrived: dict[int, dict] = {}  # hand-off step → its share (gradients or bases), until used
         self.outstanding: list[int] = []  # hand-offs made whose share is neither folded nor dropped
         self.settled: set[int] = set()  # folded or dropped: a later arrival is ignored
-        self.fast = FastSide(self.a.delay, self.a.max_late, self.a.send)
+        self.fast = FastSide(self.a.delay, self.a.max_late, self.a.send, self.a.use)
         self.run_dir = run_dir  # the corpus (and a BPE tokenizer's cache) for the batch ids
         self.train_tokens = None
         self.started = False
@@ -244,6 +244,8 @@ class AnchorClient:
             share = self.arrived.pop(t, None)
             if fate is Fate.DELIVER:
                 self.fast.fold(self.worker.spectral, share, t, now)
+            else:
+                self.fast.drop(self.worker.spectral, t)
             self.settled.add(t)
         self.outstanding = kept
         if self.relay is not None:  # the weights as they stand now, before a hand-off of them

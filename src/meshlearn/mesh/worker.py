@@ -461,6 +461,8 @@ class Worker:
         # weights along stale momentum and weight decay (measured with SENTINEL: the loss jumped
         # 4.10 → 4.73 after two fully quarantined steps), so the optimizer is left alone.
         if sq_norm != 0.0:  # a NaN norm still steps: divergence stays visible, as before
+            if self.spectral is not None:
+                self.spectral.begin_update(step)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         stats = self._stats(step)

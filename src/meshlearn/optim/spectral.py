@@ -40,6 +40,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from meshlearn.optim.error_feedback import AnchorErrorFeedback
+
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
@@ -178,6 +180,28 @@ class SpectralCorrection:
             if p.ndim == 2 and name.endswith(".weight") and name.split(".")[-2] in wanted}
         self.priors = {name: AnchorPrior() for name in self.params}
         self.counters = SpectralCounters()
+        # ``anchor.use = error_feedback``: the anchor's gradients become delayed corrections instead
+        # of a basis (optim/error_feedback.py); it needs the step of each update (``begin_update``).
+        self.feedback: AnchorErrorFeedback | None = None
+        self.update_step = 0
+
+    def begin_update(self, step: int) -> None:
+        """The worker's next optimizer step belongs to step ``step`` (the error feedback keeps and
+        corrects per step; the filter does not need it)."""
+        self.update_step = step
+
+    def receive_correction(self, name: str, grad: Tensor, step: int, now: int) -> bool:
+        """``anchor.use = error_feedback``: the anchor's clean gradient of ``name`` for step ``step``
+        becomes the correction g_clean − g_masked of that step, added from the next update on
+        (``now`` is unused: the kept gradient's age is bounded by the feedback's horizon)."""
+        if self.feedback is None or name not in self.feedback.params:
+            raise KeyError(f"spectral correction: no error feedback kept for {name!r}")
+        return self.feedback.receive(name, grad, step)
+
+    def forget(self, step: int) -> None:
+        """The anchor's share for ``step`` was dropped as late: free what the feedback kept for it."""
+        if self.feedback is not None:
+            self.feedback.forget(step)
 
     def receive_anchor(self, name: str, grad: Tensor, step: int, now: int) -> bool:
         """Fold the anchor gradient of matrix ``name``, computed for step ``step``, into its EMA and
@@ -233,7 +257,10 @@ class SpectralCorrection:
 
     @torch.no_grad()
     def correct(self) -> None:
-        """Replace each targeted gradient that has a basis by α·G + (1 − α)·G_filt, in place."""
+        """Replace each targeted gradient that has a basis by α·G + (1 − α)·G_filt, in place (after
+        the error feedback, if on, kept the raw gradient and added its pending corrections)."""
+        if self.feedback is not None:
+            self.feedback.before_update(self.update_step)
         alpha = self.cfg.alpha
         if alpha == 1.0:
             return  # the base optimizer exactly: nothing to compute
@@ -257,7 +284,8 @@ class SpectralCorrection:
         c = self.counters
         return {"spectral_anchor_accepted": c.accepted, "spectral_anchor_dropped_stale": c.dropped_stale,
                 "spectral_anchor_dropped_out_of_order": c.dropped_out_of_order,
-                "spectral_corrected_steps": c.corrected_steps}
+                "spectral_corrected_steps": c.corrected_steps,
+                **(self.feedback.summary() if self.feedback is not None else {})}
 
     def state_dict(self) -> dict:
         """The EMAs and their steps (bases are recomputed on load: the SVD is deterministic); a
@@ -268,7 +296,8 @@ class SpectralCorrection:
                 continue
             saved = {"ema": p.ema} if p.ema is not None else {"basis": (p.basis.u, p.basis.s, p.basis.vh)}
             priors[name] = saved | {"last_step": p.last_step, "arrivals": p.arrivals}
-        return {"priors": priors, "counters": dict(self.counters.__dict__)}
+        return {"priors": priors, "counters": dict(self.counters.__dict__),
+                **({"feedback": self.feedback.state_dict()} if self.feedback is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         for name, saved in state["priors"].items():
@@ -280,3 +309,5 @@ class SpectralCorrection:
                 prior.basis = AnchorBasis(*(t.to(device) for t in saved["basis"]))
             prior.last_step, prior.arrivals = saved["last_step"], saved["arrivals"]
         self.counters = SpectralCounters(**state["counters"])
+        if self.feedback is not None and "feedback" in state:
+            self.feedback.load_state_dict(state["feedback"])

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
+from meshlearn.anchor.feedback import attach_feedback
 from meshlearn.compress.directional import DirectionalCodec
 from meshlearn.compress.registry import SAME, WIRE_DTYPES, BackwardCodecConfig, build_codec
 from meshlearn.compress.subspace import SubspaceCodec, id_dtype
@@ -146,6 +147,7 @@ def build_cost_workers(cfg: RunConfig, network: Network, mask_keep: float | None
             worker.dp = build_cost_strategy(cfg.dp, worker, dp_profile(network, mesh, wid))
         if cfg.anchor.z:  # the anchor's targets and its arrivals' counters; never attached (no values)
             worker.spectral = SpectralCorrection(worker.module.named_parameters(), cfg.optim.spectral)
+            attach_feedback(worker.spectral, cfg)  # keeps nothing (no updates): counts what arrived
         workers[wid] = worker
     return workers
 
