@@ -122,8 +122,9 @@ def test_honest_operations_round_trip(control: Service) -> None:
     bob.set("truth/3/r0s1", "[]")  # an attacker's ground truth, from its own host...
     assert alice.delete_key("truth/3/r0s1")  # ...deleted by the coordinator's records writer once read
     assert bob.compare_set("drain", "", "f:7") == b"f:7"
-    assert alice.compare_set("drain", "f:7", "s:9") == b"s:9"
-    assert bob.compare_set("drain", "f:7", "x") == b"s:9"  # not expected: the current value
+    assert bob.compare_set("drain", "f:7", "f:7") == b"f:7"  # a claim with nothing new: a read
+    assert alice.compare_set("drain", "f:7", "s:9:2") == b"s:9:2"
+    assert bob.compare_set("drain", "f:7", "f:8") == b"s:9:2"  # not expected: the current value
     assert alice.num_keys() >= 8
     with pytest.raises(Exception, match="timeout"):  # noqa: PT011 — torch wraps it
         bob.wait(["done/0"], timedelta(seconds=0.2))
@@ -172,6 +173,28 @@ def test_an_abort_that_speaks_for_another_hosts_process_is_refused(control: Serv
         bob.set("abort", forged)  # nor by a plain write (an abort is compare_set only)
     assert control.counters.by_sender() == {"bob": 2}
     assert _workers(control.store("alice")).compare_set("abort", "", "") == b""  # nothing was stored
+
+
+def test_a_drain_value_every_process_would_misparse_or_misplace_is_refused(control: Service) -> None:
+    """Any host may claim a step or stop the run on the graceful stop's key, and every process
+    parses it at every step's end (``train/signals.py``): a value of another form (which crashed
+    them all), a claim moved back, a stop before a claimed step, or a stop moved, is refused."""
+    bob, alice = _workers(control.store("bob")), _workers(control.store("alice"))
+    refused = [lambda: bob.compare_set("drain", "", "f:x"), lambda: bob.compare_set("drain", "", "s:3"),
+               lambda: bob.compare_set("drain", "", "f:\u0663")]  # a digit int() reads, not ASCII
+    for write in refused:
+        with pytest.raises(Exception, match="authority.*'f:<step>' or 's:<step>:<signal>'"):  # noqa: PT011
+            write()
+    assert alice.compare_set("drain", "", "f:5") == b"f:5"
+    for write, why in [(lambda: bob.compare_set("drain", "f:5", "f:4"), "may not go back"),
+                       (lambda: bob.compare_set("drain", "f:5", "s:0:2"), "may not go back")]:
+        with pytest.raises(Exception, match=f"authority.*{why}"):  # noqa: PT011
+            write()
+    assert bob.compare_set("drain", "f:5", "s:6:15") == b"s:6:15"
+    with pytest.raises(Exception, match="authority.*which is final"):  # noqa: PT011
+        alice.compare_set("drain", "s:6:15", "f:9")
+    assert control.counters.by_sender() == {"bob": 5, "alice": 1}
+    assert alice.get("drain") == b"s:6:15"
 
 
 def test_the_coordinator_deletes_ground_truth_wherever_the_verifier_runs() -> None:

@@ -5,10 +5,13 @@ raised in the worker's thread."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
+from meshlearn.distributed.health import EXIT_EVICTED
+from meshlearn.elastic.evictions import Evicted, Evictions
 from meshlearn.elastic.progress import ProgressBeacon
 
 KEY = "progress/r1s0"
@@ -76,3 +79,20 @@ def test_close_names_a_set_that_stays_in_flight():
         beacon.close(0.01)
     store.gate.set()
     beacon.thread.join(10)
+
+
+def test_an_evicted_worker_sets_its_last_step_before_it_leaves():
+    """A banned worker (or a partner of its row) leaves before its next step and its process ends
+    at once (``os._exit``): its last count is on the store by then, not still in the thread, so
+    workers.json says it left after its last step (tests/elastic/test_elastic_sentinel.py)."""
+    store = dist.HashStore()
+    beacon = ProgressBeacon(store, KEY)
+    beacon.report(5)
+    leaving = Evicted("evicted: banned by SENTINEL; left its stage's quorum", EXIT_EVICTED)
+    driver = SimpleNamespace(leaving=leaving, records=SimpleNamespace(pending={}), beacon=beacon,
+                             quorum=SimpleNamespace(shutdown=lambda: None),
+                             health=SimpleNamespace(finish=lambda: None),
+                             deadlines=SimpleNamespace(collective_s=10.0))
+    with pytest.raises(Evicted):
+        Evictions.check_eviction(driver)
+    assert not beacon.thread.is_alive() and store.get(KEY) == b"5"

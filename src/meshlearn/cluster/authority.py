@@ -27,7 +27,9 @@ launchers' ``meshlearn-cluster/``):
   (which runs the records writer); rank 0's tokenizer mark: rank 0's host;
 - the verifier's verdicts and states: the verifier's host (the coordinator and the verifier's
   host may delete what they have read);
-- ``abort`` and the graceful-stop ``drain``: any host, by compare-and-set; an abort is stored
+- ``abort`` and the graceful-stop ``drain``: any host, by compare-and-set (a drain value only in
+  the two forms every process parses, its step never moved back, a stop final:
+  ``drain_refusal``); an abort is stored
   as the writer's report (``attributed``), so it can never read as another participant's words,
   and an abort that speaks for a process of another host is refused (``speaker_refusal``): the
   runtime's aborts name their speaker — ``worker r0s1 failed: …`` (its own failure), ``… (noticed
@@ -221,6 +223,9 @@ NAME = r"[A-Za-z0-9_-]+"
 WRITE_ONCE = re.compile(  # decided once, by the first compare-and-set from empty; never moved after
     r"(records/\d+|elastic/taken/r\d+s\d+/\d+|elastic/q/s\d+/at/\d+"
     r"|elastic//(rows/\d+/fixed|(commit|pvote)/\d+/decision)|cluster/checkpoint/\d+/agreed)\Z")
+DRAIN = re.compile(r"(?:f:(?P<claimed>[0-9]{1,18})|s:(?P<stop>[0-9]{1,18}):[0-9]{1,3})\Z")
+"""The graceful stop's key (``train/signals.py``): ``f:<step>``, the highest step claimed, or
+``s:<step>:<signal>``, stop after that step; every process parses it at every step's end."""
 SLOT = r"(?P<worker>r\d+s\d+)"
 GEN = r"(?P<gen>\d+)"
 STAGE = r"s(?P<stage>\d+)"
@@ -331,6 +336,30 @@ class Authority:
         worker = WORKERS.match(key)
         if expected and worker and WRITE_ONCE.match(worker["rest"]):
             return f"{key!r} is decided once: a compare-and-set must expect it empty"
+        return None
+
+    @staticmethod
+    def drain_refusal(key: str, expected: bytes, desired: bytes) -> str | None:
+        """Why a compare-and-set of the graceful stop's key from ``expected`` to ``desired`` may not
+        be made (None: it may, or ``key`` is another). Any host may write the key, and every process
+        parses it at every step's end: a value of another form would crash them all, a claimed step
+        moved back or a stop before a step already claimed (which some process may have started)
+        would have processes stop at different steps, and a stop is final."""
+        worker = WORKERS.match(key)
+        if not worker or worker["rest"] != "drain":
+            return None
+        new = DRAIN.match(desired.decode("ascii", errors="replace"))
+        old = DRAIN.match(expected.decode("ascii", errors="replace")) if expected else None
+        if new is None or (expected and old is None):
+            return (f"{key!r} holds 'f:<step>' or 's:<step>:<signal>', not "
+                    f"{expected[:40]!r} -> {desired[:40]!r}")
+        if old is None:
+            return None
+        if old["stop"] is not None and desired != expected:
+            return f"{key!r} holds a stop ({expected.decode()!r}), which is final"
+        if int(new["claimed"] or new["stop"]) < int(old["claimed"] or old["stop"]):
+            return (f"{key!r}: the claimed step may not go back "
+                    f"({expected.decode()!r} -> {desired.decode()!r})")
         return None
 
     def claim_refusal(self, who: str, key: str, desired: bytes,

@@ -341,7 +341,8 @@ class ControlService:
             expected, desired = values
             with self._claims:  # a claim's check, its compare-and-set and the slot's move, as one
                 why = (self.authority.claim_refusal(who, key, desired, state.check)
-                       or self.authority.write_once_refusal(key, expected))
+                       or self.authority.write_once_refusal(key, expected)
+                       or self.authority.drain_refusal(key, expected, desired))
                 if why:
                     return self._refuse(who, "authority", why)
                 got = state.compare_set(key, expected, self.authority.attributed(who, key, desired))

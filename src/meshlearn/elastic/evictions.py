@@ -27,6 +27,7 @@ rest of the run; the other slots of its row are free, but no joiner can take the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import TYPE_CHECKING
@@ -121,7 +122,8 @@ def elastic_relay(cfg: RunConfig, session: Session) -> tuple[dict[Link, tuple], 
 
 class Evictions:
     """The ElasticDriver's side of SENTINEL (a mixin): the verdicts, and bans carried out as
-    evictions. Needs the driver's ``me``, ``health``, ``deadlines``, ``quorum`` and ``records``."""
+    evictions. Needs the driver's ``me``, ``health``, ``deadlines``, ``quorum``, ``records`` and
+    ``beacon``."""
 
     def setup_verification(self, cfg) -> None:
         self.evicted: dict[WorkerId, int] = {}  # banned worker → the step (0-based) of its ban
@@ -149,6 +151,11 @@ class Evictions:
             # process would take an evaluation record's step from the one that evaluated).
             self.records.pending.clear()
             self.quorum.shutdown()
+            # Its last step on the store before it exits (the process ends without waiting for the
+            # progress thread): the launcher's workers.json says it left after that step. A store
+            # that fails or lags here leaves the step before; the process leaves all the same.
+            with contextlib.suppress(RuntimeError, TimeoutError):
+                self.beacon.close(self.deadlines.collective_s)
             self.health.finish()  # on purpose: nobody is to take its silence for a failure
             raise self.leaving
 

@@ -11,7 +11,8 @@ not set yet (counts that came while it was setting are not sent one by one).
 
 What changes for a worker that is killed: its key may name the step before its last (the set of
 the last was still in flight). A worker that ends normally sets its last count in ``close``,
-before it says it finished. A failed set (a lost store, a refusal) is raised in the step that
+before it says it finished; one that leaves on an eviction, before it exits
+(``Evictions.check_eviction``). A failed set (a lost store, a refusal) is raised in the step that
 follows it, as the step's own set would have been.
 """
 
