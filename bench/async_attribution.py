@@ -32,7 +32,6 @@ SMALL = ["model.n_layer=3", "model.d_model=32", "model.n_head=2", "model.seq_len
          "train.checkpoint_every=0"]
 ATTACK = ["attack.kind=scaling", "attack.scale=-4", f"attack.workers={ATTACKER}", "attack.target=dp",
           "attack.start_step=1"]
-K = 2  # updates a step: mesh.microbatches // mesh.update_every
 
 
 class ScoreLog(Callback):
@@ -54,9 +53,17 @@ def score_log(ctx: PluginContext) -> Callback:
     return LOG
 
 
-def countings(steps: list[dict[str, list[float]]]) -> dict[str, dict[str, int]]:
-    """Who each counting reports (worker → 1-based step) from one run's per-update scores."""
-    ledgers = {"step": OutlierLedger(3.0), "update": OutlierLedger(3.0), "built": OutlierLedger(3.0, K)}
+def updates_per_step(cfg) -> int:
+    """K, the updates of one step under async: ``mesh.microbatches // mesh.update_every``."""
+    return cfg.mesh.microbatches // cfg.mesh.update_every
+
+
+def countings(steps: list[dict[str, list[float]]], cfg) -> dict[str, dict[str, int]]:
+    """Who each counting reports (worker → 1-based step) from one run's per-update scores, at the
+    run's own ``dp.outlier_score``."""
+    score = cfg.dp.outlier_score
+    ledgers = {"step": OutlierLedger(score), "update": OutlierLedger(score),
+               "built": OutlierLedger(score, updates_per_step(cfg))}
     for step, scores in enumerate(steps):
         ledgers["step"].observe(step, {w: [max(s)] for w, s in scores.items()})
         ledgers["update"].observe(step, scores)
@@ -80,12 +87,12 @@ def main() -> None:
                 cfg = demo_config(*SMALL, f"train.steps={args.steps}", f"dp.robust={rule}", f"seed={seed}",
                                   *sets)
                 Trainer(cfg, OUT / f"{rule}-{seed}-{name}", progress=False).train()
-                runs.append({"rule": rule, "seed": seed, "run": name, "reported": countings(LOG.steps)})
-    rows = []
+                runs.append({"rule": rule, "seed": seed, "run": name, "reported": countings(LOG.steps, cfg)})
+    rows, k = [], updates_per_step(demo_config(*SMALL))
     for rule in args.rules.split(","):
         for counting, label in (("step", "a step's largest, 3 of 8 steps (before)"),
                                 ("update", "3 of the last 8 updates"),
-                                ("built", f"{3 * K} of the last {8 * K} updates (built)")):
+                                ("built", f"{3 * k} of the last {8 * k} updates (built)")):
             mine = [r for r in runs if r["rule"] == rule]
             honest = {run: sum(len([w for w in r["reported"][counting] if w != ATTACKER or run == "clean"])
                                for r in mine if r["run"] == run) for run in ("clean", "attacked")}

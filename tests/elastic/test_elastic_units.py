@@ -4,6 +4,7 @@ writer of each step."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -310,3 +311,40 @@ def test_a_joiner_that_ends_while_the_launcher_reads_its_stat_has_exited(monkeyp
 
     monkeypatch.setattr(Path, "read_text", ending)
     assert not membership._alive(os.getpid())
+
+
+class _Events:
+    """A store holding what a holder (maybe another host's) wrote as membership events."""
+
+    def __init__(self, values: dict[str, dict]):
+        self.values = {k: json.dumps(v).encode() for k, v in values.items()}
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+
+def test_a_membership_event_is_believed_only_with_its_kinds_fields():
+    from meshlearn.elastic.membership import _event_report
+
+    store = _Events({
+        "ok": {"event": "dp_outlier", "step": 3, "worker": "r1s0", "score": 7.5, "count": 3},
+        "inf": {"event": "dp_outlier", "step": 3, "worker": "r1s0", "score": float("inf"), "count": 3},
+        "who": {"event": "dp_outlier", "step": 3, "worker": "\x1b[2Jeveryone", "score": 7.5, "count": 3},
+        "count": {"event": "dp_outlier", "step": 3, "worker": "r1s0", "score": 7.5, "count": "3"},
+        "unknown": {"event": "promoted", "step": 3},
+        "spectates": {"event": "spectates", "step": 2, "why": "lost r1s1"},
+        "no_why": {"event": "spectates", "step": 2},
+    })
+    assert _event_report(store, "ok")["worker"] == "r1s0"
+    assert _event_report(store, "inf")["score"] == float("inf")
+    for key in ("who", "count", "unknown", "no_why"):
+        assert _event_report(store, key) is None, key
+    assert _event_report(store, "spectates")["why"] == "lost r1s1"
+
+
+def test_a_reason_another_host_wrote_reaches_the_console_as_one_bounded_printable_line():
+    from meshlearn.elastic.membership import SHOWN_CHARS, _shown
+
+    assert _shown("lost r1s1 (timeout)") == "lost r1s1 (timeout)"
+    shown = _shown("a\nmeshlearn: worker r0s0 banned\x1b[31m" + "x" * 1000)
+    assert "\n" not in shown and "\x1b" not in shown and len(shown) == SHOWN_CHARS + 1

@@ -16,7 +16,7 @@ from tiny import tiny_config
 from meshlearn import hooks
 from meshlearn.entry.cli import main
 from meshlearn.train import Trainer
-from meshlearn.train.signals import GracefulStop, LocalStore
+from meshlearn.train.signals import KEY, GracefulStop, LocalStore
 
 ASYNC = ["mesh.stages=4", "mesh.schedule=async", "mesh.microbatches=2", "train.steps=10",
          "train.eval_every=1000", "train.checkpoint_every=0"]
@@ -45,6 +45,27 @@ class CountingStore(LocalStore):
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         self.requests += 1
         return super().compare_set(key, expected, desired)
+
+
+class TCPStoreLike(CountingStore):
+    """A swap of a key the store does not hold returns the value expected (torch's TCPStore)."""
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        assert self.requests < 10, "the same swap asked again and again"
+        if key not in self.data and expected != "":
+            self.requests += 1
+            return expected.encode()
+        return super().compare_set(key, expected, desired)
+
+
+def test_a_guess_at_a_key_the_store_does_not_hold_claims_it_from_empty():
+    """A process whose last-seen claim is not in the store (a store that lost it, or a new one)
+    claims from the empty key: two requests, not a loop that asks the same forever."""
+    store = TCPStoreLike()
+    stop = GracefulStop(store)
+    stop.claimed = 4
+    assert not stop.observe(4, 5)
+    assert stop.claimed == 5 and store.data == {KEY: b"f:5"} and store.requests == 2
 
 
 def test_claiming_the_next_step_at_each_steps_end_is_one_request():

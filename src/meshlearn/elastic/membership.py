@@ -256,7 +256,7 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
         stage (``dp_outlier``: the step, the worker; printed once, whoever saw it first)."""
         base = f"elastic/events/{slot.name}/{slot.generation}"
         for i in range(slot.events, int(prefixed.add(f"{base}/count", 0))):
-            event = _report(prefixed, f"{base}/{i}", {"event": str, "step": int})
+            event = _event_report(prefixed, f"{base}/{i}")
             slot.events = i + 1
             if event is None:  # a holder elsewhere wrote what no worker writes: not believed
                 out.write(f"meshlearn: worker {slot.name}'s event {i} is malformed; ignored\n")
@@ -271,7 +271,7 @@ def watch_elastic(procs: list, store: dist.Store, membership: dict, run_dir: Pat
                           "not evicted\n")
             if event["event"] == "spectates":
                 out.write(f"meshlearn: worker {slot.name} spectates from step {event['step'] + 1} "
-                          f"({event.get('why')}); it stays in its stage's quorum\n")
+                          f"({_shown(event['why'])}); it stays in its stage's quorum\n")
 
     def ended(slot: Slot, code: int, why: str, free: bool = False) -> None:
         """``free``: the coordinator frees a slot held elsewhere (its machine is lost)."""
@@ -391,6 +391,37 @@ def _failure_report(codes: dict[str, int], killed: set[str], run_dir: Path) -> s
         lines.append(f"  last complete checkpoint: {checkpoint} — continue with: "
                      f"meshlearn train --resume {run_dir}")
     return "\n".join(lines)
+
+
+# What each membership event carries beside its kind and step (``ElasticDriver._event``), by type.
+EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "spectates": {"why": str}, "contributes": {}, "relinks": {"row": str, "why": str},
+    "repaired": {"row": str, "partners": list},
+    "dp_outlier": {"worker": str, "score": (int, float), "count": int},
+}
+SHOWN_CHARS = 300  # of a reason another host wrote, at most, on this launcher's console
+
+
+def _event_report(store, key: str) -> dict | None:
+    """A membership event at ``key`` with the fields of its kind (a ``dp_outlier``'s worker a
+    worker of the run's form); None when it is not one."""
+    event = _report(store, key, {"event": str, "step": int})
+    if event is None or event["event"] not in EVENT_FIELDS:
+        return None
+    if not all(isinstance(event.get(k), t) for k, t in EVENT_FIELDS[event["event"]].items()):
+        return None
+    if event["event"] == "dp_outlier":
+        try:
+            WorkerId.parse(event["worker"])
+        except ValueError:
+            return None
+    return event
+
+
+def _shown(text: str) -> str:
+    """Text another host wrote, fit for this console: one line of printable characters, bounded."""
+    line = "".join(c if c.isprintable() else "\ufffd" for c in text)
+    return line if len(line) <= SHOWN_CHARS else line[:SHOWN_CHARS] + "…"
 
 
 def _report(store, key: str, fields: dict[str, type]) -> dict | None:

@@ -162,7 +162,9 @@ class GracefulStop:
             got = self._decode(self.store.compare_set(KEY, current, desired))
             if got == desired:
                 return got
-            current, read = got, True
+            # a TCPStore answers a swap of a key it does not hold with the value expected: the key
+            # is empty then, not ``current`` (else the loop would ask the same forever)
+            current, read = ("" if got == current else got), True
 
     @staticmethod
     def _decode(value: bytes | str) -> str:
