@@ -9,6 +9,7 @@ import math
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 from dist_helpers import deadline, kill_leftovers, launch, launch_and_signal, records, tensors  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
+from meshlearn.dp.attribution import OutlierLedger  # noqa: E402
 from meshlearn.dp.robust import Robust  # noqa: E402
+from meshlearn.elastic.counts import check_counts  # noqa: E402
+from meshlearn.elastic.driver import ElasticDriver  # noqa: E402
+from meshlearn.elastic.quorum import QuorumStep  # noqa: E402
 from meshlearn.elastic.records import ElasticRecords  # noqa: E402
 from meshlearn.elastic.rounds import QuorumExchange, reduce_contributions  # noqa: E402
 from meshlearn.errors import ConfigError  # noqa: E402
@@ -83,6 +88,96 @@ def test_a_quorum_round_with_a_robust_rule_reduces_the_gathered_contributors():
     expected, scores = reduce_contributions(parts, [True] * 3, Robust("median"))
     assert exchange.complete((0, 0)) and torch.equal(exchange.mean((0, 0)), expected)
     assert seen == [([True] * 3, scores)]
+
+
+# --- the counts beside each contribution, checked against the row agreement ------------------------
+
+B = 12
+ROWS3 = ((0,), (1,), (2,))  # P = 1 × D = 3: every replica's row trains, 4 sequences each
+MEMBERS3 = [WorkerId(r, 0) for r in range(3)]
+
+
+def _sent(loss: float = 5.0) -> list[float]:
+    """An honest trainer's counts at P = 1, one microbatch: its loss, one loss, a contribution,
+    its row's share of the batch."""
+    return [loss, 1.0, 1.0, B / 3]
+
+
+@pytest.mark.parametrize("lie", [("sequences", 3, B / 3 + 1), ("NaN sequences", 3, math.nan),
+                                 ("flag", 2, 2.0), ("loss count", 1, 2.0)])
+def test_a_member_whose_counts_the_agreement_contradicts_is_a_liar_and_the_stage_still_says_yes(lie):
+    _, at, value = lie
+    sent = [_sent(4.0), _sent(5.0), _sent(6.0)]
+    sent[1][at] = value
+    checked = check_counts(sent, MEMBERS3, ROWS3, B, 1, last_stage=True)
+    assert checked.liars == [WorkerId(1, 0)] and checked.contributes == [True, False, True]
+    assert checked.whole and checked.loss == 5.0  # the two honest members' median
+
+
+def test_a_spectator_claiming_a_share_or_a_middle_stage_sending_a_loss_is_a_liar():
+    two = [5.0, 1.0, 1.0, B / 2]  # two agreed rows: 6 sequences each
+    spectating = check_counts([two, two, [0.0, 1.0, 1.0, B / 2]], MEMBERS3, ((0,), (1,)), B, 1, True)
+    assert spectating.liars == [WorkerId(2, 0)] and spectating.whole
+    middle = [[0.0, 0.0, 1.0, 4.0], [3.0, 0.0, 1.0, 4.0], [0.0, 0.0, 1.0, 4.0]]
+    checked = check_counts(middle, MEMBERS3, ((0, 0), (1, 1), (2, 2)), B, 1, last_stage=False)
+    assert checked.liars == [WorkerId(1, 0)] and checked.whole and checked.loss is None
+
+
+def test_a_withdrawn_member_is_no_liar_and_its_stage_says_no_a_liars_loss_moves_nothing():
+    """A member of an agreed row that sends no contribution (its partner died mid-step) is honest:
+    the batch is not whole, the step commits nowhere (as before). One member's loss sum cannot
+    move the loss shown past an honest one's: the median of the contributors' means."""
+    withdrawn = check_counts([_sent(), [0.0, 0.0, 0.0, 0.0], _sent()], MEMBERS3, ROWS3, B, 1, True)
+    assert not withdrawn.whole and not withdrawn.liars and withdrawn.contributes == [True, False, True]
+    loud = check_counts([_sent(4.0), _sent(1e9), _sent(6.0)], MEMBERS3, ROWS3, B, 1, True)
+    assert loud.whole and not loud.liars and loud.loss == 6.0
+    missing = check_counts([_sent(), _sent()], MEMBERS3[:2], ROWS3, B, 1, True)  # row 2's member absent
+    assert not missing.whole
+
+
+def _robust_stage(parts: list[torch.Tensor]) -> SimpleNamespace:
+    """The driver's robust reduce of a last stage at P = 1 × D = 3, its gather answering ``parts``."""
+    stub = SimpleNamespace(
+        _gather_round=lambda flat: parts, _contribution=lambda counts: parts[0], me=WorkerId(0, 0),
+        current=QuorumStep(participants=3, quorum_s=0.0), rows=ROWS3, mesh=MeshShape(3, 1),
+        cfg=SimpleNamespace(train=SimpleNamespace(batch_size=B), mesh=SimpleNamespace(microbatches=1)),
+        worker=SimpleNamespace(set_flat_gradients=lambda flat: setattr(stub, "aggregate", flat)),
+        quorum=SimpleNamespace(member_workers=lambda: MEMBERS3), dp_scores={})
+    stub._note_scores = lambda flags, scores: ElasticDriver._note_scores(stub, flags, scores)
+    stub._checked = lambda sent: ElasticDriver._checked(stub, sent)
+    return stub
+
+
+def test_a_member_lying_about_its_counts_under_a_robust_rule_cannot_stop_commits_and_is_reported():
+    """r1s0 sends honest gradients and a sequence count off by one at every step. Summed, its
+    counts made the stage say no at every step, unreported; checked against the agreement, the
+    stage says yes, the rule reduces the two honest members' gradients, r1s0 scores ∞ and the
+    attribution ledger reports it at its third step."""
+    ledger, reports = OutlierLedger(threshold=3.0), []
+    for step in range(3):
+        grads = list(honest(3, seed=step))
+        counts = [_sent(4.0 + r) for r in range(3)]
+        counts[1][3] += 1
+        stub = _robust_stage([torch.cat([g, g.new_tensor(c)]) for g, c in zip(grads, counts, strict=True)])
+        loss = ElasticDriver._reduce_robustly(stub, counts[0], Robust("median"))
+        assert stub.current.mean_ok and loss == 5.0
+        expected, _ = reduce_contributions(grads, [True, False, True], Robust("median"))
+        assert torch.equal(stub.aggregate, expected)
+        assert stub.dp_scores == {"r1s0": math.inf}  # two honest contributors: no majority to score
+        reports += ledger.observe(step, {w: [s] for w, s in stub.dp_scores.items()})
+    assert [(r["worker"], r["step"]) for r in reports] == [("r1s0", 3)]
+
+
+def test_a_quorum_round_leaves_out_the_members_whose_counts_lied():
+    parts = list(honest(3))
+    seen = []
+    exchange = QuorumExchange(WorkerId(0, 0), 3, lambda flat: None,
+                              lambda flat: [torch.cat([p, p.new_tensor([1.0])]) for p in parts],
+                              Robust("median"), lambda f, s: seen.append(f))
+    exchange.left_out = frozenset({1})
+    exchange.share((0, 0), parts[0], 0)
+    expected, _ = reduce_contributions(parts, [True, False, True], Robust("median"))
+    assert torch.equal(exchange.mean((0, 0)), expected) and seen == [[True, False, True]]
 
 
 def test_a_report_of_a_stage_that_is_not_the_last_is_witnessed(tmp_path):

@@ -8,7 +8,9 @@ are the same code):
   step's global batch (``data_plan``); the other live replicas spectate (``Worker.spectate``);
 - the gradients are summed over the quorum (torchft's all-reduce) with two counts beside them,
   contributing replicas and sequences trained: the mean divides by the former, and a stage says
-  yes only if the latter is the whole global batch;
+  yes only if the latter is the whole global batch (with ``dp.robust`` every member's part and
+  counts are gathered, and each member's counts checked against the agreed rows instead:
+  ``elastic/counts.py``);
 - no collective spans the mesh: clipping is per stage at ``train.grad_clip / √P`` (as under
   ``async``), and the step's report is built from this worker's own numbers; the last stages put
   their loss sum and count beside the gradients, so every last stage holds the mean train loss
@@ -43,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -60,6 +63,7 @@ from meshlearn.dp.registry import robust_of
 from meshlearn.dp.robust import Robust
 from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.checkpoints import ElasticCheckpoints
+from meshlearn.elastic.counts import COUNTS, CheckedCounts, check_counts
 from meshlearn.elastic.evictions import Evictions
 from meshlearn.elastic.links import RowLinks, neighbours, row_peer
 from meshlearn.elastic.membership import WRITER_ENV
@@ -376,10 +380,9 @@ class ElasticDriver(Evictions, DistDriver):
         self.dp_scores = {}
         started = time.monotonic()
         counts = [sum(losses), len(losses), float(self.sequences > 0), self.sequences]
-        sq_norm, counts = self._execute_over_quorum(action, u, run, counts)
+        sq_norm, loss = self._execute_over_quorum(action, u, run, counts)
         self.dp_axis.wait_s += time.monotonic() - started
-        loss_sum, loss_count = counts[:2]
-        mean_loss = loss_sum / loss_count if self.current.mean_ok and loss_count > 0 else None
+        mean_loss = loss if self.current.mean_ok else None
         bytes_pp, bytes_dp = self.step_bytes.since(start)
         return StepReport(step=step, losses=[mean_loss] if mean_loss is not None else [],
                           sim_s=None, bytes_pp=bytes_pp, bytes_dp=bytes_dp,
@@ -388,15 +391,18 @@ class ElasticDriver(Evictions, DistDriver):
                           else {})
 
     def _execute_over_quorum(self, action, u: int, run: UpdateRun,
-                             counts: list[float]) -> tuple[float, list[float]]:
-        """Run update ``u`` (``run``) over the quorum; returns (the clip's squared norm, the step's
-        counts summed over the quorum: loss sum, loss count, contributing replicas, sequences).
+                             counts: list[float]) -> tuple[float, float | None]:
+        """Run update ``u`` (``run``) over the quorum with this worker's ``counts`` (loss sum,
+        loss count, contributing, sequences); returns (the clip's squared norm, the stage's train
+        loss: None where no contributor has one).
 
         The counts ride with the gradients' sum (``ReduceGradients``: the mean divides by the
         contributing replicas) or, for a strategy, are a sum of their own before its phases, whose
         rounds are sums over the quorum too (``QuorumExchange``). The stage says yes only if the
         whole global batch was trained by the agreed rows (no sequence of a committed step missing
-        or counted twice). A step that does not commit applies nothing after its ``Commit``;
+        or counted twice). With a robust rule they are gathered instead, each member's checked
+        against the agreement (``elastic/counts.py``): a member that lies about them is left out
+        of the step's reduce and scored ∞. A step that does not commit applies nothing after its ``Commit``;
         what came before is undone: the gradients dropped (``discard_update``) and, for a strategy,
         its state and any optimizer step its rounds followed (``Rollback``). A spectator adds
         zeros to every sum, applies what its peers apply, and forgets what would be its own
@@ -404,18 +410,22 @@ class ElasticDriver(Evictions, DistDriver):
         worker, current, strategy = self.worker, self.current, self.dp_axis.strategy
         trains = self.sequences > 0
         rollback = None
+        loss = None
         if strategy is not None:
             rollback = Rollback(worker, weights=strategy.post_rounds(u))
-            strategy.exchange.contributes = trains
-            summed = torch.tensor(counts, dtype=torch.float64)
-            self._reduce_round(summed)
-            counts = summed.tolist()
-            current.mean_ok = whole_batch(counts[2], counts[3], self.rows, self.cfg.train.batch_size)
+            exchange = strategy.exchange
+            exchange.contributes = trains
+            if exchange.robust.gathers:
+                loss = self._gather_counts(counts)
+            else:
+                summed = torch.tensor(counts, dtype=torch.float64)
+                self._reduce_round(summed)
+                loss = self._summed_counts(summed.tolist(), True)
 
         def reduce(act: ReduceGradients) -> None:
-            nonlocal counts
-            counts = (self._reduce_robustly(counts, act.rule) if act.rule.gathers
-                      else self._reduce_gradients(counts))
+            nonlocal loss
+            loss = (self._reduce_robustly(counts, act.rule) if act.rule.gathers
+                    else self._reduce_gradients(counts))
 
         step = action.microbatch // self.cfg.mesh.microbatches
         outcome = drive(run, {ReduceGradients: reduce, Send: self._no_messages,  # rounds are quorum sums
@@ -431,38 +441,69 @@ class ElasticDriver(Evictions, DistDriver):
                 worker.discard_update(action)
             if rollback is not None:
                 rollback.restore(worker)
-        return outcome.sq_norm, counts
+        return outcome.sq_norm, loss
 
-    def _reduce_gradients(self, counts: list[float]) -> list[float]:
+    def _summed_counts(self, counts: list[float], ok: bool) -> float | None:
+        """The stage's verdict on the counts summed over the quorum (``whole_batch``; ``ok``:
+        whether the sum itself went through) into ``mean_ok``; returns the mean loss."""
+        self.current.mean_ok = ok and whole_batch(counts[2], counts[3], self.rows, self.cfg.train.batch_size)
+        loss_sum, loss_count = counts[:2]
+        return loss_sum / loss_count if loss_count > 0 else None
+
+    def _reduce_gradients(self, counts: list[float]) -> float | None:
         """The gradients' sum over the quorum with the step's counts beside them; the mean divides
-        by the contributing replicas. Returns the summed counts."""
+        by the contributing replicas. Returns the mean loss of the summed counts."""
         flat = self._contribution(counts)
         summed = self._reduce_round(flat)
-        counts = flat[-4:].tolist()
-        batch = self.cfg.train.batch_size
-        self.current.mean_ok = summed and whole_batch(counts[2], counts[3], self.rows, batch)
+        counts = flat[-COUNTS:].tolist()
+        loss = self._summed_counts(counts, summed)
         offset = 0
         for g in self.worker.grads():
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             g.div_(max(counts[2], 1.0))
             offset += g.numel()
-        return counts
+        return loss
 
-    def _reduce_robustly(self, counts: list[float], rule: Robust) -> list[float]:
+    def _reduce_robustly(self, counts: list[float], rule: Robust) -> float | None:
         """``dp.robust``: every member's gradients with the step's counts beside them, gathered
         over the quorum; the rule's aggregate of the contributors' gradients replaces this
-        worker's, the counts are summed. Returns the summed counts."""
+        worker's, a member whose counts the agreement contradicts left out (``_checked``).
+        Returns the stage's train loss."""
         parts = self._gather_round(self._contribution(counts))
         if parts is None:  # a member's contribution did not arrive: the step commits nowhere
             self.current.mean_ok = False
-            return counts
-        counts = torch.stack([p[-4:] for p in parts]).sum(0).tolist()
-        flags = [float(p[-2]) != 0.0 for p in parts]
-        aggregate, scores = reduce_contributions([p[:-4] for p in parts], flags, rule)
-        self._note_scores(flags, scores)
+            return None
+        checked = self._checked([p[-COUNTS:] for p in parts])
+        aggregate, scores = reduce_contributions([p[:-COUNTS] for p in parts], checked.contributes, rule)
+        self._note_scores(checked.contributes, scores)
         self.worker.set_flat_gradients(aggregate)
-        self.current.mean_ok = whole_batch(counts[2], counts[3], self.rows, self.cfg.train.batch_size)
-        return counts
+        return checked.loss
+
+    def _gather_counts(self, counts: list[float]) -> float | None:
+        """A strategy's step under a robust rule: the counts gathered (not summed) and checked
+        (``_checked``) before its rounds, which leave a liar out (``QuorumExchange.left_out``).
+        Returns the stage's train loss."""
+        parts = self._gather_round(torch.tensor(counts, dtype=torch.float64))
+        exchange = self.dp_axis.strategy.exchange
+        if parts is None:  # a member's counts did not arrive: the step commits nowhere
+            self.current.mean_ok = False
+            exchange.left_out = frozenset()
+            return None
+        checked = self._checked(parts)
+        exchange.left_out = frozenset(i for i, c in enumerate(checked.contributes) if not c)
+        return checked.loss
+
+    def _checked(self, sent: list[torch.Tensor]) -> CheckedCounts:
+        """The members' gathered counts against the agreed rows (``check_counts``): the stage's
+        verdict into ``mean_ok``, each liar scored ∞ (reported as a DP outlier once marked in
+        enough steps, ``dp/attribution.py``)."""
+        checked = check_counts([c.tolist() for c in sent], self.quorum.member_workers(), self.rows,
+                               self.cfg.train.batch_size, self.cfg.mesh.microbatches,
+                               self.me.stage == self.mesh.stages - 1)
+        self.current.mean_ok = checked.whole
+        for wid in checked.liars:
+            self.dp_scores[str(wid)] = math.inf
+        return checked
 
     def _contribution(self, counts: list[float]) -> torch.Tensor:
         """What this worker adds to its stage's reduce: its flattened gradients as they leave it

@@ -50,7 +50,7 @@ def reduce_contributions(parts: list[torch.Tensor], flags: list[bool], rule: Rob
 class QuorumExchange(Exchange):
     """``share`` sums (part, flag) over the quorum through ``reduce`` (in place); ``mean`` is the
     sum over the contributors. With a robust ``rule`` it gathers them through ``gather`` instead
-    and ``mean`` is the rule's aggregate of the contributors' parts; ``scored`` gets the
+    and ``mean`` is the rule's aggregate of the contributors' parts (less ``left_out``); ``scored`` gets the
     contributors' outlier scores (replica order) of each round. No message ever travels: ``share``
     returns none."""
 
@@ -61,6 +61,9 @@ class QuorumExchange(Exchange):
         super().__init__(me, replicas, rule)
         self.reduce, self.gather, self.on_scores = reduce, gather, scored
         self.contributes = True  # set by the driver per step: False while spectating
+        # with a rule, set by the driver per step: the members (gather order) whose part no round
+        # reduces, their counts contradicting the row agreement (``elastic/counts.py``)
+        self.left_out: frozenset[int] = frozenset()
         self.means: dict[Key, torch.Tensor] = {}
 
     def share(self, key: Key, values: torch.Tensor, version: int) -> list[Message]:
@@ -80,7 +83,7 @@ class QuorumExchange(Exchange):
         parts = self.gather(flat)
         if parts is None:
             return flat[:-1]
-        flags = [float(p[-1]) != 0.0 for p in parts]
+        flags = [float(p[-1]) != 0.0 and i not in self.left_out for i, p in enumerate(parts)]
         aggregate, scores = reduce_contributions([p[:-1] for p in parts], flags, self.robust)
         if self.on_scores is not None:
             self.on_scores(flags, scores)
