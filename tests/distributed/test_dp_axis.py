@@ -28,7 +28,7 @@ def _axis(replicas: int, collectives, links: DPLinks | None = None):
     got: dict = {}
     worker = SimpleNamespace(id=me, mesh=mesh, dp=None, n_params=3, flat_gradients=lambda: torch.ones(3),
                              set_flat_gradients=lambda flat: got.__setitem__("flat", flat),
-                             note_dp_score=lambda step, score: got.__setitem__("score", (step, score)))
+                             note_dp_score=lambda step, scores: got.__setitem__("scores", (step, scores)))
     network = build_network(LinkProfile(bandwidth_mbit=8.0, latency_ms=50.0), LinksConfig(), mesh, seed=0)
     timeline = TimelineRecorder(frozenset({0}), "wall")
     ring_next = WorkerId(1, 0) if replicas > 1 else None
@@ -50,13 +50,14 @@ def test_the_stage_mean_is_the_sum_over_replicas_and_the_ring_s_bytes_are_counte
     assert len(timeline.events) == 1 and axis.strategy is None and axis.summary(_refuse) == {}
 
 
-def test_a_robust_rule_gathers_notes_this_replica_s_score_and_counts_a_copy_to_each_peer():
+def test_a_robust_rule_gathers_notes_every_replica_s_score_and_counts_a_copy_to_each_peer():
+    """Every replica's score, not its own only: the stage's rows vote each worker's (``voted_scores``)."""
     reduced = torch.full((3,), 0.5)
     scores = [7.0, 1.0, 2.0]  # in replica order
     collectives = SimpleNamespace(framed=False, stage_reduce=lambda flat, rule, what: (reduced, scores))
     axis, network, timeline, got = _axis(3, collectives)
     axis.reduce_gradients(0, ReduceGradients(Robust("median"), None))
-    assert got["flat"] is reduced and got["score"] == (0, 7.0)
+    assert got["flat"] is reduced and got["scores"] == (0, [7.0, 1.0, 2.0])
     assert [network.link(WorkerId(0, 0), WorkerId(r, 0)).bytes_sent for r in (1, 2)] == [12, 12]
     assert [(e["dst"], e["what"]) for e in timeline.events] == [("r1s0", "allgather"), ("r2s0", "allgather")]
 

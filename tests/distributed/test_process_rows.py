@@ -22,7 +22,7 @@ def test_every_process_s_row_gives_the_report_and_the_last_step_s_link_table():
     theirs = [ProcessRow(losses={0: 2.0, 1: 4.0}, busy_s=3.0, links=[(0.0, 0.0), (500.0, 0.25), (0.0, 0.0)]),
               ProcessRow(losses={1: 6.0}, busy_s=5.0, links=[(0.0, 0.0), (700.0, 0.5), (0.0, 0.0)])]
     rows = ProcessRows(mesh, network, [(me, up), (me, None), (me, None)], M,
-                       lambda values: torch.stack([values, torch.stack([r.pack(M, 3) for r in theirs])]))
+                       lambda values: torch.stack([values, torch.stack([r.pack(M, 3, 1) for r in theirs])]))
     own = [rows.own(StepStats(), bytes_pp=1000, bytes_dp=0, busy_s=busy, dp_wait_s=0.0, sq_norm=1.0)
            for busy in (1.0, 2.0)]
     assert own[0].links == [(1000, 0.001), (0.0, 0.0), (0.0, 0.0)] and own[0].sq_norm == 1.0

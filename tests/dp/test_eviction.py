@@ -3,6 +3,7 @@ within the same budget (``TrustLayer.evict``, ``Ledger.decide``), and carried ou
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -11,6 +12,7 @@ from tiny import tiny_config
 
 from meshlearn.dp.attribution import OutlierLedger
 from meshlearn.entry.plugins import register_builtin_plugins
+from meshlearn.mesh import sim
 from meshlearn.mesh.topology import WorkerId
 from meshlearn.report.plugins import scalars
 from meshlearn.report.progress import ProgressLine
@@ -54,6 +56,29 @@ def test_the_dp_attacker_is_evicted_at_its_report_and_replaced(tiny_corpus, tmp_
     [attacker] = summary["trust"]["attackers"]
     assert attacker["ban_step"] == 4 and summary["trust"]["workers"]["fp"] == 0
     assert summary["dp_outlier_reports"] == {"r1s1": 4}
+
+
+def test_the_attacker_s_own_row_saying_no_score_changes_nothing(tiny_corpus, tmp_path, monkeypatch):
+    """Under dist each process writes its own row of a step (``ProcessRow``), so the attacker can
+    write "no score" (``NO_SCORE``) into its own. Its stage's rows vote its score
+    (``mesh/report.voted_scores``): at D = 3 the two honest rows outvote it, so it is reported and
+    evicted at the step it is when its row tells the truth, and every score and loss is the same.
+    The row is doctored where the simulator hands the rows to the report, the function dist's
+    gathered rows go through too (``ProcessRows.report``)."""
+    d3 = ["mesh.replicas=3", "train.batch_size=12", "train.steps=6", *ATTACK]
+    told, _ = run(tiny_corpus, tmp_path / "told", *d3)
+    real = sim.mesh_report
+
+    def lying(step, mesh, rows, *rest):
+        rows[WorkerId(1, 1)] = dataclasses.replace(rows[WorkerId(1, 1)], dp_scores={})
+        return real(step, mesh, rows, *rest)
+
+    monkeypatch.setattr(sim, "mesh_report", lying)
+    lied, _ = run(tiny_corpus, tmp_path / "lied", *d3)
+    reports = of_kind(lied, "dp_outlier")
+    assert [(r["worker"], r["step"], r["evicted"]) for r in reports] == [("r1s1", 4, True)]
+    for kind in ("train", "dp_outlier", "ban"):
+        assert of_kind(lied, kind) == of_kind(told, kind), kind
 
 
 def test_a_clean_run_of_the_same_length_evicts_nobody(tiny_corpus, tmp_path):

@@ -1,7 +1,7 @@
 """Attribution of the message strategies' robust rounds (issue 32): a sparse slice, PowerSGD's P and
 Q factors, a DiLoCo pseudo-gradient (or its factors) are scored as the all-reduce's gradients are
-(``Exchange.mean`` keeps this replica's score, ``DPStrategy.note_score`` reports it with the update
-that merges the round), so a replica that is repeatedly the outlier is reported and evicted."""
+(``Exchange.mean`` keeps every replica's score, ``DPStrategy.note_score`` reports them with the
+update that merges the round), so a replica that is repeatedly the outlier is reported and evicted."""
 
 from __future__ import annotations
 
@@ -48,29 +48,32 @@ def honest(d: int, n: int = 300) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rule", ["trimmed_mean", "median", "centered_clip"])
-def test_each_replica_keeps_its_own_score_and_the_outlier_stands_out(rule):
+def test_each_replica_keeps_every_replica_s_score_the_same_and_the_outlier_stands_out(rule):
+    """Every member's scores, bit for bit alike on each: the stage's rows vote a worker's score."""
     parts = honest(4)
     parts[2] *= -4
-    scores = [ex.scores[(5, 0)] for ex in exchange_round(parts, rule)]
+    kept = [ex.scores[(5, 0)] for ex in exchange_round(parts, rule)]
+    scores = kept[0]
+    assert kept == [scores] * 4 and len(scores) == 4
     assert scores[2] > 10 and max(scores[:2] + scores[3:]) < 3
 
 
 def test_agreeing_contributions_score_zero_and_the_mean_scores_nothing():
     same = honest(1).expand(4, -1).clone()
-    assert [ex.scores[(5, 0)] for ex in exchange_round(same, "median")] == [0.0] * 4
+    assert [ex.scores[(5, 0)] for ex in exchange_round(same, "median")] == [[0.0] * 4] * 4
     assert all(ex.scores == {} for ex in exchange_round(honest(4), "none"))
 
 
 def test_a_score_is_reported_once_with_the_merging_update_and_a_dropped_round_reports_none():
     strategy = DPStrategy(WorkerId(1, 1), 4)
-    strategy.exchange.scores = {(5, 0): 7.5, (6, 0): 1.0}
+    strategy.exchange.scores = {(5, 0): [0.5, 7.5, 0.25, 1.0], (6, 0): [1.0] * 4}
     noted = []
-    strategy.scored = lambda u, score: noted.append((u, score))
+    strategy.scored = lambda u, scores: noted.append((u, scores))
     strategy.note_score(8, (5, 0))
     strategy.note_score(8, (5, 0))  # merged once: nothing left to report
     strategy.exchange.expire((6, 0))
     strategy.note_score(9, (6, 0))
-    assert noted == [(8, 7.5)]
+    assert noted == [(8, [0.5, 7.5, 0.25, 1.0])]
 
 
 def test_a_kept_score_travels_in_the_checkpoint():

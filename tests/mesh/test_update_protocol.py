@@ -65,7 +65,7 @@ def replicas_of(name: str, replicas: int = D, **dp) -> list[SimpleNamespace]:
         worker = SimpleNamespace(id=WorkerId(r, 0), mesh=SimpleNamespace(replicas=replicas), module=module,
                                  optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
                                  dp_contribution=lambda key, values: values,
-                                 note_round_score=lambda u, score: None)
+                                 note_round_score=lambda u, scores: None)
         worker.dp = build_strategy(cfg, worker, LinkProfile())
         out.append(worker)
     return out

@@ -160,7 +160,7 @@ class DPAxis:
             flat.div_(replicas)
         self.worker.set_flat_gradients(flat)
         if scores is not None:
-            self.worker.note_dp_score(step, scores[self.me.replica])
+            self.worker.note_dp_score(step, scores)  # every replica's: the rows vote (mesh_report)
         self.wait_s += time.monotonic() - started
 
     def _recording(self, step: int) -> TimelineRecorder | None:

@@ -1,10 +1,12 @@
 """ProcessRows: the dist runtime's step report, built from one row per process.
 
 Each process writes its own row of a step (``mesh/report.py``'s ``ProcessRow``: losses, squared
-norm, busy time, bytes, staleness, and the counters of its link slots), one gather gives every
-process every row, and the report is the simulator's arithmetic over them (``mesh_report``), so
-whichever process writes metrics logs real losses. A flushing schedule gathers a step's rows at
-its update; under ``async`` a worker keeps its rows (``pending``) until the drain point's gather.
+norm, busy time, bytes, staleness, its stage's outlier scores, and the counters of its link
+slots), one gather gives every process every row, and the report is the simulator's arithmetic
+over them (``mesh_report``), so whichever process writes metrics logs real losses, and no process
+reports its own outlier score alone (its stage's rows vote it: ``voted_scores``). A flushing
+schedule gathers a step's rows at its update; under ``async`` a worker keeps its rows
+(``pending``) until the drain point's gather.
 The last step's rows give the summary its link table and idle fraction.
 """
 
@@ -37,7 +39,8 @@ class ProcessRows:
 
     def own(self, stats: StepStats, bytes_pp: int, bytes_dp: int, busy_s: float, dp_wait_s: float,
             sq_norm: float | None = None) -> ProcessRow:
-        """This process's numbers for one step: losses, squared norm, busy time, bytes, staleness, links."""
+        """This process's numbers for one step: losses, squared norm, busy time, bytes, staleness,
+        its stage's outlier scores, links."""
         links = []
         for src, dst in self.slots:
             link = self.network.link(src, dst) if dst is not None else None
@@ -48,9 +51,9 @@ class ProcessRows:
     def gather_steps(self, rows: list[ProcessRow]) -> list[list[ProcessRow]]:
         """This process's rows of some steps → per step, every process's row (by rank); the last
         step's are kept for the summary."""
-        M, slots = self.microbatches, len(self.slots)
-        gathered = self.gather(torch.stack([row.pack(M, slots) for row in rows]))
-        per_step = [[ProcessRow.unpack(gathered[rank, i], M, slots) for rank in range(gathered.shape[0])]
+        M, slots, D = self.microbatches, len(self.slots), self.mesh.replicas
+        gathered = self.gather(torch.stack([row.pack(M, slots, D) for row in rows]))
+        per_step = [[ProcessRow.unpack(gathered[rank, i], M, slots, D) for rank in range(gathered.shape[0])]
                     for i in range(gathered.shape[1])]
         self.last = per_step[-1]
         return per_step

@@ -8,7 +8,9 @@ hold the same scores bit for bit: the built-in all-reduce's gradients, and every
 strategy's round (a sparse slice, PowerSGD's P and Q factors, a DiLoCo pseudo-gradient or its
 factors), whose score is reported with the update that merges the round (``DPStrategy.note_score``;
 an update's score is the largest of its rounds'). The drivers report them per step, each
-worker's per update (``StepReport.dp_scores``); this callback marks an update's score above
+worker's per update (``StepReport.dp_scores``), each the median of what its stage's rows say
+(``mesh/report.voted_scores``: every row carries its stage's scores, so under dist a worker's
+own row cannot hide or raise its score); this callback marks an update's score above
 ``dp.outlier_score`` an outlier and reports a replica marked in ``COUNT``·K of its last
 ``WINDOW``·K scored updates, K the updates per step (1 under a flushing schedule): one
 ``dp_outlier`` record in metrics.jsonl (a console line of its own) and its marks in

@@ -42,8 +42,9 @@ from meshlearn.mesh.topology import WorkerId
 Key = tuple[int, int]  # (the update that started the round, phase or fragment)
 Outgoing = Callable[[Key, torch.Tensor], torch.Tensor]
 """(round key, this replica's flat part) → the part that leaves it (``Worker.dp_contribution``)."""
-Scored = Callable[[int, float], None]
-"""(update u, this replica's outlier score in a robust round merged at u) → attribution."""
+Scored = Callable[[int, list[float]], None]
+"""(update u, the outlier scores of every replica, in replica order, in a robust round merged at
+u) → attribution."""
 
 
 class DPStrategy:
@@ -64,7 +65,7 @@ class DPStrategy:
         # Where this replica's part of a round leaves it (the registry installs the worker's
         # ``dp_contribution``, the seam of ``attack.target = dp``); None: as computed.
         self.outgoing: Outgoing | None = None
-        # Where this replica's outlier score of a robust round goes, with the update that merges
+        # Where the stage's outlier scores of a robust round go, with the update that merges
         # the round (the registry installs the worker's ``note_round_score``); None: nowhere.
         self.scored: Scored | None = None
 
@@ -113,17 +114,18 @@ class DPStrategy:
         return []
 
     def note_score(self, u: int, key: Key) -> None:
-        """Round ``key``'s aggregate is merged at update ``u``: report this replica's outlier score
-        in it (kept by the exchange since the round was reduced; none under the mean) with ``u``.
+        """Round ``key``'s aggregate is merged at update ``u``: report the stage's outlier scores
+        in it (every replica's, kept by the exchange since the round was reduced; none under the
+        mean) with ``u``.
 
         Why at the merge and not when the round completes: a round that runs behind the updates
         (sparse ``delay``, DiLoCo ``overlap``) completes whenever its last part arrives, which
         differs between the simulator and real processes; the update that merges it does not
         (it waits for the round or drops it), so every runtime reports the score with the same
         step, and a checkpoint between completion and merge keeps it (``Exchange.scores``)."""
-        score = self.exchange.scores.pop(key, None)
-        if score is not None and self.scored is not None:
-            self.scored(u, score)
+        scores = self.exchange.scores.pop(key, None)
+        if scores is not None and self.scored is not None:
+            self.scored(u, scores)
 
     def expire(self, key: Key) -> None:
         """Round ``key`` missed its deadline: drop it (late parts of it are ignored)."""
@@ -182,9 +184,9 @@ class Exchange:
     so every replica computes the bitwise same average. Parts are checked before use: a part that
     is missing, not floating point, not finite or shaped unlike this replica's own drops the round.
     ``robust`` (``dp.robust``) replaces the average by a robust aggregate of the same stacked parts
-    and scores each part (``dp/robust.outlier_scores``); this replica's score is kept in ``scores``
-    until its strategy merges the round (``DPStrategy.note_score``): attribution, as the built-in
-    all-reduce's robust reduce is scored.
+    and scores each part (``dp/robust.outlier_scores``); the scores of every part are kept in
+    ``scores`` until its strategy merges the round (``DPStrategy.note_score``): attribution, as
+    the built-in all-reduce's robust reduce is scored.
     """
 
     def __init__(self, me: WorkerId, replicas: int, robust: Robust | None = None):
@@ -195,7 +197,7 @@ class Exchange:
         self.parts: dict[Key, dict[int, torch.Tensor]] = {}
         self.dropped: set[Key] = set()
         self.rejected = 0
-        self.scores: dict[Key, float] = {}  # this replica's outlier score per robust round, until merged
+        self.scores: dict[Key, list[float]] = {}  # every part's outlier score per robust round, until merged
 
     def share(self, key: Key, values: torch.Tensor, version: int) -> list[Message]:
         values = values.detach().reshape(-1)
@@ -237,7 +239,7 @@ class Exchange:
         aggregate, scores = self.robust.reduce_scored(
             torch.stack([parts[r].to(own.dtype) for r in range(self.replicas)]))
         if scores is not None:
-            self.scores[key] = scores[self.me.replica]
+            self.scores[key] = scores
         return aggregate
 
     def expire(self, key: Key) -> None:
@@ -263,9 +265,10 @@ class Exchange:
         self.dropped = {tuple(k) for k in state["dropped"]}
         self.rejected = state["rejected"]
         self.scores = {}
-        for text, score in state.get("scores", {}).items():  # absent: a checkpoint from before scoring
+        for text, scores in state.get("scores", {}).items():  # absent: a checkpoint from before scoring
             a, b = text.split(":")
-            self.scores[(int(a), int(b))] = score
+            if isinstance(scores, list):  # a checkpoint from before the rows voted kept its own only: dropped
+                self.scores[(int(a), int(b))] = scores
 
 
 def round_deadline_s(nbytes: int, profile) -> float:

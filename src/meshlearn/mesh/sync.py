@@ -17,15 +17,16 @@ def average_gradients(group: list[Worker]) -> int:
     Each replica's contribution is its flattened gradients (``Worker.flat_gradients``, where
     ``attack.target = dp`` corrupts), stacked in replica order and reduced with the dist driver's
     own expression, so the result is identical on every replica and in both drivers. Under a
-    robust rule each replica's outlier score is noted with its update's step (attribution).
+    robust rule every replica notes the stage's outlier scores (all of them, as each process
+    of dist does) with its update's step (attribution).
     """
     if len(group) == 1:
         return sum(g.numel() * g.element_size() for g in group[0].grads())
     aggregate, scores = stage_rule(group[0]).reduce_scored(torch.stack([w.flat_gradients() for w in group]))
-    for i, w in enumerate(group):
+    for w in group:
         w.set_flat_gradients(aggregate)
         if scores is not None:
-            w.note_dp_score(w.next_action().microbatch // w.microbatches, scores[i])
+            w.note_dp_score(w.next_action().microbatch // w.microbatches, scores)
     return aggregate.numel() * aggregate.element_size()
 
 

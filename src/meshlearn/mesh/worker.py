@@ -76,7 +76,9 @@ class StepStats:
     losses: dict[int, float] = field(default_factory=dict)  # global microbatch id → loss
     update_sq_norms: list[float] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)  # versions behind, per applied gradient
-    dp_scores: dict[int, float] = field(default_factory=dict)  # update u → its outlier score (dp.robust)
+    dp_scores: dict[int, list[float]] = field(default_factory=dict)
+    """Update u → the outlier scores of its stage's replicas, in replica order (``dp.robust``): every
+    replica computes every member's score, so its row carries them all (``mesh/report.py``)."""
 
 
 class Worker:
@@ -422,20 +424,24 @@ class Worker:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def note_dp_score(self, step: int, score: float, u: int | None = None) -> None:
-        """This worker's outlier score (``dp/robust.outlier_scores``) in a robust reduce of its
-        update ``u`` (default: the coming one, ``version``) of ``step``: reported with the step,
-        per update, for attribution (``dp/attribution.py``). An update's score is the largest of
-        its reduces' (PowerSGD: its P and Q rounds)."""
+    def note_dp_score(self, step: int, scores: list[float], u: int | None = None) -> None:
+        """The outlier scores (``dp/robust.outlier_scores``, in replica order: every replica of the
+        stage, as this worker computed them) of a robust reduce of this worker's update ``u``
+        (default: the coming one, ``version``) of ``step``: reported with the step, per update,
+        for attribution (``dp/attribution.py``). An update's score is the largest of its reduces'
+        (PowerSGD: its P and Q rounds), replica by replica. Why all of them and not its own: a
+        worker's score is then the median over its stage's rows (``mesh_report``), which no
+        minority of the stage can set, the worker itself included."""
         u = self.version if u is None else u
-        scores = self._stats(step).dp_scores
-        scores[u] = max(scores.get(u, score), score)
+        stats = self._stats(step).dp_scores
+        before = stats.get(u, scores)
+        stats[u] = [max(a, b) for a, b in zip(before, scores, strict=True)]
 
-    def note_round_score(self, u: int, score: float) -> None:
-        """This worker's outlier score in a robust round of its DP strategy (a sparse slice,
-        PowerSGD factors, a DiLoCo pseudo-gradient) whose aggregate it merges at update ``u``:
-        reported with that update's step, as the built-in all-reduce's scores are."""
-        self.note_dp_score(u // self.plan.updates_per_step, score, u)
+    def note_round_score(self, u: int, scores: list[float]) -> None:
+        """The stage's outlier scores (replica order) in a robust round of its DP strategy (a sparse
+        slice, PowerSGD factors, a DiLoCo pseudo-gradient) whose aggregate this worker merges at
+        update ``u``: reported with that update's step, as the built-in all-reduce's scores are."""
+        self.note_dp_score(u // self.plan.updates_per_step, scores, u)
 
     def grad_sq_norm(self) -> float:
         if self.cost_only is not None:
