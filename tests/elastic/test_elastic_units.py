@@ -334,12 +334,16 @@ def test_a_membership_event_is_believed_only_with_its_kinds_fields():
         "unknown": {"event": "promoted", "step": 3},
         "spectates": {"event": "spectates", "step": 2, "why": "lost r1s1"},
         "no_why": {"event": "spectates", "step": 2},
+        "repaired": {"event": "repaired", "step": 4, "row": [0, 1], "partners": ["r1s1"]},
+        "relinks": {"event": "relinks", "step": 5, "row": 1, "why": "not every member held its links"},
     })
     assert _event_report(store, "ok")["worker"] == "r1s0"
     assert _event_report(store, "inf")["score"] == float("inf")
     for key in ("who", "count", "unknown", "no_why"):
         assert _event_report(store, key) is None, key
     assert _event_report(store, "spectates")["why"] == "lost r1s1"
+    assert _event_report(store, "repaired")["row"] == [0, 1]  # what ElasticDriver writes: row_label
+    assert _event_report(store, "relinks")["row"] == 1
 
 
 def test_a_reason_another_host_wrote_reaches_the_console_as_one_bounded_printable_line():

@@ -395,8 +395,8 @@ def _failure_report(codes: dict[str, int], killed: set[str], run_dir: Path) -> s
 
 # What each membership event carries beside its kind and step (``ElasticDriver._event``), by type.
 EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "spectates": {"why": str}, "contributes": {}, "relinks": {"row": str, "why": str},
-    "repaired": {"row": str, "partners": list},
+    "spectates": {"why": str}, "contributes": {}, "relinks": {"row": (int, list), "why": str},
+    "repaired": {"row": (int, list), "partners": list},  # a row: its replica, or its assignment
     "dp_outlier": {"worker": str, "score": (int, float), "count": int},
 }
 SHOWN_CHARS = 300  # of a reason another host wrote, at most, on this launcher's console
