@@ -24,6 +24,7 @@ from meshlearn.elastic.binding import (
     interface_of,
     start_lighthouse,
 )
+from meshlearn.elastic.control_quorum import CountingStore
 from meshlearn.elastic.listeners import listening
 from meshlearn.elastic.quorum import CommitVote
 from meshlearn.elastic.records import ElasticRecords
@@ -225,6 +226,30 @@ def test_the_preferred_writer_claims_before_its_vote_so_a_fast_fallback_loses(tm
         ("train", "r0s1"), ("eval", "r0s1")]
     assert not (tmp_path / "other.jsonl").exists()
     assert r0.holds(1) and not r1.holds(1)
+
+
+def test_a_vote_that_heard_the_preferred_writer_leaves_its_records_unclaimed_without_a_request(tmp_path):
+    """r1s1's vote on step 1 received the preferred writer's (r0s1's) verdict, so r0s1 claimed
+    step 1's records before it: r1s1 drops its copies and asks the store nothing (over a WAN that
+    claim was a round trip before its next step). Step 2's vote did not hear r0s1 (it went to the
+    store): r1s1 claims after step 3's quorum, as before."""
+    store = BoundStore("127.0.0.1", 10).store
+    rows = ((0, 0), (1, 1))
+    r0, r1 = (ElasticRecords(CountingStore(store), MeshShape(2, 2), w, lambda: rows, preferred=WorkerId(0, 1))
+              for w in (WorkerId(0, 1), WorkerId(1, 1)))
+    r0.attach(tmp_path / "coordinator.jsonl")
+    r1.attach(tmp_path / "other.jsonl")
+    r0.before_vote(1)
+    heard = (WorkerId(0, 0), WorkerId(1, 0), WorkerId(0, 1), WorkerId(1, 1))
+    r1.after_vote(1, heard)
+    r1.write(1, {"kind": "train", "step": 1, "by": "r1s1"})
+    r1.after_quorum(1)
+    r1.after_vote(2, ())
+    r1.write(2, {"kind": "train", "step": 2, "by": "r1s1"})
+    assert r1.store.requests == 0
+    r1.after_quorum(2)
+    assert r1.store.requests == 1 and r1.holds(2) and not r1.holds(1) and r0.holds(1)
+    assert [r["step"] for r in read_records(tmp_path / "other.jsonl")] == [2]
 
 
 def test_a_row_partners_death_breaks_the_row_and_the_worker_stays(monkeypatch):

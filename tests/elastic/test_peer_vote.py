@@ -49,7 +49,8 @@ class Member:
         self.held = None if row is None else (row, agreed.linked_at[row])  # it links as agreed
         committed = self.vote.decide(step, self.me, MESH.replicas, ok)
         self.log.append({"rows": agreed.rows, "reused": agreed.reused, "committed": committed,
-                         "reuse": self.vote.reuse, "requests": self.store.requests - before})
+                         "reuse": self.vote.reuse, "requests": self.store.requests - before,
+                         "heard": self.vote.heard})
 
 
 def run_all(members: list[Member], body: Callable[[Member], None]) -> None:
@@ -92,6 +93,7 @@ def test_steady_steps_reuse_the_rows_and_vote_with_no_store_request(members):
         assert m.log[0]["requests"] > 0  # the first agreement, and the vote's streams, on the store
         assert [e["requests"] for e in m.log[1:]] == [0] * 4
         assert all(e["rows"] == ((0, 0), (1, 1)) for e in m.log)
+        assert all(sorted(e["heard"]) == sorted(MEMBERS) for e in m.log)  # every verdict received
         assert m.vote.settled_by_store == 0
 
 
@@ -132,6 +134,7 @@ def test_a_member_that_dies_fails_the_step_in_every_stage_through_the_store(memb
     steps(live, 2, 1)
     for m in live:
         assert m.log[2]["committed"] is False and m.log[2]["reuse"] is False
+        assert m.log[2]["heard"] == ()  # the dead member's verdict never came
         assert m.vote.settled_by_store == 1
     assert members[0].store.get("pvote/2/decision") == b"00"
 

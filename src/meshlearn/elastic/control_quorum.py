@@ -404,6 +404,10 @@ class SettlingVote:
         self.quorum.settled(committed)
         return committed
 
+    @property
+    def heard(self) -> tuple[WorkerId, ...]:
+        return self.vote.heard
+
     def close(self) -> None:
         self.vote.close()
 

@@ -508,6 +508,7 @@ class ElasticDriver(Evictions, DistDriver):
         current.stage_commit = self.quorum.should_commit() and current.mean_ok
         self.records.before_vote(step + 1)  # its records: the step after step + 1 steps
         committed = self.vote.decide(step, self.me, current.participants, current.stage_commit)
+        self.records.after_vote(step + 1, self.vote.heard)
         if self.requests is not None:
             current.vote_rows_requests = self.requests() - self.requests_mark
         return committed

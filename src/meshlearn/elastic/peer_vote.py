@@ -129,7 +129,10 @@ class PeerVote:
     streams, in their own thread (so with a store client of its own); ``fallback``: the store's
     vote, for a step whose agreement was not complete (fixed at its deadline: some member may vote
     without being in the group); ``steady``: this member's second bit (the driver's ``steady``);
-    deadlines: ``collective_s`` for a round, ``connect_s`` for connecting the streams."""
+    deadlines: ``collective_s`` for a round, ``connect_s`` for connecting the streams.
+    ``heard``: the members whose verdicts of the last step this member received (all of its group
+    once round 1 completed; none when it went to the store): each did what comes before its verdict
+    (``ElasticRecords.after_vote`` relies on the preferred writer's claim)."""
 
     def __init__(self, store, connector: StreamConnector, mesh: MeshShape, me: WorkerId,
                  fallback: CommitVote, collective_s: float, connect_s: float, steady: Callable[[], bool]):
@@ -141,6 +144,7 @@ class PeerVote:
         self.group: list[int] = []  # the group's ranks, in rank order
         self.mode = "store"  # "peers", "alone" (the group is this member), "store", "broken"
         self.reuse = False
+        self.heard: tuple[WorkerId, ...] = ()
         self.settled_by_store = 0  # steps this member adopted from the store (fallbacks and "store")
 
     def regroup(self, step: int, agreed: Agreed) -> None:
@@ -160,7 +164,8 @@ class PeerVote:
         self.mode = "peers"
 
     def decide(self, step: int, me: WorkerId, participants: int, ok: bool) -> bool:
-        """Whether step ``step`` commits, the same in every process; sets ``reuse``."""
+        """Whether step ``step`` commits, the same in every process; sets ``reuse`` and ``heard``."""
+        self.heard = ()
         if self.mode == "store":
             self.settled_by_store += 1
             self.reuse = False
@@ -207,6 +212,7 @@ class PeerVote:
         known: Outcome | None = None
         try:
             verdicts = framed.all_gather(torch.tensor([float(ok), float(steady)]), self.group)
+            self.heard = tuple(self.mesh.worker(rank) for rank in self.group)
             commit = all(float(v[0]) == 1.0 for v in verdicts)
             known = (commit, commit and all(float(v[1]) == 1.0 for v in verdicts))
             sent = torch.tensor([float(known[0]), float(known[1])])

@@ -82,7 +82,10 @@ class CommitVote:
     """A step commits in every stage or in none: each replica adds its stage's verdict to the run's
     store; the first replica to see every stage's votes (or the deadline pass) fixes the outcome
     with compare-and-set, and everyone adopts it. A stage whose quorum has no replica left cannot
-    vote: the step fails there, and the run stops with the stage's name."""
+    vote: the step fails there, and the run stops with the stage's name. ``heard`` (the members
+    whose verdicts a step's vote received, ``PeerVote``'s): none named, the tallies are counts."""
+
+    heard: tuple[WorkerId, ...] = ()
 
     def __init__(self, store: dist.Store, stages: int, deadline_s: float):
         self.store = store
