@@ -127,6 +127,7 @@ class ElasticDriver(Evictions, DistDriver):
         self.checkpoint_membership = ElasticCheckpoints(progress, self.mesh, self.me, lambda: self.rows,
                                                         self.deadlines.collective_s)
         self.round_bytes = 0  # bytes of the coming update's strategy rounds (their all-reduces)
+        self.speculated: Rollback | None = None  # the state before an update applied unsettled
         if self.dp_axis.strategy is not None:  # a message-based strategy: its rounds are quorum sums
             self.dp_axis.strategy.exchange = QuorumExchange(self.me, self.mesh.replicas, self._reduce_round)
         self.setup_verification(cfg)
@@ -143,6 +144,7 @@ class ElasticDriver(Evictions, DistDriver):
 
     def heal_state(self) -> dict:
         """Called by torchft in a live replica, at the quorum of step ``next_step``."""
+        self._settle()
         return {"worker": self.worker.state_dict(), "step": self.next_step, "busy_s": self.busy_s,
                 "batch_index": self.batch_index}
 
@@ -204,6 +206,8 @@ class ElasticDriver(Evictions, DistDriver):
             self._link_row(link_at, row)
         trains = row is not None and self.linked_at is not None
         reports = super().run_step(step, source) if trains else [self._spectate(step, source)]
+        if self.me.stage == self.mesh.stages - 1 or source.drains_after(step + 1):
+            self._settle()  # the step's record says whether it committed; a drain reads the state
         self.progress.set(f"progress/{self.me}", str(step + 1))
         return reports
 
@@ -393,7 +397,7 @@ class ElasticDriver(Evictions, DistDriver):
         (``reset_local``)."""
         worker, current, strategy = self.worker, self.current, self.dp_axis.strategy
         trains = self.sequences > 0
-        rollback = None
+        rollback = undo = None
         if strategy is not None:
             rollback = Rollback(worker, weights=strategy.post_rounds(u))
             strategy.exchange.contributes = trains
@@ -413,9 +417,13 @@ class ElasticDriver(Evictions, DistDriver):
                 if walk.poll(time.monotonic()) is not None:
                     raise RuntimeError(f"worker {self.me}: a DP round of update {act.u + 1} is still open")
             elif isinstance(act, Commit):
+                undo = self._settled()  # the step before, applied unsettled: undone after this one's
                 current.committed = self._decide(action.microbatch // self.cfg.mesh.microbatches)
                 if not current.committed:
                     break
+                if self.vote.speculative:  # applied now, settled during the next step
+                    self.speculated = rollback or Rollback(worker, weights=False)
+                    self.speculated.keep_weights(worker)
             elif isinstance(act, ClipAndStep):
                 began = time.perf_counter()
                 worker.apply_update(action, act.policy.coefficient(sq_norm), sq_norm)  # the stage's own
@@ -436,7 +444,34 @@ class ElasticDriver(Evictions, DistDriver):
                 worker.discard_update(action)
             if rollback is not None:
                 rollback.restore(worker)
+        if undo is not None:
+            self._undo(undo)
         return sq_norm, counts
+
+    def _settled(self) -> Rollback | None:
+        """Settle the step whose update was applied at its vote's first round (``PeerVote.settle``):
+        the state before that update if the mesh did not commit it after all, else None."""
+        kept, self.speculated = self.speculated, None
+        return kept if self.vote.settle() else None
+
+    def _settle(self) -> None:
+        """Before anything reads this worker's state as committed (the step's record, a drain's
+        evaluation and checkpoint, a heal, the end): settle the last step, undoing its update if it
+        did not commit."""
+        undo = self._settled()
+        if undo is not None:
+            self._undo(undo)
+
+    def _undo(self, kept: Rollback) -> None:
+        """An update applied at its step's first round that did not commit: back to the state
+        before it, exactly (after the next step's own rollback, if it came first: that step
+        commits nowhere); its batch is trained again."""
+        kept.restore(self.worker)
+        self.batch_index -= 1
+        self.uncommitted += 1
+        self.current.committed = False  # the step itself, unless the next one (which did not commit)
+        print(f"meshlearn worker {self.me}: rolled back a step's update, applied before its vote was "
+              f"settled: the mesh did not commit it", file=sys.stderr, flush=True)
 
     def _reduce_gradients(self, counts: list[float]) -> list[float]:
         """The gradients' sum over the quorum with the step's counts beside them; the mean divides
@@ -498,6 +533,7 @@ class ElasticDriver(Evictions, DistDriver):
         the loss, the others return None. A row that has not trained yet has no links, and an
         evicted one sends nothing: it skips evaluation (the step's records' claimant logs its own
         value)."""
+        self._settle()
         if self.linked_at is None or self.leaving is not None:
             return None
         try:
@@ -525,6 +561,7 @@ class ElasticDriver(Evictions, DistDriver):
         through ``checkpoint_membership`` instead)."""
 
     def state(self) -> dict:
+        self._settle()  # settled at the step's end already (a drain): a checkpoint holds settled steps
         return super().state() | {"batch_index": self.batch_index}
 
     def load_state(self, state: dict) -> None:
@@ -532,6 +569,7 @@ class ElasticDriver(Evictions, DistDriver):
         self.batch_index = state["batch_index"]
 
     def close(self) -> None:
+        self._settle()
         self.progress.set(f"elastic/finished/{self.me}/{self.generation}", str(self.next_step + 1))
         with contextlib.suppress(RowBroken):  # a partner died after the last step: nothing to deliver
             self.transport.drain(self.deadlines.message_s)
