@@ -16,9 +16,11 @@ are the same code):
   (``ElasticRecords``);
 - a step commits in every stage or in none (``CommitVote`` on the store; under
   ``elastic.membership = "control"`` ``PeerVote`` over the members' streams, and the rows agreed
-  at one step reused until a change: ``peer_vote.py``); a step that does not commit leaves
-  every worker's weights and optimizer state as they were (``Worker.discard_update``), and its
-  global batch is trained again by the next step (``batch_index`` counts committed steps);
+  at one step reused until a change: ``peer_vote.py``; a steady step's update is applied at the
+  vote's first round and rolled back exactly if its settle, during the next step, says otherwise);
+  a step that does not commit leaves every worker's weights and optimizer state as they were
+  (``Worker.discard_update``), and its global batch is trained again by the next step
+  (``batch_index`` counts committed steps);
 - pipeline links are pair groups of the row's own (``RowLinks``), built at the first step the row
   trains; a worker whose pipeline partner is gone (a closed link, a silent heartbeat, or its row
   missing from a step's agreement) drops the links — a step in flight is abandoned, its work
@@ -454,13 +456,14 @@ class ElasticDriver(Evictions, DistDriver):
         kept, self.speculated = self.speculated, None
         return kept if self.vote.settle() else None
 
-    def _settle(self) -> None:
+    def _settle(self) -> bool:
         """Before anything reads this worker's state as committed (the step's record, a drain's
         evaluation and checkpoint, a heal, the end): settle the last step, undoing its update if it
-        did not commit."""
+        did not commit (then True)."""
         undo = self._settled()
         if undo is not None:
             self._undo(undo)
+        return undo is not None
 
     def _undo(self, kept: Rollback) -> None:
         """An update applied at its step's first round that did not commit: back to the state
@@ -561,7 +564,11 @@ class ElasticDriver(Evictions, DistDriver):
         through ``checkpoint_membership`` instead)."""
 
     def state(self) -> dict:
-        self._settle()  # settled at the step's end already (a drain): a checkpoint holds settled steps
+        """Settled at the step's end already, unless a stop made this drain after it ended: the
+        workers' state is taken before this, so a step undone only now must not be saved."""
+        if self._settle():
+            raise RuntimeError(f"worker {self.me}: the step before this checkpoint did not commit after "
+                               "all (settled after a stop); not saving it: resume from the one before")
         return super().state() | {"batch_index": self.batch_index}
 
     def load_state(self, state: dict) -> None:
