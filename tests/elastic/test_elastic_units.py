@@ -335,3 +335,50 @@ def test_a_joiner_that_ends_while_the_launcher_reads_its_stat_has_exited(monkeyp
 
     monkeypatch.setattr(Path, "read_text", ending)
     assert not membership._alive(os.getpid())
+
+
+def test_an_update_applied_before_its_vote_settled_rolls_back_to_a_never_committed_step(tiny_corpus):
+    """Speculation (``peer_vote.py``): an update applied at its vote's first round, with the state
+    before it kept (``Rollback.keep_weights``), then undone when the store says "no commit", leaves
+    the worker exactly as if the update had been discarded (``Worker.discard_update``): the same
+    weights, optimizer state and plan, and the next committed step gives the same bits."""
+    import copy
+
+    from meshlearn.assemble import build_workers
+    from meshlearn.elastic.rollback import Rollback
+    from meshlearn.mesh.worker import StepWork
+
+    cfg = tiny_config(tiny_corpus, "backend=dist", "mesh.stages=1", "mesh.replicas=1", "model.vocab_size=256")
+    speculating, reference = (build_workers(cfg)[WorkerId(0, 0)] for _ in range(2))
+    reference.module.load_state_dict(speculating.module.state_dict())
+    M, seq = cfg.mesh.microbatches, cfg.model.seq_len
+
+    def train(worker, step: int):
+        tokens = [torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(step * M + m))
+                  for m in range(M)]
+        targets = [t.roll(1, 1) for t in tokens]
+        worker.feed(StepWork(step=step, microbatch_size=2, tokens=tokens, targets=targets))
+        worker.horizon = (step + 1) * M
+        while (action := worker.next_action()).kind != "U":
+            worker.run(action)
+        return action
+
+    def state(worker) -> list[torch.Tensor]:
+        optimizer = worker.optimizer.state_dict()["state"]
+        return [*worker.module.state_dict().values(), *(t for s in optimizer.values() for t in s.values()
+                                                        if isinstance(t, torch.Tensor))]
+
+    for worker in (speculating, reference):
+        worker.apply_update(train(worker, 0), 1.0, 1.0)
+    kept = Rollback(speculating, weights=False)
+    kept.keep_weights(speculating)
+    before = copy.deepcopy(state(speculating))
+    speculating.apply_update(train(speculating, 1), 1.0, 1.0)  # applied, then the store says no
+    assert not all(torch.equal(a, b) for a, b in zip(state(speculating), before, strict=True))
+    kept.restore(speculating)
+    reference.discard_update(train(reference, 1))
+    assert all(torch.equal(a, b) for a, b in zip(state(speculating), state(reference), strict=True))
+    assert speculating.version == reference.version
+    for worker in (speculating, reference):
+        worker.apply_update(train(worker, 2), 1.0, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(state(speculating), state(reference), strict=True))

@@ -120,6 +120,12 @@ class CommitVote:
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
 
+    speculative = False  # a step is decided once, never at a first round (``PeerVote``)
+
+    def settle(self) -> bool:
+        """Nothing to settle: ``decide`` returns the settled outcome."""
+        return False
+
     def close(self) -> None:
         """Nothing to close: the store is the driver's."""
 
