@@ -249,6 +249,7 @@ def test_a_vote_that_heard_the_preferred_writer_leaves_its_records_unclaimed_wit
     assert r1.store.requests == 0
     r1.after_quorum(2)
     assert r1.store.requests == 1 and r1.holds(2) and not r1.holds(1) and r0.holds(1)
+    assert r0.keeps(1) and not r1.keeps(1) and r1.keeps(2)  # r1s1 needs no settled step 1 for a record
     assert [r["step"] for r in read_records(tmp_path / "other.jsonl")] == [2]
 
 

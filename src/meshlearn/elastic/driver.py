@@ -211,7 +211,7 @@ class ElasticDriver(Evictions, DistDriver):
             self._link_row(link_at, row)
         trains = row is not None and self.linked_at is not None
         reports = super().run_step(step, source) if trains else [self._spectate(step, source)]
-        if self.me.stage == self.mesh.stages - 1 or source.drains_after(step + 1):
+        if self.records.keeps(step + 1) or source.drains_after(step + 1):
             self._settle()  # the step's record says whether it committed; a drain reads the state
         self.beacon.report(step + 1)
         return reports

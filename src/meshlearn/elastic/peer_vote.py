@@ -57,8 +57,10 @@ fallen back (a speculating one at its settle, which proposes "no commit" for it 
 ``_settle(then=…)``), so its vote goes through the store with ``00``, and every member's state
 before it is the one before the undone update; the one after agrees rows and records anew. A
 checkpoint holds only settled steps (the driver settles at a drain before anything is saved), and
-a step settled as "no commit" is rolled back before its record is written (a last stage settles
-at its step's end: the next step's first activations reach it one link later anyway).
+a step settled as "no commit" is rolled back before its record is written (a last stage that may
+write it settles at its step's end: the next step's first activations reach it one link later
+anyway; one that knows the records are another's, ``ElasticRecords.keeps``, does not: on three
+machines its settle delayed its row's next step, docs/elastic.md).
 Members of different stages are in one group, so a stage that says no reaches every stage (what
 the store's vote gave, without its polls). A failure costs: the fallback's streams are closed, so
 the next step's vote (whose rows may be reused) finds them closed and goes to the store with "no

@@ -110,6 +110,11 @@ class ElasticRecords:
         for done in sorted(self.pending):
             self._claim(done)
 
+    def keeps(self, done: int) -> bool:
+        """Whether this process may write records of the step after ``done`` steps: a last stage
+        whose claim has not lost (nor been known to lose: ``after_vote``)."""
+        return self.eligible and done not in self.lost
+
     def holds(self, done: int) -> bool:
         """Whether this process wrote the records of the step after ``done`` steps."""
         return done in self.held
