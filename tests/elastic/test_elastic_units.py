@@ -25,7 +25,6 @@ from meshlearn.elastic.binding import (
     interface_of,
     start_lighthouse,
 )
-from meshlearn.elastic.control_quorum import CountingStore
 from meshlearn.elastic.listeners import listening
 from meshlearn.elastic.quorum import CommitVote
 from meshlearn.elastic.records import ElasticRecords
@@ -229,31 +228,6 @@ def test_the_preferred_writer_claims_before_its_vote_so_a_fast_fallback_loses(tm
     assert r0.holds(1) and not r1.holds(1)
 
 
-def test_a_vote_that_heard_the_preferred_writer_leaves_its_records_unclaimed_without_a_request(tmp_path):
-    """r1s1's vote on step 1 received the preferred writer's (r0s1's) verdict, so r0s1 claimed
-    step 1's records before it: r1s1 drops its copies and asks the store nothing (over a WAN that
-    claim was a round trip before its next step). Step 2's vote did not hear r0s1 (it went to the
-    store): r1s1 claims after step 3's quorum, as before."""
-    store = BoundStore("127.0.0.1", 10).store
-    rows = ((0, 0), (1, 1))
-    r0, r1 = (ElasticRecords(CountingStore(store), MeshShape(2, 2), w, lambda: rows, preferred=WorkerId(0, 1))
-              for w in (WorkerId(0, 1), WorkerId(1, 1)))
-    r0.attach(tmp_path / "coordinator.jsonl")
-    r1.attach(tmp_path / "other.jsonl")
-    r0.before_vote(1)
-    heard = (WorkerId(0, 0), WorkerId(1, 0), WorkerId(0, 1), WorkerId(1, 1))
-    r1.after_vote(1, heard)
-    r1.write(1, {"kind": "train", "step": 1, "by": "r1s1"})
-    r1.after_quorum(1)
-    r1.after_vote(2, ())
-    r1.write(2, {"kind": "train", "step": 2, "by": "r1s1"})
-    assert r1.store.requests == 0
-    r1.after_quorum(2)
-    assert r1.store.requests == 1 and r1.holds(2) and not r1.holds(1) and r0.holds(1)
-    assert r0.keeps(1) and not r1.keeps(1) and r1.keeps(2)  # r1s1 needs no settled step 1 for a record
-    assert [r["step"] for r in read_records(tmp_path / "other.jsonl")] == [2]
-
-
 def test_a_row_partners_death_breaks_the_row_and_the_worker_stays(monkeypatch):
     """Elastic: the monitor finds a row partner silent: ``RowBroken`` at the main thread's next
     check, no forced exit, and this worker's own heartbeat goes on (it stays in its stage's
@@ -378,50 +352,3 @@ def test_a_reason_another_host_wrote_reaches_the_console_as_one_bounded_printabl
     assert _shown("lost r1s1 (timeout)") == "lost r1s1 (timeout)"
     shown = _shown("a\nmeshlearn: worker r0s0 banned\x1b[31m" + "x" * 1000)
     assert "\n" not in shown and "\x1b" not in shown and len(shown) == SHOWN_CHARS + 1
-
-
-def test_an_update_applied_before_its_vote_settled_rolls_back_to_a_never_committed_step(tiny_corpus):
-    """Speculation (``peer_vote.py``): an update applied at its vote's first round, with the state
-    before it kept (``Rollback.keep_weights``), then undone when the store says "no commit", leaves
-    the worker exactly as if the update had been discarded (``Worker.discard_update``): the same
-    weights, optimizer state and plan, and the next committed step gives the same bits."""
-    import copy
-
-    from meshlearn.assemble import build_workers
-    from meshlearn.elastic.rollback import Rollback
-    from meshlearn.mesh.worker import StepWork
-
-    cfg = tiny_config(tiny_corpus, "backend=dist", "mesh.stages=1", "mesh.replicas=1", "model.vocab_size=256")
-    speculating, reference = (build_workers(cfg)[WorkerId(0, 0)] for _ in range(2))
-    reference.module.load_state_dict(speculating.module.state_dict())
-    M, seq = cfg.mesh.microbatches, cfg.model.seq_len
-
-    def train(worker, step: int):
-        tokens = [torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(step * M + m))
-                  for m in range(M)]
-        targets = [t.roll(1, 1) for t in tokens]
-        worker.feed(StepWork(step=step, microbatch_size=2, tokens=tokens, targets=targets))
-        worker.horizon = (step + 1) * M
-        while (action := worker.next_action()).kind != "U":
-            worker.run(action)
-        return action
-
-    def state(worker) -> list[torch.Tensor]:
-        optimizer = worker.optimizer.state_dict()["state"]
-        return [*worker.module.state_dict().values(), *(t for s in optimizer.values() for t in s.values()
-                                                        if isinstance(t, torch.Tensor))]
-
-    for worker in (speculating, reference):
-        worker.apply_update(train(worker, 0), 1.0, 1.0)
-    kept = Rollback(speculating, weights=False)
-    kept.keep_weights(speculating)
-    before = copy.deepcopy(state(speculating))
-    speculating.apply_update(train(speculating, 1), 1.0, 1.0)  # applied, then the store says no
-    assert not all(torch.equal(a, b) for a, b in zip(state(speculating), before, strict=True))
-    kept.restore(speculating)
-    reference.discard_update(train(reference, 1))
-    assert all(torch.equal(a, b) for a, b in zip(state(speculating), state(reference), strict=True))
-    assert speculating.version == reference.version
-    for worker in (speculating, reference):
-        worker.apply_update(train(worker, 2), 1.0, 1.0)
-    assert all(torch.equal(a, b) for a, b in zip(state(speculating), state(reference), strict=True))

@@ -199,7 +199,6 @@ class ControlQuorum:
         self.flagged = False  # a contribution of this step's sums flagged a change
         self.sums = 0  # sums this step
         self.committed: bool | None = None  # the vote's outcome of the last step (None: no vote seen)
-        self.kept = False  # the vote says the next step keeps the record (``settled``)
         self.formed = 0  # records this member formed or joined (the slow path taken)
         self.requests: dict[int, str] = {}  # join requests read by the slow path
 
@@ -207,10 +206,10 @@ class ControlQuorum:
 
     def begin(self) -> QuorumStep:
         started, before = time.monotonic(), self.store.requests
-        fast = self.members and (self.kept or (self.committed is True and not self.flagged
-                                               and not self.broken and self.sums > 0))
+        fast = (self.members and self.committed is True and not self.flagged and not self.broken
+                and self.sums > 0)
         intact = self.framed is not None and not self.broken
-        self.broken, self.flagged, self.sums, self.committed, self.kept = False, False, 0, None, False
+        self.broken, self.flagged, self.sums, self.committed = False, False, 0, None
         if not fast:
             if self.joining:
                 self._join()
@@ -256,10 +255,8 @@ class ControlQuorum:
     def should_commit(self) -> bool:
         return not self.broken
 
-    def settled(self, committed: bool, kept: bool = False) -> None:
-        """The vote's outcome of the step; ``kept``: the next step takes the fast path whatever
-        this member saw (it commits nowhere; the one after forms a record)."""
-        self.committed, self.kept = committed, kept
+    def settled(self, committed: bool) -> None:
+        self.committed = committed
 
     def unchanged(self) -> bool:
         """Whether the next step may keep this record, as far as this member knows after its sums:
@@ -397,28 +394,15 @@ class ControlQuorum:
 
 class SettlingVote:
     """The commit vote, telling the quorum its outcome (every process adopts the same one: the
-    fast path's condition; ``kept``: the next step keeps the record whatever it saw, as every
-    process does after such an outcome, ``peer_vote.py``). Otherwise the vote it wraps as it is
-    (``PeerVote``)."""
+    fast path's condition). Otherwise the vote it wraps as it is (``PeerVote``)."""
 
     def __init__(self, vote, quorum: ControlQuorum):
         self.vote, self.quorum = vote, quorum
 
-    @property
-    def speculative(self) -> bool:
-        return self.vote.speculative
-
-    def settle(self) -> bool:
-        return self.vote.settle()
-
     def decide(self, step: int, me: WorkerId, participants: int, ok: bool) -> bool:
         committed = self.vote.decide(step, me, participants, ok)
-        self.quorum.settled(committed, kept=self.vote.kept)
+        self.quorum.settled(committed)
         return committed
-
-    @property
-    def heard(self) -> tuple[WorkerId, ...]:
-        return self.vote.heard
 
     def close(self) -> None:
         self.vote.close()

@@ -18,11 +18,9 @@ are the same code):
   (``ElasticRecords``);
 - a step commits in every stage or in none (``CommitVote`` on the store; under
   ``elastic.membership = "control"`` ``PeerVote`` over the members' streams, and the rows agreed
-  at one step reused until a change: ``peer_vote.py``; a steady step's update is applied at the
-  vote's first round and rolled back exactly if its settle, during the next step, says otherwise);
-  a step that does not commit leaves every worker's weights and optimizer state as they were
-  (``Worker.discard_update``), and its global batch is trained again by the next step
-  (``batch_index`` counts committed steps);
+  at one step reused until a change: ``peer_vote.py``); a step that does not commit leaves
+  every worker's weights and optimizer state as they were (``Worker.discard_update``), and its
+  global batch is trained again by the next step (``batch_index`` counts committed steps);
 - pipeline links are pair groups of the row's own (``RowLinks``), built at the first step the row
   trains; a worker whose pipeline partner is gone (a closed link, a silent heartbeat, or its row
   missing from a step's agreement) drops the links — a step in flight is abandoned, its work
@@ -133,7 +131,6 @@ class ElasticDriver(Evictions, DistDriver):
         self.checkpoint_membership = ElasticCheckpoints(progress, self.mesh, self.me, lambda: self.rows,
                                                         self.deadlines.collective_s)
         self.dp_scores: dict[str, float] = {}  # the stage's outlier scores in the coming update
-        self.speculated: Rollback | None = None  # the state before an update applied unsettled
         if self.dp_axis.strategy is not None:  # a message-based strategy: its rounds are quorum sums
             # (with dp.robust: gathered, and reduced alike by every member)
             self.dp_axis.strategy.exchange = QuorumExchange(self.me, self.mesh.replicas, self._reduce_round,
@@ -153,7 +150,6 @@ class ElasticDriver(Evictions, DistDriver):
 
     def heal_state(self) -> dict:
         """Called by torchft in a live replica, at the quorum of step ``next_step``."""
-        self._settle()
         return {"worker": self.worker.state_dict(), "step": self.next_step, "busy_s": self.busy_s,
                 "batch_index": self.batch_index}
 
@@ -215,8 +211,6 @@ class ElasticDriver(Evictions, DistDriver):
             self._link_row(link_at, row)
         trains = row is not None and self.linked_at is not None
         reports = super().run_step(step, source) if trains else [self._spectate(step, source)]
-        if self.records.keeps(step + 1) or source.drains_after(step + 1):
-            self._settle()  # the step's record says whether it committed; a drain reads the state
         self.beacon.report(step + 1)
         return reports
 
@@ -415,7 +409,7 @@ class ElasticDriver(Evictions, DistDriver):
         (``reset_local``)."""
         worker, current, strategy = self.worker, self.current, self.dp_axis.strategy
         trains = self.sequences > 0
-        rollback = undo = None
+        rollback = None
         loss = None
         if strategy is not None:
             rollback = Rollback(worker, weights=strategy.post_rounds(u))
@@ -433,18 +427,9 @@ class ElasticDriver(Evictions, DistDriver):
             loss = (self._reduce_robustly(counts, act.rule) if act.rule.gathers
                     else self._reduce_gradients(counts))
 
-        def commit(_act: Commit) -> bool:
-            nonlocal undo
-            undo = self._settled()  # the step before, applied unsettled: undone after this one's
-            committed = self._decide(step)
-            if committed and self.vote.speculative:  # applied now, settled during the next step
-                self.speculated = rollback or Rollback(worker, weights=False)
-                self.speculated.keep_weights(worker)
-            return committed
-
         step = action.microbatch // self.cfg.mesh.microbatches
         outcome = drive(run, {ReduceGradients: reduce, Send: self._no_messages,  # rounds are quorum sums
-                              Commit: commit,
+                              Commit: lambda _act: self._decide(step),
                               Apply: lambda act: self._apply(action, act.coefficient, act.sq_norm)})
         current.committed = outcome.committed
         self.trained_batch = self.batch_index
@@ -456,35 +441,7 @@ class ElasticDriver(Evictions, DistDriver):
                 worker.discard_update(action)
             if rollback is not None:
                 rollback.restore(worker)
-        if undo is not None:
-            self._undo(undo)
         return outcome.sq_norm, loss
-
-    def _settled(self) -> Rollback | None:
-        """Settle the step whose update was applied at its vote's first round (``PeerVote.settle``):
-        the state before that update if the mesh did not commit it after all, else None."""
-        kept, self.speculated = self.speculated, None
-        return kept if self.vote.settle() else None
-
-    def _settle(self) -> bool:
-        """Before anything reads this worker's state as committed (the step's record, a drain's
-        evaluation and checkpoint, a heal, the end): settle the last step, undoing its update if it
-        did not commit (then True)."""
-        undo = self._settled()
-        if undo is not None:
-            self._undo(undo)
-        return undo is not None
-
-    def _undo(self, kept: Rollback) -> None:
-        """An update applied at its step's first round that did not commit: back to the state
-        before it, exactly (after the next step's own rollback, if it came first: that step
-        commits nowhere); its batch is trained again."""
-        kept.restore(self.worker)
-        self.batch_index -= 1
-        self.uncommitted += 1
-        self.current.committed = False  # the step itself, unless the next one (which did not commit)
-        print(f"meshlearn worker {self.me}: rolled back a step's update, applied before its vote was "
-              f"settled: the mesh did not commit it", file=sys.stderr, flush=True)
 
     def _summed_counts(self, counts: list[float], ok: bool) -> float | None:
         """The stage's verdict on the counts summed over the quorum (``whole_batch``; ``ok``:
@@ -592,7 +549,6 @@ class ElasticDriver(Evictions, DistDriver):
         current.stage_commit = self.quorum.should_commit() and current.mean_ok
         self.records.before_vote(step + 1)  # its records: the step after step + 1 steps
         committed = self.vote.decide(step, self.me, current.participants, current.stage_commit)
-        self.records.after_vote(step + 1, self.vote.heard)
         if self.requests is not None:
             current.vote_rows_requests = self.requests() - self.requests_mark
         return committed
@@ -623,7 +579,6 @@ class ElasticDriver(Evictions, DistDriver):
         the loss, the others return None. A row that has not trained yet has no links, and an
         evicted one sends nothing: it skips evaluation (the step's records' claimant logs its own
         value)."""
-        self._settle()
         if self.linked_at is None or self.leaving is not None:
             return None
         try:
@@ -646,11 +601,6 @@ class ElasticDriver(Evictions, DistDriver):
         through ``checkpoint_membership`` instead)."""
 
     def state(self) -> dict:
-        """Settled at the step's end already, unless a stop made this drain after it ended: the
-        workers' state is taken before this, so a step undone only now must not be saved."""
-        if self._settle():
-            raise RuntimeError(f"worker {self.me}: the step before this checkpoint did not commit after "
-                               "all (settled after a stop); not saving it: resume from the one before")
         return super().state() | {"batch_index": self.batch_index}
 
     def load_state(self, state: dict) -> None:
@@ -658,7 +608,6 @@ class ElasticDriver(Evictions, DistDriver):
         self.batch_index = state["batch_index"]
 
     def close(self) -> None:
-        self._settle()
         self.beacon.close(self.deadlines.collective_s)  # its last step before it says it finished
         self.progress.set(f"elastic/finished/{self.me}/{self.generation}", str(self.next_step + 1))
         with contextlib.suppress(RowBroken):  # a partner died after the last step: nothing to deliver

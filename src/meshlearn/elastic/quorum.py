@@ -82,10 +82,7 @@ class CommitVote:
     """A step commits in every stage or in none: each replica adds its stage's verdict to the run's
     store; the first replica to see every stage's votes (or the deadline pass) fixes the outcome
     with compare-and-set, and everyone adopts it. A stage whose quorum has no replica left cannot
-    vote: the step fails there, and the run stops with the stage's name. ``heard`` (the members
-    whose verdicts a step's vote received, ``PeerVote``'s): none named, the tallies are counts."""
-
-    heard: tuple[WorkerId, ...] = ()
+    vote: the step fails there, and the run stops with the stage's name."""
 
     def __init__(self, store: dist.Store, stages: int, deadline_s: float):
         self.store = store
@@ -119,12 +116,6 @@ class CommitVote:
                 return self._fix(key, "0")
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
-
-    speculative = False  # a step is decided once, never at a first round (``PeerVote``)
-
-    def settle(self) -> bool:
-        """Nothing to settle: ``decide`` returns the settled outcome."""
-        return False
 
     def close(self) -> None:
         """Nothing to close: the store is the driver's."""

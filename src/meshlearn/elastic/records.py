@@ -13,11 +13,6 @@ with compare-and-set on ``records/{done}``, and only the claimant appends them t
 - every other last stage keeps its records of the step; after the next step's quorum has formed
   (``after_quorum``) — or at the end of the run (``close``) — it claims them if nobody has: the
   preferred writer died (or was left out of that quorum) before it claimed. The first claim wins.
-  Unless its vote on the step received the preferred writer's verdict (``after_vote``): that
-  writer claimed before its verdict left, so this claim would lose; it is not made, and the records
-  are dropped. A steady step then asks the store nothing for its records outside the preferred
-  writer (over a WAN, a claim from a machine away from the store was one round trip before the
-  next step's pipeline: 81 ms of a 0.39 s step on three machines, docs/elastic.md).
 
 Why the preferred claims before its verdict: another last stage claims only after its own vote on
 the step has ended, and that vote waits for every member's verdict, the preferred writer's too; so
@@ -91,15 +86,6 @@ class ElasticRecords:
         if self.eligible and self.path is not None and done not in self.held | self.lost and self._prefers():
             self._claim(done)
 
-    def after_vote(self, done: int, heard: tuple[WorkerId, ...]) -> None:
-        """The vote on the step whose records come after ``done`` steps has ended, having received
-        the verdicts of ``heard``: if the preferred writer is among them (not this process), it
-        claimed them before its verdict left (``before_vote``), so they are not this process's."""
-        writer = self._writer()
-        if self.eligible and writer != self.me and writer in heard and done not in self.held:
-            self.pending.pop(done, None)
-            self.lost.add(done)
-
     def after_quorum(self, step: int) -> None:
         """Step ``step`` (0-based) has its quorum: the records of the steps before it that nobody
         claimed are this process's to write, if it claims them first."""
@@ -110,25 +96,15 @@ class ElasticRecords:
         for done in sorted(self.pending):
             self._claim(done)
 
-    def keeps(self, done: int) -> bool:
-        """Whether this process may write records of the step after ``done`` steps: a last stage
-        whose claim has not lost (nor been known to lose: ``after_vote``)."""
-        return self.eligible and done not in self.lost
-
     def holds(self, done: int) -> bool:
         """Whether this process wrote the records of the step after ``done`` steps."""
         return done in self.held
 
     def _prefers(self) -> bool:
         """Whether this process is the preferred writer of the step the rows trained."""
-        return self.me == self._writer()
-
-    def _writer(self) -> WorkerId | None:
-        """The preferred writer of the step the rows trained: ``preferred``, else the first row's
-        last stage."""
         rows = self.rows()
         first = WorkerId(rows[0][-1], self.me.stage) if rows else None  # the first row's last stage
-        return self.preferred or first
+        return self.me == (self.preferred or first)
 
     def _claim(self, done: int) -> None:
         records = self.pending.pop(done, [])

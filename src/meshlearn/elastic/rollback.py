@@ -8,11 +8,6 @@ averaging's pending rounds, at ``post_step``, whose values follow the optimizer 
 updates (``DPStrategy.post_rounds``) the optimizer steps before the decision and the weights,
 optimizer state (and spectral anchors) are kept here too. ``restore`` puts them back; the worker's
 version and plan move on as after ``Worker.discard_update``.
-
-Under the peer vote an update may also be applied before its step is settled (``peer_vote.py``,
-speculation): the copy then holds the weights too (``keep_weights``), taken before the update
-changed them, and ``restore`` after the next step's own rollback puts back exactly the state
-before the speculative update: weights, optimizer state, spectral anchors and the strategy's.
 """
 
 from __future__ import annotations
@@ -29,12 +24,6 @@ class Rollback:
         self.dp = copy.deepcopy(worker.dp.state_dict())
         self.weights = None
         if weights:
-            self.keep_weights(worker)
-
-    def keep_weights(self, worker: Worker) -> None:
-        """Also the module, optimizer and spectral anchors, as they are now (before the update
-        changes them); kept once."""
-        if self.weights is None:
             self.weights = {"module": {k: v.clone() for k, v in worker.module.state_dict().items()},
                             "optimizer": copy.deepcopy(worker.optimizer.state_dict()),
                             "spectral": (copy.deepcopy(worker.spectral.state_dict())
