@@ -54,8 +54,10 @@ def _start_again(run: Path, monkeypatch, capsys, *argv: str) -> tuple[int, str]:
 def test_an_attacker_is_banned_evicted_and_cannot_rejoin_while_the_others_train_on(tiny_corpus, tmp_path,
                                                                                    monkeypatch, capsys):
     # Steps after the ban (about step 7): the restarts below need the run's store, which goes when
-    # the run ends; with 8 steps one step and an evaluation were all the room they had.
-    steps = 12
+    # the run ends; with 8 steps one step and an evaluation were all the room they had, and with 12
+    # a quiet full suite once saw the run end first (the restart then waited its whole
+    # dist.init_timeout_s for the store: hence also the restart's short timeout).
+    steps = 16
     cfg = tiny_config(tiny_corpus, *VERIFIED, *ATTACK, f"train.steps={steps}")
     run = tmp_path / "run"
     result: dict = {}
@@ -70,7 +72,7 @@ def test_an_attacker_is_banned_evicted_and_cannot_rejoin_while_the_others_train_
             # While the run goes on (its store answers): the banned identity (r1s1, generation 0)
             # starts again, and a joiner.
             again, refused = _start_again(run, monkeypatch, capsys, "--config", str(run / "config.toml"),
-                                          "--out", str(run))
+                                          "--out", str(run), "--set", "dist.init_timeout_s=30")
             join, joined = _start_again(run, monkeypatch, capsys, "--join",
                                         json.loads((run / RUN_FILE).read_text())["store"], "--out", str(run))
             thread.join()
