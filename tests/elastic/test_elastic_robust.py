@@ -22,11 +22,11 @@ from tiny import tiny_config  # noqa: E402
 
 from meshlearn.dp.attribution import OutlierLedger  # noqa: E402
 from meshlearn.dp.robust import Robust  # noqa: E402
-from meshlearn.elastic.counts import check_counts  # noqa: E402
-from meshlearn.elastic.driver import ElasticDriver  # noqa: E402
+from meshlearn.elastic.counts import COUNTS, check_counts  # noqa: E402
 from meshlearn.elastic.quorum import QuorumStep  # noqa: E402
 from meshlearn.elastic.records import ElasticRecords  # noqa: E402
 from meshlearn.elastic.rounds import QuorumExchange, reduce_contributions  # noqa: E402
+from meshlearn.elastic.stage_reduce import StageReduce  # noqa: E402
 from meshlearn.errors import ConfigError  # noqa: E402
 from meshlearn.mesh.topology import MeshShape, WorkerId  # noqa: E402
 from meshlearn.statefile import load_state  # noqa: E402
@@ -135,17 +135,28 @@ def test_a_withdrawn_member_is_no_liar_and_its_stage_says_no_a_liars_loss_moves_
     assert not missing.whole
 
 
-def _robust_stage(parts: list[torch.Tensor]) -> SimpleNamespace:
-    """The driver's robust reduce of a last stage at P = 1 × D = 3, its gather answering ``parts``."""
-    stub = SimpleNamespace(
-        _gather_round=lambda flat: parts, _contribution=lambda counts: parts[0], me=WorkerId(0, 0),
-        current=QuorumStep(participants=3, quorum_s=0.0), rows=ROWS3, mesh=MeshShape(3, 1),
-        cfg=SimpleNamespace(train=SimpleNamespace(batch_size=B), mesh=SimpleNamespace(microbatches=1)),
-        worker=SimpleNamespace(set_flat_gradients=lambda flat: setattr(stub, "aggregate", flat)),
-        quorum=SimpleNamespace(member_workers=lambda: MEMBERS3), dp_scores={})
-    stub._note_scores = lambda flags, scores: ElasticDriver._note_scores(stub, flags, scores)
-    stub._checked = lambda sent: ElasticDriver._checked(stub, sent)
-    return stub
+class _Quorum:
+    """A stage's quorum at P = 1 × D = 3 whose gather answers ``parts``."""
+
+    def __init__(self, parts: list[torch.Tensor]):
+        self.parts = parts
+
+    def member_workers(self) -> list[WorkerId]:
+        return MEMBERS3
+
+    def gather(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return self.parts
+
+
+def _robust_stage(parts: list[torch.Tensor]) -> StageReduce:
+    """The elastic driver's stage reduce of a last stage at P = 1 × D = 3, its gather answering
+    ``parts`` (r0s0's own contribution is ``parts[0]``)."""
+    worker = SimpleNamespace(flat_gradients=lambda: parts[0][:-COUNTS])
+    worker.set_flat_gradients = lambda flat: setattr(worker, "aggregate", flat)
+    stage = StageReduce(worker, _Quorum(parts), SimpleNamespace(hold_gather=lambda *args: None),
+                        WorkerId(0, 0), True, B, 1)
+    stage.begin(QuorumStep(participants=3, quorum_s=0.0), ROWS3, 0, True)
+    return stage
 
 
 def test_a_member_lying_about_its_counts_under_a_robust_rule_cannot_stop_commits_and_is_reported():
@@ -158,13 +169,13 @@ def test_a_member_lying_about_its_counts_under_a_robust_rule_cannot_stop_commits
         grads = list(honest(3, seed=step))
         counts = [_sent(4.0 + r) for r in range(3)]
         counts[1][3] += 1
-        stub = _robust_stage([torch.cat([g, g.new_tensor(c)]) for g, c in zip(grads, counts, strict=True)])
-        loss = ElasticDriver._reduce_robustly(stub, counts[0], Robust("median"))
-        assert stub.current.mean_ok and loss == 5.0
+        stage = _robust_stage([torch.cat([g, g.new_tensor(c)]) for g, c in zip(grads, counts, strict=True)])
+        loss = stage.robustly(counts[0], Robust("median"))
+        assert stage.current.mean_ok and loss == 5.0
         expected, _ = reduce_contributions(grads, [True, False, True], Robust("median"))
-        assert torch.equal(stub.aggregate, expected)
-        assert stub.dp_scores == {"r1s0": math.inf}  # two honest contributors: no majority to score
-        reports += ledger.observe(step, {w: [s] for w, s in stub.dp_scores.items()})
+        assert torch.equal(stage.worker.aggregate, expected)
+        assert stage.scores == {"r1s0": math.inf}  # two honest contributors: no majority to score
+        reports += ledger.observe(step, {w: [s] for w, s in stage.scores.items()})
     assert [(r["worker"], r["step"]) for r in reports] == [("r1s0", 3)]
 
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -60,10 +59,8 @@ from meshlearn.distributed.health import RowBroken, WorkerFailure
 from meshlearn.distributed.shaping import Pacer
 from meshlearn.distributed.transport import Transport
 from meshlearn.dp.registry import robust_of
-from meshlearn.dp.robust import Robust
 from meshlearn.elastic.binding import check_bound
 from meshlearn.elastic.checkpoints import ElasticCheckpoints
-from meshlearn.elastic.counts import COUNTS, CheckedCounts, check_counts
 from meshlearn.elastic.evictions import Evictions
 from meshlearn.elastic.links import RowLinks, neighbours, row_peer
 from meshlearn.elastic.membership import WRITER_ENV
@@ -71,8 +68,8 @@ from meshlearn.elastic.progress import ProgressBeacon
 from meshlearn.elastic.quorum import CommitVote, QuorumStep, StageQuorum
 from meshlearn.elastic.records import ElasticRecords
 from meshlearn.elastic.rollback import Rollback
-from meshlearn.elastic.rounds import QuorumExchange, reduce_contributions
-from meshlearn.elastic.rows import Agreed, Held, Row, RowAgreement, row_label, slot_row, whole_batch
+from meshlearn.elastic.rows import Agreed, Held, Row, RowAgreement, row_label, slot_row
+from meshlearn.elastic.stage_reduce import StageReduce
 from meshlearn.mesh.messages import Message
 from meshlearn.mesh.report import AxisBytes, StepReport, run_summary
 from meshlearn.mesh.topology import WorkerId
@@ -130,12 +127,11 @@ class ElasticDriver(Evictions, DistDriver):
         self.events = 0  # membership events sent to the launcher (``_event``)
         self.checkpoint_membership = ElasticCheckpoints(progress, self.mesh, self.me, lambda: self.rows,
                                                         self.deadlines.collective_s)
-        self.dp_scores: dict[str, float] = {}  # the stage's outlier scores in the coming update
-        if self.dp_axis.strategy is not None:  # a message-based strategy: its rounds are quorum sums
-            # (with dp.robust: gathered, and reduced alike by every member)
-            self.dp_axis.strategy.exchange = QuorumExchange(self.me, self.mesh.replicas, self._reduce_round,
-                                                            self._gather_round, robust_of(cfg.dp),
-                                                            self._note_scores)
+        last = self.me.stage == self.mesh.stages - 1
+        self.reduce = StageReduce(worker, quorum, self.dp_axis, self.me, last, cfg.train.batch_size,
+                                  cfg.mesh.microbatches)
+        if self.dp_axis.strategy is not None:  # a message-based strategy: its rounds are quorum reduces
+            self.dp_axis.strategy.exchange = self.reduce.exchange(self.mesh.replicas, robust_of(cfg.dp))
         self.setup_verification(cfg)
         # A re-paired row links this worker to any replica of its neighbouring stages: a pacer
         # per such destination, each with its own link model (one per destination, as always).
@@ -377,7 +373,7 @@ class ElasticDriver(Evictions, DistDriver):
                            spectator=self.sequences == 0, mesh_wide=False, votes=True,
                            collective_deadline_s=self.deadlines.collective_s)
         losses = list(worker.stats.get(step, StepStats()).losses.values())
-        self.dp_scores = {}
+        self.reduce.begin(self.current, self.rows, self.next_step, self.sequences > 0)
         started = time.monotonic()
         counts = [sum(losses), len(losses), float(self.sequences > 0), self.sequences]
         sq_norm, loss = self._execute_over_quorum(action, u, run, counts)
@@ -387,7 +383,7 @@ class ElasticDriver(Evictions, DistDriver):
         return StepReport(step=step, losses=[mean_loss] if mean_loss is not None else [],
                           sim_s=None, bytes_pp=bytes_pp, bytes_dp=bytes_dp,
                           grad_norm=sq_norm**0.5, staleness=[],
-                          dp_scores={w: [s] for w, s in self.dp_scores.items()} if self.current.committed
+                          dp_scores={w: [s] for w, s in self.reduce.scores.items()} if self.current.committed
                           else {})
 
     def _execute_over_quorum(self, action, u: int, run: UpdateRun,
@@ -413,19 +409,13 @@ class ElasticDriver(Evictions, DistDriver):
         loss = None
         if strategy is not None:
             rollback = Rollback(worker, weights=strategy.post_rounds(u))
-            exchange = strategy.exchange
-            exchange.contributes = trains
-            if exchange.robust.gathers:
-                loss = self._gather_counts(counts)
-            else:
-                summed = torch.tensor(counts, dtype=torch.float64)
-                self._reduce_round(summed)
-                loss = self._summed_counts(summed.tolist(), True)
+            strategy.exchange.contributes = trains
+            loss = self.reduce.strategy_counts(counts, strategy.exchange)
 
         def reduce(act: ReduceGradients) -> None:
             nonlocal loss
-            loss = (self._reduce_robustly(counts, act.rule) if act.rule.gathers
-                    else self._reduce_gradients(counts))
+            stage = self.reduce
+            loss = stage.robustly(counts, act.rule) if act.rule.gathers else stage.gradients(counts)
 
         step = action.microbatch // self.cfg.mesh.microbatches
         outcome = drive(run, {ReduceGradients: reduce, Send: self._no_messages,  # rounds are quorum sums
@@ -442,105 +432,6 @@ class ElasticDriver(Evictions, DistDriver):
             if rollback is not None:
                 rollback.restore(worker)
         return outcome.sq_norm, loss
-
-    def _summed_counts(self, counts: list[float], ok: bool) -> float | None:
-        """The stage's verdict on the counts summed over the quorum (``whole_batch``; ``ok``:
-        whether the sum itself went through) into ``mean_ok``; returns the mean loss."""
-        self.current.mean_ok = ok and whole_batch(counts[2], counts[3], self.rows, self.cfg.train.batch_size)
-        loss_sum, loss_count = counts[:2]
-        return loss_sum / loss_count if loss_count > 0 else None
-
-    def _reduce_gradients(self, counts: list[float]) -> float | None:
-        """The gradients' sum over the quorum with the step's counts beside them; the mean divides
-        by the contributing replicas. Returns the mean loss of the summed counts."""
-        flat = self._contribution(counts)
-        summed = self._reduce_round(flat)
-        counts = flat[-COUNTS:].tolist()
-        loss = self._summed_counts(counts, summed)
-        offset = 0
-        for g in self.worker.grads():
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            g.div_(max(counts[2], 1.0))
-            offset += g.numel()
-        return loss
-
-    def _reduce_robustly(self, counts: list[float], rule: Robust) -> float | None:
-        """``dp.robust``: every member's gradients with the step's counts beside them, gathered
-        over the quorum; the rule's aggregate of the contributors' gradients replaces this
-        worker's, a member whose counts the agreement contradicts left out (``_checked``).
-        Returns the stage's train loss."""
-        parts = self._gather_round(self._contribution(counts))
-        if parts is None:  # a member's contribution did not arrive: the step commits nowhere
-            self.current.mean_ok = False
-            return None
-        checked = self._checked([p[-COUNTS:] for p in parts])
-        aggregate, scores = reduce_contributions([p[:-COUNTS] for p in parts], checked.contributes, rule)
-        self._note_scores(checked.contributes, scores)
-        self.worker.set_flat_gradients(aggregate)
-        return checked.loss
-
-    def _gather_counts(self, counts: list[float]) -> float | None:
-        """A strategy's step under a robust rule: the counts gathered (not summed) and checked
-        (``_checked``) before its rounds, which leave a liar out (``QuorumExchange.left_out``).
-        Returns the stage's train loss."""
-        parts = self._gather_round(torch.tensor(counts, dtype=torch.float64))
-        exchange = self.dp_axis.strategy.exchange
-        if parts is None:  # a member's counts did not arrive: the step commits nowhere
-            self.current.mean_ok = False
-            exchange.left_out = frozenset()
-            return None
-        checked = self._checked(parts)
-        exchange.left_out = frozenset(i for i, c in enumerate(checked.contributes) if not c)
-        return checked.loss
-
-    def _checked(self, sent: list[torch.Tensor]) -> CheckedCounts:
-        """The members' gathered counts against the agreed rows (``check_counts``): the stage's
-        verdict into ``mean_ok``, each liar scored ∞ (reported as a DP outlier once marked in
-        enough steps, ``dp/attribution.py``)."""
-        checked = check_counts([c.tolist() for c in sent], self.quorum.member_workers(), self.rows,
-                               self.cfg.train.batch_size, self.cfg.mesh.microbatches,
-                               self.me.stage == self.mesh.stages - 1)
-        self.current.mean_ok = checked.whole
-        for wid in checked.liars:
-            self.dp_scores[str(wid)] = math.inf
-        return checked
-
-    def _contribution(self, counts: list[float]) -> torch.Tensor:
-        """What this worker adds to its stage's reduce: its flattened gradients as they leave it
-        (``flat_gradients``, the seam of ``attack.target = dp``; a spectator's zeros as they
-        are), then the step's four counts."""
-        worker = self.worker
-        grads = worker.flat_gradients() if self.sequences > 0 else torch.cat(
-            [g.reshape(-1) for g in worker.grads()])
-        return torch.cat([grads, grads.new_tensor(counts)])
-
-    def _gather_round(self, flat: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every member's ``flat`` (a robust rule's round), in replica order (None if a member
-        failed: the step then commits nowhere), held for the all-gather's time on the link model
-        as the fixed driver holds its robust reduce: this worker's N bytes to each other member."""
-        parts = self.quorum.gather(flat)
-        nbytes = flat.numel() * flat.element_size()
-        self.dp_axis.hold_gather(nbytes, self.quorum.member_workers(), self.next_step)
-        return parts
-
-    def _note_scores(self, flags: list[bool], scores: list[float] | None) -> None:
-        """A robust round's outlier scores of its contributors (in replica order, as ``flags``),
-        the same on every member of the stage: each worker's largest of the update is its score
-        of the step (attribution, ``dp/attribution.py``)."""
-        if scores is None:
-            return
-        contributors = [w for w, f in zip(self.quorum.member_workers(), flags, strict=True) if f]
-        for wid, score in zip(contributors, scores, strict=True):
-            name = str(wid)
-            self.dp_scores[name] = max(self.dp_scores.get(name, score), score)
-
-    def _reduce_round(self, flat: torch.Tensor) -> bool:
-        """``flat`` ← its sum over the quorum (garbage if a participant failed: the step then
-        commits nowhere; False then), held for the ring model's time as the fixed driver holds it."""
-        summed = self.quorum.sum(flat)
-        nbytes = flat.numel() * flat.element_size()
-        self.dp_axis.hold_ring(nbytes, self.current.participants, self.next_step)
-        return summed
 
     def _decide(self, step: int) -> bool:
         """This stage's verdict (torchft's, and the whole batch from the agreed rows), then the
